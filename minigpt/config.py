@@ -1,0 +1,220 @@
+"""TrainConfig, the command line that fills it, and the checks that turn a user's mistake into
+one clear line instead of a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict, dataclass, field, fields
+
+
+class UsageError(Exception):
+    """A mistake the user can fix. The trainer prints it as one line and exits with status 2."""
+
+
+# Named model and batch shapes. Explicit flags override them.
+PRESETS: dict[str, dict] = {
+    # The default main job: trains in about two minutes on a 2-core CPU. It is also the shape of
+    # the nanoGPT speed comparison in benchmarks/ (4 layers, 4 heads, 256 wide, block 256, batch 8).
+    "small": dict(n_layers=4, n_heads=4, d_model=256, d_ff=1024, seq_len=256, batch_size=8,
+                  dropout=0.0, lr=1e-3),
+    # GPT-2 small, 124M parameters.
+    "gpt2": dict(n_layers=12, n_heads=12, d_model=768, d_ff=3072, seq_len=1024,
+                 max_position_embeddings=1024, batch_size=8, dropout=0.0, lr=6e-4),
+    # Seconds per run: for tests and smoke runs.
+    "tiny": dict(n_layers=2, n_heads=2, d_model=64, d_ff=256, seq_len=64, batch_size=4,
+                 dropout=0.0, lr=1e-3),
+}
+DEFAULT_PRESET = "small"
+TOY_VOCAB_SIZE = 64  # --use-toy-data needs no 50k vocabulary; a small one learns in seconds
+
+
+@dataclass
+class TrainConfig:
+    # model
+    preset: str = DEFAULT_PRESET
+    vocab_size: int | None = None  # None: the tokenizer's, padded to a multiple of 64
+    max_position_embeddings: int | None = None  # None: the preset's, else seq_len
+    n_layers: int = 4
+    n_heads: int = 4
+    d_model: int = 256
+    d_ff: int | None = None  # None: 4 * d_model
+    dropout: float = 0.0
+    use_activation_checkpoint: bool = False
+    # data
+    train_data: list[str] = field(default_factory=list)  # empty: the built-in corpus
+    val_data: list[str] = field(default_factory=list)  # empty: last 10% of the training tokens
+    tokenizer_name: str = "gpt2"
+    use_toy_data: bool = False
+    max_tokens: int | None = None
+    data_seed: int | None = None  # None: --seed
+    seq_len: int = 256
+    # training
+    batch_size: int = 8
+    grad_accum_steps: int = 1
+    num_steps: int = 60  # the default main job: about two minutes on 2 CPU cores
+    lr: float = 1e-3
+    min_lr: float | None = None  # None: lr / 10
+    lr_scheduler: str = "cosine"
+    warmup_steps: int | None = None  # None: 10% of num_steps, at most 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 1337
+    device: str = "auto"
+    amp: bool | None = None  # None: on where the device runs bf16 natively
+    amp_dtype: str = "bf16"
+    compile: bool = False
+    # checkpointing
+    checkpoint_path: str | None = None  # None: <out-dir>/checkpoints/ckpt.pt
+    resume: bool = False
+    save_interval: int = 50
+    # logging
+    log_interval: int = 10
+    eval_interval: int = 20
+    eval_iters: int = 10
+    out_dir: str | None = None  # None: runs/<date-time>
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not a usage block
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser(prog: str = "train_minimal.py") -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description="Train a GPT and see where the time and memory go.",
+                argument_default=argparse.SUPPRESS)  # unset flags fall back to preset/defaults
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", choices=sorted(PRESETS), help=f"model and batch shape (default {DEFAULT_PRESET})")
+    g.add_argument("--vocab-size", type=int, help="default: the tokenizer's, padded to a multiple of 64")
+    g.add_argument("--max-position-embeddings", type=int, help="default: the preset's, else --seq-len")
+    g.add_argument("--n-layers", type=int)
+    g.add_argument("--n-heads", type=int)
+    g.add_argument("--d-model", type=int)
+    g.add_argument("--d-ff", type=int, help="MLP width (default 4 * d_model)")
+    g.add_argument("--dropout", type=float)
+    g.add_argument("--use-activation-checkpoint", action="store_true",
+                   help="recompute each block's activations in backward (less memory, more time)")
+    g = p.add_argument_group("data")
+    g.add_argument("--train-data", nargs="+", metavar="FILE", help="text files (default: built-in corpus)")
+    g.add_argument("--val-data", nargs="+", metavar="FILE", help="default: last 10%% of the training tokens")
+    g.add_argument("--tokenizer-name", help="tiktoken encoding (default gpt2, works offline)")
+    g.add_argument("--use-toy-data", action="store_true", help="synthetic, learnable sequences: a smoke test")
+    g.add_argument("--max-tokens", type=int, help="use at most this many training tokens")
+    g.add_argument("--data-seed", type=int, help="seed of the batch order (default: --seed)")
+    g.add_argument("--seq-len", type=int)
+    g = p.add_argument_group("training")
+    g.add_argument("--batch-size", type=int, help="sequences per micro-batch")
+    g.add_argument("--grad-accum-steps", type=int, help="micro-batches per optimizer step")
+    g.add_argument("--num-steps", type=int, help="optimizer steps (default 60)")
+    g.add_argument("--lr", type=float, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, help="final learning rate (default lr / 10)")
+    g.add_argument("--lr-scheduler", choices=["cosine", "linear", "constant"])
+    g.add_argument("--warmup-steps", type=int, help="linear warm-up (default 10%% of steps, at most 100)")
+    g.add_argument("--weight-decay", type=float, help="AdamW decay on matrices only (default 0.1)")
+    g.add_argument("--grad-clip", type=float, help="max gradient norm, 0 turns clipping off (default 1.0)")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--amp", action=argparse.BooleanOptionalAction,
+                   help="autocast; default on where the device has native bf16. --no-amp: fp32")
+    g.add_argument("--amp-dtype", choices=["bf16", "fp16"], help="fp16 uses a GradScaler (CUDA only)")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--checkpoint-path", help="default <out-dir>/checkpoints/ckpt.pt")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from --checkpoint-path (without --out-dir: the latest run in runs/)")
+    g.add_argument("--save-interval", type=int, help="steps between checkpoints (default 50; and at the end)")
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, help="steps between log lines (default 10)")
+    g.add_argument("--eval-interval", type=int, help="steps between evaluations (default 20; and at the end)")
+    g.add_argument("--eval-iters", type=int, help="validation batches per evaluation (default 10)")
+    g.add_argument("--out-dir", help="run directory (default runs/<date-time>)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """Flags over preset over defaults, then validated. Raises UsageError."""
+    given = vars(build_parser().parse_args(argv))
+    preset = given.get("preset", DEFAULT_PRESET)
+    values = {**PRESETS[preset], **given, "preset": preset}
+    known = {f.name for f in fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in values.items() if k in known})
+    if cfg.d_ff is None:
+        cfg.d_ff = 4 * cfg.d_model
+    if cfg.max_position_embeddings is None:
+        cfg.max_position_embeddings = cfg.seq_len
+    if cfg.min_lr is None:
+        cfg.min_lr = cfg.lr / 10
+    if cfg.warmup_steps is None:
+        # Warm-up that fits the run: a short run would otherwise never reach its peak lr.
+        cfg.warmup_steps = min(100, cfg.num_steps // 10)
+    if cfg.data_seed is None:
+        cfg.data_seed = cfg.seed
+    if cfg.use_toy_data and cfg.vocab_size is None:
+        cfg.vocab_size = TOY_VOCAB_SIZE
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: TrainConfig) -> None:
+    positive = ["n_layers", "n_heads", "d_model", "d_ff", "seq_len", "batch_size", "grad_accum_steps",
+                "num_steps", "max_position_embeddings", "save_interval", "log_interval",
+                "eval_interval", "eval_iters"]
+    for name in positive + ["vocab_size", "max_tokens"]:
+        value = getattr(cfg, name)
+        if value is not None and value <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if cfg.lr <= 0:
+        raise UsageError(f"--lr must be positive, got {cfg.lr}")
+    if not 0 <= cfg.min_lr <= cfg.lr:
+        raise UsageError(f"--min-lr must be between 0 and --lr ({cfg.lr}), got {cfg.min_lr}")
+    for name in ["warmup_steps", "weight_decay", "grad_clip"]:
+        if getattr(cfg, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must not be negative, got {getattr(cfg, name)}")
+    if not 0 <= cfg.dropout < 1:
+        raise UsageError(f"--dropout must be in [0, 1), got {cfg.dropout}")
+    if cfg.d_model % cfg.n_heads:
+        raise UsageError(f"--d-model ({cfg.d_model}) must be divisible by --n-heads ({cfg.n_heads})")
+    if cfg.seq_len > cfg.max_position_embeddings:
+        raise UsageError(f"--seq-len ({cfg.seq_len}) is larger than --max-position-embeddings "
+                         f"({cfg.max_position_embeddings}); lower --seq-len or raise the other")
+    if cfg.use_toy_data and (cfg.train_data or cfg.val_data):
+        raise UsageError("--use-toy-data generates its own data; drop --train-data/--val-data")
+
+
+def resolve_device(requested: str) -> str:
+    import torch
+
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda, but no CUDA GPU is visible to PyTorch; use --device cpu")
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+def resolve_amp(cfg: TrainConfig, device: str) -> tuple[bool, str, str]:
+    """Decide autocast: (enabled, dtype 'bf16'|'fp16'|'fp32', a note for the log).
+
+    bf16 is the default where the hardware runs it natively; elsewhere autocast would emulate
+    bf16 and run slower than fp32, so we train in fp32 unless --amp insists."""
+    import torch
+
+    if cfg.amp is False:
+        return False, "fp32", "AMP off (--no-amp): training in fp32"
+    if device == "cpu":
+        if cfg.amp_dtype == "fp16":
+            raise UsageError("--amp-dtype fp16 needs CUDA (its GradScaler); use bf16 on the CPU")
+        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        if native:
+            return True, "bf16", "AMP on: bf16 autocast (this CPU has native bf16)"
+        if cfg.amp:
+            return True, "bf16", "AMP on as asked, but this CPU has no native bf16: expect it slower than fp32"
+        return False, "fp32", "AMP off: this CPU has no native bf16 (AVX512-BF16/AMX), so fp32 is faster; --amp forces it"
+    if cfg.amp_dtype == "bf16" and not torch.cuda.is_bf16_supported():
+        if cfg.amp:
+            raise UsageError("this GPU does not support bf16; use --amp-dtype fp16")
+        return True, "fp16", "AMP on: this GPU lacks bf16, using fp16 with a GradScaler"
+    return True, cfg.amp_dtype, f"AMP on: {cfg.amp_dtype} autocast" + (" with a GradScaler" if cfg.amp_dtype == "fp16" else "")

@@ -1,0 +1,141 @@
+"""GPT-2 in plain PyTorch.
+
+Token and learned position embeddings, pre-LayerNorm blocks (causal self-attention through
+``F.scaled_dot_product_attention`` and a GELU MLP), a final LayerNorm and an LM head tied to
+the token embedding. Nothing here knows about profilers or logging: read it on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def pad_vocab(vocab_size: int, multiple: int = 64) -> int:
+    """Round the vocabulary up: matrix sizes that are multiples of 64 run faster (50257 -> 50304)."""
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 50304  # already padded
+    max_position_embeddings: int = 1024
+    n_layers: int = 12
+    n_heads: int = 12
+    d_model: int = 768
+    d_ff: int = 3072
+    dropout: float = 0.0
+    activation_checkpoint: bool = False
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.proj.residual_projection = True  # scaled at init, see GPT._init_weights
+        self.dropout = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        # (B, T, C) -> (B, heads, T, head_dim)
+        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
+        self.proj = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.proj.residual_projection = True
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(self.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # GPT-2: N(0, 0.02) everywhere; projections that write into the residual stream are
+        # scaled by 1/sqrt(2 * n_layers) so the stream's variance does not grow with depth.
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "residual_projection", False):
+                std /= math.sqrt(2 * self.cfg.n_layers)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return (logits, loss); loss is the mean cross-entropy when targets are given."""
+        T = idx.size(1)
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            if self.cfg.activation_checkpoint and self.training:
+                # Keep only the block's input; recompute its insides during backward.
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; the position embeddings are left out by default (they cost no FLOPs)."""
+        n = sum(p.numel() for p in self.parameters())  # the tied head is counted once
+        if non_embedding:
+            n -= self.wpe.weight.numel()
+        return n
+
+
+def flops_per_token(model: GPT, seq_len: int) -> int:
+    """Training FLOPs per token: 6N for the matrix products of forward and backward, plus
+    12 * L * d * T for attention scores and their use (PaLM appendix B; nanoGPT's estimate_mfu)."""
+    c = model.cfg
+    return 6 * model.num_params(non_embedding=True) + 12 * c.n_layers * c.d_model * seq_len

@@ -1,0 +1,35 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# Toy data and a tiny model: each training run in the tests takes a few seconds.
+TINY = ["--use-toy-data", "--preset", "tiny", "--n-layers", "2", "--d-model", "32", "--n-heads", "2",
+        "--seq-len", "16", "--batch-size", "8", "--lr", "1e-2", "--eval-iters", "1"]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _token_cache(tmp_path_factory):
+    """Token files of the tests go to a fresh folder, not the user's ~/.cache."""
+    os.environ["MINIGPT_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+def run_cli(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run train_minimal.py as a user would, in a fresh process."""
+    return subprocess.run([sys.executable, str(ROOT / "train_minimal.py"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout, env=os.environ.copy())

@@ -1,0 +1,125 @@
+"""Every user mistake ends with one line on stderr, exit status 2, no traceback, nothing damaged."""
+
+import hashlib
+
+import pytest
+import torch
+
+import train_minimal
+from conftest import TINY, run_cli
+
+
+def fails(capsys, *args: str) -> str:
+    """Run the trainer in-process; return its single stderr line after checking status 2."""
+    try:
+        status = train_minimal.cli(list(args))
+    except SystemExit as e:  # argparse's own errors
+        status = e.code
+    err = capsys.readouterr().err
+    assert status == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture
+def text(tmp_path):
+    def make(content: str, name: str = "data.txt"):
+        path = tmp_path / name
+        path.write_text(content)
+        return str(path)
+    return make
+
+
+def test_missing_data_file(capsys, tmp_path):
+    out = tmp_path / "run"
+    msg = fails(capsys, "--train-data", str(tmp_path / "nope.txt"), "--out-dir", str(out))
+    assert "nope.txt does not exist" in msg
+    assert not out.exists()  # nothing written for a run that never started
+
+
+def test_empty_data_file(capsys, text, tmp_path):
+    assert "is empty" in fails(capsys, "--train-data", text(""), "--out-dir", str(tmp_path / "r"))
+
+
+def test_too_few_tokens_says_how_many(capsys, text, tmp_path):
+    msg = fails(capsys, "--preset", "tiny", "--train-data", text("Hello world " * 20),
+                "--out-dir", str(tmp_path / "r"))
+    assert "needs at least 65" in msg and "--seq-len 64" in msg
+
+
+def test_too_few_validation_tokens(capsys, text, tmp_path):
+    msg = fails(capsys, "--preset", "tiny", "--train-data", text("Hello world " * 500),
+                "--val-data", text("Hello", "val.txt"), "--out-dir", str(tmp_path / "r"))
+    assert "validation data has 1 tokens" in msg
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--d-model", "100", "--n-heads", "3"], "--d-model (100) must be divisible by --n-heads (3)"),
+    (["--seq-len", "128", "--max-position-embeddings", "64"], "--seq-len (128) is larger than --max-position-embeddings (64)"),
+    (["--batch-size", "0"], "--batch-size must be positive"),
+    (["--num-steps", "-5"], "--num-steps must be positive"),
+    (["--n-layers", "0"], "--n-layers must be positive"),
+    (["--lr", "0"], "--lr must be positive"),
+    (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+    (["--lr", "fast"], "invalid float value: 'fast'"),
+    (["--preset", "huge"], "invalid choice: 'huge'"),
+    (["--amp-dtype", "fp16", "--device", "cpu"], "fp16 needs CUDA"),
+    (["--use-toy-data", "--train-data", "x.txt"], "--use-toy-data generates its own data"),
+])
+def test_bad_flags(capsys, tmp_path, args, expected):
+    assert expected in fails(capsys, *args, "--out-dir", str(tmp_path / "r"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_cuda_without_a_gpu(capsys, tmp_path):
+    assert "no CUDA GPU" in fails(capsys, *TINY, "--device", "cuda", "--out-dir", str(tmp_path / "r"))
+
+
+def test_resume_without_a_checkpoint(capsys, tmp_path):
+    msg = fails(capsys, *TINY, "--resume", "--out-dir", str(tmp_path / "r"))
+    assert "no checkpoint at" in msg and "--resume" in msg
+
+
+@pytest.fixture
+def trained(tmp_path):
+    out = tmp_path / "run"
+    assert train_minimal.cli([*TINY, "--num-steps", "2", "--out-dir", str(out)]) == 0
+    return out
+
+
+def digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupt_checkpoint_is_refused_and_left_alone(capsys, trained, damage):
+    ckpt = trained / "checkpoints" / "ckpt.pt"
+    data = ckpt.read_bytes()
+    ckpt.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"not a checkpoint" * 100)
+    before, log_before = digest(ckpt), (trained / "train.log").read_text()
+    msg = fails(capsys, *TINY, "--num-steps", "4", "--resume", "--out-dir", str(trained))
+    assert "corrupt or truncated" in msg
+    assert digest(ckpt) == before and (trained / "train.log").read_text() == log_before
+
+
+def test_checkpoint_of_another_shape(capsys, trained):
+    msg = fails(capsys, *TINY, "--d-model", "64", "--num-steps", "4", "--resume", "--out-dir", str(trained))
+    assert "different model" in msg and "d_model 32 vs 64" in msg
+
+
+def test_resume_past_the_end(capsys, trained):
+    assert "already past --num-steps 2" in fails(capsys, *TINY, "--num-steps", "2", "--resume", "--out-dir", str(trained))
+
+
+def test_existing_run_is_not_overwritten_without_resume(capsys, trained):
+    before = digest(trained / "checkpoints" / "ckpt.pt")
+    assert "already exists" in fails(capsys, *TINY, "--num-steps", "2", "--out-dir", str(trained))
+    assert digest(trained / "checkpoints" / "ckpt.pt") == before
+
+
+def test_a_real_process_prints_one_line_and_exits_2(tmp_path):
+    r = run_cli("--train-data", str(tmp_path / "missing.txt"), "--out-dir", str(tmp_path / "r"))
+    assert r.returncode == 2
+    assert r.stderr.strip().startswith("error: data file") and len(r.stderr.strip().splitlines()) == 1
+    assert r.stdout == ""

@@ -1,0 +1,98 @@
+import numpy as np
+import pytest
+import torch
+
+from minigpt.config import UsageError
+from minigpt.data import EOT, Batches, ToyBatches, builtin_corpus, get_tokenizer, load_tokens, tokenize_file
+
+
+def test_gpt2_ids_are_exact_and_offline():
+    enc = get_tokenizer("gpt2")
+    assert enc.encode_ordinary("Hello world") == [15496, 995]
+    assert enc.n_vocab == 50257 and enc.eot_token == EOT
+    text = "GPT-2's tokenizer:  it's   “unicode” too 🙂\n"
+    assert enc.decode(enc.encode_ordinary(text)) == text
+
+
+def test_builtin_corpus_is_real_prose():
+    tokens = load_tokens([builtin_corpus()])
+    assert len(tokens) > 100_000
+    assert "the" in get_tokenizer().decode(tokens[:2000].tolist())
+
+
+def test_token_file_is_cached_by_content(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text("one two three")
+    first = tokenize_file(f)
+    again = tokenize_file(f)
+    assert first.filename == again.filename  # same content: the cached file is reused
+    f.write_text("one two three four")
+    edited = tokenize_file(f)
+    assert edited.filename != first.filename
+    assert get_tokenizer().decode(edited.tolist()) == "one two three four"
+
+
+def test_files_are_joined_by_endoftext_and_capped(tmp_path):
+    (tmp_path / "a.txt").write_text("Hello world")
+    (tmp_path / "b.txt").write_text("Hello")
+    tokens = load_tokens([tmp_path / "a.txt", tmp_path / "b.txt"])
+    assert tokens.tolist() == [15496, 995, EOT, 15496]
+    assert load_tokens([tmp_path / "a.txt", tmp_path / "b.txt"], max_tokens=2).tolist() == [15496, 995]
+
+
+def test_windows_shift_by_one_and_are_reproducible():
+    tokens = np.arange(1000, dtype=np.uint16)
+    b = Batches(tokens, batch_size=4, seq_len=8, seed=7)
+    x, y = next(b)
+    assert x.shape == y.shape == (4, 8) and x.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1]) and torch.equal(y - x, torch.ones_like(x))
+    assert int(y.max()) < 1000
+    again = Batches(tokens, batch_size=4, seq_len=8, seed=7)
+    assert torch.equal(next(again)[0], x)
+    # the position alone says where the sequence continues
+    second = next(b)[0]
+    assert torch.equal(next(Batches(tokens, 4, 8, seed=7, position=1))[0], second)
+    assert not torch.equal(next(Batches(tokens, 4, 8, seed=8))[0], x)
+    assert not torch.equal(next(Batches(tokens, 4, 8, seed=7, rank=1))[0], x)
+
+
+def test_windows_reach_both_ends():
+    tokens = np.arange(10, dtype=np.uint16)
+    b = Batches(tokens, batch_size=64, seq_len=8, seed=0)
+    firsts = {int(v) for _ in range(5) for v in next(b)[0][:, 0]}
+    assert firsts == {0, 1}  # 10 tokens hold exactly two windows of 9
+
+
+def test_toy_batches_are_arithmetic_sequences():
+    x, y = next(ToyBatches(vocab_size=50, batch_size=8, seq_len=12, seed=0))
+    stride = (y - x) % 50
+    assert (stride == stride[:, :1]).all() and ((stride >= 1) & (stride <= 4)).all()
+
+
+@pytest.mark.parametrize("content, message", [(None, "does not exist"), ("", "is empty"),
+                                              (b"\xff\xfe\x00", "not UTF-8")])
+def test_bad_files_are_usage_errors(tmp_path, content, message):
+    f = tmp_path / "data.txt"
+    if isinstance(content, str):
+        f.write_text(content)
+    elif content is not None:
+        f.write_bytes(content)
+    with pytest.raises(UsageError, match=message):
+        tokenize_file(f)
+
+
+def test_unreadable_file(tmp_path, monkeypatch):
+    f = tmp_path / "secret.txt"
+    f.write_text("x")
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(type(f), "read_bytes", denied)  # root would read a chmod-0 file anyway
+    with pytest.raises(UsageError, match="cannot read .*Permission denied"):
+        tokenize_file(f)
+
+
+def test_directory_instead_of_file(tmp_path):
+    with pytest.raises(UsageError, match="is a directory"):
+        tokenize_file(tmp_path)

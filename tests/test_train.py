@@ -1,0 +1,168 @@
+"""The trainer end to end, on tiny configurations: what it prints, writes and resumes."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import train_minimal
+from conftest import ROOT, TINY, run_cli
+
+
+def read_metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_toy_run_learns_and_writes_its_run_directory(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train_minimal.cli([*TINY, "--num-steps", "100", "--log-interval", "20", "--out-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"Run directory: {out}" in printed.splitlines()[-1]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [20, 40, 60, 80, 100]
+    assert rows[0]["loss"] > 3.0  # ln(64) = 4.2 at the start
+    assert rows[-1]["loss"] < 0.5 * rows[0]["loss"]
+    assert rows[-1]["val_loss"] is not None and rows[-1]["val_ppl"] == pytest.approx(math.exp(rows[-1]["val_loss"]))
+    assert all(r["tokens_per_s"] > 0 and r["amp"] == "bf16" for r in rows)
+    log = (out / "train.log").read_text()
+    assert "step 100/100" in log and "val ppl" in log and "Training finished" in log
+    config = json.loads((out / "config.json").read_text())
+    assert config["config"]["num_steps"] == 100 and config["versions"]["torch"] == torch.__version__
+    assert config["device"] == "cpu" and config["model"]["vocab_size"] == 64
+    state = torch.load(out / "checkpoints" / "ckpt.pt", weights_only=True)
+    assert state["step"] == 100 and state["data_position"] == 100
+    assert set(state["model"]) >= {"wte.weight", "blocks.0.attn.qkv.weight"}
+
+
+def test_bf16_autocast_on_cpu_trains_in_bf16():
+    from minigpt.model import GPT, GPTConfig
+    model = GPT(GPTConfig(vocab_size=64, max_position_embeddings=16, n_layers=1, n_heads=2, d_model=32, d_ff=64))
+    x = torch.randint(0, 64, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, loss = model(x, x)
+    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32 and torch.isfinite(loss)
+    loss.backward()
+    assert model.wte.weight.grad.dtype == torch.float32  # master weights stay fp32
+
+
+def test_no_amp_trains_in_fp32(tmp_path):
+    out = tmp_path / "run"
+    assert train_minimal.cli([*TINY, "--num-steps", "2", "--no-amp", "--out-dir", str(out)]) == 0
+    assert read_metrics(out)[-1]["amp"] == "fp32"
+    assert "AMP off (--no-amp)" in (out / "train.log").read_text()
+
+
+def test_gradient_accumulation_matches_a_bigger_batch(tmp_path):
+    # 2 micro-batches of 4 from positions (0, 1) vs the same 8 rows at once: same first update.
+    from minigpt.data import ToyBatches
+    from minigpt.model import GPT, GPTConfig
+    batches = ToyBatches(64, 4, 16, seed=0)
+    micro = [next(batches) for _ in range(2)]
+    big = tuple(torch.cat(t) for t in zip(*micro))
+    grads = []
+    for chunks in (micro, [big]):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, max_position_embeddings=16, n_layers=1, n_heads=2, d_model=32, d_ff=64))
+        for x, y in chunks:
+            (model(x, y)[1] / len(chunks)).backward()
+        grads.append(model.wte.weight.grad)
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def stop_during_step(monkeypatch, stop_step: int) -> None:
+    """Send this process SIGTERM while step `stop_step` (1-based) runs, as a scheduler would."""
+    get_lr = train_minimal.get_lr
+
+    def get_lr_then_signal(step, cfg):
+        if step + 1 == stop_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return get_lr(step, cfg)
+
+    monkeypatch.setattr(train_minimal, "get_lr", get_lr_then_signal)
+
+
+@pytest.mark.parametrize("extra", [[], ["--grad-accum-steps", "2"]])
+def test_resume_repeats_the_uninterrupted_losses(tmp_path, monkeypatch, extra):
+    flags = [*TINY, *extra, "--dropout", "0.1", "--log-interval", "1", "--eval-interval", "3", "--num-steps", "8"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert train_minimal.cli([*flags, "--out-dir", str(full)]) == 0
+    with monkeypatch.context() as m:
+        stop_during_step(m, 4)
+        assert train_minimal.cli([*flags, "--out-dir", str(part)]) == 128 + signal.SIGTERM
+    assert train_minimal.cli([*flags, "--out-dir", str(part), "--resume"]) == 0
+    expected = {r["step"]: (r["loss"], r["val_loss"]) for r in read_metrics(full)}
+    resumed = {r["step"]: (r["loss"], r["val_loss"]) for r in read_metrics(part)[4:]}
+    assert list(resumed) == [5, 6, 7, 8]
+    for step, (loss, val_loss) in resumed.items():
+        assert loss == expected[step][0], step  # bit for bit on the CPU
+        if step % 3 == 0 or step == 8:  # evaluated at this step
+            assert val_loss == expected[step][1], step
+    assert "Resumed from" in (part / "train.log").read_text()
+
+
+def test_sigterm_saves_and_exits_with_a_message(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train_minimal.py"), *TINY, "--num-steps", "100000",
+                             "--log-interval", "1", "--out-dir", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "timeout"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "Stopped by SIGTERM" in stdout and "--resume" in stdout
+    state = torch.load(out / "checkpoints" / "ckpt.pt", weights_only=True)
+    assert 0 < state["step"] < 100000
+    assert state["step"] == read_metrics(out)[-1]["step"]
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    flags = [*TINY, "--num-steps", "10", "--save-interval", "3", "--log-interval", "5", "--out-dir", str(out)]
+    calls = {"n": 0}
+    forward = train_minimal.GPT.forward
+
+    def poisoned(self, idx, targets=None):
+        logits, loss = forward(self, idx, targets)
+        calls["n"] += self.training
+        if self.training and calls["n"] == 5:  # the forward of step 5
+            loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(train_minimal.GPT, "forward", poisoned)
+    assert train_minimal.cli(flags) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "at step 5" in err and "left intact" in err
+    state = torch.load(out / "checkpoints" / "ckpt.pt", weights_only=True)
+    assert state["step"] == 3
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+def test_main_job_end_to_end_on_a_short_run(tmp_path):
+    """`python train_minimal.py` as in the README, cut to 3 steps: built-in corpus, default model."""
+    out = tmp_path / "main"
+    r = run_cli("--num-steps", "3", "--log-interval", "1", "--eval-iters", "1", "--out-dir", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "built-in corpus" in r.stdout and "4 layers" in r.stdout
+    rows = read_metrics(out)
+    assert rows[0]["loss"] == pytest.approx(math.log(50257), abs=0.6)  # untrained: about ln(vocab)
+    assert rows[-1]["val_loss"] is not None
+    assert r.stdout.strip().splitlines()[-1].endswith(f"Run directory: {out} (train.log, metrics.jsonl, config.json)")
+
+
+@pytest.mark.slow
+def test_main_job_default_run_learns(tmp_path):
+    """The full default job: loss falls from about ln(vocab) to clearly lower values."""
+    out = tmp_path / "main"
+    r = run_cli("--out-dir", str(out), timeout=900)
+    assert r.returncode == 0, r.stderr
+    rows = read_metrics(out)
+    assert rows[-1]["loss"] < rows[0]["loss"] - 3 and rows[-1]["val_loss"] < 6.5

@@ -1,0 +1,326 @@
+"""
+Train a GPT on real text and see where the time and the memory go.
+
+    python train_minimal.py                                  # built-in corpus, ~2 minutes on 2 CPU cores
+    python train_minimal.py --preset tiny --num-steps 20     # a few seconds
+    python train_minimal.py --use-toy-data --preset tiny     # synthetic task: a smoke test
+    python train_minimal.py --train-data data/train.txt --n-heads 4 --d-model 768 --d-ff 3072 \\
+        --n-layers 12 --seq-len 1024 --batch-size 2 --no-amp --use-activation-checkpoint
+    python train_minimal.py --resume --out-dir runs/RUN      # continue a stopped run
+    python train_minimal.py --help                           # every flag, grouped
+
+The file reads top to bottom: parse flags -> build data, model, optimizer -> train loop -> finish.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import signal
+import sys
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from minigpt.checkpoint import check_same_shape, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from minigpt.config import TrainConfig, UsageError, parse_args, resolve_amp, resolve_device
+from minigpt.data import (Batches, ToyBatches, builtin_corpus, check_enough_tokens, get_tokenizer,
+                          load_tokens, split_train_val)
+from minigpt.metrics import JsonlWriter, format_duration, format_log_line, perplexity, setup_logging
+from minigpt.model import GPT, GPTConfig, pad_vocab
+
+# Every file a run writes, relative to its run directory.
+RUNS_ROOT = Path("runs")
+CONFIG_FILE = "config.json"
+LOG_FILE = "train.log"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINT_FILE = Path("checkpoints") / "ckpt.pt"
+
+
+class NonFiniteLoss(Exception):
+    """The loss became NaN or inf: the run stops rather than train on garbage."""
+
+
+def get_lr(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to cfg.lr, then cosine / linear / constant down to cfg.min_lr."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_scheduler == "constant":
+        return cfg.lr
+    progress = (step - cfg.warmup_steps) / max(1, cfg.num_steps - cfg.warmup_steps)
+    progress = min(progress, 1.0)
+    if cfg.lr_scheduler == "cosine":
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:  # linear
+        decay = 1.0 - progress
+    return cfg.min_lr + decay * (cfg.lr - cfg.min_lr)
+
+
+def configure_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: str) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices (linear weights, embeddings) only, not on biases and
+    LayerNorm gains; the fused kernel on CUDA (one launch instead of one per tensor)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=device == "cuda")
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: Batches, iters: int, device: str, autocast) -> float:
+    """Mean loss over the same `iters` validation batches every time, so evaluations compare."""
+    model.eval()
+    losses = []
+    for _ in range(iters):
+        x, y = (t.to(device, non_blocking=True) for t in next(batches))
+        with autocast:
+            losses.append(model(x, y)[1].float())
+    model.train()
+    return torch.stack(losses).mean().item()
+
+
+def resolve_out_dir(cfg: TrainConfig) -> Path:
+    """The run directory. --resume without --out-dir continues the latest run that has a checkpoint."""
+    if cfg.out_dir:
+        return Path(cfg.out_dir)
+    if cfg.resume and not cfg.checkpoint_path:
+        runs = sorted(p.parent.parent for p in RUNS_ROOT.glob(f"*/{CHECKPOINT_FILE}"))
+        if not runs:
+            raise UsageError(f"--resume: no run in {RUNS_ROOT}/ has a checkpoint; pass --out-dir or --checkpoint-path")
+        return runs[-1]
+    out = RUNS_ROOT / datetime.now().strftime("%Y%m%d-%H%M%S")
+    n = 1
+    while out.exists():  # two runs started in the same second
+        out, n = RUNS_ROOT / f"{datetime.now():%Y%m%d-%H%M%S}-{n}", n + 1
+    return out
+
+
+@contextmanager
+def stop_on_signals():
+    """Yield a list that receives the number of the first SIGINT/SIGTERM; restore the handlers after."""
+    received: list[int] = []
+
+    def handler(signum, frame):
+        received.append(signum)
+        signal.signal(signum, signal.SIG_DFL)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    # ------------------------------------------------------------------ flags
+    cfg = parse_args(argv)
+    device = resolve_device(cfg.device)
+    amp_on, amp_dtype, amp_note = resolve_amp(cfg, device)
+    torch.manual_seed(cfg.seed)
+    out_dir = resolve_out_dir(cfg)
+    ckpt_path = Path(cfg.checkpoint_path) if cfg.checkpoint_path else out_dir / CHECKPOINT_FILE
+    if not cfg.resume and ckpt_path.exists():
+        raise UsageError(f"{ckpt_path} already exists; pass --resume to continue that run, "
+                         "or choose another --out-dir / --checkpoint-path")
+
+    # ------------------------------------------------------------------ data
+    # Everything is read and checked before the run directory is touched: a mistake costs nothing.
+    pin = device == "cuda"  # page-locked batches make the host-to-device copy asynchronous
+    if cfg.use_toy_data:
+        data_name, vocab_size, train_tokens = "toy sequences", cfg.vocab_size, None
+        train_batches = ToyBatches(vocab_size, cfg.batch_size, cfg.seq_len, cfg.data_seed, pin_memory=pin)
+        make_val_batches = lambda: ToyBatches(vocab_size, cfg.batch_size, cfg.seq_len, cfg.data_seed,  # noqa: E731
+                                              stream=1, pin_memory=pin)
+    else:
+        train_files = cfg.train_data or [builtin_corpus()]
+        data_name = ", ".join(map(str, train_files)) if cfg.train_data else "built-in corpus (pydoc_data topics)"
+        tokens = load_tokens(train_files, cfg.tokenizer_name, cfg.max_tokens)
+        if cfg.val_data:
+            train_tokens, val_tokens = tokens, load_tokens(cfg.val_data, cfg.tokenizer_name)
+        else:
+            train_tokens, val_tokens = split_train_val(tokens)
+        check_enough_tokens(train_tokens, cfg.seq_len, "the training data")
+        check_enough_tokens(val_tokens, cfg.seq_len, "the validation data")
+        n_vocab = get_tokenizer(cfg.tokenizer_name).n_vocab
+        if cfg.vocab_size is not None and cfg.vocab_size < n_vocab:
+            raise UsageError(f"--vocab-size {cfg.vocab_size} is smaller than the {cfg.tokenizer_name} "
+                             f"tokenizer's {n_vocab} ids; drop --vocab-size or raise it")
+        vocab_size = cfg.vocab_size or n_vocab
+        train_batches = Batches(train_tokens, cfg.batch_size, cfg.seq_len, cfg.data_seed, pin_memory=pin)
+        make_val_batches = lambda: Batches(val_tokens, cfg.batch_size, cfg.seq_len, cfg.data_seed,  # noqa: E731
+                                           stream=1, pin_memory=pin)
+
+    # ------------------------------------------------------------------ model, optimizer
+    model_cfg = GPTConfig(
+        vocab_size=pad_vocab(vocab_size), max_position_embeddings=cfg.max_position_embeddings,
+        n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_model=cfg.d_model, d_ff=cfg.d_ff,
+        dropout=cfg.dropout, activation_checkpoint=cfg.use_activation_checkpoint,
+    )
+    model = GPT(model_cfg).to(device)
+    optimizer = configure_optimizer(model, cfg, device)
+    # fp16 needs loss scaling (its range is narrow); bf16 has fp32's range and needs none.
+    scaler = torch.amp.GradScaler(device, enabled=amp_dtype == "fp16")
+    autocast = (torch.autocast(device, dtype=torch.bfloat16 if amp_dtype == "bf16" else torch.float16)
+                if amp_on else nullcontext())
+
+    step = 0
+    if cfg.resume:
+        state = load_checkpoint(ckpt_path)
+        check_same_shape(state["model_config"], asdict(model_cfg), ckpt_path)
+        if state["step"] >= cfg.num_steps:
+            raise UsageError(f"checkpoint {ckpt_path} is at step {state['step']}, already past "
+                             f"--num-steps {cfg.num_steps}; raise --num-steps to train further")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        step = state["step"]
+        train_batches.position = state["data_position"]
+        set_rng_state(state["rng"])  # last: building the model above drew from the generators
+    train_model = torch.compile(model) if cfg.compile else model
+
+    # ------------------------------------------------------------------ run directory
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = setup_logging(out_dir / LOG_FILE)
+    metrics_file = JsonlWriter(out_dir / METRICS_FILE)
+    device_name = torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or platform.machine())
+    write_json_atomic(out_dir / CONFIG_FILE, {
+        "config": cfg.to_dict(), "model": asdict(model_cfg), "device": device, "device_name": device_name,
+        "amp": amp_dtype, "params": model.num_params(non_embedding=False),
+        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()},
+    })
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps
+    log.info(f"Training started; run directory {out_dir}")
+    log.info(f"Device: {device} ({device_name}), torch {torch.__version__}; {amp_note}")
+    log.info(f"Data: {data_name}" + ("" if train_tokens is None else
+             f"; {len(train_tokens):,} training tokens, {len(val_tokens):,} validation tokens"))
+    log.info(f"Model: {cfg.n_layers} layers, {cfg.n_heads} heads, d_model {cfg.d_model}, d_ff {cfg.d_ff}, "
+             f"vocab {model_cfg.vocab_size}, {model.num_params(non_embedding=False) / 1e6:.2f}M parameters"
+             + (", activation checkpointing" if cfg.use_activation_checkpoint else ""))
+    log.info(f"Batch: {cfg.batch_size} x {cfg.seq_len} tokens x {cfg.grad_accum_steps} accumulation = "
+             f"{tokens_per_step:,} tokens per step; {cfg.num_steps} steps")
+    log.info(f"Resumed from {ckpt_path} at step {step}" if cfg.resume else "Starting from scratch")
+
+    def checkpoint_state() -> dict:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+                "step": step, "data_position": train_batches.position, "rng": rng_state(),
+                "config": cfg.to_dict(), "model_config": asdict(model_cfg)}
+
+    # ------------------------------------------------------------------ train loop
+    model.train()
+    start_step, t_start = step, time.perf_counter()
+    interval_losses: list[torch.Tensor] = []  # one device scalar per step: no sync until we log
+    interval_time = 0.0
+    last_val: float | None = None
+
+    def check_finite() -> list[float]:
+        """Read the interval's losses (this syncs) and stop at the first non-finite one."""
+        values = torch.stack(interval_losses).tolist()
+        for i, v in enumerate(values):
+            if not math.isfinite(v):
+                bad = step - len(values) + i + 1
+                raise NonFiniteLoss(f"loss is {v} at step {bad}; the last good checkpoint ({ckpt_path}) "
+                                    "was left intact; lower --lr or use --amp-dtype bf16")
+        return values
+
+    # SIGINT / SIGTERM finish the step in flight, save, and leave; a second Ctrl-C kills at once.
+    with stop_on_signals() as stop_signal, metrics_file:
+        while step < cfg.num_steps:
+            t0 = time.perf_counter()
+            step_loss = torch.zeros((), device=device)
+            for _ in range(cfg.grad_accum_steps):
+                x, y = next(train_batches)
+                # data_to_device
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                # forward
+                with autocast:
+                    _, loss = train_model(x, y)
+                    loss = loss / cfg.grad_accum_steps  # the mean over the micro-batches
+                # backward
+                scaler.scale(loss).backward()
+                step_loss += loss.detach()
+            # optimizer_step
+            lr = get_lr(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            if cfg.grad_clip > 0:
+                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            interval_losses.append(step_loss)
+
+            last = step == cfg.num_steps
+            log_now = step % cfg.log_interval == 0 or last or bool(stop_signal)
+            if log_now and device == "cuda":
+                torch.cuda.synchronize()  # the interval's time must include the work still queued
+            interval_time += time.perf_counter() - t0
+
+            if log_now:
+                losses = check_finite()
+                if step % cfg.eval_interval == 0 or last:
+                    last_val = evaluate(model, make_val_batches(), cfg.eval_iters, device, autocast)
+                step_time = interval_time / len(losses)
+                record = {
+                    "step": step, "num_steps": cfg.num_steps, "loss": sum(losses) / len(losses), "lr": lr,
+                    "epoch": 1 + (step * tokens_per_step) // len(train_tokens) if train_tokens is not None else 1,
+                    "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
+                    "val_loss": last_val, "val_ppl": None if last_val is None else perplexity(last_val),
+                    "elapsed_s": time.perf_counter() - t_start, "eta_s": step_time * (cfg.num_steps - step),
+                    "amp": amp_dtype,
+                }
+                log.info(format_log_line(record))
+                metrics_file.write(record)
+                interval_losses, interval_time = [], 0.0
+
+            if step % cfg.save_interval == 0 or last or stop_signal:
+                if interval_losses:
+                    check_finite()
+                if not all(torch.isfinite(p).all() for p in model.parameters()):
+                    raise NonFiniteLoss(f"the weights became non-finite at step {step}; the last good "
+                                        f"checkpoint ({ckpt_path}) was left intact; lower --lr")
+                save_checkpoint(ckpt_path, checkpoint_state())
+            if stop_signal:
+                name = signal.Signals(stop_signal[0]).name
+                log.info(f"Stopped by {name} after step {step}; checkpoint saved to {ckpt_path}. "
+                         f"Continue with: python train_minimal.py --resume --out-dir {out_dir} (and the same flags)")
+                return 128 + stop_signal[0]
+
+    # ------------------------------------------------------------------ finish
+    elapsed = time.perf_counter() - t_start
+    log.info(f"Training finished: {step - start_step} steps in {format_duration(elapsed)}; "
+             f"val loss {last_val:.4f}, val ppl {perplexity(last_val):.1f}")
+    log.info(f"Checkpoint: {ckpt_path}")
+    log.info(f"Run directory: {out_dir} ({LOG_FILE}, {METRICS_FILE}, {CONFIG_FILE})")
+    return 0
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """main() with the user's mistakes turned into one line on stderr and exit status 2."""
+    try:
+        return main(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except NonFiniteLoss as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
