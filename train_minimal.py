@@ -29,11 +29,15 @@ from pathlib import Path
 import torch
 
 from minigpt.checkpoint import check_same_shape, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from minigpt.config import TrainConfig, UsageError, parse_args, resolve_amp, resolve_device
+from minigpt.config import (TrainConfig, UsageError, check_cuda_features, parse_args, profile_ranks,
+                            resolve_amp, resolve_device)
 from minigpt.data import (Batches, ToyBatches, builtin_corpus, check_enough_tokens, get_tokenizer,
                           load_tokens, split_train_val)
-from minigpt.metrics import JsonlWriter, format_duration, format_log_line, perplexity, setup_logging
-from minigpt.model import GPT, GPTConfig, pad_vocab
+from minigpt.instrument import (STEP_RANGE, MemoryHistory, NsysCaptureRange, StageTimer, cuda_memory_report,
+                                has_device_kernels, make_profiler, top_operators)
+from minigpt.metrics import (JsonlWriter, TensorBoardLogger, format_duration, format_log_line, mfu, peak_flops,
+                             perplexity, setup_logging)
+from minigpt.model import GPT, GPTConfig, flops_per_token, pad_vocab
 
 # Every file a run writes, relative to its run directory.
 RUNS_ROOT = Path("runs")
@@ -41,6 +45,11 @@ CONFIG_FILE = "config.json"
 LOG_FILE = "train.log"
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_FILE = Path("checkpoints") / "ckpt.pt"
+TENSORBOARD_DIR = "tb"
+TRACE_DIR = "traces"
+OPS_FILE = "traces/rank{rank}_ops.txt"
+SNAPSHOT_FILE = "snapshots/rank{rank}_snapshot.pickle"
+OOM_SNAPSHOT_FILE = "snapshots/oom_rank{rank}_snapshot.pickle"
 
 
 class NonFiniteLoss(Exception):
@@ -129,7 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     # ------------------------------------------------------------------ flags
     cfg = parse_args(argv)
     device = resolve_device(cfg.device)
+    check_cuda_features(cfg, device)
     amp_on, amp_dtype, amp_note = resolve_amp(cfg, device)
+    rank, world_size = 0, 1
+    ranks = profile_ranks(cfg.profile_ranks, world_size)
+    profiled = ranks is None or rank in ranks  # this rank takes part in --use-profiler / --nsys / history
     torch.manual_seed(cfg.seed)
     out_dir = resolve_out_dir(cfg)
     ckpt_path = Path(cfg.checkpoint_path) if cfg.checkpoint_path else out_dir / CHECKPOINT_FILE
@@ -165,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
                                            stream=1, pin_memory=pin)
 
     # ------------------------------------------------------------------ model, optimizer
+    memory_history = None
+    if cfg.record_memory_history and profiled:  # before the model exists, so its allocations are in it
+        memory_history = MemoryHistory(cfg.memory_history_entries)
+        memory_history.start()
+        memory_history.dump_on_oom(out_dir / OOM_SNAPSHOT_FILE.format(rank=rank))
+    snapshot_path = Path(cfg.memory_snapshot_path or out_dir / SNAPSHOT_FILE.format(rank=rank))
     model_cfg = GPTConfig(
         vocab_size=pad_vocab(vocab_size), max_position_embeddings=cfg.max_position_embeddings,
         n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_model=cfg.d_model, d_ff=cfg.d_ff,
@@ -191,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         train_batches.position = state["data_position"]
         set_rng_state(state["rng"])  # last: building the model above drew from the generators
     train_model = torch.compile(model) if cfg.compile else model
+    model_flops_per_token = flops_per_token(model, cfg.seq_len)
+    peak, peak_source = peak_flops(device, amp_dtype)
 
     # ------------------------------------------------------------------ run directory
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -200,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json_atomic(out_dir / CONFIG_FILE, {
         "config": cfg.to_dict(), "model": asdict(model_cfg), "device": device, "device_name": device_name,
         "amp": amp_dtype, "params": model.num_params(non_embedding=False),
+        "flops_per_token": model_flops_per_token, "peak_flops": peak, "peak_flops_source": peak_source,
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()},
     })
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps
@@ -212,7 +234,37 @@ def main(argv: list[str] | None = None) -> int:
              + (", activation checkpointing" if cfg.use_activation_checkpoint else ""))
     log.info(f"Batch: {cfg.batch_size} x {cfg.seq_len} tokens x {cfg.grad_accum_steps} accumulation = "
              f"{tokens_per_step:,} tokens per step; {cfg.num_steps} steps")
+    log.info(f"MFU peak: {peak / 1e12:.2f} TFLOP/s per device ({peak_source})")
     log.info(f"Resumed from {ckpt_path} at step {step}" if cfg.resume else "Starting from scratch")
+    tensorboard = TensorBoardLogger(out_dir / TENSORBOARD_DIR)
+
+    # ------------------------------------------------------------------ instrumentation
+    timer = StageTimer(device, enabled=cfg.stage_timing)
+    step_times: dict[int, float] = {}  # host seconds of each step, to price the profiler window
+    window = range(cfg.profile_step_start, cfg.profile_step_end)
+
+    def on_profile_window_end(prof) -> None:
+        ops = top_operators(prof, device)
+        ops_path = out_dir / OPS_FILE.format(rank=rank)
+        ops_path.write_text(ops)
+        log.info(f"Profiled steps {window.start}-{window.stop - 1}; top operators (also in {ops_path}):\n{ops}")
+        if device == "cuda" and not has_device_kernels(prof):
+            log.warning("WARNING: the trace holds no CUDA kernel events: CUPTI recorded nothing "
+                        "(check that the CUDA profiling libraries match the driver)")
+        before = [t for s, t in step_times.items() if 2 <= s < window.start - 1]  # not step 1, not warm-up
+        during = [step_times[s] for s in window if s in step_times]
+        if before and during:
+            b, d = sum(before) / len(before), sum(during) / len(during)
+            log.info(f"Profiler cost: {1000 * d:.0f} ms/step profiled vs {1000 * b:.0f} ms/step before "
+                     f"({d / b:.2f}x)")
+        log.info(f"View the trace: tensorboard --logdir {out_dir}, or open {out_dir / TRACE_DIR}/*.json.gz "
+                 "in ui.perfetto.dev, or run python -m minigpt.traces on it")
+
+    profiler = None
+    if cfg.use_profiler and profiled and step < window.start:
+        profiler = make_profiler(out_dir / TRACE_DIR, rank, step + 1, window.start, window.stop, device,
+                                 cfg.profile_with_stack, on_profile_window_end)
+    nsys = NsysCaptureRange(window.start, window.stop) if cfg.nsys and profiled else None
 
     def checkpoint_state() -> dict:
         return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
@@ -237,55 +289,66 @@ def main(argv: list[str] | None = None) -> int:
         return values
 
     # SIGINT / SIGTERM finish the step in flight, save, and leave; a second Ctrl-C kills at once.
-    with stop_on_signals() as stop_signal, metrics_file:
+    with stop_on_signals() as stop_signal, metrics_file, tensorboard, profiler or nullcontext():
         while step < cfg.num_steps:
+            if nsys:
+                nsys.before_step(step + 1)
             t0 = time.perf_counter()
             step_loss = torch.zeros((), device=device)
-            for _ in range(cfg.grad_accum_steps):
-                x, y = next(train_batches)
-                # data_to_device
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                # forward
-                with autocast:
-                    _, loss = train_model(x, y)
-                    loss = loss / cfg.grad_accum_steps  # the mean over the micro-batches
-                # backward
-                scaler.scale(loss).backward()
-                step_loss += loss.detach()
-            # optimizer_step
-            lr = get_lr(step, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            if cfg.grad_clip > 0:
-                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            with timer.stage(STEP_RANGE, timed=False):
+                for _ in range(cfg.grad_accum_steps):
+                    batch = next(train_batches)  # host memory (pinned on CUDA)
+                    with timer.stage("data_to_device"):
+                        x, y = (t.to(device, non_blocking=True) for t in batch)
+                    with timer.stage("forward"), autocast:
+                        _, loss = train_model(x, y)
+                        loss = loss / cfg.grad_accum_steps  # the mean over the micro-batches
+                    with timer.stage("backward"):
+                        scaler.scale(loss).backward()
+                    step_loss += loss.detach()
+                with timer.stage("optimizer_step"):
+                    lr = get_lr(step, cfg)
+                    for group in optimizer.param_groups:
+                        group["lr"] = lr
+                    if cfg.grad_clip > 0:
+                        scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                    scaler.step(optimizer)
+                    scaler.update()
+                    optimizer.zero_grad(set_to_none=True)
             step += 1
             interval_losses.append(step_loss)
-
             last = step == cfg.num_steps
             log_now = step % cfg.log_interval == 0 or last or bool(stop_signal)
             if log_now and device == "cuda":
                 torch.cuda.synchronize()  # the interval's time must include the work still queued
-            interval_time += time.perf_counter() - t0
+            step_times[step] = time.perf_counter() - t0
+            interval_time += step_times[step]
+            # After the clock: writing the trace or the snapshot is not training time.
+            if profiler:
+                profiler.step()
+            if memory_history and step == window.stop - 1:  # the end of the window: a snapshot of it
+                memory_history.dump(snapshot_path)
 
             if log_now:
                 losses = check_finite()
                 if step % cfg.eval_interval == 0 or last:
                     last_val = evaluate(model, make_val_batches(), cfg.eval_iters, device, autocast)
                 step_time = interval_time / len(losses)
+                stage_host_ms, stage_device_ms = timer.read(len(losses))
                 record = {
                     "step": step, "num_steps": cfg.num_steps, "loss": sum(losses) / len(losses), "lr": lr,
                     "epoch": 1 + (step * tokens_per_step) // len(train_tokens) if train_tokens is not None else 1,
                     "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
                     "val_loss": last_val, "val_ppl": None if last_val is None else perplexity(last_val),
                     "elapsed_s": time.perf_counter() - t_start, "eta_s": step_time * (cfg.num_steps - step),
-                    "amp": amp_dtype,
+                    "amp": amp_dtype, "mfu": mfu(model_flops_per_token, tokens_per_step / step_time, peak),
+                    "stage_host_ms": stage_host_ms, "stage_device_ms": stage_device_ms,
+                    "memory": cuda_memory_report() if device == "cuda" else {},
                 }
                 log.info(format_log_line(record))
                 metrics_file.write(record)
+                tensorboard.log(record)
                 interval_losses, interval_time = [], 0.0
 
             if step % cfg.save_interval == 0 or last or stop_signal:
@@ -302,6 +365,13 @@ def main(argv: list[str] | None = None) -> int:
                 return 128 + stop_signal[0]
 
     # ------------------------------------------------------------------ finish
+    if nsys:
+        nsys.stop()
+    if memory_history:
+        if not snapshot_path.exists():  # the run ended before the window did
+            memory_history.dump(snapshot_path)
+        memory_history.stop()
+        log.info(f"CUDA memory snapshot: {snapshot_path} (open it at pytorch.org/memory_viz)")
     elapsed = time.perf_counter() - t_start
     log.info(f"Training finished: {step - start_step} steps in {format_duration(elapsed)}; "
              f"val loss {last_val:.4f}, val ppl {perplexity(last_val):.1f}")

@@ -73,6 +73,17 @@ class TrainConfig:
     eval_interval: int = 20
     eval_iters: int = 10
     out_dir: str | None = None  # None: runs/<date-time>
+    # instrumentation
+    stage_timing: bool = True
+    use_profiler: bool = False
+    profile_step_start: int = 5  # steps 5..6: after the first steps' allocations and warm-up,
+    profile_step_end: int = 7  # and with steps 2..3 before them to measure the profiler's cost
+    profile_ranks: str = "0"  # comma-separated ranks, or "all"
+    profile_with_stack: bool = False
+    nsys: bool = False
+    record_memory_history: bool = False
+    memory_history_entries: int = 100_000
+    memory_snapshot_path: str | None = None  # None: <out-dir>/snapshots/rank{R}_snapshot.pickle
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -132,6 +143,21 @@ def build_parser(prog: str = "train_minimal.py") -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, help="steps between evaluations (default 20; and at the end)")
     g.add_argument("--eval-iters", type=int, help="validation batches per evaluation (default 10)")
     g.add_argument("--out-dir", help="run directory (default runs/<date-time>)")
+    g = p.add_argument_group("instrumentation")
+    g.add_argument("--no-stage-timing", dest="stage_timing", action="store_false",
+                   help="stop timing the stages (their profiler/NVTX ranges stay): for overhead measurements")
+    g.add_argument("--use-profiler", action="store_true",
+                   help="torch.profiler trace of steps --profile-step-start..end-1 into <out-dir>/traces/")
+    g.add_argument("--profile-step-start", type=int, help="first profiled step (default 5)")
+    g.add_argument("--profile-step-end", type=int, help="step after the last profiled one (default 7)")
+    g.add_argument("--profile-ranks", help="ranks that profile: a list like 0,1 or 'all' (default 0)")
+    g.add_argument("--profile-with-stack", action="store_true", help="record Python stacks (larger, slower traces)")
+    g.add_argument("--nsys", action="store_true",
+                   help="cudaProfilerStart/Stop around the profile window, for nsys --capture-range=cudaProfilerApi")
+    g.add_argument("--record-memory-history", action="store_true",
+                   help="CUDA allocation history; snapshot at the end of the window or run, and on OOM")
+    g.add_argument("--memory-history-entries", type=int, help="allocations kept in the history (default 100000)")
+    g.add_argument("--memory-snapshot-path", help="default <out-dir>/snapshots/rank{R}_snapshot.pickle")
     return p
 
 
@@ -181,8 +207,45 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.seq_len > cfg.max_position_embeddings:
         raise UsageError(f"--seq-len ({cfg.seq_len}) is larger than --max-position-embeddings "
                          f"({cfg.max_position_embeddings}); lower --seq-len or raise the other")
+    if cfg.memory_history_entries <= 0:
+        raise UsageError(f"--memory-history-entries must be positive, got {cfg.memory_history_entries}")
+    if cfg.use_profiler or cfg.nsys or cfg.record_memory_history:
+        s, e = cfg.profile_step_start, cfg.profile_step_end
+        if not 1 <= s < e <= cfg.num_steps:
+            raise UsageError(f"the profile window needs 1 <= --profile-step-start < --profile-step-end <= "
+                             f"--num-steps; got start {s}, end {e}, num-steps {cfg.num_steps}")
+    if cfg.nsys and cfg.use_profiler:
+        raise UsageError("--nsys and --use-profiler exclude each other (both capture the same steps, "
+                         "and each distorts the other); pick one")
+    profile_ranks(cfg.profile_ranks, world_size=None)  # the format; the range is checked at start-up
     if cfg.use_toy_data and (cfg.train_data or cfg.val_data):
         raise UsageError("--use-toy-data generates its own data; drop --train-data/--val-data")
+
+
+def profile_ranks(spec: str, world_size: int | None) -> list[int] | None:
+    """Parse --profile-ranks: 'all' (None: every rank) or a comma-separated list of ranks."""
+    if spec.strip() == "all":
+        return None
+    try:
+        ranks = sorted({int(r) for r in spec.split(",")})
+    except ValueError:
+        raise UsageError(f"--profile-ranks must be 'all' or a list like 0,1; got {spec!r}") from None
+    if world_size is not None and any(not 0 <= r < world_size for r in ranks):
+        raise UsageError(f"--profile-ranks {spec} names a rank outside 0..{world_size - 1} "
+                         f"(the world size is {world_size})")
+    return ranks
+
+
+def check_cuda_features(cfg: TrainConfig, device: str) -> None:
+    """--nsys and --record-memory-history drive CUDA's profiler and allocator: nothing to do on a CPU."""
+    if device == "cuda":
+        return
+    if cfg.nsys:
+        raise UsageError("--nsys needs CUDA: Nsight Systems' capture range is cudaProfilerStart/Stop; "
+                         "on the CPU use --use-profiler")
+    if cfg.record_memory_history:
+        raise UsageError("--record-memory-history needs CUDA: it records the CUDA caching allocator; "
+                         "on the CPU see the memory breakdown instead")
 
 
 def resolve_device(requested: str) -> str:

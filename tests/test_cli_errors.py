@@ -123,3 +123,42 @@ def test_a_real_process_prints_one_line_and_exits_2(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().startswith("error: data file") and len(r.stderr.strip().splitlines()) == 1
     assert r.stdout == ""
+
+
+# ---------------------------------------------------------------------------- instrumentation flags
+
+@pytest.mark.parametrize("window, expected", [
+    (["--profile-step-start", "0", "--profile-step-end", "2"], "1 <= --profile-step-start"),
+    (["--profile-step-start", "3", "--profile-step-end", "3"], "got start 3, end 3"),
+    (["--profile-step-start", "2", "--profile-step-end", "9"], "num-steps 6"),
+])
+def test_bad_profile_window(capsys, tmp_path, window, expected):
+    out = tmp_path / "run"
+    msg = fails(capsys, *TINY, "--num-steps", "6", "--use-profiler", *window, "--out-dir", str(out))
+    assert expected in msg and not out.exists()
+
+
+def test_profile_ranks_outside_the_world(capsys, tmp_path):
+    msg = fails(capsys, *TINY, "--use-profiler", "--profile-ranks", "0,1", "--out-dir", str(tmp_path / "r"))
+    assert "outside 0..0" in msg and "world size is 1" in msg
+
+
+def test_profile_ranks_not_a_list(capsys):
+    assert "'all' or a list" in fails(capsys, *TINY, "--profile-ranks", "first")
+
+
+def test_nsys_and_profiler_exclude_each_other(capsys):
+    assert "exclude each other" in fails(capsys, *TINY, "--nsys", "--use-profiler")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+@pytest.mark.parametrize("flag, why", [("--nsys", "cudaProfilerStart"),
+                                       ("--record-memory-history", "CUDA caching allocator")])
+def test_cuda_only_features_are_refused_on_the_cpu(capsys, tmp_path, flag, why):
+    out = tmp_path / "run"
+    msg = fails(capsys, *TINY, flag, "--out-dir", str(out))
+    assert "needs CUDA" in msg and why in msg and not out.exists()
+
+
+def test_memory_history_entries_must_be_positive(capsys):
+    assert "must be positive" in fails(capsys, *TINY, "--memory-history-entries", "0")

@@ -1,0 +1,231 @@
+"""Where the time goes: named stages, the profiler window, the Nsight capture range, CUDA memory
+history. Knows nothing of GPT: it works on any training step.
+
+- `StageTimer.stage(name)` opens a `record_function` range (seen by the PyTorch profiler) and an
+  NVTX range of the same name (seen by Nsight Systems), and times the stage on the host and on the
+  device. It never synchronises: CUDA events are read back at the log interval, when the loop
+  syncs anyway. On the CPU the device time is the stage's host time.
+- `make_profiler` builds a torch.profiler window with Megatron's semantics (steps S..E-1).
+- `NsysCaptureRange` calls cudaProfilerStart/Stop around the same window for `nsys --capture-range`.
+- `MemoryHistory` records CUDA allocations and dumps snapshots for pytorch.org/memory_viz.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import nvtx
+import torch
+from torch.profiler import ProfilerAction, ProfilerActivity, record_function, tensorboard_trace_handler
+
+STAGES = ("data_to_device", "forward", "backward", "optimizer_step")
+STEP_RANGE = "train_step"
+NVTX_DOMAIN = "minigpt"  # one domain: Nsight can filter the project's ranges from PyTorch's own
+STAGE_COLORS = {"data_to_device": "yellow", "forward": "green", "backward": "red",
+                "optimizer_step": "blue", STEP_RANGE: "white"}
+
+
+class StageTimer:
+    """Per-stage host and device time, summed over a log interval and averaged per step."""
+
+    def __init__(self, device: str, enabled: bool = True):
+        self.cuda = device == "cuda"
+        self.enabled = enabled
+        self.host_s: dict[str, float] = defaultdict(float)
+        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextmanager
+    def stage(self, name: str, timed: bool = True) -> Iterator[None]:
+        # NVTX start/end ranges are process-wide, unlike push/pop ranges, which are per thread:
+        # the backward's kernels are launched from autograd's own thread, and Nsight only puts
+        # them under the `backward` range if the range is not tied to the launching thread.
+        nvtx_range = nvtx.start_range(message=name, color=STAGE_COLORS.get(name), domain=NVTX_DOMAIN)
+        timed = timed and self.enabled
+        with record_function(name):
+            if timed and self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                if timed:
+                    self.host_s[name] += time.perf_counter() - t0
+                    if self.cuda:
+                        end.record()
+                        self.events.append((name, start, end))
+                nvtx.end_range(nvtx_range)
+
+    def read(self, steps: int) -> tuple[dict[str, float], dict[str, float]]:
+        """(host ms, device ms) per stage, averaged over `steps`, then reset. On CUDA call it only
+        after a synchronize: every event recorded so far must have completed."""
+        if not self.enabled:
+            return {}, {}
+        host = {name: 1000 * self.host_s[name] / steps for name in STAGES if name in self.host_s}
+        if self.cuda:
+            device_ms: dict[str, float] = defaultdict(float)
+            for name, start, end in self.events:
+                device_ms[name] += start.elapsed_time(end)
+            device = {name: device_ms[name] / steps for name in host}
+        else:
+            device = dict(host)  # the CPU runs each op as the host issues it
+        self.host_s.clear()
+        self.events.clear()
+        return host, device
+
+
+# ---------------------------------------------------------------------------- profiler window
+
+def profiler_schedule(start: int, end: int) -> Callable[[int], ProfilerAction]:
+    """What the profiler does during training step n (1-based, Megatron's semantics): record steps
+    start..end-1, after one warm-up step before `start` when there is one (the first profiled
+    step would otherwise carry the profiler's own start-up cost), then nothing (repeat=1)."""
+    def action(n: int) -> ProfilerAction:
+        if n == start - 1:
+            return ProfilerAction.WARMUP
+        if start <= n < end - 1:
+            return ProfilerAction.RECORD
+        if n == end - 1:
+            return ProfilerAction.RECORD_AND_SAVE
+        return ProfilerAction.NONE
+    return action
+
+
+def make_profiler(trace_dir: Path, rank: int, first_step: int, start: int, end: int, device: str,
+                  with_stack: bool = False, on_window_end: Callable | None = None) -> torch.profiler.profile:
+    """A torch.profiler window over training steps start..end-1, whose trace lands in trace_dir as
+    rank{R}_dp{R}.*.pt.trace.json.gz, the naming torch-tb-profiler groups by worker (and its
+    Distributed view by rank). `first_step` is the training step the loop runs next (1-based;
+    later than 1 after --resume): the trace's ProfilerStep#N markers then carry the training
+    step numbers of the log."""
+    # gzip: LLM traces reach hundreds of MB and compress about 16x; torch-tb-profiler, Perfetto
+    # and chrome://tracing all read .json.gz.
+    write_trace = tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{rank}_dp{rank}", use_gzip=True)
+
+    def on_trace_ready(prof: torch.profiler.profile) -> None:
+        write_trace(prof)
+        if on_window_end is not None:
+            on_window_end(prof)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    schedule = profiler_schedule(start, end)
+    prof = torch.profiler.profile(
+        activities=activities, schedule=schedule, on_trace_ready=on_trace_ready,
+        record_shapes=True, profile_memory=True, with_flops=True, with_modules=True,
+        with_stack=with_stack,  # opt-in: Python stacks make the trace several times larger and slower
+    )
+    # The profiler counts its steps from 0; start its count at the training step instead, before
+    # it is entered (its action for the current step is derived from the count).
+    prof.step_num = first_step
+    prof.current_action = schedule(first_step)
+    if hasattr(prof, "_prev_schedule_action"):
+        prof._prev_schedule_action = prof.current_action
+    return prof
+
+
+def top_operators(prof: torch.profiler.profile, device: str, rows: int = 20) -> str:
+    """The profiler's operator table, sorted by device time on a GPU and by host time otherwise."""
+    sort_by = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort_by, row_limit=rows)
+
+
+def has_device_kernels(prof: torch.profiler.profile) -> bool:
+    """False on a GPU run means CUPTI recorded nothing: a broken set-up that otherwise goes unseen."""
+    return any(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+
+
+# ---------------------------------------------------------------------------- Nsight Systems
+
+class NsysCaptureRange:
+    """cudaProfilerStart at step `start`, cudaProfilerStop before step `end`, and in between
+    emit_nvtx, so every aten op is an NVTX range too. Run under
+    `nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop`."""
+
+    def __init__(self, start: int, end: int):
+        self.start, self.end = start, end
+        self.emit: torch.autograd.profiler.emit_nvtx | None = None
+
+    def before_step(self, step: int) -> None:
+        """Call before running training step `step` (1-based)."""
+        if step == self.start:
+            torch.cuda.cudart().cudaProfilerStart()
+            self.emit = torch.autograd.profiler.emit_nvtx(record_shapes=True)
+            self.emit.__enter__()
+        elif step == self.end:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.emit is not None:
+            torch.cuda.synchronize()  # let the window's kernels finish inside the capture
+            self.emit.__exit__(None, None, None)
+            self.emit = None
+            torch.cuda.cudart().cudaProfilerStop()
+
+
+# ---------------------------------------------------------------------------- CUDA memory
+
+class MemoryHistory:
+    """torch.cuda.memory._record_memory_history, bounded, with Python stacks only: C++ frames make
+    a dump take minutes. Snapshots open at pytorch.org/memory_viz; beside each pickle a text file
+    lists the largest live allocations with their Python frames."""
+
+    def __init__(self, max_entries: int):
+        self.max_entries = max_entries
+
+    def start(self) -> None:
+        torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python",
+                                                 max_entries=self.max_entries)
+
+    def dump(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        snapshot = torch.cuda.memory._snapshot()
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as f:
+            pickle.dump(snapshot, f)
+        tmp.replace(path)
+        path.with_suffix(".txt").write_text(largest_allocations(snapshot))
+        return path
+
+    def stop(self) -> None:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+    def dump_on_oom(self, path: Path) -> None:
+        """Write `path` when the allocator runs out of memory, before the error propagates."""
+        def observer(device, alloc, device_alloc, device_free):
+            self.dump(path)
+        torch._C._cuda_attach_out_of_memory_observer(observer)
+
+
+def largest_allocations(snapshot: dict, rows: int = 20) -> str:
+    """The live blocks of a memory snapshot, largest first, each with its innermost Python frames."""
+    blocks = [b for seg in snapshot.get("segments", []) for b in seg.get("blocks", [])
+              if b.get("state") == "active_allocated"]
+    blocks.sort(key=lambda b: b.get("size", 0), reverse=True)
+    total = sum(b.get("size", 0) for b in blocks)
+    lines = [f"{len(blocks)} live allocations, {total / 2**20:.1f} MiB; the largest {min(rows, len(blocks))}:"]
+    for b in blocks[:rows]:
+        frames = b.get("frames") or []
+        where = [f"{fr.get('filename', '?')}:{fr.get('line', '?')} {fr.get('name', '')}" for fr in frames
+                 if str(fr.get("filename", "")).endswith(".py")][:4]
+        lines.append(f"{b.get('size', 0) / 2**20:10.2f} MiB  " + (" <- ".join(where) or "(no Python frames)"))
+    return "\n".join(lines) + "\n"
+
+
+def cuda_memory_report(reset: bool = True) -> dict[str, float]:
+    """Peak allocated and reserved memory since the last report, allocator retries and OOMs, as
+    torchtitan reports them. Resets the peaks so each log interval shows its own."""
+    stats = torch.cuda.memory_stats()
+    report = {
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        "alloc_retries": stats.get("num_alloc_retries", 0),
+        "ooms": stats.get("num_ooms", 0),
+    }
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return report

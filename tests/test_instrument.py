@@ -1,0 +1,282 @@
+"""Instrumentation end to end: the stage ranges and their times, the profiler window and its trace,
+TensorBoard, MFU, and the refusals. CUDA-only paths carry the `cuda` marker."""
+
+import gzip
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+import torch
+
+import train_minimal
+from conftest import ROOT, TINY
+from minigpt import instrument
+from minigpt.instrument import STAGES, StageTimer
+
+
+def read_metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def load_trace(out):
+    traces = sorted((out / "traces").glob("*.pt.trace.json.gz"))
+    assert len(traces) == 1, traces
+    with gzip.open(traces[0], "rt") as f:
+        return traces[0], json.load(f)
+
+
+def inside(event, outer):
+    return outer["ts"] <= event["ts"] and event["ts"] + event["dur"] <= outer["ts"] + outer["dur"]
+
+
+def profiled_run(tmp_path, *extra):
+    out = tmp_path / "run"
+    args = [*TINY, "--num-steps", "8", "--log-interval", "4", "--use-profiler",
+            "--profile-step-start", "3", "--profile-step-end", "5", "--out-dir", str(out), *extra]
+    assert train_minimal.cli(args) == 0
+    return out
+
+
+def test_profiler_window_writes_one_trace_with_the_steps_and_stages(tmp_path, capsys):
+    out = profiled_run(tmp_path)
+    path, trace = load_trace(out)
+    assert path.name.startswith("rank0_dp0.")  # the worker name torch-tb-profiler groups by
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    steps = {e["name"]: e for e in events if e["name"].startswith("ProfilerStep#")}
+    assert sorted(steps) == ["ProfilerStep#3", "ProfilerStep#4"]  # steps S..E-1, numbered as in the log
+    for step in steps.values():
+        names = {e["name"] for e in events if e.get("cat") == "user_annotation" and inside(e, step)}
+        assert set(STAGES) | {"train_step"} <= names
+    ops = (out / "traces" / "rank0_ops.txt").read_text()
+    assert "aten::mm" in ops and "Self CPU" in ops
+    printed = capsys.readouterr().out
+    assert "Profiled steps 3-4" in printed and f"tensorboard --logdir {out}" in printed
+    assert "ui.perfetto.dev" in printed
+
+
+def test_profiler_cost_is_logged_against_the_steps_before(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train_minimal.cli([*TINY, "--num-steps", "8", "--use-profiler", "--out-dir", str(out)]) == 0
+    assert "ms/step profiled vs" in capsys.readouterr().out  # default window 5..6, steps 2..3 before it
+
+
+def test_profile_with_stack_records_python_frames(tmp_path):
+    out = profiled_run(tmp_path, "--profile-with-stack")
+    _, trace = load_trace(out)
+    assert any(e.get("cat") == "python_function" for e in trace["traceEvents"])
+
+
+def test_profiler_stops_and_writes_its_trace_when_a_step_raises(tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real_step = torch.optim.AdamW.step
+
+    def failing_step(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:  # inside the window 3..4
+            raise RuntimeError("boom")
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", failing_step)
+    with pytest.raises(RuntimeError, match="boom"):
+        profiled_run(tmp_path)
+    assert not torch.autograd.profiler._is_profiler_enabled  # stopped, so the next run can profile
+    _, trace = load_trace(tmp_path / "run")
+    assert any(e.get("name") == "ProfilerStep#3" for e in trace["traceEvents"])
+
+
+def test_resumed_run_profiles_the_same_training_steps(tmp_path):
+    out = tmp_path / "run"
+    base = [*TINY, "--out-dir", str(out), "--save-interval", "2"]
+    assert train_minimal.cli([*base, "--num-steps", "2"]) == 0
+    assert train_minimal.cli([*base, "--num-steps", "8", "--resume", "--use-profiler",
+                              "--profile-step-start", "5", "--profile-step-end", "7"]) == 0
+    _, trace = load_trace(out)
+    names = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
+    assert names == {"ProfilerStep#5", "ProfilerStep#6"}
+
+
+def test_stage_times_add_up_to_the_step_time(tmp_path):
+    # A model big enough that a step is tens of milliseconds: the loop's own Python is then small.
+    out = tmp_path / "run"
+    args = [*TINY, "--d-model", "128", "--d-ff", "512", "--seq-len", "64", "--num-steps", "12",
+            "--log-interval", "4", "--out-dir", str(out)]
+    assert train_minimal.cli(args) == 0
+    for row in read_metrics(out):
+        assert set(row["stage_host_ms"]) == set(STAGES)
+        assert row["stage_device_ms"] == row["stage_host_ms"]  # on the CPU the device time is the host time
+        stages_ms = sum(row["stage_host_ms"].values())
+        assert stages_ms == pytest.approx(1000 * row["step_time_s"], rel=0.10)
+
+
+def test_no_stage_timing_drops_the_times_but_keeps_the_ranges(tmp_path):
+    out = profiled_run(tmp_path, "--no-stage-timing")
+    assert all(row["stage_host_ms"] == {} for row in read_metrics(out))
+    assert "host/device ms" not in (out / "train.log").read_text()
+    _, trace = load_trace(out)
+    assert {"forward", "backward"} <= {e.get("name") for e in trace["traceEvents"]}
+
+
+def test_stage_uses_process_wide_nvtx_ranges(monkeypatch):
+    seen = []
+    monkeypatch.setattr(instrument.nvtx, "start_range",
+                        lambda message, color, domain: seen.append(("start", message, color, domain)) or 7)
+    monkeypatch.setattr(instrument.nvtx, "end_range", lambda rid: seen.append(("end", rid)))
+    timer = StageTimer("cpu")
+    with timer.stage("backward"):
+        pass
+    assert seen == [("start", "backward", "red", "minigpt"), ("end", 7)]
+    host, device = timer.read(steps=1)
+    assert set(host) == {"backward"} and host == device
+
+
+def test_log_line_and_mfu(tmp_path):
+    out = tmp_path / "run"
+    assert train_minimal.cli([*TINY, "--num-steps", "4", "--grad-accum-steps", "2", "--out-dir", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["peak_flops_source"].startswith("measured:") and config["peak_flops"] > 1e9
+    row = read_metrics(out)[-1]
+    assert row["tokens_per_s"] == pytest.approx(8 * 16 * 2 / row["step_time_s"])  # every micro-batch counts
+    assert row["mfu"] == pytest.approx(config["flops_per_token"] * row["tokens_per_s"] / config["peak_flops"])
+    line = (out / "train.log").read_text().splitlines()[-4]
+    assert "mfu " in line and "host/device ms h2d" in line and "bwd" in line
+
+
+def test_tensorboard_gets_the_same_figures(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    assert train_minimal.cli([*TINY, "--num-steps", "4", "--log-interval", "2", "--out-dir", str(out)]) == 0
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "val/loss", "train/lr", "perf/tokens_per_s", "perf/mfu",
+            "stage_host_ms/forward", "stage_device_ms/backward"} <= tags
+    rows = read_metrics(out)
+    assert [e.step for e in events.Scalars("train/loss")] == [r["step"] for r in rows]
+    assert events.Scalars("train/loss")[-1].value == pytest.approx(rows[-1]["loss"], rel=1e-6)
+
+
+def test_profiler_schedule_has_megatron_semantics():
+    from torch.profiler import ProfilerAction as A
+    action = instrument.profiler_schedule(start=3, end=6)
+    assert [action(n) for n in range(1, 8)] == [A.NONE, A.WARMUP, A.RECORD, A.RECORD, A.RECORD_AND_SAVE,
+                                                A.NONE, A.NONE]
+    assert instrument.profiler_schedule(1, 2)(1) == A.RECORD_AND_SAVE  # no warm-up step before step 1
+
+
+# ---------------------------------------------------------------------------- TensorBoard server
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url, timeout=60):
+    deadline = time.time() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                return json.loads(r.read())
+        except (OSError, ValueError):
+            if time.time() > deadline:
+                raise
+            time.sleep(1)
+
+
+@pytest.mark.slow
+def test_tensorboard_with_torch_tb_profiler_serves_the_run(tmp_path):
+    out = profiled_run(tmp_path)
+    port = free_port()
+    tb = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(out), "--host", "127.0.0.1",
+                           "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}/data/plugin/pytorch_profiler"
+        deadline = time.time() + 120
+        while True:
+            runs = get_json(f"{base}/runs")
+            if runs["runs"] and not runs["loading"] or time.time() > deadline:
+                break
+            time.sleep(1)
+        assert runs["runs"] == ["traces"]
+        views = get_json(f"{base}/views?run=traces")
+        assert "Overview" in views and "Operator" in views
+        workers = get_json(f"{base}/workers?run=traces&view=Overview")
+        assert workers == ["rank0_dp0"]
+        spans = get_json(f"{base}/spans?run=traces&worker=rank0_dp0")
+        query = urllib.parse.urlencode({"run": "traces", "worker": "rank0_dp0", "span": spans[0]})
+        overview = get_json(f"{base}/overview?{query}")
+        steps = [row[0] for row in overview["steps"]["rows"]]
+        assert steps == ["3", "4"]
+        table = get_json(f"{base}/operation/table?{query}&group_by=Operation")
+        assert any(row["name"] == "aten::mm" for row in table["data"])
+    finally:
+        tb.terminate()
+        tb.wait(timeout=30)
+
+
+# ---------------------------------------------------------------------------- CUDA only
+
+@pytest.mark.cuda
+def test_cuda_stage_times_come_from_events(tmp_path):
+    out = tmp_path / "run"
+    assert train_minimal.cli([*TINY, "--device", "cuda", "--num-steps", "6", "--log-interval", "3",
+                              "--out-dir", str(out)]) == 0
+    row = read_metrics(out)[-1]
+    assert set(row["stage_device_ms"]) == set(STAGES) and row["stage_device_ms"] != row["stage_host_ms"]
+    assert row["memory"]["peak_allocated_gib"] > 0 and "alloc_retries" in row["memory"]
+    assert "peak mem" in (out / "train.log").read_text()
+
+
+@pytest.mark.cuda
+def test_cuda_trace_holds_kernels(tmp_path):
+    out = profiled_run(tmp_path, "--device", "cuda")
+    _, trace = load_trace(out)
+    assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])
+
+
+@pytest.mark.cuda
+def test_nsys_capture_range_calls_start_and_stop(tmp_path, monkeypatch):
+    calls = []
+
+    class FakeCudart:
+        def cudaProfilerStart(self):
+            calls.append("start")
+
+        def cudaProfilerStop(self):
+            calls.append("stop")
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    out = tmp_path / "run"
+    assert train_minimal.cli([*TINY, "--device", "cuda", "--num-steps", "6", "--nsys", "--profile-step-start", "2",
+                              "--profile-step-end", "4", "--out-dir", str(out)]) == 0
+    assert calls == ["start", "stop"]
+
+
+@pytest.mark.cuda
+def test_memory_history_snapshot_and_its_text(tmp_path):
+    out = profiled_run(tmp_path, "--device", "cuda", "--record-memory-history")
+    snap = out / "snapshots" / "rank0_snapshot.pickle"
+    assert snap.exists() and snap.with_suffix(".txt").read_text().split()[1] == "live"
+    import pickle
+    assert "segments" in pickle.loads(snap.read_bytes())
+
+
+@pytest.mark.cuda
+def test_oom_writes_a_snapshot_before_the_error(tmp_path):
+    history = instrument.MemoryHistory(1000)
+    history.start()
+    path = tmp_path / "oom.pickle"
+    history.dump_on_oom(path)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(1 << 50, device="cuda")  # a petabyte: impossible on any GPU
+    finally:
+        history.stop()
+    assert path.exists() and path.with_suffix(".txt").exists()
+
