@@ -7,6 +7,8 @@ Train a GPT on real text and see where the time and the memory go.
     python train_minimal.py --train-data data/train.txt --n-heads 4 --d-model 768 --d-ff 3072 \\
         --n-layers 12 --seq-len 1024 --batch-size 2 --no-amp --use-activation-checkpoint
     python train_minimal.py --resume --out-dir runs/RUN      # continue a stopped run
+    python train_minimal.py --memory-profiler                # where the memory goes, measured at step 5
+    python train_minimal.py --estimate-memory --preset gpt2  # predicted memory; builds nothing, exits
     python train_minimal.py --help                           # every flag, grouped
 
 The file reads top to bottom: parse flags -> build data, model, optimizer -> train loop -> finish.
@@ -27,29 +29,35 @@ from datetime import datetime
 from pathlib import Path
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 
+from minigpt import distributed
 from minigpt.checkpoint import check_same_shape, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from minigpt.config import (TrainConfig, UsageError, check_cuda_features, parse_args, profile_ranks,
                             resolve_amp, resolve_device)
 from minigpt.data import (Batches, ToyBatches, builtin_corpus, check_enough_tokens, get_tokenizer,
                           load_tokens, split_train_val)
-from minigpt.instrument import (STEP_RANGE, MemoryHistory, NsysCaptureRange, StageTimer, cuda_memory_report,
+from minigpt.instrument import (STAGES, MemoryHistory, NsysCaptureRange, StageTimer, cuda_memory_report,
                                 has_device_kernels, make_profiler, top_operators)
+from minigpt.memory import capture_memory, estimate_gpt, estimate_report, format_breakdown, gpt_shape, write_memory_trace
 from minigpt.metrics import (JsonlWriter, TensorBoardLogger, format_duration, format_log_line, mfu, peak_flops,
                              perplexity, setup_logging)
 from minigpt.model import GPT, GPTConfig, flops_per_token, pad_vocab
+from minigpt.straggler import StragglerDetector, format_report, parse_slow_rank, rank_figures
 
 # Every file a run writes, relative to its run directory.
 RUNS_ROOT = Path("runs")
 CONFIG_FILE = "config.json"
 LOG_FILE = "train.log"
 METRICS_FILE = "metrics.jsonl"
+STRAGGLERS_FILE = "stragglers.jsonl"
 CHECKPOINT_FILE = Path("checkpoints") / "ckpt.pt"
 TENSORBOARD_DIR = "tb"
 TRACE_DIR = "traces"
 OPS_FILE = "traces/rank{rank}_ops.txt"
 SNAPSHOT_FILE = "snapshots/rank{rank}_snapshot.pickle"
 OOM_SNAPSHOT_FILE = "snapshots/oom_rank{rank}_snapshot.pickle"
+MEMORY_TRACE_DIR = "memory_trace/rank{rank}_dp{rank}"  # memory.log and *_sunburst.html (--memory-profiler)
 
 
 class NonFiniteLoss(Exception):
@@ -140,11 +148,21 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(cfg.device)
     check_cuda_features(cfg, device)
     amp_on, amp_dtype, amp_note = resolve_amp(cfg, device)
-    rank, world_size = 0, 1
+    if cfg.estimate_memory:  # the predicted memory of this configuration: no model, no run directory
+        print(estimate_report(cfg, device, amp_dtype, amp_note))
+        return 0
+    slow = parse_slow_rank(cfg.simulate_slow_rank, STAGES) if cfg.simulate_slow_rank else None
+    if cfg.ddp_backend == "nccl" and device != "cuda":
+        raise UsageError("--ddp-backend nccl needs CUDA GPUs; on the CPU use gloo (the default there)")
+    # Under torchrun: join the process group (NCCL on CUDA, gloo on the CPU). Otherwise world size 1.
+    dist_info = distributed.setup(device, cfg.ddp_backend, cfg.ddp_timeout)
+    rank, world_size, is_main = dist_info.rank, dist_info.world_size, dist_info.is_main
     ranks = profile_ranks(cfg.profile_ranks, world_size)
     profiled = ranks is None or rank in ranks  # this rank takes part in --use-profiler / --nsys / history
-    torch.manual_seed(cfg.seed)
-    out_dir = resolve_out_dir(cfg)
+    if slow and slow.rank >= world_size:
+        raise UsageError(f"--simulate-slow-rank {cfg.simulate_slow_rank}: no rank {slow.rank} in a world of {world_size}")
+    torch.manual_seed(cfg.seed)  # the same on every rank: the same initial weights
+    out_dir = Path(distributed.gather(str(resolve_out_dir(cfg)), dist_info)[0])  # rank 0's choice
     ckpt_path = Path(cfg.checkpoint_path) if cfg.checkpoint_path else out_dir / CHECKPOINT_FILE
     if not cfg.resume and ckpt_path.exists():
         raise UsageError(f"{ckpt_path} already exists; pass --resume to continue that run, "
@@ -155,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     pin = device == "cuda"  # page-locked batches make the host-to-device copy asynchronous
     if cfg.use_toy_data:
         data_name, vocab_size, train_tokens = "toy sequences", cfg.vocab_size, None
-        train_batches = ToyBatches(vocab_size, cfg.batch_size, cfg.seq_len, cfg.data_seed, pin_memory=pin)
+        train_batches = ToyBatches(vocab_size, cfg.batch_size, cfg.seq_len, cfg.data_seed, rank=rank, pin_memory=pin)
         make_val_batches = lambda: ToyBatches(vocab_size, cfg.batch_size, cfg.seq_len, cfg.data_seed,  # noqa: E731
                                               stream=1, pin_memory=pin)
     else:
@@ -173,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--vocab-size {cfg.vocab_size} is smaller than the {cfg.tokenizer_name} "
                              f"tokenizer's {n_vocab} ids; drop --vocab-size or raise it")
         vocab_size = cfg.vocab_size or n_vocab
-        train_batches = Batches(train_tokens, cfg.batch_size, cfg.seq_len, cfg.data_seed, pin_memory=pin)
+        train_batches = Batches(train_tokens, cfg.batch_size, cfg.seq_len, cfg.data_seed, rank=rank, pin_memory=pin)
         make_val_batches = lambda: Batches(val_tokens, cfg.batch_size, cfg.seq_len, cfg.data_seed,  # noqa: E731
                                            stream=1, pin_memory=pin)
 
@@ -190,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         dropout=cfg.dropout, activation_checkpoint=cfg.use_activation_checkpoint,
     )
     model = GPT(model_cfg).to(device)
+    if rank:
+        torch.manual_seed(cfg.seed + rank)  # different dropout masks on each rank
     optimizer = configure_optimizer(model, cfg, device)
     # fp16 needs loss scaling (its range is narrow); bf16 has fp32's range and needs none.
     scaler = torch.amp.GradScaler(device, enabled=amp_dtype == "fp16")
@@ -208,38 +228,50 @@ def main(argv: list[str] | None = None) -> int:
         scaler.load_state_dict(state["scaler"])
         step = state["step"]
         train_batches.position = state["data_position"]
-        set_rng_state(state["rng"])  # last: building the model above drew from the generators
-    train_model = torch.compile(model) if cfg.compile else model
+        per_rank = state.get("rng_per_rank") or []
+        # last: building the model above drew from the generators
+        set_rng_state(per_rank[rank] if len(per_rank) == world_size else state["rng"])
+    ddp_model = distributed.wrap_ddp(model, dist_info, device)  # the model itself if world size 1
+    train_model = torch.compile(ddp_model) if cfg.compile else ddp_model
     model_flops_per_token = flops_per_token(model, cfg.seq_len)
     peak, peak_source = peak_flops(device, amp_dtype)
 
     # ------------------------------------------------------------------ run directory
     out_dir.mkdir(parents=True, exist_ok=True)
-    log = setup_logging(out_dir / LOG_FILE)
-    metrics_file = JsonlWriter(out_dir / METRICS_FILE)
+    log = setup_logging(out_dir / LOG_FILE, rank)  # rank 0 writes the log, metrics, TensorBoard, checkpoints
+    metrics_file = JsonlWriter(out_dir / METRICS_FILE, enabled=is_main)
+    stragglers_file = JsonlWriter(out_dir / STRAGGLERS_FILE, enabled=is_main and world_size > 1)
     device_name = torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or platform.machine())
-    write_json_atomic(out_dir / CONFIG_FILE, {
-        "config": cfg.to_dict(), "model": asdict(model_cfg), "device": device, "device_name": device_name,
-        "amp": amp_dtype, "params": model.num_params(non_embedding=False),
-        "flops_per_token": model_flops_per_token, "peak_flops": peak, "peak_flops_source": peak_source,
-        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()},
-    })
+    if is_main:
+        write_json_atomic(out_dir / CONFIG_FILE, {
+            "config": cfg.to_dict(), "model": asdict(model_cfg), "device": device, "device_name": device_name,
+            "amp": amp_dtype, "params": model.num_params(non_embedding=False),
+            "flops_per_token": model_flops_per_token, "peak_flops": peak, "peak_flops_source": peak_source,
+            "world_size": world_size, "ddp_backend": dist_info.backend,
+            "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()},
+        })
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps
     log.info(f"Training started; run directory {out_dir}")
     log.info(f"Device: {device} ({device_name}), torch {torch.__version__}; {amp_note}")
+    if world_size > 1:
+        log.info(f"DDP: {world_size} ranks, {dist_info.backend} backend; every rank draws its own batches")
     log.info(f"Data: {data_name}" + ("" if train_tokens is None else
              f"; {len(train_tokens):,} training tokens, {len(val_tokens):,} validation tokens"))
     log.info(f"Model: {cfg.n_layers} layers, {cfg.n_heads} heads, d_model {cfg.d_model}, d_ff {cfg.d_ff}, "
              f"vocab {model_cfg.vocab_size}, {model.num_params(non_embedding=False) / 1e6:.2f}M parameters"
              + (", activation checkpointing" if cfg.use_activation_checkpoint else ""))
     log.info(f"Batch: {cfg.batch_size} x {cfg.seq_len} tokens x {cfg.grad_accum_steps} accumulation = "
-             f"{tokens_per_step:,} tokens per step; {cfg.num_steps} steps")
+             f"{tokens_per_step:,} tokens per step per rank; {cfg.num_steps} steps")
     log.info(f"MFU peak: {peak / 1e12:.2f} TFLOP/s per device ({peak_source})")
     log.info(f"Resumed from {ckpt_path} at step {step}" if cfg.resume else "Starting from scratch")
-    tensorboard = TensorBoardLogger(out_dir / TENSORBOARD_DIR)
+    tensorboard = TensorBoardLogger(out_dir / TENSORBOARD_DIR, enabled=is_main)
 
     # ------------------------------------------------------------------ instrumentation
-    timer = StageTimer(device, enabled=cfg.stage_timing)
+    timer = StageTimer(device, enabled=cfg.stage_timing,
+                       sleep_ms={slow.stage: slow.ms} if slow and slow.rank == rank else None)
+    if world_size > 1:  # the backward's own compute, without the all-reduce wait: for straggler scores
+        distributed.time_backward_compute(ddp_model, lambda: timer.split("backward", "backward_compute"))
+    stragglers = StragglerDetector(cfg.straggler_threshold)
     step_times: dict[int, float] = {}  # host seconds of each step, to price the profiler window
     window = range(cfg.profile_step_start, cfg.profile_step_end)
 
@@ -265,10 +297,19 @@ def main(argv: list[str] | None = None) -> int:
         profiler = make_profiler(out_dir / TRACE_DIR, rank, step + 1, window.start, window.stop, device,
                                  cfg.profile_with_stack, on_profile_window_end)
     nsys = NsysCaptureRange(window.start, window.stop) if cfg.nsys and profiled else None
+    # --memory-profiler: one whole step measured (minigpt/memory.py), the estimate beside it.
+    memory_step = cfg.memory_profile_step if cfg.memory_profiler and profiled else None
+    memory_estimate = estimate_gpt(**gpt_shape(cfg, model_cfg.vocab_size), amp_dtype=amp_dtype, device=device,
+                                   activation_checkpoint=cfg.use_activation_checkpoint) if memory_step else None
+    memory_breakdown: dict | None = None  # the measured step's figures, for the next metrics line
+    if memory_step and step >= memory_step:
+        log.warning(f"--memory-profiler: step {memory_step} was done before the resume at step {step}; "
+                    "nothing is measured (pass a later --memory-profile-step)")
 
     def checkpoint_state() -> dict:
         return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
                 "step": step, "data_position": train_batches.position, "rng": rng_state(),
+                "rng_per_rank": distributed.gather(rng_state(), dist_info),  # each rank's dropout stream
                 "config": cfg.to_dict(), "model_config": asdict(model_cfg)}
 
     # ------------------------------------------------------------------ train loop
@@ -289,22 +330,25 @@ def main(argv: list[str] | None = None) -> int:
         return values
 
     # SIGINT / SIGTERM finish the step in flight, save, and leave; a second Ctrl-C kills at once.
-    with stop_on_signals() as stop_signal, metrics_file, tensorboard, profiler or nullcontext():
+    with stop_on_signals() as stop_signal, metrics_file, stragglers_file, tensorboard, profiler or nullcontext():
         while step < cfg.num_steps:
             if nsys:
                 nsys.before_step(step + 1)
             t0 = time.perf_counter()
             step_loss = torch.zeros((), device=device)
-            with timer.stage(STEP_RANGE, timed=False):
-                for _ in range(cfg.grad_accum_steps):
+            measure = capture_memory(model, optimizer, step + 1) if step + 1 == memory_step else nullcontext()
+            with measure, timer.step():
+                for micro in range(cfg.grad_accum_steps):
                     batch = next(train_batches)  # host memory (pinned on CUDA)
                     with timer.stage("data_to_device"):
                         x, y = (t.to(device, non_blocking=True) for t in batch)
-                    with timer.stage("forward"), autocast:
-                        _, loss = train_model(x, y)
-                        loss = loss / cfg.grad_accum_steps  # the mean over the micro-batches
-                    with timer.stage("backward"):
-                        scaler.scale(loss).backward()
+                    # DDP all-reduces the gradients in the last micro-batch's backward only.
+                    with distributed.no_grad_sync(train_model, sync=micro == cfg.grad_accum_steps - 1):
+                        with timer.stage("forward"), autocast:
+                            _, loss = train_model(x, y)
+                            loss = loss / cfg.grad_accum_steps  # the mean over the micro-batches
+                        with timer.stage("backward"):
+                            scaler.scale(loss).backward()
                     step_loss += loss.detach()
                 with timer.stage("optimizer_step"):
                     lr = get_lr(step, cfg)
@@ -319,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
             step += 1
             interval_losses.append(step_loss)
             last = step == cfg.num_steps
-            log_now = step % cfg.log_interval == 0 or last or bool(stop_signal)
+            stop = distributed.any_rank(bool(stop_signal), dist_info)  # every rank stops at the same step
+            log_now = step % cfg.log_interval == 0 or last or stop
             if log_now and device == "cuda":
                 torch.cuda.synchronize()  # the interval's time must include the work still queued
             step_times[step] = time.perf_counter() - t0
@@ -329,40 +374,59 @@ def main(argv: list[str] | None = None) -> int:
                 profiler.step()
             if memory_history and step == window.stop - 1:  # the end of the window: a snapshot of it
                 memory_history.dump(snapshot_path)
+            if step == memory_step:  # the measured step: memory_trace/, the log, the next metrics line
+                memory_dir = out_dir / MEMORY_TRACE_DIR.format(rank=rank)
+                write_memory_trace(measure.breakdown, memory_dir, memory_estimate)
+                log.info(f"{format_breakdown(measure.breakdown, memory_estimate)}\n  memory.log and sunburst "
+                         f"charts: {memory_dir}")
+                memory_breakdown = measure.breakdown.to_record(memory_estimate)
 
             if log_now:
                 losses = check_finite()
-                if step % cfg.eval_interval == 0 or last:
+                if is_main and (step % cfg.eval_interval == 0 or last):
                     last_val = evaluate(model, make_val_batches(), cfg.eval_iters, device, autocast)
                 step_time = interval_time / len(losses)
-                stage_host_ms, stage_device_ms = timer.read(len(losses))
+                stages = timer.read()
                 record = {
                     "step": step, "num_steps": cfg.num_steps, "loss": sum(losses) / len(losses), "lr": lr,
                     "epoch": 1 + (step * tokens_per_step) // len(train_tokens) if train_tokens is not None else 1,
-                    "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
+                    "step_time_s": step_time, "tokens_per_s": world_size * tokens_per_step / step_time,
+                    "tokens_per_s_per_rank": tokens_per_step / step_time, "world_size": world_size,
                     "val_loss": last_val, "val_ppl": None if last_val is None else perplexity(last_val),
                     "elapsed_s": time.perf_counter() - t_start, "eta_s": step_time * (cfg.num_steps - step),
                     "amp": amp_dtype, "mfu": mfu(model_flops_per_token, tokens_per_step / step_time, peak),
-                    "stage_host_ms": stage_host_ms, "stage_device_ms": stage_device_ms,
+                    "stage_host_ms": stages.host_ms, "stage_device_ms": stages.device_ms,
                     "memory": cuda_memory_report() if device == "cuda" else {},
                 }
+                if memory_breakdown is not None:  # bytes; "total" is the CPU's peak-memory figure
+                    record["memory_breakdown"], memory_breakdown = memory_breakdown, None
                 log.info(format_log_line(record))
                 metrics_file.write(record)
                 tensorboard.log(record)
+                if world_size > 1 and stages.host_steps:  # every rank's medians, scored for stragglers
+                    mine = rank_figures(rank, dist_info.host, [1000 * step_times[s] for s in
+                                        range(step - len(losses) + 1, step + 1)], stages.device_steps)
+                    for report in stragglers.update(step, distributed.gather(mine, dist_info)):
+                        if is_main:
+                            log.warning(format_report(report, cfg.straggler_threshold))
+                            stragglers_file.write(report)
                 interval_losses, interval_time = [], 0.0
 
-            if step % cfg.save_interval == 0 or last or stop_signal:
+            if step % cfg.save_interval == 0 or last or stop:
                 if interval_losses:
                     check_finite()
                 if not all(torch.isfinite(p).all() for p in model.parameters()):
                     raise NonFiniteLoss(f"the weights became non-finite at step {step}; the last good "
                                         f"checkpoint ({ckpt_path}) was left intact; lower --lr")
-                save_checkpoint(ckpt_path, checkpoint_state())
-            if stop_signal:
-                name = signal.Signals(stop_signal[0]).name
-                log.info(f"Stopped by {name} after step {step}; checkpoint saved to {ckpt_path}. "
-                         f"Continue with: python train_minimal.py --resume --out-dir {out_dir} (and the same flags)")
-                return 128 + stop_signal[0]
+                state = checkpoint_state()  # on every rank: it gathers each rank's RNG state
+                if is_main:
+                    save_checkpoint(ckpt_path, state)
+            if stop:
+                signum = stop_signal[0] if stop_signal else signal.SIGTERM  # another rank's signal
+                log.info(f"Stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved to "
+                         f"{ckpt_path}. Continue with: python train_minimal.py --resume --out-dir {out_dir} "
+                         "(and the same flags)")
+                return 128 + signum
 
     # ------------------------------------------------------------------ finish
     if nsys:
@@ -373,8 +437,9 @@ def main(argv: list[str] | None = None) -> int:
         memory_history.stop()
         log.info(f"CUDA memory snapshot: {snapshot_path} (open it at pytorch.org/memory_viz)")
     elapsed = time.perf_counter() - t_start
-    log.info(f"Training finished: {step - start_step} steps in {format_duration(elapsed)}; "
-             f"val loss {last_val:.4f}, val ppl {perplexity(last_val):.1f}")
+    if is_main:
+        log.info(f"Training finished: {step - start_step} steps in {format_duration(elapsed)}; "
+                 f"val loss {last_val:.4f}, val ppl {perplexity(last_val):.1f}")
     log.info(f"Checkpoint: {ckpt_path}")
     log.info(f"Run directory: {out_dir} ({LOG_FILE}, {METRICS_FILE}, {CONFIG_FILE})")
     return 0
@@ -390,7 +455,10 @@ def cli(argv: list[str] | None = None) -> int:
     except NonFiniteLoss as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        distributed.cleanup()  # on every exit path: a process group left behind hangs or leaks
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    # record(): under torchrun, a failing rank's error reaches the launcher's summary, with its rank.
+    sys.exit(record(cli)())

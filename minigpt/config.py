@@ -84,6 +84,16 @@ class TrainConfig:
     record_memory_history: bool = False
     memory_history_entries: int = 100_000
     memory_snapshot_path: str | None = None  # None: <out-dir>/snapshots/rank{R}_snapshot.pickle
+    # memory (minigpt/memory.py)
+    memory_profiler: bool = False
+    memory_profile_step: int | None = None  # None: --profile-step-start (after warm-up, like the trace)
+    estimate_memory: bool = False
+    device_memory_gb: float | None = None  # None: the GPU's memory on CUDA, else this machine's RAM
+    # distributed (torchrun)
+    ddp_backend: str | None = None  # None: nccl on CUDA, gloo on the CPU
+    ddp_timeout: float = 300.0  # seconds any collective may wait before the job fails
+    straggler_threshold: float = 0.75
+    simulate_slow_rank: str | None = None  # "R:MS[:STAGE]"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -158,12 +168,29 @@ def build_parser(prog: str = "train_minimal.py") -> argparse.ArgumentParser:
                    help="CUDA allocation history; snapshot at the end of the window or run, and on OOM")
     g.add_argument("--memory-history-entries", type=int, help="allocations kept in the history (default 100000)")
     g.add_argument("--memory-snapshot-path", help="default <out-dir>/snapshots/rank{R}_snapshot.pickle")
+    g = p.add_argument_group("memory")
+    g.add_argument("--memory-profiler", action="store_true",
+                   help="measure one step: params, grads, optimizer state, saved activations per module; "
+                        "writes <out-dir>/memory_trace/rank{R}_dp{R}/ (memory.log, sunburst charts)")
+    g.add_argument("--memory-profile-step", type=int, help="the measured step (default --profile-step-start)")
+    g.add_argument("--estimate-memory", action="store_true",
+                   help="print the predicted memory of this configuration and exit (builds no model)")
+    g.add_argument("--device-memory-gb", type=float,
+                   help="GiB the estimate must fit in (default: the GPU's memory on CUDA, else this machine's RAM)")
+    g = p.add_argument_group("distributed (under torchrun)")
+    g.add_argument("--ddp-backend", choices=["nccl", "gloo"], help="default: nccl on CUDA, gloo on the CPU")
+    g.add_argument("--ddp-timeout", type=float,
+                   help="seconds a collective may wait for a missing rank before the job fails (default 300)")
+    g.add_argument("--straggler-threshold", type=float,
+                   help="report a rank whose relative or individual score falls below this (default 0.75)")
+    g.add_argument("--simulate-slow-rank", metavar="R:MS[:STAGE]",
+                   help="teaching/testing aid: rank R sleeps MS ms in STAGE (default forward) every step")
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
+def parse_args(argv: list[str] | None = None, prog: str = "train_minimal.py") -> TrainConfig:
     """Flags over preset over defaults, then validated. Raises UsageError."""
-    given = vars(build_parser().parse_args(argv))
+    given = vars(build_parser(prog).parse_args(argv))
     preset = given.get("preset", DEFAULT_PRESET)
     values = {**PRESETS[preset], **given, "preset": preset}
     known = {f.name for f in fields(TrainConfig)}
@@ -182,6 +209,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     if cfg.use_toy_data and cfg.vocab_size is None:
         cfg.vocab_size = TOY_VOCAB_SIZE
     validate(cfg)
+    if cfg.memory_profiler and cfg.memory_profile_step is None:
+        cfg.memory_profile_step = cfg.profile_step_start  # after warm-up, the same step as the trace
     return cfg
 
 
@@ -218,8 +247,23 @@ def validate(cfg: TrainConfig) -> None:
         raise UsageError("--nsys and --use-profiler exclude each other (both capture the same steps, "
                          "and each distorts the other); pick one")
     profile_ranks(cfg.profile_ranks, world_size=None)  # the format; the range is checked at start-up
+    if not 0 < cfg.straggler_threshold <= 1:
+        raise UsageError(f"--straggler-threshold must be in (0, 1], got {cfg.straggler_threshold}")
+    if cfg.ddp_timeout <= 0:
+        raise UsageError(f"--ddp-timeout must be positive, got {cfg.ddp_timeout}")
     if cfg.use_toy_data and (cfg.train_data or cfg.val_data):
         raise UsageError("--use-toy-data generates its own data; drop --train-data/--val-data")
+    if cfg.memory_profile_step is not None and not cfg.memory_profiler:
+        raise UsageError("--memory-profile-step needs --memory-profiler")
+    if cfg.memory_profiler:
+        step = cfg.memory_profile_step if cfg.memory_profile_step is not None else cfg.profile_step_start
+        if not 1 <= step <= cfg.num_steps:
+            given = "--memory-profile-step" if cfg.memory_profile_step is not None else \
+                "--memory-profile-step (default: --profile-step-start)"
+            raise UsageError(f"{given} is {step}, outside the run's steps 1..{cfg.num_steps}; "
+                             "pass --memory-profile-step N within them")
+    if cfg.device_memory_gb is not None and not cfg.device_memory_gb > 0:
+        raise UsageError(f"--device-memory-gb must be positive, got {cfg.device_memory_gb}")
 
 
 def profile_ranks(spec: str, world_size: int | None) -> list[int] | None:

@@ -16,6 +16,7 @@ import pickle
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -30,14 +31,40 @@ STAGE_COLORS = {"data_to_device": "yellow", "forward": "green", "backward": "red
                 "optimizer_step": "blue", STEP_RANGE: "white"}
 
 
-class StageTimer:
-    """Per-stage host and device time, summed over a log interval and averaged per step."""
+@dataclass
+class StageTimes:
+    """What StageTimer.read() returns: per-stage means over the interval, and every step's figures
+    (medians for the straggler detector). Milliseconds."""
+    host_ms: dict[str, float] = field(default_factory=dict)
+    device_ms: dict[str, float] = field(default_factory=dict)
+    host_steps: list[dict[str, float]] = field(default_factory=list)
+    device_steps: list[dict[str, float]] = field(default_factory=list)
 
-    def __init__(self, device: str, enabled: bool = True):
+
+class StageTimer:
+    """Per-stage host and device time of each step, read (and reset) at the log interval.
+
+    `sleep_ms` makes chosen stages slower by sleeping inside them: a teaching and testing aid
+    (--simulate-slow-rank), never on by default."""
+
+    def __init__(self, device: str, enabled: bool = True, sleep_ms: dict[str, float] | None = None):
         self.cuda = device == "cuda"
         self.enabled = enabled
-        self.host_s: dict[str, float] = defaultdict(float)
-        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.sleep_ms = sleep_ms or {}
+        self.open: dict[str, tuple[float, torch.cuda.Event | None]] = {}  # stage -> (start time, start event)
+        self.splits: dict[str, tuple[str, float, torch.cuda.Event | None]] = {}  # split -> (stage, s, event)
+        self.step_host: dict[str, float] = defaultdict(float)  # ms of the step in flight
+        self.host_steps: list[dict[str, float]] = []
+        self.events: list[tuple[int, str, torch.cuda.Event, torch.cuda.Event]] = []  # (step, stage, start, end)
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """The whole training step: a range (no timer of its own; the loop times the step)."""
+        with self.stage(STEP_RANGE, timed=False):
+            yield
+        if self.enabled:
+            self.host_steps.append(dict(self.step_host))
+            self.step_host.clear()
 
     @contextmanager
     def stage(self, name: str, timed: bool = True) -> Iterator[None]:
@@ -47,36 +74,70 @@ class StageTimer:
         nvtx_range = nvtx.start_range(message=name, color=STAGE_COLORS.get(name), domain=NVTX_DOMAIN)
         timed = timed and self.enabled
         with record_function(name):
+            start = None
             if timed and self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start = torch.cuda.Event(enable_timing=True)
                 start.record()
             t0 = time.perf_counter()
+            self.open[name] = (t0, start)
             try:
+                if name in self.sleep_ms:
+                    time.sleep(self.sleep_ms[name] / 1000)
                 yield
             finally:
+                del self.open[name]
                 if timed:
-                    self.host_s[name] += time.perf_counter() - t0
+                    self.step_host[name] += 1000 * (time.perf_counter() - t0)
                     if self.cuda:
+                        end = torch.cuda.Event(enable_timing=True)
                         end.record()
-                        self.events.append((name, start, end))
+                        self.events.append((len(self.host_steps), name, start, end))
+                    for split, (parent, seconds, event) in list(self.splits.items()):
+                        if parent == name:  # the split's last mark inside this stage counts
+                            self.step_host[split] += 1000 * seconds
+                            if self.cuda:
+                                self.events.append((len(self.host_steps), split, start, event))
+                            del self.splits[split]
                 nvtx.end_range(nvtx_range)
 
-    def read(self, steps: int) -> tuple[dict[str, float], dict[str, float]]:
-        """(host ms, device ms) per stage, averaged over `steps`, then reset. On CUDA call it only
-        after a synchronize: every event recorded so far must have completed."""
-        if not self.enabled:
-            return {}, {}
-        host = {name: 1000 * self.host_s[name] / steps for name in STAGES if name in self.host_s}
+    def split(self, stage: str, name: str) -> None:
+        """Mark, now, the end of `name`: the part of the open `stage` done so far. Called several
+        times in one stage, the last mark counts. Safe from another thread (autograd's)."""
+        if not self.enabled or stage not in self.open:
+            return
+        t0, _ = self.open[stage]
+        event = None
         if self.cuda:
-            device_ms: dict[str, float] = defaultdict(float)
-            for name, start, end in self.events:
-                device_ms[name] += start.elapsed_time(end)
-            device = {name: device_ms[name] / steps for name in host}
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        self.splits[name] = (stage, time.perf_counter() - t0, event)
+
+    def read(self) -> StageTimes:
+        """The steps completed since the last read. On CUDA call it only after a synchronize:
+        every event recorded so far must have completed."""
+        if not self.enabled or not self.host_steps:
+            self.host_steps.clear()
+            self.events.clear()
+            return StageTimes()
+        host_steps = self.host_steps
+        if self.cuda:
+            device_steps = [defaultdict(float) for _ in host_steps]
+            for i, name, start, end in self.events:
+                if i < len(device_steps):
+                    device_steps[i][name] += start.elapsed_time(end)
+            device_steps = [dict(d) for d in device_steps]
         else:
-            device = dict(host)  # the CPU runs each op as the host issues it
-        self.host_s.clear()
-        self.events.clear()
-        return host, device
+            device_steps = host_steps  # the CPU runs each op as the host issues it
+        names = [n for n in (*STAGES, *sorted({k for s in host_steps for k in s} - set(STAGES)))
+                 if any(n in s for s in host_steps)]
+        n = len(host_steps)
+        times = StageTimes(
+            host_ms={k: sum(s.get(k, 0.0) for s in host_steps) / n for k in names},
+            device_ms={k: sum(s.get(k, 0.0) for s in device_steps) / n for k in names},
+            host_steps=host_steps, device_steps=device_steps)
+        self.host_steps, self.events = [], [e for e in self.events if e[0] >= n]
+        self.events = [(i - n, *rest) for i, *rest in self.events]
+        return times
 
 
 # ---------------------------------------------------------------------------- profiler window

@@ -16,18 +16,24 @@ LOG_FORMAT = "[%(asctime)s] %(message)s"
 LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
 
 
-def setup_logging(log_file: Path | None = None, enabled: bool = True) -> logging.Logger:
-    """The 'minigpt' logger: console, plus log_file when given. Disabled on ranks other than 0."""
+def setup_logging(log_file: Path | None = None, rank: int = 0) -> logging.Logger:
+    """The 'minigpt' logger: on rank 0 the console plus log_file when given; on other ranks only
+    warnings and errors, on stderr, marked with the rank."""
     log = logging.getLogger("minigpt")
     log.handlers.clear()
     log.propagate = False
-    log.setLevel(logging.INFO if enabled else logging.CRITICAL + 1)
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
-    if log_file is not None and enabled:
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(log_file, encoding="utf-8"))
+    if rank == 0:
+        log.setLevel(logging.INFO)
+        handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
+        if log_file is not None:
+            log_file.parent.mkdir(parents=True, exist_ok=True)
+            handlers.append(logging.FileHandler(log_file, encoding="utf-8"))
+        fmt = LOG_FORMAT
+    else:
+        log.setLevel(logging.WARNING)
+        handlers, fmt = [logging.StreamHandler(sys.stderr)], f"[%(asctime)s] [rank {rank}] %(message)s"
     for h in handlers:
-        h.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATEFMT))
+        h.setFormatter(logging.Formatter(fmt, LOG_DATEFMT))
         log.addHandler(h)
     return log
 
@@ -46,6 +52,8 @@ def format_log_line(m: dict) -> str:
     ppl = "n/a" if m.get("val_loss") is None else f"{m['val_ppl']:.1f}"
     line = (f"epoch {m['epoch']} step {m['step']}/{m['num_steps']} | lr {m['lr']:.2e} | "
             f"step {m['step_time_s'] * 1000:.0f}ms | {m['tokens_per_s']:,.0f} tok/s | "
+            + (f"{m['tokens_per_s_per_rank']:,.0f} tok/s/rank x {m['world_size']} | "
+               if m.get("world_size", 1) > 1 else "")
             + (f"mfu {100 * m['mfu']:.1f}% | " if m.get("mfu") is not None else "")
             + f"train loss {m['loss']:.4f} | val loss {val} | val ppl {ppl} | "
             f"elapsed {format_duration(m['elapsed_s'])} | eta {format_duration(m['eta_s'])} | "
@@ -60,7 +68,8 @@ def format_log_line(m: dict) -> str:
     return line
 
 
-STAGE_ABBREV = {"data_to_device": "h2d", "forward": "fwd", "backward": "bwd", "optimizer_step": "opt"}
+STAGE_ABBREV = {"data_to_device": "h2d", "forward": "fwd", "backward": "bwd", "optimizer_step": "opt",
+                "backward_compute": "(bwd compute)"}
 
 
 def perplexity(loss: float) -> float:
@@ -70,16 +79,20 @@ def perplexity(loss: float) -> float:
 class JsonlWriter:
     """Appends one JSON object per line and flushes, so a crash loses at most the current line."""
 
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.f = open(path, "a", encoding="utf-8")
+    def __init__(self, path: Path, enabled: bool = True):
+        self.f = None
+        if enabled:  # under DDP only rank 0 writes
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.f = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
-        self.f.write(json.dumps(record) + "\n")
-        self.f.flush()
+        if self.f:
+            self.f.write(json.dumps(record) + "\n")
+            self.f.flush()
 
     def close(self) -> None:
-        self.f.close()
+        if self.f:
+            self.f.close()
 
     def __enter__(self) -> "JsonlWriter":
         return self
@@ -145,19 +158,29 @@ def mfu(flops_per_token: float, tokens_per_s_per_device: float, peak: float) -> 
 
 # ---------------------------------------------------------------------------- TensorBoard
 
+# Byte figures of record["memory_breakdown"] (and of its "estimate") that TensorBoard plots.
+MEMORY_BREAKDOWN_KEYS = ("params", "grads", "optimizer", "activations", "activations_peak", "total",
+                         "cuda_max_allocated", "other", "logits", "recompute", "peak")
+
+
 class TensorBoardLogger:
     """Scalars for `tensorboard --logdir <out-dir>`: the same figures as metrics.jsonl."""
 
-    def __init__(self, log_dir: Path):
-        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
+    def __init__(self, log_dir: Path, enabled: bool = True):
+        self.writer = None
+        if enabled:  # under DDP only rank 0 writes
+            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
 
-        self.writer = SummaryWriter(str(log_dir))
+            self.writer = SummaryWriter(str(log_dir))
 
     def log(self, record: dict) -> None:
+        if self.writer is None:
+            return
         step = record["step"]
         scalars = {"train/loss": record.get("loss"), "val/loss": record.get("val_loss"),
                    "val/ppl": record.get("val_ppl"), "train/lr": record.get("lr"),
                    "perf/tokens_per_s": record.get("tokens_per_s"), "perf/mfu": record.get("mfu"),
+                   "perf/tokens_per_s_per_rank": record.get("tokens_per_s_per_rank"),
                    "perf/step_time_ms": 1000 * record["step_time_s"] if "step_time_s" in record else None}
         for kind in ("host", "device"):
             for stage, ms in (record.get(f"stage_{kind}_ms") or {}).items():
@@ -167,10 +190,17 @@ class TensorBoardLogger:
         for tag, value in scalars.items():
             if value is not None:
                 self.writer.add_scalar(tag, value, step)
+        # The measured memory breakdown (bytes, see minigpt/memory.py), in MiB at the measured step.
+        breakdown = record.get("memory_breakdown") or {}
+        for prefix, figures in (("memory_breakdown", breakdown), ("memory_estimate", breakdown.get("estimate") or {})):
+            for key in MEMORY_BREAKDOWN_KEYS:
+                if figures.get(key) is not None:
+                    self.writer.add_scalar(f"{prefix}/{key}_mib", figures[key] / 2**20, breakdown.get("step", step))
         self.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
     def __enter__(self) -> "TensorBoardLogger":
         return self

@@ -162,3 +162,25 @@ def test_cuda_only_features_are_refused_on_the_cpu(capsys, tmp_path, flag, why):
 
 def test_memory_history_entries_must_be_positive(capsys):
     assert "must be positive" in fails(capsys, *TINY, "--memory-history-entries", "0")
+
+
+# ---------------------------------------------------------------------------- distributed flags
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--straggler-threshold", "1.5"], "--straggler-threshold must be in (0, 1]"),
+    (["--ddp-timeout", "0"], "--ddp-timeout must be positive"),
+    (["--simulate-slow-rank", "1"], "RANK:MS or RANK:MS:STAGE"),
+    (["--simulate-slow-rank", "a:b"], "RANK:MS or RANK:MS:STAGE"),
+    (["--simulate-slow-rank", "0:-5"], "the delay positive"),
+    (["--simulate-slow-rank", "0:5:lunch"], "unknown stage 'lunch'"),
+    (["--simulate-slow-rank", "1:50"], "no rank 1 in a world of 1"),
+])
+def test_bad_distributed_flags(capsys, tmp_path, flags, expected):
+    out = tmp_path / "run"
+    assert expected in fails(capsys, *TINY, *flags, "--out-dir", str(out))
+    assert not out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_nccl_backend_on_the_cpu(capsys):
+    assert "nccl needs CUDA" in fails(capsys, *TINY, "--ddp-backend", "nccl")

@@ -130,8 +130,23 @@ def test_stage_uses_process_wide_nvtx_ranges(monkeypatch):
     with timer.stage("backward"):
         pass
     assert seen == [("start", "backward", "red", "minigpt"), ("end", 7)]
-    host, device = timer.read(steps=1)
-    assert set(host) == {"backward"} and host == device
+
+
+def test_stage_timer_splits_and_per_step_figures():
+    timer = StageTimer("cpu", sleep_ms={"forward": 20})
+    for _ in range(2):
+        with timer.step():
+            with timer.stage("forward"):
+                pass
+            with timer.stage("backward"):
+                time.sleep(0.01)
+                timer.split("backward", "backward_compute")
+                time.sleep(0.03)
+    times = timer.read()
+    assert len(times.host_steps) == 2 and times.device_steps == times.host_steps
+    assert times.host_ms["forward"] >= 20  # the simulated slow stage sleeps inside the range
+    assert 10 <= times.host_ms["backward_compute"] < 30 <= times.host_ms["backward"]
+    assert timer.read().host_ms == {}  # read resets
 
 
 def test_log_line_and_mfu(tmp_path):

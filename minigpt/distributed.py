@@ -1,0 +1,123 @@
+"""Data parallelism through torchrun: process group, DDP, and the few collectives the trainer needs.
+
+    torchrun --nproc_per_node 2 train_minimal.py ...            # one node, 2 processes
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 train_minimal.py ...
+
+torchrun starts the processes and sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT;
+`setup()` reads them. Without them the trainer runs as a single process, world size 1, and none
+of this code does anything. Knows nothing of GPT.
+
+Besides the default group (NCCL on CUDA, gloo on the CPU), a gloo group on the host carries the
+small control messages: the per-step "stop now?" vote and the straggler figures. Host tensors
+through gloo never make the host wait for the GPU, so they cost no synchronisation on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from contextlib import nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    backend: str | None = None  # None: a single process, no process group
+    host: str = socket.gethostname()
+    control: object = None  # the gloo group for host-side control messages
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def setup(device: str, backend: str | None, timeout_s: float) -> DistInfo:
+    """Join the process group torchrun describes in the environment (a no-op without torchrun).
+    `timeout_s` bounds every collective: a rank that died or hangs ends the job with an error
+    after that long instead of leaving the others waiting for ever."""
+    if not launched_by_torchrun():
+        return DistInfo()
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    backend = backend or ("nccl" if device == "cuda" else "gloo")
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)  # "cuda" now means this process's own GPU
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, timeout=timeout,
+                            device_id=torch.device("cuda", local_rank) if backend == "nccl" else None)
+    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    return DistInfo(rank, local_rank, world_size, backend, socket.gethostname(), control)
+
+
+def cleanup() -> None:
+    """Destroy the process group; safe to call on every exit path, and more than once."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap_ddp(model: torch.nn.Module, info: DistInfo, device: str) -> torch.nn.Module:
+    if not info.enabled:
+        return model
+    return DistributedDataParallel(model, device_ids=[info.local_rank] if device == "cuda" else None)
+
+
+def no_grad_sync(model: torch.nn.Module, sync: bool):
+    """DDP's no_sync() on gradient-accumulation micro-steps: gradients are all-reduced once per
+    optimizer step, on the last micro-batch, not on every one."""
+    if sync or not isinstance(model, DistributedDataParallel):
+        return nullcontext()
+    return model.no_sync()
+
+
+def any_rank(flag: bool, info: DistInfo) -> bool:
+    """True on every rank if it is true on any: all ranks stop at the same step, or none does
+    (a rank that left alone would leave the others waiting in the next all-reduce)."""
+    if not info.enabled:
+        return flag
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=info.control)
+    return bool(t.item())
+
+
+def gather(obj, info: DistInfo) -> list:
+    """Every rank's `obj`, in rank order, on every rank (through the host-side gloo group)."""
+    if not info.enabled:
+        return [obj]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, obj, group=info.control)
+    return out
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        dist.barrier(group=info.control)
+
+
+def time_backward_compute(ddp_model: torch.nn.Module, on_ready) -> None:
+    """Register a DDP communication hook that calls `on_ready()` as each gradient bucket becomes
+    ready, then all-reduces it as DDP would. The last call marks the end of the backward's own
+    compute: what follows in the backward is the wait for the all-reduce, which grows on the fast
+    ranks when another rank is slow. Straggler scores use the compute, not the wait."""
+    def hook(state, bucket):
+        on_ready()
+        return default_hooks.allreduce_hook(state, bucket)
+
+    ddp_model.register_comm_hook(None, hook)
+

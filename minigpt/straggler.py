@@ -1,0 +1,107 @@
+"""Slow ranks: one slow rank drags every other rank down, because data parallelism waits for the
+slowest at each gradient all-reduce. This module names it, in the spirit of NVIDIA's straggler
+detector: every log interval each rank contributes its median step and stage times, and two
+scores are computed per rank:
+
+    relative score   = fastest rank's median / this rank's median      (is it slower than the others?)
+    individual score = this rank's best median so far / its current one (is it slower than it was?)
+
+A rank scoring below the threshold (default 0.75) on either is reported.
+
+The trap: in DDP the fast ranks wait for the slow one inside the all-reduce, during their own
+backward, so their step and backward times grow as much as the slow rank's. Scoring step times
+would name every rank. The scores therefore use only what holds no collective: data_to_device,
+forward, optimizer_step, and the backward's own compute (`backward_compute`, up to the moment
+the last gradient bucket is ready, timed through a DDP communication hook), never the wait.
+Knows nothing of GPT.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from minigpt.config import UsageError
+
+# Stages whose time is the rank's own work, with no collective inside.
+SCORED_STAGES = ("data_to_device", "forward", "backward_compute", "optimizer_step")
+
+
+@dataclass
+class SlowRank:
+    """--simulate-slow-rank R:MS[:STAGE]: rank R sleeps MS milliseconds inside STAGE each step."""
+    rank: int
+    ms: float
+    stage: str = "forward"
+
+
+def parse_slow_rank(spec: str, stages: tuple[str, ...]) -> SlowRank:
+    parts = spec.split(":")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError
+        slow = SlowRank(int(parts[0]), float(parts[1]), *parts[2:])
+    except ValueError:
+        raise UsageError(f"--simulate-slow-rank takes RANK:MS or RANK:MS:STAGE (e.g. 1:200:forward); "
+                         f"got {spec!r}") from None
+    if slow.rank < 0 or slow.ms <= 0:
+        raise UsageError(f"--simulate-slow-rank {spec}: the rank must be >= 0 and the delay positive")
+    if slow.stage not in stages:
+        raise UsageError(f"--simulate-slow-rank {spec}: unknown stage {slow.stage!r}; one of {', '.join(stages)}")
+    return slow
+
+
+def rank_figures(rank: int, host: str, step_times_ms: list[float], stage_steps: list[dict[str, float]]) -> dict:
+    """This rank's medians over one log interval, as sent to every other rank."""
+    def scored(step: dict[str, float]) -> float:
+        # Without DDP there is no communication hook, and the whole backward is the rank's own.
+        return sum(step.get(s, step.get("backward", 0.0) if s == "backward_compute" else 0.0)
+                   for s in SCORED_STAGES)
+
+    names = {k for s in stage_steps for k in s}
+    return {
+        "rank": rank, "host": host,
+        "step_ms": statistics.median(step_times_ms),
+        "scored_ms": statistics.median([scored(s) for s in stage_steps]),
+        "stages_ms": {k: statistics.median([s.get(k, 0.0) for s in stage_steps]) for k in sorted(names)},
+    }
+
+
+class StragglerDetector:
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+        self.best: dict[int, dict] = {}  # rank -> its figures at its best interval so far
+
+    def update(self, step: int, figures: list[dict]) -> list[dict]:
+        """Score every rank's figures for this interval; return the reports of the slow ones."""
+        fastest = min(figures, key=lambda f: f["scored_ms"])
+        reports = []
+        for f in figures:
+            best = self.best.get(f["rank"])
+            if best is None or f["scored_ms"] < best["scored_ms"]:
+                best = self.best[f["rank"]] = f
+            relative = fastest["scored_ms"] / f["scored_ms"]
+            individual = best["scored_ms"] / f["scored_ms"]
+            if min(relative, individual) >= self.threshold:
+                continue
+            # The stage that grew most: against the fastest rank if that is the low score, else
+            # against this rank's own best interval.
+            reference = fastest if relative <= individual else best
+            grew = {s: f["stages_ms"].get(s, 0.0) - reference["stages_ms"].get(s, 0.0)
+                    for s in SCORED_STAGES if s in f["stages_ms"]}
+            stage = max(grew, key=grew.get) if grew else None
+            reports.append({
+                "step": step, "rank": f["rank"], "host": f["host"],
+                "relative_score": round(relative, 3), "individual_score": round(individual, 3),
+                "stage": stage, "stage_ms": f["stages_ms"].get(stage),
+                "reference_stage_ms": reference["stages_ms"].get(stage),
+                "scored_ms": f["scored_ms"], "step_ms": f["step_ms"],
+            })
+        return reports
+
+
+def format_report(r: dict, threshold: float) -> str:
+    return (f"STRAGGLER rank {r['rank']} on {r['host']} at step {r['step']}: relative score "
+            f"{r['relative_score']:.2f}, individual score {r['individual_score']:.2f} (threshold "
+            f"{threshold:.2f}); {r['stage']} grew most: {r['stage_ms']:.1f} ms vs "
+            f"{r['reference_stage_ms']:.1f} ms")

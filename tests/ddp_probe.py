@@ -1,0 +1,55 @@
+"""Run train_minimal.cli under torchrun and leave behind what the DDP tests inspect.
+
+    torchrun --nproc_per_node 2 tests/ddp_probe.py OUT_FILE_PREFIX [trainer flags...]
+
+Writes OUT_FILE_PREFIX.rank{R}.pt with this rank's first gradients (captured where the trainer
+clips them, after the all-reduce) and its final weights. PROBE_FAIL="RANK:STEP:raise|exit" makes
+that rank fail at that step, to test how the job ends.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train_minimal  # noqa: E402
+
+rank = int(os.environ.get("RANK", 0))
+prefix, argv = sys.argv[1], sys.argv[2:]
+models, grads = [], {}
+
+class ProbedGPT(train_minimal.GPT):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        models.append(self)
+
+real_clip = torch.nn.utils.clip_grad_norm_
+
+def probed_clip(params, *args, **kwargs):
+    params = list(params)
+    if not grads:
+        grads.update({n: p.grad.detach().clone() for n, p in models[0].named_parameters()})
+    return real_clip(params, *args, **kwargs)
+
+train_minimal.GPT = ProbedGPT
+torch.nn.utils.clip_grad_norm_ = probed_clip
+
+if os.environ.get("PROBE_FAIL"):
+    fail_rank, fail_step, how = os.environ["PROBE_FAIL"].split(":")
+    real_get_lr = train_minimal.get_lr
+
+    def failing_get_lr(step, cfg):
+        if rank == int(fail_rank) and step + 1 == int(fail_step):
+            if how == "exit":
+                os._exit(13)  # the process dies without a word, as a killed rank would
+            raise RuntimeError(f"probe failure on rank {rank} at step {step + 1}")
+        return real_get_lr(step, cfg)
+
+    train_minimal.get_lr = failing_get_lr
+
+status = train_minimal.cli(argv)
+torch.save({"grads": grads, "params": {k: v.detach().clone() for k, v in models[0].state_dict().items()}},
+           f"{prefix}.rank{rank}.pt")
+sys.exit(status)

@@ -1,0 +1,340 @@
+"""The memory breakdown (measured), the estimator, memory.log and the charts, and the trainer's flags."""
+
+import json
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.nn as nn
+
+import train_minimal
+from conftest import TINY
+from minigpt import memory
+from minigpt.config import parse_args
+from minigpt.memory import (LAYOUT, MEMORY_LOG, SUNBURST_FILES, capture_memory, estimate_gpt, parse_memory_log,
+                            write_memory_trace)
+from minigpt.model import GPT, GPTConfig
+
+SHAPE = dict(n_layers=2, d_model=32, n_heads=2, d_ff=128, seq_len=16, batch_size=4, vocab_size=64,
+             max_position_embeddings=16)
+
+
+def train_steps(model, optimizer, make_batch, steps=2, amp=False, accum=1, measure_step=None):
+    """A plain training step, `steps` times; the step `measure_step` (default the last) is captured."""
+    measure_step = measure_step or steps
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if amp else nullcontext()
+    cap = None
+    for step in range(1, steps + 1):
+        ctx = capture_memory(model, optimizer, step) if step == measure_step else nullcontext()
+        with ctx:
+            for _ in range(accum):
+                with autocast:
+                    loss = make_batch(model)
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if step == measure_step:
+            cap = ctx
+    return cap.breakdown
+
+
+def tiny_gpt(checkpoint=False, **shape):
+    s = {**SHAPE, **shape}
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=s["vocab_size"], max_position_embeddings=s["max_position_embeddings"],
+                          n_layers=s["n_layers"], n_heads=s["n_heads"], d_model=s["d_model"], d_ff=s["d_ff"],
+                          activation_checkpoint=checkpoint))
+    model.train()
+    optimizer = train_minimal.configure_optimizer(model, parse_args([]), "cpu")
+
+    def batch(m):
+        x = torch.randint(0, s["vocab_size"], (s["batch_size"], s["seq_len"]))
+        return m(x, torch.roll(x, -1, 1))[1]
+    return model, optimizer, batch, s
+
+
+# ---------------------------------------------------------------------------- measured figures
+
+def test_two_linears_by_hand():
+    """Every figure of a small MLP equals its size computed by hand, and a storage saved twice
+    (the ReLU's output is also the second Linear's input) counts once."""
+    B = 5
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(B, 8)
+    b = train_steps(model, optimizer, lambda m: m(x).sum())
+    n_params = 8 * 16 + 16 + 16 * 4 + 4
+    assert b.category_total("params") == 4 * n_params
+    assert b.params == {"0.weight": 4 * 128, "0.bias": 64, "2.weight": 4 * 64, "2.bias": 16}
+    assert b.category_total("grads") == 4 * n_params
+    # AdamW: exp_avg and exp_avg_sq in fp32, and a 4-byte step tensor per parameter
+    assert b.category_total("optimizer") == 2 * 4 * n_params + 4 * 4
+    assert b.optimizer["0.weight.exp_avg"] == 4 * 128 and b.optimizer["0.weight.step"] == 4
+    # saved: the input x by the first Linear (its weight is a parameter: not an activation), the
+    # ReLU's output once (the second Linear saves the same storage)
+    assert b.activations == {"0": 4 * B * 8, "1": 4 * B * 16}
+    assert b.activations_peak == 4 * B * (8 + 16)
+    assert b.activation_dtypes == {"float32": 4 * B * 24}
+    assert b.total == 4 * n_params * 4 + 16 + b.activations_peak
+    assert b.device == "cpu" and b.cuda_max_allocated is None and b.other is None
+
+
+def test_tied_embedding_counted_once():
+    model, optimizer, batch, s = tiny_gpt()
+    b = train_steps(model, optimizer, batch)
+    assert "lm_head.weight" not in b.params and "wte.weight" in b.params
+    assert b.category_total("params") == 4 * sum(p.numel() for p in model.parameters())
+    assert b.category_total("grads") == b.category_total("params")
+    assert b.category_total("optimizer") == 2 * b.category_total("params") + 4 * len(list(model.parameters()))
+
+
+def test_hooks_are_removed_after_the_step_and_after_a_failure():
+    model, optimizer, batch, _ = tiny_gpt()
+    with capture_memory(model, optimizer):
+        batch(model).backward()
+    with pytest.raises(RuntimeError, match="boom"):
+        with capture_memory(model, optimizer):
+            raise RuntimeError("boom")
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+        batch(model)
+    assert seen  # ours are gone: the stack of saved-tensor hooks is back to what it was
+
+
+def test_checkpointing_lowers_the_measured_activations():
+    plain = train_steps(*tiny_gpt()[:3])
+    ckpt = train_steps(*tiny_gpt(checkpoint=True)[:3])
+    assert ckpt.category_total("activations") < 0.5 * plain.category_total("activations")
+    assert ckpt.subtree("activations", "blocks") == 0  # only the blocks' inputs, saved by the checkpoint
+    assert plain.subtree("activations", "blocks.0") > 0
+    assert ckpt.category_total("params") == plain.category_total("params")
+
+
+def test_bf16_saves_mostly_half_precision():
+    model, optimizer, batch, _ = tiny_gpt(d_model=64, d_ff=256)
+    b = train_steps(model, optimizer, batch, amp=True)
+    dtypes = b.activation_dtypes
+    assert set(dtypes) == {"bfloat16", "float32", "int64"}
+    # the matmuls' inputs and weight copies are bf16; the LayerNorm inputs (the residual stream),
+    # their statistics and the cross-entropy's log-probabilities stay fp32
+    assert dtypes["bfloat16"] > 2 * dtypes["float32"]
+    assert sum(dtypes.values()) == b.category_total("activations")
+    fp32 = train_steps(*tiny_gpt(d_model=64, d_ff=256)[:3])
+    assert set(fp32.activation_dtypes) == {"float32", "int64"}
+    assert b.category_total("activations") < fp32.category_total("activations")
+
+
+def test_the_peak_is_one_micro_batch_under_gradient_accumulation():
+    one = train_steps(*tiny_gpt()[:3])
+    two = train_steps(*tiny_gpt()[:3], accum=2)
+    assert two.activations_peak == one.activations_peak  # the first micro-batch's graph is freed first
+    assert two.activations == one.activations
+    assert two.category_total("grads") == one.category_total("grads")
+
+
+# ---------------------------------------------------------------------------- the estimator
+
+@pytest.mark.parametrize("amp", ["fp32", "bf16"])
+@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize("shape", [{}, dict(n_layers=1, d_model=64, n_heads=4, d_ff=192, seq_len=32,
+                                           batch_size=2, vocab_size=256, max_position_embeddings=48)])
+def test_estimate_matches_the_measurement(amp, checkpoint, shape):
+    model, optimizer, batch, s = tiny_gpt(checkpoint=checkpoint, **shape)
+    b = train_steps(model, optimizer, batch, amp=amp == "bf16")
+    e = estimate_gpt(**s, amp_dtype=amp, activation_checkpoint=checkpoint)
+    assert (e.params, e.grads, e.optimizer) == (b.category_total("params"), b.category_total("grads"),
+                                                b.category_total("optimizer"))  # exact
+    for measured, estimated in [(b.category_total("activations"), e.activations), (b.total, e.total)]:
+        assert abs(estimated - measured) <= 0.10 * measured, (measured, estimated)
+    if not checkpoint:
+        assert abs(e.block - b.subtree("activations", "blocks.0")) <= 0.10 * e.block
+
+
+def test_estimate_with_dropout_is_close():
+    model, optimizer, batch, s = tiny_gpt()
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.1
+    model.blocks[0].attn.dropout = model.blocks[1].attn.dropout = 0.1
+    b = train_steps(model, optimizer, batch)
+    e = estimate_gpt(**s, dropout=0.1)
+    assert e.attention == "math"
+    assert abs(e.activations - b.category_total("activations")) <= 0.10 * b.category_total("activations")
+
+
+def test_estimate_formula_per_block():
+    """Korthikanti's sbh terms for this model: 36sbh in bf16 and 64sbh in fp32 with d_ff = 4h,
+    plus the small LayerNorm statistics and logsumexp."""
+    s, b, h, a = 128, 2, 64, 4
+    shape = dict(n_layers=1, d_model=h, n_heads=a, d_ff=4 * h, seq_len=s, batch_size=b, vocab_size=64,
+                 max_position_embeddings=s)
+    small = 16 * b * s + 4 * a * b * s
+    bf16 = estimate_gpt(**shape, amp_dtype="bf16")
+    assert bf16.block - 2 * (4 * h * h + 2 * h * 4 * h) == 36 * s * b * h + small  # minus the weight copies
+    assert estimate_gpt(**shape).block == 64 * s * b * h + small
+    assert estimate_gpt(**shape, activation_checkpoint=True).block == 4 * s * b * h
+
+
+# ---------------------------------------------------------------------------- memory.log and charts
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    model, optimizer, batch, s = tiny_gpt()
+    b = train_steps(model, optimizer, batch, steps=2)
+    folder = tmp_path_factory.mktemp("trace") / "rank0_dp0"
+    write_memory_trace(b, folder, estimate_gpt(**s))
+    return b, folder
+
+
+def test_memory_log_parses_back(written):
+    b, folder = written
+    text = (folder / MEMORY_LOG).read_text()
+    assert text.startswith("Memory State:\n") and "---summary---" in text and "---Layout---" in text
+    (state,) = parse_memory_log(text)
+    assert state["step"] == 2
+    summary = state["summary"]
+    assert summary["params_memory"] == b.category_total("params")
+    assert summary["os_state_memory"] == b.category_total("optimizer")
+    assert summary["activation_memory"] == b.category_total("activations")
+    assert summary["total_memory"] == b.total
+    assert summary["activation_peak_memory"] == b.activations_peak
+    assert state["estimate"]["params_memory"] == pytest.approx(b.category_total("params"), abs=0.01 * 2**20)
+    for category, (root, section) in LAYOUT.items():
+        rows = state["layouts"][section]
+        assert rows[0]["path"] == root and rows[0]["depth"] == 0
+        assert rows[0]["total_bytes"] == b.category_total(category)
+        assert sum(r["layer_bytes"] for r in rows) == b.category_total(category)
+    params = {r["path"]: r for r in state["layouts"]["params_layout"]}
+    assert params["param_mem.blocks.0.attn.qkv.weight"]["layer_bytes"] == 4 * 3 * 32 * 32
+    assert params["param_mem.blocks.0.attn.qkv.weight"]["depth"] == 5  # indented by its depth
+    acts = {r["path"]: r for r in state["layouts"]["activation_base_layout"]}
+    assert acts["activation_mem.blocks.0"]["total_bytes"] == b.subtree("activations", "blocks.0")
+
+
+def test_parse_reads_internevo_style_lines():
+    text = ("Memory State:\ntime: 37.5\n---summary---\ntotal_memory: 10.00 MB\n"
+            "params_memory: 4.00 MB, grads_memory: 4.00 MB, os_params_memory: 0.00 MB, os_state_memory: 2.00 MB, "
+            "activation_memory: 0.00 MB\n---Layout---\nparams_layout:\n"
+            "layer: param_mem, layer_mem: 0.00 MB, total_mem: 4.00 MB\n"
+            "layer: param_mem.embedding.weight, layer_mem: 4.00 MB, total_mem: 4.00 MB\n")
+    (state,) = parse_memory_log(text)
+    assert state["summary"]["total_memory"] == 10 * 2**20 and state["time"] == 37.5
+    assert state["layouts"]["params_layout"][1] == {"path": "param_mem.embedding.weight", "depth": 2,
+                                                    "layer_bytes": 4 * 2**20, "total_bytes": 4 * 2**20}
+
+
+def test_sunburst_charts_are_offline_html_with_the_data(written):
+    _, folder = written
+    for kind, name in SUNBURST_FILES.items():
+        html = (folder / name).read_text()
+        assert "<html>" in html[:100] and '"type":"sunburst"' in html
+        assert "plotly.js v" in html and 'src="http' not in html  # plotly.js embedded: opens offline
+    assert "param_mem.blocks.0.attn.qkv.weight" in (folder / SUNBURST_FILES["params"]).read_text()
+    assert "activation_mem.blocks.1.mlp.gelu" in (folder / SUNBURST_FILES["activations"]).read_text()
+    assert "os_state_mem.wte.weight.exp_avg_sq" in (folder / SUNBURST_FILES["optimizer"]).read_text()
+    summary = (folder / SUNBURST_FILES["summary"]).read_text()
+    assert all(root in summary for root, _ in LAYOUT.values())
+    assert not list(folder.glob(".*.tmp"))  # written atomically: no temporary left behind
+
+
+# ---------------------------------------------------------------------------- the trainer
+
+def fails(capsys, *args: str) -> str:
+    try:
+        status = train_minimal.cli(list(args))
+    except SystemExit as e:
+        status = e.code
+    err = capsys.readouterr().err
+    assert status == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--memory-profiler", "--memory-profile-step", "0"], "--memory-profile-step is 0, outside the run's steps 1..4"),
+    (["--memory-profiler", "--memory-profile-step", "5"], "outside the run's steps 1..4"),
+    (["--memory-profiler"], "(default: --profile-step-start) is 5, outside the run's steps 1..4"),
+    (["--memory-profile-step", "2"], "--memory-profile-step needs --memory-profiler"),
+    (["--device-memory-gb", "-1"], "--device-memory-gb must be positive, got -1.0"),
+    (["--estimate-memory", "--device-memory-gb", "0"], "--device-memory-gb must be positive"),
+    (["--memory-profile-step", "two"], "invalid int value: 'two'"),
+])
+def test_bad_memory_flags(capsys, tmp_path, args, expected):
+    out = tmp_path / "run"
+    assert expected in fails(capsys, *TINY, "--num-steps", "4", *args, "--out-dir", str(out))
+    assert not out.exists()
+
+
+def test_estimator_command_line_refuses_bad_flags_in_one_line(capsys):
+    assert memory.main(["--device-memory-gb", "-2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --device-memory-gb must be positive, got -2.0"
+
+
+def test_estimate_memory_prints_and_exits_without_a_run_directory(capsys, tmp_path):
+    out = tmp_path / "run"
+    args = ["--preset", "gpt2", "--batch-size", "1", "--seq-len", "128", "--device-memory-gb", "1.5"]
+    assert train_minimal.cli([*args, "--estimate-memory", "--out-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert not out.exists()
+    assert "Memory estimate: 12 layers, d_model 768" in printed and "124.48M parameters" in printed
+    assert "does NOT fit" in printed and "Device memory: 1.5 GiB (--device-memory-gb)" in printed
+    assert memory.main(args) == 0  # python -m minigpt.memory: the same report
+    assert capsys.readouterr().out == printed
+
+
+def test_estimate_memory_defaults_to_the_machines_memory(capsys):
+    assert memory.main(["--preset", "tiny", "--no-amp"]) == 0
+    printed = capsys.readouterr().out
+    source = "the GPU's memory" if torch.cuda.is_available() else "this machine's RAM"
+    assert source in printed and "fp32 + ckpt" in printed and "*fp32" in printed
+
+
+def test_memory_profiler_end_to_end(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train_minimal.cli([*TINY, "--num-steps", "4", "--log-interval", "3", "--memory-profiler",
+                              "--memory-profile-step", "2", "--out-dir", str(out)]) == 0
+    folder = out / "memory_trace" / "rank0_dp0"
+    assert {p.name for p in folder.iterdir()} == {MEMORY_LOG, *SUNBURST_FILES.values()}
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    carrying = [r for r in rows if "memory_breakdown" in r]
+    assert [r["step"] for r in carrying] == [3]  # the first log line after the measured step
+    m = carrying[0]["memory_breakdown"]
+    assert m["step"] == 2 and m["device"] == "cpu"
+    assert m["total"] == m["params"] + m["grads"] + m["optimizer"] + m["activations_peak"] > 0
+    assert m["estimate"]["params"] == m["params"] and abs(m["estimate"]["total"] - m["total"]) <= 0.1 * m["total"]
+    (state,) = parse_memory_log((folder / MEMORY_LOG).read_text())
+    assert state["summary"]["total_memory"] == m["total"]
+    log = (out / "train.log").read_text()
+    assert "Memory breakdown at step 2" in log and "estimate" in log and "+0.0%" in log
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
+    (point,) = events.Scalars("memory_breakdown/total_mib")
+    assert point.step == 2 and point.value == pytest.approx(m["total"] / 2**20)
+    assert "memory_estimate/peak_mib" in events.Tags()["scalars"]
+
+
+@pytest.mark.cuda
+def test_cuda_breakdown_beside_max_allocated():
+    """On a GPU: the same figures, with max_memory_allocated beside them and the remainder named."""
+    model, _, batch, s = tiny_gpt(d_model=128, n_heads=4, d_ff=512, seq_len=64, batch_size=8,
+                                  max_position_embeddings=64, vocab_size=512)
+    model.cuda()
+    optimizer = train_minimal.configure_optimizer(model, parse_args([]), "cuda")
+
+    def cuda_batch(m):
+        x = torch.randint(0, s["vocab_size"], (s["batch_size"], s["seq_len"]), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return m(x, torch.roll(x, -1, 1))[1]
+    b = train_steps(model, optimizer, cuda_batch)
+    e = estimate_gpt(**s, amp_dtype="bf16", device="cuda")
+    assert b.device == "cuda" and b.cuda_max_allocated >= b.category_total("params") + b.category_total("optimizer")
+    assert b.other == b.cuda_max_allocated - b.total and b.cuda_max_reserved >= b.cuda_max_allocated
+    assert (e.params, e.optimizer) == (b.category_total("params"), b.category_total("optimizer"))
+    assert abs(e.activations - b.category_total("activations")) <= 0.10 * b.category_total("activations")
+    assert "CUDA max allocated" in memory.format_breakdown(b, e)
