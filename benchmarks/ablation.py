@@ -1,0 +1,190 @@
+"""Compare feature flags: tokens/s, MFU, per-stage host and device times, and peak memory.
+
+    python benchmarks/ablation.py                                   # default preset, this machine
+    python benchmarks/ablation.py --preset gpt2 --steps 3 --warmup 1 --repeats 1
+    python benchmarks/ablation.py --preset gpt2 --seq-len 1024 --batch-size 8 --compile --nproc 2
+    python benchmarks/ablation.py --preset nanogpt                  # nanoGPT's shape: the speed comparison
+
+The matrix is {AMP, --no-amp} x {no checkpointing, --use-activation-checkpoint}, plus
+`--compile` and a DDP world size when asked. Each variant runs in a fresh process, `--repeats`
+times, for `--steps` measured steps after `--warmup`. Trainer flags not known here
+(--seq-len, --batch-size, --n-layers, ...) are passed through to every variant.
+
+Writes benchmarks/results/<device>-<name>.json, .md (the table, with ratios to the fp32
+baseline) and .png (tokens/s, stage times host vs device, peak memory). Each names the device,
+the versions, the date and the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import PRESETS, RESULTS, STAGES, device_slug, machine_line, run_variant, stamp, summarise  # noqa: E402
+
+MIB = 2**20
+
+
+def variants(args) -> list[tuple[str, list[str], int]]:
+    """(name, flags, processes) of each variant; the first is the baseline."""
+    out = [("fp32", ["--no-amp"], 1),
+           ("fp32 + ckpt", ["--no-amp", "--use-activation-checkpoint"], 1),
+           ("amp", [], 1),
+           ("amp + ckpt", ["--use-activation-checkpoint"], 1)]
+    if args.compile:
+        out.append(("amp + compile", ["--compile"], 1))
+    if args.nproc > 1:
+        out.append((f"amp + ddp x{args.nproc}", [], args.nproc))
+    return out
+
+
+def peak_mib(s: dict) -> float | None:
+    """CUDA: the allocator's peak. CPU: the measured breakdown's total (params, grads, optimizer
+    state and the saved activations at their peak)."""
+    if "peak_allocated_gib" in s:
+        return s["peak_allocated_gib"] * 1024
+    b = s.get("breakdown_bytes")
+    return b["total"] / MIB if b else None
+
+
+def activations_mib(s: dict) -> float | None:
+    b = s.get("breakdown_bytes")
+    return b.get("activations_peak", b.get("activations")) / MIB if b else None
+
+
+def findings(results: dict) -> list[str]:
+    """The ratios a reader looks for, e.g. 'AMP 1.7x tokens/s'."""
+    def tps(name):
+        return results[name]["tokens_per_s"]["median"]
+
+    lines = []
+    if "amp" in results and "fp32" in results:
+        lines.append(f"AMP: {tps('amp') / tps('fp32'):.2f}x tokens/s against fp32")
+    for base in ("fp32", "amp"):
+        ck = f"{base} + ckpt"
+        if ck in results and base in results:
+            act0, act1 = activations_mib(results[base]), activations_mib(results[ck])
+            pk0, pk1 = peak_mib(results[base]), peak_mib(results[ck])
+            text = f"activation checkpointing ({base}): {100 * (tps(ck) / tps(base) - 1):+.0f}% tokens/s"
+            if act0 and act1:
+                text += f", {100 * (act1 / act0 - 1):+.0f}% activations"
+            if pk0 and pk1:
+                text += f", peak memory {pk0:,.0f} -> {pk1:,.0f} MiB"
+            lines.append(text)
+    for name in results:
+        if "compile" in name or "ddp" in name:
+            lines.append(f"{name}: {tps(name) / tps('amp'):.2f}x tokens/s against amp")
+    return lines
+
+
+def markdown(meta: dict, results: dict) -> str:
+    base = next(iter(results))
+    device = "device" if meta["machine"]["device"] == "cuda" else "device (= host on the CPU)"
+    lines = [f"# Ablation: {meta['name']}", "",
+             f"Machine: {machine_line(meta)}", "",
+             f"Command: `{meta['command']}`", "",
+             f"{meta['steps']} measured steps after {meta['warmup']} warm-up steps, {meta['repeats']} fresh "
+             "process(es) per variant; medians over every measured step, spread as min-max of the repeats' medians.", "",
+             "| variant | tokens/s (median) | spread | vs baseline | MFU | step ms | "
+             + " | ".join(f"{s} host/{device.split()[0]} ms" for s in STAGES) + " | peak MiB | activations MiB |",
+             "|---" * (7 + len(STAGES)) + "|"]
+    for name, s in results.items():
+        reps = s["tokens_per_s_repeats"]
+        pk, act = peak_mib(s), activations_mib(s)
+        lines.append(
+            f"| {name} | {s['tokens_per_s']['median']:,.0f} | {min(reps):,.0f}-{max(reps):,.0f} | "
+            f"{s['tokens_per_s']['median'] / results[base]['tokens_per_s']['median']:.2f}x | "
+            f"{100 * s['mfu']:.1f}% | {s['step_ms']['median']:.0f} | "
+            + " | ".join(f"{s['stage_host_ms'].get(st, 0):.1f} / {s['stage_device_ms'].get(st, 0):.1f}" for st in STAGES)
+            + f" | {'n/a' if pk is None else f'{pk:,.1f}'} | {'n/a' if act is None else f'{act:,.1f}'} |")
+    lines += ["", "Findings:", ""] + [f"- {f}" for f in findings(results)]
+    lines += ["", "Peak memory: " + ("`torch.cuda.max_memory_allocated()` over the measured steps."
+                                     if meta["machine"]["device"] == "cuda" else
+                                     "the measured breakdown (parameters + gradients + optimizer state + saved "
+                                     "activations at their peak, see `--memory-profiler`); the CPU has no allocator peak "
+                                     "to read.")]
+    return "\n".join(lines) + "\n"
+
+
+def chart(meta: dict, results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    tps = [results[n]["tokens_per_s"]["median"] for n in names]
+    lo = [t - min(results[n]["tokens_per_s_repeats"]) for t, n in zip(tps, names)]
+    hi = [max(results[n]["tokens_per_s_repeats"]) - t for t, n in zip(tps, names)]
+    axes[0].bar(names, tps, yerr=[lo, hi], capsize=4, color="#4c72b0")
+    axes[0].set_title("tokens/s (median, min-max of repeats)")
+
+    colors = {"data_to_device": "#dddd55", "forward": "#55a868", "backward": "#c44e52", "optimizer_step": "#4c72b0"}
+    x = range(len(names))
+    for offset, kind, hatch in ((-0.2, "host", ""), (0.2, "device", "//")):
+        bottom = [0.0] * len(names)
+        for st in STAGES:
+            vals = [results[n][f"stage_{kind}_ms"].get(st, 0.0) for n in names]
+            axes[1].bar([i + offset for i in x], vals, 0.38, bottom=bottom, color=colors[st], hatch=hatch,
+                        edgecolor="black", linewidth=0.3, label=st if kind == "host" else None)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    axes[1].set_xticks(list(x), names)
+    axes[1].set_title("stage ms per step: host (plain) vs device (hatched)")
+    axes[1].legend(fontsize=8)
+
+    peaks = [peak_mib(results[n]) or 0.0 for n in names]
+    acts = [activations_mib(results[n]) or 0.0 for n in names]
+    axes[2].bar(names, peaks, color="#8172b2", label="peak")
+    axes[2].bar(names, acts, color="#ccb974", width=0.5, label="saved activations")
+    axes[2].set_title("memory, MiB")
+    axes[2].legend(fontsize=8)
+    for ax in axes:
+        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    fig.suptitle(f"{meta['name']} on {machine_line(meta)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="Other flags go to train_minimal.py unchanged.")
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    p.add_argument("--steps", type=int, default=10, help="measured steps per run (default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="steps before the measured ones (default 3)")
+    p.add_argument("--repeats", type=int, default=3, help="fresh processes per variant (default 3)")
+    p.add_argument("--compile", action="store_true", help="add an AMP + torch.compile variant")
+    p.add_argument("--nproc", type=int, default=1, help="add an AMP + DDP variant with this many processes")
+    p.add_argument("--name", help="results file name after the device (default: the preset)")
+    p.add_argument("--out-dir", type=Path, default=RESULTS)
+    args, trainer_flags = p.parse_known_args()
+    if min(args.steps, args.repeats) < 1 or args.warmup < 0:
+        p.error("--steps and --repeats must be at least 1, --warmup at least 0")
+
+    meta = {**stamp(sys.argv), "name": args.name or args.preset, "preset_flags": PRESETS[args.preset],
+            "trainer_flags": trainer_flags, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
+    results = {}
+    for name, flags, nproc in variants(args):
+        runs = []
+        for r in range(args.repeats):
+            print(f"[{name}] repeat {r + 1}/{args.repeats}", flush=True)
+            runs.append(run_variant([*PRESETS[args.preset], *trainer_flags, *flags], args.warmup, args.steps, nproc))
+        results[name] = {"flags": flags, "nproc": nproc, **summarise(runs)}
+        print(f"[{name}] {results[name]['tokens_per_s']['median']:,.0f} tokens/s", flush=True)
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.out_dir / f"{device_slug(meta['machine'])}-{meta['name']}"
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    table = markdown(meta, results)
+    stem.with_suffix(".md").write_text(table)
+    chart(meta, results, stem.with_suffix(".png"))
+    print(table)
+    print(f"wrote {stem}.json, .md, .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""What ablation.py and overhead.py share: run a trainer variant in a fresh process, read back its
+per-step figures, summarise them as medians with their spread, and describe the machine.
+
+Each run of a variant is `train_minimal.py <flags> --num-steps W+N+1 --log-interval 1`: W warm-up
+steps (not counted), N measured steps, then one more step on which the memory breakdown is
+measured (its hooks would slow a measured step). Every step is logged, so every step is a sample.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+STAGES = ("data_to_device", "forward", "backward", "optimizer_step")
+
+# Benchmark presets: trainer flags. "nanogpt" is the shape of the nanoGPT speed comparison
+# (4 layers, 4 heads, 256 wide, block 256, batch 8, vocabulary 50304, tied embeddings, no
+# dropout): the trainer's default `small` preset, named here so anyone can rerun the comparison.
+PRESETS = {
+    "small": ["--preset", "small"],
+    "nanogpt": ["--preset", "small", "--dropout", "0"],
+    "gpt2": ["--preset", "gpt2"],
+    "tiny": ["--preset", "tiny"],
+}
+
+
+def machine() -> dict:
+    """The device and the versions, as every result file records them."""
+    import torch
+
+    info = {"torch": torch.__version__, "python": platform.python_version(), "cuda": torch.version.cuda,
+            "platform": platform.platform()}
+    if torch.cuda.is_available():
+        info.update(device="cuda", device_name=torch.cuda.get_device_name(), gpus=torch.cuda.device_count())
+    else:
+        info.update(device="cpu", device_name=cpu_name(), cores=os.cpu_count(),
+                    avx512_bf16=bool(torch.cpu._is_avx512_bf16_supported()))
+    return info
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_slug(info: dict) -> str:
+    """'cpu' or the GPU's name in lower case with dashes (nvidia-h100-80gb-hbm3): the file prefix."""
+    if info["device"] == "cpu":
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", info["device_name"].lower()).strip("-")
+
+
+def run_variant(flags: list[str], warmup: int, steps: int, nproc: int = 1, timeout: float = 3600) -> dict:
+    """One fresh process (or a torchrun job of `nproc`) running the trainer; returns the measured
+    steps' rows of metrics.jsonl, the memory breakdown, and config.json."""
+    with tempfile.TemporaryDirectory(prefix="minigpt-bench-") as tmp:
+        out = Path(tmp) / "run"
+        total = warmup + steps + 1
+        args = [*flags, "--num-steps", str(total), "--log-interval", "1", "--eval-interval", str(10 * total),
+                "--eval-iters", "1", "--save-interval", str(10 * total), "--warmup-steps", "1",
+                "--memory-profiler", "--memory-profile-step", str(total), "--out-dir", str(out)]
+        launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+                    if nproc > 1 else [sys.executable])
+        cmd = [*launcher, str(ROOT / "train_minimal.py"), *args]
+        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        if result.returncode != 0:
+            raise RuntimeError(f"variant failed ({shlex.join(flags)}):\n{result.stderr[-3000:]}")
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        config = json.loads((out / "config.json").read_text())
+    measured = [r for r in rows if warmup < r["step"] <= warmup + steps]
+    breakdown = next((r["memory_breakdown"] for r in rows if r.get("memory_breakdown")), None)
+    return {"rows": measured, "breakdown": breakdown, "config": config}
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Medians over every measured step of every repeat; tokens/s also per repeat (its spread
+    across fresh processes is the honest error bar)."""
+    rows = [r for run in runs for r in run["rows"]]
+    per_repeat = [statistics.median(r["tokens_per_s"] for r in run["rows"]) for run in runs]
+    summary = {
+        "tokens_per_s": spread([r["tokens_per_s"] for r in rows]),
+        "tokens_per_s_repeats": per_repeat,
+        "step_ms": spread([1000 * r["step_time_s"] for r in rows]),
+        "mfu": statistics.median(r["mfu"] for r in rows),
+        "stage_host_ms": {s: statistics.median(r["stage_host_ms"].get(s, 0.0) for r in rows)
+                          for s in STAGES if rows and s in rows[0]["stage_host_ms"]},
+        "stage_device_ms": {s: statistics.median(r["stage_device_ms"].get(s, 0.0) for r in rows)
+                            for s in STAGES if rows and s in rows[0]["stage_device_ms"]},
+    }
+    cuda_peaks = [r["memory"]["peak_allocated_gib"] for r in rows if r.get("memory", {}).get("peak_allocated_gib")]
+    if cuda_peaks:
+        summary["peak_allocated_gib"] = max(cuda_peaks)
+    breakdown = runs[0]["breakdown"]
+    if breakdown:
+        summary["breakdown_bytes"] = {k: breakdown[k] for k in
+                                      ("params", "grads", "optimizer", "activations", "activations_peak", "total")
+                                      if k in breakdown}
+    return summary
+
+
+def stamp(command: list[str]) -> dict:
+    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": shlex.join(["python", *[os.path.relpath(command[0], ROOT)] + command[1:]]),
+            "machine": machine()}
+
+
+def machine_line(meta: dict) -> str:
+    m = meta["machine"]
+    where = (f"{m['device_name']} ({m.get('cores')} cores{', AVX512-BF16' if m.get('avx512_bf16') else ''})"
+             if m["device"] == "cpu" else f"{m['device_name']} (CUDA {m['cuda']})")
+    return f"{where}; torch {m['torch']}, Python {m['python']}; {meta['date']}"

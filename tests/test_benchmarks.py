@@ -1,0 +1,53 @@
+"""The benchmark scripts end to end on a tiny configuration: they run every variant in a fresh
+process and write results that name their machine. (Their figures are not asserted: performance
+claims live in benchmarks/results/, never in tests.)"""
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from conftest import ROOT
+
+TINY = ["--preset", "tiny", "--use-toy-data", "--steps", "2", "--warmup", "1", "--repeats", "1"]
+
+
+def run(script, *args):
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_ablation_writes_json_markdown_and_chart(tmp_path):
+    result = run("ablation.py", *TINY, "--out-dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "cpu-tiny.json").read_text())
+    assert list(data["results"]) == ["fp32", "fp32 + ckpt", "amp", "amp + ckpt"]
+    meta = data["meta"]
+    assert meta["machine"]["torch"] == torch.__version__ and meta["machine"]["device"] == "cpu"
+    assert meta["command"].startswith("python benchmarks/ablation.py --preset tiny") and meta["date"]
+    for name, r in data["results"].items():
+        assert r["tokens_per_s"]["n"] == 2 and r["tokens_per_s"]["median"] > 0
+        assert set(r["stage_host_ms"]) == {"data_to_device", "forward", "backward", "optimizer_step"}
+        assert r["breakdown_bytes"]["params"] > 0
+    # checkpointing keeps fewer activations: measured, not assumed
+    results = data["results"]
+    assert results["fp32 + ckpt"]["breakdown_bytes"]["activations"] < results["fp32"]["breakdown_bytes"]["activations"]
+    table = (tmp_path / "cpu-tiny.md").read_text()
+    assert "| fp32 | " in table and "AMP: " in table and torch.__version__ in table and "Command:" in table
+    assert (tmp_path / "cpu-tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_overhead_reports_each_variant(tmp_path):
+    result = run("overhead.py", *TINY, "--out-dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "overhead-cpu-tiny.json").read_text())
+    assert list(data["results"]) == ["timing off", "timing on (default)", "profiler", "profiler + stacks"]
+    assert data["results"]["timing off"]["overhead_pct"] == 0
+    assert data["results"]["timing off"]["stage_host_ms"] == {}
+    assert "overhead vs timing off" in (tmp_path / "overhead-cpu-tiny.md").read_text()
+
+
+def test_bad_benchmark_flags_fail_with_a_message():
+    result = run("ablation.py", "--steps", "0")
+    assert result.returncode == 2 and "--steps and --repeats must be at least 1" in result.stderr
