@@ -33,8 +33,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from minigpt import distributed
 from minigpt.checkpoint import check_same_shape, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from minigpt.config import (TrainConfig, UsageError, check_cuda_features, parse_args, profile_ranks,
-                            resolve_amp, resolve_device)
+from minigpt.config import (EXTRA_ARGS_ENV, TrainConfig, UsageError, check_cuda_features, parse_args,
+                            profile_ranks, resolve_amp, resolve_device)
 from minigpt.data import (Batches, ToyBatches, builtin_corpus, check_enough_tokens, get_tokenizer,
                           load_tokens, split_train_val)
 from minigpt.instrument import (STAGES, MemoryHistory, NsysCaptureRange, StageTimer, cuda_memory_report,
@@ -252,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         })
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps
     log.info(f"Training started; run directory {out_dir}")
+    if os.environ.get(EXTRA_ARGS_ENV):
+        log.info(f"Flags appended from ${EXTRA_ARGS_ENV}: {os.environ[EXTRA_ARGS_ENV]}")
     log.info(f"Device: {device} ({device_name}), torch {torch.__version__}; {amp_note}")
     if world_size > 1:
         log.info(f"DDP: {world_size} ranks, {dist_info.backend} backend; every rank draws its own batches")

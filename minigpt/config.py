@@ -4,6 +4,8 @@ one clear line instead of a traceback."""
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import sys
 from dataclasses import asdict, dataclass, field, fields
 
@@ -188,8 +190,16 @@ def build_parser(prog: str = "train_minimal.py") -> argparse.ArgumentParser:
     return p
 
 
+EXTRA_ARGS_ENV = "MINIGPT_ARGS"
+
+
 def parse_args(argv: list[str] | None = None, prog: str = "train_minimal.py") -> TrainConfig:
-    """Flags over preset over defaults, then validated. Raises UsageError."""
+    """Flags over preset over defaults, then validated. Raises UsageError.
+
+    Flags in the environment variable MINIGPT_ARGS are appended to the command line, so they win
+    over the same flags given there: a way to scale every command of a script or of the
+    walkthrough down to a quick run (MINIGPT_ARGS="--preset tiny --num-steps 8")."""
+    argv = list(sys.argv[1:] if argv is None else argv) + shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
     given = vars(build_parser(prog).parse_args(argv))
     preset = given.get("preset", DEFAULT_PRESET)
     values = {**PRESETS[preset], **given, "preset": preset}

@@ -18,6 +18,7 @@ TINY = ["--use-toy-data", "--preset", "tiny", "--n-layers", "2", "--d-model", "3
 def _token_cache(tmp_path_factory):
     """Token files of the tests go to a fresh folder, not the user's ~/.cache."""
     os.environ["MINIGPT_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    os.environ.pop("MINIGPT_ARGS", None)  # a user's scaled-down flags would change what the tests run
 
 
 def pytest_collection_modifyitems(config, items):

@@ -184,3 +184,11 @@ def test_bad_distributed_flags(capsys, tmp_path, flags, expected):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_nccl_backend_on_the_cpu(capsys):
     assert "nccl needs CUDA" in fails(capsys, *TINY, "--ddp-backend", "nccl")
+
+
+def test_minigpt_args_are_appended_and_win(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIGPT_ARGS", "--num-steps 3 --log-interval 3")
+    out = tmp_path / "run"
+    assert train_minimal.cli([*TINY, "--num-steps", "50", "--out-dir", str(out)]) == 0
+    assert "step 3/3" in (out / "train.log").read_text()
+    assert "Flags appended from $MINIGPT_ARGS: --num-steps 3" in (out / "train.log").read_text()
