@@ -37,6 +37,7 @@ from minigpt.config import (EXTRA_ARGS_ENV, TrainConfig, UsageError, check_cuda_
                             profile_ranks, resolve_amp, resolve_device)
 from minigpt.data import (Batches, ToyBatches, builtin_corpus, check_enough_tokens, get_tokenizer,
                           load_tokens, split_train_val)
+from minigpt.fileio import atomic_write
 from minigpt.instrument import (STAGES, MemoryHistory, NsysCaptureRange, StageTimer, cuda_memory_report,
                                 has_device_kernels, make_profiler, top_operators)
 from minigpt.memory import capture_memory, estimate_gpt, estimate_report, format_breakdown, gpt_shape, write_memory_trace
@@ -121,12 +122,17 @@ def resolve_out_dir(cfg: TrainConfig) -> Path:
 
 @contextmanager
 def stop_on_signals():
-    """Yield a list that receives the number of the first SIGINT/SIGTERM; restore the handlers after."""
+    """Yield a list that receives the number of the first SIGINT/SIGTERM; restore the handlers after.
+
+    A second Ctrl-C kills at once. A repeated SIGTERM is ignored: launchers and schedulers
+    (torchrun, SLURM) often send it to every process twice, and the save must still happen."""
     received: list[int] = []
 
     def handler(signum, frame):
-        received.append(signum)
-        signal.signal(signum, signal.SIG_DFL)
+        if not received:
+            received.append(signum)
+        if signum == signal.SIGINT:
+            signal.signal(signum, signal.SIG_DFL)
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -137,9 +143,7 @@ def stop_on_signals():
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(obj, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         memory_history.start()
         memory_history.dump_on_oom(out_dir / OOM_SNAPSHOT_FILE.format(rank=rank))
     snapshot_path = Path(cfg.memory_snapshot_path or out_dir / SNAPSHOT_FILE.format(rank=rank))
+    if cfg.memory_snapshot_path and world_size > 1:  # one file per rank, never overwritten by another
+        snapshot_path = snapshot_path.with_name(f"rank{rank}_{snapshot_path.name}")
+    snapshot_dumped = False
     model_cfg = GPTConfig(
         vocab_size=pad_vocab(vocab_size), max_position_embeddings=cfg.max_position_embeddings,
         n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_model=cfg.d_model, d_ff=cfg.d_ff,
@@ -223,14 +230,23 @@ def main(argv: list[str] | None = None) -> int:
         if state["step"] >= cfg.num_steps:
             raise UsageError(f"checkpoint {ckpt_path} is at step {state['step']}, already past "
                              f"--num-steps {cfg.num_steps}; raise --num-steps to train further")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
+        try:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            scaler.load_state_dict(state["scaler"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise UsageError(f"checkpoint {ckpt_path} does not fit this run's flags (model, optimizer or "
+                             f"--amp-dtype differ: {str(e).splitlines()[0]}); resume with the flags it was "
+                             "trained with") from None
         step = state["step"]
         train_batches.position = state["data_position"]
         per_rank = state.get("rng_per_rank") or []
         # last: building the model above drew from the generators
-        set_rng_state(per_rank[rank] if len(per_rank) == world_size else state["rng"])
+        if len(per_rank) == world_size:
+            set_rng_state(per_rank[rank])
+        else:  # the world size changed: exact continuation is impossible, keep the ranks' streams apart
+            set_rng_state(state["rng"])
+            torch.manual_seed(cfg.seed + rank + state["step"])
     ddp_model = distributed.wrap_ddp(model, dist_info, device)  # the model itself if world size 1
     train_model = torch.compile(ddp_model) if cfg.compile else ddp_model
     model_flops_per_token = flops_per_token(model, cfg.seq_len)
@@ -271,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     # ------------------------------------------------------------------ instrumentation
     timer = StageTimer(device, enabled=cfg.stage_timing,
                        sleep_ms={slow.stage: slow.ms} if slow and slow.rank == rank else None)
-    if world_size > 1:  # the backward's own compute, without the all-reduce wait: for straggler scores
+    if world_size > 1 and cfg.stage_timing:  # the backward's compute without the all-reduce wait
+        timer.add_split("backward", "backward_compute")
         distributed.time_backward_compute(ddp_model, lambda: timer.split("backward", "backward_compute"))
     stragglers = StragglerDetector(cfg.straggler_threshold)
     step_times: dict[int, float] = {}  # host seconds of each step, to price the profiler window
@@ -280,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     def on_profile_window_end(prof) -> None:
         ops = top_operators(prof, device)
         ops_path = out_dir / OPS_FILE.format(rank=rank)
-        ops_path.write_text(ops)
+        atomic_write(ops_path, ops)
         log.info(f"Profiled steps {window.start}-{window.stop - 1}; top operators (also in {ops_path}):\n{ops}")
         if device == "cuda" and not has_device_kernels(prof):
             log.warning("WARNING: the trace holds no CUDA kernel events: CUPTI recorded nothing "
@@ -298,7 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.use_profiler and profiled and step < window.start:
         profiler = make_profiler(out_dir / TRACE_DIR, rank, step + 1, window.start, window.stop, device,
                                  cfg.profile_with_stack, on_profile_window_end)
-    nsys = NsysCaptureRange(window.start, window.stop) if cfg.nsys and profiled else None
+    nsys = NsysCaptureRange(window.start, window.stop) if cfg.nsys and profiled and step < window.start else None
+    if (cfg.use_profiler or cfg.nsys) and step >= window.start:
+        log.warning(f"the profile window starts at step {window.start}, but this run resumes at step {step}: "
+                    "nothing is profiled (pass a later --profile-step-start/--profile-step-end)")
     # --memory-profiler: one whole step measured (minigpt/memory.py), the estimate beside it.
     memory_step = cfg.memory_profile_step if cfg.memory_profiler and profiled else None
     memory_estimate = estimate_gpt(**gpt_shape(cfg, model_cfg.vocab_size), amp_dtype=amp_dtype, device=device,
@@ -322,13 +342,15 @@ def main(argv: list[str] | None = None) -> int:
     last_val: float | None = None
 
     def check_finite() -> list[float]:
-        """Read the interval's losses (this syncs) and stop at the first non-finite one."""
+        """Read the interval's losses (this syncs) and stop at the first non-finite one, on every
+        rank together (each rank sees only its own loss)."""
         values = torch.stack(interval_losses).tolist()
-        for i, v in enumerate(values):
-            if not math.isfinite(v):
-                bad = step - len(values) + i + 1
-                raise NonFiniteLoss(f"loss is {v} at step {bad}; the last good checkpoint ({ckpt_path}) "
-                                    "was left intact; lower --lr or use --amp-dtype bf16")
+        bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+        if distributed.any_rank(bad is not None, dist_info):
+            where = (f"loss is {values[bad]} at step {step - len(values) + bad + 1}" if bad is not None
+                     else f"another rank's loss became non-finite by step {step}")
+            raise NonFiniteLoss(f"{where}; the last good checkpoint ({ckpt_path}) was left intact; "
+                                "lower --lr or use --amp-dtype bf16")
         return values
 
     # SIGINT / SIGTERM finish the step in flight, save, and leave; a second Ctrl-C kills at once.
@@ -345,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
                     with timer.stage("data_to_device"):
                         x, y = (t.to(device, non_blocking=True) for t in batch)
                     # DDP all-reduces the gradients in the last micro-batch's backward only.
-                    with distributed.no_grad_sync(train_model, sync=micro == cfg.grad_accum_steps - 1):
+                    with distributed.no_grad_sync(ddp_model, sync=micro == cfg.grad_accum_steps - 1):
                         with timer.stage("forward"), autocast:
                             _, loss = train_model(x, y)
                             loss = loss / cfg.grad_accum_steps  # the mean over the micro-batches
@@ -376,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                 profiler.step()
             if memory_history and step == window.stop - 1:  # the end of the window: a snapshot of it
                 memory_history.dump(snapshot_path)
+                snapshot_dumped = True
             if step == memory_step:  # the measured step: memory_trace/, the log, the next metrics line
                 memory_dir = out_dir / MEMORY_TRACE_DIR.format(rank=rank)
                 write_memory_trace(measure.breakdown, memory_dir, memory_estimate)
@@ -391,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                 stages = timer.read()
                 record = {
                     "step": step, "num_steps": cfg.num_steps, "loss": sum(losses) / len(losses), "lr": lr,
-                    "epoch": 1 + (step * tokens_per_step) // len(train_tokens) if train_tokens is not None else 1,
+                    "epoch": (1 + (step * tokens_per_step * world_size) // len(train_tokens)
+                              if train_tokens is not None else 1),
                     "step_time_s": step_time, "tokens_per_s": world_size * tokens_per_step / step_time,
                     "tokens_per_s_per_rank": tokens_per_step / step_time, "world_size": world_size,
                     "val_loss": last_val, "val_ppl": None if last_val is None else perplexity(last_val),
@@ -424,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                 if is_main:
                     save_checkpoint(ckpt_path, state)
             if stop:
+                distributed.barrier(dist_info)  # no rank leaves (and gets torn down) before the save is done
                 signum = stop_signal[0] if stop_signal else signal.SIGTERM  # another rank's signal
                 log.info(f"Stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved to "
                          f"{ckpt_path}. Continue with: python train_minimal.py --resume --out-dir {out_dir} "
@@ -434,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     if nsys:
         nsys.stop()
     if memory_history:
-        if not snapshot_path.exists():  # the run ended before the window did
+        if not snapshot_dumped:  # the run ended before the window did
             memory_history.dump(snapshot_path)
         memory_history.stop()
         log.info(f"CUDA memory snapshot: {snapshot_path} (open it at pytorch.org/memory_viz)")

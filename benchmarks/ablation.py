@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import PRESETS, RESULTS, STAGES, device_slug, machine_line, run_variant, stamp, summarise  # noqa: E402
+
+from minigpt.fileio import atomic_write  # noqa: E402
 
 MIB = 2**20
 
@@ -32,12 +35,12 @@ def variants(args) -> list[tuple[str, list[str], int]]:
     """(name, flags, processes) of each variant; the first is the baseline."""
     out = [("fp32", ["--no-amp"], 1),
            ("fp32 + ckpt", ["--no-amp", "--use-activation-checkpoint"], 1),
-           ("amp", [], 1),
-           ("amp + ckpt", ["--use-activation-checkpoint"], 1)]
+           ("amp", ["--amp"], 1),
+           ("amp + ckpt", ["--amp", "--use-activation-checkpoint"], 1)]
     if args.compile:
-        out.append(("amp + compile", ["--compile"], 1))
+        out.append(("amp + compile", ["--amp", "--compile"], 1))
     if args.nproc > 1:
-        out.append((f"amp + ddp x{args.nproc}", [], args.nproc))
+        out.append((f"amp + ddp x{args.nproc}", ["--amp"], args.nproc))
     return out
 
 
@@ -82,25 +85,31 @@ def findings(results: dict) -> list[str]:
 
 def markdown(meta: dict, results: dict) -> str:
     base = next(iter(results))
-    device = "device" if meta["machine"]["device"] == "cuda" else "device (= host on the CPU)"
     lines = [f"# Ablation: {meta['name']}", "",
              f"Machine: {machine_line(meta)}", "",
              f"Command: `{meta['command']}`", "",
              f"{meta['steps']} measured steps after {meta['warmup']} warm-up steps, {meta['repeats']} fresh "
              "process(es) per variant; medians over every measured step, spread as min-max of the repeats' medians.", "",
-             "| variant | tokens/s (median) | spread | vs baseline | MFU | step ms | "
-             + " | ".join(f"{s} host/{device.split()[0]} ms" for s in STAGES) + " | peak MiB | activations MiB |",
-             "|---" * (7 + len(STAGES)) + "|"]
+             "| variant | AMP | tokens/s (median) | spread | vs baseline | MFU | step ms | "
+             + " | ".join(f"{s} host / device ms" for s in STAGES) + " | peak MiB | activations MiB |",
+             "|---" * (9 + len(STAGES)) + "|"]
     for name, s in results.items():
         reps = s["tokens_per_s_repeats"]
         pk, act = peak_mib(s), activations_mib(s)
         lines.append(
-            f"| {name} | {s['tokens_per_s']['median']:,.0f} | {min(reps):,.0f}-{max(reps):,.0f} | "
+            f"| {name} | {s['amp']} | {s['tokens_per_s']['median']:,.0f} | {min(reps):,.0f}-{max(reps):,.0f} | "
             f"{s['tokens_per_s']['median'] / results[base]['tokens_per_s']['median']:.2f}x | "
             f"{100 * s['mfu']:.1f}% | {s['step_ms']['median']:.0f} | "
             + " | ".join(f"{s['stage_host_ms'].get(st, 0):.1f} / {s['stage_device_ms'].get(st, 0):.1f}" for st in STAGES)
             + f" | {'n/a' if pk is None else f'{pk:,.1f}'} | {'n/a' if act is None else f'{act:,.1f}'} |")
     lines += ["", "Findings:", ""] + [f"- {f}" for f in findings(results)]
+    if meta["machine"]["device"] == "cpu":
+        lines += ["", "On the CPU a stage's device time is its host time: the CPU runs each op as the host issues it."]
+    if any(r["nproc"] > 1 for r in results.values()):
+        lines += ["", "The DDP row runs torchrun's default of 1 thread per process (OMP_NUM_THREADS=1); the other "
+                  "rows use every core in one process."]
+    if meta.get("extra_flags"):
+        lines += ["", f"Flags from $MINIGPT_ARGS, applied to every variant: `{meta['extra_flags']}`"]
     lines += ["", "Peak memory: " + ("`torch.cuda.max_memory_allocated()` over the measured steps."
                                      if meta["machine"]["device"] == "cuda" else
                                      "the measured breakdown (parameters + gradients + optimizer state + saved "
@@ -109,38 +118,66 @@ def markdown(meta: dict, results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def chart(meta: dict, results: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+STAGE_COLORS = {"data_to_device": "#dddd55", "forward": "#55a868", "backward": "#c44e52", "optimizer_step": "#4c72b0"}
+MEMORY_PARTS = (("params", "parameters", "#4c72b0"), ("grads", "gradients", "#55a868"),
+                ("optimizer", "optimizer state", "#8172b2"), ("activations_peak", "saved activations", "#ccb974"))
 
+
+def plot_tokens(ax, results: dict) -> None:
     names = list(results)
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     tps = [results[n]["tokens_per_s"]["median"] for n in names]
     lo = [t - min(results[n]["tokens_per_s_repeats"]) for t, n in zip(tps, names)]
     hi = [max(results[n]["tokens_per_s_repeats"]) - t for t, n in zip(tps, names)]
-    axes[0].bar(names, tps, yerr=[lo, hi], capsize=4, color="#4c72b0")
-    axes[0].set_title("tokens/s (median, min-max of repeats)")
+    ax.bar(names, tps, yerr=[lo, hi], capsize=4, color="#4c72b0")
+    for i, t in enumerate(tps):
+        ax.annotate(f"{t:,.0f}", (i, t), ha="center", va="bottom", fontsize=8, xytext=(0, 3),
+                    textcoords="offset points")
+    ax.set_title("tokens/s (median; bars: min-max of repeats)")
 
-    colors = {"data_to_device": "#dddd55", "forward": "#55a868", "backward": "#c44e52", "optimizer_step": "#4c72b0"}
+
+def plot_stages(ax, results: dict) -> None:
+    """Stacked stage ms per step, host (plain) beside device (hatched), per variant."""
+    names = list(results)
     x = range(len(names))
     for offset, kind, hatch in ((-0.2, "host", ""), (0.2, "device", "//")):
         bottom = [0.0] * len(names)
         for st in STAGES:
             vals = [results[n][f"stage_{kind}_ms"].get(st, 0.0) for n in names]
-            axes[1].bar([i + offset for i in x], vals, 0.38, bottom=bottom, color=colors[st], hatch=hatch,
-                        edgecolor="black", linewidth=0.3, label=st if kind == "host" else None)
+            ax.bar([i + offset for i in x], vals, 0.38, bottom=bottom, color=STAGE_COLORS[st], hatch=hatch,
+                   edgecolor="black", linewidth=0.3, label=st if kind == "host" else None)
             bottom = [b + v for b, v in zip(bottom, vals)]
-    axes[1].set_xticks(list(x), names)
-    axes[1].set_title("stage ms per step: host (plain) vs device (hatched)")
-    axes[1].legend(fontsize=8)
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("ms per step")
+    ax.set_title("stage times: host (plain) vs device (hatched)")
+    ax.legend(fontsize=8)
 
-    peaks = [peak_mib(results[n]) or 0.0 for n in names]
-    acts = [activations_mib(results[n]) or 0.0 for n in names]
-    axes[2].bar(names, peaks, color="#8172b2", label="peak")
-    axes[2].bar(names, acts, color="#ccb974", width=0.5, label="saved activations")
-    axes[2].set_title("memory, MiB")
-    axes[2].legend(fontsize=8)
+
+def plot_memory(ax, results: dict) -> None:
+    """Peak memory per variant: the breakdown stacked where measured, else the CUDA peak."""
+    names = list(results)
+    bottom = [0.0] * len(names)
+    for key, label, color in MEMORY_PARTS:
+        vals = [(results[n].get("breakdown_bytes") or {}).get(key, 0) / MIB for n in names]
+        ax.bar(names, vals, bottom=bottom, color=color, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    cuda = [results[n].get("peak_allocated_gib") for n in names]
+    if any(cuda):
+        ax.scatter(names, [1024 * (c or 0) for c in cuda], color="black", marker="_", s=400, zorder=3,
+                   label="CUDA max allocated")
+    ax.set_ylabel("MiB")
+    ax.set_title("memory at its peak, measured")
+    ax.legend(fontsize=8)
+
+
+def chart(meta: dict, results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    plot_tokens(axes[0], results)
+    plot_stages(axes[1], results)
+    plot_memory(axes[2], results)
     for ax in axes:
         ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     fig.suptitle(f"{meta['name']} on {machine_line(meta)}", fontsize=9)
@@ -165,6 +202,7 @@ def main() -> int:
         p.error("--steps and --repeats must be at least 1, --warmup at least 0")
 
     meta = {**stamp(sys.argv), "name": args.name or args.preset, "preset_flags": PRESETS[args.preset],
+            "extra_flags": os.environ.get("MINIGPT_ARGS", ""),
             "trainer_flags": trainer_flags, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
     results = {}
     for name, flags, nproc in variants(args):
@@ -172,14 +210,14 @@ def main() -> int:
         for r in range(args.repeats):
             print(f"[{name}] repeat {r + 1}/{args.repeats}", flush=True)
             runs.append(run_variant([*PRESETS[args.preset], *trainer_flags, *flags], args.warmup, args.steps, nproc))
-        results[name] = {"flags": flags, "nproc": nproc, **summarise(runs)}
+        results[name] = {"flags": flags, "nproc": nproc, "amp": runs[0]["config"]["amp"], **summarise(runs)}
         print(f"[{name}] {results[name]['tokens_per_s']['median']:,.0f} tokens/s", flush=True)
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"{device_slug(meta['machine'])}-{meta['name']}"
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    atomic_write(stem.with_suffix(".json"), json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     table = markdown(meta, results)
-    stem.with_suffix(".md").write_text(table)
+    atomic_write(stem.with_suffix(".md"), table)
     chart(meta, results, stem.with_suffix(".png"))
     print(table)
     print(f"wrote {stem}.json, .md, .png")

@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # minigpt itself, for the scripts run from any folder
 RESULTS = ROOT / "benchmarks" / "results"
 STAGES = ("data_to_device", "forward", "backward", "optimizer_step")
 
@@ -72,13 +73,17 @@ def run_variant(flags: list[str], warmup: int, steps: int, nproc: int = 1, timeo
     with tempfile.TemporaryDirectory(prefix="minigpt-bench-") as tmp:
         out = Path(tmp) / "run"
         total = warmup + steps + 1
-        args = [*flags, "--num-steps", str(total), "--log-interval", "1", "--eval-interval", str(10 * total),
+        fixed = ["--num-steps", str(total), "--log-interval", "1", "--eval-interval", str(10 * total),
                 "--eval-iters", "1", "--save-interval", str(10 * total), "--warmup-steps", "1",
                 "--memory-profiler", "--memory-profile-step", str(total), "--out-dir", str(out)]
         launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
                     if nproc > 1 else [sys.executable])
-        cmd = [*launcher, str(ROOT / "train_minimal.py"), *args]
-        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        # $MINIGPT_ARGS (a user's scaled-down flags) go before the benchmark's own, so that the
+        # step counts and the memory step the measurement relies on still hold.
+        env = dict(os.environ)
+        extra = shlex.split(env.pop("MINIGPT_ARGS", ""))
+        cmd = [*launcher, str(ROOT / "train_minimal.py"), *flags, *extra, *fixed]
+        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
         if result.returncode != 0:
             raise RuntimeError(f"variant failed ({shlex.join(flags)}):\n{result.stderr[-3000:]}")
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -112,9 +117,8 @@ def summarise(runs: list[dict]) -> dict:
         summary["peak_allocated_gib"] = max(cuda_peaks)
     breakdown = runs[0]["breakdown"]
     if breakdown:
-        summary["breakdown_bytes"] = {k: breakdown[k] for k in
-                                      ("params", "grads", "optimizer", "activations", "activations_peak", "total")
-                                      if k in breakdown}
+        keys = ("params", "grads", "optimizer", "activations", "activations_peak", "total")
+        summary["breakdown_bytes"] = {k: breakdown[k] for k in keys if k in breakdown}
     return summary
 
 

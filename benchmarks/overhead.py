@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import PRESETS, RESULTS, device_slug, machine_line, run_variant, stamp, summarise  # noqa: E402
+
+from minigpt.fileio import atomic_write  # noqa: E402
 
 
 def main() -> int:
@@ -38,6 +41,7 @@ def main() -> int:
     variants = {"timing off": ["--no-stage-timing"], "timing on (default)": [],
                 "profiler": window, "profiler + stacks": [*window, "--profile-with-stack"]}
     meta = {**stamp(sys.argv), "name": args.preset, "trainer_flags": trainer_flags,
+            "extra_flags": os.environ.get("MINIGPT_ARGS", ""),
             "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
     results = {}
     # Interleave the repeats (off, on, prof, stack, off, on, ...) so a drift of the machine
@@ -65,8 +69,8 @@ def main() -> int:
     table = "\n".join(lines) + "\n"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"overhead-{device_slug(meta['machine'])}-{args.preset}"
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(table)
+    atomic_write(stem.with_suffix(".json"), json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    atomic_write(stem.with_suffix(".md"), table)
     print(table)
     print(f"wrote {stem}.json, .md")
     return 0

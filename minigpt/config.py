@@ -199,7 +199,11 @@ def parse_args(argv: list[str] | None = None, prog: str = "train_minimal.py") ->
     Flags in the environment variable MINIGPT_ARGS are appended to the command line, so they win
     over the same flags given there: a way to scale every command of a script or of the
     walkthrough down to a quick run (MINIGPT_ARGS="--preset tiny --num-steps 8")."""
-    argv = list(sys.argv[1:] if argv is None else argv) + shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
+    try:
+        extra = shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
+    except ValueError as e:
+        raise UsageError(f"${EXTRA_ARGS_ENV} does not parse as shell words ({e}): {os.environ[EXTRA_ARGS_ENV]!r}")
+    argv = list(sys.argv[1:] if argv is None else argv) + extra
     given = vars(build_parser(prog).parse_args(argv))
     preset = given.get("preset", DEFAULT_PRESET)
     values = {**PRESETS[preset], **given, "preset": preset}

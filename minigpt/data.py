@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from minigpt.config import UsageError
+from minigpt.fileio import atomic_write
 
 EOT = 50256  # GPT-2's <|endoftext|>, placed between documents
 CACHE_ENV = "MINIGPT_CACHE_DIR"  # where token files live; default ~/.cache/minigpt
@@ -64,7 +65,7 @@ def builtin_corpus() -> Path:
     text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
     path = cache_dir() / "pydoc_topics.txt"
     if not path.exists() or path.read_text(encoding="utf-8") != text:
-        _atomic_write(path, text.encode("utf-8"))
+        atomic_write(path, text.encode("utf-8"))
     return path
 
 
@@ -91,7 +92,7 @@ def tokenize_file(path: str | Path, tokenizer_name: str = "gpt2") -> np.ndarray:
             raise UsageError(f"data file {path} is empty; give it some text")
         if max(ids) >= 2**16:
             raise UsageError(f"tokenizer {tokenizer_name} has ids beyond uint16; use gpt2")
-        _atomic_write(cached, np.asarray(ids, dtype=np.uint16).tobytes())
+        atomic_write(cached, np.asarray(ids, dtype=np.uint16).tobytes())
     return np.memmap(cached, dtype=np.uint16, mode="r")
 
 
@@ -165,8 +166,3 @@ class ToyBatches(Batches):
         return (start + stride * np.arange(self.seq_len + 1)) % self.vocab_size
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)

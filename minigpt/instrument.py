@@ -24,6 +24,8 @@ import nvtx
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, record_function, tensorboard_trace_handler
 
+from minigpt.fileio import atomic_open, atomic_write
+
 STAGES = ("data_to_device", "forward", "backward", "optimizer_step")
 STEP_RANGE = "train_step"
 NVTX_DOMAIN = "minigpt"  # one domain: Nsight can filter the project's ranges from PyTorch's own
@@ -52,6 +54,7 @@ class StageTimer:
         self.enabled = enabled
         self.sleep_ms = sleep_ms or {}
         self.open: dict[str, tuple[float, torch.cuda.Event | None]] = {}  # stage -> (start time, start event)
+        self.split_of: dict[str, str] = {}  # stage -> the name of its split (see add_split)
         self.splits: dict[str, tuple[str, float, torch.cuda.Event | None]] = {}  # split -> (stage, s, event)
         self.step_host: dict[str, float] = defaultdict(float)  # ms of the step in flight
         self.host_steps: list[dict[str, float]] = []
@@ -87,18 +90,26 @@ class StageTimer:
             finally:
                 del self.open[name]
                 if timed:
-                    self.step_host[name] += 1000 * (time.perf_counter() - t0)
+                    elapsed = time.perf_counter() - t0
+                    self.step_host[name] += 1000 * elapsed
+                    end = None
                     if self.cuda:
                         end = torch.cuda.Event(enable_timing=True)
                         end.record()
                         self.events.append((len(self.host_steps), name, start, end))
-                    for split, (parent, seconds, event) in list(self.splits.items()):
-                        if parent == name:  # the split's last mark inside this stage counts
-                            self.step_host[split] += 1000 * seconds
-                            if self.cuda:
-                                self.events.append((len(self.host_steps), split, start, event))
-                            del self.splits[split]
+                    split = self.split_of.get(name)
+                    if split is not None:  # the split's last mark inside this stage, else all of it
+                        _, seconds, event = self.splits.pop(split, (name, elapsed, end))
+                        self.step_host[split] += 1000 * seconds
+                        if self.cuda:
+                            self.events.append((len(self.host_steps), split, start, event))
                 nvtx.end_range(nvtx_range)
+
+    def add_split(self, stage: str, name: str) -> None:
+        """Time `name`, the part of every `stage` up to its last split() mark; a stage run without a
+        mark counts whole. (Under DDP: the backward's compute, up to the last gradient bucket ready;
+        a micro-step under no_sync has no all-reduce to wait for, so all of it is compute.)"""
+        self.split_of[stage] = name
 
     def split(self, stage: str, name: str) -> None:
         """Mark, now, the end of `name`: the part of the open `stage` done so far. Called several
@@ -243,13 +254,10 @@ class MemoryHistory:
                                                  max_entries=self.max_entries)
 
     def dump(self, path: Path) -> Path:
-        path.parent.mkdir(parents=True, exist_ok=True)
         snapshot = torch.cuda.memory._snapshot()
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "wb") as f:
+        with atomic_open(path) as f:
             pickle.dump(snapshot, f)
-        tmp.replace(path)
-        path.with_suffix(".txt").write_text(largest_allocations(snapshot))
+        atomic_write(path.with_suffix(".txt"), largest_allocations(snapshot))
         return path
 
     def stop(self) -> None:

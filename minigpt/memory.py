@@ -55,6 +55,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from minigpt.fileio import atomic_write
+
 MB = 2**20  # memory.log's "MB", as in InternEvo's profiler: 2^20 bytes
 GiB = 2**30
 
@@ -477,9 +479,7 @@ def write_memory_trace(b: MemoryBreakdown, folder: Path, estimate: "MemoryEstima
     paths = []
     for name, text in files.items():
         path = folder / name
-        tmp = path.with_name(f".{name}.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        atomic_write(path, text)
         paths.append(path)
     return paths
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -123,9 +124,10 @@ def peak_flops(device: str, dtype: str) -> tuple[float, str]:
     to what this machine's GEMM reaches rather than to a data-sheet number."""
     if device == "cuda":
         name = torch.cuda.get_device_name()
-        for gpu, peaks in PEAK_FLOPS.items():  # the table's order puts "H100 PCIe" before "H100"
-            if gpu in name and dtype in peaks:
-                return peaks[dtype], f"table: {gpu} {dtype} dense"
+        # Whole words, longest names first: "H100 PCIe" before "H100"; "L4" is not "L40S", "A10" not "A10G".
+        for gpu in sorted(PEAK_FLOPS, key=len, reverse=True):
+            if re.search(rf"\b{re.escape(gpu)}\b", name) and dtype in PEAK_FLOPS[gpu]:
+                return PEAK_FLOPS[gpu][dtype], f"table: {gpu} {dtype} dense"
     value = measure_matmul_flops(device, dtype)
     return value, f"measured: 2048^3 {dtype} matmul on {device}"
 

@@ -44,7 +44,7 @@ def parse_slow_rank(spec: str, stages: tuple[str, ...]) -> SlowRank:
     except ValueError:
         raise UsageError(f"--simulate-slow-rank takes RANK:MS or RANK:MS:STAGE (e.g. 1:200:forward); "
                          f"got {spec!r}") from None
-    if slow.rank < 0 or slow.ms <= 0:
+    if slow.rank < 0 or not 0 < slow.ms < float("inf"):
         raise UsageError(f"--simulate-slow-rank {spec}: the rank must be >= 0 and the delay positive")
     if slow.stage not in stages:
         raise UsageError(f"--simulate-slow-rank {spec}: unknown stage {slow.stage!r}; one of {', '.join(stages)}")

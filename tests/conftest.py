@@ -8,6 +8,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "docs"))  # tensorboard_screenshots: starting and polling TensorBoard
 
 # Toy data and a tiny model: each training run in the tests takes a few seconds.
 TINY = ["--use-toy-data", "--preset", "tiny", "--n-layers", "2", "--d-model", "32", "--n-heads", "2",
@@ -34,3 +35,18 @@ def run_cli(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.Co
     """Run train_minimal.py as a user would, in a fresh process."""
     return subprocess.run([sys.executable, str(ROOT / "train_minimal.py"), *args], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+
+
+def fails(capsys, *args: str) -> str:
+    """Run the trainer in-process; return its single stderr line after checking status 2."""
+    import train_minimal
+
+    try:
+        status = train_minimal.cli(list(args))
+    except SystemExit as e:  # argparse's own errors
+        status = e.code
+    err = capsys.readouterr().err
+    assert status == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]

@@ -34,6 +34,9 @@ def test_ablation_writes_json_markdown_and_chart(tmp_path):
     results = data["results"]
     assert results["fp32 + ckpt"]["breakdown_bytes"]["activations"] < results["fp32"]["breakdown_bytes"]["activations"]
     table = (tmp_path / "cpu-tiny.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("|")]
+    assert len({line.count("|") for line in rows}) == 1  # every row as wide as the header: it renders
+    assert [r["amp"] for r in results.values()] == ["fp32", "fp32", "bf16", "bf16"]
     assert "| fp32 | " in table and "AMP: " in table and torch.__version__ in table and "Command:" in table
     assert (tmp_path / "cpu-tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -43,8 +46,8 @@ def test_overhead_reports_each_variant(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "overhead-cpu-tiny.json").read_text())
     assert list(data["results"]) == ["timing off", "timing on (default)", "profiler", "profiler + stacks"]
-    assert data["results"]["timing off"]["overhead_pct"] == 0
-    assert data["results"]["timing off"]["stage_host_ms"] == {}
+    assert data["results"]["timing off"]["stage_host_ms"] == {}  # --no-stage-timing reached the trainer
+    assert set(data["results"]["timing on (default)"]["stage_host_ms"]) >= {"forward", "backward"}
     assert "overhead vs timing off" in (tmp_path / "overhead-cpu-tiny.md").read_text()
 
 

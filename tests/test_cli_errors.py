@@ -6,20 +6,7 @@ import pytest
 import torch
 
 import train_minimal
-from conftest import TINY, run_cli
-
-
-def fails(capsys, *args: str) -> str:
-    """Run the trainer in-process; return its single stderr line after checking status 2."""
-    try:
-        status = train_minimal.cli(list(args))
-    except SystemExit as e:  # argparse's own errors
-        status = e.code
-    err = capsys.readouterr().err
-    assert status == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
+from conftest import TINY, fails, run_cli
 
 
 @pytest.fixture

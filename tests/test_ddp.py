@@ -141,18 +141,22 @@ def test_sigterm_under_torchrun_stops_every_rank_at_the_same_step(tmp_path):
     out = tmp_path / "run"
     job = subprocess.Popen([*TORCHRUN, str(ROOT / "train_minimal.py"), *FLAGS, "--num-steps", "100000",
                             "--log-interval", "50", "--out-dir", str(out)], cwd=ROOT, text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 120
     while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
         assert time.time() < deadline and job.poll() is None
         time.sleep(0.5)
-    job.send_signal(signal.SIGTERM)  # torchrun passes it on to every rank
+    # As a scheduler does (SLURM's scancel, kill -- -PGID): SIGTERM to the launcher and to every rank at
+    # once; the launcher then sends each rank a second one. Every rank must still stop at the same step
+    # and rank 0 must finish its save.
+    os.killpg(job.pid, signal.SIGTERM)
     output, _ = job.communicate(timeout=90)
     assert job.returncode != 0
     log = (out / "train.log").read_text()
     assert "Stopped by SIGTERM" in log
     state = torch.load(out / "checkpoints" / "ckpt.pt", weights_only=True)
     assert state["step"] > 50 and len(state["rng_per_rank"]) == 2
+    assert f"Stopped by SIGTERM after step {state['step']}" in log
 
 
 @pytest.mark.parametrize("how", ["raise", "exit"])

@@ -3,12 +3,9 @@ TensorBoard, MFU, and the refusals. CUDA-only paths carry the `cuda` marker."""
 
 import gzip
 import json
-import socket
-import subprocess
 import sys
 import time
 import urllib.parse
-import urllib.request
 
 import pytest
 import torch
@@ -17,6 +14,7 @@ import train_minimal
 from conftest import ROOT, TINY
 from minigpt import instrument
 from minigpt.instrument import STAGES, StageTimer
+from tensorboard_screenshots import get_json, serve_tensorboard
 
 
 def read_metrics(out):
@@ -134,6 +132,7 @@ def test_stage_uses_process_wide_nvtx_ranges(monkeypatch):
 
 def test_stage_timer_splits_and_per_step_figures():
     timer = StageTimer("cpu", sleep_ms={"forward": 20})
+    timer.add_split("backward", "backward_compute")
     for _ in range(2):
         with timer.step():
             with timer.stage("forward"):
@@ -147,6 +146,11 @@ def test_stage_timer_splits_and_per_step_figures():
     assert times.host_ms["forward"] >= 20  # the simulated slow stage sleeps inside the range
     assert 10 <= times.host_ms["backward_compute"] < 30 <= times.host_ms["backward"]
     assert timer.read().host_ms == {}  # read resets
+    with timer.step():
+        with timer.stage("backward"):  # no mark: no communication, all of it is compute
+            time.sleep(0.01)
+    times = timer.read()
+    assert times.host_ms["backward_compute"] == times.host_ms["backward"]
 
 
 def test_log_line_and_mfu(tmp_path):
@@ -186,53 +190,21 @@ def test_profiler_schedule_has_megatron_semantics():
 
 # ---------------------------------------------------------------------------- TensorBoard server
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get_json(url, timeout=60):
-    deadline = time.time() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=10) as r:
-                return json.loads(r.read())
-        except (OSError, ValueError):
-            if time.time() > deadline:
-                raise
-            time.sleep(1)
-
-
 @pytest.mark.slow
 def test_tensorboard_with_torch_tb_profiler_serves_the_run(tmp_path):
     out = profiled_run(tmp_path)
-    port = free_port()
-    tb = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(out), "--host", "127.0.0.1",
-                           "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        base = f"http://127.0.0.1:{port}/data/plugin/pytorch_profiler"
-        deadline = time.time() + 120
-        while True:
-            runs = get_json(f"{base}/runs")
-            if runs["runs"] and not runs["loading"] or time.time() > deadline:
-                break
-            time.sleep(1)
-        assert runs["runs"] == ["traces"]
+    with serve_tensorboard([sys.executable, "-m", "tensorboard.main", "--logdir", str(out)]) as url:
+        base = f"{url}/data/plugin/pytorch_profiler"
+        assert get_json(f"{base}/runs")["runs"] == ["traces"]
         views = get_json(f"{base}/views?run=traces")
         assert "Overview" in views and "Operator" in views
-        workers = get_json(f"{base}/workers?run=traces&view=Overview")
-        assert workers == ["rank0_dp0"]
+        assert get_json(f"{base}/workers?run=traces&view=Overview") == ["rank0_dp0"]
         spans = get_json(f"{base}/spans?run=traces&worker=rank0_dp0")
         query = urllib.parse.urlencode({"run": "traces", "worker": "rank0_dp0", "span": spans[0]})
         overview = get_json(f"{base}/overview?{query}")
-        steps = [row[0] for row in overview["steps"]["rows"]]
-        assert steps == ["3", "4"]
+        assert [row[0] for row in overview["steps"]["rows"]] == ["3", "4"]
         table = get_json(f"{base}/operation/table?{query}&group_by=Operation")
         assert any(row["name"] == "aten::mm" for row in table["data"])
-    finally:
-        tb.terminate()
-        tb.wait(timeout=30)
 
 
 # ---------------------------------------------------------------------------- CUDA only
