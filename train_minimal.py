@@ -35,6 +35,7 @@ from minigpt import distributed
 from minigpt.checkpoint import check_same_shape, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from minigpt.config import (EXTRA_ARGS_ENV, TrainConfig, UsageError, check_cuda_features, parse_args,
                             profile_ranks, resolve_amp, resolve_device)
+from minigpt.cpu import keep_freed_memory
 from minigpt.data import (Batches, ToyBatches, builtin_corpus, check_enough_tokens, get_tokenizer,
                           load_tokens, split_train_val)
 from minigpt.fileio import atomic_write
@@ -152,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(cfg.device)
     check_cuda_features(cfg, device)
     amp_on, amp_dtype, amp_note = resolve_amp(cfg, device)
+    if device == "cpu":  # before the first big allocation
+        malloc_note = (keep_freed_memory() if cfg.keep_freed_memory
+                       else "CPU allocator: glibc defaults (--no-keep-freed-memory)")
     if cfg.estimate_memory:  # the predicted memory of this configuration: no model, no run directory
         print(estimate_report(cfg, device, amp_dtype, amp_note))
         return 0
@@ -271,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get(EXTRA_ARGS_ENV):
         log.info(f"Flags appended from ${EXTRA_ARGS_ENV}: {os.environ[EXTRA_ARGS_ENV]}")
     log.info(f"Device: {device} ({device_name}), torch {torch.__version__}; {amp_note}")
+    if device == "cpu":
+        log.info(malloc_note)
     if world_size > 1:
         log.info(f"DDP: {world_size} ranks, {dist_info.backend} backend; every rank draws its own batches")
     log.info(f"Data: {data_name}" + ("" if train_tokens is None else

@@ -6,7 +6,7 @@
     python benchmarks/ablation.py --preset nanogpt                  # nanoGPT's shape: the speed comparison
 
 The matrix is {AMP, --no-amp} x {no checkpointing, --use-activation-checkpoint}, plus
-`--compile` and a DDP world size when asked. Each variant runs in a fresh process, `--repeats`
+`--compile`, a DDP world size, and (CPU) glibc malloc's defaults when asked. Each variant runs in a fresh process, `--repeats`
 times, for `--steps` measured steps after `--warmup`. Trainer flags not known here
 (--seq-len, --batch-size, --n-layers, ...) are passed through to every variant.
 
@@ -37,6 +37,8 @@ def variants(args) -> list[tuple[str, list[str], int]]:
            ("fp32 + ckpt", ["--no-amp", "--use-activation-checkpoint"], 1),
            ("amp", ["--amp"], 1),
            ("amp + ckpt", ["--amp", "--use-activation-checkpoint"], 1)]
+    if args.malloc:
+        out.append(("amp, malloc defaults", ["--amp", "--no-keep-freed-memory"], 1))
     if args.compile:
         out.append(("amp + compile", ["--amp", "--compile"], 1))
     if args.nproc > 1:
@@ -78,7 +80,7 @@ def findings(results: dict) -> list[str]:
                 text += f", peak memory {pk0:,.0f} -> {pk1:,.0f} MiB"
             lines.append(text)
     for name in results:
-        if "compile" in name or "ddp" in name:
+        if "compile" in name or "ddp" in name or "malloc" in name:
             lines.append(f"{name}: {tps(name) / tps('amp'):.2f}x tokens/s against amp")
     return lines
 
@@ -194,6 +196,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3, help="steps before the measured ones (default 3)")
     p.add_argument("--repeats", type=int, default=3, help="fresh processes per variant (default 3)")
     p.add_argument("--compile", action="store_true", help="add an AMP + torch.compile variant")
+    p.add_argument("--malloc", action="store_true",
+                   help="CPU: add an AMP variant with glibc malloc's defaults (--no-keep-freed-memory)")
     p.add_argument("--nproc", type=int, default=1, help="add an AMP + DDP variant with this many processes")
     p.add_argument("--name", help="results file name after the device (default: the preset)")
     p.add_argument("--out-dir", type=Path, default=RESULTS)

@@ -66,6 +66,7 @@ class TrainConfig:
     amp: bool | None = None  # None: on where the device runs bf16 natively
     amp_dtype: str = "bf16"
     compile: bool = False
+    keep_freed_memory: bool = True  # CPU: glibc malloc keeps freed blocks (minigpt/cpu.py)
     # checkpointing
     checkpoint_path: str | None = None  # None: <out-dir>/checkpoints/ckpt.pt
     resume: bool = False
@@ -145,6 +146,8 @@ def build_parser(prog: str = "train_minimal.py") -> argparse.ArgumentParser:
                    help="autocast; default on where the device has native bf16. --no-amp: fp32")
     g.add_argument("--amp-dtype", choices=["bf16", "fp16"], help="fp16 uses a GradScaler (CUDA only)")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--no-keep-freed-memory", dest="keep_freed_memory", action="store_false",
+                   help="CPU: leave glibc malloc's defaults (each step's big tensors then page-fault anew)")
     g = p.add_argument_group("checkpointing")
     g.add_argument("--checkpoint-path", help="default <out-dir>/checkpoints/ckpt.pt")
     g.add_argument("--resume", action="store_true",
