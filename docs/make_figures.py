@@ -1,0 +1,53 @@
+"""Draw the walkthrough's figures from the committed benchmark results (nothing is re-measured).
+
+    python docs/make_figures.py                       # from benchmarks/results/cpu-small.json
+    python docs/make_figures.py --results benchmarks/results/nvidia-h100-80gb-hbm3-gpt2.json
+
+Writes into docs/img/: tokens_per_s.png, stage_times.png and memory_breakdown.png, each titled
+with the machine, versions and date of the measurement. The TensorBoard screenshots come from
+docs/tensorboard_screenshots.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from ablation import plot_memory, plot_stages, plot_tokens  # noqa: E402
+from common import machine_line  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "cpu-small.json")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
+    args = p.parse_args()
+    if not args.results.exists():
+        print(f"error: {args.results} does not exist; run python benchmarks/ablation.py first", file=sys.stderr)
+        return 2
+    data = json.loads(args.results.read_text())
+    meta, results = data["meta"], data["results"]
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, plot in (("tokens_per_s", plot_tokens), ("stage_times", plot_stages), ("memory_breakdown", plot_memory)):
+        fig, ax = plt.subplots(figsize=(7.5, 4.5))
+        plot(ax, results)
+        ax.tick_params(axis="x", labelrotation=15, labelsize=8)
+        fig.suptitle(f"{meta['name']}: {machine_line(meta)}", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(args.out / f"{name}.png", dpi=110)
+        plt.close(fig)
+        print(f"wrote {args.out / name}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

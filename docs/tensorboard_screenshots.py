@@ -1,0 +1,169 @@
+"""Open a run in TensorBoard's PyTorch Profiler tab in headless Chromium, check what it shows, and
+save screenshots (the ones in docs/img/ come from here).
+
+    python docs/tensorboard_screenshots.py RUN_DIR [--out docs/img] [--expect-steps 5,6]
+
+Starts `tensorboard --logdir RUN_DIR` on 127.0.0.1 (a free port), opens the PyTorch Profiler tab,
+checks that the side panel lists the run, its views and its worker, and that the Overview lists
+the profiled steps (`--expect-steps`, default: the ProfilerStep numbers in the trace file), then
+saves tb_profiler.png and tb_scalars.png. Exit status 1 with a message if the page does not show
+what it should.
+
+Offline, torch-tb-profiler's views never render: its page loads Google Charts from
+www.gstatic.com. The script then says so and checks the Overview's steps in the data the plugin
+serves to the page instead of in the drawn table. Another reason the traces also open in Perfetto
+and in `python -m minigpt.traces`.
+
+Needs Debian's Chromium (`apt-get install chromium`, /usr/bin/chromium) and the Python package
+`playwright` (pip; its own browser download is not needed: we point it at the system Chromium).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trace_steps(run_dir: Path) -> list[str]:
+    """The ProfilerStep numbers of the run's trace(s), as the Overview's step column shows them."""
+    steps = set()
+    for path in (run_dir / "traces").glob("*.pt.trace.json*"):
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt") as f:
+            for e in json.load(f)["traceEvents"]:
+                m = re.fullmatch(r"ProfilerStep#(\d+)", e.get("name", ""))
+                if m:
+                    steps.add(int(m.group(1)))
+    return [str(s) for s in sorted(steps)]
+
+
+@contextmanager
+def serve_tensorboard(argv: list[str], cwd=None, env=None, timeout: float = 120) -> Iterator[str]:
+    """Run `argv` (a tensorboard command line) on 127.0.0.1 and a free port; yield its URL once
+    the profiler plugin has loaded the traces (it parses them in the background); stop it after."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([*argv, "--host", "127.0.0.1", "--port", str(port)], cwd=cwd, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{shlex.join(argv)} exited; run it by hand to see why")
+            try:
+                runs = get_json(f"{url}/data/plugin/pytorch_profiler/runs")
+                if runs["runs"] and not runs["loading"]:
+                    break
+            except (OSError, ValueError):
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"TensorBoard's profiler plugin listed no run within {timeout:.0f}s")
+            time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def get_json(url: str):
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def profiler_frame(page):
+    """The PyTorch Profiler tab lives in an iframe served by the plugin."""
+    for frame in page.frames:
+        if "pytorch_profiler" in frame.url and frame is not page.main_frame:
+            return frame
+    raise RuntimeError("the PyTorch Profiler tab did not load (no plugin frame)")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--out", type=Path, default=Path("docs/img"))
+    p.add_argument("--expect-steps", help="comma-separated step numbers (default: read from the trace)")
+    args = p.parse_args()
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        print("error: Chromium not found; install Debian's chromium (apt-get install chromium)", file=sys.stderr)
+        return 2
+    if not list((args.run_dir / "traces").glob("*.pt.trace.json*")):
+        print(f"error: {args.run_dir}/traces holds no trace; run the trainer with --use-profiler", file=sys.stderr)
+        return 2
+    expected = args.expect_steps.split(",") if args.expect_steps else trace_steps(args.run_dir)
+    from playwright.sync_api import sync_playwright
+
+    with serve_tensorboard([sys.executable, "-m", "tensorboard.main", "--logdir", str(args.run_dir)]) as url:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1500, "height": 1000})
+            blocked: list[str] = []  # requests the browser could not make (offline)
+            page.on("requestfailed", lambda r: blocked.append(r.url))
+            page.goto(f"{url}/#pytorch_profiler")
+            page.wait_for_selector("iframe", timeout=60_000)
+            frame = profiler_frame(page)
+            # The side panel: the run, its views and its worker, as the plugin found them.
+            frame.wait_for_selector("text=rank0_dp0", timeout=60_000)
+            frame.click('div[role=button]:has-text("Overview")', force=True)
+            frame.wait_for_selector("li[role=option]", timeout=30_000)
+            views = frame.locator("li[role=option]").all_inner_texts()
+            page.keyboard.press("Escape")
+            if not {"Overview", "Operator", "Trace"} <= set(views):
+                print(f"error: the PyTorch Profiler tab offers views {views}", file=sys.stderr)
+                return 1
+            # The Overview: its "Step Time Breakdown" lists one row per profiled step. The plugin's
+            # pages draw with Google Charts, loaded from www.gstatic.com: offline they never render.
+            try:
+                frame.wait_for_selector("text=Step Time Breakdown", timeout=30_000)
+                frame.wait_for_timeout(2000)  # let the charts draw
+                text = frame.inner_text("body")
+                shown = [s for s in expected if re.search(rf"(^|\s){s}(\s|$)", text)]
+                how = "rendered in the page"
+            except Exception:
+                if not any("gstatic.com" in u for u in blocked):
+                    raise
+                print("note: torch-tb-profiler's charts need www.gstatic.com (Google Charts), unreachable here: "
+                      "its views stay on a spinner offline. Checking the Overview's data as the page would fetch it.")
+                spans = get_json(f"{url}/data/plugin/pytorch_profiler/spans?run=traces&worker=rank0_dp0")
+                overview = get_json(f"{url}/data/plugin/pytorch_profiler/overview?run=traces&worker=rank0_dp0"
+                                    f"&span={urllib.parse.quote(str(spans[0]))}")
+                shown = [s for s in expected if s in [str(row[0]) for row in overview["steps"]["rows"]]]
+                how = "served to the page (charts blocked offline)"
+            page.screenshot(path=str(args.out / "tb_profiler.png"))
+            if shown != expected:
+                print(f"error: the Overview lists steps {shown}, expected {expected}", file=sys.stderr)
+                return 1
+            page.goto(f"{url}/?smoothing=0#scalars&tagFilter=stage_device_ms")
+            page.wait_for_selector("text=stage_device_ms", timeout=60_000)
+            page.wait_for_timeout(4000)
+            page.screenshot(path=str(args.out / "tb_scalars.png"))
+            browser.close()
+        print(f"TensorBoard: the PyTorch Profiler tab lists the run (views {', '.join(views)}); the Overview's "
+              f"steps {', '.join(expected)} were {how}; screenshots in {args.out}")
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
