@@ -25,6 +25,12 @@ def test_missing_data_file(capsys, tmp_path):
     assert not out.exists()  # nothing written for a run that never started
 
 
+def test_missing_blog_data_file_names_the_command_that_writes_it(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a fresh checkout: data/train.txt is not there until prepare.py runs
+    msg = fails(capsys, "--train-data", "data/train.txt", "--out-dir", str(tmp_path / "run"))
+    assert "data/train.txt does not exist" in msg and "python data/prepare.py" in msg
+
+
 def test_empty_data_file(capsys, text, tmp_path):
     assert "is empty" in fails(capsys, "--train-data", text(""), "--out-dir", str(tmp_path / "r"))
 

@@ -140,7 +140,7 @@ def test_resume_under_torchrun_repeats_the_uninterrupted_losses(tmp_path):
 def test_sigterm_under_torchrun_stops_every_rank_at_the_same_step(tmp_path):
     out = tmp_path / "run"
     job = subprocess.Popen([*TORCHRUN, str(ROOT / "train_minimal.py"), *FLAGS, "--num-steps", "100000",
-                            "--log-interval", "50", "--out-dir", str(out)], cwd=ROOT, text=True,
+                            "--log-interval", "50", "--eval-interval", "50", "--out-dir", str(out)], cwd=ROOT, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 120
     while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():

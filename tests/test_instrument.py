@@ -55,6 +55,7 @@ def test_profiler_window_writes_one_trace_with_the_steps_and_stages(tmp_path, ca
     printed = capsys.readouterr().out
     assert "Profiled steps 3-4" in printed and f"tensorboard --logdir {out}" in printed
     assert "ui.perfetto.dev" in printed
+    assert "Profiler cost: not priced" in printed  # window at step 3: no unprofiled step to compare with
 
 
 def test_profiler_cost_is_logged_against_the_steps_before(tmp_path, capsys):
