@@ -4,6 +4,7 @@
     python benchmarks/ablation.py --preset gpt2 --steps 3 --warmup 1 --repeats 1
     python benchmarks/ablation.py --preset gpt2 --seq-len 1024 --batch-size 8 --compile --nproc 2
     python benchmarks/ablation.py --preset nanogpt                  # nanoGPT's shape: the speed comparison
+    python benchmarks/ablation.py --render benchmarks/results/cpu-small.json   # table and chart again, no runs
 
 The matrix is {AMP, --no-amp} x {no checkpointing, --use-activation-checkpoint}, plus
 `--compile`, a DDP world size, and (CPU) glibc malloc's defaults when asked. Each variant runs in a fresh process, `--repeats`
@@ -93,7 +94,7 @@ def markdown(meta: dict, results: dict) -> str:
              f"{meta['steps']} measured steps after {meta['warmup']} warm-up steps, {meta['repeats']} fresh "
              "process(es) per variant; medians over every measured step, spread as min-max of the repeats' medians.", "",
              "| variant | AMP | tokens/s (median) | spread | vs baseline | MFU | step ms | "
-             + " | ".join(f"{s} host / device ms" for s in STAGES) + " | peak MiB | activations MiB |",
+             + " | ".join(f"{s} host / device ms" for s in STAGES) + " | peak MiB | activations MiB (share of peak) |",
              "|---" * (9 + len(STAGES)) + "|"]
     for name, s in results.items():
         reps = s["tokens_per_s_repeats"]
@@ -103,7 +104,8 @@ def markdown(meta: dict, results: dict) -> str:
             f"{s['tokens_per_s']['median'] / results[base]['tokens_per_s']['median']:.2f}x | "
             f"{100 * s['mfu']:.1f}% | {s['step_ms']['median']:.0f} | "
             + " | ".join(f"{s['stage_host_ms'].get(st, 0):.1f} / {s['stage_device_ms'].get(st, 0):.1f}" for st in STAGES)
-            + f" | {'n/a' if pk is None else f'{pk:,.1f}'} | {'n/a' if act is None else f'{act:,.1f}'} |")
+            + f" | {'n/a' if pk is None else f'{pk:,.1f}'} | "
+            + ("n/a |" if act is None else f"{act:,.1f} ({100 * act / pk:.0f}%) |" if pk else f"{act:,.1f} |"))
     lines += ["", "Findings:", ""] + [f"- {f}" for f in findings(results)]
     if meta["machine"]["device"] == "cpu":
         lines += ["", "On the CPU a stage's device time is its host time: the CPU runs each op as the host issues it."]
@@ -182,7 +184,7 @@ def chart(meta: dict, results: dict, path: Path) -> None:
     plot_memory(axes[2], results)
     for ax in axes:
         ax.tick_params(axis="x", labelrotation=20, labelsize=8)
-    fig.suptitle(f"{meta['name']} on {machine_line(meta)}", fontsize=9)
+    fig.suptitle(f"{meta['name']} on {machine_line(meta)}\n{meta['command']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -201,9 +203,17 @@ def main() -> int:
     p.add_argument("--nproc", type=int, default=1, help="add an AMP + DDP variant with this many processes")
     p.add_argument("--name", help="results file name after the device (default: the preset)")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
+    p.add_argument("--render", type=Path, metavar="RESULTS_JSON",
+                   help="measure nothing: write the .md and .png again from a results .json")
     args, trainer_flags = p.parse_known_args()
     if min(args.steps, args.repeats) < 1 or args.warmup < 0:
         p.error("--steps and --repeats must be at least 1, --warmup at least 0")
+    if args.render:
+        if not args.render.is_file():
+            p.error(f"{args.render} does not exist")
+        data = json.loads(args.render.read_text())
+        write_results(data["meta"], data["results"], args.render.with_suffix(""))
+        return 0
 
     meta = {**stamp(sys.argv), "name": args.name or args.preset, "preset_flags": PRESETS[args.preset],
             "extra_flags": os.environ.get("MINIGPT_ARGS", ""),
@@ -220,12 +230,17 @@ def main() -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"{device_slug(meta['machine'])}-{meta['name']}"
     atomic_write(stem.with_suffix(".json"), json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    write_results(meta, results, stem)
+    return 0
+
+
+def write_results(meta: dict, results: dict, stem: Path) -> None:
+    """The table (.md) and the chart (.png) of a results .json, beside it."""
     table = markdown(meta, results)
     atomic_write(stem.with_suffix(".md"), table)
     chart(meta, results, stem.with_suffix(".png"))
     print(table)
     print(f"wrote {stem}.json, .md, .png")
-    return 0
 
 
 if __name__ == "__main__":

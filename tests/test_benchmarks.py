@@ -48,7 +48,22 @@ def test_overhead_reports_each_variant(tmp_path):
     assert list(data["results"]) == ["timing off", "timing on (default)", "profiler", "profiler + stacks"]
     assert data["results"]["timing off"]["stage_host_ms"] == {}  # --no-stage-timing reached the trainer
     assert set(data["results"]["timing on (default)"]["stage_host_ms"]) >= {"forward", "backward"}
-    assert "overhead vs timing off" in (tmp_path / "overhead-cpu-tiny.md").read_text()
+    table = (tmp_path / "overhead-cpu-tiny.md").read_text()
+    assert "overhead vs timing off" in table and "Stage timing costs" in table
+    costs = data["instrumentation_us_per_step"]
+    # the ranges cost tens of microseconds, an empty loop about one: ordered whatever the machine does
+    assert 0 < costs["bare loop"] < min(costs["ranges only (--no-stage-timing)"], costs["ranges + timing (default)"])
+
+
+def test_ablation_render_rewrites_table_and_chart_without_running(tmp_path):
+    results = ROOT / "benchmarks" / "results" / "cpu-small.json"
+    copy = tmp_path / "cpu-small.json"
+    copy.write_text(results.read_text())
+    result = run("ablation.py", "--render", str(copy))
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = (tmp_path / "cpu-small.md").read_text()
+    assert "| amp | bf16 |" in table and "share of peak" in table
+    assert (tmp_path / "cpu-small.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bad_benchmark_flags_fail_with_a_message():
