@@ -37,6 +37,13 @@ from pathlib import Path
 from typing import Iterator
 
 
+# --no-sandbox: Chromium refuses to start as root without it (CI and containers run as root).
+# The rest keep an offline machine quiet: without them Chromium keeps dialling Google's services
+# for updates, sync and field trials, and each refused connection is a line of noise.
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -117,7 +124,7 @@ def main() -> int:
     with serve_tensorboard([sys.executable, "-m", "tensorboard.main", "--logdir", str(args.run_dir)]) as url:
         args.out.mkdir(parents=True, exist_ok=True)
         with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+            browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS)
             page = browser.new_page(viewport={"width": 1500, "height": 1000})
             blocked: list[str] = []  # requests the browser could not make (offline)
             page.on("requestfailed", lambda r: blocked.append(r.url))

@@ -69,3 +69,28 @@ def test_every_walkthrough_command_runs(tmp_path):
         if not ok:
             failures.append(f"$ {cmd}\n(exit {result.returncode})\n{result.stdout[-1500:]}\n{result.stderr[-1500:]}")
     assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.slow
+def test_tensorboard_profiler_page_in_chromium(tmp_path):
+    """TensorBoard over a profiled run, its PyTorch Profiler tab opened in headless Chromium: the
+    tab lists the run's worker and views, and the Overview holds the profiled steps. The same
+    script makes the screenshots of docs/img/."""
+    if shutil.which("chromium") is None and shutil.which("chromium-browser") is None:
+        if os.environ.get("CI"):
+            pytest.fail("Chromium is not installed: .ci/run installs Debian's chromium before the tests")
+        pytest.skip("needs Debian's chromium (apt-get install chromium)")
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, str(ROOT / "train_minimal.py"), "--use-toy-data", "--preset", "tiny",
+                        "--num-steps", "8", "--log-interval", "4", "--use-profiler", "--profile-step-start", "3",
+                        "--profile-step-end", "5", "--out-dir", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    img = tmp_path / "img"
+    r = subprocess.run([sys.executable, str(ROOT / "docs" / "tensorboard_screenshots.py"), str(out), "--out", str(img)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "the PyTorch Profiler tab lists the run (views Overview, Operator" in r.stdout, r.stdout
+    assert "the Overview's steps 3, 4 were" in r.stdout, r.stdout
+    for name in ("tb_profiler.png", "tb_scalars.png"):
+        data = (img / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000, name  # a real page, not a blank one
