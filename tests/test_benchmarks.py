@@ -53,6 +53,9 @@ def test_overhead_reports_each_variant(tmp_path):
     costs = data["instrumentation_us_per_step"]
     # the ranges cost tens of microseconds, an empty loop about one: ordered whatever the machine does
     assert 0 < costs["bare loop"] < min(costs["ranges only (--no-stage-timing)"], costs["ranges + timing (default)"])
+    (tmp_path / "overhead-cpu-tiny.md").unlink()
+    assert run("overhead.py", "--render", str(tmp_path / "overhead-cpu-tiny.json")).returncode == 0
+    assert (tmp_path / "overhead-cpu-tiny.md").read_text() == table  # the table is a function of the .json
 
 
 def test_ablation_render_rewrites_table_and_chart_without_running(tmp_path):
