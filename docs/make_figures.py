@@ -41,7 +41,7 @@ def main() -> int:
         fig, ax = plt.subplots(figsize=(7.5, 4.5))
         plot(ax, results)
         ax.tick_params(axis="x", labelrotation=15, labelsize=8)
-        fig.suptitle(f"{meta['name']}: {machine_line(meta)}", fontsize=8)
+        fig.suptitle(f"{meta['name']}: {machine_line(meta)}\n{meta['command']}", fontsize=8)
         fig.tight_layout()
         fig.savefig(args.out / f"{name}.png", dpi=110)
         plt.close(fig)

@@ -1,7 +1,7 @@
 """Open a run in TensorBoard's PyTorch Profiler tab in headless Chromium, check what it shows, and
 save screenshots (the ones in docs/img/ come from here).
 
-    python docs/tensorboard_screenshots.py RUN_DIR [--out docs/img] [--expect-steps 5,6]
+    python docs/tensorboard_screenshots.py RUN_DIR [--out docs/img] [--expect-steps 5,6] [--scalars-dir RUN]
 
 Starts `tensorboard --logdir RUN_DIR` on 127.0.0.1 (a free port), opens the PyTorch Profiler tab,
 checks that the side panel lists the run, its views and its worker, and that the Overview lists
@@ -64,9 +64,11 @@ def trace_steps(run_dir: Path) -> list[str]:
 
 
 @contextmanager
-def serve_tensorboard(argv: list[str], cwd=None, env=None, timeout: float = 120) -> Iterator[str]:
+def serve_tensorboard(argv: list[str], cwd=None, env=None, timeout: float = 120,
+                      wait_for_profiler: bool = True) -> Iterator[str]:
     """Run `argv` (a tensorboard command line) on 127.0.0.1 and a free port; yield its URL once
-    the profiler plugin has loaded the traces (it parses them in the background); stop it after."""
+    it answers and, with `wait_for_profiler`, once the profiler plugin has loaded the traces (it
+    parses them in the background); stop it after."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([*argv, "--host", "127.0.0.1", "--port", str(port)], cwd=cwd, env=env,
@@ -77,6 +79,9 @@ def serve_tensorboard(argv: list[str], cwd=None, env=None, timeout: float = 120)
             if proc.poll() is not None:
                 raise RuntimeError(f"{shlex.join(argv)} exited; run it by hand to see why")
             try:
+                if not wait_for_profiler:
+                    get_json(f"{url}/data/runs")
+                    break
                 runs = get_json(f"{url}/data/plugin/pytorch_profiler/runs")
                 if runs["runs"] and not runs["loading"]:
                     break
@@ -104,11 +109,21 @@ def profiler_frame(page):
     raise RuntimeError("the PyTorch Profiler tab did not load (no plugin frame)")
 
 
+def screenshot_scalars(page, url: str, path: Path) -> None:
+    """The SCALARS tab filtered to the per-stage device times."""
+    page.goto(f"{url}/?smoothing=0#scalars&tagFilter=stage_device_ms")
+    page.wait_for_selector("text=stage_device_ms", timeout=60_000)
+    page.wait_for_timeout(4000)  # let the charts draw
+    page.screenshot(path=str(path))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", type=Path)
     p.add_argument("--out", type=Path, default=Path("docs/img"))
     p.add_argument("--expect-steps", help="comma-separated step numbers (default: read from the trace)")
+    p.add_argument("--scalars-dir", type=Path,
+                   help="take tb_scalars.png from this run instead (a longer run has more points to show)")
     args = p.parse_args()
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -162,10 +177,12 @@ def main() -> int:
             if shown != expected:
                 print(f"error: the Overview lists steps {shown}, expected {expected}", file=sys.stderr)
                 return 1
-            page.goto(f"{url}/?smoothing=0#scalars&tagFilter=stage_device_ms")
-            page.wait_for_selector("text=stage_device_ms", timeout=60_000)
-            page.wait_for_timeout(4000)
-            page.screenshot(path=str(args.out / "tb_scalars.png"))
+            if args.scalars_dir:
+                with serve_tensorboard([sys.executable, "-m", "tensorboard.main", "--logdir",
+                                        str(args.scalars_dir)], wait_for_profiler=False) as scalars_url:
+                    screenshot_scalars(page, scalars_url, args.out / "tb_scalars.png")
+            else:
+                screenshot_scalars(page, url, args.out / "tb_scalars.png")
             browser.close()
         print(f"TensorBoard: the PyTorch Profiler tab lists the run (views {', '.join(views)}); the Overview's "
               f"steps {', '.join(expected)} were {how}; screenshots in {args.out}")
