@@ -49,7 +49,7 @@ def test_overhead_reports_each_variant(tmp_path):
     assert data["results"]["timing off"]["stage_host_ms"] == {}  # --no-stage-timing reached the trainer
     assert set(data["results"]["timing on (default)"]["stage_host_ms"]) >= {"forward", "backward"}
     table = (tmp_path / "overhead-cpu-tiny.md").read_text()
-    assert "overhead vs timing off" in table and "Stage timing costs" in table
+    assert "overhead vs timing off" in table and "The default instrumentation (ranges and timing) costs" in table
     costs = data["instrumentation_us_per_step"]
     # the ranges cost tens of microseconds, an empty loop about one: ordered whatever the machine does
     assert 0 < costs["bare loop"] < min(costs["ranges only (--no-stage-timing)"], costs["ranges + timing (default)"])
