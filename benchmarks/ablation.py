@@ -110,7 +110,10 @@ def markdown(meta: dict, results: dict) -> str:
             + ("n/a |" if act is None else f"{act:,.1f} ({100 * act / pk:.0f}%) |" if pk else f"{act:,.1f} |"))
     lines += ["", "Findings:", ""] + [f"- {f}" for f in findings(results)]
     if meta["machine"]["device"] == "cpu":
-        lines += ["", "On the CPU a stage's device time is its host time: the CPU runs each op as the host issues it."]
+        lines += ["", "On the CPU a stage's device time is its host time: the CPU runs each op as the host issues it.",
+                  "", "MFU on the CPU is against the peak each process measures at its start (a 2048^3 matmul in "
+                  "its dtype), which moves by 10-25% between processes on a shared machine: compare MFU across "
+                  "rows only over several repeats, and compare speed by tokens/s."]
     if any(r["nproc"] > 1 for r in results.values()):
         lines += ["", "The DDP row runs torchrun's default of 1 thread per process (OMP_NUM_THREADS=1); the other "
                   "rows use every core in one process."]

@@ -139,7 +139,8 @@ def main() -> int:
         for name, run in variants.items():
             print(f"[{name}] round {r + 1}/{args.repeats}", flush=True)
             medians[name].append(tokens / run())
-    meta = {**stamp(sys.argv), "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
+    meta = {**stamp(sys.argv), "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+            "extra_flags": os.environ.get("MINIGPT_ARGS", "")}
     results = {name: {"tokens_per_s": statistics.median(v), "rounds": v} for name, v in medians.items()}
     lines = ["# minigpt against a bare nanoGPT-shaped loop", "", f"Machine: {machine_line(meta)}", "",
              f"Command: `{meta['command']}`", "",
@@ -148,6 +149,9 @@ def main() -> int:
              "", "| variant | tokens/s (median of rounds) | each round |", "|---|---|---|"]
     for name, r in results.items():
         lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {', '.join(f'{t:,.0f}' for t in r['rounds'])} |")
+    if meta["extra_flags"]:
+        lines += ["", f"Flags from $MINIGPT_ARGS, applied to the minigpt rows only (the bare loop keeps its shape): "
+                  f"`{meta['extra_flags']}`"]
     table = "\n".join(lines) + "\n"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"{device_slug(meta['machine'])}-nanogpt-shape"

@@ -5,8 +5,9 @@ logits and their gradient are 8 x 256 x 50304 floats, 412 MB each). glibc serves
 mmap threshold (at most 32 MB) with a fresh mmap and hands them back to the kernel with munmap
 when they are freed. Every step then touches hundreds of MB of brand-new pages, and the kernel
 zero-fills each 4 KiB page on its first touch: page faults, not arithmetic, become a large part of
-the step (measured on the 2-core CPU of benchmarks/results: about 1.5x tokens/s in fp32 and 1.9x
-with bf16 autocast once they are gone). Telling malloc never to use mmap for big blocks and never
+the step (on the 2-core CPU of benchmarks/results, keeping the blocks gave 1.74x tokens/s with
+bf16 autocast in cpu-small.md, and 1.38x in fp32 and 1.64x with AMP for the bare loop of
+cpu-nanogpt-shape.md). Telling malloc never to use mmap for big blocks and never
 to trim the heap keeps the freed blocks for the next step, as PyTorch's CUDA caching allocator does
 on a GPU. The price: the process keeps its peak memory instead of returning it to the system.
 

@@ -75,8 +75,8 @@ def tokenize_file(path: str | Path, tokenizer_name: str = "gpt2") -> np.ndarray:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        hint = ("; python data/prepare.py writes it from the built-in corpus"
-                if path.as_posix().endswith("data/train.txt") else "")
+        hint = ("; in the repository, python data/prepare.py writes data/train.txt from the built-in corpus"
+                if path.parts[-2:] == ("data", "train.txt") else "")
         raise UsageError(f"data file {path} does not exist; pass an existing text file{hint}") from None
     except IsADirectoryError:
         raise UsageError(f"data file {path} is a directory; pass the text files inside it") from None

@@ -581,8 +581,9 @@ def estimate_gpt(*, n_layers: int, d_model: int, n_heads: int, d_ff: int, seq_le
         autocast     the low-precision weight copies the matmuls save      p*(4h^2 + 2hf)
 
     Per block: sbh(8 + 6p) + 2p*bsf + 16bs + 4abs (+ weight copies). With f = 4h that is 36sbh in
-    bf16 against Korthikanti's 34sbh: +4 for the fp32 LayerNorm inputs, +2 for the attention
-    output that the flash backward needs, -2 without dropout masks (dropout 0), and no 5as^2b.
+    bf16 against Korthikanti's 34sbh: +4 for the fp32 LayerNorm inputs, -2 without dropout masks
+    (dropout 0), and no 5as^2b. (The flash output the attention backward keeps is the same storage
+    as attn.proj's input, which the paper already counts.)
     In fp32: 64sbh. Dropout > 0 adds a mask per dropout (1 byte per element on CUDA, the tensor's
     dtype on the CPU), and on the CPU sends attention down the math path, which saves fp32 copies
     of q, k and v and three fp32 s x s tensors (probabilities, mask, dropped probabilities) in

@@ -42,7 +42,7 @@ def test_ablation_writes_json_markdown_and_chart(tmp_path):
 
 
 def test_overhead_reports_each_variant(tmp_path):
-    result = run("overhead.py", *TINY, "--out-dir", str(tmp_path))
+    result = run("overhead.py", *TINY, "--micro-steps", "500", "--out-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "overhead-cpu-tiny.json").read_text())
     assert list(data["results"]) == ["timing off", "timing on (default)", "profiler", "profiler + stacks"]
