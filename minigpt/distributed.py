@@ -14,6 +14,8 @@ through gloo never make the host wait for the GPU, so they cost no synchronisati
 
 from __future__ import annotations
 
+import gc
+
 import os
 import socket
 from contextlib import nullcontext
@@ -69,6 +71,10 @@ def setup(device: str, backend: str | None, timeout_s: float) -> DistInfo:
 def cleanup() -> None:
     """Destroy the process group; safe to call on every exit path, and more than once."""
     if dist.is_available() and dist.is_initialized():
+        # Free what still holds the group (the DDP wrapper and its reducer sit in reference
+        # cycles) while the interpreter is whole, not during its shutdown: once, under load, a
+        # rank aborted at exit with "terminate called without an active exception".
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -115,9 +115,12 @@ def test_a_slow_rank_is_named_and_the_waiting_rank_is_not(tmp_path):
 
 def test_no_rank_is_named_when_none_is_slow(tmp_path):
     out = tmp_path / "run"
-    # Steps of tens of milliseconds, medians over 10 steps: scheduling noise stays well above 0.75.
+    # Steps of tens of milliseconds, medians over 10 steps. Two ranks share this machine's two cores
+    # with whatever else runs (the rest of the suite, CI): once, the noise alone crossed 0.75, so the
+    # threshold here is 0.5, still above the 0.32 a 200 ms straggler scored in the walkthrough (chapter 8).
     result = torchrun(ROOT / "train_minimal.py", *FLAGS, "--d-model", "128", "--d-ff", "512", "--seq-len", "64",
-                      "--num-steps", "20", "--log-interval", "10", "--out-dir", str(out))
+                      "--num-steps", "20", "--log-interval", "10", "--straggler-threshold", "0.5",
+                      "--out-dir", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "(bwd compute)" in (out / "train.log").read_text()  # the scores had figures to work on
     assert stragglers(out) == []
