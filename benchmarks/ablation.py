@@ -20,25 +20,30 @@ the versions, the date and the command.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PRESETS, RESULTS, STAGES, device_slug, machine_line, run_variant, stamp, summarise  # noqa: E402
+from common import (PRESETS, RESULTS, STAGES, device_slug, header, load_results, machine_line, run_variant,  # noqa: E402
+                    save_json, stamp, summarise)
 
 from minigpt.fileio import atomic_write  # noqa: E402
 
 MIB = 2**20
 
 
+# {AMP, fp32} x {checkpointing or not}; the first is the baseline. Variants asked for on top are
+# each compared with "amp".
+MATRIX = [("fp32", ["--no-amp"], 1),
+          ("fp32 + ckpt", ["--no-amp", "--use-activation-checkpoint"], 1),
+          ("amp", ["--amp"], 1),
+          ("amp + ckpt", ["--amp", "--use-activation-checkpoint"], 1)]
+
+
 def variants(args) -> list[tuple[str, list[str], int]]:
-    """(name, flags, processes) of each variant; the first is the baseline."""
-    out = [("fp32", ["--no-amp"], 1),
-           ("fp32 + ckpt", ["--no-amp", "--use-activation-checkpoint"], 1),
-           ("amp", ["--amp"], 1),
-           ("amp + ckpt", ["--amp", "--use-activation-checkpoint"], 1)]
+    """(name, flags, processes) of each variant."""
+    out = list(MATRIX)
     if args.malloc:
         out.append(("amp, malloc defaults", ["--amp", "--no-keep-freed-memory"], 1))
     if args.compile:
@@ -81,17 +86,15 @@ def findings(results: dict) -> list[str]:
             if pk0 and pk1:
                 text += f", peak memory {pk0:,.0f} -> {pk1:,.0f} MiB"
             lines.append(text)
-    for name in results:
-        if "compile" in name or "ddp" in name or "malloc" in name:
+    for name in list(results)[len(MATRIX):]:  # the variants added to the matrix on request
+        if "amp" in results:
             lines.append(f"{name}: {tps(name) / tps('amp'):.2f}x tokens/s against amp")
     return lines
 
 
 def markdown(meta: dict, results: dict) -> str:
     base = next(iter(results))
-    lines = [f"# Ablation: {meta['name']}", "",
-             f"Machine: {machine_line(meta)}", "",
-             f"Command: `{meta['command']}`", "",
+    lines = [*header(f"Ablation: {meta['name']}", meta),
              f"{meta['steps']} measured steps after {meta['warmup']} warm-up steps, {meta['repeats']} fresh "
              "process(es) per variant in interleaved rounds; medians over every measured step, spread as min-max of the "
              "repeats' medians.", "",
@@ -214,9 +217,7 @@ def main() -> int:
     if min(args.steps, args.repeats) < 1 or args.warmup < 0:
         p.error("--steps and --repeats must be at least 1, --warmup at least 0")
     if args.render:
-        if not args.render.is_file():
-            p.error(f"{args.render} does not exist")
-        data = json.loads(args.render.read_text())
+        data = load_results(p, args.render)
         write_results(data["meta"], data["results"], args.render.with_suffix(""))
         return 0
 
@@ -238,7 +239,7 @@ def main() -> int:
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"{device_slug(meta['machine'])}-{meta['name']}"
-    atomic_write(stem.with_suffix(".json"), json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    save_json(stem, {"meta": meta, "results": results})
     write_results(meta, results, stem)
     return 0
 
@@ -249,7 +250,7 @@ def write_results(meta: dict, results: dict, stem: Path) -> None:
     atomic_write(stem.with_suffix(".md"), table)
     chart(meta, results, stem.with_suffix(".png"))
     print(table)
-    print(f"wrote {stem}.json, .md, .png")
+    print(f"wrote {stem}.md, .png")
 
 
 if __name__ == "__main__":

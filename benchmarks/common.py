@@ -133,3 +133,21 @@ def machine_line(meta: dict) -> str:
     where = (f"{m['device_name']} ({m.get('cores')} cores{', AVX512-BF16' if m.get('avx512_bf16') else ''})"
              if m["device"] == "cpu" else f"{m['device_name']} (CUDA {m['cuda']})")
     return f"{where}; torch {m['torch']}, Python {m['python']}; {meta['date']}"
+
+
+def header(title: str, meta: dict) -> list[str]:
+    """The opening lines of every results table: what, on which machine, by which command."""
+    return [f"# {title}", "", f"Machine: {machine_line(meta)}", "", f"Command: `{meta['command']}`", ""]
+
+
+def save_json(stem: Path, data: dict) -> None:
+    from minigpt.fileio import atomic_write
+
+    atomic_write(stem.with_suffix(".json"), json.dumps(data, indent=2) + "\n")
+
+
+def load_results(parser, path: Path) -> dict:
+    """A results .json for --render, or the parser's one-line error."""
+    if not path.is_file():
+        parser.error(f"{path} does not exist")
+    return json.loads(path.read_text())

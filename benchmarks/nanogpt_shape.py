@@ -19,7 +19,6 @@ Writes benchmarks/results/<device>-nanogpt-shape.json and .md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -28,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PRESETS, RESULTS, device_slug, machine_line, run_variant, stamp  # noqa: E402
+from common import PRESETS, RESULTS, device_slug, header, run_variant, save_json, stamp  # noqa: E402
 
 from minigpt.fileio import atomic_write  # noqa: E402
 
@@ -142,8 +141,7 @@ def main() -> int:
     meta = {**stamp(sys.argv), "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
             "extra_flags": os.environ.get("MINIGPT_ARGS", "")}
     results = {name: {"tokens_per_s": statistics.median(v), "rounds": v} for name, v in medians.items()}
-    lines = ["# minigpt against a bare nanoGPT-shaped loop", "", f"Machine: {machine_line(meta)}", "",
-             f"Command: `{meta['command']}`", "",
+    lines = [*header("minigpt against a bare nanoGPT-shaped loop", meta),
              f"Shape: {LAYERS} layers, {HEADS} heads, {WIDTH} wide, block {BLOCK}, batch {BATCH}, vocabulary {VOCAB}. "
              f"Each round runs every variant in a fresh process: median of {args.steps} steps after {args.warmup}.",
              "", "| variant | tokens/s (median of rounds) | each round |", "|---|---|---|"]
@@ -155,7 +153,7 @@ def main() -> int:
     table = "\n".join(lines) + "\n"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"{device_slug(meta['machine'])}-nanogpt-shape"
-    atomic_write(stem.with_suffix(".json"), json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    save_json(stem, {"meta": meta, "results": results})
     atomic_write(stem.with_suffix(".md"), table)
     print(table)
     print(f"wrote {stem}.json, .md")

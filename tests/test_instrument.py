@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import train_minimal
-from conftest import ROOT, TINY
+from conftest import TINY
 from minigpt import instrument
 from minigpt.instrument import STAGES, StageTimer
 from tensorboard_screenshots import get_json, serve_tensorboard
