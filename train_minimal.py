@@ -41,7 +41,8 @@ from minigpt.data import (Batches, ToyBatches, builtin_corpus, check_enough_toke
 from minigpt.fileio import atomic_write
 from minigpt.instrument import (STAGES, MemoryHistory, NsysCaptureRange, StageTimer, cuda_memory_report,
                                 has_device_kernels, make_profiler, top_operators)
-from minigpt.memory import capture_memory, estimate_gpt, estimate_report, format_breakdown, gpt_shape, write_memory_trace
+from minigpt.estimate import estimate_gpt, estimate_report, gpt_shape
+from minigpt.memory import capture_memory, format_breakdown, write_memory_trace
 from minigpt.metrics import (JsonlWriter, TensorBoardLogger, format_duration, format_log_line, mfu, peak_flops,
                              perplexity, setup_logging)
 from minigpt.model import GPT, GPTConfig, flops_per_token, pad_vocab

@@ -24,11 +24,10 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (PRESETS, RESULTS, STAGES, device_slug, header, load_results, machine_line, run_variant,  # noqa: E402
+from common import (PRESETS, RESULTS, STAGES, device_slug, header, load_results, machine_line, run_variant,
                     save_json, stamp, summarise)
 
-from minigpt.fileio import atomic_write  # noqa: E402
+from minigpt.fileio import atomic_write
 
 MIB = 2**20
 

@@ -21,7 +21,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # minigpt itself, for the scripts run from any folder
 RESULTS = ROOT / "benchmarks" / "results"
 STAGES = ("data_to_device", "forward", "backward", "optimizer_step")
 

@@ -26,10 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PRESETS, RESULTS, device_slug, header, run_variant, save_json, stamp  # noqa: E402
+from common import PRESETS, RESULTS, device_slug, header, run_variant, save_json, stamp
 
-from minigpt.fileio import atomic_write  # noqa: E402
+from minigpt.fileio import atomic_write
 
 # glibc reads these at start-up: the same as minigpt's mallopt(M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB).
 KEEP_FREED_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}

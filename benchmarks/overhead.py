@@ -23,12 +23,11 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (PRESETS, RESULTS, STAGES, device_slug, header, load_results, run_variant, save_json,  # noqa: E402
+from common import (PRESETS, RESULTS, STAGES, device_slug, header, load_results, run_variant, save_json,
                     stamp, summarise)
 
-from minigpt.fileio import atomic_write  # noqa: E402
-from minigpt.instrument import StageTimer  # noqa: E402
+from minigpt.fileio import atomic_write
+from minigpt.instrument import StageTimer
 
 
 def instrumentation_us_per_step(device: str, steps: int = 20_000) -> dict[str, float]:

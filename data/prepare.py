@@ -16,10 +16,9 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minigpt.config import UsageError  # noqa: E402
-from minigpt.data import builtin_corpus, tokenize_file  # noqa: E402
+from minigpt.config import UsageError
+from minigpt.data import builtin_corpus, tokenize_file
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "train.txt"
 

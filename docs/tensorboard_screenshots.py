@@ -34,7 +34,8 @@ import urllib.parse
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+
+from minigpt.tbserve import get_json, serve_tensorboard
 
 
 # --no-sandbox: Chromium refuses to start as root without it (CI and containers run as root).
@@ -42,12 +43,6 @@ from typing import Iterator
 # for updates, sync and field trials, and each refused connection is a line of noise.
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def trace_steps(run_dir: Path) -> list[str]:
@@ -61,44 +56,6 @@ def trace_steps(run_dir: Path) -> list[str]:
                 if m:
                     steps.add(int(m.group(1)))
     return [str(s) for s in sorted(steps)]
-
-
-@contextmanager
-def serve_tensorboard(argv: list[str], cwd=None, env=None, timeout: float = 120,
-                      wait_for_profiler: bool = True) -> Iterator[str]:
-    """Run `argv` (a tensorboard command line) on 127.0.0.1 and a free port; yield its URL once
-    it answers and, with `wait_for_profiler`, once the profiler plugin has loaded the traces (it
-    parses them in the background); stop it after."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([*argv, "--host", "127.0.0.1", "--port", str(port)], cwd=cwd, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{shlex.join(argv)} exited; run it by hand to see why")
-            try:
-                if not wait_for_profiler:
-                    get_json(f"{url}/data/runs")
-                    break
-                runs = get_json(f"{url}/data/plugin/pytorch_profiler/runs")
-                if runs["runs"] and not runs["loading"]:
-                    break
-            except (OSError, ValueError):
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"TensorBoard's profiler plugin listed no run within {timeout:.0f}s")
-            time.sleep(1)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
-def get_json(url: str):
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return json.loads(r.read())
 
 
 def profiler_frame(page):

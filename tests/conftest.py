@@ -7,8 +7,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "docs"))  # tensorboard_screenshots: starting and polling TensorBoard
 
 # Toy data and a tiny model: each training run in the tests takes a few seconds.
 TINY = ["--use-toy-data", "--preset", "tiny", "--n-layers", "2", "--d-model", "32", "--n-heads", "2",

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import train_minimal  # noqa: E402
+import train_minimal
 
 rank = int(os.environ.get("RANK", 0))
 prefix, argv = sys.argv[1], sys.argv[2:]

@@ -14,7 +14,7 @@ import train_minimal
 from conftest import TINY
 from minigpt import instrument
 from minigpt.instrument import STAGES, StageTimer
-from tensorboard_screenshots import get_json, serve_tensorboard
+from minigpt.tbserve import get_json, serve_tensorboard
 
 
 def read_metrics(out):

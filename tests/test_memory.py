@@ -9,10 +9,10 @@ import torch.nn as nn
 
 import train_minimal
 from conftest import TINY, fails
-from minigpt import memory
+from minigpt import estimate
 from minigpt.config import parse_args
-from minigpt.memory import (LAYOUT, MEMORY_LOG, SUNBURST_FILES, capture_memory, estimate_gpt, parse_memory_log,
-                            write_memory_trace)
+from minigpt.estimate import estimate_gpt
+from minigpt.memory import LAYOUT, MEMORY_LOG, SUNBURST_FILES, capture_memory, parse_memory_log, write_memory_trace
 from minigpt.model import GPT, GPTConfig
 
 SHAPE = dict(n_layers=2, d_model=32, n_heads=2, d_ff=128, seq_len=16, batch_size=4, vocab_size=64,
@@ -255,7 +255,7 @@ def test_bad_memory_flags(capsys, tmp_path, args, expected):
 
 
 def test_estimator_command_line_refuses_bad_flags_in_one_line(capsys):
-    assert memory.main(["--device-memory-gb", "-2"]) == 2
+    assert estimate.main(["--device-memory-gb", "-2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "error: --device-memory-gb must be positive, got -2.0"
 
@@ -268,12 +268,12 @@ def test_estimate_memory_prints_and_exits_without_a_run_directory(capsys, tmp_pa
     assert not out.exists()
     assert "Memory estimate: 12 layers, d_model 768" in printed and "124.48M parameters" in printed
     assert "does NOT fit" in printed and "Device memory: 1.5 GiB (--device-memory-gb)" in printed
-    assert memory.main(args) == 0  # python -m minigpt.memory: the same report
+    assert estimate.main(args) == 0  # python -m minigpt.estimate: the same report
     assert capsys.readouterr().out == printed
 
 
 def test_estimate_memory_defaults_to_the_machines_memory(capsys):
-    assert memory.main(["--preset", "tiny", "--no-amp"]) == 0
+    assert estimate.main(["--preset", "tiny", "--no-amp"]) == 0
     printed = capsys.readouterr().out
     source = "the GPU's memory" if torch.cuda.is_available() else "this machine's RAM"
     assert source in printed and "fp32 + ckpt" in printed and "*fp32" in printed

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from tensorboard_screenshots import serve_tensorboard
+from minigpt.tbserve import serve_tensorboard
 
 WALKTHROUGH = ROOT / "docs" / "walkthrough.md"
 SCALE = "--preset tiny --seq-len 32 --batch-size 2 --eval-iters 1"  # the walkthrough's own step counts stay

@@ -1,7 +1,7 @@
 """Draw the walkthrough's figures from the committed benchmark results (nothing is re-measured).
 
-    python docs/make_figures.py                       # from benchmarks/results/cpu-small.json
-    python docs/make_figures.py --results benchmarks/results/nvidia-h100-80gb-hbm3-gpt2.json
+    python benchmarks/make_figures.py                       # from benchmarks/results/cpu-small.json
+    python benchmarks/make_figures.py --results benchmarks/results/nvidia-h100-80gb-hbm3-gpt2.json
 
 Writes into docs/img/: tokens_per_s.png, stage_times.png and memory_breakdown.png, each titled
 with the machine, versions and date of the measurement. The TensorBoard screenshots come from
@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from ablation import plot_memory, plot_stages, plot_tokens  # noqa: E402
-from common import machine_line  # noqa: E402
+# Run as a script, this folder is on sys.path: the sibling modules import directly.
+from ablation import plot_memory, plot_stages, plot_tokens
+from common import machine_line
 
 
 def main() -> int:
