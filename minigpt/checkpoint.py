@@ -132,15 +132,20 @@ def save_sharded(folder: str | Path, model: torch.nn.Module, optimizer: torch.op
     _barrier()  # no rank goes on (and maybe loads) before the rename
 
 
-# What DCP's metadata file may name when it is unpickled: its own dataclasses, torch's dtypes and
-# sizes, and the builtin containers. Anything else (os.system, a class with __reduce__) is refused.
-_SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
-_SAFE_GLOBALS = {("torch", "Size"), ("torch", "float32"), ("torch", "float16"), ("torch", "bfloat16"),
-                 ("torch", "float64"), ("torch", "int64"), ("torch", "int32"), ("torch", "uint8"),
-                 ("torch", "int8"), ("torch", "bool"), ("torch", "strided"), ("torch", "sparse_coo"),
-                 ("torch", "contiguous_format"), ("torch", "preserve_format"), ("torch", "channels_last"),
-                 ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-                 ("builtins", "slice"), ("builtins", "getattr"), ("torch.serialization", "_get_layout")}
+# What DCP's metadata file may name when it is unpickled (read off the pickles DCP 2.13 writes): its
+# own dataclasses, torch's dtypes, Size and layout lookup, and pathlib's paths (the checkpoint_id).
+# Each is data or a harmless constructor; anything else (os.system, a class with __reduce__, any
+# other name in those modules) is refused before it is called.
+_SAFE_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties",
+                                              "_MEM_FORMAT_ENCODING", "ChunkStorageMetadata",
+                                              "BytesStorageMetadata", "MetadataIndex", "StorageMeta"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
 
 
 def _restricted_unpickler():
@@ -148,22 +153,13 @@ def _restricted_unpickler():
 
     class Restricted(pickle.Unpickler):
         def find_class(self, module: str, name: str):
-            if module in _SAFE_MODULES or (module, name) in _SAFE_GLOBALS:
-                if (module, name) == ("builtins", "getattr"):
-                    return _torch_getattr
+            if name in _SAFE_GLOBALS.get(module, ()):
                 return super().find_class(module, name)
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
             raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
 
     return Restricted
-
-
-def _torch_getattr(obj, name: str):
-    """getattr for the metadata pickle (torch dtypes pickle as getattr(torch, 'float32')): only
-    torch's dtypes, layouts and memory formats, never an arbitrary attribute."""
-    value = getattr(obj, name) if obj is torch else None
-    if not isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-        raise ValueError(f"getattr({obj!r}, {name!r}) is not allowed in a checkpoint's metadata")
-    return value
 
 
 def _safe_reader_and_planner(folder: Path):
@@ -231,12 +227,16 @@ def load_sharded(folder: str | Path, model: torch.nn.Module, optimizer: torch.op
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
     reader, planner = _safe_reader_and_planner(folder)
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         dcp.load(state, storage_reader=reader, planner=planner)
-    except Exception as e:  # noqa: BLE001 (DCP wraps rank failures in CheckpointException)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        fallback = lines[-1] if lines else type(e).__name__
+        why = next((line for line in lines if "not allowed" in line), fallback)
         raise UsageError(f"sharded checkpoint {folder} is damaged or does not fit this model "
-                         f"({type(e).__name__}: {first[:200]})") from None
+                         f"({why[:300]})") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     if saved_world != world and rank == 0:
         print(f"Resharding checkpoint {folder} from {saved_world} ranks to {world}: training continues "

@@ -40,14 +40,16 @@ def tp_degree(cfg, world_size: int | None = None) -> int:
     (torchrun's LOCAL_WORLD_SIZE), where the links are fastest."""
     if getattr(cfg, "use_tensor_parallel", False):
         return int(os.environ.get("LOCAL_WORLD_SIZE", world_size or world_size_from_env()))
-    return int(getattr(cfg, "tp", 1) or 1)
+    tp = getattr(cfg, "tp", 1)
+    return 1 if tp is None else int(tp)
 
 
 def check_plan(cfg, world_size: int) -> None:
     """Raise UsageError (one line) for any --fsdp / --tp / --use-tensor-parallel combination that
     cannot work. Touches no process group: called before distributed.setup()."""
-    fsdp, tp_flag, use_tp = bool(getattr(cfg, "fsdp", False)), int(getattr(cfg, "tp", 1) or 1), \
-        bool(getattr(cfg, "use_tensor_parallel", False))
+    fsdp, use_tp = bool(getattr(cfg, "fsdp", False)), bool(getattr(cfg, "use_tensor_parallel", False))
+    tp_flag = getattr(cfg, "tp", 1)
+    tp_flag = 1 if tp_flag is None else int(tp_flag)
     if not (fsdp or tp_flag != 1 or use_tp):
         return  # DDP or a single process: nothing of this module is used
     if tp_flag < 1:
@@ -275,11 +277,11 @@ def local_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
 def per_rank_estimate(estimate, dp: int, tp: int, fsdp: bool, shape: dict | None = None) -> dict:
     """Scale a minigpt.estimate.MemoryEstimate (the whole model in one process) to one rank.
 
-    Parameters, gradients and AdamW state: under FSDP sharded by dp*tp (FSDP shards along "dp"
-    what TP already split along "tp"; padding to equal shards is ignored); under TP alone the
-    blocks' matrices are split by tp while the replicated parts (embeddings with the tied head,
-    LayerNorms, the RowwiseParallel biases) are whole on every rank; under DDP nothing is
-    sharded. AdamW's scalar `step` counters are never sharded (4 bytes per tensor).
+    Parameters, gradients and AdamW state: the blocks' matrices are split by tp; the parts TP
+    replicates (embeddings with the tied head, LayerNorms, the RowwiseParallel biases) are whole
+    on every tp rank; FSDP then shards everything along dp (so the matrices by dp*tp; padding to
+    equal shards is ignored). Under DDP nothing is sharded. AdamW's scalar `step` counters are
+    never sharded (4 bytes per tensor).
 
     Activations under TP: a block's saved tensors inside the TP region are split by tp (the qkv
     output, the attention output and its logsumexp, the MLP's two hidden activations, autocast's
@@ -297,8 +299,8 @@ def per_rank_estimate(estimate, dp: int, tp: int, fsdp: bool, shape: dict | None
     if tp > 1:
         h, L = shape["d_model"], shape["n_layers"]
         replicated = 4 * (shape["vocab_size"] * h + shape["max_position_embeddings"] * h + L * 6 * h + 2 * h)
-    if fsdp:
-        params = -(-e.params // (dp * tp))
+    if fsdp:  # FSDP shards along "dp" what TP split along "tp"; the replicated parts only along "dp"
+        params = -(-replicated // dp) + -(-(e.params - replicated) // (dp * tp))
     else:
         params = replicated + (e.params - replicated) // tp
     grads = params

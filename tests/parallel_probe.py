@@ -76,7 +76,8 @@ for step in range(first, first + args.steps):
     g = torch.Generator().manual_seed(1000 + step)
     data = torch.randint(0, V, (args.batch, args.seq + 1), generator=g)
     x, y = data[:, :-1], data[:, 1:]
-    x, y = x[dp_rank * local:(dp_rank + 1) * local], y[dp_rank * local:(dp_rank + 1) * local]
+    rows = slice(dp_rank * local, (dp_rank + 1) * local)
+    x, y = x[rows].contiguous(), y[rows].contiguous()  # own storages, as a data loader's
     t0 = time.perf_counter()
     micro = local // args.grad_accum
     total = torch.zeros(())
@@ -104,10 +105,49 @@ for step in range(first, first + args.steps):
 if args.save:
     save_sharded(args.save, model, optimizer, {"step": first + args.steps})
 
-# the state bytes need gradients: one more backward, not stepped
-with autocast:
-    train_model(x, y)[1].backward()
-state_bytes = parallel.local_state_bytes(model, optimizer)
+# One more step, measured (not in the losses): the local bytes of parameters, gradients (after
+# backward) and AdamW state, and the saved activations through minigpt.memory, with the two
+# changes it needs for sharded models (see _dtensor_aware below).
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from minigpt import memory  # noqa: E402
+
+
+def _dtensor_aware(t):
+    return real_key(t.to_local() if isinstance(t, DTensor) else t)
+
+
+class ShardAwareCapture(memory.MemoryCapture):
+    """FSDP2 gathers each block's parameters into fresh storages for its forward: a weight that a
+    matmul saves is then not one of the (sharded) parameters' storages seen on entering, so count
+    the storages of the running module's own parameters as parameters too."""
+
+    def _pack(self, t):
+        module = self._modules_by_name.get(self._stack[-1])
+        if module is not None and not isinstance(t, DTensor):
+            own = {q.untyped_storage().data_ptr() for q in module.parameters(recurse=False)
+                   if not isinstance(q, DTensor)}
+            if t.untyped_storage().data_ptr() in own:
+                return t
+        return super()._pack(t)
+
+    def __enter__(self):
+        self._modules_by_name = dict(self.model.named_modules())
+        return super().__enter__()
+
+
+real_key = memory._storage_key_and_bytes
+memory._storage_key_and_bytes = _dtensor_aware
+with ShardAwareCapture(model, optimizer) as cap:
+    with autocast:
+        loss = train_model(x, y)[1]
+    loss.backward()
+    state_bytes = parallel.local_state_bytes(model, optimizer)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+memory._storage_key_and_bytes = real_key
+state_bytes["activations"] = cap.breakdown.category_total("activations")
+activation_layout = cap.breakdown.activations
 params_out = {}
 if world == 1 or args.save:
     from torch.distributed.tensor import DTensor
@@ -118,7 +158,8 @@ record = {"rank": rank, "worker": parallel.worker_name(rank, mesh), "dp": dp_ran
           "tp_rank": tp_rank, "tp": tp, "losses": losses, "grad_norms": grad_norms, "step_s": times,
           "state_bytes": state_bytes,
           "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
-          "first_step": first, "params": params_out}
+          "first_step": first, "params": params_out, "activation_layout": activation_layout,
+          "activation_dtypes": cap.breakdown.activation_dtypes}
 with open(f"{args.out}.rank{rank}.json", "w") as f:
     json.dump(record, f)
 if rank == 0:
