@@ -113,6 +113,10 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from minigpt import memory  # noqa: E402
 
 
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _dtensor_aware(t):
     return real_key(t.to_local() if isinstance(t, DTensor) else t)
 
@@ -124,10 +128,9 @@ class ShardAwareCapture(memory.MemoryCapture):
 
     def _pack(self, t):
         module = self._modules_by_name.get(self._stack[-1])
-        if module is not None and not isinstance(t, DTensor):
-            own = {q.untyped_storage().data_ptr() for q in module.parameters(recurse=False)
-                   if not isinstance(q, DTensor)}
-            if t.untyped_storage().data_ptr() in own:
+        if module is not None:
+            own = {_local(q).untyped_storage().data_ptr() for q in module.parameters(recurse=False)}
+            if _local(t).untyped_storage().data_ptr() in own:
                 return t
         return super()._pack(t)
 
