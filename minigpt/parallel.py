@@ -317,3 +317,93 @@ def per_rank_estimate(estimate, dp: int, tp: int, fsdp: bool, shape: dict | None
     return {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
             "block": block, "total": total, "peak": total + e.logits + e.recompute,
             "dp": dp, "tp": tp, "fsdp": fsdp}
+
+
+# ---------------------------------------------------------------------------- a communication model
+
+H100_NVLINK_BYTES_PER_S = 450e9  # assumed: NVLink 4, 900 GB/s both ways = 450 GB/s per direction per GPU
+
+
+def comm_model(shape: dict, dp: int, tp: int, fsdp: bool, param_bytes: int = 4, reduce_bytes: int = 4,
+               act_bytes: int = 4, link_bytes_per_s: float = H100_NVLINK_BYTES_PER_S) -> dict:
+    """Bytes each GPU sends per optimizer step, per kind of collective, and the seconds they take
+    at `link_bytes_per_s` (ring algorithms, bandwidth term only: no latency, no overlap with
+    compute, so an upper bound on what is exposed). P = parameters, b s h = tokens x width.
+
+    DDP:  all-reduce of the gradients, 2 (n-1)/n x P x reduce_bytes.
+    FSDP: all-gather of the parameters in the forward and again in the backward (each block is
+          resharded after its forward), 2 x (n-1)/n x P x param_bytes, and a reduce-scatter of the
+          gradients, (n-1)/n x P x reduce_bytes. With tp, P is each tp rank's share.
+    TP:   per block 2 all-reduces of the activations forward (after attn.proj and mlp.proj) and 2
+          backward (the gradients of the two column-parallel inputs), each 2 (t-1)/t x b s h x
+          act_bytes, for the data-parallel rank's batch."""
+    L, h, f = shape["n_layers"], shape["d_model"], shape["d_ff"]
+    V, P_pos = shape["vocab_size"], shape["max_position_embeddings"]
+    s, b = shape["seq_len"], shape["batch_size"]
+    block = 4 * h + 3 * h * h + 3 * h + h * h + h + h * f + f + f * h + h
+    replicated = V * h + P_pos * h + L * 6 * h + 2 * h  # not split by TP
+    per_tp_rank = replicated + (L * block + 2 * h + V * h + P_pos * h - replicated) // tp
+    out = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce_grads": 0.0, "all_reduce_tp": 0.0}
+    if dp > 1:
+        ring = (dp - 1) / dp
+        if fsdp:
+            out["all_gather"] = 2 * ring * per_tp_rank * param_bytes
+            out["reduce_scatter"] = ring * per_tp_rank * reduce_bytes
+        else:
+            out["all_reduce_grads"] = 2 * ring * per_tp_rank * reduce_bytes
+    if tp > 1:
+        out["all_reduce_tp"] = L * 4 * 2 * (tp - 1) / tp * b * s * h * act_bytes
+    total = sum(out.values())
+    return {"bytes": out, "total_bytes": total, "seconds": total / link_bytes_per_s}
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """python -m minigpt.parallel [--preset gpt2] [--gpus 8]: the per-GPU memory (the estimator,
+    scaled per rank) and the communication model for DDP, FSDP, TP and FSDP x TP."""
+    import argparse
+
+    from minigpt.config import PRESETS
+    from minigpt.estimate import estimate_gpt
+
+    p = argparse.ArgumentParser(prog="python -m minigpt.parallel", description=_main.__doc__)
+    p.add_argument("--preset", default="gpt2", choices=sorted(PRESETS))
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation (compute time)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="per GPU (H100 SXM dense bf16)")
+    p.add_argument("--batch-size", type=int, help="per data-parallel rank (default: the preset's)")
+    p.add_argument("--link-gb-s", type=float, default=H100_NVLINK_BYTES_PER_S / 1e9)
+    a = p.parse_args(argv)
+    pre = PRESETS[a.preset]
+    shape = dict(n_layers=pre["n_layers"], n_heads=pre["n_heads"], d_model=pre["d_model"], d_ff=pre["d_ff"],
+                 seq_len=pre["seq_len"], batch_size=a.batch_size or pre["batch_size"], vocab_size=50304,
+                 max_position_embeddings=pre.get("max_position_embeddings", pre["seq_len"]))
+    n = a.gpus
+    plans = [("DDP", n, 1, False), ("FSDP", n, 1, True), (f"TP {n}", 1, n, False)]
+    plans += [(f"FSDP {n // t} x TP {t}", n // t, t, True) for t in (2, 4) if n % t == 0 and n > t]
+    L, h, s = shape["n_layers"], shape["d_model"], shape["seq_len"]
+    n_params = estimate_gpt(**shape).params // 4 - shape["max_position_embeddings"] * h  # as model.num_params
+    flops_per_token = 6 * n_params + 12 * L * h * s
+    print(f"{a.preset}: {shape}; {n} GPUs; bf16 AMP (fp32 master weights, AdamW), "
+          f"link {a.link_gb_s:.0f} GB/s per direction")
+    print(f"compute per GPU at {100 * a.mfu:.0f}% of {a.peak_tflops:.0f} TFLOP/s; communication time "
+          "is the bandwidth term alone, none of it overlapped (an upper bound on what is exposed)")
+    print(f"{'plan':18s} {'params+grads+AdamW':>19s} {'activations':>12s} {'peak':>9s} "
+          f"{'comm/step':>10s} {'comm time':>10s} {'compute':>9s}")
+    for name, dp, tp, fsdp in plans:
+        if shape["n_heads"] % tp or shape["d_ff"] % tp:
+            print(f"{name:18s} not possible: {shape['n_heads']} heads do not split {tp} ways")
+            continue
+        e = per_rank_estimate(estimate_gpt(**shape, amp_dtype="bf16", device="cuda"), dp, tp, fsdp, shape)
+        c = comm_model(shape, dp, tp, fsdp, param_bytes=2 if fsdp else 4, reduce_bytes=4, act_bytes=2,
+                       link_bytes_per_s=a.link_gb_s * 1e9)
+        gib = 2**30
+        compute = flops_per_token * shape["batch_size"] * s / tp / (a.peak_tflops * 1e12 * a.mfu)
+        print(f"{name:18s} {(e['params'] + e['grads'] + e['optimizer']) / gib:16.2f} GiB "
+              f"{e['activations'] / gib:8.2f} GiB {e['peak'] / gib:5.2f} GiB "
+              f"{c['total_bytes'] / 1e9:6.2f} GB "
+              f"{1000 * c['seconds']:7.2f} ms {1000 * compute:6.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
