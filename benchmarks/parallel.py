@@ -144,6 +144,35 @@ def worker(args) -> None:
 
 # ---------------------------------------------------------------------------- the driver
 
+MEMORY_SHARE = 0.5  # a shared machine: a variant may take at most half of the memory available now
+
+
+def predicted_bytes(model: str, scheme: str, nproc: int) -> int:
+    """The estimator's per-rank peak times the ranks, plus ~0.4 GiB per process for torch itself."""
+    from minigpt.estimate import estimate_gpt
+    from minigpt.parallel import per_rank_estimate
+
+    m = MODELS[model]
+    tp = {"ddp": 1, "fsdp": 1, "tp": nproc, "fsdp x tp": 2}[scheme]
+    dp = nproc // tp
+    shape = dict(n_layers=m["n_layers"], n_heads=m["n_heads"], d_model=m["d_model"], d_ff=m["d_ff"],
+                 seq_len=m["seq_len"], batch_size=1, vocab_size=m["vocab_size"],
+                 max_position_embeddings=m["seq_len"])
+    e = per_rank_estimate(estimate_gpt(**shape), dp, tp, scheme.startswith("fsdp"), shape)
+    ddp_buckets = e["grads"] if scheme == "ddp" else 0  # DDP's gradient buckets: a second copy
+    return nproc * (e["peak"] + ddp_buckets + int(0.4 * 2**30))
+
+
+def available_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def run(model: str, scheme: str, nproc: int, warmup: int, steps: int) -> dict:
     flags = [f.replace("ALL", str(nproc)) for f in SCHEMES[scheme]]
     with tempfile.TemporaryDirectory(prefix="minigpt-parallel-") as tmp:
@@ -192,6 +221,10 @@ def render(data: dict) -> str:
                      f"{t['max']:.0f}) | {r['step_ms']['median']:.0f} | {r['exposed_comm_ms']:.0f} "
                      f"({100 * share:.0f}%) | {r['rss_peak_bytes'] / 2**30:.2f} | {gib(sb['params'])} / "
                      f"{gib(sb['grads'])} / {gib(sb['optimizer'])} |")
+    for k in data.get("skipped", []):
+        lines.append(f"| {k['model']} | {k['ranks']} | {k['scheme']} | skipped: the estimator predicts "
+                     f"{k['predicted_bytes'] / 2**30:.1f} GiB for all ranks, over half of the "
+                     f"{k['available_bytes'] / 2**30:.1f} GiB then available | | | | |")
     lines += ["", "Exposed communication: the training thread's time inside collectives and FSDP2's "
               "gather/reduce ranges during one profiled step (their union), plus, under DDP, the "
               "backward's wait for its last all-reduce; its share is of that profiled step. Peak RSS "
@@ -222,7 +255,18 @@ def main(argv=None) -> int:
         data = load_results(p, STEM.with_suffix(".json"))
         STEM.with_suffix(".md").write_text(render(data))
         return 0
-    variants = [(m, s, n) for m in args.models for n in args.ranks for s in args.schemes]
+    variants, skipped = [], []
+    for m in args.models:
+        for n in args.ranks:
+            for s in args.schemes:
+                need, free = predicted_bytes(m, s, n), available_bytes()
+                if free is not None and need > MEMORY_SHARE * free:
+                    skipped.append({"model": m, "scheme": s, "ranks": n, "predicted_bytes": need,
+                                    "available_bytes": free})
+                    print(f"skipped {m} {s} x{n}: predicted {need / 2**30:.1f} GiB for all ranks, over "
+                          f"{100 * MEMORY_SHARE:.0f}% of the {free / 2**30:.1f} GiB available", flush=True)
+                else:
+                    variants.append((m, s, n))
     rounds: dict = {v: [] for v in variants}
     for _ in range(args.repeats):
         for v in variants:
@@ -235,7 +279,7 @@ def main(argv=None) -> int:
         rs = sorted(rs, key=lambda r: r["tokens_per_s"]["median"])
         results.append(rs[len(rs) // 2])
     data = {"meta": stamp(sys.argv), "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
-            "results": results}
+            "results": results, "skipped": skipped}
     RESULTS.mkdir(parents=True, exist_ok=True)
     save_json(STEM, data)
     STEM.with_suffix(".md").write_text(render(data))
