@@ -17,6 +17,7 @@ mistake costs one line, not a hung job. Knows minigpt's GPT (the module names in
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -79,8 +80,8 @@ def check_plan(cfg, world_size: int) -> None:
     if cfg.compile:
         raise UsageError(f"--compile with {names} is not supported: minigpt compiles the whole model, and "
                          "FSDP2's hooks and DTensor ops need per-block compilation (as torchtitan does)")
-    if fsdp and getattr(cfg, "amp_dtype", "bf16") == "fp16" and getattr(cfg, "amp", None) is not False:
-        raise UsageError("--fsdp with --amp-dtype fp16 is not supported: its GradScaler is untested on "
+    if getattr(cfg, "amp_dtype", "bf16") == "fp16" and getattr(cfg, "amp", None) is not False:
+        raise UsageError(f"{names} with --amp-dtype fp16 is not supported: its GradScaler is untested on "
                          "sharded gradients here; use bf16 (or --no-amp)")
     # Activation checkpointing composes: the model checkpoints each (FSDP-wrapped) block, and during
     # the recomputation FSDP2 all-gathers that block's parameters again, as torchtitan's AC does.
@@ -108,6 +109,50 @@ def worker_name(rank: int, mesh) -> str:
     """InternEvo's per-rank folder name: rank{R}_dp{d}_tp{t}; rank{R}_dp{R} without TP, as before."""
     dp, _, t, tp = mesh_coords(rank, mesh)
     return f"rank{rank}_dp{dp}" + (f"_tp{t}" if tp > 1 else "")
+
+
+@dataclass
+class Plan:
+    """How this run is split, for the trainer: the mesh and this rank's place in it."""
+
+    mesh: object  # DeviceMesh, or None for a single process
+    rank: int
+    dp_rank: int
+    dp: int
+    tp_rank: int
+    tp: int
+    fsdp: bool
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP or TP: DTensor parameters, sharded checkpoints, parallel.clip_grad_norm."""
+        return self.fsdp or self.tp > 1
+
+    @property
+    def worker(self) -> str:
+        return worker_name(self.rank, self.mesh)
+
+    def describe(self, amp_dtype: str) -> str:
+        """The log line."""
+        if not self.sharded:
+            return f"DDP: {self.dp} ranks"
+        parts = []
+        if self.fsdp:
+            mp = "bf16 params, fp32 reduce" if amp_dtype == "bf16" else "fp32"
+            parts.append(f"FSDP2 over dp {self.dp} ({mp})")
+        if self.tp > 1:
+            parts.append(f"tensor parallel {self.tp} (qkv, mlp.fc column-wise; attn.proj, mlp.proj row-wise; "
+                         "embeddings and head replicated)")
+        return "; ".join(parts) + f"; mesh dp {self.dp} x tp {self.tp}; this rank {self.worker}"
+
+
+def make_plan(cfg, rank: int, world_size: int, device: str) -> Plan:
+    """The mesh (after distributed.setup) and this rank's coordinates. Batches are drawn by
+    dp_rank: the ranks of one tp group must see the same batch."""
+    tp = tp_degree(cfg, world_size) if world_size > 1 else 1
+    mesh = build_mesh(world_size, tp, device)
+    dp_rank, dp, tp_rank, tp = mesh_coords(rank, mesh)
+    return Plan(mesh, rank, dp_rank, dp, tp_rank, tp, bool(getattr(cfg, "fsdp", False)) and world_size > 1)
 
 
 def _group_qkv_by_rank(linear: nn.Linear, n_heads: int, tp: int) -> None:
@@ -233,6 +278,14 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     for g in grads:
         (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.dtype))
     return total
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: a DTensor's local shard, else `t` (e.g. for torch.isfinite checks,
+    which on a DTensor would need a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def local_bytes(t: torch.Tensor) -> tuple[tuple, int]:
