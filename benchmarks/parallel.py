@@ -10,9 +10,9 @@ that measures the exposed communication. Results: benchmarks/results/cpu-paralle
 
 Exposed communication: the time the training thread spends inside communication, i.e. not
 computing: the union of the profiler's ranges on that thread whose names are collectives or
-FSDP2's gather/reduce ranges (COMM_PATTERN), plus, under DDP, the wait at the end of the backward
-for the last all-reduce (the time from the last gradient bucket being ready to the backward's end,
-from a communication hook). Collectives that run while the thread computes are hidden, not counted.
+FSDP2's gather/reduce ranges (minigpt.parallel.stage_comm_ms), plus, under DDP, the wait at the end
+of the backward for the last all-reduce (the time from the last gradient bucket being ready to the
+backward's end, from a communication hook). Collectives that run while the thread computes are hidden, not counted.
 
 Caveat: gloo between processes on one CPU is not NCCL over NVLink. Here the "link" is shared
 memory and the collectives run on the same 2 cores as the compute, so communication costs far more
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import resource
 import statistics
 import subprocess
@@ -47,10 +46,6 @@ MODELS = {  # the trainer's presets (minigpt/config.py), GPT-2's padded vocabula
     "small": dict(n_layers=4, n_heads=4, d_model=256, d_ff=1024, seq_len=256, vocab_size=50304),
     "gpt2": dict(n_layers=12, n_heads=12, d_model=768, d_ff=3072, seq_len=1024, vocab_size=50304),
 }
-COMM_PATTERN = re.compile(r"all_gather|allgather|reduce_scatter|post_backward_reduce|all_reduce|allreduce|"
-                          r"wait_tensor|broadcast|gloo:", re.IGNORECASE)
-
-
 # ---------------------------------------------------------------------------- the worker (one rank)
 
 def worker(args) -> None:
@@ -122,16 +117,7 @@ def worker(args) -> None:
             t0 = time.perf_counter()
             step()
             profiled_s = time.perf_counter() - t0
-    events = list(prof.events())
-    main = next(e.thread for e in events if e.name == "bench_step")
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.thread == main and COMM_PATTERN.search(e.name))
-    exposed_us, end = 0.0, float("-inf")
-    for start, stop in spans:  # the union of nested and overlapping ranges
-        if stop > end:
-            exposed_us += stop - max(start, end)
-            end = stop
-    exposed_s = exposed_us / 1e6 + sum(tail_waits)
+    exposed_s = parallel.stage_comm_ms(prof.events(), ("bench_step",))["step"] / 1000 + sum(tail_waits)
     record = {"rank": rank, "worker": parallel.worker_name(rank, mesh), "dp": dp, "tp": tp,
               "step_s": times, "profiled_step_s": profiled_s, "exposed_comm_s": exposed_s,
               "state_bytes": state,

@@ -17,6 +17,7 @@ mistake costs one line, not a hung job. Knows minigpt's GPT (the module names in
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -460,3 +461,42 @@ def _main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(_main())
+
+
+# ---------------------------------------------------------------------------- exposed communication
+
+# Profiler ranges that are communication: c10d and functional collectives, their waits, gloo's own
+# ranges, and FSDP2's gather / reduce ranges (which include its copy-in and copy-out).
+COMM_PATTERN = re.compile(r"all_gather|allgather|reduce_scatter|post_backward_reduce|all_reduce|allreduce|"
+                          r"wait_tensor|broadcast|gloo:", re.IGNORECASE)
+
+
+def _union_us(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def stage_comm_ms(events, stages: tuple[str, ...]) -> dict[str, float]:
+    """Exposed communication per stage from a torch.profiler's `prof.events()`: on the thread that
+    runs the stages' record_function ranges, the union of the communication ranges (COMM_PATTERN)
+    that fall inside each stage's range, in ms summed over the profiled steps. Communication that
+    overlaps with the thread's compute runs on other threads and is not counted: what is left is
+    the time the training thread waited for, or drove, collectives. "step" covers the whole
+    profile (communication outside any stage too)."""
+    events = list(events)
+    ranges = [e for e in events if e.name in stages]
+    if not ranges:
+        return {}
+    thread = ranges[0].thread
+    comm = [(e.time_range.start, e.time_range.end) for e in events
+            if e.thread == thread and COMM_PATTERN.search(e.name)]
+    out = {s: 0.0 for s in stages}
+    for r in ranges:
+        lo, hi = r.time_range.start, r.time_range.end
+        out[r.name] += _union_us([(max(a, lo), min(b, hi)) for a, b in comm if a < hi and b > lo]) / 1000
+    out["step"] = _union_us(comm) / 1000
+    return out

@@ -97,6 +97,22 @@ def test_per_rank_estimate_shards_state_and_splits_tp_activations():
         per_rank_estimate(e, 1, 2, False)
 
 
+def test_exposed_communication_is_the_union_of_comm_ranges_inside_each_stage():
+    from minigpt.parallel import stage_comm_ms
+
+    def ev(name, start, end, thread=1):
+        return SimpleNamespace(name=name, thread=thread, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [ev("forward", 0, 10_000), ev("backward", 10_000, 30_000),
+              ev("FSDP::all_gather (blocks.0)", 1_000, 3_000),
+              ev("c10d::_allgather_base_", 1_500, 2_500),  # nested in the one above
+              ev("aten::mm", 3_000, 9_000),
+              ev("FSDP::post_backward_reduce (blocks.0)", 25_000, 32_000),  # runs past the stage's end
+              ev("gloo:all_reduce", 11_000, 20_000, thread=2)]  # another thread: overlapped, not exposed
+    ms = stage_comm_ms(events, ("forward", "backward"))
+    assert ms == {"forward": 2.0, "backward": 5.0, "step": 9.0}
+
+
 # ---------------------------------------------------------------------------- sharded checkpoints, 1 process
 
 def _tiny():
