@@ -12,7 +12,8 @@ Exposed communication: the time the training thread spends inside communication,
 computing: the union of the profiler's ranges on that thread whose names are collectives or
 FSDP2's gather/reduce ranges (minigpt.parallel.stage_comm_ms), plus, under DDP, the wait at the end
 of the backward for the last all-reduce (the time from the last gradient bucket being ready to the
-backward's end, from a communication hook). Collectives that run while the thread computes are hidden, not counted.
+backward's end, from a communication hook). Collectives that run while the thread computes are
+hidden, not counted.
 
 Caveat: gloo between processes on one CPU is not NCCL over NVLink. Here the "link" is shared
 memory and the collectives run on the same 2 cores as the compute, so communication costs far more
