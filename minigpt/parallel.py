@@ -100,7 +100,7 @@ def build_mesh(world_size: int, tp: int, device: str):
 
 
 def mesh_coords(rank: int, mesh) -> tuple[int, int, int, int]:
-    """(dp rank, dp size, tp rank, tp size) of this process."""
+    """(dp rank, dp size, tp rank, tp size) of this process (without a mesh: rank, 1, 0, 1)."""
     if mesh is None:
         return rank, 1, 0, 1
     return (mesh.get_local_rank("dp"), mesh["dp"].size(), mesh.get_local_rank("tp"), mesh["tp"].size())
@@ -151,9 +151,12 @@ def make_plan(cfg, rank: int, world_size: int, device: str) -> Plan:
     """The mesh (after distributed.setup) and this rank's coordinates. Batches are drawn by
     dp_rank: the ranks of one tp group must see the same batch."""
     tp = tp_degree(cfg, world_size) if world_size > 1 else 1
+    fsdp = bool(getattr(cfg, "fsdp", False)) and world_size > 1
+    if not (fsdp or tp > 1):  # DDP or one process: no mesh (and no sub-groups) needed
+        return Plan(None, rank, rank, world_size, 0, 1, False)
     mesh = build_mesh(world_size, tp, device)
     dp_rank, dp, tp_rank, tp = mesh_coords(rank, mesh)
-    return Plan(mesh, rank, dp_rank, dp, tp_rank, tp, bool(getattr(cfg, "fsdp", False)) and world_size > 1)
+    return Plan(mesh, rank, dp_rank, dp, tp_rank, tp, fsdp)
 
 
 def _group_qkv_by_rank(linear: nn.Linear, n_heads: int, tp: int) -> None:
