@@ -503,3 +503,13 @@ def stage_comm_ms(events, stages: tuple[str, ...]) -> dict[str, float]:
         out[r.name] += _union_us([(max(a, lo), min(b, hi)) for a, b in comm if a < hi and b > lo]) / 1000
     out["step"] = _union_us(comm) / 1000
     return out
+
+
+def per_rank_memory_estimate(estimate, dp: int, tp: int, fsdp: bool, shape: dict | None = None):
+    """per_rank_estimate as a MemoryEstimate (the same class, its fields scaled to one rank), for
+    minigpt.memory's table beside a rank's measured breakdown. `recompute` (activation
+    checkpointing's rebuilt block) is left whole."""
+    from dataclasses import replace
+
+    r = per_rank_estimate(estimate, dp, tp, fsdp, shape)
+    return replace(estimate, params=r["params"], grads=r["grads"], optimizer=r["optimizer"], block=r["block"])

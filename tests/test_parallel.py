@@ -95,6 +95,10 @@ def test_per_rank_estimate_shards_state_and_splits_tp_activations():
     assert tp["activations"] < e.activations
     with pytest.raises(ValueError):
         per_rank_estimate(e, 1, 2, False)
+    from minigpt.parallel import per_rank_memory_estimate
+
+    as_estimate = per_rank_memory_estimate(e, 1, 2, False, shape)  # for minigpt.memory's table
+    assert (as_estimate.total, as_estimate.params) == (tp["total"], tp["params"])
 
 
 def test_exposed_communication_is_the_union_of_comm_ranges_inside_each_stage():
