@@ -28,6 +28,7 @@ from common import (PRESETS, RESULTS, STAGES, device_slug, header, load_results,
                     save_json, stamp, summarise)
 
 from minigpt.fileio import atomic_write
+from minigpt.stages import color as stage_color
 
 MIB = 2**20
 
@@ -129,7 +130,6 @@ def markdown(meta: dict, results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-STAGE_COLORS = {"data_to_device": "#dddd55", "forward": "#55a868", "backward": "#c44e52", "optimizer_step": "#4c72b0"}
 MEMORY_PARTS = (("params", "parameters", "#4c72b0"), ("grads", "gradients", "#55a868"),
                 ("optimizer", "optimizer state", "#8172b2"), ("activations_peak", "saved activations", "#ccb974"))
 
@@ -154,7 +154,7 @@ def plot_stages(ax, results: dict) -> None:
         bottom = [0.0] * len(names)
         for st in STAGES:
             vals = [results[n][f"stage_{kind}_ms"].get(st, 0.0) for n in names]
-            ax.bar([i + offset for i in x], vals, 0.38, bottom=bottom, color=STAGE_COLORS[st], hatch=hatch,
+            ax.bar([i + offset for i in x], vals, 0.38, bottom=bottom, color=stage_color(st), hatch=hatch,
                    edgecolor="black", linewidth=0.3, label=st if kind == "host" else None)
             bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_xticks(list(x), names)
