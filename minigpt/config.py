@@ -75,7 +75,7 @@ def seed(v) -> str | None:
 def memory_gb(v) -> str | None:
     if v is None or v >= MIN_DEVICE_MEMORY_GB:
         return None
-    return "must be at least 1 MiB (0.0009765625 GiB); the figure is in GiB, e.g. 80 for an 80 GB GPU"
+    return "must be at least 1 MiB, i.e. 0.0009765625 (the figure is in GiB: 80 for an 80 GB GPU)"
 
 
 def timeout(v) -> str | None:
@@ -394,17 +394,17 @@ def parse_args(argv: list[str] | None = None, prog: str = "train_minimal.py") ->
 
 
 def check_fields(cfg: TrainConfig) -> None:
-    """Each flag on its own: finite floats, ints that fit an int64, then the field's own check."""
+    """Each flag on its own: finite floats, the field's own check, ints that fit an int64."""
     for f in fields(TrainConfig):
-        value, kind = getattr(cfg, f.name), base_type(f)
+        value, kind, check = getattr(cfg, f.name), base_type(f), f.metadata["check"]
         if value is None or kind not in (int, float):
-            problem = None
-        elif kind is float and not math.isfinite(value):
-            problem = "must be a finite number"
-        elif kind is int and not -INT_LIMIT < value < INT_LIMIT:
-            problem = "is out of range (a 64-bit integer)"
+            continue
+        if kind is float and not math.isfinite(value):
+            problem = "must be a finite number"  # NaN passes every comparison check unnoticed
         else:
-            problem = f.metadata["check"](value) if f.metadata["check"] else None
+            problem = check(value) if check else None
+        if not problem and kind is int and not -INT_LIMIT < value < INT_LIMIT:
+            problem = "is out of range (a 64-bit integer)"
         if problem:
             raise UsageError(f"{flag_name(f)} {problem}, got {value}")
 
@@ -479,8 +479,8 @@ def machine_ram_bytes() -> int | None:
         return None
 
 
-def quick_bytes(cfg: TrainConfig) -> tuple[int, int]:
-    """(parameters, bytes) of a training step, roughly and cheaply: parameters x 16 bytes (fp32
+def quick_bytes(cfg: TrainConfig) -> dict[str, int]:
+    """The bytes of a training step, roughly and cheaply, by what needs them: parameters x 16 bytes (fp32
     weights, gradients, AdamW's two moments), the fp32 logits (4 b s V, unless --chunked-loss),
     and the blocks' saved fp32 activations (about 68 b s d per layer; SDPA keeps no s x s
     matrix). Only to refuse absurd sizes before anything is built: minigpt/estimate.py is the
@@ -492,7 +492,8 @@ def quick_bytes(cfg: TrainConfig) -> tuple[int, int]:
     tokens = cfg.batch_size * cfg.seq_len
     logits = 0 if cfg.chunked_loss else 4 * tokens * vocab
     activations = 68 * tokens * d * layers
-    return params, params * BYTES_PER_PARAM + logits + activations
+    return {f"for {params:.3g} parameters at {BYTES_PER_PARAM} bytes each": params * BYTES_PER_PARAM,
+            "of logits": logits, "of activations": activations}
 
 
 def check_size(cfg: TrainConfig) -> None:
@@ -500,7 +501,8 @@ def check_size(cfg: TrainConfig) -> None:
     the whole model in this process before moving or sharding it, so more cannot run (and a
     typo like --vocab-size 1e13 should not be found by the kernel's OOM killer). --estimate-memory
     builds nothing and answers for other machines, so it is refused only above 1 PiB."""
-    params, need = quick_bytes(cfg)
+    terms = quick_bytes(cfg)
+    need = sum(terms.values())
     if cfg.estimate_memory:
         limit, what = ESTIMATE_CAP_BYTES, "1 PiB, the cap of --estimate-memory"
     else:
@@ -509,9 +511,9 @@ def check_size(cfg: TrainConfig) -> None:
             return
         limit, what = ram, f"this machine's {format_bytes(ram)} of RAM"
     if need > limit:
-        raise UsageError(f"this configuration needs about {format_bytes(need)} ({params:.3g} parameters x "
-                         f"{BYTES_PER_PARAM} bytes, plus logits and activations), more than {what}; lower "
-                         "--vocab-size, --d-model, --d-ff, --n-layers, --max-position-embeddings, "
+        parts = ", ".join(f"{format_bytes(n)} {label}" for label, n in terms.items())
+        raise UsageError(f"this configuration needs about {format_bytes(need)} ({parts}), more than {what}; "
+                         "lower --vocab-size, --d-model, --d-ff, --n-layers, --max-position-embeddings, "
                          "--batch-size or --seq-len")
 
 
