@@ -157,10 +157,11 @@ def tensor_cores(name: str) -> str:
 
 
 def comm_kind(names) -> str:
-    """'all-reduce', 'all-gather', ... for a set of collective names; 'collectives' when mixed."""
-    kinds = set()
-    for name in names:
-        kinds.add(next((kind for kind, pattern in COMM_KINDS if pattern.search(name)), "collectives"))
+    """'all-reduce', 'all-gather', ... for a set of collective names; 'collectives' when they are of
+    several kinds or none says which (record_param_comms, wait_tensor name no kind and are ignored
+    beside names that do)."""
+    kinds = {next((kind for kind, pattern in COMM_KINDS if pattern.search(name)), None) for name in names}
+    kinds.discard(None)
     return kinds.pop() if len(kinds) == 1 else "collectives"
 
 
