@@ -86,6 +86,7 @@ import re
 import sys
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 # The ranges of one training step, in order: a standard-library copy of minigpt.stages.STAGE_NAMES
@@ -168,7 +169,10 @@ def comm_kind(names) -> str:
 # ---------------------------------------------------------------------------- reading
 
 def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite time that float arithmetic can take (no bool, NaN, inf, or a 400-digit integer)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    return abs(x) < 2 ** 63 if isinstance(x, int) else math.isfinite(x)
 
 
 def _valid(e) -> bool:
@@ -179,11 +183,13 @@ def _valid(e) -> bool:
             and all(isinstance(e.get(k), (int, str, type(None))) for k in ("pid", "tid")))
 
 
+@dataclass
 class Trace:
     """The complete ('X') events of one trace file, checked, and what its header says."""
-
-    def __init__(self, path: Path, events: list[dict], malformed: int, rank: int | None):
-        self.path, self.events, self.malformed, self.rank = path, events, malformed, rank
+    path: Path
+    events: list[dict]
+    malformed: int  # entries skipped: not an object, or a complete event with fields of the wrong type
+    rank: int | None  # distributedInfo.rank, when the trace names one
 
 
 def load_trace(path: Path) -> Trace:
@@ -238,8 +244,11 @@ def trace_files(target: Path) -> list[Path]:
     """TRACE itself, or the *.json / *.json.gz files in a folder and in its traces/ (a run folder)."""
     if not target.is_dir():
         return [target]
-    files = [p for folder in (target, target / TRACE_SUBDIR) if folder.is_dir()
-             for p in sorted(folder.iterdir()) if is_trace_file(p)]
+    try:
+        files = [p for folder in (target, target / TRACE_SUBDIR) if folder.is_dir()
+                 for p in sorted(folder.iterdir()) if is_trace_file(p)]
+    except OSError as e:
+        raise TraceError(f"cannot list {target}: {e.strerror or e}") from None
     if not files:
         raise TraceError(f"no *.json or *.json.gz files in {target} (nor in {target / TRACE_SUBDIR})")
     return files
@@ -746,6 +755,8 @@ def main(argv: list[str] | None = None) -> int:
         if skipped:
             text += "\n\n" + "\n".join(f"skipped: {d['reason']}" for d in skipped)
     try:
+        if hasattr(sys.stdout, "reconfigure"):  # a name with a lone surrogate must not end in a traceback
+            sys.stdout.reconfigure(errors="backslashreplace")
         print(text)
         sys.stdout.flush()
     except BrokenPipeError:  # `... | head` closed the pipe early: not an error worth a traceback

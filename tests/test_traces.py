@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, TINY
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import train_minimal
 from minigpt import traces as traces_mod
@@ -667,3 +669,41 @@ def test_the_waiting_rank_shows_its_wait_in_the_backward(tmp_path):
     assert rank0["comm_host_ms"] > 100 * len(folder["traces"][0]["steps"])  # most of the 200 ms each step
     assert rank1["comm_host_ms"] < rank0["comm_host_ms"] / 3
     assert "backward" in ok(out) and "of which waiting on all-reduce" in ok(out)
+
+
+# ---------------------------------------------------------------------------- odd field types (issue 14)
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(10 ** 30), max_value=10 ** 30)
+    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=5)
+FIELDS = ["ph", "cat", "name", "pid", "tid", "ts", "dur", "args", "correlation", "stream"]
+
+
+# 150 cases keep the suite fast; TRACES_FUZZ_EXAMPLES=3000 hunts longer.
+@settings(max_examples=int(os.environ.get("TRACES_FUZZ_EXAMPLES", "150")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(changes=st.lists(st.tuples(st.integers(0, 60), st.sampled_from(FIELDS), JSON_VALUES), max_size=6),
+       header=JSON_VALUES)
+def test_odd_field_types_never_crash(tmp_path, changes, header):
+    """Any field of any event, or the header's distributedInfo, replaced by any JSON value: the
+    summary is made (the odd events counted as malformed) or the file is refused with a TraceError,
+    never another exception, in the JSON and the text output alike."""
+    events = comm_step("nccl") + comm_step("gloo")
+    for index, field, value in changes:
+        event = events[index % len(events)]
+        if field in ("correlation", "stream"):
+            if isinstance(event.get("args"), dict):
+                event["args"][field] = value
+        else:
+            event[field] = value
+    path = tmp_path / "fuzz.json"
+    path.write_text(json.dumps({"traceEvents": events, "distributedInfo": header}))
+    try:
+        s = traces_mod.summarize(path)
+    except traces_mod.TraceError:
+        return
+    assert s["malformed_events"] >= 0
+    json.dumps(s)
+    traces_mod.render(s)
