@@ -450,6 +450,7 @@ class _Index:
                 us, names = self.comm_in(r.get("pid"), r["ts"], r["ts"] + r["dur"])
                 comm_us, comm_names = comm_us + us, comm_names | names
             stage["comm_host_ms"] = comm_us / 1000
+            stage["comm_device_ms"] = 0.0  # no NCCL/RCCL kernels without device work
             if gpu:
                 kernels = [k for r in opened
                            for k in self.launches.inside(r.get("pid"), r["ts"], r["ts"] + r["dur"])]
@@ -504,7 +505,7 @@ def totals(rows: list[dict], stages: tuple[str, ...], gpu: bool, works=None, sta
         seen = [r["stages"][name] for r in rows if name in r["stages"]]
         if not seen:
             continue
-        stage = {k: sum(s[k] for s in seen) for k in ("host_ms", "calls", "comm_host_ms")}
+        stage = {k: sum(s[k] for s in seen) for k in ("host_ms", "calls", "comm_host_ms", "comm_device_ms")}
         if gpu:
             kernels = [k for sw in (stage_works or []) for k in sw.get(name, [])]
             stage.update(device_figures(kernels) if stage_works is not None else
@@ -514,7 +515,6 @@ def totals(rows: list[dict], stages: tuple[str, ...], gpu: bool, works=None, sta
                 stage["device_span_ms"] = union_us(
                     [(min(s for s, _ in _spans(w)), max(e for _, e in _spans(w)))
                      for sw in stage_works if (w := sw.get(name))]) / 1000
-            stage["comm_device_ms"] = sum(s["comm_device_ms"] for s in seen)
         kinds = {s["comm_kind"] for s in seen if s["comm_kind"]}
         stage["comm_kind"] = (kinds.pop() if len(kinds) == 1 else "collectives") if kinds else None
         total["stages"][name] = stage
@@ -753,7 +753,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         text = "\n\n".join(render(s) for s in summaries)
         if skipped:
-            text += "\n\n" + "\n".join(f"skipped: {d['reason']}" for d in skipped)
+            names = ", ".join(Path(d["file"]).name for d in skipped)
+            text += f"\n\nskipped {len(skipped)} .json file(s) that are not traces: {names}"
     try:
         if hasattr(sys.stdout, "reconfigure"):  # a name with a lone surrogate must not end in a traceback
             sys.stdout.reconfigure(errors="backslashreplace")

@@ -80,6 +80,7 @@ def test_cpu_trace_has_the_profiled_steps_and_their_stages(cpu_run):
         for name, stage in row["stages"].items():
             assert 0 < stage["host_ms"] <= row["host_ms"], (row["step"], name)
             assert "device_busy_ms" not in stage  # no device time is invented on a CPU run
+            assert stage["comm_device_ms"] == 0.0 and stage["comm_host_ms"] == 0.0  # one rank: no collectives
         assert sum(st["host_ms"] for st in row["stages"].values()) <= row["host_ms"]
     total = s["totals"]
     assert total["steps"] == 2
@@ -568,7 +569,8 @@ def test_folder_takes_any_json_ordered_by_rank(tmp_path):
                                                                               ("a_worker.json", 1)]
     assert [Path(d["file"]).name for d in folder["skipped"]] == ["config.json"]
     text = ok(tmp_path)
-    assert text.index("(rank 0)") < text.index("(rank 1)") and "skipped: " in text
+    assert text.index("(rank 0)") < text.index("(rank 1)")
+    assert "skipped 1 .json file(s) that are not traces: config.json" in text
     empty = tmp_path / "none"
     empty.mkdir()
     (empty / "config.json").write_text('{"lr": 0.1}')
