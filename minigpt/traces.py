@@ -90,8 +90,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # The ranges of one training step, in order: a standard-library copy of minigpt.stages.STAGE_NAMES
-# (importing the registry's package would pull in torch; a test holds the two equal).
+# for a copy of this file run alone, wherever a trace was copied to (a test holds the two equal).
+# Inside the project the registry itself is read (minigpt.stages imports no torch): a stage added
+# there is summarised here too.
 DEFAULT_STAGES = ("data_to_device", "forward", "backward", "optimizer_step")
+
+
+def default_stages() -> tuple[str, ...]:
+    try:
+        from minigpt import stages
+    except ImportError:
+        return DEFAULT_STAGES
+    return tuple(stages.STAGE_NAMES)
 TRACE_SUFFIXES = (".json", ".json.gz")  # torch writes .pt.trace.json(.gz); other tools other names
 TRACE_SUBDIR = "traces"          # where a minigpt run folder keeps them
 DEFAULT_TOP = 10
@@ -574,8 +584,10 @@ def top_operators(events: list[dict], top: int) -> dict[str, list[dict]]:
             "by_total": sorted(rows, key=lambda r: r["total_ms"], reverse=True)[:top]}
 
 
-def summarize(path: Path, stages: tuple[str, ...] = DEFAULT_STAGES, top: int = DEFAULT_TOP) -> dict:
-    """Everything the report shows, for one trace file, as plain data (the --json output)."""
+def summarize(path: Path, stages: tuple[str, ...] | None = None, top: int = DEFAULT_TOP) -> dict:
+    """Everything the report shows, for one trace file, as plain data (the --json output).
+    `stages`: the ranges to report per step (default: the stage registry's)."""
+    stages = tuple(stages) if stages else default_stages()
     trace = load_trace(Path(path))
     events = trace.events
     work = [e for e in events if is_device_work(e)]
@@ -734,10 +746,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("trace", help="a .json(.gz) trace file, or a folder of them (or a run folder)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--top", type=int, default=DEFAULT_TOP, help="rows in the kernel and operator tables")
-    parser.add_argument("--stages", default=",".join(DEFAULT_STAGES),
-                        help="comma-separated record_function ranges to report per step")
+    parser.add_argument("--stages", default=None,
+                        help="comma-separated record_function ranges to report per step "
+                             f"(default: {','.join(default_stages())})")
     args = parser.parse_args(argv)
-    stages = tuple(s for s in args.stages.split(",") if s)
+    stages = tuple(s for s in args.stages.split(",") if s) if args.stages else default_stages()
     target = Path(args.trace)
     try:
         if args.top < 1:

@@ -3,6 +3,7 @@ output with one line in the registry and one `with` in the loop."""
 
 import importlib.util
 import json
+import sys
 
 from conftest import ROOT, TINY
 from minigpt import stages, traces
@@ -32,6 +33,7 @@ def test_a_new_stage_reaches_the_log_metrics_tensorboard_stragglers_and_trace(tm
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("train_with_a_stage", path)
     trainer = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, trainer)  # dataclasses look their module up there
     spec.loader.exec_module(trainer)
 
     out = tmp_path / "run"
