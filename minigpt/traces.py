@@ -435,9 +435,13 @@ class _Index:
         flight on any thread of the process and no other operator ran on any of its threads."""
         pids = [p for p in self.comm if pid is None or p == _key(pid)]
         rows = [r for p in pids for r in self.comm[p] if r[0] < end and r[1] > start]
+        if not rows:
+            return 0.0, set()
         inflight = merged([(max(s, start), min(e, end)) for s, e, _ in rows])
-        busy = merged([iv for p in pids for iv in self.busy.get(p, [])])
-        waiting = sum(e - s for s, e in subtract(inflight, busy))
+        busy = self.busy.get(pids[0], []) if len(pids) == 1 else merged(
+            [iv for p in pids for iv in self.busy.get(p, [])])
+        lo = bisect_left(busy, (start,))  # merged and sorted: skip what ended before the range
+        waiting = sum(e - s for s, e in subtract(inflight, busy[max(lo - 1, 0):]))
         return waiting, {n for _, _, n in rows}
 
     def window(self, pid, start: float, end: float, gpu: bool) -> tuple[dict, list[dict], dict]:
