@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None, on_step: Callable[[int], None] | None = 
                     log.warning(format_report(report, cfg.straggler_threshold))
                     stragglers_file.write(report)
                 losses = []
-            if step % cfg.save_interval == 0 or last or stop:
+            if not cfg.no_checkpoint and (last or stop or cfg.save_interval and step % cfg.save_interval == 0):
                 if losses:
                     check_finite(losses, step, dist_info, ckpt_path, amp_dtype)
                 if not all(torch.isfinite(p).all() for p in model.parameters()):

@@ -182,11 +182,8 @@ def profiler_options(cfg) -> dict[str, bool]:
     Memory view and the report's memory timeline need them. The others are opt-in, each priced in
     benchmarks/results/overhead-cpu-small.md: shapes, FLOPs and module names grow the trace and
     slow the profiled steps; Python stacks most of all."""
-    return {"profile_memory": True,
-            "record_shapes": getattr(cfg, "profile_record_shapes", False),
-            "with_flops": getattr(cfg, "profile_with_flops", False),
-            "with_modules": getattr(cfg, "profile_with_modules", False),
-            "with_stack": getattr(cfg, "profile_with_stack", False)}
+    return {"profile_memory": True, "record_shapes": cfg.profile_record_shapes, "with_flops": cfg.profile_with_flops,
+            "with_modules": cfg.profile_with_modules, "with_stack": cfg.profile_with_stack}
 
 
 def make_profiler(trace_dir: Path, worker: str, first_step: int, start: int, end: int, device: str,
