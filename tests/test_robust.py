@@ -1,0 +1,311 @@
+"""No lost work, no tracebacks: output paths probed before the first step, one trainer per run
+directory, the newest run resumed, files left by a killed process cleaned or repaired, a full
+disk reported in one line, hand-made checkpoints refused by field, and the token cache verified."""
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from minigpt.checkpoint import (
+    check_checkpoint_path,
+    describe_intact,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+)
+from minigpt.config import UsageError
+from minigpt.fileio import DiskFull, atomic_write
+from minigpt.model import GPT, GPTConfig
+from minigpt.runs import (
+    LOCK_FILE,
+    RunLock,
+    check_out_dir,
+    clean_stale_tmp,
+    latest_run,
+    next_steps,
+    probe_writable,
+    repair_jsonl,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def one_line(e: pytest.ExceptionInfo) -> str:
+    text = str(e.value)
+    assert "\n" not in text
+    return text
+
+
+# ---------------------------------------------------------------------------- write probes
+
+def test_probe_refuses_kernel_file_systems_and_file_parents(tmp_path):
+    with pytest.raises(UsageError) as e:
+        probe_writable("/proc/x/ckpt.pt", "--checkpoint-path")
+    assert "/proc" in one_line(e) and "--checkpoint-path" in str(e.value)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(UsageError) as e:
+        probe_writable(tmp_path / "afile" / "sub" / "ckpt.pt", "--checkpoint-path")
+    assert f"{tmp_path / 'afile'} is a file" in one_line(e)
+    with pytest.raises(UsageError) as e:
+        probe_writable(tmp_path, "--memory-snapshot-path")
+    assert "is a directory" in one_line(e)
+
+
+def test_probe_leaves_nothing_behind(tmp_path):
+    probe_writable(tmp_path / "a" / "b" / "ckpt.pt", "--checkpoint-path")
+    assert list(tmp_path.iterdir()) == []  # the folders it made and its temporary file are gone
+    (tmp_path / "ckpt.pt").write_bytes(b"old")
+    probe_writable(tmp_path / "ckpt.pt", "--checkpoint-path")
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+    assert (tmp_path / "ckpt.pt").read_bytes() == b"old"  # the target itself is never touched
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_probe_refuses_a_read_only_folder(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        with pytest.raises(UsageError) as e:
+            probe_writable(ro / "ckpt.pt", "--checkpoint-path")
+        assert "permission denied" in one_line(e)
+    finally:
+        ro.chmod(0o755)
+
+
+def test_out_dir_that_is_a_file_or_under_proc(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(UsageError, match="is a file"):
+        check_out_dir(tmp_path / "afile")
+    with pytest.raises(UsageError, match="/proc"):
+        check_out_dir("/proc/self/run")
+    check_out_dir(tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------- one trainer per run
+
+HOLDER = """
+import sys, time
+from minigpt.runs import RunLock
+lock = RunLock(sys.argv[1]).acquire()
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def start_holder(out_dir: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(out_dir)], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_second_trainer_is_refused_with_the_holders_pid(tmp_path):
+    run = tmp_path / "run"
+    proc = start_holder(run)
+    try:
+        with pytest.raises(UsageError) as e:
+            RunLock(run).acquire()
+        assert f"PID {proc.pid}" in one_line(e) and str(run) in str(e.value)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_lock_left_by_a_killed_trainer_is_not_a_lock(tmp_path):
+    run = tmp_path / "run"
+    proc = start_holder(run)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (run / LOCK_FILE).read_text().strip() == str(proc.pid)  # the file survives the kill...
+    with RunLock(run):  # ...but the kernel released the flock with its holder
+        assert (run / LOCK_FILE).read_text().strip() == str(os.getpid())
+        with pytest.raises(UsageError, match=f"PID {os.getpid()}"):
+            RunLock(run).acquire()
+    assert not (run / LOCK_FILE).exists()
+
+
+def test_a_lock_on_a_new_folder_leaves_nothing_when_released(tmp_path):
+    with RunLock(tmp_path / "runs" / "new"):
+        assert (tmp_path / "runs" / "new" / LOCK_FILE).exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------- which run to resume
+
+def make_run(root: Path, name: str, mtime: float) -> Path:
+    ckpt = root / name / "checkpoints" / "ckpt.pt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"x")
+    os.utime(ckpt, (mtime, mtime))
+    return root / name
+
+
+def test_resume_takes_the_newest_checkpoint_not_the_last_name(tmp_path):
+    now = time.time()
+    make_run(tmp_path, "long", now - 3600)
+    newest = make_run(tmp_path, "20261123-101010", now)
+    assert latest_run(tmp_path) == newest
+
+
+def test_resume_refuses_when_ambiguous_or_empty(tmp_path):
+    now = time.time()
+    make_run(tmp_path, "a", now)
+    make_run(tmp_path, "b", now - 0.2)
+    with pytest.raises(UsageError) as e:
+        latest_run(tmp_path)
+    assert "--out-dir" in one_line(e) and "a" in str(e.value)
+    with pytest.raises(UsageError, match="no run"):
+        latest_run(tmp_path / "empty")
+
+
+# ---------------------------------------------------------------------------- left by a killed process
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_temporary_files_are_removed_live_ones_kept(tmp_path):
+    stale = tmp_path / f".ckpt.pt.{dead_pid()}.tmp"
+    live = tmp_path / f".ckpt.pt.{os.getpid()}.tmp"
+    other = tmp_path / "ckpt.pt"
+    for p in (stale, live, other):
+        p.write_bytes(b"x")
+    assert clean_stale_tmp(tmp_path) == [stale]
+    assert live.exists() and other.exists() and not stale.exists()
+    assert clean_stale_tmp(tmp_path / "missing") == []
+
+
+def test_jsonl_repair_drops_a_partial_line_and_steps_past_the_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (10, 20, 30)) + '{"step": 4')
+    assert repair_jsonl(path, last_step=20) == 2
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [10, 20]
+    assert path.read_text().endswith("\n")
+    before = path.read_bytes()
+    assert repair_jsonl(path, last_step=20) == 0 and path.read_bytes() == before
+    assert repair_jsonl(tmp_path / "missing.jsonl", 5) == 0
+
+
+def test_jsonl_repair_without_a_checkpoint_keeps_whole_records(tmp_path):
+    path = tmp_path / "stragglers.jsonl"
+    path.write_text('{"step": 10}\nnot json\n{"step": 20}\n')
+    assert repair_jsonl(path, last_step=None) == 1
+    assert path.read_text() == '{"step": 10}\n{"step": 20}\n'
+
+
+def test_next_steps_name_this_runs_paths(tmp_path):
+    lines = next_steps(tmp_path, has_traces=True, has_report=True)
+    text = "\n".join(lines)
+    assert f"tensorboard --logdir {tmp_path}" in text
+    assert f"python -m minigpt.traces {tmp_path / 'traces'}" in text
+    assert str(tmp_path / "report.html") in text and f"python sample.py --out-dir {tmp_path}" in text
+    quiet = "\n".join(next_steps(tmp_path, has_traces=False, has_report=False, has_checkpoint=False))
+    assert "minigpt.traces" not in quiet and "report" not in quiet and "sample.py" not in quiet
+
+
+# ---------------------------------------------------------------------------- a full disk
+
+def test_full_disk_is_one_line_and_the_old_file_survives(tmp_path, monkeypatch):
+    path = tmp_path / "config.json"
+    atomic_write(path, "old")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("minigpt.fileio.os.fsync", full)
+    with pytest.raises(DiskFull) as e:
+        atomic_write(path, "new" * 1000)
+    msg = one_line(e)
+    assert str(path) in msg and "needs about 2.9 KiB" in msg and "free there" in msg and "left intact" in msg
+    assert e.value.__suppress_context__  # printed alone: no chained tracebacks
+    assert isinstance(e.value, UsageError)  # the trainer's cli() turns it into exit status 2
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["config.json"]
+
+
+def test_full_disk_during_a_checkpoint_save(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, {"w": torch.zeros(10)})
+    monkeypatch.setattr("minigpt.fileio.os.fsync",
+                        lambda fd: (_ for _ in ()).throw(OSError(errno.EDQUOT, "Disk quota exceeded")))
+    with pytest.raises(DiskFull) as e:
+        save_checkpoint(path, {"w": torch.zeros(1 << 20)})  # 4 MiB of float32
+    assert "needs about 4.0 MiB" in one_line(e)
+    assert torch.load(path, weights_only=True)["w"].shape == (10,)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="mounting a tmpfs needs root")
+def test_full_disk_on_a_real_tmpfs(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)]).returncode:
+        pytest.skip("mount refused")
+    try:
+        save_checkpoint(disk / "ckpt.pt", {"w": torch.zeros(10)})
+        with pytest.raises(DiskFull) as e:
+            save_checkpoint(disk / "ckpt.pt", {"w": torch.zeros(1 << 20)})
+        assert str(disk / "ckpt.pt") in one_line(e) and "previous ckpt.pt was left intact" in str(e.value)
+        assert torch.load(disk / "ckpt.pt", weights_only=True)["w"].shape == (10,)
+        assert [p.name for p in disk.iterdir()] == ["ckpt.pt"]  # no temporary file left
+    finally:
+        subprocess.run(["umount", str(disk)])
+
+
+# ---------------------------------------------------------------------------- hand-made checkpoints
+
+def good_state() -> dict:
+    cfg = GPTConfig(vocab_size=64, max_position_embeddings=16, n_layers=1, n_heads=2, d_model=16, d_ff=32)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters())
+    from dataclasses import asdict
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": {}, "step": 5,
+            "data_position": 5, "rng": rng_state(), "rng_per_rank": [rng_state()], "config": {},
+            "model_config": asdict(cfg)}
+
+
+@pytest.mark.parametrize("field, value", [
+    ("step", "5"), ("step", True), ("model", [1, 2]), ("model", {"w": "not a tensor"}),
+    ("data_position", -1), ("optimizer", {"state": 1}), ("rng", {"torch": 3}), ("config", "x"),
+    ("model_config", {"vocab_size": "64"}), ("rng_per_rank", "x"),
+])
+def test_wrong_field_types_are_refused_by_name(tmp_path, field, value):
+    state = good_state()
+    save_checkpoint(tmp_path / "ok.pt", state)
+    assert load_checkpoint(tmp_path / "ok.pt")["step"] == 5
+    state[field] = value
+    save_checkpoint(tmp_path / "bad.pt", state)
+    with pytest.raises(UsageError) as e:
+        load_checkpoint(tmp_path / "bad.pt")
+    assert f"'{field}'" in one_line(e) and "malformed" in str(e.value)
+
+
+def test_a_directory_as_the_checkpoint_gets_one_message(tmp_path):
+    messages = set()
+    for resume in (True, False):
+        with pytest.raises(UsageError) as e:
+            check_checkpoint_path(tmp_path, resume)
+        messages.add(one_line(e))
+    with pytest.raises(UsageError) as e:
+        load_checkpoint(tmp_path)
+    messages.add(one_line(e))
+    assert len(messages) == 1 and "is a directory" in messages.pop()
+
+
+def test_intact_is_claimed_only_when_a_checkpoint_exists(tmp_path):
+    assert describe_intact(tmp_path / "ckpt.pt") == "no checkpoint had been written yet"
+    (tmp_path / "ckpt.pt").write_bytes(b"x")
+    expected = f"the last good checkpoint ({tmp_path / 'ckpt.pt'}) was left intact"
+    assert describe_intact(tmp_path / "ckpt.pt") == expected
