@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from minigpt import data
 from minigpt.checkpoint import (
     check_checkpoint_path,
     describe_intact,
@@ -25,6 +26,7 @@ from minigpt.checkpoint import (
 from minigpt.config import UsageError
 from minigpt.fileio import DiskFull, atomic_write
 from minigpt.model import GPT, GPTConfig
+from minigpt.progress import Progress, progress_enabled
 from minigpt.runs import (
     LOCK_FILE,
     RunLock,
@@ -309,3 +311,144 @@ def test_intact_is_claimed_only_when_a_checkpoint_exists(tmp_path):
     (tmp_path / "ckpt.pt").write_bytes(b"x")
     expected = f"the last good checkpoint ({tmp_path / 'ckpt.pt'}) was left intact"
     assert describe_intact(tmp_path / "ckpt.pt") == expected
+
+
+# ---------------------------------------------------------------------------- the token cache
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    folder = tmp_path / "cache"
+    monkeypatch.setenv(data.CACHE_ENV, str(folder))
+    return folder
+
+
+def text_file(tmp_path: Path, text: str = "one two three four five six seven") -> Path:
+    path = tmp_path / "a.txt"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage"])
+def test_a_damaged_cached_file_is_tokenised_again(tmp_path, cache, capsys, damage):
+    path = text_file(tmp_path)
+    good = data.tokenize_file(path).tolist()
+    cached = Path(data.tokenize_file(path).filename)
+    raw = bytearray(cached.read_bytes())
+    if damage == "truncate":
+        raw = raw[:-2]
+    elif damage == "flip":
+        raw[-1] ^= 0xFF  # same length, same header: only the hash can tell
+    else:
+        raw = bytearray(b"\0" * len(raw))
+    cached.write_bytes(bytes(raw))
+    capsys.readouterr()
+    assert data.tokenize_file(path).tolist() == good
+    assert "damaged" in capsys.readouterr().err
+    assert data.read_token_file(cached) is not None  # repaired in place
+
+
+@pytest.mark.parametrize("how", ["a file", "full"])
+def test_an_unwritable_or_full_cache_falls_back_to_memory(tmp_path, cache, capsys, monkeypatch, how):
+    path = text_file(tmp_path)
+    if how == "a file":
+        cache.write_text("not a folder")
+    else:
+        full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        monkeypatch.setattr("minigpt.fileio.os.fsync", lambda fd: (_ for _ in ()).throw(full))
+    tokens = data.tokenize_file(path)
+    assert data.get_tokenizer().decode(tokens.tolist()) == path.read_text()
+    err = capsys.readouterr().err
+    assert "tokenised in memory" in err and len(err.strip().splitlines()) == 1
+
+
+def test_only_regular_files_are_data(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path, kind in ((Path("/dev/zero"), "character device"), (fifo, "FIFO")):
+        with pytest.raises(UsageError) as e:
+            data.tokenize_file(path)  # would read forever, or block, if opened
+        assert kind in one_line(e)
+
+
+def test_big_text_is_tokenised_in_pieces_to_the_same_ids(monkeypatch):
+    text = data.builtin_corpus().read_text()[:200_000]
+    pieces = data.text_chunks(text, 5_000)
+    assert len(pieces) > 10 and "".join(pieces) == text
+    monkeypatch.setattr(data, "TOKENIZE_CHUNK_CHARS", 5_000)
+    assert data.encode_text(text, show_progress=False) == data.get_tokenizer().encode_ordinary(text)
+
+
+# ---------------------------------------------------------------------------- the progress bar
+
+class Stream:
+    def __init__(self, tty: bool):
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_progress_bar_only_on_a_terminal_on_rank_0_outside_ci():
+    tty = (Stream(True), Stream(True))
+    assert progress_enabled(0, tty, {})
+    assert not progress_enabled(1, tty, {})
+    assert not progress_enabled(0, tty, {"CI": "true"})
+    assert not progress_enabled(0, (Stream(True), Stream(False)), {})  # stderr into a pipe or a file
+    assert not progress_enabled(None, tty, {"RANK": "3"})  # torchrun's rank
+
+
+def test_progress_bar_draws_when_enabled_and_clears_before_log_lines():
+    import io
+    import logging
+
+    buf = io.StringIO()
+    log = logging.getLogger("minigpt.test_progress")
+    bar = Progress(10, enabled=True, file=buf).attach(log)
+    bar.update(3)
+    assert "/10" in buf.getvalue() and "%|" in buf.getvalue()
+    cleared = []
+    bar.bar.clear = lambda *a, **k: cleared.append(1)
+    log.warning("a log line")
+    assert cleared  # the bar was cleared before the record reached the console
+    bar.close()
+    assert not log.filters
+    off = Progress(10, enabled=False)
+    off.update(5), off.clear(), off.close()
+    assert not off.enabled
+
+
+PROGRESS_RUN = """
+from minigpt.progress import Progress, progress_enabled
+with Progress(20, progress_enabled(), desc="steps") as bar:
+    for _ in range(20):
+        bar.update()
+print("done")
+"""
+
+
+def test_a_piped_run_prints_no_bar_and_a_terminal_gets_one():
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "RANK")}
+    env.update(PYTHONPATH=str(ROOT), TERM="xterm")
+    piped = subprocess.run([sys.executable, "-c", PROGRESS_RUN], capture_output=True, text=True, env=env)
+    assert piped.stdout == "done\n" and piped.stderr == ""
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a real terminal's size
+    proc = subprocess.Popen([sys.executable, "-c", PROGRESS_RUN], stdout=follower, stderr=follower, env=env)
+    os.close(follower)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    proc.wait()
+    os.close(leader)
+    assert b"steps" in out and b"/20" in out and b"done" in out
