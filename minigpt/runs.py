@@ -234,8 +234,10 @@ def repair_jsonl(path: str | Path, last_step: int | None) -> int:
 
 
 def next_steps(out_dir: str | Path, has_traces: bool, has_report: bool, *, has_checkpoint: bool = True,
-               trace_dir: str = "traces", report_file: str = "report.html") -> list[str]:
-    """The lines every run ends with: what to open or run next, with this run's paths."""
+               checkpoint: str | Path | None = None, trace_dir: str = "traces",
+               report_file: str = "report.html") -> list[str]:
+    """The lines every run ends with: what to open or run next, with this run's paths.
+    checkpoint: a --checkpoint-path outside the run directory, which sample.py must be told."""
     out_dir = Path(out_dir)
     lines = [f"  scalars:        tensorboard --logdir {out_dir}"]
     if has_traces:
@@ -243,5 +245,6 @@ def next_steps(out_dir: str | Path, has_traces: bool, has_report: bool, *, has_c
     if has_report:
         lines.append(f"  report:         {out_dir / report_file}")
     if has_checkpoint:
-        lines.append(f"  text from it:   python sample.py --out-dir {out_dir}")
+        where = f"--checkpoint {checkpoint}" if checkpoint else f"--out-dir {out_dir}"
+        lines.append(f"  text from it:   python sample.py {where}")
     return ["Next steps:", *lines]

@@ -215,6 +215,8 @@ def test_next_steps_name_this_runs_paths(tmp_path):
     assert f"tensorboard --logdir {tmp_path}" in text
     assert f"python -m minigpt.traces {tmp_path / 'traces'}" in text
     assert str(tmp_path / "report.html") in text and f"python sample.py --out-dir {tmp_path}" in text
+    custom = "\n".join(next_steps(tmp_path, False, False, checkpoint="/data/ckpt.pt"))
+    assert "python sample.py --checkpoint /data/ckpt.pt" in custom
     quiet = "\n".join(next_steps(tmp_path, has_traces=False, has_report=False, has_checkpoint=False))
     assert "minigpt.traces" not in quiet and "report" not in quiet and "sample.py" not in quiet
 
@@ -452,3 +454,43 @@ def test_a_piped_run_prints_no_bar_and_a_terminal_gets_one():
     proc.wait()
     os.close(leader)
     assert b"steps" in out and b"/20" in out and b"done" in out
+
+
+# ---------------------------------------------------------------------------- benchmarks/ablation.py
+
+def ablation(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ablation.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+
+
+def results_prefix() -> str:
+    common = __import__("runpy").run_path(str(ROOT / "benchmarks" / "common.py"))
+    return common["device_slug"](common["machine"]())
+
+
+@pytest.mark.parametrize("flags, name", [([], "tiny"), (["--seq-len", "8"], "tiny-seq-len-8")])
+def test_ablation_never_overwrites_results_unless_forced(tmp_path, flags, name):
+    existing = tmp_path / f"{results_prefix()}-{name}.json"
+    existing.write_text('{"committed": true}')
+    result = ablation("--preset", "tiny", *flags, "--out-dir", str(tmp_path))
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(err) == 1 and str(existing) in err[0] and "--force" in err[0]
+    assert existing.read_text() == '{"committed": true}'
+
+
+@pytest.mark.parametrize("content", [None, "not json", '{"meta": {}}', "[1, 2]"])
+def test_ablation_render_of_a_bad_file_is_one_line(tmp_path, content):
+    path = tmp_path / "cpu-x.json"
+    if content is not None:
+        path.write_text(content)
+    result = ablation("--render", str(path))
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(err) == 1 and "Traceback" not in result.stderr, result.stderr
+
+
+def test_ablation_failing_variant_is_one_line(tmp_path):
+    result = ablation("--preset", "tiny", "--use-toy-data", "--steps", "1", "--warmup", "0", "--repeats", "1",
+                      "--n-heads", "3", "--out-dir", str(tmp_path))
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(err) == 1 and "variant failed" in err[0], result.stderr
+    assert list(tmp_path.iterdir()) == []
