@@ -488,6 +488,7 @@ def test_ablation_render_of_a_bad_file_is_one_line(tmp_path, content):
     assert result.returncode == 2 and len(err) == 1 and "Traceback" not in result.stderr, result.stderr
 
 
+@pytest.mark.slow  # runs the trainer once
 def test_ablation_failing_variant_is_one_line(tmp_path):
     result = ablation("--preset", "tiny", "--use-toy-data", "--steps", "1", "--warmup", "0", "--repeats", "1",
                       "--n-heads", "3", "--out-dir", str(tmp_path))
