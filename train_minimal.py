@@ -24,7 +24,7 @@ import platform
 import signal
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from functools import partial
@@ -35,7 +35,8 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from minigpt import distributed, paths
-from minigpt.checkpoint import check_same_shape, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from minigpt.checkpoint import (check_checkpoint_path, check_same_shape, describe_intact, load_checkpoint, rng_state,
+                                save_checkpoint, set_rng_state)
 from minigpt.config import (EXTRA_ARGS_ENV, TrainConfig, UsageError, check_cuda_features, parse_args,
                             profile_ranks, resolve_amp, resolve_device)
 from minigpt.cpu import keep_freed_memory
@@ -46,6 +47,7 @@ from minigpt.estimate import estimate_gpt, estimate_report, gpt_shape
 from minigpt.instrument import Instruments, cpu_memory_report, cuda_memory_report
 from minigpt.metrics import (JsonlWriter, StepRecord, TensorBoardLogger, format_duration, format_log_line, mfu,
                              peak_flops, perplexity, setup_logging)
+from minigpt.runs import RunLock, check_out_dir, clean_stale_tmp, latest_run, next_steps, probe_writable, repair_jsonl
 from minigpt.stages import STAGE_NAMES
 from minigpt.model import GPT, GPTConfig, flops_per_token, pad_vocab
 from minigpt.straggler import StragglerDetector, format_report, parse_slow_rank, rank_figures
@@ -104,10 +106,7 @@ def resolve_out_dir(cfg: TrainConfig) -> Path:
     if cfg.out_dir:
         return Path(cfg.out_dir)
     if cfg.resume and not cfg.checkpoint_path:
-        runs = sorted(p.parent.parent for p in root.glob(f"*/{paths.CHECKPOINT_FILE}"))
-        if not runs:
-            raise UsageError(f"--resume: no run in {root}/ has a checkpoint; pass --out-dir or --checkpoint-path")
-        return runs[-1]
+        return latest_run(root, paths.CHECKPOINT_FILE)  # the newest checkpoint, not the last name
     out = root / datetime.now().strftime("%Y%m%d-%H%M%S")
     n = 1
     while out.exists():  # two runs started in the same second
@@ -231,7 +230,7 @@ def check_finite(losses: list[torch.Tensor], step: int, dist_info: distributed.D
         where = (f"loss is {values[bad]} at step {step - len(values) + bad + 1}" if bad is not None
                  else f"another rank's loss became non-finite by step {step}")
         hint = " or use --amp-dtype bf16 (fp16's range is narrow)" if amp_dtype == "fp16" else ""
-        raise NonFiniteLoss(f"{where}; the last good checkpoint ({ckpt_path}) was left intact; lower --lr{hint}")
+        raise NonFiniteLoss(f"{where}; {describe_intact(ckpt_path)}; lower --lr{hint}")
     return values
 
 
@@ -318,6 +317,17 @@ def open_run_dir(out_dir: Path, cfg: TrainConfig, model: GPT, data: Data, rate: 
     return log
 
 
+def guard_run_dir(out_dir: Path, ckpt_path: Path, cfg: TrainConfig, held: ExitStack) -> list[str]:
+    """Before any work, on rank 0: every output path probed (a bad one costs one line, not an
+    interval of training and a traceback at the first save), the run directory locked for this
+    trainer alone (held until the run returns), and what a killed earlier run left cleaned up."""
+    check_out_dir(out_dir)
+    if not cfg.no_checkpoint:
+        probe_writable(ckpt_path, "--checkpoint-path")
+    held.enter_context(RunLock(out_dir))
+    return [f"removed {p}, a save killed midway" for p in clean_stale_tmp(ckpt_path.parent) + clean_stale_tmp(out_dir)]
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -327,6 +337,11 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
 def main(argv: list[str] | None = None, on_step: Callable[[int], None] | None = None) -> int:
     """Train. `on_step(n)` is called just before training step n (1-based) runs: the seam through
     which tests and notebooks stop or inspect a run at a chosen step (e.g. send SIGTERM in step 4)."""
+    with ExitStack() as held:  # what the run holds until it returns, however it returns: its directory's lock
+        return train(argv, on_step, held)
+
+
+def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: ExitStack) -> int:
     # ------------------------------------------------------------------ flags
     cfg = parse_args(argv)
     device = resolve_device(cfg.device)
@@ -339,8 +354,6 @@ def main(argv: list[str] | None = None, on_step: Callable[[int], None] | None = 
         print(estimate_report(cfg, device, amp_dtype, amp_note))
         return 0
     slow = parse_slow_rank(cfg.simulate_slow_rank, STAGE_NAMES) if cfg.simulate_slow_rank else None
-    if cfg.ddp_backend == "nccl" and device != "cuda":
-        raise UsageError("--ddp-backend nccl needs CUDA GPUs; on the CPU use gloo (the default there)")
     # Under torchrun: join the process group (NCCL on CUDA, gloo on the CPU). Otherwise world size 1.
     dist_info = distributed.setup(device, cfg.ddp_backend, cfg.ddp_timeout)
     rank, world_size, is_main = dist_info.rank, dist_info.world_size, dist_info.is_main
@@ -350,15 +363,16 @@ def main(argv: list[str] | None = None, on_step: Callable[[int], None] | None = 
     torch.manual_seed(cfg.seed)  # the same on every rank: the same initial weights
     out_dir = Path(distributed.gather(str(resolve_out_dir(cfg)), dist_info)[0])  # rank 0's choice
     ckpt_path = Path(cfg.checkpoint_path) if cfg.checkpoint_path else out_dir / paths.CHECKPOINT_FILE
-    if not cfg.resume and ckpt_path.exists():
-        raise UsageError(f"{ckpt_path} already exists; pass --resume to continue that run, "
-                         "or choose another --out-dir / --checkpoint-path")
+    check_checkpoint_path(ckpt_path, cfg.resume)
+    stale = guard_run_dir(out_dir, ckpt_path, cfg, held) if is_main else []
 
     # ------------------------------------------------------------------ data, model, optimizer
     data = load_data(cfg, rank, pin=device == "cuda")
     inst = Instruments(cfg, device=device, rank=rank, world_size=world_size, out_dir=out_dir,
                        profiled=ranks is None or rank in ranks, worker=f"rank{rank}_dp{rank}",
                        sleep_ms={slow.stage: slow.ms} if slow and slow.rank == rank else None)
+    if cfg.memory_snapshot_path and inst.memory_history:
+        probe_writable(inst.snapshot_path, "--memory-snapshot-path")
     model = GPT(model_config(cfg, data.vocab_size)).to(device)
     if rank:
         torch.manual_seed(cfg.seed + rank)  # different dropout masks on each rank
@@ -375,11 +389,16 @@ def main(argv: list[str] | None = None, on_step: Callable[[int], None] | None = 
                       flops_per_token(model, cfg.seq_len), peak, step, 0.0)
 
     # ------------------------------------------------------------------ run directory
+    if is_main and cfg.resume:  # a resumed run repeats the steps after its checkpoint: logged once each
+        dropped = {n: repair_jsonl(out_dir / n, step) for n in (paths.METRICS_FILE, paths.STRAGGLERS_FILE)}
+        stale += [f"dropped {k} line(s) of {n} past step {step} or cut short" for n, k in dropped.items() if k]
     log = open_run_dir(out_dir, cfg, model, data, rate, dist_info, device, amp_dtype, amp_note, peak_source,
                        malloc_note if device == "cpu" else None, resumed_from=ckpt_path if cfg.resume else None)
     metrics_file = JsonlWriter(out_dir / paths.METRICS_FILE, enabled=is_main)
     stragglers_file = JsonlWriter(out_dir / paths.STRAGGLERS_FILE, enabled=is_main and world_size > 1)
-    tensorboard = TensorBoardLogger(out_dir / paths.TENSORBOARD_DIR, enabled=is_main)
+    tensorboard = TensorBoardLogger(out_dir / paths.TENSORBOARD_DIR, enabled=is_main, purge_step=step + 1)
+    for line in stale if is_main else []:
+        log.info(f"Cleaned up after an earlier run: {line}")
     memory_estimate = estimate_gpt(**gpt_shape(cfg, model.cfg.vocab_size), amp_dtype=amp_dtype, device=device,
                                    activation_checkpoint=cfg.use_activation_checkpoint) if cfg.memory_profiler else None
     inst.attach(model, optimizer, step + 1, memory_estimate)
@@ -441,17 +460,17 @@ def main(argv: list[str] | None = None, on_step: Callable[[int], None] | None = 
                 if losses:
                     check_finite(losses, step, dist_info, ckpt_path, amp_dtype)
                 if not all(torch.isfinite(p).all() for p in model.parameters()):
-                    raise NonFiniteLoss(f"the weights became non-finite at step {step}; the last good "
-                                        f"checkpoint ({ckpt_path}) was left intact; lower --lr")
+                    raise NonFiniteLoss(f"the weights became non-finite at step {step}; "
+                                        f"{describe_intact(ckpt_path)}; lower --lr")
                 state = checkpoint_state(model, optimizer, scaler, step, data.train, cfg, dist_info)
                 if is_main:
                     save_checkpoint(ckpt_path, state)
             if stop:
                 distributed.barrier(dist_info)  # no rank leaves (and gets torn down) before the save is done
                 signum = stop_signal[0] if stop_signal else signal.SIGTERM  # another rank's signal
-                log.info(f"Stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved to "
-                         f"{ckpt_path}. Continue with: python train_minimal.py --resume --out-dir {out_dir} "
-                         "(and the same flags)")
+                saved = "no checkpoint (--no-checkpoint)" if cfg.no_checkpoint else f"checkpoint saved to {ckpt_path}"
+                log.info(f"Stopped by {signal.Signals(signum).name} after step {step}; {saved}. Continue with: "
+                         f"python train_minimal.py --resume --out-dir {out_dir} (and the same flags)")
                 return 128 + signum
 
     # ------------------------------------------------------------------ finish
@@ -464,8 +483,11 @@ def main(argv: list[str] | None = None, on_step: Callable[[int], None] | None = 
                  f"val ppl {perplexity(val):.1f}; {record.tokens_per_s:,.0f} tokens/s per step (the steps alone), "
                  f"{world_size * rate.tokens_per_step * done / elapsed:,.0f} tokens/s end to end (evaluations, "
                  "logging and checkpoints included)")
-    log.info(f"Checkpoint: {ckpt_path}")
+    log.info(f"Checkpoint: {ckpt_path}" if ckpt_path.is_file() else "Checkpoint: none (--no-checkpoint)")
     log.info(f"Run directory: {out_dir} ({paths.LOG_FILE}, {paths.METRICS_FILE}, {paths.CONFIG_FILE})")
+    for line in next_steps(out_dir, (out_dir / paths.TRACE_DIR).is_dir(), (out_dir / paths.REPORT_FILE).is_file(),
+                           has_checkpoint=ckpt_path.is_file(), checkpoint=cfg.checkpoint_path) if is_main else []:
+        log.info(line)
     return 0
 
 

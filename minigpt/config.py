@@ -543,6 +543,8 @@ def check_cuda_features(cfg: TrainConfig, device: str) -> None:
     """--nsys and --record-memory-history drive CUDA's profiler and allocator: nothing to do on a CPU."""
     if device == "cuda":
         return
+    if cfg.ddp_backend == "nccl":
+        raise UsageError("--ddp-backend nccl needs CUDA GPUs; on the CPU use gloo (the default there)")
     if cfg.nsys:
         raise UsageError("--nsys needs CUDA: Nsight Systems' capture range is cudaProfilerStart/Stop; "
                          "on the CPU use --use-profiler")

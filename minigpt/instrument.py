@@ -35,6 +35,7 @@ from torch.profiler import ProfilerAction, ProfilerActivity, record_function, te
 
 from minigpt import paths, stages
 from minigpt.fileio import atomic_open, atomic_write
+from minigpt.progress import Progress, progress_enabled
 from minigpt.stages import STEP_RANGE, color
 
 NVTX_DOMAIN = "minigpt"  # one domain: Nsight can filter the project's ranges from PyTorch's own
@@ -366,6 +367,7 @@ class Instruments:
         self.memory_step: int | None = None
         self.memory_breakdown: dict | None = None  # the measured step's record, for the next log line
         self._rss_before_window: int | None = None
+        self.progress = Progress(None, False)  # the bar between log lines: made when the loop starts
         self._exit = ExitStack()
 
     def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, first_step: int,
@@ -415,6 +417,7 @@ class Instruments:
             torch.cuda.synchronize()  # the step's time must include the work still queued
         self.step_times[n] = time.perf_counter() - t0
         self._interval.append(self.step_times[n])
+        self.progress.update()
         # After the clock, outside the ProfilerStep range: writing a trace, snapshot or chart is not training.
         self._end_profiler_step()
         if self.memory_history and n == self.window.stop - 1:  # the end of the window: a snapshot of it
@@ -426,6 +429,7 @@ class Instruments:
     def interval(self) -> tuple[list[float], StageTimes]:
         """The step times (seconds) and stage times of the steps since the last call."""
         steps, self._interval = self._interval, []
+        self.progress.reset(self.cfg.log_interval)
         return steps, self.timer.read()
 
     # -- the profiler window
@@ -497,6 +501,10 @@ class Instruments:
 
     # -- entering and leaving
     def __enter__(self) -> "Instruments":
+        # A progress bar over the steps between log lines, on a terminal only (not in pipes, CI, or
+        # on ranks other than 0): a log interval of a big model can be minutes of silence.
+        self.progress = Progress(self.cfg.log_interval, progress_enabled(self.rank), desc="steps to the next log line")
+        self._exit.enter_context(self.progress.attach(self.log))
         if self.profiler is not None:
             self._exit.enter_context(self.profiler)
         return self

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from minigpt.fileio import DiskFull, disk_full_message, is_disk_full
 from minigpt.stages import label
 
 LOG_FORMAT = "[%(asctime)s] %(message)s"
@@ -118,24 +119,32 @@ def perplexity(loss: float) -> float:
 
 
 class JsonlWriter:
-    """Appends one JSON object per line and flushes, so a crash loses at most the current line."""
+    """Appends one JSON object per line and flushes, so a crash loses at most the current line (a
+    resumed run drops a cut line: minigpt.runs.repair_jsonl)."""
 
     def __init__(self, path: Path, enabled: bool = True):
-        self.f = None
+        self.f, self.path = None, path
         if enabled:  # under DDP only rank 0 writes
             path.parent.mkdir(parents=True, exist_ok=True)
             self.f = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict | StepRecord) -> None:
         if self.f:
-            if isinstance(record, StepRecord):
-                record = record.to_json()
-            self.f.write(json.dumps(record) + "\n")
-            self.f.flush()
+            line = json.dumps(record.to_json() if isinstance(record, StepRecord) else record) + "\n"
+            try:
+                self.f.write(line)
+                self.f.flush()
+            except OSError as e:
+                if is_disk_full(e):
+                    raise DiskFull(disk_full_message(self.path, len(line), True)) from None
+                raise
 
     def close(self) -> None:
         if self.f:
-            self.f.close()
+            try:
+                self.f.close()
+            except OSError:  # a full disk was already reported by write(); closing adds nothing
+                pass
 
     def __enter__(self) -> "JsonlWriter":
         return self
@@ -210,12 +219,14 @@ MEMORY_BREAKDOWN_KEYS = ("params", "grads", "optimizer", "activations", "activat
 class TensorBoardLogger:
     """Scalars for `tensorboard --logdir <out-dir>`: the same figures as metrics.jsonl."""
 
-    def __init__(self, log_dir: Path, enabled: bool = True):
+    def __init__(self, log_dir: Path, enabled: bool = True, purge_step: int | None = None):
+        """`purge_step`: on resume, the first step trained again; TensorBoard hides what an earlier
+        run wrote from there on, so no step is drawn twice."""
         self.writer = None
         if enabled:  # under DDP only rank 0 writes
             from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
 
-            self.writer = SummaryWriter(str(log_dir))
+            self.writer = SummaryWriter(str(log_dir), purge_step=purge_step)
 
     def log(self, r: StepRecord) -> None:
         if self.writer is None:
