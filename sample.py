@@ -26,9 +26,9 @@ import torch
 
 from minigpt.config import UsageError, resolve_device
 from minigpt.data import EOT, get_tokenizer
+from minigpt.paths import CHECKPOINT_FILE, RUNS_ROOT
 from minigpt.runs import latest_run
 from minigpt.sample import generate, load_model, vocab_in_use
-from train_minimal import CHECKPOINT_FILE, RUNS_ROOT
 
 FILE_PREFIX = "FILE:"  # --prompt FILE:path reads the prompt from a file
 TOY_PROMPT = "0 2 4 6"  # a toy run's task is arithmetic sequences: the stride is in the prompt
