@@ -17,50 +17,41 @@ The file reads top to bottom: parse flags -> build data, model, optimizer -> tra
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import platform
 import signal
 import sys
 import time
-from contextlib import contextmanager, nullcontext
-from dataclasses import asdict
+from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import asdict, dataclass
 from datetime import datetime
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from minigpt import distributed
-from minigpt.checkpoint import check_same_shape, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from minigpt import distributed, paths
+from minigpt.checkpoint import (check_checkpoint_path, check_same_shape, describe_intact, load_checkpoint, rng_state,
+                                save_checkpoint, set_rng_state)
 from minigpt.config import (EXTRA_ARGS_ENV, TrainConfig, UsageError, check_cuda_features, parse_args,
                             profile_ranks, resolve_amp, resolve_device)
 from minigpt.cpu import keep_freed_memory
 from minigpt.data import (Batches, ToyBatches, builtin_corpus, check_enough_tokens, get_tokenizer,
                           load_tokens, split_train_val)
 from minigpt.fileio import atomic_write
-from minigpt.instrument import (STAGES, MemoryHistory, NsysCaptureRange, StageTimer, cuda_memory_report,
-                                has_device_kernels, make_profiler, top_operators)
 from minigpt.estimate import estimate_gpt, estimate_report, gpt_shape
-from minigpt.memory import capture_memory, format_breakdown, write_memory_trace
-from minigpt.metrics import (JsonlWriter, TensorBoardLogger, format_duration, format_log_line, mfu, peak_flops,
-                             perplexity, setup_logging)
+from minigpt.instrument import Instruments, cpu_memory_report, cuda_memory_report
+from minigpt.metrics import (JsonlWriter, StepRecord, TensorBoardLogger, format_duration, format_log_line, mfu,
+                             peak_flops, perplexity, setup_logging)
+from minigpt.runs import RunLock, check_out_dir, clean_stale_tmp, latest_run, next_steps, probe_writable, repair_jsonl
+from minigpt.stages import STAGE_NAMES
 from minigpt.model import GPT, GPTConfig, flops_per_token, pad_vocab
 from minigpt.straggler import StragglerDetector, format_report, parse_slow_rank, rank_figures
 
-# Every file a run writes, relative to its run directory.
-RUNS_ROOT = Path("runs")
-CONFIG_FILE = "config.json"
-LOG_FILE = "train.log"
-METRICS_FILE = "metrics.jsonl"
-STRAGGLERS_FILE = "stragglers.jsonl"
-CHECKPOINT_FILE = Path("checkpoints") / "ckpt.pt"
-TENSORBOARD_DIR = "tb"
-TRACE_DIR = "traces"
-OPS_FILE = "traces/rank{rank}_ops.txt"
-SNAPSHOT_FILE = "snapshots/rank{rank}_snapshot.pickle"
-OOM_SNAPSHOT_FILE = "snapshots/oom_rank{rank}_snapshot.pickle"
-MEMORY_TRACE_DIR = "memory_trace/rank{rank}_dp{rank}"  # memory.log and *_sunburst.html (--memory-profiler)
 
 
 class NonFiniteLoss(Exception):
@@ -111,17 +102,15 @@ def evaluate(model: torch.nn.Module, batches: Batches, iters: int, device: str, 
 
 def resolve_out_dir(cfg: TrainConfig) -> Path:
     """The run directory. --resume without --out-dir continues the latest run that has a checkpoint."""
+    root = paths.RUNS_ROOT
     if cfg.out_dir:
         return Path(cfg.out_dir)
     if cfg.resume and not cfg.checkpoint_path:
-        runs = sorted(p.parent.parent for p in RUNS_ROOT.glob(f"*/{CHECKPOINT_FILE}"))
-        if not runs:
-            raise UsageError(f"--resume: no run in {RUNS_ROOT}/ has a checkpoint; pass --out-dir or --checkpoint-path")
-        return runs[-1]
-    out = RUNS_ROOT / datetime.now().strftime("%Y%m%d-%H%M%S")
+        return latest_run(root, paths.CHECKPOINT_FILE)  # the newest checkpoint, not the last name
+    out = root / datetime.now().strftime("%Y%m%d-%H%M%S")
     n = 1
     while out.exists():  # two runs started in the same second
-        out, n = RUNS_ROOT / f"{datetime.now():%Y%m%d-%H%M%S}-{n}", n + 1
+        out, n = root / f"{datetime.now():%Y%m%d-%H%M%S}-{n}", n + 1
     return out
 
 
@@ -151,7 +140,208 @@ def write_json_atomic(path: Path, obj: dict) -> None:
     atomic_write(path, json.dumps(obj, indent=2) + "\n")
 
 
-def main(argv: list[str] | None = None) -> int:
+@dataclass
+class Data:
+    """The batches a run draws, and what the log says of them."""
+    train: Batches
+    make_val: Callable[[], Batches]  # a fresh iterator over the same validation batches each time
+    name: str
+    vocab_size: int
+    train_tokens: int | None  # None for toy data, which has no epochs
+    val_tokens: int | None
+
+
+def load_data(cfg: TrainConfig, rank: int, pin: bool) -> Data:
+    """Read and check everything before the run directory is touched: a mistake costs nothing.
+    `pin`: page-locked batches make the host-to-device copy asynchronous (CUDA)."""
+    if cfg.use_toy_data:
+        v = cfg.vocab_size
+        return Data(ToyBatches(v, cfg.batch_size, cfg.seq_len, cfg.data_seed, rank=rank, pin_memory=pin),
+                    partial(ToyBatches, v, cfg.batch_size, cfg.seq_len, cfg.data_seed, stream=1, pin_memory=pin),
+                    "toy sequences", v, None, None)
+    train_files = cfg.train_data or [builtin_corpus()]
+    name = ", ".join(map(str, train_files)) if cfg.train_data else "built-in corpus (pydoc_data topics)"
+    tokens = load_tokens(train_files, cfg.tokenizer_name, cfg.max_tokens)
+    if cfg.val_data:
+        train_tokens, val_tokens = tokens, load_tokens(cfg.val_data, cfg.tokenizer_name)
+    else:
+        train_tokens, val_tokens = split_train_val(tokens)
+    check_enough_tokens(train_tokens, cfg.seq_len, "the training data")
+    check_enough_tokens(val_tokens, cfg.seq_len, "the validation data")
+    n_vocab = get_tokenizer(cfg.tokenizer_name).n_vocab
+    if cfg.vocab_size is not None and cfg.vocab_size < n_vocab:
+        raise UsageError(f"--vocab-size {cfg.vocab_size} is smaller than the {cfg.tokenizer_name} "
+                         f"tokenizer's {n_vocab} ids; drop --vocab-size or raise it")
+    return Data(Batches(train_tokens, cfg.batch_size, cfg.seq_len, cfg.data_seed, rank=rank, pin_memory=pin),
+                partial(Batches, val_tokens, cfg.batch_size, cfg.seq_len, cfg.data_seed, stream=1, pin_memory=pin),
+                name, cfg.vocab_size or n_vocab, len(train_tokens), len(val_tokens))
+
+
+def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
+    return GPTConfig(vocab_size=pad_vocab(vocab_size), max_position_embeddings=cfg.max_position_embeddings,
+                     n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_model=cfg.d_model, d_ff=cfg.d_ff,
+                     dropout=cfg.dropout, activation_checkpoint=cfg.use_activation_checkpoint)
+
+
+def restore(ckpt_path: Path, cfg: TrainConfig, model: GPT, optimizer, scaler, batches: Batches,
+            rank: int, world_size: int) -> int:
+    """Load a checkpoint into the run; return its step. Refuses one that does not fit the flags."""
+    state = load_checkpoint(ckpt_path)
+    check_same_shape(state["model_config"], asdict(model.cfg), ckpt_path)
+    if state["step"] >= cfg.num_steps:
+        raise UsageError(f"checkpoint {ckpt_path} is at step {state['step']}, already past "
+                         f"--num-steps {cfg.num_steps}; raise --num-steps to train further")
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise UsageError(f"checkpoint {ckpt_path} does not fit this run's flags (model, optimizer or "
+                         f"--amp-dtype differ: {str(e).splitlines()[0]}); resume with the flags it was "
+                         "trained with") from None
+    batches.position = state["data_position"]
+    per_rank = state.get("rng_per_rank") or []
+    # last: building the model drew from the generators
+    if len(per_rank) == world_size:
+        set_rng_state(per_rank[rank])
+    else:  # the world size changed: exact continuation is impossible, keep the ranks' streams apart
+        set_rng_state(state["rng"])
+        torch.manual_seed(cfg.seed + rank + state["step"])
+    return state["step"]
+
+
+def checkpoint_state(model, optimizer, scaler, step: int, batches: Batches, cfg: TrainConfig,
+                     dist_info: distributed.DistInfo) -> dict:
+    """Everything a resumed run needs to repeat the uninterrupted one. Called on every rank: it
+    gathers each rank's RNG state (each rank's dropout stream)."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+            "step": step, "data_position": batches.position, "rng": rng_state(),
+            "rng_per_rank": distributed.gather(rng_state(), dist_info),
+            "config": cfg.to_dict(), "model_config": asdict(model.cfg)}
+
+
+def check_finite(losses: list[torch.Tensor], step: int, dist_info: distributed.DistInfo, ckpt_path: Path,
+                 amp_dtype: str) -> list[float]:
+    """Read the interval's losses (this syncs) and stop at the first non-finite one, on every rank
+    together (each rank sees only its own loss)."""
+    values = torch.stack(losses).tolist()
+    bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+    if distributed.any_rank(bad is not None, dist_info):
+        where = (f"loss is {values[bad]} at step {step - len(values) + bad + 1}" if bad is not None
+                 else f"another rank's loss became non-finite by step {step}")
+        hint = " or use --amp-dtype bf16 (fp16's range is narrow)" if amp_dtype == "fp16" else ""
+        raise NonFiniteLoss(f"{where}; {describe_intact(ckpt_path)}; lower --lr{hint}")
+    return values
+
+
+@dataclass
+class Throughput:
+    """What turns the loop's clocks into a StepRecord: this run's constants."""
+    tokens_per_step: int  # per rank: batch x seq_len x accumulation
+    world_size: int
+    device: str
+    flops_per_token: int
+    peak_flops: float
+    start_step: int
+    t_start: float  # perf_counter when the loop started
+
+    def record(self, cfg: TrainConfig, step: int, losses: list[float], lr: float, val: float | None,
+               step_times: list[float], stages, train_tokens: int | None, amp: str) -> StepRecord:
+        step_time = sum(step_times) / len(step_times)
+        per_rank = self.tokens_per_step / step_time
+        elapsed = time.perf_counter() - self.t_start
+        e2e = self.world_size * self.tokens_per_step * (step - self.start_step) / elapsed
+        comm = {"backward": stages.host_ms["backward"] - stages.host_ms["backward_compute"]} \
+            if "backward_compute" in stages.host_ms else {}
+        return StepRecord(
+            step=step, num_steps=cfg.num_steps, loss=sum(losses) / len(losses), lr=lr,
+            epoch=1 + step * self.tokens_per_step * self.world_size // train_tokens if train_tokens else 1,
+            step_time_s=step_time, tokens_per_s=self.world_size * per_rank, tokens_per_s_per_rank=per_rank,
+            tokens_per_s_e2e=e2e, world_size=self.world_size,
+            val_loss=val, val_ppl=None if val is None else perplexity(val), elapsed_s=elapsed,
+            eta_s=self.world_size * self.tokens_per_step * (cfg.num_steps - step) / e2e, amp=amp,
+            mfu=mfu(self.flops_per_token, per_rank, self.peak_flops),
+            achieved_tflops=self.flops_per_token * per_rank / 1e12,
+            stage_host_ms=stages.host_ms, stage_device_ms=stages.device_ms, stage_comm_ms=comm,
+            memory=cuda_memory_report() if self.device == "cuda" else cpu_memory_report())
+
+
+def score_stragglers(detector: StragglerDetector, step: int, step_times: list[float], stages,
+                     dist_info: distributed.DistInfo) -> list[dict]:
+    """Every rank's medians over the interval, gathered and scored; the slow ranks' reports."""
+    if dist_info.world_size == 1 or not stages.host_steps:
+        return []
+    mine = rank_figures(dist_info.rank, dist_info.host, [1000 * t for t in step_times], stages.device_steps)
+    return detector.update(step, distributed.gather(mine, dist_info))
+
+
+def is_log_step(step: int, cfg: TrainConfig) -> bool:
+    # An evaluation step is a log step too, so --eval-interval holds whatever --log-interval is.
+    return step % cfg.log_interval == 0 or step % cfg.eval_interval == 0 or step == cfg.num_steps
+
+
+def open_run_dir(out_dir: Path, cfg: TrainConfig, model: GPT, data: Data, rate: Throughput,
+                 dist_info: distributed.DistInfo, device: str, amp_dtype: str, amp_note: str, peak_source: str,
+                 malloc_note: str | None, resumed_from: Path | None) -> logging.Logger:
+    """Create the run directory, write config.json (rank 0) and say what this run is: the lines
+    every log starts with. Returns the logger (rank 0 writes the log, metrics, TensorBoard, checkpoints)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = setup_logging(out_dir / paths.LOG_FILE, dist_info.rank)
+    device_name = torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or platform.machine())
+    n_params = model.num_params(non_embedding=False)
+    if dist_info.is_main:
+        write_json_atomic(out_dir / paths.CONFIG_FILE, {
+            "config": cfg.to_dict(), "model": asdict(model.cfg), "device": device, "device_name": device_name,
+            "amp": amp_dtype, "params": n_params, "flops_per_token": rate.flops_per_token,
+            "peak_flops": rate.peak_flops, "peak_flops_source": peak_source,
+            "world_size": dist_info.world_size, "ddp_backend": dist_info.backend,
+            "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()},
+        })
+    log.info(f"Training started; run directory {out_dir}")
+    if os.environ.get(EXTRA_ARGS_ENV):
+        log.info(f"Flags appended from ${EXTRA_ARGS_ENV}: {os.environ[EXTRA_ARGS_ENV]}")
+    log.info(f"Device: {device} ({device_name}), torch {torch.__version__}; {amp_note}")
+    if malloc_note:
+        log.info(malloc_note)
+    if dist_info.world_size > 1:
+        log.info(f"DDP: {dist_info.world_size} ranks, {dist_info.backend} backend; every rank draws its own batches")
+    log.info(f"Data: {data.name}" + ("" if data.train_tokens is None else
+             f"; {data.train_tokens:,} training tokens, {data.val_tokens:,} validation tokens"))
+    log.info(f"Model: {cfg.n_layers} layers, {cfg.n_heads} heads, d_model {cfg.d_model}, d_ff {cfg.d_ff}, "
+             f"vocab {model.cfg.vocab_size}, {n_params / 1e6:.2f}M parameters"
+             + (", activation checkpointing" if cfg.use_activation_checkpoint else ""))
+    log.info(f"Batch: {cfg.batch_size} x {cfg.seq_len} tokens x {cfg.grad_accum_steps} accumulation = "
+             f"{rate.tokens_per_step:,} tokens per step per rank; {cfg.num_steps} steps")
+    log.info(f"MFU peak: {rate.peak_flops / 1e12:.2f} TFLOP/s per device ({peak_source})")
+    log.info(f"Resumed from {resumed_from} at step {rate.start_step}" if resumed_from else "Starting from scratch")
+    return log
+
+
+def guard_run_dir(out_dir: Path, ckpt_path: Path, cfg: TrainConfig, held: ExitStack) -> list[str]:
+    """Before any work, on rank 0: every output path probed (a bad one costs one line, not an
+    interval of training and a traceback at the first save), the run directory locked for this
+    trainer alone (held until the run returns), and what a killed earlier run left cleaned up."""
+    check_out_dir(out_dir)
+    if not cfg.no_checkpoint:
+        probe_writable(ckpt_path, "--checkpoint-path")
+    held.enter_context(RunLock(out_dir))
+    return [f"removed {p}, a save killed midway" for p in clean_stale_tmp(ckpt_path.parent) + clean_stale_tmp(out_dir)]
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def main(argv: list[str] | None = None, on_step: Callable[[int], None] | None = None) -> int:
+    """Train. `on_step(n)` is called just before training step n (1-based) runs: the seam through
+    which tests and notebooks stop or inspect a run at a chosen step (e.g. send SIGTERM in step 4)."""
+    with ExitStack() as held:  # what the run holds until it returns, however it returns: its directory's lock
+        return train(argv, on_step, held)
+
+
+def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: ExitStack) -> int:
     # ------------------------------------------------------------------ flags
     cfg = parse_args(argv)
     device = resolve_device(cfg.device)
@@ -163,66 +353,27 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.estimate_memory:  # the predicted memory of this configuration: no model, no run directory
         print(estimate_report(cfg, device, amp_dtype, amp_note))
         return 0
-    slow = parse_slow_rank(cfg.simulate_slow_rank, STAGES) if cfg.simulate_slow_rank else None
-    if cfg.ddp_backend == "nccl" and device != "cuda":
-        raise UsageError("--ddp-backend nccl needs CUDA GPUs; on the CPU use gloo (the default there)")
+    slow = parse_slow_rank(cfg.simulate_slow_rank, STAGE_NAMES) if cfg.simulate_slow_rank else None
     # Under torchrun: join the process group (NCCL on CUDA, gloo on the CPU). Otherwise world size 1.
     dist_info = distributed.setup(device, cfg.ddp_backend, cfg.ddp_timeout)
     rank, world_size, is_main = dist_info.rank, dist_info.world_size, dist_info.is_main
     ranks = profile_ranks(cfg.profile_ranks, world_size)
-    profiled = ranks is None or rank in ranks  # this rank takes part in --use-profiler / --nsys / history
     if slow and slow.rank >= world_size:
         raise UsageError(f"--simulate-slow-rank {cfg.simulate_slow_rank}: no rank {slow.rank} in a world of {world_size}")
     torch.manual_seed(cfg.seed)  # the same on every rank: the same initial weights
     out_dir = Path(distributed.gather(str(resolve_out_dir(cfg)), dist_info)[0])  # rank 0's choice
-    ckpt_path = Path(cfg.checkpoint_path) if cfg.checkpoint_path else out_dir / CHECKPOINT_FILE
-    if not cfg.resume and ckpt_path.exists():
-        raise UsageError(f"{ckpt_path} already exists; pass --resume to continue that run, "
-                         "or choose another --out-dir / --checkpoint-path")
+    ckpt_path = Path(cfg.checkpoint_path) if cfg.checkpoint_path else out_dir / paths.CHECKPOINT_FILE
+    check_checkpoint_path(ckpt_path, cfg.resume)
+    stale = guard_run_dir(out_dir, ckpt_path, cfg, held) if is_main else []
 
-    # ------------------------------------------------------------------ data
-    # Everything is read and checked before the run directory is touched: a mistake costs nothing.
-    pin = device == "cuda"  # page-locked batches make the host-to-device copy asynchronous
-    if cfg.use_toy_data:
-        data_name, vocab_size, train_tokens = "toy sequences", cfg.vocab_size, None
-        train_batches = ToyBatches(vocab_size, cfg.batch_size, cfg.seq_len, cfg.data_seed, rank=rank, pin_memory=pin)
-        make_val_batches = lambda: ToyBatches(vocab_size, cfg.batch_size, cfg.seq_len, cfg.data_seed,  # noqa: E731
-                                              stream=1, pin_memory=pin)
-    else:
-        train_files = cfg.train_data or [builtin_corpus()]
-        data_name = ", ".join(map(str, train_files)) if cfg.train_data else "built-in corpus (pydoc_data topics)"
-        tokens = load_tokens(train_files, cfg.tokenizer_name, cfg.max_tokens)
-        if cfg.val_data:
-            train_tokens, val_tokens = tokens, load_tokens(cfg.val_data, cfg.tokenizer_name)
-        else:
-            train_tokens, val_tokens = split_train_val(tokens)
-        check_enough_tokens(train_tokens, cfg.seq_len, "the training data")
-        check_enough_tokens(val_tokens, cfg.seq_len, "the validation data")
-        n_vocab = get_tokenizer(cfg.tokenizer_name).n_vocab
-        if cfg.vocab_size is not None and cfg.vocab_size < n_vocab:
-            raise UsageError(f"--vocab-size {cfg.vocab_size} is smaller than the {cfg.tokenizer_name} "
-                             f"tokenizer's {n_vocab} ids; drop --vocab-size or raise it")
-        vocab_size = cfg.vocab_size or n_vocab
-        train_batches = Batches(train_tokens, cfg.batch_size, cfg.seq_len, cfg.data_seed, rank=rank, pin_memory=pin)
-        make_val_batches = lambda: Batches(val_tokens, cfg.batch_size, cfg.seq_len, cfg.data_seed,  # noqa: E731
-                                           stream=1, pin_memory=pin)
-
-    # ------------------------------------------------------------------ model, optimizer
-    memory_history = None
-    if cfg.record_memory_history and profiled:  # before the model exists, so its allocations are in it
-        memory_history = MemoryHistory(cfg.memory_history_entries)
-        memory_history.start()
-        memory_history.dump_on_oom(out_dir / OOM_SNAPSHOT_FILE.format(rank=rank))
-    snapshot_path = Path(cfg.memory_snapshot_path or out_dir / SNAPSHOT_FILE.format(rank=rank))
-    if cfg.memory_snapshot_path and world_size > 1:  # one file per rank, never overwritten by another
-        snapshot_path = snapshot_path.with_name(f"rank{rank}_{snapshot_path.name}")
-    snapshot_dumped = False
-    model_cfg = GPTConfig(
-        vocab_size=pad_vocab(vocab_size), max_position_embeddings=cfg.max_position_embeddings,
-        n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_model=cfg.d_model, d_ff=cfg.d_ff,
-        dropout=cfg.dropout, activation_checkpoint=cfg.use_activation_checkpoint,
-    )
-    model = GPT(model_cfg).to(device)
+    # ------------------------------------------------------------------ data, model, optimizer
+    data = load_data(cfg, rank, pin=device == "cuda")
+    inst = Instruments(cfg, device=device, rank=rank, world_size=world_size, out_dir=out_dir,
+                       profiled=ranks is None or rank in ranks, worker=f"rank{rank}_dp{rank}",
+                       sleep_ms={slow.stage: slow.ms} if slow and slow.rank == rank else None)
+    if cfg.memory_snapshot_path and inst.memory_history:
+        probe_writable(inst.snapshot_path, "--memory-snapshot-path")
+    model = GPT(model_config(cfg, data.vocab_size)).to(device)
     if rank:
         torch.manual_seed(cfg.seed + rank)  # different dropout masks on each rank
     optimizer = configure_optimizer(model, cfg, device)
@@ -230,167 +381,56 @@ def main(argv: list[str] | None = None) -> int:
     scaler = torch.amp.GradScaler(device, enabled=amp_dtype == "fp16")
     autocast = (torch.autocast(device, dtype=torch.bfloat16 if amp_dtype == "bf16" else torch.float16)
                 if amp_on else nullcontext())
-
-    step = 0
-    if cfg.resume:
-        state = load_checkpoint(ckpt_path)
-        check_same_shape(state["model_config"], asdict(model_cfg), ckpt_path)
-        if state["step"] >= cfg.num_steps:
-            raise UsageError(f"checkpoint {ckpt_path} is at step {state['step']}, already past "
-                             f"--num-steps {cfg.num_steps}; raise --num-steps to train further")
-        try:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            scaler.load_state_dict(state["scaler"])
-        except (RuntimeError, ValueError, KeyError) as e:
-            raise UsageError(f"checkpoint {ckpt_path} does not fit this run's flags (model, optimizer or "
-                             f"--amp-dtype differ: {str(e).splitlines()[0]}); resume with the flags it was "
-                             "trained with") from None
-        step = state["step"]
-        train_batches.position = state["data_position"]
-        per_rank = state.get("rng_per_rank") or []
-        # last: building the model above drew from the generators
-        if len(per_rank) == world_size:
-            set_rng_state(per_rank[rank])
-        else:  # the world size changed: exact continuation is impossible, keep the ranks' streams apart
-            set_rng_state(state["rng"])
-            torch.manual_seed(cfg.seed + rank + state["step"])
+    step = restore(ckpt_path, cfg, model, optimizer, scaler, data.train, rank, world_size) if cfg.resume else 0
     ddp_model = distributed.wrap_ddp(model, dist_info, device)  # the model itself if world size 1
     train_model = torch.compile(ddp_model) if cfg.compile else ddp_model
-    model_flops_per_token = flops_per_token(model, cfg.seq_len)
     peak, peak_source = peak_flops(device, amp_dtype)
+    rate = Throughput(cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps, world_size, device,
+                      flops_per_token(model, cfg.seq_len), peak, step, 0.0)
 
     # ------------------------------------------------------------------ run directory
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log = setup_logging(out_dir / LOG_FILE, rank)  # rank 0 writes the log, metrics, TensorBoard, checkpoints
-    metrics_file = JsonlWriter(out_dir / METRICS_FILE, enabled=is_main)
-    stragglers_file = JsonlWriter(out_dir / STRAGGLERS_FILE, enabled=is_main and world_size > 1)
-    device_name = torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or platform.machine())
-    if is_main:
-        write_json_atomic(out_dir / CONFIG_FILE, {
-            "config": cfg.to_dict(), "model": asdict(model_cfg), "device": device, "device_name": device_name,
-            "amp": amp_dtype, "params": model.num_params(non_embedding=False),
-            "flops_per_token": model_flops_per_token, "peak_flops": peak, "peak_flops_source": peak_source,
-            "world_size": world_size, "ddp_backend": dist_info.backend,
-            "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()},
-        })
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps
-    log.info(f"Training started; run directory {out_dir}")
-    if os.environ.get(EXTRA_ARGS_ENV):
-        log.info(f"Flags appended from ${EXTRA_ARGS_ENV}: {os.environ[EXTRA_ARGS_ENV]}")
-    log.info(f"Device: {device} ({device_name}), torch {torch.__version__}; {amp_note}")
-    if device == "cpu":
-        log.info(malloc_note)
-    if world_size > 1:
-        log.info(f"DDP: {world_size} ranks, {dist_info.backend} backend; every rank draws its own batches")
-    log.info(f"Data: {data_name}" + ("" if train_tokens is None else
-             f"; {len(train_tokens):,} training tokens, {len(val_tokens):,} validation tokens"))
-    log.info(f"Model: {cfg.n_layers} layers, {cfg.n_heads} heads, d_model {cfg.d_model}, d_ff {cfg.d_ff}, "
-             f"vocab {model_cfg.vocab_size}, {model.num_params(non_embedding=False) / 1e6:.2f}M parameters"
-             + (", activation checkpointing" if cfg.use_activation_checkpoint else ""))
-    log.info(f"Batch: {cfg.batch_size} x {cfg.seq_len} tokens x {cfg.grad_accum_steps} accumulation = "
-             f"{tokens_per_step:,} tokens per step per rank; {cfg.num_steps} steps")
-    log.info(f"MFU peak: {peak / 1e12:.2f} TFLOP/s per device ({peak_source})")
-    log.info(f"Resumed from {ckpt_path} at step {step}" if cfg.resume else "Starting from scratch")
-    tensorboard = TensorBoardLogger(out_dir / TENSORBOARD_DIR, enabled=is_main)
-
-    # ------------------------------------------------------------------ instrumentation
-    timer = StageTimer(device, enabled=cfg.stage_timing,
-                       sleep_ms={slow.stage: slow.ms} if slow and slow.rank == rank else None)
+    if is_main and cfg.resume:  # a resumed run repeats the steps after its checkpoint: logged once each
+        dropped = {n: repair_jsonl(out_dir / n, step) for n in (paths.METRICS_FILE, paths.STRAGGLERS_FILE)}
+        stale += [f"dropped {k} line(s) of {n} past step {step} or cut short" for n, k in dropped.items() if k]
+    log = open_run_dir(out_dir, cfg, model, data, rate, dist_info, device, amp_dtype, amp_note, peak_source,
+                       malloc_note if device == "cpu" else None, resumed_from=ckpt_path if cfg.resume else None)
+    metrics_file = JsonlWriter(out_dir / paths.METRICS_FILE, enabled=is_main)
+    stragglers_file = JsonlWriter(out_dir / paths.STRAGGLERS_FILE, enabled=is_main and world_size > 1)
+    tensorboard = TensorBoardLogger(out_dir / paths.TENSORBOARD_DIR, enabled=is_main, purge_step=step + 1)
+    for line in stale if is_main else []:
+        log.info(f"Cleaned up after an earlier run: {line}")
+    memory_estimate = estimate_gpt(**gpt_shape(cfg, model.cfg.vocab_size), amp_dtype=amp_dtype, device=device,
+                                   activation_checkpoint=cfg.use_activation_checkpoint) if cfg.memory_profiler else None
+    inst.attach(model, optimizer, step + 1, memory_estimate)
     if world_size > 1 and cfg.stage_timing:  # the backward's compute without the all-reduce wait
-        timer.add_split("backward", "backward_compute")
-        distributed.time_backward_compute(ddp_model, lambda: timer.split("backward", "backward_compute"))
+        inst.timer.add_split("backward", "backward_compute")
+        distributed.time_backward_compute(ddp_model, partial(inst.timer.split, "backward", "backward_compute"))
     stragglers = StragglerDetector(cfg.straggler_threshold)
-    step_times: dict[int, float] = {}  # host seconds of each step, to price the profiler window
-    window = range(cfg.profile_step_start, cfg.profile_step_end)
-
-    def on_profile_window_end(prof) -> None:
-        ops = top_operators(prof, device)
-        ops_path = out_dir / OPS_FILE.format(rank=rank)
-        atomic_write(ops_path, ops)
-        log.info(f"Profiled steps {window.start}-{window.stop - 1}; top operators (also in {ops_path}):\n{ops}")
-        if device == "cuda" and not has_device_kernels(prof):
-            log.warning("WARNING: the trace holds no CUDA kernel events: CUPTI recorded nothing "
-                        "(check that the CUDA profiling libraries match the driver)")
-        before = [t for s, t in step_times.items() if 2 <= s < window.start - 1]  # not step 1, not warm-up
-        during = [step_times[s] for s in window if s in step_times]
-        if before and during:
-            b, d = sum(before) / len(before), sum(during) / len(during)
-            log.info(f"Profiler cost: {1000 * d:.0f} ms/step profiled vs {1000 * b:.0f} ms/step before "
-                     f"({d / b:.2f}x)")
-        elif during:
-            log.info("Profiler cost: not priced, no unprofiled step to compare with (step 1 allocates "
-                     "everything and the step before the window is the profiler's warm-up; start at step 4 or later)")
-        log.info(f"View the trace: tensorboard --logdir {out_dir}, or open {out_dir / TRACE_DIR}/*.json.gz "
-                 "in ui.perfetto.dev, or run python -m minigpt.traces on it")
-
-    profiler = None
-    if cfg.use_profiler and profiled and step < window.start:
-        profiler = make_profiler(out_dir / TRACE_DIR, rank, step + 1, window.start, window.stop, device,
-                                 cfg.profile_with_stack, on_profile_window_end)
-    nsys = NsysCaptureRange(window.start, window.stop) if cfg.nsys and profiled and step < window.start else None
-    if (cfg.use_profiler or cfg.nsys) and step >= window.start:
-        log.warning(f"the profile window starts at step {window.start}, but this run resumes at step {step}: "
-                    "nothing is profiled (pass a later --profile-step-start/--profile-step-end)")
-    # --memory-profiler: one whole step measured (minigpt/memory.py), the estimate beside it.
-    memory_step = cfg.memory_profile_step if cfg.memory_profiler and profiled else None
-    memory_estimate = estimate_gpt(**gpt_shape(cfg, model_cfg.vocab_size), amp_dtype=amp_dtype, device=device,
-                                   activation_checkpoint=cfg.use_activation_checkpoint) if memory_step else None
-    memory_breakdown: dict | None = None  # the measured step's figures, for the next metrics line
-    if memory_step and step >= memory_step:
-        log.warning(f"--memory-profiler: step {memory_step} was done before the resume at step {step}; "
-                    "nothing is measured (pass a later --memory-profile-step)")
-
-    def checkpoint_state() -> dict:
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
-                "step": step, "data_position": train_batches.position, "rng": rng_state(),
-                "rng_per_rank": distributed.gather(rng_state(), dist_info),  # each rank's dropout stream
-                "config": cfg.to_dict(), "model_config": asdict(model_cfg)}
 
     # ------------------------------------------------------------------ train loop
     model.train()
-    start_step, t_start = step, time.perf_counter()
-    interval_losses: list[torch.Tensor] = []  # one device scalar per step: no sync until we log
-    interval_time = 0.0
-    last_val: float | None = None
-
-    def check_finite() -> list[float]:
-        """Read the interval's losses (this syncs) and stop at the first non-finite one, on every
-        rank together (each rank sees only its own loss)."""
-        values = torch.stack(interval_losses).tolist()
-        bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
-        if distributed.any_rank(bad is not None, dist_info):
-            where = (f"loss is {values[bad]} at step {step - len(values) + bad + 1}" if bad is not None
-                     else f"another rank's loss became non-finite by step {step}")
-            raise NonFiniteLoss(f"{where}; the last good checkpoint ({ckpt_path}) was left intact; "
-                                "lower --lr or use --amp-dtype bf16")
-        return values
-
+    rate.t_start, losses, val = time.perf_counter(), [], None
     # SIGINT / SIGTERM finish the step in flight, save, and leave; a second Ctrl-C kills at once.
-    with stop_on_signals() as stop_signal, metrics_file, stragglers_file, tensorboard, profiler or nullcontext():
+    with stop_on_signals() as stop_signal, metrics_file, stragglers_file, tensorboard, inst:
         while step < cfg.num_steps:
-            if nsys:
-                nsys.before_step(step + 1)
-            t0 = time.perf_counter()
+            if on_step:
+                on_step(step + 1)
             step_loss = torch.zeros((), device=device)
-            measure = capture_memory(model, optimizer, step + 1) if step + 1 == memory_step else nullcontext()
-            with measure, timer.step():
+            with inst.step(step + 1, sync=is_log_step(step + 1, cfg)):
                 for micro in range(cfg.grad_accum_steps):
-                    batch = next(train_batches)  # host memory (pinned on CUDA)
-                    with timer.stage("data_to_device"):
+                    batch = next(data.train)  # host memory (pinned on CUDA)
+                    with inst.stage("data_to_device"):
                         x, y = (t.to(device, non_blocking=True) for t in batch)
                     # DDP all-reduces the gradients in the last micro-batch's backward only.
                     with distributed.no_grad_sync(ddp_model, sync=micro == cfg.grad_accum_steps - 1):
-                        with timer.stage("forward"), autocast:
+                        with inst.stage("forward"), autocast:
                             _, loss = train_model(x, y)
                             loss = loss / cfg.grad_accum_steps  # the mean over the micro-batches
-                        with timer.stage("backward"):
+                        with inst.stage("backward"):
                             scaler.scale(loss).backward()
                     step_loss += loss.detach()
-                with timer.stage("optimizer_step"):
-                    lr = get_lr(step, cfg)
-                    for group in optimizer.param_groups:
-                        group["lr"] = lr
+                with inst.stage("optimizer_step"):
+                    lr = set_lr(optimizer, get_lr(step, cfg))
                     if cfg.grad_clip > 0:
                         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
                         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -398,98 +438,63 @@ def main(argv: list[str] | None = None) -> int:
                     scaler.update()
                     optimizer.zero_grad(set_to_none=True)
             step += 1
-            interval_losses.append(step_loss)
+            losses.append(step_loss)
             last = step == cfg.num_steps
             stop = distributed.any_rank(bool(stop_signal), dist_info)  # every rank stops at the same step
-            # An evaluation step is a log step too, so --eval-interval holds whatever --log-interval is.
-            log_now = step % cfg.log_interval == 0 or step % cfg.eval_interval == 0 or last or stop
-            if log_now and device == "cuda":
-                torch.cuda.synchronize()  # the interval's time must include the work still queued
-            step_times[step] = time.perf_counter() - t0
-            interval_time += step_times[step]
-            # After the clock: writing the trace or the snapshot is not training time.
-            if profiler:
-                profiler.step()
-            if memory_history and step == window.stop - 1:  # the end of the window: a snapshot of it
-                memory_history.dump(snapshot_path)
-                snapshot_dumped = True
-            if step == memory_step:  # the measured step: memory_trace/, the log, the next metrics line
-                memory_dir = out_dir / MEMORY_TRACE_DIR.format(rank=rank)
-                write_memory_trace(measure.breakdown, memory_dir, memory_estimate)
-                log.info(f"{format_breakdown(measure.breakdown, memory_estimate)}\n  memory.log and sunburst "
-                         f"charts: {memory_dir}")
-                memory_breakdown = measure.breakdown.to_record(memory_estimate)
 
-            if log_now:
-                losses = check_finite()
+            if is_log_step(step, cfg) or stop:  # outside the step: not in its clock nor in its ProfilerStep
+                values = check_finite(losses, step, dist_info, ckpt_path, amp_dtype)
                 if is_main and (step % cfg.eval_interval == 0 or last):
-                    last_val = evaluate(model, make_val_batches(), cfg.eval_iters, device, autocast)
-                step_time = interval_time / len(losses)
-                stages = timer.read()
-                record = {
-                    "step": step, "num_steps": cfg.num_steps, "loss": sum(losses) / len(losses), "lr": lr,
-                    "epoch": (1 + (step * tokens_per_step * world_size) // len(train_tokens)
-                              if train_tokens is not None else 1),
-                    "step_time_s": step_time, "tokens_per_s": world_size * tokens_per_step / step_time,
-                    "tokens_per_s_per_rank": tokens_per_step / step_time, "world_size": world_size,
-                    "val_loss": last_val, "val_ppl": None if last_val is None else perplexity(last_val),
-                    "elapsed_s": time.perf_counter() - t_start, "eta_s": step_time * (cfg.num_steps - step),
-                    "amp": amp_dtype, "mfu": mfu(model_flops_per_token, tokens_per_step / step_time, peak),
-                    "stage_host_ms": stages.host_ms, "stage_device_ms": stages.device_ms,
-                    "memory": cuda_memory_report() if device == "cuda" else {},
-                }
-                if memory_breakdown is not None:  # bytes; "total" is the CPU's peak-memory figure
-                    record["memory_breakdown"], memory_breakdown = memory_breakdown, None
+                    val = evaluate(model, data.make_val(), cfg.eval_iters, device, autocast)
+                step_times, stages = inst.interval()
+                record = rate.record(cfg, step, values, lr, val, step_times, stages, data.train_tokens, amp_dtype)
+                record.memory_breakdown = inst.take_memory_breakdown()
                 log.info(format_log_line(record))
                 metrics_file.write(record)
                 tensorboard.log(record)
-                if world_size > 1 and stages.host_steps:  # every rank's medians, scored for stragglers
-                    mine = rank_figures(rank, dist_info.host, [1000 * step_times[s] for s in
-                                        range(step - len(losses) + 1, step + 1)], stages.device_steps)
-                    for report in stragglers.update(step, distributed.gather(mine, dist_info)):
-                        if is_main:
-                            log.warning(format_report(report, cfg.straggler_threshold))
-                            stragglers_file.write(report)
-                interval_losses, interval_time = [], 0.0
-
-            if step % cfg.save_interval == 0 or last or stop:
-                if interval_losses:
-                    check_finite()
+                for report in score_stragglers(stragglers, step, step_times, stages, dist_info):
+                    log.warning(format_report(report, cfg.straggler_threshold))
+                    stragglers_file.write(report)
+                losses = []
+            if not cfg.no_checkpoint and (last or stop or cfg.save_interval and step % cfg.save_interval == 0):
+                if losses:
+                    check_finite(losses, step, dist_info, ckpt_path, amp_dtype)
                 if not all(torch.isfinite(p).all() for p in model.parameters()):
-                    raise NonFiniteLoss(f"the weights became non-finite at step {step}; the last good "
-                                        f"checkpoint ({ckpt_path}) was left intact; lower --lr")
-                state = checkpoint_state()  # on every rank: it gathers each rank's RNG state
+                    raise NonFiniteLoss(f"the weights became non-finite at step {step}; "
+                                        f"{describe_intact(ckpt_path)}; lower --lr")
+                state = checkpoint_state(model, optimizer, scaler, step, data.train, cfg, dist_info)
                 if is_main:
                     save_checkpoint(ckpt_path, state)
             if stop:
                 distributed.barrier(dist_info)  # no rank leaves (and gets torn down) before the save is done
                 signum = stop_signal[0] if stop_signal else signal.SIGTERM  # another rank's signal
-                log.info(f"Stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved to "
-                         f"{ckpt_path}. Continue with: python train_minimal.py --resume --out-dir {out_dir} "
-                         "(and the same flags)")
+                saved = "no checkpoint (--no-checkpoint)" if cfg.no_checkpoint else f"checkpoint saved to {ckpt_path}"
+                log.info(f"Stopped by {signal.Signals(signum).name} after step {step}; {saved}. Continue with: "
+                         f"python train_minimal.py --resume --out-dir {out_dir} (and the same flags)")
                 return 128 + signum
 
     # ------------------------------------------------------------------ finish
-    if nsys:
-        nsys.stop()
-    if memory_history:
-        if not snapshot_dumped:  # the run ended before the window did
-            memory_history.dump(snapshot_path)
-        memory_history.stop()
-        log.info(f"CUDA memory snapshot: {snapshot_path} (open it at pytorch.org/memory_viz)")
-    elapsed = time.perf_counter() - t_start
+    elapsed = time.perf_counter() - rate.t_start
+    if inst.profiler_cost():
+        log.info(inst.profiler_cost())
     if is_main:
-        log.info(f"Training finished: {step - start_step} steps in {format_duration(elapsed)}; "
-                 f"val loss {last_val:.4f}, val ppl {perplexity(last_val):.1f}")
-    log.info(f"Checkpoint: {ckpt_path}")
-    log.info(f"Run directory: {out_dir} ({LOG_FILE}, {METRICS_FILE}, {CONFIG_FILE})")
+        done = step - rate.start_step
+        log.info(f"Training finished: {done} steps in {format_duration(elapsed)}; val loss {val:.4f}, "
+                 f"val ppl {perplexity(val):.1f}; {record.tokens_per_s:,.0f} tokens/s per step (the steps alone), "
+                 f"{world_size * rate.tokens_per_step * done / elapsed:,.0f} tokens/s end to end (evaluations, "
+                 "logging and checkpoints included)")
+    log.info(f"Checkpoint: {ckpt_path}" if ckpt_path.is_file() else "Checkpoint: none (--no-checkpoint)")
+    log.info(f"Run directory: {out_dir} ({paths.LOG_FILE}, {paths.METRICS_FILE}, {paths.CONFIG_FILE})")
+    for line in next_steps(out_dir, (out_dir / paths.TRACE_DIR).is_dir(), (out_dir / paths.REPORT_FILE).is_file(),
+                           has_checkpoint=ckpt_path.is_file(), checkpoint=cfg.checkpoint_path) if is_main else []:
+        log.info(line)
     return 0
 
 
-def cli(argv: list[str] | None = None) -> int:
+def cli(argv: list[str] | None = None, on_step: Callable[[int], None] | None = None) -> int:
     """main() with the user's mistakes turned into one line on stderr and exit status 2."""
     try:
-        return main(argv)
+        return main(argv, on_step)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

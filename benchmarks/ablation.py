@@ -14,13 +14,16 @@ through to every variant.
 
 Writes benchmarks/results/<device>-<name>.json, .md (the table, with ratios to the fp32
 baseline) and .png (tokens/s, stage times host vs device, peak memory). Each names the device,
-the versions, the date and the command.
+the versions, the date and the command. <name> is --name, else the preset and the flags passed
+through (small-seq-len-128); results already there are never overwritten without --force.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,8 +31,21 @@ from common import (PRESETS, RESULTS, STAGES, device_slug, header, load_results,
                     save_json, stamp, summarise)
 
 from minigpt.fileio import atomic_write
+from minigpt.stages import color as stage_color
 
 MIB = 2**20
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not a usage block
+        print(f"ablation.py: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def results_name(preset: str, trainer_flags: list[str]) -> str:
+    """The file name after the device: the preset, and the flags passed through, so results of
+    another shape never land on the preset's (committed) file."""
+    return re.sub(r"[^a-z0-9.]+", "-", " ".join([preset, *trainer_flags]).lower()).strip("-")[:100]
 
 
 # {AMP, fp32} x {checkpointing or not}; the first is the baseline. Variants asked for on top are
@@ -129,7 +145,6 @@ def markdown(meta: dict, results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-STAGE_COLORS = {"data_to_device": "#dddd55", "forward": "#55a868", "backward": "#c44e52", "optimizer_step": "#4c72b0"}
 MEMORY_PARTS = (("params", "parameters", "#4c72b0"), ("grads", "gradients", "#55a868"),
                 ("optimizer", "optimizer state", "#8172b2"), ("activations_peak", "saved activations", "#ccb974"))
 
@@ -154,7 +169,7 @@ def plot_stages(ax, results: dict) -> None:
         bottom = [0.0] * len(names)
         for st in STAGES:
             vals = [results[n][f"stage_{kind}_ms"].get(st, 0.0) for n in names]
-            ax.bar([i + offset for i in x], vals, 0.38, bottom=bottom, color=STAGE_COLORS[st], hatch=hatch,
+            ax.bar([i + offset for i in x], vals, 0.38, bottom=bottom, color=stage_color(st), hatch=hatch,
                    edgecolor="black", linewidth=0.3, label=st if kind == "host" else None)
             bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_xticks(list(x), names)
@@ -198,7 +213,7 @@ def chart(meta: dict, results: dict, path: Path) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = Parser(description=__doc__.split("\n\n")[0],
                                 epilog="Other flags go to train_minimal.py unchanged.")
     p.add_argument("--preset", default="small", choices=sorted(PRESETS))
     p.add_argument("--steps", type=int, default=10, help="measured steps per run (default 10)")
@@ -208,7 +223,9 @@ def main() -> int:
     p.add_argument("--malloc", action="store_true",
                    help="CPU: add an AMP variant with glibc malloc's defaults (--no-keep-freed-memory)")
     p.add_argument("--nproc", type=int, default=1, help="add an AMP + DDP variant with this many processes")
-    p.add_argument("--name", help="results file name after the device (default: the preset)")
+    p.add_argument("--name", help="results file name after the device (default: the preset and the flags "
+                   "passed through)")
+    p.add_argument("--force", action="store_true", help="overwrite results that are already there")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--render", type=Path, metavar="RESULTS_JSON",
                    help="measure nothing: write the .md and .png again from a results .json")
@@ -216,28 +233,40 @@ def main() -> int:
     if min(args.steps, args.repeats) < 1 or args.warmup < 0:
         p.error("--steps and --repeats must be at least 1, --warmup at least 0")
     if args.render:
-        data = load_results(p, args.render)
-        write_results(data["meta"], data["results"], args.render.with_suffix(""))
+        try:
+            data = load_results(p, args.render)
+            write_results(data["meta"], data["results"], args.render.with_suffix(""))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            p.error(f"{args.render} is not an ablation results file ({type(e).__name__}: {e})")
         return 0
 
-    meta = {**stamp(sys.argv), "name": args.name or args.preset, "preset_flags": PRESETS[args.preset],
+    meta = {**stamp(sys.argv), "name": args.name or results_name(args.preset, trainer_flags),
+            "preset_flags": PRESETS[args.preset],
             "extra_flags": os.environ.get("MINIGPT_ARGS", ""),
             "trainer_flags": trainer_flags, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
+    stem = args.out_dir / f"{device_slug(meta['machine'])}-{meta['name']}"
+    there = [f for f in (stem.with_suffix(x) for x in (".json", ".md", ".png")) if f.exists()]
+    if there and not args.force:  # before any run: committed figures are not lost to a test run
+        p.error(f"{there[0]} is already there; pass --name NAME to write new results, "
+                "or --force to overwrite")
     # Rounds interleave the variants (fp32, fp32 + ckpt, amp, ..., fp32, ...): run back to back, the
     # first variant alone met the machine as the previous job left it, and came out 5-20% slow.
     runs: dict[str, list] = {name: [] for name, _, _ in variants(args)}
     for r in range(args.repeats):
         for name, flags, nproc in variants(args):
             print(f"[{name}] round {r + 1}/{args.repeats}", flush=True)
-            runs[name].append(run_variant([*PRESETS[args.preset], *trainer_flags, *flags], args.warmup, args.steps,
-                                          nproc))
+            try:
+                runs[name].append(run_variant([*PRESETS[args.preset], *trainer_flags, *flags], args.warmup,
+                                              args.steps, nproc))
+            except (RuntimeError, subprocess.TimeoutExpired) as e:  # the trainer's last line says why
+                lines = [line for line in str(e).splitlines() if line.strip()]
+                p.error(f"{lines[0]} {lines[-1] if len(lines) > 1 else ''}".strip())
     results = {}
     for name, flags, nproc in variants(args):
         results[name] = {"flags": flags, "nproc": nproc, "amp": runs[name][0]["config"]["amp"], **summarise(runs[name])}
         print(f"[{name}] {results[name]['tokens_per_s']['median']:,.0f} tokens/s", flush=True)
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / f"{device_slug(meta['machine'])}-{meta['name']}"
     save_json(stem, {"meta": meta, "results": results})
     write_results(meta, results, stem)
     return 0

@@ -20,9 +20,10 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
+from minigpt.stages import STAGE_NAMES as STAGES
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-STAGES = ("data_to_device", "forward", "backward", "optimizer_step")
 
 # Benchmark presets: trainer flags. "nanogpt" is the shape of the nanoGPT speed comparison
 # (4 layers, 4 heads, 256 wide, block 256, batch 8, vocabulary 50304, tied embeddings, no

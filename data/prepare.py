@@ -4,9 +4,10 @@ Tokenise text files ahead of training and print their token counts.
     python data/prepare.py                     # writes data/train.txt from the built-in corpus
     python data/prepare.py my.txt other.txt    # tokenises these files into the token cache
 
-Token files are uint16 arrays of GPT-2 ids (little-endian, no header), memory-mapped by the
-trainer and cached under the SHA-256 of the text (MINIGPT_CACHE_DIR, default ~/.cache/minigpt):
-an edited file is tokenised again, an unchanged one is read from the cache.
+Token files are uint16 arrays of GPT-2 ids (little-endian) after a 64-byte header (magic, count,
+SHA-256 of the ids, checked on every load), memory-mapped by the trainer and cached under the
+SHA-256 of the text (MINIGPT_CACHE_DIR, default ~/.cache/minigpt): an edited file is tokenised
+again, an unchanged one is read from the cache.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         for f in files:
             tokens = tokenize_file(f, args.tokenizer_name)
             total += len(tokens)
-            print(f"{f}: {len(tokens):,} tokens -> {tokens.filename}")
+            where = getattr(tokens, "filename", None) or "memory (the cache could not be written)"
+            print(f"{f}: {len(tokens):,} tokens -> {where}")
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,20 +1,28 @@
-"""TrainConfig, the command line that fills it, and the checks that turn a user's mistake into
-one clear line instead of a traceback."""
+"""TrainConfig, the command line built from it, and the checks that turn a user's mistake into
+one clear line instead of a traceback.
+
+Each flag is defined once, as a field of TrainConfig: its type (the annotation), its default, and
+in the field's metadata its help, its group in --help, its check, and where needed its flag name,
+argparse action, choices and what a None default means. build_parser() and validate() read them
+from `dataclasses.fields(TrainConfig)`; nothing else lists the flags."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import sys
-from dataclasses import asdict, dataclass, field, fields
+import typing
+from collections.abc import Callable
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 
 
 class UsageError(Exception):
     """A mistake the user can fix. The trainer prints it as one line and exits with status 2."""
 
 
-# Named model and batch shapes. Explicit flags override them.
+# Named model and batch shapes. Explicit flags override them; they override the field defaults.
 PRESETS: dict[str, dict] = {
     # The default main job: trains in about two minutes on a 2-core CPU. It is also the shape of
     # the nanoGPT speed comparison in benchmarks/ (4 layers, 4 heads, 256 wide, block 256, batch 8).
@@ -29,173 +37,327 @@ PRESETS: dict[str, dict] = {
 }
 DEFAULT_PRESET = "small"
 TOY_VOCAB_SIZE = 64  # --use-toy-data needs no 50k vocabulary; a small one learns in seconds
+EXTRA_ARGS_ENV = "MINIGPT_ARGS"
+
+# ------------------------------------------------------------------------------------------ checks
+# A check takes a flag's value and returns what is wrong with it ("must be positive"), or None.
+Check = Callable[[typing.Any], "str | None"]
+
+SEED_LIMIT = 2**32  # numpy's and torch's generators take seeds in [0, 2**32) everywhere
+INT_LIMIT = 2**63  # every count ends in a C int64 somewhere (torch sizes, seeds, timers)
+MIN_DEVICE_MEMORY_GB = 1 / 1024  # 1 MiB: a smaller figure is a typo (1e-12 GiB), not a device
+MAX_DDP_TIMEOUT_S = 7 * 24 * 3600.0  # a week; beyond it datetime.timedelta and c10d overflow
+BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW's two moments
+ESTIMATE_CAP_BYTES = 2**50  # --estimate-memory answers for other machines: refuse only above 1 PiB
+QUICK_COUNT_VOCAB = 50304  # the gpt2 tokenizer's 50,257 padded to 64, when --vocab-size is not given
+
+
+def positive(v) -> str | None:
+    return None if v is None or v > 0 else "must be positive"
+
+
+def non_negative(v) -> str | None:
+    return None if v is None or v >= 0 else "must not be negative"
+
+
+def between(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> Check:
+    def check(v) -> str | None:
+        if v is None or (lo < v if lo_open else lo <= v) and (v < hi if hi_open else v <= hi):
+            return None
+        return f"must be in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    return check
+
+
+def seed(v) -> str | None:
+    return None if v is None or 0 <= v < SEED_LIMIT else "must be in [0, 2**32)"
+
+
+def memory_gb(v) -> str | None:
+    if v is None or v >= MIN_DEVICE_MEMORY_GB:
+        return None
+    return "must be at least 1 MiB, i.e. 0.0009765625 (the figure is in GiB: 80 for an 80 GB GPU)"
+
+
+def timeout(v) -> str | None:
+    if not v > 0:
+        return "must be positive"
+    return None if v <= MAX_DDP_TIMEOUT_S else f"must be at most a week ({MAX_DDP_TIMEOUT_S:.0f} s)"
+
+
+def parse_int(text: str) -> int:
+    """int(), and also integers written as 1e6 or 1_000_000 (exactly integral, no rounding)."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not math.isfinite(value) or value != int(value):
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
+    return int(value)
+
+
+# ------------------------------------------------------------------------------------------ fields
+def flag(default=MISSING, *, help: str, group: str, check: Check | None = None, factory=None,
+         name: str | None = None, action: str | type | None = None, choices: list[str] | None = None,
+         metavar: str | None = None, none: str | None = None) -> Field:
+    """A TrainConfig field that is also a flag. `name`: the flag when it is not --field-name;
+    `none`: what a default of None means, for --help."""
+    meta = dict(help=help, group=group, check=check, name=name, action=action, choices=choices,
+                metavar=metavar, none=none)
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+MODEL, DATA, TRAIN, CKPT, LOG = "model", "data", "training", "checkpointing", "logging"
+INSTR, MEM, DIST = "instrumentation", "memory", "distributed (under torchrun)"
 
 
 @dataclass
 class TrainConfig:
     # model
-    preset: str = DEFAULT_PRESET
-    vocab_size: int | None = None  # None: the tokenizer's, padded to a multiple of 64
-    max_position_embeddings: int | None = None  # None: the preset's, else seq_len
-    n_layers: int = 4
-    n_heads: int = 4
-    d_model: int = 256
-    d_ff: int | None = None  # None: 4 * d_model
-    dropout: float = 0.0
-    use_activation_checkpoint: bool = False
-    # data
-    train_data: list[str] = field(default_factory=list)  # empty: the built-in corpus
-    val_data: list[str] = field(default_factory=list)  # empty: last 10% of the training tokens
-    tokenizer_name: str = "gpt2"
-    use_toy_data: bool = False
-    max_tokens: int | None = None
-    data_seed: int | None = None  # None: --seed
-    seq_len: int = 256
+    preset: str = flag(DEFAULT_PRESET, group=MODEL, choices=sorted(PRESETS),
+                       help="model and batch shape; the table below lists what each sets")
+    vocab_size: int | None = flag(None, group=MODEL, check=positive, metavar="N",
+                                  none="the tokenizer's, padded to a multiple of 64", help="vocabulary size")
+    max_position_embeddings: int | None = flag(None, group=MODEL, check=positive, metavar="N",
+                                               none="--seq-len", help="longest sequence the model can take")
+    n_layers: int = flag(4, group=MODEL, check=positive, metavar="N", help="transformer blocks")
+    n_heads: int = flag(4, group=MODEL, check=positive, metavar="N", help="attention heads")
+    d_model: int = flag(256, group=MODEL, check=positive, metavar="N", help="residual stream width")
+    d_ff: int | None = flag(None, group=MODEL, check=positive, metavar="N", none="4 * d_model",
+                            help="MLP width")
+    dropout: float = flag(0.0, group=MODEL, check=between(0, 1, hi_open=True), metavar="P",
+                          help="dropout probability")
+    use_activation_checkpoint: bool = flag(False, group=MODEL, action="store_true",
+                                           help="recompute each block's activations in backward "
+                                                "(less memory, more time)")
+    # data. Several files, or the flag given twice: the blog passes its files that way.
+    train_data: list[str] = flag(factory=list, group=DATA, action="extend", metavar="FILE",
+                                 none="the built-in corpus", help="text files to train on")
+    val_data: list[str] = flag(factory=list, group=DATA, action="extend", metavar="FILE",
+                               none="the last 10% of the training tokens", help="validation text files")
+    tokenizer_name: str = flag("gpt2", group=DATA, metavar="NAME",
+                               help="tiktoken encoding (gpt2 works offline)")
+    use_toy_data: bool = flag(False, group=DATA, action="store_true",
+                              help="synthetic, learnable sequences: a smoke test")
+    max_tokens: int | None = flag(None, group=DATA, check=positive, metavar="N", none="all of them",
+                                  help="use at most this many training tokens")
+    data_seed: int | None = flag(None, group=DATA, check=seed, metavar="N", none="--seed",
+                                 help="seed of the batch order")
+    seq_len: int = flag(256, group=DATA, check=positive, metavar="N", help="tokens per sequence")
     # training
-    batch_size: int = 8
-    grad_accum_steps: int = 1
-    num_steps: int = 60  # the default main job: about two minutes on 2 CPU cores
-    lr: float = 1e-3
-    min_lr: float | None = None  # None: lr / 10
-    lr_scheduler: str = "cosine"
-    warmup_steps: int | None = None  # None: 10% of num_steps, at most 100
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    seed: int = 1337
-    device: str = "auto"
-    amp: bool | None = None  # None: on where the device runs bf16 natively
-    amp_dtype: str = "bf16"
-    compile: bool = False
-    keep_freed_memory: bool = True  # CPU: glibc malloc keeps freed blocks (minigpt/cpu.py)
+    batch_size: int = flag(8, group=TRAIN, check=positive, metavar="N", help="sequences per micro-batch")
+    grad_accum_steps: int = flag(1, group=TRAIN, check=positive, metavar="N",
+                                 help="micro-batches per optimizer step")
+    num_steps: int = flag(60, group=TRAIN, check=positive, metavar="N",  # about two minutes on 2 CPU cores
+                          help="optimizer steps")
+    lr: float = flag(1e-3, group=TRAIN, check=positive, metavar="LR", help="peak learning rate")
+    min_lr: float | None = flag(None, group=TRAIN, metavar="LR", none="--lr / 10",  # checked against lr
+                                help="final learning rate")
+    lr_scheduler: str = flag("cosine", group=TRAIN, choices=["cosine", "linear", "constant"],
+                             help="decay after the warm-up")
+    warmup_steps: int | None = flag(None, group=TRAIN, check=non_negative, metavar="N",
+                                    none="10% of --num-steps, at most 100", help="linear warm-up steps")
+    weight_decay: float = flag(0.1, group=TRAIN, check=non_negative, metavar="X",
+                               help="AdamW decay, on matrices only")
+    grad_clip: float = flag(1.0, group=TRAIN, check=non_negative, metavar="X",
+                            help="max gradient norm; 0 turns clipping off")
+    seed: int = flag(1337, group=TRAIN, check=seed, metavar="N", help="seed of the weights and dropout")
+    device: str = flag("auto", group=TRAIN, choices=["auto", "cpu", "cuda"],
+                       help="auto: cuda where a GPU is visible, else cpu")
+    amp: bool | None = flag(None, group=TRAIN, action=argparse.BooleanOptionalAction,
+                            none="on where the device has native bf16", help="autocast; --no-amp: fp32")
+    amp_dtype: str = flag("bf16", group=TRAIN, choices=["bf16", "fp16"],
+                          help="autocast dtype; fp16 uses a GradScaler (CUDA only)")
+    compile: bool = flag(False, group=TRAIN, action="store_true", help="torch.compile the model")
+    keep_freed_memory: bool = flag(True, group=TRAIN, name="--no-keep-freed-memory", action="store_false",
+                                   help="CPU: leave glibc malloc's defaults (each step's big tensors then "
+                                        "page-fault anew; by default freed blocks are kept, minigpt/cpu.py)")
+    chunked_loss: bool = flag(False, group=TRAIN, action=argparse.BooleanOptionalAction,
+                              help="compute the LM head and cross-entropy in chunks of the sequence, "
+                                   "so the full logits never exist at once (less memory)")
     # checkpointing
-    checkpoint_path: str | None = None  # None: <out-dir>/checkpoints/ckpt.pt
-    resume: bool = False
-    save_interval: int = 50
+    checkpoint_path: str | None = flag(None, group=CKPT, metavar="PATH",
+                                       none="<out-dir>/checkpoints/ckpt.pt", help="checkpoint file")
+    resume: bool = flag(False, group=CKPT, action="store_true",
+                        help="continue from --checkpoint-path (without --out-dir: the latest run in runs/)")
+    save_interval: int = flag(50, group=CKPT, check=non_negative, metavar="N",
+                              help="steps between checkpoints; 0: none between, still one at the end "
+                                   "and on a signal")
+    no_checkpoint: bool = flag(False, group=CKPT, action="store_true",
+                               help="never write a checkpoint (--resume still reads one)")
     # logging
-    log_interval: int = 10
-    eval_interval: int = 20
-    eval_iters: int = 10
-    out_dir: str | None = None  # None: runs/<date-time>
+    log_interval: int = flag(10, group=LOG, check=positive, metavar="N", help="steps between log lines")
+    eval_interval: int = flag(20, group=LOG, check=positive, metavar="N",
+                              help="steps between evaluations (and one at the end)")
+    eval_iters: int = flag(10, group=LOG, check=positive, metavar="N",
+                           help="validation batches per evaluation")
+    out_dir: str | None = flag(None, group=LOG, metavar="DIR", none="runs/<date-time>", help="run directory")
+    no_report: bool = flag(False, group=LOG, action="store_true", help="do not write report.html at the end")
     # instrumentation
-    stage_timing: bool = True
-    use_profiler: bool = False
-    profile_step_start: int = 5  # steps 5..6: after the first steps' allocations and warm-up,
-    profile_step_end: int = 7  # and with steps 2..3 before them to measure the profiler's cost
-    profile_ranks: str = "0"  # comma-separated ranks, or "all"
-    profile_with_stack: bool = False
-    nsys: bool = False
-    record_memory_history: bool = False
-    memory_history_entries: int = 100_000
-    memory_snapshot_path: str | None = None  # None: <out-dir>/snapshots/rank{R}_snapshot.pickle
-    # memory (minigpt/memory.py)
-    memory_profiler: bool = False
-    memory_profile_step: int | None = None  # None: --profile-step-start (after warm-up, like the trace)
-    estimate_memory: bool = False
-    device_memory_gb: float | None = None  # None: the GPU's memory on CUDA, else this machine's RAM
+    stage_timing: bool = flag(True, group=INSTR, name="--no-stage-timing", action="store_false",
+                              help="stop timing the stages (their profiler/NVTX ranges stay): "
+                                   "for overhead measurements")
+    use_profiler: bool = flag(False, group=INSTR, action="store_true",
+                              help="torch.profiler trace of steps --profile-step-start..end-1 into "
+                                   "<out-dir>/traces/")
+    # Steps 5..6: after the first steps' allocations and warm-up, and with steps 2..3 before them
+    # to measure the profiler's cost.
+    profile_step_start: int = flag(5, group=INSTR, metavar="N", help="first profiled step")
+    profile_step_end: int = flag(7, group=INSTR, metavar="N", help="step after the last profiled one")
+    profile_ranks: str = flag("0", group=INSTR, metavar="RANKS",
+                              help="ranks that profile: a list like 0,1, or all")
+    profile_with_stack: bool = flag(False, group=INSTR, action="store_true",
+                                    help="record Python stacks (larger, slower traces)")
+    profile_record_shapes: bool = flag(False, group=INSTR, action="store_true",
+                                       help="record operator input shapes (larger traces)")
+    profile_with_flops: bool = flag(False, group=INSTR, action="store_true",
+                                    help="estimate FLOPs of matmuls and convolutions in the trace")
+    profile_with_modules: bool = flag(False, group=INSTR, action="store_true",
+                                      help="record the nn.Module hierarchy of each operator")
+    nsys: bool = flag(False, group=INSTR, action="store_true",
+                      help="cudaProfilerStart/Stop around the profile window, for "
+                           "nsys --capture-range=cudaProfilerApi")
+    record_memory_history: bool = flag(False, group=INSTR, action="store_true",
+                                       help="CUDA allocation history; snapshot at the end of the window "
+                                            "or run, and on OOM")
+    memory_history_entries: int = flag(100_000, group=INSTR, check=positive, metavar="N",
+                                       help="allocations kept in the history")
+    memory_snapshot_path: str | None = flag(None, group=INSTR, metavar="PATH",
+                                            none="<out-dir>/snapshots/rank{R}_snapshot.pickle",
+                                            help="where the memory snapshot goes")
+    peak_tflops: float | None = flag(None, group=INSTR, check=positive, metavar="X",
+                                     none="a known GPU's data sheet, else a GEMM timed on this machine",
+                                     help="peak TFLOP/s of one device: the MFU denominator, set by hand")
+    # memory (minigpt/memory.py, minigpt/estimate.py)
+    memory_profiler: bool = flag(False, group=MEM, action="store_true",
+                                 help="measure one step: params, grads, optimizer state, saved activations "
+                                      "per module; writes <out-dir>/memory_trace/rank{R}_dp{R}/")
+    memory_profile_step: int | None = flag(None, group=MEM, metavar="N",  # after warm-up, like the trace
+                                           none="--profile-step-start", help="the measured step")
+    estimate_memory: bool = flag(False, group=MEM, action="store_true",
+                                 help="print the predicted memory of this configuration and exit "
+                                      "(builds no model)")
+    device_memory_gb: float | None = flag(None, group=MEM, check=memory_gb, metavar="GIB",
+                                          none="the GPU's memory on CUDA, else this machine's RAM",
+                                          help="GiB the estimate must fit in")
     # distributed (torchrun)
-    ddp_backend: str | None = None  # None: nccl on CUDA, gloo on the CPU
-    ddp_timeout: float = 300.0  # seconds any collective may wait before the job fails
-    straggler_threshold: float = 0.75
-    simulate_slow_rank: str | None = None  # "R:MS[:STAGE]"
+    ddp_backend: str | None = flag(None, group=DIST, choices=["nccl", "gloo"],
+                                   none="nccl on CUDA, gloo on the CPU", help="process group backend")
+    ddp_timeout: float = flag(300.0, group=DIST, check=timeout, metavar="S",
+                              help="seconds a collective may wait for a missing rank before the job fails")
+    straggler_threshold: float = flag(0.75, group=DIST, check=between(0, 1, lo_open=True), metavar="X",
+                                      help="report a rank whose relative or individual score falls "
+                                           "below this")
+    simulate_slow_rank: str | None = flag(None, group=DIST, metavar="R:MS[:STAGE]", none="off",
+                                          help="teaching/testing aid: rank R sleeps MS ms in STAGE "
+                                               "(default forward) every step")
+    fsdp: bool = flag(False, group=DIST, action="store_true",
+                      help="shard parameters, gradients and optimizer state over the ranks (FSDP2)")
+    tp: int = flag(1, group=DIST, check=positive, metavar="N",
+                   help="tensor-parallel degree: split each block's heads and MLP over N ranks")
+    use_tensor_parallel: bool = flag(False, group=DIST, action="store_true",
+                                     help="tensor parallelism over the ranks of one node (the blog's flag; "
+                                          "the degree is the node's size, so not with --tp)")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+_TYPES = typing.get_type_hints(TrainConfig)
+
+
+def flag_name(f: Field) -> str:
+    return f.metadata["name"] or "--" + f.name.replace("_", "-")
+
+
+def base_type(f: Field) -> type:
+    """int for `int | None`, list for `list[str]`, and so on."""
+    hint = _TYPES[f.name]
+    if typing.get_origin(hint) is list:
+        return list
+    args = [a for a in typing.get_args(hint) if a is not type(None)]  # X | None -> X
+    return args[0] if args else hint
+
+
+def field_default(f: Field):
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+# ------------------------------------------------------------------------------------------ parser
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, not a usage block
         print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
 
 
+def _show(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, list):
+        return " ".join(value) if value else "none"
+    return str(value)
+
+
+def default_help(f: Field) -> str:
+    """'(default: ...)' for --help: the default preset's value where it sets this field, else the
+    field's default, or what None means."""
+    meta = f.metadata
+    if meta["action"] in ("store_true", "store_false"):
+        return ""  # a switch: off unless given
+    if f.name in PRESETS[DEFAULT_PRESET]:
+        return f" (default: {_show(PRESETS[DEFAULT_PRESET][f.name])}, from --preset {DEFAULT_PRESET})"
+    value = field_default(f)
+    shown = meta["none"] if meta["none"] is not None and value in (None, []) else _show(value)
+    by_presets = [p for p in PRESETS if f.name in PRESETS[p]]
+    return f" (default: {shown}" + (f"; set by --preset {', '.join(by_presets)}" if by_presets else "") + ")"
+
+
+def presets_table() -> str:
+    names = sorted({k for p in PRESETS.values() for k in p}, key=[f.name for f in fields(TrainConfig)].index)
+    flags = {f.name: flag_name(f) for f in fields(TrainConfig)}
+    lines = [f"presets (--preset NAME sets these; flags on the command line win; default {DEFAULT_PRESET}):"]
+    for preset, values in PRESETS.items():
+        lines.append(f"  {preset:6s} " + " ".join(f"{flags[n]} {values[n]}" for n in names if n in values))
+    return "\n".join(lines)
+
+
 def build_parser(prog: str = "train_minimal.py") -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description="Train a GPT and see where the time and memory go.",
-                argument_default=argparse.SUPPRESS)  # unset flags fall back to preset/defaults
-    g = p.add_argument_group("model")
-    g.add_argument("--preset", choices=sorted(PRESETS), help=f"model and batch shape (default {DEFAULT_PRESET})")
-    g.add_argument("--vocab-size", type=int, help="default: the tokenizer's, padded to a multiple of 64")
-    g.add_argument("--max-position-embeddings", type=int, help="default: the preset's, else --seq-len")
-    g.add_argument("--n-layers", type=int)
-    g.add_argument("--n-heads", type=int)
-    g.add_argument("--d-model", type=int)
-    g.add_argument("--d-ff", type=int, help="MLP width (default 4 * d_model)")
-    g.add_argument("--dropout", type=float)
-    g.add_argument("--use-activation-checkpoint", action="store_true",
-                   help="recompute each block's activations in backward (less memory, more time)")
-    g = p.add_argument_group("data")
-    g.add_argument("--train-data", nargs="+", metavar="FILE", help="text files (default: built-in corpus)")
-    g.add_argument("--val-data", nargs="+", metavar="FILE", help="default: last 10%% of the training tokens")
-    g.add_argument("--tokenizer-name", help="tiktoken encoding (default gpt2, works offline)")
-    g.add_argument("--use-toy-data", action="store_true", help="synthetic, learnable sequences: a smoke test")
-    g.add_argument("--max-tokens", type=int, help="use at most this many training tokens")
-    g.add_argument("--data-seed", type=int, help="seed of the batch order (default: --seed)")
-    g.add_argument("--seq-len", type=int)
-    g = p.add_argument_group("training")
-    g.add_argument("--batch-size", type=int, help="sequences per micro-batch")
-    g.add_argument("--grad-accum-steps", type=int, help="micro-batches per optimizer step")
-    g.add_argument("--num-steps", type=int, help="optimizer steps (default 60)")
-    g.add_argument("--lr", type=float, help="peak learning rate")
-    g.add_argument("--min-lr", type=float, help="final learning rate (default lr / 10)")
-    g.add_argument("--lr-scheduler", choices=["cosine", "linear", "constant"])
-    g.add_argument("--warmup-steps", type=int, help="linear warm-up (default 10%% of steps, at most 100)")
-    g.add_argument("--weight-decay", type=float, help="AdamW decay on matrices only (default 0.1)")
-    g.add_argument("--grad-clip", type=float, help="max gradient norm, 0 turns clipping off (default 1.0)")
-    g.add_argument("--seed", type=int)
-    g.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--amp", action=argparse.BooleanOptionalAction,
-                   help="autocast; default on where the device has native bf16. --no-amp: fp32")
-    g.add_argument("--amp-dtype", choices=["bf16", "fp16"], help="fp16 uses a GradScaler (CUDA only)")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model")
-    g.add_argument("--no-keep-freed-memory", dest="keep_freed_memory", action="store_false",
-                   help="CPU: leave glibc malloc's defaults (each step's big tensors then page-fault anew)")
-    g = p.add_argument_group("checkpointing")
-    g.add_argument("--checkpoint-path", help="default <out-dir>/checkpoints/ckpt.pt")
-    g.add_argument("--resume", action="store_true",
-                   help="continue from --checkpoint-path (without --out-dir: the latest run in runs/)")
-    g.add_argument("--save-interval", type=int, help="steps between checkpoints (default 50; and at the end)")
-    g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, help="steps between log lines (default 10)")
-    g.add_argument("--eval-interval", type=int, help="steps between evaluations (default 20; and at the end)")
-    g.add_argument("--eval-iters", type=int, help="validation batches per evaluation (default 10)")
-    g.add_argument("--out-dir", help="run directory (default runs/<date-time>)")
-    g = p.add_argument_group("instrumentation")
-    g.add_argument("--no-stage-timing", dest="stage_timing", action="store_false",
-                   help="stop timing the stages (their profiler/NVTX ranges stay): for overhead measurements")
-    g.add_argument("--use-profiler", action="store_true",
-                   help="torch.profiler trace of steps --profile-step-start..end-1 into <out-dir>/traces/")
-    g.add_argument("--profile-step-start", type=int, help="first profiled step (default 5)")
-    g.add_argument("--profile-step-end", type=int, help="step after the last profiled one (default 7)")
-    g.add_argument("--profile-ranks", help="ranks that profile: a list like 0,1 or 'all' (default 0)")
-    g.add_argument("--profile-with-stack", action="store_true", help="record Python stacks (larger, slower traces)")
-    g.add_argument("--nsys", action="store_true",
-                   help="cudaProfilerStart/Stop around the profile window, for nsys --capture-range=cudaProfilerApi")
-    g.add_argument("--record-memory-history", action="store_true",
-                   help="CUDA allocation history; snapshot at the end of the window or run, and on OOM")
-    g.add_argument("--memory-history-entries", type=int, help="allocations kept in the history (default 100000)")
-    g.add_argument("--memory-snapshot-path", help="default <out-dir>/snapshots/rank{R}_snapshot.pickle")
-    g = p.add_argument_group("memory")
-    g.add_argument("--memory-profiler", action="store_true",
-                   help="measure one step: params, grads, optimizer state, saved activations per module; "
-                        "writes <out-dir>/memory_trace/rank{R}_dp{R}/ (memory.log, sunburst charts)")
-    g.add_argument("--memory-profile-step", type=int, help="the measured step (default --profile-step-start)")
-    g.add_argument("--estimate-memory", action="store_true",
-                   help="print the predicted memory of this configuration and exit (builds no model)")
-    g.add_argument("--device-memory-gb", type=float,
-                   help="GiB the estimate must fit in (default: the GPU's memory on CUDA, else this machine's RAM)")
-    g = p.add_argument_group("distributed (under torchrun)")
-    g.add_argument("--ddp-backend", choices=["nccl", "gloo"], help="default: nccl on CUDA, gloo on the CPU")
-    g.add_argument("--ddp-timeout", type=float,
-                   help="seconds a collective may wait for a missing rank before the job fails (default 300)")
-    g.add_argument("--straggler-threshold", type=float,
-                   help="report a rank whose relative or individual score falls below this (default 0.75)")
-    g.add_argument("--simulate-slow-rank", metavar="R:MS[:STAGE]",
-                   help="teaching/testing aid: rank R sleeps MS ms in STAGE (default forward) every step")
+    """One argument per TrainConfig field. Every argument's parse default is SUPPRESS, so the
+    namespace holds exactly the flags the user gave (they beat the preset, which beats the field
+    defaults); --help shows the real defaults, written into each help text."""
+    epilog = (presets_table() + "\n\n"
+              f"${EXTRA_ARGS_ENV}: flags in it are appended to the command line, so they win over the same\n"
+              "flags given there: a way to scale every command of a script down to a quick run, e.g.\n"
+              f"  {EXTRA_ARGS_ENV}=\"--preset tiny --num-steps 8\" python train_minimal.py")
+    p = _Parser(prog=prog, description="Train a GPT and see where the time and memory go.", epilog=epilog,
+                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in fields(TrainConfig):
+        meta = f.metadata
+        if meta["group"] not in groups:
+            groups[meta["group"]] = p.add_argument_group(meta["group"])
+        kwargs: dict = dict(dest=f.name, default=argparse.SUPPRESS,
+                            help=(meta["help"] + default_help(f)).replace("%", "%%"))
+        kind = base_type(f)
+        if meta["action"] is not None:
+            kwargs["action"] = meta["action"]
+        if kind is list:
+            kwargs["nargs"] = "+"
+        elif kind in (int, float):
+            kwargs["type"] = parse_int if kind is int else float
+        for key in ("choices", "metavar"):
+            if meta[key] is not None:
+                kwargs[key] = meta[key]
+        groups[meta["group"]].add_argument(flag_name(f), **kwargs)
     return p
 
 
-EXTRA_ARGS_ENV = "MINIGPT_ARGS"
-
-
+# ------------------------------------------------------------------------------------------ parse
 def parse_args(argv: list[str] | None = None, prog: str = "train_minimal.py") -> TrainConfig:
     """Flags over preset over defaults, then validated. Raises UsageError.
 
@@ -205,13 +367,13 @@ def parse_args(argv: list[str] | None = None, prog: str = "train_minimal.py") ->
     try:
         extra = shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
     except ValueError as e:
-        raise UsageError(f"${EXTRA_ARGS_ENV} does not parse as shell words ({e}): {os.environ[EXTRA_ARGS_ENV]!r}")
+        raise UsageError(f"${EXTRA_ARGS_ENV} does not parse as shell words ({e}): "
+                         f"{os.environ[EXTRA_ARGS_ENV]!r}") from None
     argv = list(sys.argv[1:] if argv is None else argv) + extra
-    given = vars(build_parser(prog).parse_args(argv))
+    given = vars(build_parser(prog).parse_args(argv))  # only the flags on the command line
     preset = given.get("preset", DEFAULT_PRESET)
-    values = {**PRESETS[preset], **given, "preset": preset}
-    known = {f.name for f in fields(TrainConfig)}
-    cfg = TrainConfig(**{k: v for k, v in values.items() if k in known})
+    cfg = TrainConfig(**{**PRESETS[preset], **given, "preset": preset})
+    check_fields(cfg)  # before anything is derived from a value, so a bad one is blamed on its own flag
     if cfg.d_ff is None:
         cfg.d_ff = 4 * cfg.d_model
     if cfg.max_position_embeddings is None:
@@ -225,36 +387,39 @@ def parse_args(argv: list[str] | None = None, prog: str = "train_minimal.py") ->
         cfg.data_seed = cfg.seed
     if cfg.use_toy_data and cfg.vocab_size is None:
         cfg.vocab_size = TOY_VOCAB_SIZE
-    validate(cfg)
+    validate(cfg, given=set(given))
     if cfg.memory_profiler and cfg.memory_profile_step is None:
         cfg.memory_profile_step = cfg.profile_step_start  # after warm-up, the same step as the trace
     return cfg
 
 
-def validate(cfg: TrainConfig) -> None:
-    positive = ["n_layers", "n_heads", "d_model", "d_ff", "seq_len", "batch_size", "grad_accum_steps",
-                "num_steps", "max_position_embeddings", "save_interval", "log_interval",
-                "eval_interval", "eval_iters"]
-    for name in positive + ["vocab_size", "max_tokens"]:
-        value = getattr(cfg, name)
-        if value is not None and value <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if cfg.lr <= 0:
-        raise UsageError(f"--lr must be positive, got {cfg.lr}")
+def check_fields(cfg: TrainConfig) -> None:
+    """Each flag on its own: finite floats, the field's own check, ints that fit an int64."""
+    for f in fields(TrainConfig):
+        value, kind, check = getattr(cfg, f.name), base_type(f), f.metadata["check"]
+        if value is None or kind not in (int, float):
+            continue
+        if kind is float and not math.isfinite(value):
+            problem = "must be a finite number"  # NaN passes every comparison check unnoticed
+        else:
+            problem = check(value) if check else None
+        if not problem and kind is int and not -INT_LIMIT < value < INT_LIMIT:
+            problem = "is out of range (a 64-bit integer)"
+        if problem:
+            raise UsageError(f"{flag_name(f)} {problem}, got {value}")
+
+
+def validate(cfg: TrainConfig, given: set[str] | frozenset[str] = frozenset()) -> None:
+    """Every field's own check, then the checks across fields. `given`: the fields set on the
+    command line (a few checks refuse a combination only when the user asked for both)."""
+    check_fields(cfg)
     if not 0 <= cfg.min_lr <= cfg.lr:
         raise UsageError(f"--min-lr must be between 0 and --lr ({cfg.lr}), got {cfg.min_lr}")
-    for name in ["warmup_steps", "weight_decay", "grad_clip"]:
-        if getattr(cfg, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must not be negative, got {getattr(cfg, name)}")
-    if not 0 <= cfg.dropout < 1:
-        raise UsageError(f"--dropout must be in [0, 1), got {cfg.dropout}")
     if cfg.d_model % cfg.n_heads:
         raise UsageError(f"--d-model ({cfg.d_model}) must be divisible by --n-heads ({cfg.n_heads})")
     if cfg.seq_len > cfg.max_position_embeddings:
         raise UsageError(f"--seq-len ({cfg.seq_len}) is larger than --max-position-embeddings "
                          f"({cfg.max_position_embeddings}); lower --seq-len or raise the other")
-    if cfg.memory_history_entries <= 0:
-        raise UsageError(f"--memory-history-entries must be positive, got {cfg.memory_history_entries}")
     if cfg.use_profiler or cfg.nsys or cfg.record_memory_history:
         s, e = cfg.profile_step_start, cfg.profile_step_end
         if not 1 <= s < e <= cfg.num_steps:
@@ -264,10 +429,6 @@ def validate(cfg: TrainConfig) -> None:
         raise UsageError("--nsys and --use-profiler exclude each other (both capture the same steps, "
                          "and each distorts the other); pick one")
     profile_ranks(cfg.profile_ranks, world_size=None)  # the format; the range is checked at start-up
-    if not 0 < cfg.straggler_threshold <= 1:
-        raise UsageError(f"--straggler-threshold must be in (0, 1], got {cfg.straggler_threshold}")
-    if cfg.ddp_timeout <= 0:
-        raise UsageError(f"--ddp-timeout must be positive, got {cfg.ddp_timeout}")
     if cfg.use_toy_data and (cfg.train_data or cfg.val_data):
         raise UsageError("--use-toy-data generates its own data; drop --train-data/--val-data")
     if cfg.memory_profile_step is not None and not cfg.memory_profiler:
@@ -275,12 +436,93 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.memory_profiler:
         step = cfg.memory_profile_step if cfg.memory_profile_step is not None else cfg.profile_step_start
         if not 1 <= step <= cfg.num_steps:
-            given = "--memory-profile-step" if cfg.memory_profile_step is not None else \
+            which = "--memory-profile-step" if cfg.memory_profile_step is not None else \
                 "--memory-profile-step (default: --profile-step-start)"
-            raise UsageError(f"{given} is {step}, outside the run's steps 1..{cfg.num_steps}; "
+            raise UsageError(f"{which} is {step}, outside the run's steps 1..{cfg.num_steps}; "
                              "pass --memory-profile-step N within them")
-    if cfg.device_memory_gb is not None and not cfg.device_memory_gb > 0:
-        raise UsageError(f"--device-memory-gb must be positive, got {cfg.device_memory_gb}")
+    if cfg.no_checkpoint and "save_interval" in given:
+        raise UsageError("--no-checkpoint writes no checkpoint, so --save-interval has nothing to do; "
+                         "drop one of them")
+    if cfg.no_checkpoint and cfg.checkpoint_path is not None and not cfg.resume:
+        raise UsageError("--no-checkpoint writes no checkpoint, and without --resume --checkpoint-path "
+                         "only says where to write one; drop one of them")
+    check_parallel(cfg, given)
+    check_size(cfg)
+
+
+def check_parallel(cfg: TrainConfig, given: set[str] | frozenset[str]) -> None:
+    """What FSDP and tensor parallelism need that is known without the world size."""
+    if cfg.use_tensor_parallel and "tp" in given:
+        raise UsageError("--use-tensor-parallel takes the tensor-parallel degree from the node's size; "
+                         "--tp sets it by hand: pass one of them")
+    if cfg.tp > 1:
+        if cfg.n_heads % cfg.tp:
+            raise UsageError(f"--tp {cfg.tp} must divide --n-heads {cfg.n_heads}: "
+                             "each rank holds whole heads")
+        if cfg.d_ff % cfg.tp:
+            raise UsageError(f"--tp {cfg.tp} must divide --d-ff {cfg.d_ff}: each rank holds an equal "
+                             "slice of the MLP")
+    sharded = [name for name, on in [("--fsdp", cfg.fsdp), ("--tp", cfg.tp > 1),
+                                     ("--use-tensor-parallel", cfg.use_tensor_parallel)] if on]
+    if cfg.compile and sharded:
+        raise UsageError(f"--compile with {' and '.join(sharded)} is not supported: torch.compile of "
+                         "sharded (DTensor) modules needs per-block compilation, which this trainer does "
+                         "not do; drop --compile")
+
+
+# ------------------------------------------------------------------------------------------ size
+def machine_ram_bytes() -> int | None:
+    """Physical RAM, from sysconf (no psutil, no torch); None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def quick_bytes(cfg: TrainConfig) -> dict[str, int]:
+    """The bytes of a training step, roughly and cheaply, by what needs them: parameters x 16 bytes (fp32
+    weights, gradients, AdamW's two moments), the fp32 logits (4 b s V, unless --chunked-loss),
+    and the blocks' saved fp32 activations (about 68 b s d per layer; SDPA keeps no s x s
+    matrix). Only to refuse absurd sizes before anything is built: minigpt/estimate.py is the
+    real estimate."""
+    vocab = -(-(cfg.vocab_size or QUICK_COUNT_VOCAB) // 64) * 64
+    d, d_ff, layers = cfg.d_model, cfg.d_ff or 4 * cfg.d_model, cfg.n_layers
+    positions = cfg.max_position_embeddings or cfg.seq_len
+    params = (vocab + positions) * d + layers * (4 * d * d + 2 * d * d_ff + 9 * d + d_ff) + 2 * d
+    tokens = cfg.batch_size * cfg.seq_len
+    logits = 0 if cfg.chunked_loss else 4 * tokens * vocab
+    activations = 68 * tokens * d * layers
+    return {f"for {params:.3g} parameters at {BYTES_PER_PARAM} bytes each": params * BYTES_PER_PARAM,
+            "of logits": logits, "of activations": activations}
+
+
+def check_size(cfg: TrainConfig) -> None:
+    """Refuse a configuration whose quick count exceeds this machine's RAM: the trainer builds
+    the whole model in this process before moving or sharding it, so more cannot run (and a
+    typo like --vocab-size 1e13 should not be found by the kernel's OOM killer). --estimate-memory
+    builds nothing and answers for other machines, so it is refused only above 1 PiB."""
+    terms = quick_bytes(cfg)
+    need = sum(terms.values())
+    if cfg.estimate_memory:
+        limit, what = ESTIMATE_CAP_BYTES, "1 PiB, the cap of --estimate-memory"
+    else:
+        ram = machine_ram_bytes()
+        if ram is None:
+            return
+        limit, what = ram, f"this machine's {format_bytes(ram)} of RAM"
+    if need > limit:
+        parts = ", ".join(f"{format_bytes(n)} {label}" for label, n in terms.items())
+        raise UsageError(f"this configuration needs about {format_bytes(need)} ({parts}), more than {what}; "
+                         "lower --vocab-size, --d-model, --d-ff, --n-layers, --max-position-embeddings, "
+                         "--batch-size or --seq-len")
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    raise AssertionError("unreachable")
 
 
 def profile_ranks(spec: str, world_size: int | None) -> list[int] | None:
@@ -301,6 +543,8 @@ def check_cuda_features(cfg: TrainConfig, device: str) -> None:
     """--nsys and --record-memory-history drive CUDA's profiler and allocator: nothing to do on a CPU."""
     if device == "cuda":
         return
+    if cfg.ddp_backend == "nccl":
+        raise UsageError("--ddp-backend nccl needs CUDA GPUs; on the CPU use gloo (the default there)")
     if cfg.nsys:
         raise UsageError("--nsys needs CUDA: Nsight Systems' capture range is cudaProfilerStart/Stop; "
                          "on the CPU use --use-profiler")
@@ -335,10 +579,13 @@ def resolve_amp(cfg: TrainConfig, device: str) -> tuple[bool, str, str]:
         if native:
             return True, "bf16", "AMP on: bf16 autocast (this CPU has native bf16)"
         if cfg.amp:
-            return True, "bf16", "AMP on as asked, but this CPU has no native bf16: expect it slower than fp32"
-        return False, "fp32", "AMP off: this CPU has no native bf16 (AVX512-BF16/AMX), so fp32 is faster; --amp forces it"
+            return True, "bf16", ("AMP on as asked, but this CPU has no native bf16: "
+                                  "expect it slower than fp32")
+        return False, "fp32", ("AMP off: this CPU has no native bf16 (AVX512-BF16/AMX), so fp32 is faster; "
+                               "--amp forces it")
     if cfg.amp_dtype == "bf16" and not torch.cuda.is_bf16_supported():
         if cfg.amp:
             raise UsageError("this GPU does not support bf16; use --amp-dtype fp16")
         return True, "fp16", "AMP on: this GPU lacks bf16, using fp16 with a GradScaler"
-    return True, cfg.amp_dtype, f"AMP on: {cfg.amp_dtype} autocast" + (" with a GradScaler" if cfg.amp_dtype == "fp16" else "")
+    scaler = " with a GradScaler" if cfg.amp_dtype == "fp16" else ""
+    return True, cfg.amp_dtype, f"AMP on: {cfg.amp_dtype} autocast{scaler}"

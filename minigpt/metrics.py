@@ -9,9 +9,13 @@ import math
 import re
 import sys
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from minigpt.fileio import DiskFull, disk_full_message, is_disk_full
+from minigpt.stages import label
 
 LOG_FORMAT = "[%(asctime)s] %(message)s"
 LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
@@ -47,30 +51,67 @@ def format_duration(seconds: float) -> str:
     return f"{seconds / 3600:.2f}h"
 
 
-def format_log_line(m: dict) -> str:
+@dataclass
+class StepRecord:
+    """One logged step: the one definition of what the console line, metrics.jsonl and TensorBoard
+    show. metrics.jsonl holds one of these per line, under these keys (README "Run directory").
+    Times are the means over the steps since the previous record."""
+
+    step: int  # training steps done (1-based)
+    num_steps: int
+    epoch: int  # passes over the training tokens, counting from 1
+    loss: float  # mean training loss over the interval's steps
+    lr: float  # the learning rate of the last step
+    step_time_s: float  # mean host time of one training step: the step alone, not evals or logging
+    tokens_per_s: float  # per step: the job's tokens per step / step_time_s (all ranks)
+    tokens_per_s_per_rank: float
+    # End to end: tokens trained since the loop started / wall-clock time since then, evaluations,
+    # logging and checkpoints included. What the job really delivers; the ETA follows it.
+    tokens_per_s_e2e: float
+    world_size: int
+    val_loss: float | None  # the latest evaluation (None before the first)
+    val_ppl: float | None
+    elapsed_s: float  # wall-clock since the loop started
+    eta_s: float  # remaining steps at the end-to-end rate
+    amp: str  # "bf16", "fp16" or "fp32"
+    mfu: float | None  # model FLOPs utilisation per device, against config.json's peak_flops
+    achieved_tflops: float | None  # model TFLOP/s per device: needs no peak to be true
+    stage_host_ms: dict[str, float] = field(default_factory=dict)  # stage -> mean host ms per step
+    stage_device_ms: dict[str, float] = field(default_factory=dict)  # stage -> mean device ms per step
+    stage_comm_ms: dict[str, float] = field(default_factory=dict)  # stage -> of it, ms waiting on collectives
+    # CUDA: peak_allocated_gib, peak_reserved_gib, alloc_retries, ooms (per interval);
+    # CPU: rss_bytes and rss_peak_bytes (the process, as the machine sees it)
+    memory: dict[str, float] = field(default_factory=dict)
+    memory_breakdown: dict | None = None  # on the first line after a --memory-profiler step (bytes)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        if d["memory_breakdown"] is None:
+            del d["memory_breakdown"]
+        return d
+
+
+def format_log_line(m: StepRecord) -> str:
     """One line per log interval, in the spirit of the blog's trainer."""
-    val = "n/a" if m.get("val_loss") is None else f"{m['val_loss']:.4f}"
-    ppl = "n/a" if m.get("val_loss") is None else f"{m['val_ppl']:.1f}"
-    line = (f"epoch {m['epoch']} step {m['step']}/{m['num_steps']} | lr {m['lr']:.2e} | "
-            f"step {m['step_time_s'] * 1000:.0f}ms | {m['tokens_per_s']:,.0f} tok/s | "
-            + (f"{m['tokens_per_s_per_rank']:,.0f} tok/s/rank x {m['world_size']} | "
-               if m.get("world_size", 1) > 1 else "")
-            + (f"mfu {100 * m['mfu']:.1f}% | " if m.get("mfu") is not None else "")
-            + f"train loss {m['loss']:.4f} | val loss {val} | val ppl {ppl} | "
-            f"elapsed {format_duration(m['elapsed_s'])} | eta {format_duration(m['eta_s'])} | "
-            f"amp {m['amp']}")
-    host, device = m.get("stage_host_ms"), m.get("stage_device_ms")
-    if host:  # host/device ms per stage: on a GPU they differ, the host runs ahead and waits later
+    val = "n/a" if m.val_loss is None else f"{m.val_loss:.4f}"
+    ppl = "n/a" if m.val_ppl is None else f"{m.val_ppl:.1f}"
+    line = (f"epoch {m.epoch} step {m.step}/{m.num_steps} | lr {m.lr:.2e} | step {m.step_time_s * 1000:.0f}ms | "
+            f"{m.tokens_per_s:,.0f} tok/s per step, {m.tokens_per_s_e2e:,.0f} end to end | "
+            + (f"{m.tokens_per_s_per_rank:,.0f} tok/s/rank x {m.world_size} | " if m.world_size > 1 else "")
+            + (f"mfu {100 * m.mfu:.1f}% ({m.achieved_tflops:.2f} TFLOP/s) | " if m.mfu is not None else "")
+            + f"train loss {m.loss:.4f} | val loss {val} | val ppl {ppl} | "
+            f"elapsed {format_duration(m.elapsed_s)} | eta {format_duration(m.eta_s)} | amp {m.amp}")
+    if m.stage_host_ms:  # host/device ms per stage: on a GPU they differ, the host runs ahead and waits later
         line += " | host/device ms " + " ".join(
-            f"{STAGE_ABBREV.get(k, k)} {v:.1f}/{device.get(k, float('nan')):.1f}" for k, v in host.items())
-    mem = m.get("memory") or {}
+            f"{label(k)} {v:.1f}/{m.stage_device_ms.get(k, float('nan')):.1f}" for k, v in m.stage_host_ms.items())
+    if m.stage_comm_ms:
+        line += " | waiting on collectives ms " + " ".join(f"{label(k)} {v:.1f}" for k, v in m.stage_comm_ms.items())
+    mem = m.memory
     if "peak_allocated_gib" in mem:
         line += f" | peak mem {mem['peak_allocated_gib']:.2f}/{mem['peak_reserved_gib']:.2f} GiB alloc/reserved"
+    elif mem.get("rss_bytes"):
+        line += f" | rss {mem['rss_bytes'] / 2**30:.2f} GiB (peak {mem['rss_peak_bytes'] / 2**30:.2f})"
     return line
-
-
-STAGE_ABBREV = {"data_to_device": "h2d", "forward": "fwd", "backward": "bwd", "optimizer_step": "opt",
-                "backward_compute": "(bwd compute)"}
 
 
 def perplexity(loss: float) -> float:
@@ -78,22 +119,32 @@ def perplexity(loss: float) -> float:
 
 
 class JsonlWriter:
-    """Appends one JSON object per line and flushes, so a crash loses at most the current line."""
+    """Appends one JSON object per line and flushes, so a crash loses at most the current line (a
+    resumed run drops a cut line: minigpt.runs.repair_jsonl)."""
 
     def __init__(self, path: Path, enabled: bool = True):
-        self.f = None
+        self.f, self.path = None, path
         if enabled:  # under DDP only rank 0 writes
             path.parent.mkdir(parents=True, exist_ok=True)
             self.f = open(path, "a", encoding="utf-8")
 
-    def write(self, record: dict) -> None:
+    def write(self, record: dict | StepRecord) -> None:
         if self.f:
-            self.f.write(json.dumps(record) + "\n")
-            self.f.flush()
+            line = json.dumps(record.to_json() if isinstance(record, StepRecord) else record) + "\n"
+            try:
+                self.f.write(line)
+                self.f.flush()
+            except OSError as e:
+                if is_disk_full(e):
+                    raise DiskFull(disk_full_message(self.path, len(line), True)) from None
+                raise
 
     def close(self) -> None:
         if self.f:
-            self.f.close()
+            try:
+                self.f.close()
+            except OSError:  # a full disk was already reported by write(); closing adds nothing
+                pass
 
     def __enter__(self) -> "JsonlWriter":
         return self
@@ -168,36 +219,36 @@ MEMORY_BREAKDOWN_KEYS = ("params", "grads", "optimizer", "activations", "activat
 class TensorBoardLogger:
     """Scalars for `tensorboard --logdir <out-dir>`: the same figures as metrics.jsonl."""
 
-    def __init__(self, log_dir: Path, enabled: bool = True):
+    def __init__(self, log_dir: Path, enabled: bool = True, purge_step: int | None = None):
+        """`purge_step`: on resume, the first step trained again; TensorBoard hides what an earlier
+        run wrote from there on, so no step is drawn twice."""
         self.writer = None
         if enabled:  # under DDP only rank 0 writes
             from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
 
-            self.writer = SummaryWriter(str(log_dir))
+            self.writer = SummaryWriter(str(log_dir), purge_step=purge_step)
 
-    def log(self, record: dict) -> None:
+    def log(self, r: StepRecord) -> None:
         if self.writer is None:
             return
-        step = record["step"]
-        scalars = {"train/loss": record.get("loss"), "val/loss": record.get("val_loss"),
-                   "val/ppl": record.get("val_ppl"), "train/lr": record.get("lr"),
-                   "perf/tokens_per_s": record.get("tokens_per_s"), "perf/mfu": record.get("mfu"),
-                   "perf/tokens_per_s_per_rank": record.get("tokens_per_s_per_rank"),
-                   "perf/step_time_ms": 1000 * record["step_time_s"] if "step_time_s" in record else None}
-        for kind in ("host", "device"):
-            for stage, ms in (record.get(f"stage_{kind}_ms") or {}).items():
+        scalars = {"train/loss": r.loss, "val/loss": r.val_loss, "val/ppl": r.val_ppl, "train/lr": r.lr,
+                   "perf/tokens_per_s": r.tokens_per_s, "perf/tokens_per_s_e2e": r.tokens_per_s_e2e,
+                   "perf/tokens_per_s_per_rank": r.tokens_per_s_per_rank, "perf/mfu": r.mfu,
+                   "perf/achieved_tflops": r.achieved_tflops, "perf/step_time_ms": 1000 * r.step_time_s}
+        for kind, figures in (("host", r.stage_host_ms), ("device", r.stage_device_ms), ("comm", r.stage_comm_ms)):
+            for stage, ms in figures.items():
                 scalars[f"stage_{kind}_ms/{stage}"] = ms
-        for key, value in (record.get("memory") or {}).items():
+        for key, value in r.memory.items():
             scalars[f"memory/{key}"] = value
         for tag, value in scalars.items():
             if value is not None:
-                self.writer.add_scalar(tag, value, step)
+                self.writer.add_scalar(tag, value, r.step)
         # The measured memory breakdown (bytes, see minigpt/memory.py), in MiB at the measured step.
-        breakdown = record.get("memory_breakdown") or {}
+        breakdown = r.memory_breakdown or {}
         for prefix, figures in (("memory_breakdown", breakdown), ("memory_estimate", breakdown.get("estimate") or {})):
             for key in MEMORY_BREAKDOWN_KEYS:
                 if figures.get(key) is not None:
-                    self.writer.add_scalar(f"{prefix}/{key}_mib", figures[key] / 2**20, breakdown.get("step", step))
+                    self.writer.add_scalar(f"{prefix}/{key}_mib", figures[key] / 2**20, breakdown.get("step", r.step))
         self.writer.flush()
 
     def close(self) -> None:

@@ -35,13 +35,15 @@ SPLITS: tuple[Stage, ...] = (Stage("backward_compute", "(bwd compute)", "salmon"
 STEP_RANGE = Stage("train_step", "step", "white", scored=False)  # the range around one whole step
 
 STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
-_ALL = {s.name: s for s in (*STAGES, *SPLITS, STEP_RANGE)}
 
 
 def stage(name: str) -> Stage:
     """The registry's entry for `name`; an unknown name (a range a user added without registering
     it) gets a neutral entry so nothing downstream drops or fails on it."""
-    return _ALL.get(name) or Stage(name, name, "grey")
+    for s in (*STAGES, *SPLITS, STEP_RANGE):
+        if s.name == name:
+            return s
+    return Stage(name, name, "grey")
 
 
 def label(name: str) -> str:

@@ -22,9 +22,7 @@ import statistics
 from dataclasses import dataclass
 
 from minigpt.config import UsageError
-
-# Stages whose time is the rank's own work, with no collective inside.
-SCORED_STAGES = ("data_to_device", "forward", "backward_compute", "optimizer_step")
+from minigpt.stages import scored_stages, split_parent
 
 
 @dataclass
@@ -54,9 +52,9 @@ def parse_slow_rank(spec: str, stages: tuple[str, ...]) -> SlowRank:
 def rank_figures(rank: int, host: str, step_times_ms: list[float], stage_steps: list[dict[str, float]]) -> dict:
     """This rank's medians over one log interval, as sent to every other rank."""
     def scored(step: dict[str, float]) -> float:
-        # Without DDP there is no communication hook, and the whole backward is the rank's own.
-        return sum(step.get(s, step.get("backward", 0.0) if s == "backward_compute" else 0.0)
-                   for s in SCORED_STAGES)
+        # A split that was not timed stands for its whole stage: without DDP there is no
+        # communication hook, and the whole backward is the rank's own work.
+        return sum(step.get(s, step.get(split_parent(s) or s, 0.0)) for s in scored_stages())
 
     names = {k for s in stage_steps for k in s}
     return {
@@ -88,7 +86,7 @@ class StragglerDetector:
             # against this rank's own best interval.
             reference = fastest if relative <= individual else best
             grew = {s: f["stages_ms"].get(s, 0.0) - reference["stages_ms"].get(s, 0.0)
-                    for s in SCORED_STAGES if s in f["stages_ms"]}
+                    for s in scored_stages() if s in f["stages_ms"]}
             stage = max(grew, key=grew.get) if grew else None
             reports.append({
                 "step": step, "rank": f["rank"], "host": f["host"],

@@ -9,7 +9,6 @@ that rank fail at that step, to test how the job ends.
 
 import os
 import sys
-from pathlib import Path
 
 import torch
 
@@ -35,20 +34,17 @@ def probed_clip(params, *args, **kwargs):
 train_minimal.GPT = ProbedGPT
 torch.nn.utils.clip_grad_norm_ = probed_clip
 
+on_step = None
 if os.environ.get("PROBE_FAIL"):
     fail_rank, fail_step, how = os.environ["PROBE_FAIL"].split(":")
-    real_get_lr = train_minimal.get_lr
 
-    def failing_get_lr(step, cfg):
-        if rank == int(fail_rank) and step + 1 == int(fail_step):
+    def on_step(step):  # train_minimal.main's seam: called as each step starts
+        if rank == int(fail_rank) and step == int(fail_step):
             if how == "exit":
                 os._exit(13)  # the process dies without a word, as a killed rank would
-            raise RuntimeError(f"probe failure on rank {rank} at step {step + 1}")
-        return real_get_lr(step, cfg)
+            raise RuntimeError(f"probe failure on rank {rank} at step {step}")
 
-    train_minimal.get_lr = failing_get_lr
-
-status = train_minimal.cli(argv)
+status = train_minimal.cli(argv, on_step=on_step)
 torch.save({"grads": grads, "params": {k: v.detach().clone() for k, v in models[0].state_dict().items()}},
            f"{prefix}.rank{rank}.pt")
 sys.exit(status)

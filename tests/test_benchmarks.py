@@ -19,7 +19,7 @@ def run(script, *args):
 
 
 def test_ablation_writes_json_markdown_and_chart(tmp_path):
-    result = run("ablation.py", *TINY, "--out-dir", str(tmp_path))
+    result = run("ablation.py", *TINY, "--name", "tiny", "--out-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "cpu-tiny.json").read_text())
     assert list(data["results"]) == ["fp32", "fp32 + ckpt", "amp", "amp + ckpt"]

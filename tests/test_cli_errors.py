@@ -4,9 +4,9 @@ import hashlib
 
 import pytest
 import torch
+from conftest import TINY, fails, run_cli
 
 import train_minimal
-from conftest import TINY, fails, run_cli
 
 
 @pytest.fixture
@@ -49,7 +49,8 @@ def test_too_few_validation_tokens(capsys, text, tmp_path):
 
 @pytest.mark.parametrize("args, expected", [
     (["--d-model", "100", "--n-heads", "3"], "--d-model (100) must be divisible by --n-heads (3)"),
-    (["--seq-len", "128", "--max-position-embeddings", "64"], "--seq-len (128) is larger than --max-position-embeddings (64)"),
+    (["--seq-len", "128", "--max-position-embeddings", "64"],
+     "--seq-len (128) is larger than --max-position-embeddings (64)"),
     (["--batch-size", "0"], "--batch-size must be positive"),
     (["--num-steps", "-5"], "--num-steps must be positive"),
     (["--n-layers", "0"], "--n-layers must be positive"),
@@ -102,7 +103,8 @@ def test_checkpoint_of_another_shape(capsys, trained):
 
 
 def test_resume_past_the_end(capsys, trained):
-    assert "already past --num-steps 2" in fails(capsys, *TINY, "--num-steps", "2", "--resume", "--out-dir", str(trained))
+    msg = fails(capsys, *TINY, "--num-steps", "2", "--resume", "--out-dir", str(trained))
+    assert "already past --num-steps 2" in msg
 
 
 def test_existing_run_is_not_overwritten_without_resume(capsys, trained):
@@ -185,3 +187,42 @@ def test_minigpt_args_are_appended_and_win(tmp_path, monkeypatch):
     assert train_minimal.cli([*TINY, "--num-steps", "50", "--out-dir", str(out)]) == 0
     assert "step 3/3" in (out / "train.log").read_text()
     assert "Flags appended from $MINIGPT_ARGS: --num-steps 3" in (out / "train.log").read_text()
+
+
+# ---------------------------------------------------------------------------- numbers (issue 14, item 5)
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--lr", "inf"], "--lr must be a finite number, got inf"),
+    (["--lr", "nan"], "--lr must be a finite number, got nan"),  # not blamed on --min-lr
+    (["--min-lr", "nan"], "--min-lr must be a finite number"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number"),
+    (["--grad-clip", "nan"], "--grad-clip must be a finite number"),  # NaN once turned clipping off
+    (["--dropout", "nan"], "--dropout must be a finite number"),
+    (["--ddp-timeout", "nan"], "--ddp-timeout must be a finite number"),
+    (["--ddp-timeout", "1e30"], "--ddp-timeout must be at most a week"),
+    (["--straggler-threshold", "nan"], "--straggler-threshold must be a finite number"),
+    (["--device-memory-gb", "inf"], "--device-memory-gb must be a finite number"),
+    (["--device-memory-gb", "1e-12"], "--device-memory-gb must be at least 1 MiB"),
+    (["--peak-tflops", "nan"], "--peak-tflops must be a finite number"),
+    (["--seed", "-1"], "--seed must be in [0, 2**32), got -1"),
+    (["--seed", "4294967296"], "--seed must be in [0, 2**32), got 4294967296"),
+    (["--data-seed", "123456789012345678901234567890"], "--data-seed must be in [0, 2**32)"),
+    (["--vocab-size", "10000000000000"], "this configuration needs about"),
+    (["--vocab-size", "1e13"], "PiB"),
+    (["--eval-iters", str(2**64)], "--eval-iters is out of range"),
+    (["--num-step", "5"], "unrecognized arguments: --num-step 5"),
+])
+def test_bad_numbers_are_refused_before_anything_is_written(capsys, tmp_path, monkeypatch, flags, expected):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    assert expected in fails(capsys, *TINY, *flags, "--out-dir", str(out))
+    assert list(tmp_path.iterdir()) == []  # no run directory, nothing else
+
+
+def test_several_training_files_are_all_used(capsys, text, tmp_path):
+    a, b = text("alpha beta gamma " * 60, "a.txt"), text("delta epsilon " * 60, "b.txt")
+    out = tmp_path / "run"
+    assert train_minimal.cli([*TINY[1:], "--train-data", a, "--train-data", b, "--num-steps", "1",
+                              "--out-dir", str(out)]) == 0
+    log = (out / "train.log").read_text()
+    assert a in log and b in log

@@ -13,7 +13,8 @@ import torch
 import train_minimal
 from conftest import TINY
 from minigpt import instrument
-from minigpt.instrument import STAGES, StageTimer
+from minigpt.instrument import StageTimer
+from minigpt.stages import STAGE_NAMES as STAGES
 from minigpt.tbserve import get_json, serve_tensorboard
 
 
@@ -55,13 +56,33 @@ def test_profiler_window_writes_one_trace_with_the_steps_and_stages(tmp_path, ca
     printed = capsys.readouterr().out
     assert "Profiled steps 3-4" in printed and f"tensorboard --logdir {out}" in printed
     assert "ui.perfetto.dev" in printed
-    assert "Profiler cost: not priced" in printed  # window at step 3: no unprofiled step to compare with
+    # priced against steps 5-8: not step 1 (it allocates everything), not step 2 (the profiler's warm-up)
+    assert "ms/step profiled (median of 2) vs" in printed and "unprofiled (median of 4)" in printed
 
 
-def test_profiler_cost_is_logged_against_the_steps_before(tmp_path, capsys):
+def test_profiler_cost_is_not_priced_against_fewer_than_three_steps(tmp_path, capsys):
     out = tmp_path / "run"
-    assert train_minimal.cli([*TINY, "--num-steps", "8", "--use-profiler", "--out-dir", str(out)]) == 0
-    assert "ms/step profiled vs" in capsys.readouterr().out  # default window 5..6, steps 2..3 before it
+    args = [*TINY, "--num-steps", "6", "--use-profiler", "--profile-step-start", "3", "--profile-step-end", "5"]
+    assert train_minimal.cli([*args, "--out-dir", str(out)]) == 0
+    assert "Profiler cost: not priced: 2 unprofiled step(s)" in capsys.readouterr().out  # steps 5 and 6 only
+
+
+def test_profiled_steps_hold_only_the_training_step(tmp_path):
+    # Evaluations (with many batches, so they take as long as several steps) and logging after
+    # steps 3 and 4, inside the window: each ProfilerStep range must still be the step alone.
+    out = tmp_path / "run"
+    args = [*TINY, "--num-steps", "6", "--log-interval", "1", "--eval-interval", "1", "--eval-iters", "20",
+            "--use-profiler", "--profile-step-start", "3", "--profile-step-end", "5", "--out-dir", str(out)]
+    assert train_minimal.cli(args) == 0
+    _, trace = load_trace(out)
+    steps = {int(e["name"].split("#")[1]): e["dur"] / 1000 for e in trace["traceEvents"]
+             if e.get("ph") == "X" and e.get("name", "").startswith("ProfilerStep#")}
+    logged = {r["step"]: 1000 * r["step_time_s"] for r in map(json.loads, (out / "metrics.jsonl").open())}
+    assert sorted(steps) == [3, 4]
+    for step, ms in steps.items():
+        assert ms == pytest.approx(logged[step], rel=0.10), (step, ms, logged[step])
+    evals = [e for e in trace["traceEvents"] if e.get("name") == "aten::_log_softmax"]
+    assert len(evals) >= 20  # the evaluations were recorded, outside the steps' ranges
 
 
 def test_profile_with_stack_records_python_frames(tmp_path):

@@ -12,7 +12,8 @@ from conftest import TINY, fails
 from minigpt import estimate
 from minigpt.config import parse_args
 from minigpt.estimate import estimate_gpt
-from minigpt.memory import LAYOUT, MEMORY_LOG, SUNBURST_FILES, capture_memory, parse_memory_log, write_memory_trace
+from minigpt.memory import (LAYOUT, MEMORY_LOG, SUNBURST_FILES, capture_memory, format_breakdown, parse_memory_log,
+                            write_memory_trace)
 from minigpt.model import GPT, GPTConfig
 
 SHAPE = dict(n_layers=2, d_model=32, n_heads=2, d_ff=128, seq_len=16, batch_size=4, vocab_size=64,
@@ -323,4 +324,4 @@ def test_cuda_breakdown_beside_max_allocated():
     assert b.other == b.cuda_max_allocated - b.total and b.cuda_max_reserved >= b.cuda_max_allocated
     assert (e.params, e.optimizer) == (b.category_total("params"), b.category_total("optimizer"))
     assert abs(e.activations - b.category_total("activations")) <= 0.10 * b.category_total("activations")
-    assert "CUDA max allocated" in memory.format_breakdown(b, e)
+    assert "CUDA max allocated" in format_breakdown(b, e)

@@ -1,17 +1,36 @@
 """python -m minigpt.traces: stage times per profiled step, projected on the device by correlation
-id from any thread, top kernels with a tensor-core verdict, top host operators, clean errors."""
+id from any thread, time waiting on collectives, top kernels with a tensor-core verdict, top host
+operators, clean errors; on minigpt's own traces, on torch-tb-profiler's sample traces, and on
+hand-made traces for each rule (old and new category names, any accelerator, no ProfilerStep,
+malformed events), checked against counts made here by other methods."""
 
 import gzip
 import json
 import os
+import random
 import subprocess
 import sys
+from collections import defaultdict
+from pathlib import Path
 
 import pytest
+from conftest import ROOT, TINY
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import train_minimal
-from conftest import ROOT, TINY
+from minigpt import traces as traces_mod
+from minigpt.stages import STAGE_NAMES
 from minigpt.traces import Launches, tensor_cores, union_us
+
+# Real traces written by other projects: ../shared/traces beside the clone (as in CI and /work/main);
+# MINIGPT_SHARED_TRACES points elsewhere (a git worktree one level deeper).
+SHARED_TRACES = Path(os.environ.get("MINIGPT_SHARED_TRACES",
+                                    Path(__file__).resolve().parents[1].parent / "shared" / "traces"))
+RESNET = SHARED_TRACES / "tb_plugin_resnet50_worker0.1623143089861.pt.trace.json.gz"
+GPU_METRICS = SHARED_TRACES / "tb_plugin_gpu_metrics_input.json"
+needs_shared = pytest.mark.skipif(not RESNET.exists() or not GPU_METRICS.exists(),
+                                  reason=f"torch-tb-profiler's sample traces are not in {SHARED_TRACES}")
 
 STAGES = ["data_to_device", "forward", "backward", "optimizer_step"]
 
@@ -61,6 +80,7 @@ def test_cpu_trace_has_the_profiled_steps_and_their_stages(cpu_run):
         for name, stage in row["stages"].items():
             assert 0 < stage["host_ms"] <= row["host_ms"], (row["step"], name)
             assert "device_busy_ms" not in stage  # no device time is invented on a CPU run
+            assert stage["comm_device_ms"] == 0.0 and stage["comm_host_ms"] == 0.0  # one rank: no collectives
         assert sum(st["host_ms"] for st in row["stages"].values()) <= row["host_ms"]
     total = s["totals"]
     assert total["steps"] == 2
@@ -77,7 +97,7 @@ def test_cpu_trace_has_the_profiled_steps_and_their_stages(cpu_run):
 def test_cpu_trace_text_report(cpu_run):
     _, trace = cpu_run
     text = ok(trace, "--top", "3")
-    assert "no device kernels in this trace (CPU run)" in text
+    assert "no device events in this trace (CPU only)" in text
     assert "profiled step(s): 3, 4" in text
     table = [line.split() for line in text.split("\n\n")[1].splitlines()]
     for name in STAGES:
@@ -94,7 +114,7 @@ def test_directory_input_gives_one_summary_per_file(cpu_run, tmp_path):
     folder.mkdir()
     for name in ("rank0_dp0.1.pt.trace.json.gz", "rank1_dp1.2.pt.trace.json.gz"):
         (folder / name).write_bytes(trace.read_bytes())
-    (folder / "notes.txt").write_text("not a trace")  # ignored: not *.pt.trace.json*
+    (folder / "notes.txt").write_text("not a trace")  # ignored: not *.json(.gz)
     summaries = json.loads(ok(folder, "--json"))["traces"]
     assert [os.path.basename(s["file"]) for s in summaries] == ["rank0_dp0.1.pt.trace.json.gz",
                                                                 "rank1_dp1.2.pt.trace.json.gz"]
@@ -113,7 +133,8 @@ def gpu_step(step: int, t0: float, corr0: int) -> list[dict]:
     autograd's thread (as on a real GPU); two of them overlap on two streams;
     after the stages, a device-to-host copy is launched (counted in the step only)."""
     def rng(name, ts, dur, cat="user_annotation", tid=MAIN, pid=PID):
-        return {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": t0 + ts, "dur": dur, "args": {}}
+        return {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": t0 + ts, "dur": dur,
+                "args": {}}
 
     def launch(ts, corr, tid, name="cudaLaunchKernel"):
         return {"ph": "X", "cat": "cuda_runtime", "name": name, "pid": PID, "tid": tid, "ts": t0 + ts,
@@ -197,9 +218,11 @@ def test_top_kernels_have_shares_and_a_tensor_core_verdict(gpu_trace):
 
 def test_gpu_text_report(gpu_trace):
     text = ok(gpu_trace)
-    assert "CPU run" not in text and "dev busy ms" in text
-    assert "top 4 kernels of 1.02 ms device time" in text
-    line = next(l for l in text.splitlines() if "sm90_xmma_gemm" in l)
+    assert "CPU only" not in text and "dev busy ms" in text
+    assert "top 4 kernels of 1.02 ms device time summed over streams" in text
+    # The header gives the busy time (union over both streams) beside the sum, never the sum alone.
+    assert "device time: busy 0.82 ms" in text and "over 2 stream(s)); summed over streams 1.02 ms" in text
+    line = next(row for row in text.splitlines() if "sm90_xmma_gemm" in row)
     assert "yes" in line and "49.0%" in line
 
 
@@ -257,13 +280,432 @@ def test_json_that_is_not_a_trace(tmp_path):
     assert "not a Chrome trace" in fails(tmp_path / "x.json")
 
 
-def test_trace_without_profiler_steps(tmp_path):
-    events = [e for e in gpu_step(3, 0, 0) if not e["name"].startswith("ProfilerStep")]
-    (tmp_path / "t.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
-    assert "no ProfilerStep#N events" in fails(tmp_path / "t.pt.trace.json")
-
-
 def test_folder_without_traces_and_bad_flag(tmp_path):
-    assert "no *.pt.trace.json* files" in fails(tmp_path)
+    assert "no *.json or *.json.gz files" in fails(tmp_path)
     assert "--top must be positive" in fails(tmp_path, "--top", "0")
     assert "invalid int value" in fails(tmp_path, "--top", "many")
+
+
+# ---------------------------------------------------------------------------- independent counts
+
+def sweep_busy_us(spans) -> float:
+    """The union of intervals by a sweep line (+1 at a start, -1 at an end): a different method from
+    the module's sort-and-merge, for cross-checking."""
+    points = sorted([(s, 1) for s, e in spans] + [(e, -1) for s, e in spans], key=lambda p: (p[0], -p[1]))
+    busy, depth, since = 0.0, 0, None
+    for t, step in points:
+        if depth == 0 and step == 1:
+            since = t
+        depth += step
+        if depth == 0:
+            busy += t - since
+    return busy
+
+
+def write_trace(path: Path, events: list, **header) -> Path:
+    text = json.dumps({"schemaVersion": 1, **header, "traceEvents": events})
+    if path.name.endswith(".gz"):
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+def summary(path: Path, *args: str) -> dict:
+    return json.loads(ok(path, "--json", *args))
+
+
+def test_stage_names_match_the_registry():
+    """The tool's standard-library copy of the stage names is the registry's list."""
+    assert traces_mod.DEFAULT_STAGES == STAGE_NAMES
+
+
+def test_busy_time_agrees_with_a_sweep_line_on_random_streams(tmp_path):
+    """Random kernels on four streams, launched inside two steps: busy is the union, sum the plain sum,
+    both within 1% of the test's own count; busy < sum because the streams overlap."""
+    rnd = random.Random(7)
+    events, expected = [], {}
+    for step, t0 in ((1, 0.0), (2, 50_000.0)):
+        events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step}", "pid": 1,
+                       "tid": 1, "ts": t0, "dur": 40_000.0, "args": {}})
+        spans = []
+        for i in range(300):
+            corr = step * 1000 + i
+            launch = t0 + rnd.uniform(0, 39_000)
+            start, dur = launch + rnd.uniform(1, 3000), rnd.uniform(0.5, 400)
+            events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1,
+                           "tid": 1 + i % 2, "ts": launch, "dur": 3.0, "args": {"correlation": corr}})
+            events.append({"ph": "X", "cat": "kernel", "name": f"k{i % 5}", "pid": 0,
+                           "tid": f"stream {i % 4}", "ts": start, "dur": dur,
+                           "args": {"correlation": corr, "stream": i % 4}})
+            spans.append((start, start + dur))
+        expected[step] = spans
+    s = summary(write_trace(tmp_path / "random.json", events))
+    for row in s["steps"]:
+        spans = expected[row["step"]]
+        assert row["device_busy_ms"] == pytest.approx(sweep_busy_us(spans) / 1000, rel=0.01)
+        assert row["device_sum_ms"] == pytest.approx(sum(e - b for b, e in spans) / 1000, rel=0.01)
+        assert row["device_busy_ms"] < row["device_sum_ms"]
+    every = expected[1] + expected[2]
+    assert s["device_busy_ms"] == pytest.approx(sweep_busy_us(every) / 1000, rel=0.01)
+    assert s["totals"]["device_busy_ms"] == pytest.approx(sweep_busy_us(every) / 1000, rel=0.01)
+    assert s["device_sum_ms"] == pytest.approx(sum(e - b for b, e in every) / 1000, rel=0.01)
+    assert s["device_streams"] == 4
+
+
+# ---------------------------------------------------------------------------- torch-tb-profiler's samples
+
+def tb_independent_steps(path: Path) -> dict:
+    """Per ProfilerStep of an old-format trace, counted here: the Kernel/Memcpy/Memset events whose
+    Runtime launch (same correlation id, same process) falls inside the step."""
+    with gzip.open(path, "rt") if path.suffix == ".gz" else open(path) as f:
+        events = json.load(f)["traceEvents"]
+    work = defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("Kernel", "Memcpy", "Memset"):
+            work[e["args"]["correlation"]].append(e)
+    launches = [e for e in events if e.get("cat") == "Runtime" and e["args"].get("correlation") in work]
+    out = {}
+    for step in (e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")):
+        start, end = step["ts"], step["ts"] + step["dur"]
+        mine = [k for e in launches if e["pid"] == step["pid"] and start <= e["ts"] <= end
+                for k in work[e["args"]["correlation"]]]
+        out[int(step["name"].split("#")[1])] = mine
+    return out, [k for ks in work.values() for k in ks], events
+
+
+@needs_shared
+def test_tb_profiler_resnet_sample_old_category_names():
+    s = summary(RESNET, "--top", "40")
+    assert s["cpu_only"] is False and s["window"] == "ProfilerStep" and s["malformed_events"] == 0
+    assert [r["step"] for r in s["steps"]] == [5, 6, 7, 8, 9, 10]
+    per_step, all_work, events = tb_independent_steps(RESNET)
+    for row in s["steps"]:
+        mine = per_step[row["step"]]
+        assert row["kernels"] == len(mine)
+        spans = [(k["ts"], k["ts"] + k["dur"]) for k in mine]
+        assert row["device_busy_ms"] == pytest.approx(sweep_busy_us(spans) / 1000, rel=0.01)
+        assert row["device_sum_ms"] == pytest.approx(sum(k["dur"] for k in mine) / 1000, rel=0.01)
+    spans = [(k["ts"], k["ts"] + k["dur"]) for k in all_work]
+    assert s["device_busy_ms"] == pytest.approx(sweep_busy_us(spans) / 1000, rel=0.01)
+    assert s["kernel_total_ms"] == pytest.approx(sum(k["dur"] for k in all_work) / 1000, rel=0.01)
+    # Steps are back to back: the total host time is their union, and equals the sum here.
+    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
+    assert s["totals"]["host_ms"] == pytest.approx(sweep_busy_us([(e["ts"], e["ts"] + e["dur"])
+                                                                  for e in steps]) / 1000, rel=0.01)
+    verdicts = {k["name"]: k["tensor_cores"] for k in s["kernels"]}
+    assert all(v == "no" for n, v in verdicts.items() if "sgemm" in n or "dgrad_engine" in n)
+    assert all(v == "-" for n, v in verdicts.items() if "bn_" in n or "elementwise" in n)
+    # ProfilerStep#N ranges are categorised Operator in this format: windows, not operators.
+    assert not any(op["name"].startswith("ProfilerStep") for op in s["operators"]["by_total"])
+
+
+@needs_shared
+def test_tb_profiler_samples_as_a_folder():
+    out = ok(SHARED_TRACES, "--top", "3")
+    assert "has no ProfilerStep" not in out and "CPU only" not in out
+    assert "6 profiled step(s): 5, 6, 7, 8, 9, 10" in out and "1 profiled step(s): 2" in out
+    folder = json.loads(ok(SHARED_TRACES, "--json"))
+    assert sorted(Path(t["file"]).name for t in folder["traces"]) == sorted([RESNET.name, GPU_METRICS.name])
+    metrics = next(t for t in folder["traces"] if t["file"].endswith(GPU_METRICS.name))
+    per_step, _, _ = tb_independent_steps(GPU_METRICS)
+    assert metrics["steps"][0]["kernels"] == len(per_step[2]) > 0
+
+
+# ---------------------------------------------------------------------------- hand-made traces per rule
+
+OLD_NAMES = {"user_annotation": "Operator", "cpu_op": "Operator", "cuda_runtime": "Runtime",
+             "kernel": "Kernel", "gpu_memcpy": "Memcpy", "gpu_memset": "Memset"}
+
+
+def renamed(events: list[dict], names: dict) -> list[dict]:
+    return [dict(e, cat=names.get(e["cat"], e["cat"])) for e in events]
+
+
+def figures(s: dict) -> list:
+    return [(r["step"], r["host_ms"], r["device_busy_ms"], r["kernels"],
+             {n: (st["host_ms"], st["device_busy_ms"], st["kernels"]) for n, st in r["stages"].items()})
+            for r in s["steps"]]
+
+
+def test_old_category_names_read_as_the_new_ones(tmp_path):
+    events = gpu_step(3, 1_000_000, 0) + gpu_step(4, 1_010_000, 100)
+    new = summary(write_trace(tmp_path / "new.json", events))
+    old = summary(write_trace(tmp_path / "old.json", renamed(events, OLD_NAMES)))
+    assert figures(old) == figures(new) and old["device_busy_ms"] == new["device_busy_ms"]
+
+
+@pytest.mark.parametrize("launch_cat, work_cat, launch_name", [
+    ("mtia_runtime", "mtia_ccp_events", "mtiaLaunchKernel"),         # MTIA
+    ("xpu_runtime", "kernel", "zeCommandListAppendLaunchKernel"),   # Intel XPU
+    ("cuda_runtime", "kernel", "hipLaunchKernel"),                  # ROCm: HIP calls are cuda_runtime
+    ("privateuse1_runtime", "kernel", "aclrtLaunchKernel"),          # an out-of-tree backend
+    ("cuda_driver", "kernel", "cuLaunchKernel"),
+])
+def test_device_work_of_any_accelerator(tmp_path, launch_cat, work_cat, launch_name):
+    """Device time is found by category, whatever the vendor: such a trace is never 'CPU only'."""
+    events = [e for e in gpu_step(3, 0, 0)]
+    for e in events:
+        if e["cat"] == "cuda_runtime":
+            e["cat"], e["name"] = launch_cat, launch_name if e["name"] == "cudaLaunchKernel" else e["name"]
+        elif e["cat"] == "kernel":
+            e["cat"] = work_cat
+    s = summary(write_trace(tmp_path / "t.json", events))
+    assert s["cpu_only"] is False
+    bwd = s["steps"][0]["stages"]["backward"]
+    assert bwd["kernels"] == 3 and bwd["device_busy_ms"] == pytest.approx(0.300)
+    assert "CPU only" not in ok(tmp_path / "t.json")
+
+
+def test_mtia_trace_without_profiler_steps_is_one_window(tmp_path):
+    """The trace of issue 13: MTIA device events only, no ProfilerStep. The whole trace is one window
+    and the output says so; device time is counted, it is not called a CPU run."""
+    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 9, "tid": 9, "ts": 0, "dur": 100,
+               "args": {}}]
+    for i in range(3):
+        events += [{"ph": "X", "cat": "mtia_runtime", "name": "runFunction", "pid": 9, "tid": 9, "ts": 10 + i,
+                    "dur": 1, "args": {"correlation": i}},
+                   {"ph": "X", "cat": "mtia_ccp_events", "name": f"fused_op_{i}", "pid": 1, "tid": 2,
+                    "ts": 50 + 100 * i, "dur": 80, "args": {"correlation": i}}]
+    path = write_trace(tmp_path / "mtia.json", events)
+    s = summary(path)
+    assert s["window"] == "whole trace" and s["steps"] == [] and s["cpu_only"] is False
+    assert s["totals"]["device_busy_ms"] == pytest.approx(0.240) and s["totals"]["kernels"] == 3
+    assert s["totals"]["host_ms"] == pytest.approx(0.330)  # first event (0) to last end (330)
+    text = ok(path)
+    assert "no ProfilerStep#N ranges: the whole trace is one window" in text and "CPU only" not in text
+
+
+def test_no_profiler_step_still_gives_the_stages(tmp_path):
+    events = [e for e in gpu_step(3, 0, 0) if not e["name"].startswith("ProfilerStep")]
+    s = summary(write_trace(tmp_path / "t.pt.trace.json", events))
+    assert s["window"] == "whole trace" and s["totals"]["steps"] == 0
+    assert s["totals"]["stages"]["backward"]["device_busy_ms"] == pytest.approx(0.300)
+    assert s["totals"]["stages"]["forward"]["host_ms"] == pytest.approx(0.300)
+
+
+def test_unknown_device_category_and_gpu_user_annotation(tmp_path):
+    """Work of a category this tool does not know counts when it carries the on-device conventions
+    (a stream); gpu_user_annotation (ranges drawn on the device timeline) is not work."""
+    events = gpu_step(3, 0, 0)
+    for e in events:
+        if e["name"].startswith("Memcpy"):
+            e["cat"] = "future_device_activity"
+    s = summary(write_trace(tmp_path / "t.json", events))
+    assert s["steps"][0]["kernels"] == 5 and s["steps"][0]["device_busy_ms"] == pytest.approx(0.410)
+    only_annotation = [e for e in gpu_step(3, 0, 0)
+                       if e["cat"] != "kernel" and not e["name"].startswith("Memcpy")]
+    assert summary(write_trace(tmp_path / "a.json", only_annotation))["cpu_only"] is True
+
+
+def test_overlapping_steps_are_not_counted_twice(tmp_path):
+    """Step 4's range overlaps step 3's (an eval inside the window): the total host time and device
+    span are unions, not sums of per-step spans."""
+    events = gpu_step(3, 0, 0) + gpu_step(4, 500, 100)  # step 4 opens halfway through step 3
+    s = summary(write_trace(tmp_path / "t.json", events))
+    assert sum(r["host_ms"] for r in s["steps"]) == pytest.approx(2.0)
+    assert s["totals"]["host_ms"] == pytest.approx(1.5)
+    assert all(r["device_span_ms"] > 0 for r in s["steps"])
+    per_step_span = sum(r["device_span_ms"] for r in s["steps"])
+    assert s["totals"]["device_span_ms"] < per_step_span
+    work = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] in ("kernel", "gpu_memcpy")]
+    assert s["totals"]["device_busy_ms"] == pytest.approx(sweep_busy_us(work) / 1000, rel=0.01)
+
+
+MALFORMED = [
+    {"ph": "X", "cat": "cpu_op", "name": "aten::add", "pid": 100, "tid": 1, "ts": 1, "dur": 1, "args": None},
+    {"ph": "X", "cat": "cpu_op", "name": "aten::add", "pid": 100, "tid": 1, "ts": "12", "dur": 1, "args": {}},
+    {"ph": "X", "cat": "cpu_op", "name": "aten::add", "pid": 100, "tid": 1, "ts": 12},
+    {"ph": "X", "cat": "cpu_op", "name": 42, "pid": 100, "tid": 1, "ts": 12, "dur": 1},
+    {"ph": "X", "cat": "kernel", "name": "k", "pid": [0], "tid": 7, "ts": 12, "dur": 1, "args": {}},
+    {"ph": "X", "cat": {"a": 1}, "name": "k", "pid": 0, "tid": 7, "ts": 12, "dur": 1},
+    {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 12, "dur": -5, "args": {}},
+    {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": True, "dur": 1, "args": {}},
+    "not an event",
+    None,
+]
+
+
+def test_malformed_events_are_skipped_and_counted(tmp_path):
+    events = gpu_step(3, 0, 0)
+    events[7]["args"] = {"correlation": [1, 2]}  # an unhashable correlation id: the work is just unlaunched
+    path = write_trace(tmp_path / "odd.json", events + MALFORMED)
+    s = summary(path)
+    assert s["malformed_events"] == len(MALFORMED)
+    assert [r["step"] for r in s["steps"]] == [3]
+    assert f"{len(MALFORMED)} malformed events skipped" in ok(path)
+
+
+@pytest.mark.parametrize("content", [
+    '{"traceEvents": []}',
+    '{"traceEvents": {"a": 1}}',
+    "42",
+    '"a string"',
+    json.dumps({"traceEvents": MALFORMED}),
+    '{"traceEvents": [{"ph": "M", "name": "process_name"}]}',
+])
+def test_a_file_that_is_not_a_trace_gets_one_line(tmp_path, content):
+    (tmp_path / "x.json").write_text(content)
+    assert "x.json" in fails(tmp_path / "x.json")
+
+
+def test_odd_header_types_do_not_crash(tmp_path):
+    path = write_trace(tmp_path / "t.json", gpu_step(3, 0, 0), distributedInfo={"rank": "zero"},
+                       deviceProperties=None)
+    assert summary(path)["rank"] is None
+    write_trace(tmp_path / "u.json", gpu_step(3, 0, 0), distributedInfo=[1, 2])
+    assert summary(tmp_path / "u.json")["rank"] is None
+
+
+def test_folder_takes_any_json_ordered_by_rank(tmp_path):
+    """Any *.json / *.json.gz, ordered by distributedInfo.rank (not by name); files that are not
+    traces are listed as skipped; a folder with no trace at all is refused in one line."""
+    write_trace(tmp_path / "a_worker.json", gpu_step(3, 0, 0), distributedInfo={"rank": 1})
+    write_trace(tmp_path / "b_worker.json.gz", gpu_step(3, 0, 0), distributedInfo={"rank": 0})
+    (tmp_path / "config.json").write_text('{"lr": 0.1}')
+    folder = json.loads(ok(tmp_path, "--json"))
+    assert [(Path(t["file"]).name, t["rank"]) for t in folder["traces"]] == [("b_worker.json.gz", 0),
+                                                                              ("a_worker.json", 1)]
+    assert [Path(d["file"]).name for d in folder["skipped"]] == ["config.json"]
+    text = ok(tmp_path)
+    assert text.index("(rank 0)") < text.index("(rank 1)")
+    assert "skipped 1 .json file(s) that are not traces: config.json" in text
+    empty = tmp_path / "none"
+    empty.mkdir()
+    (empty / "config.json").write_text('{"lr": 0.1}')
+    assert "none of the 1 .json/.json.gz files" in fails(empty)
+
+
+@pytest.mark.parametrize("name, verdict", [
+    ("void fbgemm_gpu::split_embedding_codegen_forward_unweighted_kernel<c10::Half, float, 8>", "-"),
+    ("void fbgemm_gpu::batched_embedding_backward_kernel<c10::Half, c10::BFloat16>", "-"),
+    ("Cijk_Ailk_Bljk_HHS_BH_MT128x128x32_MI16x16x1_SN_1LDSB0_APM1_ABV0", "yes"),  # Tensile, MFMA
+    ("Cijk_Alik_Bljk_BBS_BH_Bias_HA_S_SAV_UserArgs_MT256x256x64_MI32x32x8_SN_LDSB1", "yes"),  # hipBLASLt
+    ("Cijk_Ailk_Bljk_SB_MT64x64x8_SE_K1", "no"),  # Tensile without an MFMA shape: VALU
+    ("void ck::kernel_gemm_xdl_cshuffle_v3<ck::half_t>", "yes"),
+    ("sm80_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_tilesize128x128x32", "yes"),
+    ("void cudnn::cnn::conv2d_grouped_direct_kernel<float, float, float>", "no"),
+    ("volta_scudnn_128x64_relu_interior_nn_v1", "no"),
+    ("void cudnn::detail::dgrad_engine<float, 512, 6, 5, 3, 3, 3, false>", "no"),
+    ("void at::native::unrolled_elementwise_kernel<convert_to_half>", "-"),  # convert is not conv
+    ("void cudnn::bn_fw_tr_1C11_kernel_NCHW<float, float, 512, true, 1>", "-"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "-"),
+])
+def test_tensor_core_verdict_only_for_gemm_and_convolution(name, verdict):
+    assert tensor_cores(name) == verdict
+
+
+def test_help_documents_the_rules():
+    text = ok("--help")
+    for rule in ("fbgemm", "Cijk_", "mtia_ccp_events", "malformed", "gpu_user_annotation",
+                 "waiting on all-reduce"):
+        assert rule in text
+
+
+# ---------------------------------------------------------------------------- communication
+
+def comm_step(kind: str) -> list[dict]:
+    """One step whose backward [400, 900] holds a collective. gloo: c10d::allreduce_ on the main
+    thread at 600, gloo:all_reduce on gloo's thread from 610 to 880, an aten op on the main thread
+    from 700 to 720 (not waiting). nccl: an NCCL kernel launched at 600 runs 650-850 on its stream."""
+    events = gpu_step(3, 0, 0)
+    if kind == "gloo":
+        events = [e for e in events if e["cat"] not in ("kernel", "gpu_memcpy", "cuda_runtime")]
+        events += [
+            {"ph": "X", "cat": "cpu_op", "name": "c10d::allreduce_", "pid": PID, "tid": MAIN, "ts": 600,
+             "dur": 5, "args": {}},
+            {"ph": "X", "cat": "user_annotation", "name": "gloo:all_reduce", "pid": PID, "tid": 77, "ts": 610,
+             "dur": 270, "args": {}},
+            {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "pid": PID, "tid": 77, "ts": 620, "dur": 10,
+             "args": {}},  # inside the collective on its own thread: part of it
+            {"ph": "X", "cat": "cpu_op", "name": "aten::add_", "pid": PID, "tid": MAIN, "ts": 700, "dur": 20,
+             "args": {}},
+        ]
+    else:
+        events += [
+            {"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "pid": PID, "tid": AUTOGRAD, "ts": 598,
+             "dur": 8, "args": {}},
+            {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": PID, "tid": AUTOGRAD,
+             "ts": 600, "dur": 4, "args": {"correlation": 50}},
+            {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "pid": 0,
+             "tid": 20, "ts": 650, "dur": 200, "args": {"correlation": 50, "stream": 20}},
+        ]
+    return events
+
+
+def test_gloo_wait_is_named_in_the_backward(tmp_path):
+    path = write_trace(tmp_path / "gloo.json", comm_step("gloo"))
+    bwd = summary(path)["steps"][0]["stages"]["backward"]
+    # In flight 600-605 and 610-880 (275 us), of which 700-720 the main thread ran aten::add_: 255 us.
+    assert bwd["comm_host_ms"] == pytest.approx(0.255) and bwd["comm_kind"] == "all-reduce"
+    assert summary(path)["steps"][0]["stages"]["forward"]["comm_host_ms"] == 0
+    assert "backward 0.5 ms, of which waiting on all-reduce: 0.3 ms (compute 0.2 ms)" in ok(path)
+
+
+def test_nccl_kernels_are_the_device_side_of_communication(tmp_path):
+    path = write_trace(tmp_path / "nccl.json", comm_step("nccl"))
+    bwd = summary(path)["steps"][0]["stages"]["backward"]
+    assert bwd["comm_device_ms"] == pytest.approx(0.200) and bwd["comm_kind"] == "all-reduce"
+    assert bwd["kernels"] == 4
+    assert bwd["comm_host_ms"] == pytest.approx(0.008)  # record_param_comms: nothing else ran then
+    assert "all-reduce kernels on the device: 0.2 ms" in ok(path)
+
+
+@pytest.mark.ddp
+def test_the_waiting_rank_shows_its_wait_in_the_backward(tmp_path):
+    """A real 2-rank gloo run where rank 1's forward sleeps 200 ms: rank 0 waits for it in the
+    backward's all-reduce, and the trace says so; rank 1's backward does not wait."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "train_minimal.py"), *TINY, "--num-steps", "8", "--use-profiler",
+           "--profile-ranks", "all", "--simulate-slow-rank", "1:200:forward", "--out-dir", str(out)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy())
+    assert result.returncode == 0, result.stderr[-3000:]
+    folder = json.loads(ok(out, "--json"))
+    assert [t["rank"] for t in folder["traces"]] == [0, 1]
+    assert [Path(d["file"]).name for d in folder["skipped"]] == ["config.json"]
+    rank0, rank1 = (t["totals"]["stages"]["backward"] for t in folder["traces"])
+    assert rank0["comm_kind"] == "all-reduce"
+    assert rank0["comm_host_ms"] > 0.5 * rank0["host_ms"]
+    assert rank0["comm_host_ms"] > 100 * len(folder["traces"][0]["steps"])  # most of the 200 ms each step
+    assert rank1["comm_host_ms"] < rank0["comm_host_ms"] / 3
+    assert "backward" in ok(out) and "of which waiting on all-reduce" in ok(out)
+
+
+# ---------------------------------------------------------------------------- odd field types (issue 14)
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(10 ** 30), max_value=10 ** 30)
+    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=5)
+FIELDS = ["ph", "cat", "name", "pid", "tid", "ts", "dur", "args", "correlation", "stream"]
+
+
+# 150 cases keep the suite fast; TRACES_FUZZ_EXAMPLES=3000 hunts longer.
+@settings(max_examples=int(os.environ.get("TRACES_FUZZ_EXAMPLES", "150")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(changes=st.lists(st.tuples(st.integers(0, 60), st.sampled_from(FIELDS), JSON_VALUES), max_size=6),
+       header=JSON_VALUES)
+def test_odd_field_types_never_crash(tmp_path, changes, header):
+    """Any field of any event, or the header's distributedInfo, replaced by any JSON value: the
+    summary is made (the odd events counted as malformed) or the file is refused with a TraceError,
+    never another exception, in the JSON and the text output alike."""
+    events = comm_step("nccl") + comm_step("gloo")
+    for index, field, value in changes:
+        event = events[index % len(events)]
+        if field in ("correlation", "stream"):
+            if isinstance(event.get("args"), dict):
+                event["args"][field] = value
+        else:
+            event[field] = value
+    path = tmp_path / "fuzz.json"
+    path.write_text(json.dumps({"traceEvents": events, "distributedInfo": header}))
+    try:
+        s = traces_mod.summarize(path)
+    except traces_mod.TraceError:
+        return
+    assert s["malformed_events"] >= 0
+    json.dumps(s)
+    traces_mod.render(s)

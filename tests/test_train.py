@@ -77,16 +77,13 @@ def test_gradient_accumulation_matches_a_bigger_batch(tmp_path):
     torch.testing.assert_close(grads[0], grads[1])
 
 
-def stop_during_step(monkeypatch, stop_step: int) -> None:
-    """Send this process SIGTERM while step `stop_step` (1-based) runs, as a scheduler would."""
-    get_lr = train_minimal.get_lr
-
-    def get_lr_then_signal(step, cfg):
-        if step + 1 == stop_step:
+def sigterm_at(stop_step: int):
+    """An on_step callback (train_minimal.main's seam) that sends this process SIGTERM as step
+    `stop_step` (1-based) starts, as a scheduler would."""
+    def on_step(step: int) -> None:
+        if step == stop_step:
             os.kill(os.getpid(), signal.SIGTERM)
-        return get_lr(step, cfg)
-
-    monkeypatch.setattr(train_minimal, "get_lr", get_lr_then_signal)
+    return on_step
 
 
 @pytest.mark.parametrize("extra", [[], ["--grad-accum-steps", "2"]])
@@ -94,9 +91,7 @@ def test_resume_repeats_the_uninterrupted_losses(tmp_path, monkeypatch, extra):
     flags = [*TINY, *extra, "--dropout", "0.1", "--log-interval", "1", "--eval-interval", "3", "--num-steps", "8"]
     full, part = tmp_path / "full", tmp_path / "part"
     assert train_minimal.cli([*flags, "--out-dir", str(full)]) == 0
-    with monkeypatch.context() as m:
-        stop_during_step(m, 4)
-        assert train_minimal.cli([*flags, "--out-dir", str(part)]) == 128 + signal.SIGTERM
+    assert train_minimal.cli([*flags, "--out-dir", str(part)], on_step=sigterm_at(4)) == 128 + signal.SIGTERM
     assert train_minimal.cli([*flags, "--out-dir", str(part), "--resume"]) == 0
     expected = {r["step"]: (r["loss"], r["val_loss"]) for r in read_metrics(full)}
     resumed = {r["step"]: (r["loss"], r["val_loss"]) for r in read_metrics(part)[4:]}

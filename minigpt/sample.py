@@ -1,0 +1,69 @@
+"""Text from a trained checkpoint: the model rebuilt from the checkpoint's own shape, and the
+sampling loop (temperature, top-k, a seeded generator). sample.py at the repository root is the
+command line around it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from minigpt.checkpoint import load_checkpoint
+from minigpt.config import UsageError
+from minigpt.model import GPT, GPTConfig
+
+
+def load_model(path: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
+    """The GPT of a checkpoint (loaded as data, weights_only) in eval mode, and the run's
+    training config (which tokenizer, toy data or not)."""
+    state = load_checkpoint(path)
+    known = {f.name for f in fields(GPTConfig)}
+    cfg = GPTConfig(**{k: v for k, v in state["model_config"].items() if k in known})
+    cfg.dropout, cfg.activation_checkpoint = 0.0, False  # sampling: no dropout, no backward to save for
+    model = GPT(cfg)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        raise UsageError(f"checkpoint {path}: its weights do not fit its model_config "
+                         f"({str(e).splitlines()[0]}); the file was edited or damaged") from None
+    return model.to(device).eval(), state["config"]
+
+
+def vocab_in_use(train_config: dict, n_vocab: int | None) -> int | None:
+    """The ids the model was trained to produce: the tokenizer's (the embedding is padded past
+    them to a multiple of 64) or the toy task's vocabulary. Ids beyond it are never sampled."""
+    if train_config.get("use_toy_data"):
+        return train_config.get("vocab_size")
+    return n_vocab
+
+
+@torch.no_grad()
+def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, generator: torch.Generator | None = None,
+             vocab_size: int | None = None) -> torch.Tensor:
+    """Extend each row of idx (batch, time) by max_new_tokens sampled tokens.
+
+    The context is cropped to the model's max_position_embeddings (its position table ends
+    there). Logits are divided by temperature (below 1: sharper; above: flatter); top_k keeps only
+    the k likeliest tokens (top_k=1 is greedy decoding); ids >= vocab_size (padding) are never
+    drawn. The draw uses `generator`, so a seed fixes the text."""
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a positive finite number, not {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be at least 1, not {top_k}")
+    context = model.cfg.max_position_embeddings
+    for _ in range(max_new_tokens):
+        logits, _ = model(idx[:, -context:])
+        logits = logits[:, -1, :].float() / temperature
+        if vocab_size is not None and vocab_size < logits.size(-1):
+            logits[:, vocab_size:] = -math.inf
+        if top_k is not None and top_k < logits.size(-1):
+            kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, -math.inf)
+        probs = F.softmax(logits, dim=-1)
+        nxt = torch.multinomial(probs, num_samples=1, generator=generator)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx
