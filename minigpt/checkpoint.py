@@ -337,3 +337,27 @@ def load_sharded(folder: str | Path, model: torch.nn.Module, optimizer: torch.op
         return torch.load(extra_file, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001
         raise UsageError(f"{extra_file} is missing or corrupt ({type(e).__name__})") from None
+
+
+def sharded_checkpoint_dir(path: str | Path) -> Path:
+    """Where a sharded checkpoint goes for a --checkpoint-path (default checkpoints/ckpt.pt): the
+    same name without its suffix, a folder (checkpoints/ckpt/)."""
+    return Path(path).with_suffix("")
+
+
+def check_sharded_path(folder: str | Path, resume: bool) -> None:
+    """Before anything is built, as check_checkpoint_path for one file: --resume needs a sharded
+    checkpoint there, a new run must not overwrite one."""
+    folder = Path(folder)
+    old = folder.with_name(folder.name + ".old")  # a crash between save_sharded's two renames
+    found = (folder / SHARDED_META).is_file() or (old / SHARDED_META).is_file()
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"sharded checkpoint path {folder} is a file; --fsdp/--tp write a folder of shards "
+                         "there: choose another --checkpoint-path")
+    if resume and not found:
+        raise UsageError(f"no sharded checkpoint at {folder} to resume from; train without --resume first, "
+                         "or point --checkpoint-path at one (a checkpoint of one file resumes without "
+                         "--fsdp/--tp)")
+    if not resume and found:
+        raise UsageError(f"{folder} already holds a checkpoint; pass --resume to continue that run, "
+                         "or choose another --out-dir / --checkpoint-path")

@@ -296,3 +296,37 @@ def test_two_torchrun_agents_as_two_nodes(tmp_path):
     records = [json.loads(open(f"{out}.rank{r}.json").read()) for r in range(2)]
     assert [r["worker"] for r in records] == ["rank0_dp0", "rank1_dp1"]
     assert records[0]["losses"] == records[1]["losses"] and len(records[0]["losses"]) == 3
+
+
+# ---------------------------------------------------------------------------- the trainer
+
+def test_trainer_refuses_fsdp_without_torchrun(capsys):
+    from conftest import fails
+
+    assert "launch with torchrun" in fails(capsys, *TRAINER_TINY, "--fsdp")
+
+
+TRAINER_TINY = ["--use-toy-data", "--preset", "tiny", "--num-steps", "6", "--log-interval", "3"]
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, worker", [(["--fsdp"], "rank1_dp1"), (["--tp", "2"], "rank1_dp0_tp1")])
+def test_trainer_end_to_end_under_fsdp_and_tp(tmp_path, flags, worker):
+    out = tmp_path / "run"
+
+    def train(*extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(ROOT / "train_minimal.py"), *TRAINER_TINY, *flags, "--out-dir", str(out),
+               "--memory-profiler", "--memory-profile-step", "5", "--profile-ranks", "all", *extra]
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    result = train()
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [3, 6] and all(r["loss"] == r["loss"] for r in rows)
+    assert (out / "checkpoints" / "ckpt" / ".metadata").is_file()  # sharded, through DCP
+    assert (out / "memory_trace" / worker).is_dir()
+    result = train("--num-steps", "8", "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Resumed from" in (out / "train.log").read_text()
