@@ -193,6 +193,7 @@ def render(data: dict) -> str:
         f"variants interleaved over {data['repeats']} round(s). The machine was shared with other "
         "developers' jobs: treat differences under ~20% as noise.",
         "",
+        *([data["note"], ""] if data.get("note") else []),
         "**Caveat: gloo between processes on one 2-core CPU is not NCCL over NVLink.** The collectives "
         "run on the same cores as the compute and the ranks outnumber the cores at 4, so communication "
         "weighs far more here than on GPUs. docs/parallel.md predicts 8 H100s from a model instead.",
@@ -228,6 +229,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1, help="rounds over all variants (interleaved)")
     p.add_argument("--render", action="store_true", help="rewrite the .md from the saved .json")
+    p.add_argument("--note", help="a sentence about this run for the results (e.g. what else loaded the machine)")
     # the worker's own flags (under torchrun)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -266,7 +268,7 @@ def main(argv=None) -> int:
         rs = sorted(rs, key=lambda r: r["tokens_per_s"]["median"])
         results.append(rs[len(rs) // 2])
     data = {"meta": stamp(sys.argv), "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
-            "results": results, "skipped": skipped}
+            "results": results, "skipped": skipped, "note": args.note}
     RESULTS.mkdir(parents=True, exist_ok=True)
     save_json(STEM, data)
     STEM.with_suffix(".md").write_text(render(data))
