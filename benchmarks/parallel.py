@@ -229,7 +229,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1, help="rounds over all variants (interleaved)")
     p.add_argument("--render", action="store_true", help="rewrite the .md from the saved .json")
-    p.add_argument("--note", help="a sentence about this run for the results (e.g. what else loaded the machine)")
+    p.add_argument("--note", help="a sentence on this run for the results (what else loaded the machine)")
     # the worker's own flags (under torchrun)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
