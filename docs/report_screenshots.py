@@ -37,8 +37,13 @@ def chromium_path() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def check_page(report: Path, screenshot: Path | None = None, full_page: bool = False,
-               width: int = 1400, height: int = 1000) -> dict:
+def check_page(
+    report: Path,
+    screenshot: Path | None = None,
+    full_page: bool = False,
+    width: int = 1400,
+    height: int = 1000,
+) -> dict:
     """Load the report; return {"errors": [console errors], "outside": [non-file URLs requested],
     "sections": [per-section state]}. Takes a screenshot when asked."""
     from playwright.sync_api import sync_playwright
@@ -81,15 +86,22 @@ def main() -> int:
     p.add_argument("--height", type=int, default=1000)
     args = p.parse_args()
     if chromium_path() is None:
-        print("error: Chromium not found; install Debian's chromium (apt-get install chromium)", file=sys.stderr)
+        print(
+            "error: Chromium not found; install Debian's chromium (apt-get install chromium)", file=sys.stderr
+        )
         return 2
     if not args.report.is_file():
-        print(f"error: {args.report} does not exist; write it with python -m minigpt.report RUN", file=sys.stderr)
+        print(
+            f"error: {args.report} does not exist; write it with python -m minigpt.report RUN",
+            file=sys.stderr,
+        )
         return 2
     state = check_page(args.report, args.out, args.full_page, height=args.height)
     for s in state["sections"]:
-        print(f"{s['id']:<12} plots {s.get('plots', 0)} drawn {s.get('drawn', 0)} tables {s.get('tables', 0)} "
-              f"no-data notes {s.get('nodata', 0)}")
+        print(
+            f"{s['id']:<12} plots {s.get('plots', 0)} drawn {s.get('drawn', 0)} tables {s.get('tables', 0)} "
+            f"no-data notes {s.get('nodata', 0)}"
+        )
     bad = state["errors"] or state["outside"]
     for e in state["errors"]:
         print(f"console error: {e}", file=sys.stderr)

@@ -43,11 +43,11 @@ class RunError(Exception):
 class Run:
     path: Path
     config: dict
-    metrics: list[dict] = field(default_factory=list)       # metrics.jsonl, one dict per logged step
-    stragglers: list[dict] = field(default_factory=list)    # stragglers.jsonl (DDP)
-    traces: list[dict] = field(default_factory=list)        # traces.summarize() of each file, + "rank"
-    memory: list[dict] = field(default_factory=list)        # parse_memory_log()'s last state, + "rank", "folder"
-    problems: list[str] = field(default_factory=list)       # parts present but unreadable, one line each
+    metrics: list[dict] = field(default_factory=list)  # metrics.jsonl, one dict per logged step
+    stragglers: list[dict] = field(default_factory=list)  # stragglers.jsonl (DDP)
+    traces: list[dict] = field(default_factory=list)  # traces.summarize() of each file, + "rank"
+    memory: list[dict] = field(default_factory=list)  # parse_memory_log()'s last state, + "rank", "folder"
+    problems: list[str] = field(default_factory=list)  # parts present but unreadable, one line each
 
     @property
     def name(self) -> str:
@@ -106,8 +106,10 @@ def load_run(path: Path, with_traces: bool = True) -> Run:
         raise RunError(f"{path} is not a folder; give a run directory (the trainer's --out-dir)")
     config_path = path / CONFIG_FILE
     if not config_path.exists():
-        raise RunError(f"{path} is not a run directory: it has no {CONFIG_FILE} "
-                       "(give the folder a training run wrote, e.g. runs/<date-time>)")
+        raise RunError(
+            f"{path} is not a run directory: it has no {CONFIG_FILE} "
+            "(give the folder a training run wrote, e.g. runs/<date-time>)"
+        )
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -157,23 +159,37 @@ def timeline_events(path: Path, stages: tuple[str, ...]) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, EOFError) as e:
         raise traces.TraceError(f"{path} is not a JSON trace ({type(e).__name__}: {e})") from None
     events = data.get("traceEvents", []) if isinstance(data, dict) else data
-    xs = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"
-          and isinstance(e.get("ts"), (int, float)) and isinstance(e.get("dur"), (int, float))]
-    steps = sorted((e for e in xs if e.get("cat") == "user_annotation" and STEP_RE.match(str(e.get("name")))),
-                   key=lambda e: e["ts"])
+    xs = [
+        e
+        for e in events
+        if isinstance(e, dict)
+        and e.get("ph") == "X"
+        and isinstance(e.get("ts"), (int, float))
+        and isinstance(e.get("dur"), (int, float))
+    ]
+    steps = sorted(
+        (e for e in xs if e.get("cat") == "user_annotation" and STEP_RE.match(str(e.get("name")))),
+        key=lambda e: e["ts"],
+    )
     if not steps:
         return {"steps": [], "stages": [], "kernels": []}
     t0 = steps[0]["ts"]
     lo, hi = t0, max(e["ts"] + e["dur"] for e in steps)
 
     def rows(sel) -> list[tuple[str, float, float]]:
-        return sorted(((str(e.get("name")), (e["ts"] - t0) / 1000, e["dur"] / 1000) for e in sel),
-                      key=lambda r: r[1])
+        return sorted(
+            ((str(e.get("name")), (e["ts"] - t0) / 1000, e["dur"] / 1000) for e in sel), key=lambda r: r[1]
+        )
 
     return {
         "steps": rows(steps),
-        "stages": rows(e for e in xs if e.get("cat") == "user_annotation" and e.get("name") in stages
-                       and lo <= e["ts"] <= hi),
+        "stages": rows(
+            e
+            for e in xs
+            if e.get("cat") == "user_annotation" and e.get("name") in stages and lo <= e["ts"] <= hi
+        ),
         # Kernels of the window, and a little after it: a step's last kernels finish after its range.
-        "kernels": rows(e for e in xs if e.get("cat") in DEVICE_CATS and lo <= e["ts"] <= hi + 0.1 * (hi - lo)),
+        "kernels": rows(
+            e for e in xs if e.get("cat") in DEVICE_CATS and lo <= e["ts"] <= hi + 0.1 * (hi - lo)
+        ),
     }
