@@ -45,7 +45,8 @@ body { font: 14px/1.45 system-ui, sans-serif; margin: 0 auto; max-width: 1280px;
   color: #222; }
 h1 { margin: 0.8em 0 0.2em; } h2 { border-bottom: 1px solid #ccc; margin-top: 1.6em; }
 table { border-collapse: collapse; margin: 0.6em 0; }
-td, th { padding: 2px 10px; border-bottom: 1px solid #eee; text-align: right; } th { background: #f4f4f4; } td:first-child, th:first-child { text-align: left; }
+td, th { padding: 2px 10px; border-bottom: 1px solid #eee; text-align: right; } th { background: #f4f4f4; }
+td:first-child, th:first-child { text-align: left; }
 td.name { text-align: left; font-family: monospace; max-width: 60em; overflow-wrap: anywhere; }
 .nodata { color: #777; font-style: italic; } .problem { color: #a40; }
 .kv td { text-align: left; } .kv td:first-child { color: #555; }
