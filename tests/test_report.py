@@ -307,3 +307,11 @@ def test_report_opens_offline_in_chromium(cpu_run, tmp_path):
         drawn = {s["id"]: s for s in state["sections"]}
         assert all(drawn[k]["drawn"] for k in ("curves", "stages", "timeline", "operators"))
     assert drawn["memory"]["drawn"]  # the GPU run's CUDA peaks
+    # The comparison's page: the same pieces, the same rules.
+    from minigpt.compare import main as compare
+
+    assert compare([str(cpu_run), str(gpu), "--html", str(tmp_path / "cmp.html")]) == 0
+    state = shots.check_page(tmp_path / "cmp.html")
+    assert state["errors"] == [] and state["outside"] == []
+    present = [s for s in state["sections"] if s["present"]]
+    assert len(present) == 5 and all(s["drawn"] == s["plots"] for s in present)
