@@ -446,7 +446,10 @@ def timeline_section(run: Run) -> str:
         cells = [row["step"]]
         for n in names:
             st = row["stages"].get(n, {})
-            cells.append(fmt(st.get("host_ms")) + ("" if cpu else f" / {fmt(st.get('device_busy_ms'))}"))
+            cell = fmt(st.get("host_ms")) + ("" if cpu else f" / {fmt(st.get('device_busy_ms'))}")
+            if isinstance(st.get("comm_host_ms"), (int, float)):  # collectives inside the stage (DDP)
+                cell += f" (comm {fmt(st['comm_host_ms'])})"
+            cells.append(cell)
         cells.append(fmt(row.get("host_ms")) + ("" if cpu else f" / {fmt(row.get('device_busy_ms'))}"))
         rows.append(cells)
     unit = "host ms" if cpu else "host / device busy ms"
