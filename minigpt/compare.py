@@ -267,12 +267,43 @@ THROUGHPUT_LABELS = {
 }
 
 
+def headline(d: dict, top: int = 2) -> str:
+    """The comparison in one line, for a benchmark's findings: throughput, the stages that moved
+    most, the operators that explain it, and the peak memory. Ratios are B / A."""
+    parts = []
+    thr = {r["metric"]: r for r in d["throughput"]}
+    for key, name in (("tokens_per_s", "tokens/s"), ("tokens_per_s_e2e", "tokens/s end to end")):
+        if thr.get(key, {}).get("ratio") is not None:
+            parts.append(f"{name} {_x(thr[key]['ratio'])}")
+    moved = [r for r in d["stages"] if r.get("host_ratio") is not None and not split_parent(r["stage"])]
+    moved.sort(key=lambda r: abs((r["host_ms"][1] or 0) - (r["host_ms"][0] or 0)), reverse=True)
+    if moved:
+        parts.append("stages " + ", ".join(f"{r['stage']} {_x(r['host_ratio'])}" for r in moved[:top]))
+    ops = d["operators"][:top]
+    if ops:
+        parts.append(
+            "operators "
+            + ", ".join(
+                f"{r['name']} {r['delta_ms']:+.1f} ms"
+                + ("" if r["status"] in ("changed", "same") else f" ({r['status']})")
+                for r in ops
+            )
+        )
+    mem = {r["category"]: r for r in d["memory"]}
+    if mem.get("total", {}).get("ratio") is not None:
+        parts.append(f"peak memory {_x(mem['total']['ratio'])}")
+    return "; ".join(parts) or "nothing to compare"
+
+
 def format_compare(d: dict) -> str:
     """The comparison as text tables (what `python -m minigpt.compare A B` prints)."""
     a, b = d["a"], d["b"]
     out = [
-        *(f"{k}: {r['path']}  ({r['device']}, {r['amp']}, {r['world_size']} rank(s), "
-          f"{r['logged_steps']} logged steps)" for k, r in (("A", a), ("B", b))),
+        *(
+            f"{k}: {r['path']}  ({r['device']}, {r['amp']}, {r['world_size']} rank(s), "
+            f"{r['logged_steps']} logged steps)"
+            for k, r in (("A", a), ("B", b))
+        ),
         "ratios are B / A; medians over the logged steps after the first",
     ]
     out += [f"note: {n}" for n in d["notes"]]

@@ -8,7 +8,7 @@ import json
 import pytest
 from test_report import KERNEL, gpu_trace_events, make_run
 
-from minigpt.compare import compare_runs, format_compare, main
+from minigpt.compare import compare_runs, format_compare, headline, main
 
 MIB = 1024 * 1024
 
@@ -93,6 +93,9 @@ def test_text_output(pair):
     assert "tokens/s (per step, job)" in text and "2.00x" in text
     assert "forward" in text and "aten::mm" in text and "new" in text and "gone" in text
     assert "losses at the steps both runs logged" in text
+    line = headline(compare_runs(*pair))
+    assert line.startswith("tokens/s 2.00x; stages backward 0.50x, forward 0.50x; operators aten::mm -4.0 ms")
+    assert line.endswith("peak memory 0.85x")  # (16 + 6) / (16 + 10) MiB = 0.846
 
 
 def test_shapes_differ_flagged_and_traceless_runs_compare(tmp_path):
