@@ -568,7 +568,9 @@ def memory_section(run: Run) -> str:
                 + ", ".join(f'<a href="{esc(rel / n)}">{esc(n)}</a>' for n in links)
                 + "</p>"
             )
-    est = (b or {}).get("estimate") if b else None
+    est = dict((b or {}).get("estimate") or {}) or None
+    if est and "activations_peak" not in est and "activations" in est:
+        est["activations_peak"] = est["activations"]  # the estimate counts every saved tensor live at once
     if b:
         cats = [
             ("params", "parameters"),
