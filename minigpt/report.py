@@ -414,6 +414,7 @@ def timeline_section(run: Run) -> str:
                     name="kernels",
                     marker_color=KERNEL_COLOR,
                     text=[n[:120] for n, _, _ in kernels],
+                    textposition="none",
                     legendgroup="kernels",
                     showlegend="kernels" not in shown,
                     hovertemplate="%{text}<br>%{x:.3f} ms<extra></extra>",
