@@ -35,23 +35,62 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from minigpt import distributed, paths
-from minigpt.checkpoint import (check_checkpoint_path, check_same_shape, describe_intact, load_checkpoint, rng_state,
-                                save_checkpoint, set_rng_state)
-from minigpt.config import (EXTRA_ARGS_ENV, TrainConfig, UsageError, check_cuda_features, parse_args,
-                            profile_ranks, resolve_amp, resolve_device)
+from minigpt.checkpoint import (
+    check_checkpoint_path,
+    check_same_shape,
+    describe_intact,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from minigpt.config import (
+    EXTRA_ARGS_ENV,
+    TrainConfig,
+    UsageError,
+    check_cuda_features,
+    parse_args,
+    profile_ranks,
+    resolve_amp,
+    resolve_device,
+)
 from minigpt.cpu import keep_freed_memory
-from minigpt.data import (Batches, ToyBatches, builtin_corpus, check_enough_tokens, get_tokenizer,
-                          load_tokens, split_train_val)
-from minigpt.fileio import atomic_write
+from minigpt.data import (
+    Batches,
+    ToyBatches,
+    builtin_corpus,
+    check_enough_tokens,
+    get_tokenizer,
+    load_tokens,
+    split_train_val,
+)
 from minigpt.estimate import estimate_gpt, estimate_report, gpt_shape
+from minigpt.fileio import atomic_write
 from minigpt.instrument import Instruments, cpu_memory_report, cuda_memory_report
-from minigpt.metrics import (JsonlWriter, StepRecord, TensorBoardLogger, format_duration, format_log_line, mfu,
-                             peak_flops, perplexity, setup_logging)
-from minigpt.runs import RunLock, check_out_dir, clean_stale_tmp, latest_run, next_steps, probe_writable, repair_jsonl
-from minigpt.stages import STAGE_NAMES
+from minigpt.metrics import (
+    JsonlWriter,
+    StepRecord,
+    TensorBoardLogger,
+    format_duration,
+    format_log_line,
+    mfu,
+    peak_flops,
+    perplexity,
+    setup_logging,
+)
 from minigpt.model import GPT, GPTConfig, flops_per_token, pad_vocab
+from minigpt.report import write_report
+from minigpt.runs import (
+    RunLock,
+    check_out_dir,
+    clean_stale_tmp,
+    latest_run,
+    next_steps,
+    probe_writable,
+    repair_jsonl,
+)
+from minigpt.stages import STAGE_NAMES
 from minigpt.straggler import StragglerDetector, format_report, parse_slow_rank, rank_figures
-
 
 
 class NonFiniteLoss(Exception):
@@ -328,6 +367,17 @@ def guard_run_dir(out_dir: Path, ckpt_path: Path, cfg: TrainConfig, held: ExitSt
     return [f"removed {p}, a save killed midway" for p in clean_stale_tmp(ckpt_path.parent) + clean_stale_tmp(out_dir)]
 
 
+def write_run_report(out_dir: Path, dist_info: distributed.DistInfo, log: logging.Logger) -> None:
+    """report.html: the run in one offline page, written by rank 0 once every rank's trace is on disk.
+    A report that cannot be made costs a warning, never the run that trained."""
+    distributed.barrier(dist_info)
+    if dist_info.is_main:
+        try:
+            log.info(f"Report: {write_report(out_dir)} (one offline page; python -m minigpt.report rewrites it)")
+        except Exception as e:  # noqa: BLE001 - the training is done and saved; say what went wrong
+            log.warning(f"report not written: {type(e).__name__}: {e}")
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -483,6 +533,8 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
                  f"val ppl {perplexity(val):.1f}; {record.tokens_per_s:,.0f} tokens/s per step (the steps alone), "
                  f"{world_size * rate.tokens_per_step * done / elapsed:,.0f} tokens/s end to end (evaluations, "
                  "logging and checkpoints included)")
+    if not cfg.no_report:
+        write_run_report(out_dir, dist_info, log)
     log.info(f"Checkpoint: {ckpt_path}" if ckpt_path.is_file() else "Checkpoint: none (--no-checkpoint)")
     log.info(f"Run directory: {out_dir} ({paths.LOG_FILE}, {paths.METRICS_FILE}, {paths.CONFIG_FILE})")
     for line in next_steps(out_dir, (out_dir / paths.TRACE_DIR).is_dir(), (out_dir / paths.REPORT_FILE).is_file(),

@@ -15,7 +15,6 @@ through gloo never make the host wait for the GPU, so they cost no synchronisati
 from __future__ import annotations
 
 import gc
-
 import os
 import socket
 from contextlib import nullcontext

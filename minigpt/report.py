@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 
 from minigpt.fileio import atomic_write
-from minigpt.runfiles import REPORT_FILE, Run, RunError, load_run, timeline_events
+from minigpt.paths import REPORT_FILE
+from minigpt.runfiles import Run, RunError, load_run, timeline_events
 from minigpt.stages import STAGE_NAMES, color, label, split_parent
 
 MB = 1024 * 1024

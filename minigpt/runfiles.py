@@ -20,14 +20,11 @@ from pathlib import Path
 
 from minigpt import traces
 from minigpt.memory import MEMORY_LOG, parse_memory_log
+from minigpt.paths import CONFIG_FILE, MEMORY_TRACE_DIR, METRICS_FILE, STRAGGLERS_FILE, TRACE_DIR
 
-# The run directory's names (train_minimal.py writes them; design.md "Run directory").
-CONFIG_FILE = "config.json"
-METRICS_FILE = "metrics.jsonl"
-STRAGGLERS_FILE = "stragglers.jsonl"
-TRACES_DIR = "traces"
-MEMORY_TRACE_GLOB = "memory_trace/rank*_dp*"
-REPORT_FILE = "report.html"
+# The run directory's names are minigpt/paths.py's; the memory folders of every rank match this.
+MEMORY_TRACE_GLOB = MEMORY_TRACE_DIR.format(worker="rank*_dp*")
+TRACES_DIR = TRACE_DIR
 
 # Operators and kernels kept per trace: all of them, so that the comparison of two runs can tell
 # an operator that is gone from one that merely fell out of a top-10.
