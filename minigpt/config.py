@@ -367,7 +367,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "train_minimal.py") ->
 
     Flags in the environment variable MINIGPT_ARGS are appended to the command line, so they win
     over the same flags given there: a way to scale every command of a script or of the
-    walkthrough down to a quick run (MINIGPT_ARGS="--preset tiny --num-steps 8")."""
+    walkthrough down to a quick run (MINIGPT_ARGS="--preset tiny --num-steps 8"). --train-data and
+    --val-data add to the files given before them, there as on the command line."""
     try:
         extra = shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
     except ValueError as e:
