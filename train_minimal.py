@@ -34,15 +34,20 @@ from typing import Callable
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from minigpt import distributed, paths
+from minigpt import distributed, parallel, paths
 from minigpt.checkpoint import (
+    SHARDED_META,
     check_checkpoint_path,
     check_same_shape,
+    check_sharded_path,
     describe_intact,
     load_checkpoint,
+    load_sharded,
     rng_state,
     save_checkpoint,
+    save_sharded,
     set_rng_state,
+    sharded_checkpoint_dir,
 )
 from minigpt.config import (
     EXTRA_ARGS_ENV,
@@ -123,7 +128,9 @@ def configure_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: str) -
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=True)
+    # Under --fsdp/--tp each group must hold one kind of tensor (plain, or DTensors of one mesh) for
+    # the fused kernel: split_by_mesh splits them (a no-op for plain parameters).
+    return torch.optim.AdamW(parallel.split_by_mesh(groups), lr=cfg.lr, betas=(0.9, 0.95), fused=True)
 
 
 @torch.no_grad()
@@ -222,9 +229,11 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
                      dropout=cfg.dropout, activation_checkpoint=cfg.use_activation_checkpoint)
 
 
-def restore(ckpt_path: Path, cfg: TrainConfig, model: GPT, optimizer, scaler, batches: Batches,
+def restore(ckpt_path: Path, sharded: bool, cfg: TrainConfig, model: GPT, optimizer, scaler, batches: Batches,
             rank: int, world_size: int) -> int:
     """Load a checkpoint into the run; return its step. Refuses one that does not fit the flags."""
+    if sharded:
+        return restore_sharded(ckpt_path, cfg, model, optimizer, scaler, batches)
     state = load_checkpoint(ckpt_path)
     check_same_shape(state["model_config"], asdict(model.cfg), ckpt_path)
     if state["step"] >= cfg.num_steps:
@@ -247,6 +256,63 @@ def restore(ckpt_path: Path, cfg: TrainConfig, model: GPT, optimizer, scaler, ba
         set_rng_state(state["rng"])
         torch.manual_seed(cfg.seed + rank + state["step"])
     return state["step"]
+
+
+def restore_sharded(folder: Path, cfg: TrainConfig, model: GPT, optimizer, scaler, batches: Batches) -> int:
+    """restore() for --fsdp/--tp: every rank loads its shards (minigpt.checkpoint.load_sharded);
+    returns the step."""
+    extra = load_sharded(folder, model, optimizer)
+    check_same_shape(extra["model_config"], asdict(model.cfg), folder)
+    if extra["step"] >= cfg.num_steps:
+        raise UsageError(f"checkpoint {folder} is at step {extra['step']}, already past "
+                         f"--num-steps {cfg.num_steps}; raise --num-steps to train further")
+    scaler.load_state_dict(extra["scaler"])
+    batches.position = extra["data_position"]
+    set_rng_state(extra["rng"])  # this rank's own stream (rank 0's after a change of world size)
+    return extra["step"]
+
+
+def checkpoint_target(cfg: TrainConfig, out_dir: Path, sharded: bool) -> Path:
+    """The checkpoint this run writes (and resumes from), checked: a file, or under --fsdp/--tp a
+    folder of shards (DCP) that every rank writes."""
+    path = Path(cfg.checkpoint_path) if cfg.checkpoint_path else out_dir / paths.CHECKPOINT_FILE
+    if sharded:
+        path = sharded_checkpoint_dir(path)
+    (check_sharded_path if sharded else check_checkpoint_path)(path, cfg.resume)
+    return path
+
+
+def repair_logs(out_dir: Path, step: int) -> list[str]:
+    """On resume: drop metrics and straggler lines past the checkpoint's step, or cut short by a
+    crash, so no step appears twice. Returns what was done, for the log."""
+    dropped = {n: repair_jsonl(out_dir / n, step) for n in (paths.METRICS_FILE, paths.STRAGGLERS_FILE)}
+    return [f"dropped {k} line(s) of {n} past step {step} or cut short" for n, k in dropped.items() if k]
+
+
+def predicted_memory(cfg: TrainConfig, model: GPT, amp_dtype: str, device: str, plan):
+    """The estimate printed beside --memory-profiler's measurement: one rank's share under --fsdp/--tp."""
+    if not cfg.memory_profiler:
+        return None
+    shape = gpt_shape(cfg, model.cfg.vocab_size)
+    estimate = estimate_gpt(**shape, amp_dtype=amp_dtype, device=device,
+                            activation_checkpoint=cfg.use_activation_checkpoint)
+    if plan.sharded:
+        estimate = parallel.per_rank_memory_estimate(estimate, plan.dp, plan.tp, plan.fsdp, shape)
+    return estimate
+
+
+def save_run(path: Path, sharded: bool, model: GPT, optimizer, scaler, step: int, batches: Batches,
+             cfg: TrainConfig, dist_info: distributed.DistInfo) -> None:
+    """One file from rank 0 (every rank's RNG state gathered into it), or, under --fsdp/--tp, a
+    folder of shards that every rank writes (DCP) with the rest of the state beside them."""
+    if sharded:
+        extra = {"scaler": scaler.state_dict(), "step": step, "data_position": batches.position,
+                 "rng": rng_state(), "config": cfg.to_dict(), "model_config": asdict(model.cfg)}
+        save_sharded(path, model, optimizer, extra)
+        return
+    state = checkpoint_state(model, optimizer, scaler, step, batches, cfg, dist_info)
+    if dist_info.is_main:
+        save_checkpoint(path, state)
 
 
 def checkpoint_state(model, optimizer, scaler, step: int, batches: Batches, cfg: TrainConfig,
@@ -321,7 +387,8 @@ def is_log_step(step: int, cfg: TrainConfig) -> bool:
 
 def open_run_dir(out_dir: Path, cfg: TrainConfig, model: GPT, data: Data, rate: Throughput,
                  dist_info: distributed.DistInfo, device: str, amp_dtype: str, amp_note: str, peak_source: str,
-                 malloc_note: str | None, resumed_from: Path | None) -> logging.Logger:
+                 malloc_note: str | None, resumed_from: Path | None,
+                 plan_note: str | None = None, cleaned: list[str] = ()) -> logging.Logger:
     """Create the run directory, write config.json (rank 0) and say what this run is: the lines
     every log starts with. Returns the logger (rank 0 writes the log, metrics, TensorBoard, checkpoints)."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -342,7 +409,9 @@ def open_run_dir(out_dir: Path, cfg: TrainConfig, model: GPT, data: Data, rate: 
     log.info(f"Device: {device} ({device_name}), torch {torch.__version__}; {amp_note}")
     if malloc_note:
         log.info(malloc_note)
-    if dist_info.world_size > 1:
+    if plan_note:  # --fsdp / --tp
+        log.info(f"{plan_note}; {dist_info.backend} backend")
+    elif dist_info.world_size > 1:
         log.info(f"DDP: {dist_info.world_size} ranks, {dist_info.backend} backend; every rank draws its own batches")
     log.info(f"Data: {data.name}" + ("" if data.train_tokens is None else
              f"; {data.train_tokens:,} training tokens, {data.val_tokens:,} validation tokens"))
@@ -353,6 +422,8 @@ def open_run_dir(out_dir: Path, cfg: TrainConfig, model: GPT, data: Data, rate: 
              f"{rate.tokens_per_step:,} tokens per step per rank; {cfg.num_steps} steps")
     log.info(f"MFU peak: {rate.peak_flops / 1e12:.2f} TFLOP/s per device ({peak_source})")
     log.info(f"Resumed from {resumed_from} at step {rate.start_step}" if resumed_from else "Starting from scratch")
+    for line in cleaned:
+        log.info(f"Cleaned up after an earlier run: {line}")
     return log
 
 
@@ -404,55 +475,55 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
         print(estimate_report(cfg, device, amp_dtype, amp_note))
         return 0
     slow = parse_slow_rank(cfg.simulate_slow_rank, STAGE_NAMES) if cfg.simulate_slow_rank else None
+    parallel.check_plan(cfg, parallel.world_size_from_env())  # --fsdp / --tp: before any process group
     # Under torchrun: join the process group (NCCL on CUDA, gloo on the CPU). Otherwise world size 1.
     dist_info = distributed.setup(device, cfg.ddp_backend, cfg.ddp_timeout)
     rank, world_size, is_main = dist_info.rank, dist_info.world_size, dist_info.is_main
+    plan = parallel.make_plan(cfg, rank, world_size, device)  # the (dp, tp) mesh under --fsdp / --tp
     ranks = profile_ranks(cfg.profile_ranks, world_size)
     if slow and slow.rank >= world_size:
         raise UsageError(f"--simulate-slow-rank {cfg.simulate_slow_rank}: no rank {slow.rank} in a world of {world_size}")
     torch.manual_seed(cfg.seed)  # the same on every rank: the same initial weights
     out_dir = Path(distributed.gather(str(resolve_out_dir(cfg)), dist_info)[0])  # rank 0's choice
-    ckpt_path = Path(cfg.checkpoint_path) if cfg.checkpoint_path else out_dir / paths.CHECKPOINT_FILE
-    check_checkpoint_path(ckpt_path, cfg.resume)
-    stale = guard_run_dir(out_dir, ckpt_path, cfg, held) if is_main else []
+    ckpt_path = checkpoint_target(cfg, out_dir, plan.sharded)
+    stale = guard_run_dir(out_dir, ckpt_path / SHARDED_META if plan.sharded else ckpt_path, cfg, held) if is_main else []
 
     # ------------------------------------------------------------------ data, model, optimizer
-    data = load_data(cfg, rank, pin=device == "cuda")
+    data = load_data(cfg, plan.dp_rank, pin=device == "cuda")  # the ranks of a tp group share batches
     inst = Instruments(cfg, device=device, rank=rank, world_size=world_size, out_dir=out_dir,
-                       profiled=ranks is None or rank in ranks, worker=f"rank{rank}_dp{rank}",
+                       profiled=ranks is None or rank in ranks, worker=plan.worker,
                        sleep_ms={slow.stage: slow.ms} if slow and slow.rank == rank else None)
     if cfg.memory_snapshot_path and inst.memory_history:
         probe_writable(inst.snapshot_path, "--memory-snapshot-path")
     model = GPT(model_config(cfg, data.vocab_size)).to(device)
-    if rank:
-        torch.manual_seed(cfg.seed + rank)  # different dropout masks on each rank
+    if plan.sharded:  # in place, into DTensors: before the optimizer, which must hold those
+        parallel.parallelize(model, cfg, plan.mesh, device, amp_dtype)
+    if plan.dp_rank:  # different dropout masks per data-parallel rank (a tp group's ranks share theirs)
+        torch.manual_seed(cfg.seed + plan.dp_rank)
     optimizer = configure_optimizer(model, cfg, device)
     # fp16 needs loss scaling (its range is narrow); bf16 has fp32's range and needs none.
     scaler = torch.amp.GradScaler(device, enabled=amp_dtype == "fp16")
     autocast = (torch.autocast(device, dtype=torch.bfloat16 if amp_dtype == "bf16" else torch.float16)
                 if amp_on else nullcontext())
-    step = restore(ckpt_path, cfg, model, optimizer, scaler, data.train, rank, world_size) if cfg.resume else 0
-    ddp_model = distributed.wrap_ddp(model, dist_info, device)  # the model itself if world size 1
+    step = restore(ckpt_path, plan.sharded, cfg, model, optimizer, scaler, data.train, rank, world_size) if cfg.resume else 0
+    ddp_model = model if plan.sharded else distributed.wrap_ddp(model, dist_info, device)  # DDP from 2 ranks on
     train_model = torch.compile(ddp_model) if cfg.compile else ddp_model
     peak, peak_source = peak_flops(device, amp_dtype)
-    rate = Throughput(cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps, world_size, device,
+    # tokens per step: each data-parallel rank's batch (the ranks of a tp group share one)
+    rate = Throughput(cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps, plan.dp, device,
                       flops_per_token(model, cfg.seq_len), peak, step, 0.0)
 
     # ------------------------------------------------------------------ run directory
     if is_main and cfg.resume:  # a resumed run repeats the steps after its checkpoint: logged once each
-        dropped = {n: repair_jsonl(out_dir / n, step) for n in (paths.METRICS_FILE, paths.STRAGGLERS_FILE)}
-        stale += [f"dropped {k} line(s) of {n} past step {step} or cut short" for n, k in dropped.items() if k]
+        stale += repair_logs(out_dir, step)
     log = open_run_dir(out_dir, cfg, model, data, rate, dist_info, device, amp_dtype, amp_note, peak_source,
-                       malloc_note if device == "cpu" else None, resumed_from=ckpt_path if cfg.resume else None)
+                       malloc_note if device == "cpu" else None, resumed_from=ckpt_path if cfg.resume else None,
+                       plan_note=plan.describe(amp_dtype) if plan.sharded else None, cleaned=stale)
     metrics_file = JsonlWriter(out_dir / paths.METRICS_FILE, enabled=is_main)
     stragglers_file = JsonlWriter(out_dir / paths.STRAGGLERS_FILE, enabled=is_main and world_size > 1)
     tensorboard = TensorBoardLogger(out_dir / paths.TENSORBOARD_DIR, enabled=is_main, purge_step=step + 1)
-    for line in stale if is_main else []:
-        log.info(f"Cleaned up after an earlier run: {line}")
-    memory_estimate = estimate_gpt(**gpt_shape(cfg, model.cfg.vocab_size), amp_dtype=amp_dtype, device=device,
-                                   activation_checkpoint=cfg.use_activation_checkpoint) if cfg.memory_profiler else None
-    inst.attach(model, optimizer, step + 1, memory_estimate)
-    if world_size > 1 and cfg.stage_timing:  # the backward's compute without the all-reduce wait
+    inst.attach(model, optimizer, step + 1, predicted_memory(cfg, model, amp_dtype, device, plan))
+    if world_size > 1 and cfg.stage_timing and not plan.sharded:  # the backward's compute, not the all-reduce
         inst.timer.add_split("backward", "backward_compute")
         distributed.time_backward_compute(ddp_model, partial(inst.timer.split, "backward", "backward_compute"))
     stragglers = StragglerDetector(cfg.straggler_threshold)
@@ -483,7 +554,7 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
                     lr = set_lr(optimizer, get_lr(step, cfg))
                     if cfg.grad_clip > 0:
                         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                        parallel.clip_grad_norm(model.parameters(), cfg.grad_clip)  # DTensors too
                     scaler.step(optimizer)
                     scaler.update()
                     optimizer.zero_grad(set_to_none=True)
@@ -494,7 +565,8 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
 
             if is_log_step(step, cfg) or stop:  # outside the step: not in its clock nor in its ProfilerStep
                 values = check_finite(losses, step, dist_info, ckpt_path, amp_dtype)
-                if is_main and (step % cfg.eval_interval == 0 or last):
+                # sharded: every rank takes part (the forward has collectives)
+                if (is_main or plan.sharded) and (step % cfg.eval_interval == 0 or last):
                     val = evaluate(model, data.make_val(), cfg.eval_iters, device, autocast)
                 step_times, stages = inst.interval()
                 record = rate.record(cfg, step, values, lr, val, step_times, stages, data.train_tokens, amp_dtype)
@@ -509,12 +581,10 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
             if not cfg.no_checkpoint and (last or stop or cfg.save_interval and step % cfg.save_interval == 0):
                 if losses:
                     check_finite(losses, step, dist_info, ckpt_path, amp_dtype)
-                if not all(torch.isfinite(p).all() for p in model.parameters()):
+                if not all(torch.isfinite(parallel.local(p)).all() for p in model.parameters()):
                     raise NonFiniteLoss(f"the weights became non-finite at step {step}; "
                                         f"{describe_intact(ckpt_path)}; lower --lr")
-                state = checkpoint_state(model, optimizer, scaler, step, data.train, cfg, dist_info)
-                if is_main:
-                    save_checkpoint(ckpt_path, state)
+                save_run(ckpt_path, plan.sharded, model, optimizer, scaler, step, data.train, cfg, dist_info)
             if stop:
                 distributed.barrier(dist_info)  # no rank leaves (and gets torn down) before the save is done
                 signum = stop_signal[0] if stop_signal else signal.SIGTERM  # another rank's signal
@@ -535,10 +605,10 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
                  "logging and checkpoints included)")
     if not cfg.no_report:
         write_run_report(out_dir, dist_info, log)
-    log.info(f"Checkpoint: {ckpt_path}" if ckpt_path.is_file() else "Checkpoint: none (--no-checkpoint)")
+    log.info(f"Checkpoint: {ckpt_path}" if ckpt_path.exists() else "Checkpoint: none (--no-checkpoint)")
     log.info(f"Run directory: {out_dir} ({paths.LOG_FILE}, {paths.METRICS_FILE}, {paths.CONFIG_FILE})")
     for line in next_steps(out_dir, (out_dir / paths.TRACE_DIR).is_dir(), (out_dir / paths.REPORT_FILE).is_file(),
-                           has_checkpoint=ckpt_path.is_file(), checkpoint=cfg.checkpoint_path) if is_main else []:
+                           has_checkpoint=ckpt_path.exists(), checkpoint=cfg.checkpoint_path) if is_main else []:
         log.info(line)
     return 0
 

@@ -151,3 +151,213 @@ def check_same_shape(saved: dict, current: dict, path: str | Path) -> None:
     if diff:
         raise UsageError(f"checkpoint {path} holds a different model ({'; '.join(diff)}: checkpoint "
                          "vs flags); pass the flags it was trained with")
+
+
+# ---------------------------------------------------------------------------- sharded (DCP) checkpoints
+# Under --fsdp or --tp each rank holds only its shards: torch.distributed.checkpoint writes them
+# in parallel, one file per rank, and can reshard them on load to another world size.
+
+SHARDED_META = "minigpt_sharded.json"  # world size and tp of the writer, written by rank 0
+SHARDED_EXTRA = "extra_rank{rank}.pt"  # each rank's own `extra` (step, data position, its RNG)
+
+
+def _rank() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _model_tp(model: torch.nn.Module) -> int:
+    """The tensor-parallel degree the model was split with (1 without TP)."""
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()):
+            return p.device_mesh["tp"].size()
+    return 1
+
+
+def save_sharded(folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 extra: dict) -> None:
+    """Every rank writes its shards of the model and AdamW state into `folder`.tmp (DCP, files
+    fsynced), and its own `extra` (plain data and tensors: step, RNG state) beside them; after a
+    barrier rank 0 renames the folder into place. A crash mid-write leaves the previous checkpoint
+    whole; a crash between the two renames leaves it as `folder`.old, which load_sharded finds."""
+    import json
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    folder = Path(folder)
+    tmp, old = folder.with_name(folder.name + ".tmp"), folder.with_name(folder.name + ".old")
+    rank, world = _rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # the remains of a save that crashed
+        tmp.mkdir(parents=True)
+    _barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
+    save_checkpoint(tmp / SHARDED_EXTRA.format(rank=rank), extra)
+    if rank == 0:
+        meta = {"world_size": world, "tp": _model_tp(model), "format": 1}
+        with atomic_open(tmp / SHARDED_META, "w") as f:
+            f.write(json.dumps(meta))
+    _barrier()  # every rank's files are on disk
+    if rank == 0:
+        if folder.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            folder.rename(old)
+        tmp.rename(folder)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()  # no rank goes on (and maybe loads) before the rename
+
+
+# What DCP's metadata file may name when it is unpickled (read off the pickles DCP 2.13 writes): its
+# own dataclasses, torch's dtypes, Size and layout lookup, and pathlib's paths (the checkpoint_id).
+# Each is data or a harmless constructor; anything else (os.system, a class with __reduce__, any
+# other name in those modules) is refused before it is called.
+_SAFE_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties",
+                                              "_MEM_FORMAT_ENCODING", "ChunkStorageMetadata",
+                                              "BytesStorageMetadata", "MetadataIndex", "StorageMeta"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
+def _restricted_unpickler():
+    import pickle
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            if name in _SAFE_GLOBALS.get(module, ()):
+                return super().find_class(module, name)
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
+
+    return Restricted
+
+
+def _safe_reader_and_planner(folder: Path):
+    """DCP's FileSystemReader unpickles `.metadata` with plain pickle.load, and DefaultLoadPlanner
+    reads non-tensor values (the optimizer's lr, betas, ...) with torch.load(weights_only=False):
+    both could run code from the file. These subclasses read the metadata through a restricted
+    unpickler and those values with weights_only=True. (Tensors DCP already reads with
+    weights_only=True.)"""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = _restricted_unpickler()(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._traverse import set_element
+
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return SafeReader(folder), SafePlanner()
+
+
+def load_sharded(folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Load a save_sharded checkpoint into the (already parallelized) model and optimizer, as
+    data only, and return this rank's `extra`. At the writer's world size the continuation is
+    exact; at another world size DCP reshards the state, the extra of rank 0 is returned, and a
+    message says that the losses will not repeat exactly. Raises UsageError for a missing or
+    damaged folder or another tensor-parallel degree."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    folder = Path(folder)
+    if not (folder / SHARDED_META).is_file():
+        old = folder.with_name(folder.name + ".old")
+        if (old / SHARDED_META).is_file():
+            folder = old  # a crash between save_sharded's two renames
+        else:
+            raise UsageError(f"no sharded checkpoint at {folder} to resume from; train without --resume "
+                             "first, or point --checkpoint-path at one")
+    try:
+        meta = json.loads((folder / SHARDED_META).read_text())
+        saved_world, saved_tp = int(meta["world_size"]), int(meta["tp"])
+    except (ValueError, KeyError, TypeError):
+        raise UsageError(f"{folder / SHARDED_META} is damaged; use an earlier checkpoint") from None
+    rank, world = _rank()
+    tp = _model_tp(model)
+    if saved_tp != tp:
+        raise UsageError(f"checkpoint {folder} was saved with tensor-parallel degree {saved_tp}, this run "
+                         f"uses {tp}: the attention's qkv rows are grouped per tp rank; "
+                         f"resume with --tp {saved_tp}")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    reader, planner = _safe_reader_and_planner(folder)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, storage_reader=reader, planner=planner)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        fallback = lines[-1] if lines else type(e).__name__
+        why = next((line for line in lines if "not allowed" in line), fallback)
+        raise UsageError(f"sharded checkpoint {folder} is damaged or does not fit this model "
+                         f"({why[:300]})") from None
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if saved_world != world and rank == 0:
+        print(f"Resharding checkpoint {folder} from {saved_world} ranks to {world}: training continues "
+              "from its state, but the losses will not repeat exactly (another batch split and "
+              "reduction order)", flush=True)
+    extra_file = folder / SHARDED_EXTRA.format(rank=rank if saved_world == world else 0)
+    try:
+        return torch.load(extra_file, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise UsageError(f"{extra_file} is missing or corrupt ({type(e).__name__})") from None
+
+
+def sharded_checkpoint_dir(path: str | Path) -> Path:
+    """Where a sharded checkpoint goes for a --checkpoint-path (default checkpoints/ckpt.pt): the
+    same name without its suffix, a folder (checkpoints/ckpt/)."""
+    return Path(path).with_suffix("")
+
+
+def check_sharded_path(folder: str | Path, resume: bool) -> None:
+    """Before anything is built, as check_checkpoint_path for one file: --resume needs a sharded
+    checkpoint there, a new run must not overwrite one."""
+    folder = Path(folder)
+    old = folder.with_name(folder.name + ".old")  # a crash between save_sharded's two renames
+    found = (folder / SHARDED_META).is_file() or (old / SHARDED_META).is_file()
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"sharded checkpoint path {folder} is a file; --fsdp/--tp write a folder of shards "
+                         "there: choose another --checkpoint-path")
+    if resume and not found:
+        raise UsageError(f"no sharded checkpoint at {folder} to resume from; train without --resume first, "
+                         "or point --checkpoint-path at one (a checkpoint of one file resumes without "
+                         "--fsdp/--tp)")
+    if not resume and found:
+        raise UsageError(f"{folder} already holds a checkpoint; pass --resume to continue that run, "
+                         "or choose another --out-dir / --checkpoint-path")

@@ -85,7 +85,14 @@ def wrap_ddp(model: torch.nn.Module, info: DistInfo, device: str) -> torch.nn.Mo
 
 def no_grad_sync(model: torch.nn.Module, sync: bool):
     """DDP's no_sync() on gradient-accumulation micro-steps: gradients are all-reduced once per
-    optimizer step, on the last micro-batch, not on every one."""
+    optimizer step, on the last micro-batch, not on every one. Under FSDP2 (minigpt/parallel.py)
+    the same through set_requires_gradient_sync: unsharded gradients accumulate locally and are
+    reduce-scattered on the last micro-batch."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)  # applies to every FSDP module under the root
+        return nullcontext()
     if sync or not isinstance(model, DistributedDataParallel):
         return nullcontext()
     return model.no_sync()

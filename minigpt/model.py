@@ -45,13 +45,18 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        # (B, T, C) -> (B, heads, T, head_dim)
-        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        qkv = self.qkv(x)
+        # Under tensor parallelism (minigpt/parallel.py) this rank's qkv holds only its own heads:
+        # width 3 * C / tp, laid out [q | k | v] of those heads. Without it, all heads: 3 * C.
+        width = qkv.size(-1) // 3
+        heads = width // (C // self.n_heads)
+        q, k, v = qkv.split(width, dim=2)
+        # (B, T, width) -> (B, heads, T, head_dim)
+        q, k, v = (t.view(B, T, heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, width)
         return self.resid_dropout(self.proj(y))
 
 
