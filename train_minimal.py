@@ -608,7 +608,7 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
     log.info(f"Checkpoint: {ckpt_path}" if ckpt_path.exists() else "Checkpoint: none (--no-checkpoint)")
     log.info(f"Run directory: {out_dir} ({paths.LOG_FILE}, {paths.METRICS_FILE}, {paths.CONFIG_FILE})")
     for line in next_steps(out_dir, (out_dir / paths.TRACE_DIR).is_dir(), (out_dir / paths.REPORT_FILE).is_file(),
-                           has_checkpoint=ckpt_path.exists(), checkpoint=cfg.checkpoint_path) if is_main else []:
+                           has_checkpoint=ckpt_path.is_file(), checkpoint=cfg.checkpoint_path) if is_main else []:
         log.info(line)
     return 0
 
