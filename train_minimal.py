@@ -35,24 +35,67 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from minigpt import distributed, parallel, paths
-from minigpt.checkpoint import (SHARDED_META, check_checkpoint_path, check_same_shape, check_sharded_path,
-                                describe_intact, load_checkpoint, load_sharded, rng_state, save_checkpoint,
-                                save_sharded, set_rng_state, sharded_checkpoint_dir)
-from minigpt.config import (EXTRA_ARGS_ENV, TrainConfig, UsageError, check_cuda_features, parse_args,
-                            profile_ranks, resolve_amp, resolve_device)
+from minigpt.checkpoint import (
+    SHARDED_META,
+    check_checkpoint_path,
+    check_same_shape,
+    check_sharded_path,
+    describe_intact,
+    load_checkpoint,
+    load_sharded,
+    rng_state,
+    save_checkpoint,
+    save_sharded,
+    set_rng_state,
+    sharded_checkpoint_dir,
+)
+from minigpt.config import (
+    EXTRA_ARGS_ENV,
+    TrainConfig,
+    UsageError,
+    check_cuda_features,
+    parse_args,
+    profile_ranks,
+    resolve_amp,
+    resolve_device,
+)
 from minigpt.cpu import keep_freed_memory
-from minigpt.data import (Batches, ToyBatches, builtin_corpus, check_enough_tokens, get_tokenizer,
-                          load_tokens, split_train_val)
-from minigpt.fileio import atomic_write
+from minigpt.data import (
+    Batches,
+    ToyBatches,
+    builtin_corpus,
+    check_enough_tokens,
+    get_tokenizer,
+    load_tokens,
+    split_train_val,
+)
 from minigpt.estimate import estimate_gpt, estimate_report, gpt_shape
+from minigpt.fileio import atomic_write
 from minigpt.instrument import Instruments, cpu_memory_report, cuda_memory_report
-from minigpt.metrics import (JsonlWriter, StepRecord, TensorBoardLogger, format_duration, format_log_line, mfu,
-                             peak_flops, perplexity, setup_logging)
-from minigpt.runs import RunLock, check_out_dir, clean_stale_tmp, latest_run, next_steps, probe_writable, repair_jsonl
-from minigpt.stages import STAGE_NAMES
+from minigpt.metrics import (
+    JsonlWriter,
+    StepRecord,
+    TensorBoardLogger,
+    format_duration,
+    format_log_line,
+    mfu,
+    peak_flops,
+    perplexity,
+    setup_logging,
+)
 from minigpt.model import GPT, GPTConfig, flops_per_token, pad_vocab
+from minigpt.report import write_report
+from minigpt.runs import (
+    RunLock,
+    check_out_dir,
+    clean_stale_tmp,
+    latest_run,
+    next_steps,
+    probe_writable,
+    repair_jsonl,
+)
+from minigpt.stages import STAGE_NAMES
 from minigpt.straggler import StragglerDetector, format_report, parse_slow_rank, rank_figures
-
 
 
 class NonFiniteLoss(Exception):
@@ -186,9 +229,11 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
                      dropout=cfg.dropout, activation_checkpoint=cfg.use_activation_checkpoint)
 
 
-def restore(ckpt_path: Path, cfg: TrainConfig, model: GPT, optimizer, scaler, batches: Batches,
+def restore(ckpt_path: Path, sharded: bool, cfg: TrainConfig, model: GPT, optimizer, scaler, batches: Batches,
             rank: int, world_size: int) -> int:
     """Load a checkpoint into the run; return its step. Refuses one that does not fit the flags."""
+    if sharded:
+        return restore_sharded(ckpt_path, cfg, model, optimizer, scaler, batches)
     state = load_checkpoint(ckpt_path)
     check_same_shape(state["model_config"], asdict(model.cfg), ckpt_path)
     if state["step"] >= cfg.num_steps:
@@ -227,10 +272,47 @@ def restore_sharded(folder: Path, cfg: TrainConfig, model: GPT, optimizer, scale
     return extra["step"]
 
 
-def sharded_extra(scaler, step: int, batches: Batches, cfg: TrainConfig, model: GPT) -> dict:
-    """What save_sharded keeps beside the shards, per rank: the rest of checkpoint_state."""
-    return {"scaler": scaler.state_dict(), "step": step, "data_position": batches.position,
-            "rng": rng_state(), "config": cfg.to_dict(), "model_config": asdict(model.cfg)}
+def checkpoint_target(cfg: TrainConfig, out_dir: Path, sharded: bool) -> Path:
+    """The checkpoint this run writes (and resumes from), checked: a file, or under --fsdp/--tp a
+    folder of shards (DCP) that every rank writes."""
+    path = Path(cfg.checkpoint_path) if cfg.checkpoint_path else out_dir / paths.CHECKPOINT_FILE
+    if sharded:
+        path = sharded_checkpoint_dir(path)
+    (check_sharded_path if sharded else check_checkpoint_path)(path, cfg.resume)
+    return path
+
+
+def repair_logs(out_dir: Path, step: int) -> list[str]:
+    """On resume: drop metrics and straggler lines past the checkpoint's step, or cut short by a
+    crash, so no step appears twice. Returns what was done, for the log."""
+    dropped = {n: repair_jsonl(out_dir / n, step) for n in (paths.METRICS_FILE, paths.STRAGGLERS_FILE)}
+    return [f"dropped {k} line(s) of {n} past step {step} or cut short" for n, k in dropped.items() if k]
+
+
+def predicted_memory(cfg: TrainConfig, model: GPT, amp_dtype: str, device: str, plan):
+    """The estimate printed beside --memory-profiler's measurement: one rank's share under --fsdp/--tp."""
+    if not cfg.memory_profiler:
+        return None
+    shape = gpt_shape(cfg, model.cfg.vocab_size)
+    estimate = estimate_gpt(**shape, amp_dtype=amp_dtype, device=device,
+                            activation_checkpoint=cfg.use_activation_checkpoint)
+    if plan.sharded:
+        estimate = parallel.per_rank_memory_estimate(estimate, plan.dp, plan.tp, plan.fsdp, shape)
+    return estimate
+
+
+def save_run(path: Path, sharded: bool, model: GPT, optimizer, scaler, step: int, batches: Batches,
+             cfg: TrainConfig, dist_info: distributed.DistInfo) -> None:
+    """One file from rank 0 (every rank's RNG state gathered into it), or, under --fsdp/--tp, a
+    folder of shards that every rank writes (DCP) with the rest of the state beside them."""
+    if sharded:
+        extra = {"scaler": scaler.state_dict(), "step": step, "data_position": batches.position,
+                 "rng": rng_state(), "config": cfg.to_dict(), "model_config": asdict(model.cfg)}
+        save_sharded(path, model, optimizer, extra)
+        return
+    state = checkpoint_state(model, optimizer, scaler, step, batches, cfg, dist_info)
+    if dist_info.is_main:
+        save_checkpoint(path, state)
 
 
 def checkpoint_state(model, optimizer, scaler, step: int, batches: Batches, cfg: TrainConfig,
@@ -306,7 +388,7 @@ def is_log_step(step: int, cfg: TrainConfig) -> bool:
 def open_run_dir(out_dir: Path, cfg: TrainConfig, model: GPT, data: Data, rate: Throughput,
                  dist_info: distributed.DistInfo, device: str, amp_dtype: str, amp_note: str, peak_source: str,
                  malloc_note: str | None, resumed_from: Path | None,
-                 plan_note: str | None = None) -> logging.Logger:
+                 plan_note: str | None = None, cleaned: list[str] = ()) -> logging.Logger:
     """Create the run directory, write config.json (rank 0) and say what this run is: the lines
     every log starts with. Returns the logger (rank 0 writes the log, metrics, TensorBoard, checkpoints)."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -340,6 +422,8 @@ def open_run_dir(out_dir: Path, cfg: TrainConfig, model: GPT, data: Data, rate: 
              f"{rate.tokens_per_step:,} tokens per step per rank; {cfg.num_steps} steps")
     log.info(f"MFU peak: {rate.peak_flops / 1e12:.2f} TFLOP/s per device ({peak_source})")
     log.info(f"Resumed from {resumed_from} at step {rate.start_step}" if resumed_from else "Starting from scratch")
+    for line in cleaned:
+        log.info(f"Cleaned up after an earlier run: {line}")
     return log
 
 
@@ -352,6 +436,17 @@ def guard_run_dir(out_dir: Path, ckpt_path: Path, cfg: TrainConfig, held: ExitSt
         probe_writable(ckpt_path, "--checkpoint-path")
     held.enter_context(RunLock(out_dir))
     return [f"removed {p}, a save killed midway" for p in clean_stale_tmp(ckpt_path.parent) + clean_stale_tmp(out_dir)]
+
+
+def write_run_report(out_dir: Path, dist_info: distributed.DistInfo, log: logging.Logger) -> None:
+    """report.html: the run in one offline page, written by rank 0 once every rank's trace is on disk.
+    A report that cannot be made costs a warning, never the run that trained."""
+    distributed.barrier(dist_info)
+    if dist_info.is_main:
+        try:
+            log.info(f"Report: {write_report(out_dir)} (one offline page; python -m minigpt.report rewrites it)")
+        except Exception as e:  # noqa: BLE001 - the training is done and saved; say what went wrong
+            log.warning(f"report not written: {type(e).__name__}: {e}")
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
@@ -390,14 +485,8 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
         raise UsageError(f"--simulate-slow-rank {cfg.simulate_slow_rank}: no rank {slow.rank} in a world of {world_size}")
     torch.manual_seed(cfg.seed)  # the same on every rank: the same initial weights
     out_dir = Path(distributed.gather(str(resolve_out_dir(cfg)), dist_info)[0])  # rank 0's choice
-    ckpt_path = Path(cfg.checkpoint_path) if cfg.checkpoint_path else out_dir / paths.CHECKPOINT_FILE
-    if plan.sharded:  # every rank writes its shards: a folder (DCP) instead of one file
-        ckpt_path = sharded_checkpoint_dir(ckpt_path)
-        check_sharded_path(ckpt_path, cfg.resume)
-    else:
-        check_checkpoint_path(ckpt_path, cfg.resume)
-    probe = ckpt_path / SHARDED_META if plan.sharded else ckpt_path
-    stale = guard_run_dir(out_dir, probe, cfg, held) if is_main else []
+    ckpt_path = checkpoint_target(cfg, out_dir, plan.sharded)
+    stale = guard_run_dir(out_dir, ckpt_path / SHARDED_META if plan.sharded else ckpt_path, cfg, held) if is_main else []
 
     # ------------------------------------------------------------------ data, model, optimizer
     data = load_data(cfg, plan.dp_rank, pin=device == "cuda")  # the ranks of a tp group share batches
@@ -408,23 +497,16 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
         probe_writable(inst.snapshot_path, "--memory-snapshot-path")
     model = GPT(model_config(cfg, data.vocab_size)).to(device)
     if plan.sharded:  # in place, into DTensors: before the optimizer, which must hold those
-        ddp_model = parallel.parallelize(model, cfg, plan.mesh, device, amp_dtype)
-    if plan.dp_rank:
-        # Different dropout masks on each data-parallel rank; the ranks of one tp group draw the
-        # same ones, as their residual stream is replicated.
+        parallel.parallelize(model, cfg, plan.mesh, device, amp_dtype)
+    if plan.dp_rank:  # different dropout masks per data-parallel rank (a tp group's ranks share theirs)
         torch.manual_seed(cfg.seed + plan.dp_rank)
     optimizer = configure_optimizer(model, cfg, device)
     # fp16 needs loss scaling (its range is narrow); bf16 has fp32's range and needs none.
     scaler = torch.amp.GradScaler(device, enabled=amp_dtype == "fp16")
     autocast = (torch.autocast(device, dtype=torch.bfloat16 if amp_dtype == "bf16" else torch.float16)
                 if amp_on else nullcontext())
-    if cfg.resume:
-        step = (restore_sharded(ckpt_path, cfg, model, optimizer, scaler, data.train) if plan.sharded else
-                restore(ckpt_path, cfg, model, optimizer, scaler, data.train, rank, world_size))
-    else:
-        step = 0
-    if not plan.sharded:
-        ddp_model = distributed.wrap_ddp(model, dist_info, device)  # the model itself if world size 1
+    step = restore(ckpt_path, plan.sharded, cfg, model, optimizer, scaler, data.train, rank, world_size) if cfg.resume else 0
+    ddp_model = model if plan.sharded else distributed.wrap_ddp(model, dist_info, device)  # DDP from 2 ranks on
     train_model = torch.compile(ddp_model) if cfg.compile else ddp_model
     peak, peak_source = peak_flops(device, amp_dtype)
     # tokens per step: each data-parallel rank's batch (the ranks of a tp group share one)
@@ -433,22 +515,14 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
 
     # ------------------------------------------------------------------ run directory
     if is_main and cfg.resume:  # a resumed run repeats the steps after its checkpoint: logged once each
-        dropped = {n: repair_jsonl(out_dir / n, step) for n in (paths.METRICS_FILE, paths.STRAGGLERS_FILE)}
-        stale += [f"dropped {k} line(s) of {n} past step {step} or cut short" for n, k in dropped.items() if k]
+        stale += repair_logs(out_dir, step)
     log = open_run_dir(out_dir, cfg, model, data, rate, dist_info, device, amp_dtype, amp_note, peak_source,
                        malloc_note if device == "cpu" else None, resumed_from=ckpt_path if cfg.resume else None,
-                       plan_note=plan.describe(amp_dtype) if plan.sharded else None)
+                       plan_note=plan.describe(amp_dtype) if plan.sharded else None, cleaned=stale)
     metrics_file = JsonlWriter(out_dir / paths.METRICS_FILE, enabled=is_main)
     stragglers_file = JsonlWriter(out_dir / paths.STRAGGLERS_FILE, enabled=is_main and world_size > 1)
     tensorboard = TensorBoardLogger(out_dir / paths.TENSORBOARD_DIR, enabled=is_main, purge_step=step + 1)
-    for line in stale if is_main else []:
-        log.info(f"Cleaned up after an earlier run: {line}")
-    memory_estimate = estimate_gpt(**gpt_shape(cfg, model.cfg.vocab_size), amp_dtype=amp_dtype, device=device,
-                                   activation_checkpoint=cfg.use_activation_checkpoint) if cfg.memory_profiler else None
-    if memory_estimate is not None and plan.sharded:  # one rank's share of the model
-        memory_estimate = parallel.per_rank_memory_estimate(memory_estimate, plan.dp, plan.tp, plan.fsdp,
-                                                            gpt_shape(cfg, model.cfg.vocab_size))
-    inst.attach(model, optimizer, step + 1, memory_estimate)
+    inst.attach(model, optimizer, step + 1, predicted_memory(cfg, model, amp_dtype, device, plan))
     if world_size > 1 and cfg.stage_timing and not plan.sharded:  # the backward's compute, not the all-reduce
         inst.timer.add_split("backward", "backward_compute")
         distributed.time_backward_compute(ddp_model, partial(inst.timer.split, "backward", "backward_compute"))
@@ -480,10 +554,7 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
                     lr = set_lr(optimizer, get_lr(step, cfg))
                     if cfg.grad_clip > 0:
                         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-                        if plan.sharded:  # torch's refuses a mix of plain and DTensor gradients
-                            parallel.clip_grad_norm(model.parameters(), cfg.grad_clip)
-                        else:
-                            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                        parallel.clip_grad_norm(model.parameters(), cfg.grad_clip)  # DTensors too
                     scaler.step(optimizer)
                     scaler.update()
                     optimizer.zero_grad(set_to_none=True)
@@ -513,12 +584,7 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
                 if not all(torch.isfinite(parallel.local(p)).all() for p in model.parameters()):
                     raise NonFiniteLoss(f"the weights became non-finite at step {step}; "
                                         f"{describe_intact(ckpt_path)}; lower --lr")
-                if plan.sharded:  # every rank writes its shards
-                    save_sharded(ckpt_path, model, optimizer, sharded_extra(scaler, step, data.train, cfg, model))
-                else:
-                    state = checkpoint_state(model, optimizer, scaler, step, data.train, cfg, dist_info)
-                    if is_main:
-                        save_checkpoint(ckpt_path, state)
+                save_run(ckpt_path, plan.sharded, model, optimizer, scaler, step, data.train, cfg, dist_info)
             if stop:
                 distributed.barrier(dist_info)  # no rank leaves (and gets torn down) before the save is done
                 signum = stop_signal[0] if stop_signal else signal.SIGTERM  # another rank's signal
@@ -537,10 +603,12 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
                  f"val ppl {perplexity(val):.1f}; {record.tokens_per_s:,.0f} tokens/s per step (the steps alone), "
                  f"{world_size * rate.tokens_per_step * done / elapsed:,.0f} tokens/s end to end (evaluations, "
                  "logging and checkpoints included)")
+    if not cfg.no_report:
+        write_run_report(out_dir, dist_info, log)
     log.info(f"Checkpoint: {ckpt_path}" if ckpt_path.exists() else "Checkpoint: none (--no-checkpoint)")
     log.info(f"Run directory: {out_dir} ({paths.LOG_FILE}, {paths.METRICS_FILE}, {paths.CONFIG_FILE})")
     for line in next_steps(out_dir, (out_dir / paths.TRACE_DIR).is_dir(), (out_dir / paths.REPORT_FILE).is_file(),
-                           has_checkpoint=ckpt_path.exists(), checkpoint=cfg.checkpoint_path) if is_main else []:
+                           has_checkpoint=ckpt_path.is_file(), checkpoint=cfg.checkpoint_path) if is_main else []:
         log.info(line)
     return 0
 

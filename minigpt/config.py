@@ -16,6 +16,7 @@ import sys
 import typing
 from collections.abc import Callable
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
+from decimal import Decimal, InvalidOperation
 
 
 class UsageError(Exception):
@@ -46,7 +47,9 @@ Check = Callable[[typing.Any], "str | None"]
 SEED_LIMIT = 2**32  # numpy's and torch's generators take seeds in [0, 2**32) everywhere
 INT_LIMIT = 2**63  # every count ends in a C int64 somewhere (torch sizes, seeds, timers)
 MIN_DEVICE_MEMORY_GB = 1 / 1024  # 1 MiB: a smaller figure is a typo (1e-12 GiB), not a device
-MAX_DDP_TIMEOUT_S = 7 * 24 * 3600.0  # a week; beyond it datetime.timedelta and c10d overflow
+# A week: no collective should wait longer, and far beyond it timedelta (at most 1e9 days) and
+# c10d's int64 milliseconds overflow with a traceback.
+MAX_DDP_TIMEOUT_S = 7 * 24 * 3600.0
 BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW's two moments
 ESTIMATE_CAP_BYTES = 2**50  # --estimate-memory answers for other machines: refuse only above 1 PiB
 QUICK_COUNT_VOCAB = 50304  # the gpt2 tokenizer's 50,257 padded to 64, when --vocab-size is not given
@@ -85,16 +88,17 @@ def timeout(v) -> str | None:
 
 
 def parse_int(text: str) -> int:
-    """int(), and also integers written as 1e6 or 1_000_000 (exactly integral, no rounding)."""
+    """int(), and also integers written as 1e6 (exactly: 1e30 is 10**30, not a rounded float)."""
     try:
         return int(text)
     except ValueError:
         pass
     try:
-        value = float(text)
-    except ValueError:
+        value = Decimal(text)
+    except InvalidOperation:
         raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if not math.isfinite(value) or value != int(value):
+    # More than 100 digits is no count of anything; converting 1e999999999 would take minutes.
+    if not value.is_finite() or value != value.to_integral_value() or value.adjusted() > 100:
         raise argparse.ArgumentTypeError(f"invalid int value: {text!r}")
     return int(value)
 
@@ -363,7 +367,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "train_minimal.py") ->
 
     Flags in the environment variable MINIGPT_ARGS are appended to the command line, so they win
     over the same flags given there: a way to scale every command of a script or of the
-    walkthrough down to a quick run (MINIGPT_ARGS="--preset tiny --num-steps 8")."""
+    walkthrough down to a quick run (MINIGPT_ARGS="--preset tiny --num-steps 8"). --train-data and
+    --val-data add to the files given before them, there as on the command line."""
     try:
         extra = shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
     except ValueError as e:

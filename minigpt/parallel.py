@@ -263,6 +263,9 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     norm (a plain tensor, the same on every rank)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+    parameters = list(parameters)
+    if not any(isinstance(p, DTensor) for p in parameters):  # a plain model (DDP, one process): torch's own
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
     grads = [p.grad for p in parameters if p.grad is not None]
     plain = [g for g in grads if not isinstance(g, DTensor)]
     groups: dict[tuple, list] = {}

@@ -23,7 +23,9 @@ def test_toy_run_learns_and_writes_its_run_directory(tmp_path, capsys):
     out = tmp_path / "run"
     assert train_minimal.cli([*TINY, "--num-steps", "100", "--log-interval", "20", "--out-dir", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert f"Run directory: {out}" in printed.splitlines()[-1]
+    lines = printed.splitlines()
+    assert any(f"Run directory: {out}" in line for line in lines)
+    assert lines[-1].endswith(f"python sample.py --out-dir {out}")  # every run ends with what to do next
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [20, 40, 60, 80, 100]
     assert rows[0]["loss"] > 3.0  # ln(64) = 4.2 at the start
@@ -163,7 +165,11 @@ def test_main_job_end_to_end_on_a_short_run(tmp_path):
     rows = read_metrics(out)
     assert rows[0]["loss"] == pytest.approx(math.log(50257), abs=0.6)  # untrained: about ln(vocab)
     assert rows[-1]["val_loss"] is not None
-    assert r.stdout.strip().splitlines()[-1].endswith(f"Run directory: {out} (train.log, metrics.jsonl, config.json)")
+    lines = r.stdout.strip().splitlines()
+    assert any(line.endswith(f"Run directory: {out} (train.log, metrics.jsonl, config.json)") for line in lines)
+    assert any(line.endswith(f"Report: {out / 'report.html'} (one offline page; python -m minigpt.report rewrites it)")
+               for line in lines)
+    assert "Next steps:" in r.stdout and lines[-1].endswith(f"python sample.py --out-dir {out}")
 
 
 @pytest.mark.slow

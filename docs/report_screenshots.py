@@ -1,0 +1,123 @@
+"""Open a run's report.html in headless Chromium, check it offline, and take a screenshot.
+
+    python -m minigpt.report runs/main && python docs/report_screenshots.py runs/main/report.html \\
+        --out docs/img/report_main.png
+
+Every request the page makes is routed: anything but file:// is refused and counted, so a chart
+that would load a script from a CDN fails here. The check also reads the DOM: each section of
+minigpt.report.SECTIONS must hold a drawn chart (an svg or canvas inside a plotly div), a table, or
+its one-line "no data" note. Needs Debian's Chromium (`apt-get install chromium`) and the Python
+package playwright (its own browser download is not needed: we point it at the system Chromium).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-dev-shm-usage"]  # root in a container; small /dev/shm
+
+# What each section holds once drawn, counted in the page (JavaScript run by the browser).
+SECTION_STATE_JS = """
+ids => ids.map(id => {
+  const s = document.getElementById(id);
+  if (!s) return {id, present: false};
+  const plots = [...s.querySelectorAll('.plotly-graph-div')];
+  return {id, present: true, plots: plots.length,
+          drawn: plots.filter(p => p.querySelector('svg.main-svg, canvas')).length,
+          tables: s.querySelectorAll('table').length, nodata: s.querySelectorAll('.nodata').length,
+          text: s.innerText.slice(0, 200)};
+})
+"""
+
+
+def chromium_path() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def check_page(
+    report: Path,
+    screenshot: Path | None = None,
+    full_page: bool = False,
+    width: int = 1400,
+    height: int = 1000,
+) -> dict:
+    """Load the report; return {"errors": [console errors], "outside": [non-file URLs requested],
+    "sections": [per-section state]}. Takes a screenshot when asked."""
+    from playwright.sync_api import sync_playwright
+
+    from minigpt.report import SECTIONS
+
+    errors: list[str] = []
+    outside: list[str] = []
+
+    def route(r):
+        if r.request.url.startswith(("file://", "data:", "blob:", "about:")):
+            r.continue_()
+        else:
+            outside.append(r.request.url)
+            r.abort()
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": width, "height": height})
+            page.route("**/*", route)
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(Path(report).resolve().as_uri(), wait_until="load", timeout=120_000)
+            page.wait_for_timeout(1500)  # let plotly finish its first draw
+            sections = page.evaluate(SECTION_STATE_JS, [sid for sid, _ in SECTIONS])
+            if screenshot is not None:
+                screenshot.parent.mkdir(parents=True, exist_ok=True)
+                page.screenshot(path=str(screenshot), full_page=full_page)
+        finally:
+            browser.close()
+    return {"errors": errors, "outside": outside, "sections": sections}
+
+
+def shrink(png: Path) -> None:
+    """256 colours are plenty for charts and text, and make a committed screenshot 3-4x smaller."""
+    from PIL import Image
+
+    Image.open(png).convert("RGB").quantize(256).save(png, optimize=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("report", type=Path)
+    p.add_argument("--out", type=Path, help="screenshot file (PNG)")
+    p.add_argument("--full-page", action="store_true", help="the whole page, not the first screen")
+    p.add_argument("--height", type=int, default=1000)
+    args = p.parse_args()
+    if chromium_path() is None:
+        print(
+            "error: Chromium not found; install Debian's chromium (apt-get install chromium)", file=sys.stderr
+        )
+        return 2
+    if not args.report.is_file():
+        print(
+            f"error: {args.report} does not exist; write it with python -m minigpt.report RUN",
+            file=sys.stderr,
+        )
+        return 2
+    state = check_page(args.report, args.out, args.full_page, height=args.height)
+    if args.out is not None:
+        shrink(args.out)
+    for s in state["sections"]:
+        print(
+            f"{s['id']:<12} plots {s.get('plots', 0)} drawn {s.get('drawn', 0)} tables {s.get('tables', 0)} "
+            f"no-data notes {s.get('nodata', 0)}"
+        )
+    bad = state["errors"] or state["outside"]
+    for e in state["errors"]:
+        print(f"console error: {e}", file=sys.stderr)
+    for u in state["outside"]:
+        print(f"request outside file://: {u}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,798 @@
+"""One offline HTML page for a run: what ran, how fast, where the time and the memory went.
+
+    python -m minigpt.report runs/main                  # writes runs/main/report.html
+    python -m minigpt.report runs/main --out /tmp/r.html
+
+torch-tb-profiler's Overview, Operator and Memory views load Google Charts from the network, so
+offline they are a spinner. This page needs nothing: plotly.js is inlined once (about 4.6 MB),
+every chart is drawn from the run directory's files (config.json, metrics.jsonl, traces/,
+memory_trace/, stragglers.jsonl), and opening it makes no request. Sections whose data the run
+did not record say so in one line, with the flag that records it.
+
+The trainer calls write_report() at the end of a run (--no-report turns it off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import statistics
+import sys
+from pathlib import Path
+
+from minigpt.fileio import atomic_write
+from minigpt.paths import REPORT_FILE
+from minigpt.runfiles import Run, RunError, load_run, timeline_events
+from minigpt.stages import STAGE_NAMES, color, label, split_parent
+
+MB = 1024 * 1024
+TOP_ROWS = 15  # operators and kernels drawn and listed per trace
+MAX_KERNEL_BARS = 4000  # kernels drawn per rank on the timeline: more makes the page slow to draw
+KERNEL_COLOR = "purple"
+
+# Sections in page order: (id, title). The browser test checks each one rendered.
+SECTIONS = (
+    ("summary", "Run summary"),
+    ("curves", "Loss and learning rate"),
+    ("stages", "Stage times per step"),
+    ("timeline", "Profiled window"),
+    ("operators", "Top operators and kernels"),
+    ("memory", "Memory"),
+    ("stragglers", "Stragglers per rank"),
+)
+
+CSS = """
+body { font: 14px/1.45 system-ui, sans-serif; margin: 0 auto; max-width: 1280px; padding: 0 1.5em 3em;
+  color: #222; }
+h1 { margin: 0.8em 0 0.2em; } h2 { border-bottom: 1px solid #ccc; margin-top: 1.6em; }
+table { border-collapse: collapse; margin: 0.6em 0; }
+td, th { padding: 2px 10px; border-bottom: 1px solid #eee; text-align: right; } th { background: #f4f4f4; }
+td:first-child, th:first-child { text-align: left; }
+td.name { text-align: left; font-family: monospace; max-width: 60em; overflow-wrap: anywhere; }
+.nodata { color: #777; font-style: italic; } .problem { color: #a40; }
+.kv td { text-align: left; } .kv td:first-child { color: #555; }
+.new { color: #a40; } .gone { color: #06a; } .grid { display: flex; flex-wrap: wrap; gap: 2em; }
+"""
+
+
+# ---------------------------------------------------------------------------- HTML pieces
+
+
+def esc(x) -> str:
+    return html.escape(str(x))
+
+
+def nodata(text: str) -> str:
+    return f'<p class="nodata">{esc(text)}</p>'
+
+
+def section(sid: str, title: str, body: str) -> str:
+    return f'<section id="{sid}"><h2>{esc(title)}</h2>\n{body}\n</section>'
+
+
+def table(headers: list[str], rows: list[list], name_col: int | None = None, cls: str = "") -> str:
+    """rows of cells; a cell is text, or (text, css class). `name_col` is left-aligned monospace."""
+
+    def cell(i: int, c) -> str:
+        text, klass = c if isinstance(c, tuple) else (c, "")
+        klass = (klass + " name").strip() if i == name_col else klass
+        return f'<td class="{klass}">{esc(text)}</td>' if klass else f"<td>{esc(text)}</td>"
+
+    head = "".join(f"<th>{esc(h)}</th>" for h in headers)
+    body = "\n".join("<tr>" + "".join(cell(i, c) for i, c in enumerate(r)) + "</tr>" for r in rows)
+    return f'<table class="{cls}"><tr>{head}</tr>\n{body}</table>'
+
+
+def figure(fig, div_id: str, height: int = 380) -> str:
+    """A plotly figure as a <div> and its script; plotly.js itself is in the page's head."""
+    import plotly.io as pio
+
+    fig.update_layout(height=height, margin=dict(t=40, l=60, r=20, b=40), template="plotly_white")
+    return pio.to_html(
+        fig,
+        include_plotlyjs=False,
+        full_html=False,
+        div_id=div_id,
+        config={"displaylogo": False, "responsive": True},
+    )
+
+
+def page(title: str, body: str) -> str:
+    import plotly.offline
+
+    # Inlined once, in the head, so every figure's script finds Plotly; no <script src>, no CDN.
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>\n'
+        f'<style>{CSS}</style>\n<script type="text/javascript">{plotly.offline.get_plotlyjs()}</script>\n'
+        f"</head><body>\n{body}\n</body></html>\n"
+    )
+
+
+def fmt(x, digits: int = 2) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        return f"{x:,.{digits}f}"
+    return f"{x:,}" if isinstance(x, int) else str(x)
+
+
+def median(values: list) -> float | None:
+    values = [v for v in values if isinstance(v, (int, float))]
+    return statistics.median(values) if values else None
+
+
+def steady(metrics: list[dict]) -> list[dict]:
+    """The logged steps after the first interval, which holds warm-up (and compilation): the
+    figures a user compares. A run with one logged step keeps it."""
+    return metrics[1:] if len(metrics) > 1 else metrics
+
+
+# ---------------------------------------------------------------------------- figures of one run
+
+
+def throughput(run: Run) -> dict:
+    """Both throughputs, MFU and what it is measured against: medians over the steady steps."""
+    m = steady(run.metrics)
+    last = run.metrics[-1] if run.metrics else {}
+    c = run.config
+    return {
+        "tokens_per_s": median([r.get("tokens_per_s") for r in m]),
+        "tokens_per_s_per_rank": median([r.get("tokens_per_s_per_rank") for r in m]),
+        "tokens_per_s_e2e": last.get("tokens_per_s_e2e"),
+        "mfu": median([r.get("mfu") for r in m]),
+        "achieved_tflops": median([r.get("achieved_tflops") for r in m]),
+        "peak_tflops": c["peak_flops"] / 1e12 if isinstance(c.get("peak_flops"), (int, float)) else None,
+        "peak_flops_source": c.get("peak_flops_source"),
+        "peak_flops_spread": c.get("peak_flops_spread"),
+    }
+
+
+def stage_medians(run: Run, key: str) -> dict[str, float]:
+    """Each stage's median ms per step over the steady logged steps (key: stage_host_ms, ...)."""
+    rows = [r.get(key) or {} for r in steady(run.metrics)]
+    names = [s for s in STAGE_NAMES if any(s in r for r in rows)]
+    names += sorted({k for r in rows for k in r} - set(names))
+    return {s: median([r.get(s) for r in rows]) for s in names}
+
+
+def peak_memory(run: Run) -> dict[str, float]:
+    """Peak memory figures in bytes: the measured breakdown by category, and the process's peaks."""
+    out: dict[str, float] = {}
+    b = run.breakdown()
+    if b:
+        for k in (
+            "params",
+            "grads",
+            "optimizer",
+            "activations",
+            "activations_peak",
+            "total",
+            "cuda_max_allocated",
+            "cuda_max_reserved",
+        ):
+            if isinstance(b.get(k), (int, float)):
+                out[k] = b[k]
+    elif run.memory:  # memory.log without a metrics line (a run stopped right after the measured step)
+        s = run.memory[0]["summary"]
+        for k, src in (
+            ("params", "params_memory"),
+            ("grads", "grads_memory"),
+            ("optimizer", "os_state_memory"),
+            ("activations", "activation_memory"),
+            ("activations_peak", "activation_peak_memory"),
+            ("total", "total_memory"),
+        ):
+            if src in s:
+                out[k] = s[src]
+    mem = [r.get("memory") or {} for r in run.metrics]
+    for k in ("rss_peak_bytes",):
+        v = max((r[k] for r in mem if isinstance(r.get(k), (int, float))), default=None)
+        if v is not None:
+            out[k] = v
+    for k in ("peak_allocated_gib", "peak_reserved_gib"):
+        v = max((r[k] for r in mem if isinstance(r.get(k), (int, float))), default=None)
+        if v is not None:
+            out[k.replace("_gib", "_bytes")] = v * 1024**3
+    return out
+
+
+def summary_section(run: Run) -> str:
+    c, cfg = run.config, run.config.get("config", {})
+    model = c.get("model", {})
+    t = throughput(run)
+    last = run.metrics[-1] if run.metrics else {}
+    vals = [r.get("val_loss") for r in run.metrics if r.get("val_loss") is not None]
+    versions = c.get("versions", {})
+    tokens_step = (
+        (cfg.get("batch_size") or 0) * (cfg.get("seq_len") or 0) * (cfg.get("grad_accum_steps") or 1)
+    )
+    peak = (
+        f"{fmt(t['peak_tflops'], 3)} TFLOP/s per device ({t['peak_flops_source'] or 'source not recorded'})"
+        if t["peak_tflops"] is not None
+        else "n/a"
+    )
+    if t["peak_flops_spread"] is not None:
+        peak += f", spread {t['peak_flops_spread']}"
+    rows = [
+        ("run", str(run.path)),
+        (
+            "model",
+            f"{model.get('n_layers')} layers, {model.get('n_heads')} heads, d_model {model.get('d_model')}, "
+            f"d_ff {model.get('d_ff')}, vocab {model.get('vocab_size')}, "
+            f"{fmt((c.get('params') or 0) / 1e6)}M parameters"
+            + (", activation checkpointing" if model.get("activation_checkpoint") else ""),
+        ),
+        (
+            "batch",
+            f"{cfg.get('batch_size')} x {cfg.get('seq_len')} tokens x {cfg.get('grad_accum_steps')} "
+            f"accumulation = {tokens_step:,} tokens per step per rank; {cfg.get('num_steps')} steps",
+        ),
+        (
+            "data",
+            "toy sequences"
+            if cfg.get("use_toy_data")
+            else (", ".join(cfg.get("train_data") or []) or "built-in corpus"),
+        ),
+        (
+            "device",
+            f"{c.get('device')} ({c.get('device_name')}), {run.world_size} process(es)"
+            + (f", {c.get('ddp_backend')}" if c.get("ddp_backend") else ""),
+        ),
+        ("precision", c.get("amp")),
+        ("versions", ", ".join(f"{k} {v}" for k, v in versions.items() if v)),
+        (
+            "tokens/s per step (job)",
+            f"{fmt(t['tokens_per_s'], 0)} (median of the logged steps after the first; "
+            f"{fmt(t['tokens_per_s_per_rank'], 0)} per rank)",
+        ),
+        (
+            "tokens/s end to end",
+            fmt(t["tokens_per_s_e2e"], 0)
+            + ("" if t["tokens_per_s_e2e"] is not None else " (not recorded by this trainer version)"),
+        ),
+        (
+            "MFU",
+            (f"{100 * t['mfu']:.1f}%" if t["mfu"] is not None else "n/a")
+            + (
+                f" ({fmt(t['achieved_tflops'], 3)} TFLOP/s achieved per device)"
+                if t["achieved_tflops"]
+                else ""
+            ),
+        ),
+        ("MFU denominator", peak),
+        ("FLOPs per token", fmt(c.get("flops_per_token"))),
+        ("final train loss", fmt(last.get("loss"), 4)),
+        ("final val loss", fmt(vals[-1], 4) if vals else "n/a"),
+        (
+            "steps logged",
+            f"{len(run.metrics)} (of {cfg.get('num_steps')}; --log-interval {cfg.get('log_interval')})",
+        ),
+    ]
+    body = table(["", ""], [list(r) for r in rows], cls="kv")
+    flags = [
+        k for k in ("use_profiler", "memory_profiler", "use_activation_checkpoint", "compile") if cfg.get(k)
+    ]
+    body += f"<p>Instrumentation: {esc(', '.join(flags) or 'stage timing only')}.</p>"
+    if run.problems:
+        body += "".join(f'<p class="problem">{esc(p)}</p>' for p in run.problems)
+    return body
+
+
+def curves_section(run: Run) -> str:
+    if not run.metrics:
+        return nodata("no metrics.jsonl lines: the run stopped before its first log step")
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    steps = [r.get("step") for r in run.metrics]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("loss", "learning rate"))
+    fig.add_trace(
+        go.Scatter(x=steps, y=[r.get("loss") for r in run.metrics], name="train loss", mode="lines+markers"),
+        1,
+        1,
+    )
+    val = [(r["step"], r["val_loss"]) for r in run.metrics if r.get("val_loss") is not None]
+    if val:
+        fig.add_trace(
+            go.Scatter(x=[s for s, _ in val], y=[v for _, v in val], name="val loss", mode="lines+markers"),
+            1,
+            1,
+        )
+    fig.add_trace(
+        go.Scatter(x=steps, y=[r.get("lr") for r in run.metrics], name="lr", mode="lines+markers"), 1, 2
+    )
+    fig.update_xaxes(title_text="step")
+    return figure(fig, "curves-plot", 340)
+
+
+def stages_section(run: Run) -> str:
+    keys = [
+        ("stage_host_ms", "host ms"),
+        ("stage_device_ms", "device ms"),
+        ("stage_comm_ms", "in collectives ms"),
+    ]
+    keys = [(k, t) for k, t in keys if any(r.get(k) for r in run.metrics)]
+    if not keys:
+        return nodata("no stage times: the run had --no-stage-timing, or logged no step")
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    steps = [r.get("step") for r in run.metrics]
+    fig = make_subplots(rows=1, cols=len(keys), shared_yaxes=True, subplot_titles=[t for _, t in keys])
+    names = list(stage_medians(run, "stage_host_ms") or STAGE_NAMES)
+    for col, (key, _) in enumerate(keys, 1):
+        for name in names:
+            if split_parent(name):  # a part of another stage (backward_compute): in the table, not stacked
+                continue
+            fig.add_trace(
+                go.Bar(
+                    x=steps,
+                    y=[(r.get(key) or {}).get(name, 0.0) for r in run.metrics],
+                    name=name,
+                    marker_color=color(name),
+                    legendgroup=name,
+                    showlegend=col == 1,
+                ),
+                1,
+                col,
+            )
+    fig.update_layout(barmode="stack")
+    fig.update_xaxes(title_text="logged step")
+    fig.update_yaxes(title_text="ms per step (mean over the interval)", row=1, col=1)
+    note = (
+        "<p>Each bar is the mean over its log interval. On the CPU a stage's device time is its host time; "
+        "on a GPU the host returns early and the device column says where the GPU spent its time.</p>"
+    )
+    rows = []
+    for name in names:
+        part = f", part of {split_parent(name)}" if split_parent(name) else ""
+        rows.append(
+            [f"{name} ({label(name)}{part})"] + [fmt(stage_medians(run, k).get(name)) for k, _ in keys]
+        )
+    return (
+        note
+        + figure(fig, "stages-plot", 360)
+        + table(["stage, median of steady steps"] + [t for _, t in keys], rows)
+    )
+
+
+def timeline_section(run: Run) -> str:
+    if not run.traces:
+        return nodata("no trace: run with --use-profiler")
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    lanes: list[str] = []
+    notes = []
+    shown = set()
+    for s in run.traces:
+        r = s["rank"]
+        ev = timeline_events(Path(s["file"]), tuple(s.get("stages") or STAGE_NAMES))
+        lane_step, lane_stage, lane_dev = f"rank {r} steps", f"rank {r} stages", f"rank {r} device"
+        lanes += [lane_step, lane_stage] + ([lane_dev] if ev["kernels"] else [])
+        fig.add_trace(
+            go.Bar(
+                y=[lane_step] * len(ev["steps"]),
+                x=[d for _, _, d in ev["steps"]],
+                base=[t for _, t, _ in ev["steps"]],
+                orientation="h",
+                name="ProfilerStep",
+                marker_color="lightgrey",
+                text=[n for n, _, _ in ev["steps"]],
+                legendgroup="step",
+                showlegend="step" not in shown,
+                hovertemplate="%{text}: %{x:.2f} ms<extra></extra>",
+            )
+        )
+        shown.add("step")
+        for name in dict.fromkeys(n for n, _, _ in ev["stages"]):
+            rows = [e for e in ev["stages"] if e[0] == name]
+            fig.add_trace(
+                go.Bar(
+                    y=[lane_stage] * len(rows),
+                    x=[d for _, _, d in rows],
+                    base=[t for _, t, _ in rows],
+                    orientation="h",
+                    name=name,
+                    marker_color=color(name),
+                    legendgroup=name,
+                    showlegend=name not in shown,
+                    hovertemplate=f"{name}: %{{x:.2f}} ms at %{{base:.2f}} ms<extra></extra>",
+                )
+            )
+            shown.add(name)
+        kernels = ev["kernels"]
+        if len(kernels) > MAX_KERNEL_BARS:
+            notes.append(f"rank {r}: the {MAX_KERNEL_BARS} longest of {len(kernels)} device events drawn")
+            kernels = sorted(kernels, key=lambda k: -k[2])[:MAX_KERNEL_BARS]
+        if kernels:
+            fig.add_trace(
+                go.Bar(
+                    y=[lane_dev] * len(kernels),
+                    x=[d for _, _, d in kernels],
+                    base=[t for _, t, _ in kernels],
+                    orientation="h",
+                    name="kernels",
+                    marker_color=KERNEL_COLOR,
+                    text=[n[:120] for n, _, _ in kernels],
+                    textposition="none",
+                    legendgroup="kernels",
+                    showlegend="kernels" not in shown,
+                    hovertemplate="%{text}<br>%{x:.3f} ms<extra></extra>",
+                )
+            )
+            shown.add("kernels")
+    fig.update_layout(
+        barmode="overlay",
+        xaxis_title="ms from the rank's first profiled step",
+        yaxis=dict(categoryorder="array", categoryarray=list(reversed(lanes))),
+    )
+    cpu = all(s.get("cpu_only") for s in run.traces)
+    body = (
+        f"<p>{len(run.traces)} trace file(s), profiled steps "
+        f"{', '.join(str(x['step']) for x in run.traces[0]['steps'])}. "
+        + (
+            "CPU-only trace: no device lane (the CPU runs each op as the host issues it)."
+            if cpu
+            else "The device lane holds every kernel, memcpy and memset of the window."
+        )
+        + "</p>"
+    )
+    body += figure(fig, "timeline-plot", 120 + 60 * len(lanes))
+    body += "".join(nodata(n) for n in notes)
+    # Per step and stage, from the trace summary: host ms (and device busy ms on a GPU).
+    s = run.traces[0]
+    names = list(s.get("stages") or STAGE_NAMES)
+    rows = []
+    for row in s["steps"]:
+        cells = [row["step"]]
+        for n in names:
+            st = row["stages"].get(n, {})
+            cell = fmt(st.get("host_ms")) + ("" if cpu else f" / {fmt(st.get('device_busy_ms'))}")
+            if isinstance(st.get("comm_host_ms"), (int, float)):  # collectives inside the stage (DDP)
+                cell += f" (comm {fmt(st['comm_host_ms'])})"
+            cells.append(cell)
+        cells.append(fmt(row.get("host_ms")) + ("" if cpu else f" / {fmt(row.get('device_busy_ms'))}"))
+        rows.append(cells)
+    unit = "host ms" if cpu else "host / device busy ms"
+    body += f"<p>Rank {s['rank']}, from the trace ({unit}):</p>"
+    body += table(["step"] + names + ["whole step"], rows)
+    return body
+
+
+def operators_section(run: Run) -> str:
+    if not run.traces:
+        return nodata("no trace: run with --use-profiler")
+    import plotly.graph_objects as go
+
+    s = run.traces[0]
+    steps = max(len(s["steps"]), 1)
+    ops = s["operators"]["by_self"][:TOP_ROWS]
+    fig = go.Figure(
+        go.Bar(
+            y=[o["name"][:60] for o in reversed(ops)],
+            x=[o["self_ms"] / steps for o in reversed(ops)],
+            orientation="h",
+            marker_color="steelblue",
+            hovertemplate="%{y}: %{x:.2f} ms<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        xaxis_title="self ms per profiled step", title=f"rank {s['rank']}: host operators by self time"
+    )
+    body = figure(fig, "operators-plot", 120 + 24 * len(ops))
+    body += table(
+        ["operator", "calls", "self ms", "total ms", "self ms / step"],
+        [
+            [o["name"], o["calls"], fmt(o["self_ms"]), fmt(o["total_ms"]), fmt(o["self_ms"] / steps)]
+            for o in ops
+        ],
+        name_col=0,
+    )
+    kernels = s.get("kernels") or []
+    if not kernels:
+        body += nodata("no kernels: a CPU-only trace (host operators only)")
+        return body
+    ks = kernels[:TOP_ROWS]
+    fig = go.Figure(
+        go.Bar(
+            y=[k["name"][:60] for k in reversed(ks)],
+            x=[k["total_ms"] / steps for k in reversed(ks)],
+            orientation="h",
+            marker_color=KERNEL_COLOR,
+            hovertemplate="%{y}: %{x:.3f} ms<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        xaxis_title="device ms per profiled step",
+        title=f"rank {s['rank']}: kernels by total time ({fmt(s.get('kernel_total_ms'))} ms in all)",
+    )
+    body += figure(fig, "kernels-plot", 120 + 24 * len(ks))
+    body += table(
+        ["kernel", "calls", "total ms", "share", "tensor cores"],
+        [
+            [k["name"], k["calls"], fmt(k["total_ms"]), f"{100 * k['share']:.1f}%", k["tensor_cores"]]
+            for k in ks
+        ],
+        name_col=0,
+    )
+    return body
+
+
+def _sunburst(state: dict):
+    """memory.log's layouts as one sunburst: total > category > module > ... (3 levels deep)."""
+    import plotly.graph_objects as go
+
+    ids, labels, parents, values = ["total"], ["total"], [""], [0]
+    for rows in state["layouts"].values():
+        for row in rows:
+            if row["depth"] > 3 or row["total_bytes"] <= 0:
+                continue
+            parts = row["path"].split(".")
+            ids.append(row["path"])
+            labels.append(".".join(parts[-2:]) if parts[-1].isdigit() else parts[-1])
+            parents.append(".".join(parts[:-1]) if row["depth"] else "total")
+            values.append(row["total_bytes"])
+            if row["depth"] == 0:
+                values[0] += row["total_bytes"]
+    fig = go.Figure(
+        go.Sunburst(
+            ids=ids,
+            labels=labels,
+            parents=parents,
+            values=values,
+            branchvalues="total",
+            customdata=[v / MB for v in values],
+            hovertemplate="%{id}<br>%{customdata:.2f} MiB<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        title=f"rank {state['rank']}, step {state['step']}: "
+        f"{values[0] / MB:.2f} MiB (activations counted once, as saved)"
+    )
+    return fig
+
+
+def memory_section(run: Run) -> str:
+    import plotly.graph_objects as go
+
+    body = ""
+    b = run.breakdown()
+    if run.memory:
+        body += '<div class="grid">' + figure(_sunburst(run.memory[0]), "memory-sunburst", 460)
+        folder = run.memory[0]["folder"]
+        links = sorted(p.name for p in folder.glob("*_sunburst.html"))
+        body += "</div>"
+        if links:
+            rel = folder.relative_to(run.path)
+            body += (
+                "<p>Full charts beside this report: "
+                + ", ".join(f'<a href="{esc(rel / n)}">{esc(n)}</a>' for n in links)
+                + "</p>"
+            )
+    est = dict((b or {}).get("estimate") or {}) or None
+    if est and "activations_peak" not in est and "activations" in est:
+        est["activations_peak"] = est["activations"]  # the estimate counts every saved tensor live at once
+    if b:
+        cats = [
+            ("params", "parameters"),
+            ("grads", "gradients"),
+            ("optimizer", "optimizer state"),
+            ("activations", "activations"),
+            ("activations_peak", "activation peak"),
+            ("total", "total"),
+        ]
+        fig = go.Figure(
+            go.Bar(
+                x=[t for _, t in cats],
+                y=[(b.get(k) or 0) / MB for k, _ in cats],
+                name="measured",
+                marker_color="teal",
+            )
+        )
+        if est:
+            fig.add_trace(
+                go.Bar(
+                    x=[t for _, t in cats],
+                    y=[(est.get(k) or 0) / MB for k, _ in cats],
+                    name="estimate",
+                    marker_color="orange",
+                )
+            )
+        fig.update_layout(
+            barmode="group",
+            yaxis_title="MiB",
+            title=f"measured at step {b.get('step')}" + (" against the estimate" if est else ""),
+        )
+        body += figure(fig, "memory-estimate", 360)
+        rows = [
+            [
+                t,
+                fmt((b.get(k) or 0) / MB),
+                fmt((est or {}).get(k, 0) / MB) if est else "n/a",
+                (f"{100 * (est[k] - b[k]) / b[k]:+.1f}%" if est and b.get(k) and k in est else "n/a"),
+            ]
+            for k, t in cats
+        ]
+        body += table(["MiB", "measured", "estimate", "difference"], rows)
+    series = [
+        (k, t)
+        for k, t in (("rss_bytes", "RSS"), ("rss_peak_bytes", "peak RSS"))
+        if any(isinstance((r.get("memory") or {}).get(k), (int, float)) for r in run.metrics)
+    ]
+    gib = [
+        (k, t)
+        for k, t in (("peak_allocated_gib", "peak allocated"), ("peak_reserved_gib", "peak reserved"))
+        if any(isinstance((r.get("memory") or {}).get(k), (int, float)) for r in run.metrics)
+    ]
+    if series or gib:
+        fig = go.Figure()
+        steps = [r.get("step") for r in run.metrics]
+        for k, t in series:
+            fig.add_trace(
+                go.Scatter(
+                    x=steps,
+                    y=[((r.get("memory") or {}).get(k) or 0) / MB for r in run.metrics],
+                    name=t,
+                    mode="lines+markers",
+                )
+            )
+        for k, t in gib:
+            fig.add_trace(
+                go.Scatter(
+                    x=steps,
+                    y=[((r.get("memory") or {}).get(k) or 0) * 1024 for r in run.metrics],
+                    name=t,
+                    mode="lines+markers",
+                )
+            )
+        fig.update_layout(
+            yaxis_title="MiB", xaxis_title="logged step", title="process memory per log interval"
+        )
+        body += figure(fig, "memory-process", 320)
+    if not body:
+        return nodata("no memory breakdown: run with --memory-profiler")
+    if not (run.memory or b):
+        body = nodata("no memory breakdown: run with --memory-profiler") + body
+    return body
+
+
+def stragglers_section(run: Run) -> str:
+    if run.world_size <= 1:
+        return nodata("one process: stragglers are scored under DDP (torchrun --nproc_per_node N)")
+    import plotly.graph_objects as go
+
+    threshold = run.config.get("config", {}).get("straggler_threshold")
+    body = ""
+    if len(run.traces) > 1:
+        fig = go.Figure()
+        names = list(run.traces[0].get("stages") or STAGE_NAMES)
+        for n in names:
+            fig.add_trace(
+                go.Bar(
+                    x=[f"rank {s['rank']}" for s in run.traces],
+                    y=[
+                        s["totals"]["stages"].get(n, {}).get("host_ms", 0.0) / max(len(s["steps"]), 1)
+                        for s in run.traces
+                    ],
+                    name=n,
+                    marker_color=color(n),
+                )
+            )
+        fig.update_layout(
+            barmode="stack",
+            yaxis_title="host ms per profiled step",
+            title="each rank's stages in the profiled window (from its trace)",
+        )
+        body += (
+            "<p>Under DDP the fast ranks wait for the slow one inside the backward's all-reduce: a slow "
+            "rank shows a long stage of its own, the others a long backward.</p>"
+        )
+        body += figure(fig, "stragglers-ranks", 360)
+    else:
+        body += nodata("per-rank stage times need a trace of every rank: --use-profiler --profile-ranks all")
+    if not run.stragglers:
+        body += f"<p>No straggler reported: every rank scored at or above the threshold {fmt(threshold)}.</p>"
+        return body
+    fig = go.Figure()
+    for r in sorted({x["rank"] for x in run.stragglers}):
+        mine = [x for x in run.stragglers if x["rank"] == r]
+        fig.add_trace(
+            go.Scatter(
+                x=[x["step"] for x in mine],
+                y=[x.get("relative_score") for x in mine],
+                name=f"rank {r} relative",
+                mode="lines+markers",
+            )
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=[x["step"] for x in mine],
+                y=[x.get("individual_score") for x in mine],
+                name=f"rank {r} individual",
+                mode="lines+markers",
+                line=dict(dash="dot"),
+            )
+        )
+    if isinstance(threshold, (int, float)):
+        fig.add_hline(y=threshold, line_dash="dash", line_color="grey", annotation_text="threshold")
+    fig.update_layout(
+        yaxis_title="score (1 = as fast as the fastest / its own best)",
+        xaxis_title="step",
+        title="scores of the ranks reported slow",
+    )
+    body += figure(fig, "stragglers-scores", 320)
+    body += table(
+        ["step", "rank", "host", "relative", "individual", "stage that grew", "ms", "reference ms"],
+        [
+            [
+                x.get("step"),
+                x.get("rank"),
+                x.get("host"),
+                fmt(x.get("relative_score"), 3),
+                fmt(x.get("individual_score"), 3),
+                x.get("stage"),
+                fmt(x.get("stage_ms"), 1),
+                fmt(x.get("reference_stage_ms"), 1),
+            ]
+            for x in run.stragglers
+        ],
+    )
+    return body
+
+
+BUILDERS = {
+    "summary": summary_section,
+    "curves": curves_section,
+    "stages": stages_section,
+    "timeline": timeline_section,
+    "operators": operators_section,
+    "memory": memory_section,
+    "stragglers": stragglers_section,
+}
+
+
+def report_body(run: Run) -> str:
+    parts = [f"<h1>minigpt run: {esc(run.name)}</h1>"]
+    for sid, title in SECTIONS:
+        parts.append(section(sid, title, BUILDERS[sid](run)))
+    return "\n".join(parts)
+
+
+def render_report(run: Run) -> str:
+    return page(f"minigpt run {run.name}", report_body(run))
+
+
+def write_report(run_dir: Path, out: Path | None = None) -> Path:
+    """Write the run's report (default RUN/report.html) atomically; return its path. Raises RunError
+    when run_dir is not a run directory."""
+    run = load_run(Path(run_dir))
+    out = Path(out) if out is not None else run.path / REPORT_FILE
+    atomic_write(out, render_report(run))
+    return out
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line on stderr, exit 2, as for every other mistake
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _Parser(prog="python -m minigpt.report", description="Write a run's offline HTML report.")
+    p.add_argument("run", type=Path, help="a run directory (the trainer's --out-dir)")
+    p.add_argument("--out", type=Path, help=f"where to write it (default RUN/{REPORT_FILE})")
+    args = p.parse_args(argv)
+    try:
+        if args.out is not None and args.out.is_dir():
+            raise RunError(f"--out {args.out} is a folder; give a file name such as {args.out / REPORT_FILE}")
+        path = write_report(args.run, args.out)
+    except (RunError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,317 @@
+"""python -m minigpt.report: one offline HTML page per run, every section drawn or saying why not,
+a GPU trace's kernels on the timeline, one-line refusals; and, in Chromium, no request outside
+file:// and no console error."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TINY
+
+from minigpt.report import SECTIONS, main, write_report
+from minigpt.runfiles import RunError, load_run
+
+KERNEL = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64"
+ELEMENTWISE = "void at::native::vectorized_elementwise_kernel<4>"
+STAGE_MS = {"data_to_device": 0.5, "forward": 10.0, "backward": 20.0, "optimizer_step": 2.0}
+
+
+# ---------------------------------------------------------------------------- synthetic runs
+
+
+def gpu_trace_events(steps=(5, 6), kernel=KERNEL, op_ms: dict | None = None) -> list[dict]:
+    """A GPU trace as torch writes one, reduced to what the report reads: ProfilerStep#N and stage
+    ranges, aten ops, a launch per stage and the kernel it started (same correlation id)."""
+    op_ms = op_ms or {"aten::mm": 6.0, "aten::add": 1.0}
+    events, corr = [], 0
+    for i, step in enumerate(steps):
+        t = 100_000.0 * i
+        events.append(
+            {
+                "ph": "X",
+                "cat": "user_annotation",
+                "name": f"ProfilerStep#{step}",
+                "pid": 1,
+                "tid": 1,
+                "ts": t,
+                "dur": 40_000,
+            }
+        )
+        for name, ms in STAGE_MS.items():
+            events.append(
+                {
+                    "ph": "X",
+                    "cat": "user_annotation",
+                    "name": name,
+                    "pid": 1,
+                    "tid": 1,
+                    "ts": t,
+                    "dur": ms * 1000,
+                }
+            )
+            corr += 1
+            events.append(
+                {
+                    "ph": "X",
+                    "cat": "cuda_runtime",
+                    "name": "cudaLaunchKernel",
+                    "pid": 1,
+                    "tid": 1,
+                    "ts": t + 10,
+                    "dur": 5,
+                    "args": {"correlation": corr},
+                }
+            )
+            events.append(
+                {
+                    "ph": "X",
+                    "cat": "kernel",
+                    "name": kernel if name != "optimizer_step" else ELEMENTWISE,
+                    "pid": 0,
+                    "tid": 7,
+                    "ts": t + 50,
+                    "dur": ms * 500,
+                    "args": {"correlation": corr, "stream": 7, "device": 0},
+                }
+            )
+            t += ms * 1000
+        t = 100_000.0 * i
+        for op, ms in op_ms.items():
+            events.append(
+                {"ph": "X", "cat": "cpu_op", "name": op, "pid": 1, "tid": 1, "ts": t + 1, "dur": ms * 1000}
+            )
+            t += ms * 1000 + 2
+    return events
+
+
+def make_run(
+    folder: Path,
+    *,
+    steps=(10, 20, 30),
+    losses=None,
+    tokens_per_s=1000.0,
+    stage_scale=1.0,
+    d_model=64,
+    trace: list[dict] | None = None,
+    breakdown: dict | None = None,
+    world_size=1,
+    amp="fp32",
+) -> Path:
+    """A run directory with config.json and metrics.jsonl as the trainer writes them (plus a trace
+    and a memory breakdown when given)."""
+    folder.mkdir(parents=True)
+    losses = losses or [4.0 - 0.5 * i for i in range(len(steps))]
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "config": {
+                    "batch_size": 4,
+                    "seq_len": 64,
+                    "grad_accum_steps": 1,
+                    "num_steps": steps[-1],
+                    "log_interval": 10,
+                    "out_dir": str(folder),
+                    "straggler_threshold": 0.75,
+                    "use_profiler": trace is not None,
+                },
+                "model": {
+                    "n_layers": 2,
+                    "n_heads": 2,
+                    "d_model": d_model,
+                    "d_ff": 4 * d_model,
+                    "vocab_size": 64,
+                },
+                "device": "cuda",
+                "device_name": "NVIDIA H100 80GB HBM3",
+                "amp": amp,
+                "params": 108288,
+                "flops_per_token": 723456,
+                "peak_flops": 989e12,
+                "peak_flops_source": "table: H100 bf16 dense",
+                "world_size": world_size,
+                "ddp_backend": None,
+                "versions": {"torch": "2.13.0", "cuda": "12.8", "python": "3.11.7"},
+            }
+        )
+    )
+    lines = []
+    for step, loss in zip(steps, losses):
+        stages = {k: v * stage_scale for k, v in STAGE_MS.items()}
+        rec = {
+            "step": step,
+            "num_steps": steps[-1],
+            "loss": loss,
+            "lr": 1e-3 / step,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_rank": tokens_per_s / world_size,
+            "step_time_s": 0.256 / tokens_per_s * 1000,
+            "world_size": world_size,
+            "val_loss": loss + 0.1 if step == steps[-1] else None,
+            "mfu": tokens_per_s * 723456 / 989e12,
+            "stage_host_ms": stages,
+            "stage_device_ms": stages,
+            "memory": {"peak_allocated_gib": 1.0, "peak_reserved_gib": 1.5},
+        }
+        if breakdown and step == steps[0]:
+            rec["memory_breakdown"] = breakdown
+        lines.append(json.dumps(rec))
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    if trace is not None:
+        (folder / "traces").mkdir()
+        with gzip.open(folder / "traces" / "rank0_dp0.123.pt.trace.json.gz", "wt") as f:
+            json.dump({"traceEvents": trace}, f)
+    return folder
+
+
+# ---------------------------------------------------------------------------- real runs
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory) -> Path:
+    """A tiny profiled run with a measured memory step: every section of the report has data."""
+    import train_minimal
+
+    out = tmp_path_factory.mktemp("run") / "run"
+    assert (
+        train_minimal.cli(
+            [
+                *TINY,
+                "--num-steps",
+                "8",
+                "--log-interval",
+                "2",
+                "--use-profiler",
+                "--profile-step-start",
+                "3",
+                "--profile-step-end",
+                "5",
+                "--memory-profiler",
+                "--out-dir",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    return out
+
+
+def test_report_of_a_profiled_cpu_run(cpu_run):
+    path = write_report(cpu_run)
+    assert path == cpu_run / "report.html"
+    page = path.read_text()
+    for sid, title in SECTIONS:
+        assert f'<section id="{sid}">' in page and title in page
+    assert "no trace" not in page and "no memory breakdown" not in page
+    assert "ProfilerStep#3" in page and "aten::" in page  # timeline and operators from the trace
+    assert "memory-sunburst" in page and "memory-estimate" in page  # memory.log and the breakdown
+    assert "CPU-only trace" in page and "no kernels: a CPU-only trace" in page
+    assert "one process" in page  # stragglers: not a DDP run
+    # Self-contained: plotly.js once, inline; no external script or stylesheet.
+    assert (
+        page.count("window.Plotly") >= 1
+        and "<script src" not in page
+        and "cdn" not in page.lower().split('<script type="text/javascript">')[0]
+    )
+
+
+def test_sections_without_data_say_what_records_them(tmp_path):
+    run = make_run(tmp_path / "bare")
+    page = write_report(run).read_text()
+    assert "no trace: run with --use-profiler" in page
+    # No measured step, but the CUDA peaks of each interval are plotted under the one-line note.
+    assert "no memory breakdown: run with --memory-profiler" in page and "memory-process" in page
+    (run / "metrics.jsonl").write_text("")
+    page = write_report(run).read_text()
+    assert "no memory breakdown: run with --memory-profiler" in page
+    assert "the run stopped before its first log step" in page
+
+
+def test_gpu_trace_puts_kernels_on_the_timeline(tmp_path):
+    run = make_run(tmp_path / "gpu", trace=gpu_trace_events())
+    page = write_report(run).read_text()
+    assert "rank 0 device" in page and "kernels-plot" in page
+    assert KERNEL in page and "tensor cores" in page
+    r = load_run(run)
+    assert r.traces[0]["kernels"][0]["name"] == KERNEL and r.traces[0]["kernels"][0]["tensor_cores"] == "yes"
+
+
+def test_a_cut_metrics_line_is_named_not_fatal(tmp_path):
+    run = make_run(tmp_path / "cut")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 40, "loss": 3.')
+    r = load_run(run)
+    assert len(r.metrics) == 3 and "line 4 is not JSON" in r.problems[0]
+    assert "line 4 is not JSON" in write_report(run).read_text()
+
+
+@pytest.mark.parametrize("what", ["missing", "file", "empty folder", "bad config"])
+def test_not_a_run_is_one_line_and_exit_2(tmp_path, capsys, what):
+    target = tmp_path / "x"
+    if what == "file":
+        target.write_text("hi")
+    elif what == "empty folder":
+        target.mkdir()
+    elif what == "bad config":
+        target.mkdir()
+        (target / "config.json").write_text("{not json")
+    assert main([str(target)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0]
+    assert not (target / "report.html").exists() if target.is_dir() else True
+    with pytest.raises(RunError):
+        write_report(target)
+
+
+def test_out_flag_and_existing_report_replaced(tmp_path, capsys):
+    run = make_run(tmp_path / "r")
+    out = tmp_path / "elsewhere.html"
+    assert main([str(run), "--out", str(out)]) == 0
+    assert out.exists() and not (run / "report.html").exists()
+    assert str(out) in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- in a browser
+
+
+def _chromium_or_skip():
+    import os
+
+    if shutil.which("chromium") is None and shutil.which("chromium-browser") is None:
+        if os.environ.get("CI"):
+            pytest.fail("Chromium is not installed: .ci/run installs Debian's chromium before the tests")
+        pytest.skip("needs Debian's chromium (apt-get install chromium)")
+    sys.path.insert(0, str(ROOT / "docs"))
+    import report_screenshots
+
+    return report_screenshots
+
+
+@pytest.mark.slow
+def test_report_opens_offline_in_chromium(cpu_run, tmp_path):
+    shots = _chromium_or_skip()
+    gpu = make_run(tmp_path / "gpu", trace=gpu_trace_events(), world_size=2)
+    for run in (cpu_run, gpu):
+        state = shots.check_page(write_report(run))
+        assert state["errors"] == [], state["errors"]
+        assert state["outside"] == [], state["outside"]
+        for s in state["sections"]:
+            assert s["present"], s
+            # Every chart drew (an svg or a canvas), and a section with no chart says why in a line.
+            assert s["drawn"] == s["plots"], s
+            assert s["plots"] or s["tables"] or s["nodata"], s
+        drawn = {s["id"]: s for s in state["sections"]}
+        assert all(drawn[k]["drawn"] for k in ("curves", "stages", "timeline", "operators"))
+    assert drawn["memory"]["drawn"]  # the GPU run's CUDA peaks
+    # The comparison's page: the same pieces, the same rules.
+    from minigpt.compare import main as compare
+
+    assert compare([str(cpu_run), str(gpu), "--html", str(tmp_path / "cmp.html")]) == 0
+    state = shots.check_page(tmp_path / "cmp.html")
+    assert state["errors"] == [] and state["outside"] == []
+    present = [s for s in state["sections"] if s["present"]]
+    assert len(present) == 5 and all(s["drawn"] == s["plots"] for s in present)
