@@ -90,7 +90,7 @@ PEAK_PART_NAMES = {"params": "parameters", "grads": "gradients", "optimizer": "o
                    "activations": "saved activations", "temporaries": "temporaries of the ops",
                    "held": "held from before the step"}
 # Saved tensors of ops that run in no submodule take the op's name; the cross-entropy's are the loss.
-LOSS_OPS = ("cross_entropy", "nll_loss", "log_softmax", "LogSoftmaxBackward", "NllLossBackward")
+LOSS_OPS = ("cross_entropy", "nll_loss", "log_softmax", "LogSoftmaxBackward", "NllLossBackward", "CrossEntropy")
 NO_MODULE = "(outside any submodule)"  # saved tensors whose op could not be told (no profiler session)
 # Names of the markers a capture writes into its own profiler session (never seen outside it).
 _MARK = "minigpt.memory::"
@@ -503,6 +503,10 @@ def capture_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
 
 # ---------------------------------------------------------------------------- the peak
 
+# Ranges that are not ops: the profiler's step, the loop's step range (stages are matched apart).
+_RANGES = ("ProfilerStep", "train_step", "backward_compute", "##")
+
+
 @dataclass
 class _Timeline:
     """The capture's profiler session, flattened in time order: allocations with where they
@@ -572,7 +576,7 @@ def _timeline(prof, device: str) -> _Timeline:
             ctx["node"] = name.split(": ", 1)[1]
             ctx["module"] = seq_module.get(seq, "")
             ctx.pop("outer", None)
-        elif name.startswith("aten::") or "::" in name:
+        elif "::" in name or not name.startswith(_RANGES):  # an op, or an autograd.Function's forward
             if "outer" not in ctx:
                 ctx["outer"] = name
                 if seq >= 0 and not ctx.get("node"):
