@@ -22,6 +22,7 @@ import ctypes.util
 import platform
 
 M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
 
 
@@ -35,3 +36,22 @@ def keep_freed_memory() -> str:
         return "CPU allocator: mallopt refused the setting; left as is"
     return ("CPU allocator: glibc malloc keeps freed blocks (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB): "
             "no page faults on each step's big tensors; --no-keep-freed-memory to compare")
+
+
+def _glibc():
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
+def bounded_freed_memory(mmap_threshold: int = 2**30, trim_threshold: int = 256 * 2**20) -> str:
+    """glibc serves blocks up to `mmap_threshold` from its heap, where freed blocks are reused
+    without page faults, and gives the heap's free top back to the system above `trim_threshold`.
+    Setting the threshold also stops glibc from moving it on its own (at most 32 MiB)."""
+    libc = _glibc()
+    if libc is None:
+        return "CPU allocator: left as is (not glibc)"
+    if not (libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1 and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1):
+        return "CPU allocator: mallopt refused the setting; left as is"
+    return (f"CPU allocator: glibc malloc, blocks up to {mmap_threshold // 2**20} MiB from the heap, trimmed above "
+            f"{trim_threshold // 2**20} MiB")

@@ -162,6 +162,7 @@ class MemoryBreakdown:
     peak_parts: dict[str, dict[str, int]] = field(default_factory=dict)
     peak_note: str | None = None  # why the peak was not measured
     allocator_peak_delta: int | None = None  # the allocator's own "Total Allocated" rise: a cross-check
+    start_bytes: int | None = None  # live at the start of the step (params, optimizer state, held tensors)
 
     def category_total(self, category: str) -> int:
         return sum(getattr(self, category).values())
@@ -202,7 +203,7 @@ class MemoryBreakdown:
             "temporaries": dict(self.peak_parts.get("temporaries", {})),
             "peak_activations": dict(self.peak_parts.get("activations", {})),
             "held": dict(self.peak_parts.get("held", {})),
-            "peak_note": self.peak_note,
+            "peak_note": self.peak_note, "start_bytes": self.start_bytes,
         }
         if estimate is not None:
             record["estimate"] = estimate.to_record()
@@ -673,6 +674,7 @@ def _replay(b: MemoryBreakdown, timeline: _Timeline, baseline: dict[int, list], 
         return peak, at, live, base_live, saved, grad_ptrs, first_total, top_total
 
     peak, at, *_, first_total, top_total = walk(None)
+    b.start_bytes = sum(v[0] for v in base.values())
     _, _, live, base_live, saved, grad_ptrs, _, _ = walk(at + 1)
     parts: dict[str, dict[str, int]] = {p: defaultdict(int) for p in PEAK_PARTS}
     for nbytes, part, name in base_live.values():
