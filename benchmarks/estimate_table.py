@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 import time
 from contextlib import nullcontext
@@ -127,6 +128,9 @@ def main() -> int:
     p.add_argument("--presets", nargs="+", default=["small", "gpt2"], choices=["small", "gpt2"])
     p.add_argument("--shapes", nargs="+", metavar="PRESET:BATCH:SEQ",
                    help="instead of the matrix's shapes, e.g. small:1:256 gpt2:2:1024")
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    p.add_argument("--keep", action="store_true",
+                   help="keep the cells of the results file that this run does not measure again")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--render", type=Path, metavar="RESULTS_JSON", help="measure nothing: write the .md again")
     args = p.parse_args()
@@ -140,8 +144,13 @@ def main() -> int:
     rows = []
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"{device_slug(meta['machine'])}-estimate"
+    if args.keep and stem.with_suffix(".json").is_file():
+        rows = json.loads(stem.with_suffix(".json").read_text())["results"]
+    done = {(r["preset"], r["batch"], r["seq"], r["amp"], r["ckpt"], r["accum"]) for r in rows}
     for (preset, batch, seq), amp, ckpt, accum in itertools.product(
-            shapes, ["fp32", "bf16"], [False, True], [1, 2]):
+            shapes, args.dtypes, [False, True], [1, 2]):
+        if (preset, batch, seq, amp, ckpt, accum) in done:
+            continue
         rows.append(cell(preset, batch, seq, amp, ckpt, accum))
         r = rows[-1]
         print(f"{preset} b{batch} s{seq} {amp} ckpt={ckpt} accum={accum}: measured {r['measured_peak'] / MIB:,.1f} "
