@@ -214,7 +214,7 @@ def main() -> int:
     p.add_argument("--malloc", action="store_true",
                    help="CPU: add an AMP variant with glibc malloc's defaults (--no-keep-freed-memory)")
     p.add_argument("--chunked-loss", action="store_true",
-                   help="add fp32 and AMP variants with --chunked-loss (peak memory and tokens/s against the plain loss)")
+                   help="add fp32 and AMP variants with --chunked-loss (peak and tokens/s against the plain loss)")
     p.add_argument("--nproc", type=int, default=1, help="add an AMP + DDP variant with this many processes")
     p.add_argument("--name", help="results file name after the device (default: the preset)")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
