@@ -192,16 +192,17 @@ def device_memory(device: str, given_gb: float | None) -> tuple[int | None, str]
 
 
 def format_estimate(shape: dict, amp_dtype: str, activation_checkpoint: bool, device: str,
-                    memory: int | None, memory_source: str, note: str = "") -> str:
+                    memory: int | None, memory_source: str, note: str = "", **options) -> str:
     """The estimator's table: columns for the run's AMP dtype (and fp32) without and with
     activation checkpointing; the run's own configuration is marked with *."""
     dtypes = [amp_dtype] + (["fp32"] if amp_dtype != "fp32" else [])
     columns = [(d, c) for d in dtypes for c in (False, True)]
-    est = {col: estimate_gpt(**shape, amp_dtype=col[0], activation_checkpoint=col[1], device=device) for col in columns}
+    est = {col: estimate_gpt(**shape, amp_dtype=col[0], activation_checkpoint=col[1], device=device, **options)
+           for col in columns}
     chosen = (amp_dtype, activation_checkpoint)
     names = [("*" if col == chosen else "") + col[0] + (" + ckpt" if col[1] else "") for col in columns]
     e0 = est[columns[0]]
-    gib = lambda n: f"{n / GiB:.3f} GiB" if n >= GiB else f"{n / MB:.1f} MiB"  # noqa: E731
+    gib = lambda n: "-" if n is None else f"{n / GiB:.3f} GiB" if n >= GiB else f"{n / MB:.1f} MiB"  # noqa: E731
     rows = [
         ("parameters (fp32)", lambda e: e.params),
         ("gradients (fp32)", lambda e: e.grads),
@@ -215,8 +216,9 @@ def format_estimate(shape: dict, amp_dtype: str, activation_checkpoint: bool, de
         ("  of which autocast weight copies", lambda e: e.weight_copies),
         ("total: params+grads+optimizer+activations", lambda e: e.total),
         ("logits returned (held by the caller)", lambda e: e.logits),
-        ("a block recomputed in backward", lambda e: e.recompute),
-        ("peak estimate", lambda e: e.peak),
+        *((f"at the {m}", (lambda m: lambda e: sum(e.moments[m].values()) if m in e.moments else None)(m))
+          for m in MOMENT_STAGES),
+        ("peak estimate (the largest moment)", lambda e: e.peak),
     ]
     width = max(14, *(len(n) + 2 for n in names))
     s = shape
@@ -240,8 +242,8 @@ def format_estimate(shape: dict, amp_dtype: str, activation_checkpoint: bool, de
             fits.append(f"{name} {'fits' if use <= 0.9 else 'is tight' if use <= 1 else 'does NOT fit'} "
                         f"({100 * use:.0f}% of it)")
         lines.append(f"Device memory: {memory / GiB:.1f} GiB ({memory_source}). " + "; ".join(fits))
-        lines.append("  (peak estimate against device memory; above 90% counts as tight: the ops' temporary "
-                     "buffers, workspaces and allocator overhead are not in the estimate)")
+        lines.append("  (peak estimate against device memory; above 90% counts as tight: on CUDA the context, "
+                     "workspaces and the caching allocator's rounding come on top, see docs/memory.md)")
     return "\n".join(lines)
 
 
@@ -264,8 +266,9 @@ def estimate_report(cfg, device: str, amp_dtype: str, amp_note: str = "", vocab_
             vocab_size = get_tokenizer(cfg.tokenizer_name).n_vocab
         vocab_size = -(-vocab_size // 64) * 64  # as model.pad_vocab (not imported: this module is model-agnostic)
     memory, source = device_memory(device, cfg.device_memory_gb)
+    options = dict(grad_accum_steps=cfg.grad_accum_steps, chunked_loss=getattr(cfg, "chunked_loss", False))
     return format_estimate(gpt_shape(cfg, vocab_size), amp_dtype, cfg.use_activation_checkpoint, device,
-                           memory, source, amp_note)
+                           memory, source, amp_note, **options)
 
 
 def main(argv: list[str] | None = None) -> int:
