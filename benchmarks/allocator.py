@@ -61,8 +61,16 @@ def child(setting: str, warmup: int, steps: int, measure_peak: bool) -> dict:
     p = PRESETS["small"]
     b, s, V = p["batch_size"], p["seq_len"], 50304
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=V, max_position_embeddings=s, n_layers=p["n_layers"], n_heads=p["n_heads"],
-                          d_model=p["d_model"], d_ff=p["d_ff"]))
+    model = GPT(
+        GPTConfig(
+            vocab_size=V,
+            max_position_embeddings=s,
+            n_layers=p["n_layers"],
+            n_heads=p["n_heads"],
+            d_model=p["d_model"],
+            d_ff=p["d_ff"],
+        )
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
     times = []
     for step in range(warmup + steps):
@@ -102,31 +110,50 @@ def run(name: str, warmup: int, steps: int, measure_peak: bool = False) -> dict:
 
 def markdown(meta: dict, results: dict, peak: int) -> str:
     base = results["glibc keep-freed"]["tokens_per_s"]["median"]
-    lines = [*header("CPU allocator: peak RSS against tokens/s", meta),
-             f"small preset (4 layers, d 256, batch 8 x 256, vocabulary 50304), fp32, {meta['steps']} measured "
-             f"steps after {meta['warmup']} warm-up step(s), {meta['repeats']} fresh processes per variant in "
-             "interleaved rounds; tokens/s: median over every measured step (spread: min-max of the rounds' "
-             "medians); RSS: the largest over the rounds. The machine was shared with other jobs.", "",
-             f"The allocator's true peak in a step (torch's own figure, `capture_memory`): {peak / MIB:,.0f} MiB. "
-             f"Budget: peak RSS within {RSS_BUDGET}x of it unless that costs more than "
-             f"{100 * SPEED_BUDGET:.0f}% of tokens/s.", "",
-             "| variant | how | tokens/s | spread | vs keep-freed | peak RSS MiB | x true peak | RSS at end MiB |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        *header("CPU allocator: peak RSS against tokens/s", meta),
+        f"small preset (4 layers, d 256, batch 8 x 256, vocabulary 50304), fp32, {meta['steps']} measured "
+        f"steps after {meta['warmup']} warm-up step(s), {meta['repeats']} fresh processes per variant in "
+        "interleaved rounds; tokens/s: median over every measured step (spread: min-max of the rounds' "
+        "medians); RSS: the largest over the rounds. The machine was shared with other jobs.",
+        "",
+        f"The allocator's true peak in a step (torch's own figure, `capture_memory`): {peak / MIB:,.0f} MiB. "
+        f"Budget: peak RSS within {RSS_BUDGET}x of it unless that costs more than "
+        f"{100 * SPEED_BUDGET:.0f}% of tokens/s.",
+        "",
+        "| variant | how | tokens/s | spread | vs keep-freed | peak RSS MiB | x true peak | RSS at end MiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
         setting, preload = VARIANTS[name]
-        how = f"LD_PRELOAD={Path(preload).name}" if preload else {"keep": "mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB",
-                                                                   "defaults": "none",
-                                                                   "bounded": "mallopt M_MMAP_THRESHOLD=1 GiB, "
-                                                                              "M_TRIM_THRESHOLD=256 MiB"}[setting]
+        how = (
+            f"LD_PRELOAD={Path(preload).name}"
+            if preload
+            else {
+                "keep": "mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB",
+                "defaults": "none",
+                "bounded": "mallopt M_MMAP_THRESHOLD=1 GiB, M_TRIM_THRESHOLD=256 MiB",
+            }[setting]
+        )
         t = r["tokens_per_s"]
-        lines.append(f"| {name} | {how} | {t['median']:,.0f} | {min(t['repeats']):,.0f}-{max(t['repeats']):,.0f} | "
-                     f"{t['median'] / base:.2f}x | {r['rss_peak_bytes'] / MIB:,.0f} | "
-                     f"{r['rss_peak_bytes'] / peak:.2f} | {r['rss_bytes'] / MIB:,.0f} |")
+        lines.append(
+            f"| {name} | {how} | {t['median']:,.0f} | {min(t['repeats']):,.0f}-{max(t['repeats']):,.0f} | "
+            f"{t['median'] / base:.2f}x | {r['rss_peak_bytes'] / MIB:,.0f} | "
+            f"{r['rss_peak_bytes'] / peak:.2f} | {r['rss_bytes'] / MIB:,.0f} |"
+        )
     ok = [n for n, r in results.items() if r["rss_peak_bytes"] <= RSS_BUDGET * peak]
     best = max(results, key=lambda n: results[n]["tokens_per_s"]["median"])
-    fast_ok = [n for n in ok if results[n]["tokens_per_s"]["median"] >= (1 - SPEED_BUDGET) * results[best]["tokens_per_s"]["median"]]
-    lines += ["", f"Fastest: {best}. Within {RSS_BUDGET}x of the true peak: {', '.join(ok) or 'none'}; of those within "
-              f"{100 * SPEED_BUDGET:.0f}% of the fastest: {', '.join(fast_ok) or 'none'}."]
+    fast_ok = [
+        n
+        for n in ok
+        if results[n]["tokens_per_s"]["median"]
+        >= (1 - SPEED_BUDGET) * results[best]["tokens_per_s"]["median"]
+    ]
+    lines += [
+        "",
+        f"Fastest: {best}. Within {RSS_BUDGET}x of the true peak: {', '.join(ok) or 'none'}; of those within "
+        f"{100 * SPEED_BUDGET:.0f}% of the fastest: {', '.join(fast_ok) or 'none'}.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -146,7 +173,9 @@ def main() -> int:
         return 0
     if args.render:
         data = load_results(p, args.render)
-        atomic_write(args.render.with_suffix(".md"), markdown(data["meta"], data["results"], data["true_peak"]))
+        atomic_write(
+            args.render.with_suffix(".md"), markdown(data["meta"], data["results"], data["true_peak"])
+        )
         return 0
     missing = [n for n in args.variants if VARIANTS[n][1] is not None and not VARIANTS[n][1].exists()]
     if missing:
@@ -157,15 +186,23 @@ def main() -> int:
     for r in range(args.repeats):  # interleaved: each round runs every variant once
         for name in args.variants:
             raw[name].append(run(name, args.warmup, args.steps))
-            print(f"[{name}] round {r + 1}: {statistics.median(raw[name][-1]['tokens_per_s']):,.0f} tokens/s, "
-                  f"peak RSS {raw[name][-1]['rss_peak_bytes'] / MIB:,.0f} MiB", flush=True)
+            print(
+                f"[{name}] round {r + 1}: {statistics.median(raw[name][-1]['tokens_per_s']):,.0f} tokens/s, "
+                f"peak RSS {raw[name][-1]['rss_peak_bytes'] / MIB:,.0f} MiB",
+                flush=True,
+            )
     results = {}
     for name, runs in raw.items():
         every = [t for run_ in runs for t in run_["tokens_per_s"]]
-        results[name] = {"tokens_per_s": {"median": statistics.median(every),
-                                          "repeats": [statistics.median(r["tokens_per_s"]) for r in runs]},
-                         "rss_peak_bytes": max(r["rss_peak_bytes"] for r in runs),
-                         "rss_bytes": max(r["rss_bytes"] for r in runs), "runs": runs}
+        results[name] = {
+            "tokens_per_s": {
+                "median": statistics.median(every),
+                "repeats": [statistics.median(r["tokens_per_s"]) for r in runs],
+            },
+            "rss_peak_bytes": max(r["rss_peak_bytes"] for r in runs),
+            "rss_bytes": max(r["rss_bytes"] for r in runs),
+            "runs": runs,
+        }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / "cpu-allocator"
     save_json(stem, {"meta": meta, "results": results, "true_peak": true_peak})

@@ -45,9 +45,17 @@ def child(preset: str, batch: int, seq: int, amp: str, steps: int) -> dict:
     models = {}
     for name, chunked in (("plain", False), ("chunked", True)):
         torch.manual_seed(0)
-        model = GPT(GPTConfig(vocab_size=shape["vocab_size"], max_position_embeddings=shape["max_position_embeddings"],
-                              n_layers=shape["n_layers"], n_heads=shape["n_heads"], d_model=shape["d_model"],
-                              d_ff=shape["d_ff"], chunked_loss=chunked))
+        model = GPT(
+            GPTConfig(
+                vocab_size=shape["vocab_size"],
+                max_position_embeddings=shape["max_position_embeddings"],
+                n_layers=shape["n_layers"],
+                n_heads=shape["n_heads"],
+                d_model=shape["d_model"],
+                d_ff=shape["d_ff"],
+                chunked_loss=chunked,
+            )
+        )
         models[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if amp == "bf16" else nullcontext
     x = torch.randint(0, shape["vocab_size"], (batch, seq))
@@ -76,35 +84,49 @@ def child(preset: str, batch: int, seq: int, amp: str, steps: int) -> dict:
             step(name)
         b = cap.breakdown
         temps = sorted(b.peak_parts["temporaries"].items(), key=lambda kv: -kv[1])[:3]
-        out[name].update(peak=b.peak, peak_where=b.peak_where,
-                         parts={p: b.peak_part(p) for p in b.peak_parts}, top_temporaries=temps,
-                         activations=b.category_total("activations"))
+        out[name].update(
+            peak=b.peak,
+            peak_where=b.peak_where,
+            parts={p: b.peak_part(p) for p in b.peak_parts},
+            top_temporaries=temps,
+            activations=b.category_total("activations"),
+        )
     return out
 
 
 def markdown(meta: dict, results: list[dict]) -> str:
-    lines = [*header("Chunked loss: the measured peak and tokens/s", meta),
-             f"{meta['steps']} measured steps of each variant after a warm-up step, alternating in one process per "
-             "row (glibc keeping freed blocks, the trainer's default); the peak: one more step of each measured "
-             "with `capture_memory`. The machine was shared with other jobs (load average well above its 2 "
-             "cores): compare tokens/s within a row only.", "",
-             "| shape | dtype | variant | tokens/s (median) | min-max | peak MiB | peak in | biggest temporaries at the "
-             "peak (MiB) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        *header("Chunked loss: the measured peak and tokens/s", meta),
+        f"{meta['steps']} measured steps of each variant after a warm-up step, alternating in one process "
+        "per "
+        "row (glibc keeping freed blocks, the trainer's default); the peak: one more step of each measured "
+        "with `capture_memory`. The machine was shared with other jobs (load average well above its 2 "
+        "cores): compare tokens/s within a row only.",
+        "",
+        "| shape | dtype | variant | tokens/s (median) | min-max | peak MiB | peak in | "
+        "biggest temporaries at the "
+        "peak (MiB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         for name in ("plain", "chunked"):
             v = r[name]
             t = v["tokens_per_s"]
             temps = "; ".join(f"{n} {b / MIB:,.0f}" for n, b in v["top_temporaries"])
-            lines.append(f"| {r['preset']} b{r['batch']} s{r['seq']} | {r['amp']} | {name} | "
-                         f"{statistics.median(t):,.0f} | {min(t):,.0f}-{max(t):,.0f} | {v['peak'] / MIB:,.1f} | "
-                         f"{v['peak_where']} | {temps} |")
+            lines.append(
+                f"| {r['preset']} b{r['batch']} s{r['seq']} | {r['amp']} | {name} | "
+                f"{statistics.median(t):,.0f} | {min(t):,.0f}-{max(t):,.0f} | {v['peak'] / MIB:,.1f} | "
+                f"{v['peak_where']} | {temps} |"
+            )
     lines += ["", "Effect of the chunked loss (chunked against plain, same row):", ""]
     for r in results:
         p, c = r["plain"], r["chunked"]
         speed = statistics.median(c["tokens_per_s"]) / statistics.median(p["tokens_per_s"])
-        lines.append(f"- {r['preset']} b{r['batch']} s{r['seq']} {r['amp']}: peak {p['peak'] / MIB:,.0f} -> "
-                     f"{c['peak'] / MIB:,.0f} MiB ({100 * (c['peak'] / p['peak'] - 1):+.0f}%), tokens/s "
-                     f"{speed:.2f}x, loss {p['loss']:.4f} vs {c['loss']:.4f}")
+        lines.append(
+            f"- {r['preset']} b{r['batch']} s{r['seq']} {r['amp']}: peak {p['peak'] / MIB:,.0f} -> "
+            f"{c['peak'] / MIB:,.0f} MiB ({100 * (c['peak'] / p['peak'] - 1):+.0f}%), tokens/s "
+            f"{speed:.2f}x, loss {p['loss']:.4f} vs {c['loss']:.4f}"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -133,12 +155,29 @@ def main() -> int:
     stem = args.out_dir / "cpu-chunked-loss"
     for amp in args.dtypes:
         for preset, batch, seq in CASES:
-            cmd = [sys.executable, __file__, "--child", preset, str(batch), str(seq), amp, "--steps", str(args.steps)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                preset,
+                str(batch),
+                str(seq),
+                amp,
+                "--steps",
+                str(args.steps),
+            ]
             done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=7200)
             if done.returncode != 0:
                 raise RuntimeError(done.stderr[-2000:])
-            results.append({"preset": preset, "batch": batch, "seq": seq, "amp": amp,
-                            **json.loads(done.stdout.strip().splitlines()[-1])})
+            results.append(
+                {
+                    "preset": preset,
+                    "batch": batch,
+                    "seq": seq,
+                    "amp": amp,
+                    **json.loads(done.stdout.strip().splitlines()[-1]),
+                }
+            )
             print(markdown(meta, results).splitlines()[-1], flush=True)
             save_json(stem, {"meta": meta, "results": results})
             atomic_write(stem.with_suffix(".md"), markdown(meta, results))

@@ -51,7 +51,8 @@ def bounded_freed_memory(mmap_threshold: int = 2**30, trim_threshold: int = 256 
     libc = _glibc()
     if libc is None:
         return "CPU allocator: left as is (not glibc)"
-    if not (libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1 and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1):
+    if not (libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1
+            and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1):
         return "CPU allocator: mallopt refused the setting; left as is"
-    return (f"CPU allocator: glibc malloc, blocks up to {mmap_threshold // 2**20} MiB from the heap, trimmed above "
-            f"{trim_threshold // 2**20} MiB")
+    return (f"CPU allocator: glibc malloc, blocks up to {mmap_threshold // 2**20} MiB from the heap, "
+            f"trimmed above {trim_threshold // 2**20} MiB")

@@ -149,8 +149,8 @@ def estimate_gpt(*, n_layers: int, d_model: int, n_heads: int, d_ff: int, seq_le
     acts = est.activations
 
     def moment(grads: int = 0, activations: int = 0, temporaries: int = 0) -> dict[str, int]:
-        return {**base, "grads": base["grads"] + grads, "activations": activations, "temporaries": temporaries,
-                "held": 0}
+        return {**base, "grads": base["grads"] + grads, "activations": activations,
+                "temporaries": temporaries, "held": 0}
 
     moments = {}
     if chunked_loss:
@@ -191,14 +191,19 @@ def device_memory(device: str, given_gb: float | None) -> tuple[int | None, str]
         return None, "unknown (no CUDA, and the RAM size is not readable here); pass --device-memory-gb"
 
 
+def _moment_total(moment: str):
+    """The bytes live at `moment` of an estimate, None when the estimate has no such moment."""
+    return lambda e: sum(e.moments[moment].values()) if moment in e.moments else None
+
+
 def format_estimate(shape: dict, amp_dtype: str, activation_checkpoint: bool, device: str,
                     memory: int | None, memory_source: str, note: str = "", **options) -> str:
     """The estimator's table: columns for the run's AMP dtype (and fp32) without and with
     activation checkpointing; the run's own configuration is marked with *."""
     dtypes = [amp_dtype] + (["fp32"] if amp_dtype != "fp32" else [])
     columns = [(d, c) for d in dtypes for c in (False, True)]
-    est = {col: estimate_gpt(**shape, amp_dtype=col[0], activation_checkpoint=col[1], device=device, **options)
-           for col in columns}
+    est = {col: estimate_gpt(**shape, amp_dtype=col[0], activation_checkpoint=col[1], device=device,
+                             **options) for col in columns}
     chosen = (amp_dtype, activation_checkpoint)
     names = [("*" if col == chosen else "") + col[0] + (" + ckpt" if col[1] else "") for col in columns]
     e0 = est[columns[0]]
@@ -216,8 +221,7 @@ def format_estimate(shape: dict, amp_dtype: str, activation_checkpoint: bool, de
         ("  of which autocast weight copies", lambda e: e.weight_copies),
         ("total: params+grads+optimizer+activations", lambda e: e.total),
         ("logits returned (held by the caller)", lambda e: e.logits),
-        *((f"at the {m}", (lambda m: lambda e: sum(e.moments[m].values()) if m in e.moments else None)(m))
-          for m in MOMENT_STAGES),
+        *((f"at the {m}", _moment_total(m)) for m in MOMENT_STAGES),
         ("peak estimate (the largest moment)", lambda e: e.peak),
     ]
     width = max(14, *(len(n) + 2 for n in names))

@@ -90,7 +90,8 @@ PEAK_PART_NAMES = {"params": "parameters", "grads": "gradients", "optimizer": "o
                    "activations": "saved activations", "temporaries": "temporaries of the ops",
                    "held": "held from before the step"}
 # Saved tensors of ops that run in no submodule take the op's name; the cross-entropy's are the loss.
-LOSS_OPS = ("cross_entropy", "nll_loss", "log_softmax", "LogSoftmaxBackward", "NllLossBackward", "CrossEntropy")
+LOSS_OPS = ("cross_entropy", "nll_loss", "log_softmax", "LogSoftmaxBackward", "NllLossBackward",
+            "CrossEntropy")
 NO_MODULE = "(outside any submodule)"  # saved tensors whose op could not be told (no profiler session)
 # Names of the markers a capture writes into its own profiler session (never seen outside it).
 _MARK = "minigpt.memory::"

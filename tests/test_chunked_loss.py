@@ -14,8 +14,17 @@ from minigpt.model import GPT, ChunkedCrossEntropy, GPTConfig
 
 def make(chunked: bool, vocab=256):
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=vocab, max_position_embeddings=16, n_layers=2, n_heads=2, d_model=32,
-                         d_ff=64, chunked_loss=chunked))
+    return GPT(
+        GPTConfig(
+            vocab_size=vocab,
+            max_position_embeddings=16,
+            n_layers=2,
+            n_heads=2,
+            d_model=32,
+            d_ff=64,
+            chunked_loss=chunked,
+        )
+    )
 
 
 def loss_and_grads(chunked: bool, amp: bool, x, y):
@@ -28,7 +37,9 @@ def loss_and_grads(chunked: bool, amp: bool, x, y):
 
 @pytest.mark.parametrize("amp,tol", [(False, 1e-5), (True, 2e-2)])
 def test_loss_and_gradients_equal_the_plain_path(amp, tol, monkeypatch):
-    monkeypatch.setattr(model_module, "LOSS_CHUNK_ELEMENTS", 256 * 7)  # 7 rows a chunk: several chunks, a ragged end
+    monkeypatch.setattr(
+        model_module, "LOSS_CHUNK_ELEMENTS", 256 * 7
+    )  # 7 rows a chunk: several chunks, a ragged end
     torch.manual_seed(1)
     x = torch.randint(0, 256, (3, 16))
     y = torch.roll(x, -1, 1)
@@ -65,6 +76,7 @@ def test_the_measured_peak_drops(monkeypatch):
     """With a vocabulary much wider than the model the logits dominate the peak: the chunked loss
     removes them from it."""
     monkeypatch.setattr(model_module, "LOSS_CHUNK_ELEMENTS", 4096 * 16)  # 16 of the 128 rows a chunk
+
     def peak(chunked):
         m = make(chunked, vocab=4096)
         opt = torch.optim.AdamW(m.parameters())
@@ -75,6 +87,7 @@ def test_the_measured_peak_drops(monkeypatch):
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         return cap.breakdown
+
     plain, chunked = peak(False), peak(True)
     assert chunked.peak < 0.8 * plain.peak, (chunked.peak, plain.peak)
     assert not any("log-probs" in k for k in chunked.activations)

@@ -6,14 +6,23 @@ from contextlib import nullcontext
 import pytest
 import torch
 import torch.nn as nn
+from conftest import TINY, fails
 
 import train_minimal
-from conftest import TINY, fails
 from minigpt import estimate
 from minigpt.config import parse_args
 from minigpt.estimate import estimate_gpt
-from minigpt.memory import (LAYOUT, MEMORY_LOG, PEAK_PARTS, SUNBURST_FILES, capture_memory, format_memory_log,
-                            parse_memory_log, write_memory_trace)
+from minigpt.memory import (
+    LAYOUT,
+    MEMORY_LOG,
+    PEAK_PARTS,
+    SUNBURST_FILES,
+    capture_memory,
+    format_breakdown,
+    format_memory_log,
+    parse_memory_log,
+    write_memory_trace,
+)
 from minigpt.model import GPT, GPTConfig
 
 SHAPE = dict(n_layers=2, d_model=32, n_heads=2, d_ff=128, seq_len=16, batch_size=4, vocab_size=64,
@@ -324,7 +333,7 @@ def test_cuda_breakdown_beside_max_allocated():
     assert b.other == b.cuda_max_allocated - b.total and b.cuda_max_reserved >= b.cuda_max_allocated
     assert (e.params, e.optimizer) == (b.category_total("params"), b.category_total("optimizer"))
     assert abs(e.activations - b.category_total("activations")) <= 0.10 * b.category_total("activations")
-    assert "CUDA max allocated" in memory.format_breakdown(b, e)
+    assert "CUDA max allocated" in format_breakdown(b, e)
 
 
 # ---------------------------------------------------------------------------- the measured peak
@@ -425,7 +434,7 @@ def test_the_measured_peak_agrees_with_the_kernels_count_of_resident_pages():
     """An independent measure: with glibc told to map every block of 64 KiB or more afresh and
     to unmap it when freed, the process's resident memory follows the allocator's blocks, and its
     peak rise over the step (getrusage) matches the measured peak's rise within 5% (the rest: the
-    profiler's own records, Python's objects, pages).""" 
+    profiler's own records, Python's objects, pages)."""
     import os
     import subprocess
     import sys
@@ -434,7 +443,8 @@ def test_the_measured_peak_agrees_with_the_kernels_count_of_resident_pages():
 
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024), "MALLOC_TRIM_THRESHOLD_": "0",
            "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", RSS_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", RSS_CHILD], env=env, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     rise = r["peak"] - r["start"]
@@ -477,7 +487,7 @@ def test_no_chart_has_an_unnamed_slice(tmp_path):
         for rid, label, parent, value in rows:
             assert label.strip(), (name, rid)
             children.setdefault(parent, []).append(value)
-        for rid, label, parent, value in rows:
+        for rid, _, _, value in rows:
             if rid in children:
                 assert sum(children[rid]) == value, (name, rid)
 
