@@ -579,10 +579,9 @@ def _timeline(prof, device: str) -> _Timeline:
             ctx["module"] = seq_module.get(seq, "")
             ctx.pop("outer", None)
         elif "::" in name or not name.startswith(_RANGES):  # an op, or an autograd.Function's forward
-            if "outer" not in ctx:
-                ctx["outer"] = name
-                if seq >= 0 and not ctx.get("node"):
-                    seq_module.setdefault(seq, ctx.get("module", ""))
+            ctx.setdefault("outer", name)
+            if seq >= 0 and not ctx.get("node"):  # the op that made the autograd node (addmm under linear)
+                seq_module.setdefault(seq, ctx.get("module", ""))
             ctx["inner"] = name
         for child in node.children:
             walk(child, ctx, order)
