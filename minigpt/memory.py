@@ -383,8 +383,9 @@ class MemoryCapture:
         self._watched = []
         owners: dict[int, int] = defaultdict(int)
         for obj in gc.get_objects():
-            kind = type(obj)  # not isinstance: it reads __class__, which warns on deprecated module objects
-            if not issubclass(kind, torch.Tensor) or issubclass(kind, nn.Parameter):
+            # not isinstance: it reads __class__, which warns on deprecated module objects. Parameters
+            # of this model are already in `base`; another model's are held like any tensor.
+            if not issubclass(type(obj), torch.Tensor):
                 continue
             try:
                 t = _local(obj)
