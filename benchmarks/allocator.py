@@ -49,7 +49,7 @@ def child(setting: str, warmup: int, steps: int, measure_peak: bool) -> dict:
     from minigpt import cpu
 
     if setting == "keep":
-        cpu.keep_freed_memory()
+        cpu.never_return_memory()
     elif setting == "bounded":
         cpu.bounded_freed_memory()
     import torch
@@ -136,6 +136,7 @@ def markdown(meta: dict, results: dict, peak: int) -> str:
             }[setting]
         )
         t = r["tokens_per_s"]
+        how += {"keep": " (minigpt's default until now)", "bounded": " (minigpt's default now)"}.get(setting, "")
         lines.append(
             f"| {name} | {how} | {t['median']:,.0f} | {min(t['repeats']):,.0f}-{max(t['repeats']):,.0f} | "
             f"{t['median'] / base:.2f}x | {r['rss_peak_bytes'] / MIB:,.0f} | "
