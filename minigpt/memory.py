@@ -27,14 +27,16 @@ input (the block's insides are recomputed during backward, under the checkpoint'
 Under autocast the saved tensors include the low-precision copies of the Linear weights that
 autocast makes (one per weight per forward), which live until backward like any activation.
 
-On CUDA the breakdown sits beside torch.cuda.max_memory_allocated(); the difference is what the
-breakdown does not name: temporary buffers of the ops, library workspaces (cuBLAS, attention),
-the allocator's rounding, and, when the parts did not all peak at once, a negative figure.
-
-Not counted either: tensors nobody saves for backward (the logits the model returns, autocast's
-weight copies inside checkpointed blocks, cached until the forward ends), DDP's gradient buckets,
-and the recomputation inside checkpointed blocks during backward. Under torch.compile the saved
-tensors are the compiled graph's, attributed to the modules Dynamo leaves in place.
+The categories above are not a peak: gradients and activations are never all alive at once, and
+the ops' temporaries (the logits, their gradient) are in none of them. The measured peak is: the
+step runs under a profiler session of the capture's own (profile_memory=True), the allocator's
+events are replayed in order from what was live at the start, and the highest total is `peak`,
+with when it happened (stage, module, op) and every byte live at that moment named, in parts
+that add up to it exactly (PEAK_PARTS). docs/memory.md explains how, and how it was checked
+against the allocator's own count and the kernel's resident pages. On CUDA
+torch.cuda.max_memory_allocated() is the reference and what the events miss is named as such.
+Under torch.compile the saved tensors are the compiled graph's, attributed to the modules Dynamo
+leaves in place.
 """
 
 from __future__ import annotations
