@@ -63,6 +63,9 @@ def variants(args) -> list[tuple[str, list[str], int]]:
         out.append(("amp, malloc defaults", ["--amp", "--no-keep-freed-memory"], 1))
     if args.compile:
         out.append(("amp + compile", ["--amp", "--compile"], 1))
+    if args.chunked_loss:  # the LM head + cross-entropy a chunk of rows at a time (minigpt/model.py)
+        out += [("fp32 + chunked loss", ["--no-amp", "--chunked-loss"], 1),
+                ("amp + chunked loss", ["--amp", "--chunked-loss"], 1)]
     if args.nproc > 1:
         out.append((f"amp + ddp x{args.nproc}", ["--amp"], args.nproc))
     return out
@@ -102,8 +105,11 @@ def findings(results: dict) -> list[str]:
                 text += f", peak memory {pk0:,.0f} -> {pk1:,.0f} MiB"
             lines.append(text)
     for name in list(results)[len(MATRIX):]:  # the variants added to the matrix on request
-        if "amp" in results:
-            lines.append(f"{name}: {tps(name) / tps('amp'):.2f}x tokens/s against amp")
+        base = "fp32" if name.startswith("fp32") else "amp"  # "fp32 + chunked loss" against fp32
+        if base in results:
+            text = f"{name}: {tps(name) / tps(base):.2f}x tokens/s against {base}"
+            pk0, pk1 = peak_mib(results[base]), peak_mib(results[name])
+            lines.append(text + (f", peak memory {pk0:,.0f} -> {pk1:,.0f} MiB" if pk0 and pk1 else ""))
     return lines
 
 
@@ -222,6 +228,8 @@ def main() -> int:
     p.add_argument("--compile", action="store_true", help="add an AMP + torch.compile variant")
     p.add_argument("--malloc", action="store_true",
                    help="CPU: add an AMP variant with glibc malloc's defaults (--no-keep-freed-memory)")
+    p.add_argument("--chunked-loss", action="store_true",
+                   help="add fp32 and AMP variants with --chunked-loss (peak and tokens/s against the plain loss)")
     p.add_argument("--nproc", type=int, default=1, help="add an AMP + DDP variant with this many processes")
     p.add_argument("--name", help="results file name after the device (default: the preset and the flags "
                    "passed through)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -21,7 +21,8 @@ from minigpt.memory import MB, GiB
 
 @dataclass
 class MemoryEstimate:
-    """Predicted bytes of one training step of the GPT in minigpt/model.py; see estimate_gpt."""
+    """Predicted bytes of one training step of the GPT in minigpt/model.py; see estimate_gpt and
+    docs/memory.md."""
 
     amp_dtype: str
     activation_checkpoint: bool
@@ -35,8 +36,13 @@ class MemoryEstimate:
     head: int  # saved by ln_f and lm_head
     loss: int  # saved by the cross-entropy
     weight_copies: int  # of the above: autocast's low-precision weight copies that matmuls save
-    logits: int  # the logits the model returns: held by the caller, not saved
+    logits: int  # the logits the model returns: held by the caller until its next forward ends
     recompute: int  # checkpointing: one block's activations, rebuilt during backward
+    grad_accum_steps: int = 1
+    chunked_loss: bool = False
+    # The candidate moments of the peak, {moment: {part: bytes}} with the parts of memory.PEAK_PARTS;
+    # the largest is the predicted peak (docs/memory.md).
+    moments: dict = field(default_factory=dict)
 
     @property
     def activations(self) -> int:
@@ -48,66 +54,55 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer + self.activations
 
     @property
+    def peak_moment(self) -> str:
+        return max(self.moments, key=lambda m: sum(self.moments[m].values()))
+
+    @property
     def peak(self) -> int:
-        """What must fit: the total, the returned logits, and a recomputed block."""
-        return self.total + self.logits + self.recompute
+        """The predicted allocator peak of the step (MemoryBreakdown.peak): its highest moment."""
+        return sum(self.moments[self.peak_moment].values())
+
+    @property
+    def peak_stage(self) -> str:
+        return MOMENT_STAGES[self.peak_moment]
+
+    def peak_parts(self) -> dict[str, int]:
+        return dict(self.moments[self.peak_moment])
 
     def to_record(self) -> dict:
-        return {**asdict(self), "activations": self.activations, "total": self.total, "peak": self.peak}
+        record = asdict(self)
+        record.update(activations=self.activations, total=self.total, peak=self.peak,
+                      peak_moment=self.peak_moment, peak_stage=self.peak_stage,
+                      moments={m: sum(parts.values()) for m, parts in self.moments.items()})
+        return record
+
+
+# The moments the estimator compares, and the stage each falls in (minigpt.stages' names).
+MOMENT_STAGES = {
+    "loss forward (a chunk)": "forward",
+    "loss backward": "backward",
+    "block recompute": "backward",
+    "tied embedding backward": "backward",
+    "optimizer step": "optimizer_step",
+}
 
 
 def estimate_gpt(*, n_layers: int, d_model: int, n_heads: int, d_ff: int, seq_len: int, batch_size: int,
                  vocab_size: int, max_position_embeddings: int, amp_dtype: str = "fp32",
-                 activation_checkpoint: bool = False, dropout: float = 0.0, device: str = "cpu") -> MemoryEstimate:
-    """Bytes of one training step of minigpt's GPT (plain numbers in, no model built), with AdamW.
+                 activation_checkpoint: bool = False, dropout: float = 0.0, device: str = "cpu",
+                 grad_accum_steps: int = 1, chunked_loss: bool = False,
+                 loss_chunk_elements: int = 2**24) -> MemoryEstimate:
+    """Bytes of one training step of minigpt's GPT (plain numbers in, no model built), with fused
+    AdamW, the step shaped as train_minimal.py runs it (the caller holds the last output until the
+    next forward ends). docs/memory.md derives every term and checks it against the measurement.
 
-    Notation: L layers, h = d_model, f = d_ff, a heads, s = seq_len, b = batch, V = vocab (padded),
-    P = positions; p = bytes per element of the autocast dtype (2 for bf16/fp16, 4 without AMP).
-
-    Parameters: V*h (wte, tied with lm_head) + P*h (wpe) + L*(4h + 3h^2+3h + h^2+h + hf+f + fh+h)
-    + 2h (ln_f), 4 bytes each. Gradients: the same. AdamW: exp_avg and exp_avg_sq in fp32 (2x the
-    parameters) plus one 4-byte `step` tensor per parameter tensor (2 + 12L + 2 tensors).
-
-    Activations follow Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
-    Models" (2022), who count sbh(34 + 5as/h) bytes per layer in 16-bit training: attention 11sbh
-    (QKV input 2, Q and K 4, V 2, projection input 2, dropout mask 1) + 5as^2b (softmax output 2,
-    its dropout mask 1, dropped probabilities 2), MLP 19sbh (input 2, GELU input 8, projection
-    input 8, dropout mask 1), two LayerNorm inputs 4sbh. What this model saves instead (storages,
-    counted once; read off the saved-tensor hooks):
-
-        ln_1, ln_2   input, fp32 even under autocast (the residual stream: fp32 embeddings plus
-                     low-precision branch outputs promote to fp32)        2 x (4sbh + mean/rstd 8bs)
-        attn.qkv     input, the autocast copy of ln_1's output            p*sbh
-        attention    q, k, v: three views of the qkv output               3p*sbh
-                     F.scaled_dot_product_attention's flash / memory-efficient kernel saves its
-                     output and the fp32 logsumexp, not the s x s scores: p*sbh + 4abs
-        attn.proj    input: the attention output, whose (B, T, heads, hd) memory layout makes
-                     .transpose(1, 2).contiguous() a no-op: already counted   0
-        mlp.fc       input (autocast copy of ln_2's output)               p*sbh
-        mlp.gelu     input (fc output)                                    p*bsf
-        mlp.proj     input (GELU output)                                  p*bsf
-        autocast     the low-precision weight copies the matmuls save      p*(4h^2 + 2hf)
-
-    Per block: sbh(8 + 6p) + 2p*bsf + 16bs + 4abs (+ weight copies). With f = 4h that is 36sbh in
-    bf16 against Korthikanti's 34sbh: +4 for the fp32 LayerNorm inputs, -2 without dropout masks
-    (dropout 0), and no 5as^2b. (The flash output the attention backward keeps is the same storage
-    as attn.proj's input, which the paper already counts.)
-    In fp32: 64sbh. Dropout > 0 adds a mask per dropout (1 byte per element on CUDA, the tensor's
-    dtype on the CPU), and on the CPU sends attention down the math path, which saves fp32 copies
-    of q, k and v and three fp32 s x s tensors (probabilities, mask, dropped probabilities) in
-    place of the q, k, v views and the flash output (on CUDA the flash kernel handles dropout).
-
-    Outside the blocks: token and position ids (8bs + 8s); ln_f's input (4sbh + 8bs); lm_head's
-    input (p*sbh) and, under autocast, its weight copy (p*Vh); the cross-entropy runs in fp32
-    (autocast's fp32 list) and saves the fp32 log-probabilities 4bsV, the targets 8bs and a scalar.
-    The logits themselves (p*bsV) are not saved, but the caller holds them until the next step.
-
-    Activation checkpointing (non-reentrant) saves only each block's input, 4sbh, during the
-    forward; during backward one block at a time is recomputed, its full activations (as above)
-    alive on top of the rest: `recompute`.
-
-    Not included: the ops' temporary buffers (the backward's gradient of the logits, 4bsV, is the
-    largest), library workspaces, the allocator's rounding and the CUDA context.
+    What persists: parameters, fp32 gradients, AdamW's two fp32 moments and a step per tensor.
+    What the forward saves: Korthikanti et al.'s per-layer count redone for this model (fp32
+    LayerNorm inputs, flash attention, no dropout masks), and the cross-entropy's fp32
+    log-probabilities 4bsV. The peak is the largest of a few moments: the loss's backward (the
+    logits, the log-probabilities, and two fp32 bsV gradients at once), the end of backward (the
+    tied embedding's three V x h gradients), a checkpointed block rebuilt, the optimizer step, and
+    with chunked_loss a chunk of the loss in the forward.
     """
     L, h, a, f, s, b, V, P = n_layers, d_model, n_heads, d_ff, seq_len, batch_size, vocab_size, max_position_embeddings
     amp = amp_dtype != "fp32"
@@ -133,15 +128,52 @@ def estimate_gpt(*, n_layers: int, d_model: int, n_heads: int, d_ff: int, seq_le
     full_block = 2 * layer_norm + attention + mlp + weight_copies + 2 * mask(p)
     block = 4 * sbh if activation_checkpoint else full_block
     embeddings = 8 * bs + 8 * s + mask(4)
-    head_copy = p * V * h if amp else 0
-    head = layer_norm + p * sbh + head_copy
-    loss = 4 * bs * V + 8 * bs + 4
-    return MemoryEstimate(
+    E = 4 * V * h  # the tied embedding / LM head weight, and each of its fp32 gradients
+    if chunked_loss:  # ChunkedCrossEntropy saves the gradients it made: for x (fp32 N x h) and the weight
+        head, loss, head_copy, logits = layer_norm + 4 * sbh + E, 0, 0, 0
+    else:
+        head_copy = p * V * h if amp else 0
+        head = layer_norm + p * sbh + head_copy
+        loss = 4 * bs * V + 8 * bs + 4
+        logits = p * bs * V
+    est = MemoryEstimate(
         amp_dtype=amp_dtype, activation_checkpoint=activation_checkpoint, attention="flash" if flash else "math",
         params=params, grads=params, optimizer=optimizer, block=block, n_layers=L, embeddings=embeddings,
         head=head, loss=loss, weight_copies=(0 if activation_checkpoint else L * weight_copies) + head_copy,
-        logits=p * bs * V, recompute=full_block if activation_checkpoint else 0,
+        logits=logits, recompute=full_block if activation_checkpoint else 0,
+        grad_accum_steps=grad_accum_steps, chunked_loss=chunked_loss,
     )
+    # Gradients from the earlier micro-batches are there when the last one runs.
+    grads_before = params if grad_accum_steps > 1 else 0
+    base = {"params": params, "optimizer": optimizer, "grads": grads_before}
+    acts = est.activations
+
+    def moment(grads: int = 0, activations: int = 0, temporaries: int = 0) -> dict[str, int]:
+        return {**base, "grads": base["grads"] + grads, "activations": activations,
+                "temporaries": temporaries, "held": 0}
+
+    moments = {}
+    if chunked_loss:
+        rows = min(bs, max(1, loss_chunk_elements // V))
+        # one chunk: its fp32 logits (then probabilities), the weight's chunk gradient, and under
+        # autocast the low-precision copies of the weight and of the chunk's gradient
+        chunk = 4 * rows * V + E + (p * V * h + p * rows * V if amp else 0)
+        moments["loss forward (a chunk)"] = moment(activations=acts, temporaries=chunk)
+    else:
+        # LogSoftmaxBackward: the logits the caller holds, the saved log-probabilities (in acts), the
+        # gradient NllLossBackward made (fp32 bsV) and its own output (fp32 bsV)
+        moments["loss backward"] = moment(activations=acts, temporaries=logits + 2 * 4 * bs * V)
+    if activation_checkpoint:
+        # the last block rebuilt, with the LM head's weight gradient kept for the tied weight's sum
+        moments["block recompute"] = moment(activations=acts + full_block,
+                                            temporaries=logits + (0 if chunked_loss else E))
+    # The tied weight's gradient: the LM head's (held since the start of backward), the
+    # embedding's (dense V x h), and their sum, with every other gradient made by then.
+    moments["tied embedding backward"] = moment(grads=params - E if grad_accum_steps == 1 else 0,
+                                                temporaries=logits + 3 * E)
+    moments["optimizer step"] = moment(grads=params if grad_accum_steps == 1 else 0, temporaries=logits)
+    est.moments = moments
+    return est
 
 
 # ---------------------------------------------------------------------------- the estimate report
@@ -159,17 +191,23 @@ def device_memory(device: str, given_gb: float | None) -> tuple[int | None, str]
         return None, "unknown (no CUDA, and the RAM size is not readable here); pass --device-memory-gb"
 
 
+def _moment_total(moment: str):
+    """The bytes live at `moment` of an estimate, None when the estimate has no such moment."""
+    return lambda e: sum(e.moments[moment].values()) if moment in e.moments else None
+
+
 def format_estimate(shape: dict, amp_dtype: str, activation_checkpoint: bool, device: str,
-                    memory: int | None, memory_source: str, note: str = "") -> str:
+                    memory: int | None, memory_source: str, note: str = "", **options) -> str:
     """The estimator's table: columns for the run's AMP dtype (and fp32) without and with
     activation checkpointing; the run's own configuration is marked with *."""
     dtypes = [amp_dtype] + (["fp32"] if amp_dtype != "fp32" else [])
     columns = [(d, c) for d in dtypes for c in (False, True)]
-    est = {col: estimate_gpt(**shape, amp_dtype=col[0], activation_checkpoint=col[1], device=device) for col in columns}
+    est = {col: estimate_gpt(**shape, amp_dtype=col[0], activation_checkpoint=col[1], device=device,
+                             **options) for col in columns}
     chosen = (amp_dtype, activation_checkpoint)
     names = [("*" if col == chosen else "") + col[0] + (" + ckpt" if col[1] else "") for col in columns]
     e0 = est[columns[0]]
-    gib = lambda n: f"{n / GiB:.3f} GiB" if n >= GiB else f"{n / MB:.1f} MiB"  # noqa: E731
+    gib = lambda n: "-" if n is None else f"{n / GiB:.3f} GiB" if n >= GiB else f"{n / MB:.1f} MiB"  # noqa: E731
     rows = [
         ("parameters (fp32)", lambda e: e.params),
         ("gradients (fp32)", lambda e: e.grads),
@@ -183,8 +221,8 @@ def format_estimate(shape: dict, amp_dtype: str, activation_checkpoint: bool, de
         ("  of which autocast weight copies", lambda e: e.weight_copies),
         ("total: params+grads+optimizer+activations", lambda e: e.total),
         ("logits returned (held by the caller)", lambda e: e.logits),
-        ("a block recomputed in backward", lambda e: e.recompute),
-        ("peak estimate", lambda e: e.peak),
+        *((f"at the {m}", _moment_total(m)) for m in MOMENT_STAGES),
+        ("peak estimate (the largest moment)", lambda e: e.peak),
     ]
     width = max(14, *(len(n) + 2 for n in names))
     s = shape
@@ -208,8 +246,8 @@ def format_estimate(shape: dict, amp_dtype: str, activation_checkpoint: bool, de
             fits.append(f"{name} {'fits' if use <= 0.9 else 'is tight' if use <= 1 else 'does NOT fit'} "
                         f"({100 * use:.0f}% of it)")
         lines.append(f"Device memory: {memory / GiB:.1f} GiB ({memory_source}). " + "; ".join(fits))
-        lines.append("  (peak estimate against device memory; above 90% counts as tight: the ops' temporary "
-                     "buffers, workspaces and allocator overhead are not in the estimate)")
+        lines.append("  (peak estimate against device memory; above 90% counts as tight: on CUDA the context, "
+                     "workspaces and the caching allocator's rounding come on top, see docs/memory.md)")
     return "\n".join(lines)
 
 
@@ -232,8 +270,9 @@ def estimate_report(cfg, device: str, amp_dtype: str, amp_note: str = "", vocab_
             vocab_size = get_tokenizer(cfg.tokenizer_name).n_vocab
         vocab_size = -(-vocab_size // 64) * 64  # as model.pad_vocab (not imported: this module is model-agnostic)
     memory, source = device_memory(device, cfg.device_memory_gb)
+    options = dict(grad_accum_steps=cfg.grad_accum_steps, chunked_loss=getattr(cfg, "chunked_loss", False))
     return format_estimate(gpt_shape(cfg, vocab_size), amp_dtype, cfg.use_activation_checkpoint, device,
-                           memory, source, amp_note)
+                           memory, source, amp_note, **options)
 
 
 def main(argv: list[str] | None = None) -> int:

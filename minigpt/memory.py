@@ -27,22 +27,28 @@ input (the block's insides are recomputed during backward, under the checkpoint'
 Under autocast the saved tensors include the low-precision copies of the Linear weights that
 autocast makes (one per weight per forward), which live until backward like any activation.
 
-On CUDA the breakdown sits beside torch.cuda.max_memory_allocated(); the difference is what the
-breakdown does not name: temporary buffers of the ops, library workspaces (cuBLAS, attention),
-the allocator's rounding, and, when the parts did not all peak at once, a negative figure.
-
-Not counted either: tensors nobody saves for backward (the logits the model returns, autocast's
-weight copies inside checkpointed blocks, cached until the forward ends), DDP's gradient buckets,
-and the recomputation inside checkpointed blocks during backward. Under torch.compile the saved
-tensors are the compiled graph's, attributed to the modules Dynamo leaves in place.
+The categories above are not a peak: gradients and activations are never all alive at once, and
+the ops' temporaries (the logits, their gradient) are in none of them. The measured peak is: the
+step runs under a profiler session of the capture's own (profile_memory=True), the allocator's
+events are replayed in order from what was live at the start, and the highest total is `peak`,
+with when it happened (stage, module, op) and every byte live at that moment named, in parts
+that add up to it exactly (PEAK_PARTS). docs/memory.md explains how, and how it was checked
+against the allocator's own count and the kernel's resident pages. On CUDA
+torch.cuda.max_memory_allocated() is the reference and what the events miss is named as such.
+Under torch.compile the saved tensors are the compiled graph's, attributed to the modules Dynamo
+leaves in place.
 """
 
 from __future__ import annotations
 
+import gc
+import os
 import re
+import resource
 import sys
 import threading
 import time
+import weakref
 from collections import defaultdict
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -53,11 +59,12 @@ import torch
 import torch.nn as nn
 
 from minigpt.fileio import atomic_write
+from minigpt.stages import STAGE_NAMES
 
 if TYPE_CHECKING:
     from minigpt.estimate import MemoryEstimate
 
-MB = 2**20  # memory.log's "MB", as in InternEvo's profiler: 2^20 bytes
+MiB = MB = 2**20  # memory.log writes "MiB"; InternEvo's logs say "MB" for the same 2^20 bytes
 GiB = 2**30
 
 # Every file the memory profiler writes, in <out-dir>/memory_trace/rank{R}_dp{R}/ (InternEvo's names).
@@ -67,6 +74,7 @@ SUNBURST_FILES = {
     "grads": "grads_memory_sunburst.html",
     "optimizer": "os_memory_sunburst.html",
     "activations": "activation_memory_sunburst.html",
+    "peak": "peak_memory_sunburst.html",
     "summary": "summary_sunburst.html",
 }
 # The root of each category's tree in memory.log, and the section that lists it.
@@ -78,10 +86,29 @@ LAYOUT = {
 }
 CATEGORIES = tuple(LAYOUT)
 SUMMARY_DEPTH = 3  # levels under each category in summary_sunburst.html (total > params > blocks > blocks.0)
+# The parts of the measured peak, in the order memory.log and the charts list them; they add up to it.
+PEAK_PARTS = ("params", "grads", "optimizer", "activations", "temporaries", "held")
+PEAK_PART_NAMES = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state",
+                   "activations": "saved activations", "temporaries": "temporaries of the ops",
+                   "held": "held from before the step"}
+# Saved tensors of ops that run in no submodule take the op's name; the cross-entropy's are the loss.
+LOSS_OPS = ("cross_entropy", "nll_loss", "log_softmax", "LogSoftmaxBackward", "NllLossBackward",
+            "CrossEntropy")
+NO_MODULE = "(outside any submodule)"  # saved tensors whose op could not be told (no profiler session)
+# Names of the markers a capture writes into its own profiler session (never seen outside it).
+_MARK = "minigpt.memory::"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2, tensor parallelism): the bytes this rank holds."""
+    if type(t).__name__ == "DTensor" and hasattr(t, "to_local"):
+        return t.to_local()
+    return t
 
 
 def _storage_key_and_bytes(t: torch.Tensor) -> tuple[tuple, int]:
     """(a key that identifies t's storage, the storage's size in bytes)."""
+    t = _local(t)
     try:
         storage = t.untyped_storage()
         return (t.device.type, t.device.index, storage.data_ptr()), storage.nbytes()
@@ -93,14 +120,33 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def process_memory() -> dict[str, int]:
+    """The process as the operating system sees it: resident memory now (/proc/self/statm) and its
+    peak since the start (getrusage ru_maxrss, KiB on Linux). Above the allocator's own figures
+    sits what the allocator caches and retains (glibc's kept blocks, see minigpt/cpu.py), the
+    interpreter, the libraries' code and the data on the host."""
+    out = {"rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+           * (1 if sys.platform == "darwin" else 1024)}
+    try:
+        with open("/proc/self/statm") as f:
+            out["rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):  # not Linux
+        out["rss_bytes"] = out["rss_peak_bytes"]
+    return {"rss_bytes": out["rss_bytes"], "rss_peak_bytes": out["rss_peak_bytes"]}
+
+
 # ---------------------------------------------------------------------------- the breakdown
 
 @dataclass
 class MemoryBreakdown:
     """One step's memory, in bytes. Each category maps a path to the bytes held there: parameter
     and gradient paths are parameter names (`blocks.0.attn.qkv.weight`), optimizer state paths add
-    the state's key (`...qkv.weight.exp_avg`), activation paths are module paths (`blocks.0.attn`;
-    "" is the root module and whatever ran outside any submodule)."""
+    the state's key (`...qkv.weight.exp_avg`), activation paths are module paths (`blocks.0.attn`),
+    or, for tensors saved by ops that ran in no submodule, the op's name (`loss (cross_entropy
+    log-probs)`).
+
+    `peak` is the allocator's highest figure in the step and `peak_parts` what was live at that
+    moment, {part: {name: bytes}} for the parts of PEAK_PARTS: they add up to `peak` exactly."""
 
     step: int | None
     params: dict[str, int]
@@ -113,6 +159,13 @@ class MemoryBreakdown:
     cuda_max_allocated: int | None = None
     cuda_max_reserved: int | None = None
     time: float = field(default_factory=time.time)
+    peak: int | None = None  # the allocator's peak in the step (None: not measured, see peak_note)
+    peak_stage: str | None = None  # data_to_device, forward, backward, optimizer_step (or outside them)
+    peak_where: str | None = None  # e.g. "backward / loss (cross_entropy) / LogSoftmaxBackward0: ..."
+    peak_parts: dict[str, dict[str, int]] = field(default_factory=dict)
+    peak_note: str | None = None  # why the peak was not measured
+    allocator_peak_delta: int | None = None  # the allocator's own "Total Allocated" rise: a cross-check
+    start_bytes: int | None = None  # live at the start of the step (params, optimizer state, held tensors)
 
     def category_total(self, category: str) -> int:
         return sum(getattr(self, category).values())
@@ -122,11 +175,14 @@ class MemoryBreakdown:
         return sum(v for k, v in getattr(self, category).items()
                    if k == prefix or k.startswith(prefix + ".") or not prefix)
 
+    def peak_part(self, part: str) -> int:
+        return sum(self.peak_parts.get(part, {}).values())
+
     @property
     def total(self) -> int:
         """params + grads + optimizer state + the activation peak: the sum InternEvo reports as
         total_memory. Gradients and activations are not all alive at once (backward frees one as it
-        makes the other), so this is an upper bound on the tensors, without the ops' temporaries."""
+        makes the other), and the ops' temporaries are not in it: `peak` is the true figure."""
         return sum(self.category_total(c) for c in ("params", "grads", "optimizer")) + self.activations_peak
 
     @property
@@ -134,8 +190,9 @@ class MemoryBreakdown:
         """CUDA: max_memory_allocated minus the named parts (temporaries, workspaces, rounding)."""
         return None if self.cuda_max_allocated is None else self.cuda_max_allocated - self.total
 
-    def to_record(self, estimate: "MemoryEstimate | None" = None) -> dict:
-        """The stable record that metrics.jsonl carries under "memory_breakdown" (bytes)."""
+    def to_record(self, estimate: MemoryEstimate | None = None) -> dict:
+        """The stable record that metrics.jsonl carries under "memory_breakdown" (bytes). `peak` is
+        the measured peak (the benchmarks' peak column), `peak_stage` when it happened."""
         record = {
             "step": self.step, "device": self.device,
             "params": self.category_total("params"), "grads": self.category_total("grads"),
@@ -144,6 +201,12 @@ class MemoryBreakdown:
             "activation_dtypes": dict(self.activation_dtypes),
             "cuda_max_allocated": self.cuda_max_allocated, "cuda_max_reserved": self.cuda_max_reserved,
             "other": self.other,
+            "peak": self.peak, "peak_stage": self.peak_stage, "peak_where": self.peak_where,
+            "peak_parts": {p: self.peak_part(p) for p in PEAK_PARTS} if self.peak is not None else None,
+            "temporaries": dict(self.peak_parts.get("temporaries", {})),
+            "peak_activations": dict(self.peak_parts.get("activations", {})),
+            "held": dict(self.peak_parts.get("held", {})),
+            "peak_note": self.peak_note, "start_bytes": self.start_bytes,
         }
         if estimate is not None:
             record["estimate"] = estimate.to_record()
@@ -156,19 +219,35 @@ class _Saved:
 
     __slots__ = ("tensor", "key", "capture")
 
-    def __init__(self, tensor: torch.Tensor, key: tuple, capture: "MemoryCapture"):
+    def __init__(self, tensor: torch.Tensor, key: tuple, capture: MemoryCapture):
         self.tensor, self.key, self.capture = tensor, key, capture
 
     def __del__(self):
         self.capture._release(self.key)
 
 
+def _mark(name: str) -> None:
+    """An instant in the capture's profiler session, ordered with the allocator's events."""
+    handle = torch.ops.profiler._record_function_enter_new(name, None)
+    torch.ops.profiler._record_function_exit._RecordFunction(handle)
+
+
+def _profiler_busy() -> bool:
+    return torch.autograd.profiler._is_profiler_enabled
+
+
 class MemoryCapture:
     """Context manager around one training step (forward, backward, optimizer step); afterwards
-    `.breakdown` holds the figures. Hooks are removed on exit, also when the step fails."""
+    `.breakdown` holds the figures. Hooks are removed on exit, also when the step fails.
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, step: int | None = None):
-        self.model, self.optimizer, self.step = model, optimizer, step
+    With `peak=True` (the default) the step also runs under a profiler session of its own that
+    records every allocation and free (torch.profiler, profile_memory=True): the peak, when it
+    happened, and what was live then. A profiler already running (the trainer's trace window)
+    cannot be nested: the peak is then not measured, and `peak_note` says so."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 step: int | None = None, peak: bool = True):
+        self.model, self.optimizer, self.step, self.want_peak = model, optimizer, step, peak
         self.breakdown: MemoryBreakdown | None = None
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._lock = threading.Lock()
@@ -183,10 +262,18 @@ class MemoryCapture:
                 self._live += nbytes
                 self._live_bytes[key] = nbytes
                 self._peak = max(self._peak, self._live)
+                if self._profiling:
+                    self._marks.append(("pack", key[2], nbytes, self._stack[-1], _dtype_name(t.dtype)))
+                    _mark(f"{_MARK}{len(self._marks) - 1}")
             self._refs[key] += 1
             if not self._forward_done and key not in self._seen:  # attribute the first forward only
                 self._seen.add(key)
-                self._activations[self._stack[-1]] += nbytes
+                if self._stack[-1] == "" and self._profiling:
+                    self._root_saves.append((len(self._marks) - 1, nbytes))  # named by its op, later
+                elif self._stack[-1] == "":
+                    self._activations[NO_MODULE] += nbytes
+                else:
+                    self._activations[self._stack[-1]] += nbytes
                 self._dtypes[_dtype_name(t.dtype)] += nbytes
         return _Saved(t, key, self)
 
@@ -200,9 +287,12 @@ class MemoryCapture:
             if self._refs[key] == 0:
                 self._live -= self._live_bytes.pop(key)
                 del self._refs[key]
+                if self._profiling:
+                    self._marks.append(("release", key[2], 0, "", ""))
+                    _mark(f"{_MARK}{len(self._marks) - 1}")
 
     # -- context manager
-    def __enter__(self) -> "MemoryCapture":
+    def __enter__(self) -> MemoryCapture:
         params = dict(self.model.named_parameters())
         self._param_keys = {_storage_key_and_bytes(p)[0] for p in params.values()}
         self._params = {}
@@ -216,17 +306,36 @@ class MemoryCapture:
         self._live_bytes: dict[tuple, int] = {}
         self._live = self._peak = 0
         self._seen: set = set()
-        self._activations: dict[str, int] = {name: 0 for name, _ in self.model.named_modules()}
+        self._activations: dict[str, int] = defaultdict(int, {n: 0 for n, _ in self.model.named_modules()})
         self._dtypes: dict[str, int] = defaultdict(int)
         self._stack = [""]
+        self._ranges: list = []
         self._forward_done = False
+        self._marks: list[tuple] = []  # (kind, data pointer, bytes, module, dtype): what each marker means
+        self._root_saves: list[tuple[int, int]] = []
+        self._profiling = False
+        self._prof = None
+        self._peak_note = None
         self.cuda = any(p.is_cuda for p in params.values())
+        self._device = "cuda" if self.cuda else "cpu"
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()  # the peak of this step only
 
         self._exit = ExitStack()
         try:
+            if self.want_peak:
+                if _profiler_busy():
+                    self._peak_note = ("not measured: another profiler was running during this step (measure "
+                                       "a "
+                                       "step outside the trace window)")
+                else:
+                    self._baseline = self._scan_baseline(params)
+                    from torch.profiler import ProfilerActivity, profile
+                    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+                    self._prof = profile(activities=activities, profile_memory=True)
+                    self._prof.__enter__()
+                    self._profiling = True
             for name, module in self.model.named_modules():
                 self._exit.callback(module.register_forward_pre_hook(self._enter_module(name)).remove)
                 hook = self._leave_module(name, root=module is self.model)
@@ -237,18 +346,85 @@ class MemoryCapture:
             self._exit.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
         except BaseException:
             self._exit.close()
+            self._stop_profiler()
             raise
         return self
+
+    def _scan_baseline(self, params: dict[str, torch.Tensor]) -> dict[int, list]:
+        """What the allocator holds as the step begins, {data pointer: [bytes, part, name]}: the
+        parameters, the optimizer state, gradients kept from before, and every other tensor that
+        Python can reach (the caller's last logits, batches). The profiler sees only allocations
+        made after it starts; frees of these are noted by a marker when their last tensor dies."""
+        base: dict[int, list] = {}
+        device = self._device
+
+        def add(t: torch.Tensor, part: str, name: str) -> None:
+            t = _local(t)
+            if t.device.type != device or t.is_meta:
+                return
+            try:
+                storage = t.untyped_storage()
+                if not storage.resizable() or storage.nbytes() == 0:  # not the allocator's (numpy, mmap)
+                    return
+            except (RuntimeError, NotImplementedError):
+                return
+            base.setdefault(storage.data_ptr(), [storage.nbytes(), part, name])
+
+        for name, p in params.items():
+            add(p, "params", name)
+        for name, p in params.items():
+            if p.grad is not None:
+                add(p.grad, "grads", name)
+        if self.optimizer is not None:
+            for i, (p, state) in enumerate(self.optimizer.state.items()):
+                for k, v in state.items():
+                    if torch.is_tensor(v):
+                        add(v, "optimizer", f"{self._names.get(id(p), f'param{i}')}.{k}")
+        for buf_name, buf in self.model.named_buffers():
+            add(buf, "held", f"buffer {buf_name}")
+        self._watched = []
+        owners: dict[int, int] = defaultdict(int)
+        for obj in gc.get_objects():
+            # not isinstance: it reads __class__, which warns on deprecated module objects. Parameters
+            # of this model are already in `base`; another model's are held like any tensor.
+            if not issubclass(type(obj), torch.Tensor):
+                continue
+            try:
+                t = _local(obj)
+                if t.device.type != device:
+                    continue
+                ptr = t.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue
+            fn = type(obj.grad_fn).__name__ if obj.grad_fn is not None else ""
+            add(obj, "held", f"{_dtype_name(obj.dtype)}{list(obj.shape)}" + (f" ({fn})" if fn else ""))
+            if ptr in base and base[ptr][1] == "held":
+                owners[ptr] += 1
+                self._watched.append(weakref.ref(obj, self._baseline_gone(ptr, owners)))
+        return base
+
+    def _baseline_gone(self, ptr: int, owners: dict[int, int]):
+        def callback(_ref) -> None:
+            owners[ptr] -= 1
+            if owners[ptr] == 0 and self._profiling:
+                self._marks.append(("free", ptr, 0, "", ""))
+                _mark(f"{_MARK}{len(self._marks) - 1}")
+        return callback
 
     def _enter_module(self, name: str):
         def hook(module, args):
             self._stack.append(name)
+            if self._profiling and name:
+                enter = torch.ops.profiler._record_function_enter_new
+                self._ranges.append(enter(f"{_MARK}module:{name}", None))
         return hook
 
     def _leave_module(self, name: str, root: bool):
         def hook(module, args, output):
             if len(self._stack) > 1:
                 self._stack.pop()
+            if self._profiling and name and self._ranges:
+                torch.ops.profiler._record_function_exit._RecordFunction(self._ranges.pop())
             if root:
                 self._forward_done = True  # later micro-batches add to the peak, not to the layout
         return hook
@@ -257,10 +433,26 @@ class MemoryCapture:
         def hook(p: torch.Tensor) -> None:
             if p.grad is not None:
                 self._grads[name] = _storage_key_and_bytes(p.grad)
+                if self._profiling:
+                    self._marks.append(("grad", self._grads[name][0][2], 0, name, ""))
+                    _mark(f"{_MARK}{len(self._marks) - 1}")
         return hook
+
+    def _stop_profiler(self):
+        if self._prof is not None:
+            self._profiling = False
+            prof, self._prof = self._prof, None
+            prof.__exit__(None, None, None)
+            return prof
+        return None
 
     def __exit__(self, *exc) -> None:
         self._exit.close()
+        while self._ranges:  # a module whose forward failed before its post-hook
+            torch.ops.profiler._record_function_exit._RecordFunction(self._ranges.pop())
+        if self.cuda:
+            torch.cuda.synchronize()
+        prof = self._stop_profiler()
         if exc[0] is not None:
             return
         grads, seen = {}, set()
@@ -269,6 +461,7 @@ class MemoryCapture:
             grads[name] = 0 if key in seen else nbytes  # a storage shared by several grads: once
             seen.add(key)
         optimizer: dict[str, int] = {}
+        optimizer_ptrs: dict[int, str] = {}
         seen = set()
         if self.optimizer is not None:
             order = {name: i for i, name in enumerate(self._params)}
@@ -280,24 +473,234 @@ class MemoryCapture:
                     if torch.is_tensor(v):
                         key, nbytes = _storage_key_and_bytes(v)
                         optimizer[f"{name}.{k}"] = 0 if key in seen else nbytes
+                        optimizer_ptrs[key[2]] = f"{name}.{k}"
                         seen.add(key)
         max_alloc = max_reserved = None
         if self.cuda:
-            torch.cuda.synchronize()
             max_alloc, max_reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
-        self.breakdown = MemoryBreakdown(
+        activations = {k: v for k, v in self._activations.items() if v}
+        b = MemoryBreakdown(
             step=self.step, params=self._params, grads=grads, optimizer=optimizer,
-            activations={k: v for k, v in self._activations.items() if v},
-            activations_peak=self._peak, activation_dtypes=dict(sorted(self._dtypes.items())),
-            device="cuda" if self.cuda else "cpu", cuda_max_allocated=max_alloc, cuda_max_reserved=max_reserved,
+            activations=activations, activations_peak=self._peak,
+            activation_dtypes=dict(sorted(self._dtypes.items())),
+            device=self._device, cuda_max_allocated=max_alloc, cuda_max_reserved=max_reserved,
+            peak_note=self._peak_note,
         )
+        if prof is not None:
+            timeline = _timeline(prof, self._device)
+            _replay(b, timeline, self._baseline, self._marks, optimizer_ptrs)
+            for index, nbytes in self._root_saves:  # saved outside any submodule: the op's name
+                name = timeline.mark_names.get(index) or NO_MODULE
+                b.activations[name] = b.activations.get(name, 0) + nbytes
+            if self.cuda and max_alloc is not None:  # the CUDA allocator's own figure is the reference
+                b.peak_parts.setdefault("temporaries", {})
+                b.peak_parts["temporaries"]["(not seen by the profiler)"] = max_alloc - b.peak
+                b.peak = max_alloc
+        self._watched = []
+        self.breakdown = b
 
 
 def capture_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                   step: int | None = None) -> MemoryCapture:
+                   step: int | None = None, peak: bool = True) -> MemoryCapture:
     """`with capture_memory(model, optimizer) as cap:` around one training step."""
-    return MemoryCapture(model, optimizer, step)
+    return MemoryCapture(model, optimizer, step, peak)
 
+
+# ---------------------------------------------------------------------------- the peak
+
+# Ranges that are not ops: the profiler's step, the loop's step range (stages are matched apart).
+_RANGES = ("ProfilerStep", "train_step", "backward_compute", "##")
+
+
+@dataclass
+class _Timeline:
+    """The capture's profiler session, flattened in time order: allocations with where they
+    happened, and the capture's markers."""
+
+    events: list[tuple]  # ("alloc", ptr, bytes (negative: a free), total, where) or ("mark", index, where)
+    mark_names: dict[int, str]  # marker index -> the op it fired in (for saved tensors of no submodule)
+
+
+@dataclass(frozen=True)
+class _Where:
+    stage: str
+    module: str  # "" when no submodule ran (or it could not be told)
+    node: str  # the autograd node in backward ("MmBackward0"), else ""
+    outer: str  # the outermost aten op under the module ("aten::linear"), else ""
+    inner: str  # the innermost ("aten::mm")
+
+    def is_loss(self) -> bool:
+        return not self.module and any(k in f"{self.outer} {self.inner} {self.node}" for k in LOSS_OPS)
+
+    def owner(self) -> str:
+        if self.is_loss():
+            return "loss (cross_entropy)"
+        return self.module or NO_MODULE
+
+    def op(self) -> str:
+        ops = self.outer if self.outer == self.inner or not self.inner else f"{self.outer} > {self.inner}"
+        return f"{self.node}: {ops}" if self.node else ops
+
+    def describe(self) -> str:
+        """e.g. "backward / loss (cross_entropy) / LogSoftmaxBackward0: aten::_log_softmax_backward_data";
+        no commas and no dots outside module paths: memory.log's rows are comma-separated."""
+        return f"{self.stage} / {self.owner()}" + (f" / {self.op()}" if self.op() else "")
+
+
+def _timeline(prof, device: str) -> _Timeline:
+    from torch._C._profiler import _EventType
+
+    seq_module: dict[int, str] = {}  # forward op's sequence number -> its module (for backward nodes)
+    raw: list[tuple] = []
+
+    def walk(node, ctx: dict, order: list[int]) -> None:
+        order[0] += 1
+        tag, name = node.tag, node.name
+        if tag == _EventType.Allocation:
+            fields = node.typed[1]
+            if fields.device.type == device and fields.alloc_size != 0:
+                raw.append((node.start_time_ns, order[0], "alloc", fields.ptr, fields.alloc_size,
+                            fields.total_allocated, _where(ctx)))
+            return
+        if tag != _EventType.TorchOp:
+            for child in node.children:
+                walk(child, ctx, order)
+            return
+        ctx = dict(ctx)
+        seq = node.typed[1].sequence_number
+        if name.startswith(_MARK):
+            rest = name[len(_MARK):]
+            if rest.startswith("module:"):
+                ctx["module"] = rest[len("module:"):]
+            else:
+                raw.append((node.start_time_ns, order[0], "mark", int(rest), 0, 0, _where(ctx)))
+                return
+        elif name in STAGE_NAMES:
+            ctx["stage"] = name
+        elif name.startswith("autograd::engine::evaluate_function: "):
+            ctx["node"] = name.split(": ", 1)[1]
+            ctx["module"] = seq_module.get(seq, "")
+            ctx.pop("outer", None)
+        elif "::" in name or not name.startswith(_RANGES):  # an op, or an autograd.Function's forward
+            ctx.setdefault("outer", name)
+            if seq >= 0 and not ctx.get("node"):  # the op that made the autograd node (addmm under linear)
+                seq_module.setdefault(seq, ctx.get("module", ""))
+            ctx["inner"] = name
+        for child in node.children:
+            walk(child, ctx, order)
+
+    order = [0]
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, {}, order)
+    raw.sort(key=lambda e: (e[0], e[1]))
+    events, names = [], {}
+    for _, _, kind, a, nbytes, total, where in raw:
+        if kind == "alloc":
+            events.append(("alloc", a, nbytes, total, where))
+        else:
+            events.append(("mark", a, where))
+            if where.outer:
+                names[a] = _saved_name(where)
+    return _Timeline(events, names)
+
+
+def _where(ctx: dict) -> _Where:
+    return _Where(ctx.get("stage", "outside the stages"), ctx.get("module", ""), ctx.get("node", ""),
+                  ctx.get("outer", ""), ctx.get("inner", ctx.get("outer", "")))
+
+
+def _saved_name(where: _Where) -> str:
+    """The name of tensors saved by an op that ran in no submodule: the loss's log-probabilities
+    and targets, or the op itself."""
+    op = where.inner.removeprefix("aten::")
+    if where.is_loss():
+        what = {"_log_softmax": "log-probs", "log_softmax": "log-probs", "nll_loss_forward": "targets",
+                "nll_loss": "targets", "nll_loss_nd": "targets"}.get(op, op)
+        return f"loss (cross_entropy {what})"
+    return f"op {where.outer.removeprefix('aten::')}"
+
+
+def _replay(b: MemoryBreakdown, timeline: _Timeline, baseline: dict[int, list], marks: list[tuple],
+            optimizer_ptrs: dict[int, str]) -> None:
+    """Walk the allocations in order from what was live at the start; the highest total is the
+    peak. Then walk again to that moment and name every byte live there."""
+    events = timeline.events
+    # Frees of blocks allocated before the session but known to the allocator (an earlier profiler
+    # session's), which the scan of Python's tensors did not find: they were live at the start too.
+    allocated: set[int] = set()
+    base = {ptr: list(v) for ptr, v in baseline.items()}
+    for e in events:
+        if e[0] == "alloc":
+            ptr, nbytes = e[1], e[2]
+            if nbytes > 0:
+                allocated.add(ptr)
+            elif ptr in allocated:
+                allocated.discard(ptr)
+            elif ptr not in base:
+                base[ptr] = [-nbytes, "held", "not reachable from Python"]
+
+    def walk(stop: int | None):
+        live: dict[int, tuple[int, _Where]] = {}
+        base_live = dict(base)
+        current = sum(v[0] for v in base_live.values())
+        peak, at = current, -1
+        saved: dict[int, tuple[str, int]] = {}
+        grad_ptrs: dict[int, str] = {}
+        first_total = None
+        top_total = None
+        for i, e in enumerate(events[:stop]):
+            if e[0] == "alloc":
+                _, ptr, nbytes, total, where = e
+                if first_total is None:
+                    first_total = total - nbytes
+                top_total = total if top_total is None else max(top_total, total)
+                if nbytes > 0:
+                    live[ptr] = (nbytes, where)
+                    current += nbytes
+                elif ptr in live:
+                    current -= live.pop(ptr)[0]
+                elif ptr in base_live:
+                    current -= base_live.pop(ptr)[0]
+            else:
+                kind, ptr, nbytes, module, _ = marks[e[1]]
+                if kind == "pack":
+                    name = module or timeline.mark_names.get(e[1]) or NO_MODULE
+                    saved[ptr] = (name, nbytes)
+                elif kind == "release":
+                    saved.pop(ptr, None)
+                elif kind == "grad":
+                    grad_ptrs[ptr] = module
+                elif kind == "free" and ptr in base_live:
+                    current -= base_live.pop(ptr)[0]
+            if current > peak:
+                peak, at = current, i
+        return peak, at, live, base_live, saved, grad_ptrs, first_total, top_total
+
+    peak, at, *_, first_total, top_total = walk(None)
+    b.start_bytes = sum(v[0] for v in base.values())
+    _, _, live, base_live, saved, grad_ptrs, _, _ = walk(at + 1)
+    parts: dict[str, dict[str, int]] = {p: defaultdict(int) for p in PEAK_PARTS}
+    for nbytes, part, name in base_live.values():
+        parts[part][f"held before the step: {name}" if part == "held" else name] += nbytes
+    for ptr, (nbytes, where) in live.items():
+        if ptr in saved:
+            parts["activations"][saved[ptr][0]] += nbytes
+        elif ptr in grad_ptrs:
+            parts["grads"][grad_ptrs[ptr]] += nbytes
+        elif ptr in optimizer_ptrs:
+            parts["optimizer"][optimizer_ptrs[ptr]] += nbytes
+        else:
+            parts["temporaries"][where.describe()] += nbytes
+    b.peak = peak
+    b.peak_parts = {p: dict(sorted(v.items(), key=lambda kv: -kv[1])) for p, v in parts.items()}
+    if at >= 0:
+        where = events[at][-1]
+        b.peak_stage = where.stage
+        b.peak_where = where.describe()
+    else:
+        b.peak_stage, b.peak_where = "before the step", "at the start of the step"
+    if first_total is not None:
+        b.allocator_peak_delta = max(0, top_total - first_total)
 
 # ---------------------------------------------------------------------------- trees
 
@@ -332,16 +735,17 @@ def _tree(leaves: dict[str, int], root: str) -> list[tuple[str, int, int, int]]:
 # ---------------------------------------------------------------------------- memory.log
 
 def _mb(nbytes: float) -> str:
-    return f"{nbytes / MB:.2f} MB"
+    return f"{nbytes / MiB:.2f} MiB"
 
 
 def _pct(measured: float, estimated: float) -> str:
     return "n/a" if not measured else f"{100 * (estimated - measured) / measured:+.1f}%"
 
 
-def format_memory_log(b: MemoryBreakdown, estimate: "MemoryEstimate | None" = None) -> str:
+def format_memory_log(b: MemoryBreakdown, estimate: MemoryEstimate | None = None) -> str:
     """memory.log in InternEvo's layout: a state with its summary, then each category's tree, one
-    `layer:` line per node, indented by depth, with exact bytes after the MB figures."""
+    `layer:` line per node, indented by depth, with exact bytes after the MiB figures; then the
+    measured peak, part by part, each byte named (peak_layout)."""
     s = {c: b.category_total(c) for c in CATEGORIES}
     lines = [
         "Memory State:",
@@ -356,6 +760,13 @@ def format_memory_log(b: MemoryBreakdown, estimate: "MemoryEstimate | None" = No
         f"activation_peak_memory: {_mb(b.activations_peak)}",
         "activation_dtype_memory: " + ", ".join(f"{k}: {_mb(v)}" for k, v in b.activation_dtypes.items()),
     ]
+    if b.peak is not None:
+        lines.append(f"peak_memory: {_mb(b.peak)}, " + ", ".join(
+            f"peak_{part}_memory: {_mb(b.peak_part(part))}" for part in PEAK_PARTS))
+        lines.append(f"peak_stage: {b.peak_stage}")
+        lines.append(f"peak_where: {b.peak_where}")
+    elif b.peak_note:
+        lines.append(f"peak_note: {b.peak_note}")
     if b.cuda_max_allocated is not None:
         lines.append(f"cuda_memory: max_allocated: {_mb(b.cuda_max_allocated)}, "
                      f"max_reserved: {_mb(b.cuda_max_reserved)}, other_memory: {_mb(b.other)}")
@@ -363,23 +774,45 @@ def format_memory_log(b: MemoryBreakdown, estimate: "MemoryEstimate | None" = No
         e = estimate.to_record()
         pairs = [("params_memory", s["params"], e["params"]), ("grads_memory", s["grads"], e["grads"]),
                  ("os_state_memory", s["optimizer"], e["optimizer"]),
-                 ("activation_memory", s["activations"], e["activations"]), ("total_memory", b.total, e["total"])]
-        lines.append("estimate_memory: " + ", ".join(f"{k}: {_mb(est)} ({_pct(m, est)})" for k, m, est in pairs))
+                 ("activation_memory", s["activations"], e["activations"]),
+                 ("total_memory", b.total, e["total"])]
+        if b.peak is not None:
+            pairs.append(("peak_memory", b.peak, e["peak"]))
+        lines.append("estimate_memory: "
+                     + ", ".join(f"{k}: {_mb(est)} ({_pct(m, est)})" for k, m, est in pairs))
     lines.append("bytes: " + ", ".join(f"{k}={v}" for k, v in [
         ("total", b.total), ("params", s["params"]), ("grads", s["grads"]), ("os_params", 0),
-        ("os_state", s["optimizer"]), ("activation", s["activations"]), ("activation_peak", b.activations_peak)]))
+        ("os_state", s["optimizer"]), ("activation", s["activations"]),
+        ("activation_peak", b.activations_peak)]
+        + ([("peak", b.peak)] if b.peak is not None else [])))
     lines.append("---Layout---")
     for category, (root, section) in LAYOUT.items():
         lines.append(f"{section}:")
         for path, depth, own, total in _tree(getattr(b, category), root):
-            lines.append(f"{'  ' * depth}layer: {path}, layer_mem: {_mb(own)}, total_mem: {_mb(total)}, "
-                         f"layer_bytes: {own}, total_bytes: {total}")
+            lines.append(f"{'  ' * depth}{_layer(path, own, total)}")
+    if b.peak is not None:
+        lines.append(f"{PEAK_SECTION}:")
+        lines.append(_layer(PEAK_ROOT, 0, b.peak))
+        for part in PEAK_PARTS:
+            lines.append(f"  {_layer(part, 0, b.peak_part(part))}")
+            for name, nbytes in b.peak_parts.get(part, {}).items():
+                lines.append(f"    {_layer(name, nbytes, nbytes)}")
     return "\n".join(lines) + "\n"
 
 
-_LAYER = re.compile(r"^(?P<indent>\s*)layer: (?P<path>[^,]*), layer_mem: (?P<own>[\d.]+) MB, "
-                    r"total_mem: (?P<total>[\d.]+) MB(?:, layer_bytes: (?P<own_b>\d+), total_bytes: (?P<total_b>\d+))?")
-_MB_FIELD = re.compile(r"(\w+): (-?[\d.]+) MB")
+PEAK_ROOT, PEAK_SECTION = "peak_mem", "peak_layout"
+
+
+def _layer(path: str, own: int, total: int) -> str:
+    return (f"layer: {path}, layer_mem: {_mb(own)}, total_mem: {_mb(total)}, "
+            f"layer_bytes: {own}, total_bytes: {total}")
+
+
+# memory.log writes MiB; InternEvo's logs write MB for the same unit: both are read.
+_LAYER = re.compile(r"^(?P<indent>\s*)layer: (?P<path>[^,]*), layer_mem: (?P<own>[\d.]+) Mi?B, "
+                    r"total_mem: (?P<total>[\d.]+) Mi?B"
+                    r"(?:, layer_bytes: (?P<own_b>\d+), total_bytes: (?P<total_b>\d+))?")
+_MB_FIELD = re.compile(r"(\w+): (-?[\d.]+) Mi?B\b")
 
 
 def parse_memory_log(text: str) -> list[dict]:
@@ -402,6 +835,9 @@ def parse_memory_log(text: str) -> list[dict]:
         elif stripped.startswith("step:"):
             value = stripped.split(":", 1)[1].strip()
             state["step"] = None if value == "None" else int(value)
+        elif stripped.startswith(("peak_stage:", "peak_where:", "peak_note:")):
+            head, rest = stripped.split(":", 1)
+            state[head] = rest.strip()
         elif stripped.startswith("time:"):
             state["time"] = float(stripped.split(":", 1)[1])
         elif stripped.startswith("bytes:"):
@@ -436,46 +872,71 @@ def _sunburst_html(rows: list[tuple[str, str, str, int]], title: str) -> str:
 
     fig = go.Figure(go.Sunburst(
         ids=[r[0] for r in rows], labels=[r[1] for r in rows], parents=[r[2] for r in rows],
-        values=[r[3] for r in rows], customdata=[r[3] / MB for r in rows],
+        values=[r[3] for r in rows], customdata=[r[3] / MiB for r in rows],
         branchvalues="total",  # a node's value is its subtree's: parents are never inflated
-        hovertemplate="%{id}<br>%{customdata:.2f} MB<br>%{percentRoot:.1%} of the chart<extra></extra>",
+        hovertemplate="%{id}<br>%{customdata:.2f} MiB<br>%{percentRoot:.1%} of the chart<extra></extra>",
     ))
     fig.update_layout(title=title, margin=dict(t=50, l=0, r=0, b=0))
     return fig.to_html(include_plotlyjs=True, full_html=True)
 
 
+OWN = "(itself)"  # a node's own bytes beside its children's, drawn as a named slice, not a blank gap
+
+
 def _category_rows(b: MemoryBreakdown, category: str, max_depth: int | None = None,
                    parent: str = "") -> list[tuple[str, str, str, int]]:
-    """(id, label, parent, bytes) rows of one category's tree; ids are memory.log's paths."""
+    """(id, label, parent, bytes) rows of one category's tree; ids are memory.log's paths. A node
+    that holds bytes itself and has children gets a child "<name> (itself)" for its own bytes, so
+    that no part of a ring is left unnamed."""
     root = LAYOUT[category][0]
+    tree = [r for r in _tree(getattr(b, category), root) if max_depth is None or r[1] <= max_depth]
+    has_children = {path.rsplit(".", 1)[0] for path, depth, _, _ in tree if depth}
     rows = []
-    for path, depth, _, total in _tree(getattr(b, category), root):
-        if max_depth is not None and depth > max_depth:
-            continue
+    for path, depth, own, total in tree:
         parts = path.split(".")
         label = ".".join(parts[-2:]) if parts[-1].isdigit() else parts[-1]  # "blocks.0", not "0"
         rows.append((path, label, ".".join(parts[:-1]) if depth else parent, total))
+        if own and path in has_children and (max_depth is None or depth < max_depth):
+            rows.append((f"{path} {OWN}", f"{label} {OWN}", path, own))
     return rows
 
 
-def write_memory_trace(b: MemoryBreakdown, folder: Path, estimate: "MemoryEstimate | None" = None) -> list[Path]:
-    """memory.log and the five sunburst charts into `folder`, each written to a temporary name and
+def _peak_rows(b: MemoryBreakdown, parent: str = "") -> list[tuple[str, str, str, int]]:
+    """(id, label, parent, bytes) rows of the measured peak: the peak > its parts > their names."""
+    rows = [(PEAK_ROOT, "peak", parent, b.peak)]
+    for part in PEAK_PARTS:
+        if not b.peak_part(part):
+            continue
+        rows.append((f"{PEAK_ROOT}/{part}", PEAK_PART_NAMES[part], PEAK_ROOT, b.peak_part(part)))
+        for name, nbytes in b.peak_parts[part].items():
+            if nbytes:
+                rows.append((f"{PEAK_ROOT}/{part}/{name}", name, f"{PEAK_ROOT}/{part}", nbytes))
+    return rows
+
+
+def write_memory_trace(b: MemoryBreakdown, folder: Path,
+                       estimate: MemoryEstimate | None = None) -> list[Path]:
+    """memory.log and the sunburst charts into `folder`, each written to a temporary name and
     renamed into place. Returns the paths."""
     folder.mkdir(parents=True, exist_ok=True)
-    mb = lambda c: b.category_total(c) / MB  # noqa: E731
-    titles = {"params": f"Parameters: {mb('params'):.2f} MB", "grads": f"Gradients: {mb('grads'):.2f} MB",
-              "optimizer": f"Optimizer state: {mb('optimizer'):.2f} MB",
-              "activations": f"Activations saved for backward (first forward): {mb('activations'):.2f} MB"}
+    mib = lambda c: b.category_total(c) / MiB  # noqa: E731
+    titles = {"params": f"Parameters: {mib('params'):.2f} MiB", "grads": f"Gradients: {mib('grads'):.2f} MiB",
+              "optimizer": f"Optimizer state: {mib('optimizer'):.2f} MiB",
+              "activations": f"Activations saved for backward (first forward): {mib('activations'):.2f} MiB"}
     files = {MEMORY_LOG: format_memory_log(b, estimate)}
     for category in CATEGORIES:
         files[SUNBURST_FILES[category]] = _sunburst_html(_category_rows(b, category), titles[category])
+    step = f" at step {b.step}" if b.step is not None else ""
+    if b.peak is not None:
+        files[SUNBURST_FILES["peak"]] = _sunburst_html(
+            _peak_rows(b), f"Measured peak{step}: {b.peak / MiB:.2f} MiB, in {b.peak_where}")
     summary = [("total", "total", "", sum(b.category_total(c) for c in CATEGORIES))]
     for category in CATEGORIES:
         summary += _category_rows(b, category, max_depth=SUMMARY_DEPTH, parent="total")
-    step = f" at step {b.step}" if b.step is not None else ""
+    peak = f", measured peak {b.peak / MiB:.2f} MiB" if b.peak is not None else ""
     files[SUNBURST_FILES["summary"]] = _sunburst_html(
-        summary, f"Memory{step}: {sum(b.category_total(c) for c in CATEGORIES) / MB:.2f} MB "
-                 f"(activation peak {b.activations_peak / MB:.2f} MB)")
+        summary, f"Memory{step}: {sum(b.category_total(c) for c in CATEGORIES) / MiB:.2f} MiB "
+                 f"(activation peak {b.activations_peak / MiB:.2f} MiB{peak})")
     paths = []
     for name, text in files.items():
         path = folder / name
@@ -484,7 +945,7 @@ def write_memory_trace(b: MemoryBreakdown, folder: Path, estimate: "MemoryEstima
     return paths
 
 
-def format_breakdown(b: MemoryBreakdown, estimate: "MemoryEstimate | None" = None) -> str:
+def format_breakdown(b: MemoryBreakdown, estimate: MemoryEstimate | None = None) -> str:
     """The console table: each measured figure, and beside it the estimate and the difference."""
     e = estimate.to_record() if estimate is not None else {}
     rows = [("parameters", b.category_total("params"), "params"),
@@ -502,6 +963,20 @@ def format_breakdown(b: MemoryBreakdown, estimate: "MemoryEstimate | None" = Non
         lines.append(line)
     dtypes = ", ".join(f"{k} {v / MB:.2f} MiB" for k, v in b.activation_dtypes.items())
     lines.append(f"  activations by dtype: {dtypes}")
+    if b.peak is not None:
+        line = f"  {'measured peak (the allocator)':38s}{b.peak / MiB:>8.2f} MiB"
+        if e:
+            line += f"{e['peak'] / MiB:>8.2f} MiB{_pct(b.peak, e['peak']):>9s}"
+        lines.append(line)
+        lines.append(f"    when: {b.peak_where}")
+        for part in PEAK_PARTS:
+            items = [(n, v) for n, v in b.peak_parts.get(part, {}).items() if v]
+            if not items:
+                continue
+            top = "; ".join(f"{n} {v / MiB:.1f}" for n, v in items[:3]) + ("; ..." if len(items) > 3 else "")
+            lines.append(f"    {PEAK_PART_NAMES[part]:28s}{b.peak_part(part) / MiB:>8.2f} MiB  ({top})")
+    elif b.peak_note:
+        lines.append(f"  measured peak: {b.peak_note}")
     if b.cuda_max_allocated is not None:
         lines.append(f"  CUDA max allocated {b.cuda_max_allocated / MB:.2f} MiB (reserved "
                      f"{b.cuda_max_reserved / MB:.2f} MiB); not in the breakdown: {b.other / MB:+.2f} MiB of "

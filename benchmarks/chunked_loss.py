@@ -1,0 +1,195 @@
+"""--chunked-loss against the plain loss: the measured peak and tokens/s, fp32 and bf16.
+
+    python benchmarks/chunked_loss.py                        # small (batch 8 x 256), gpt2 (batch 1 x 256)
+    python benchmarks/chunked_loss.py --render benchmarks/results/cpu-chunked-loss.json
+
+One process per (shape, dtype) builds both models from the same seed and alternates their steps
+(plain, chunked, plain, ...) after a warm-up step each, so that a shared machine's slow moments
+fall on both alike; tokens/s is the median over the measured steps. Then one step of each is
+measured with minigpt.memory.capture_memory: the allocator's peak, where it happened, and its
+biggest parts. (train_minimal.py's own ablation runs it as `benchmarks/ablation.py --chunked-loss`
+once the trainer passes --chunked-loss to the model.) Writes benchmarks/results/cpu-chunked-loss.*.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+from common import RESULTS, ROOT, header, load_results, save_json, stamp
+
+from minigpt.fileio import atomic_write
+
+MIB = 2**20
+CASES = [("small", 8, 256), ("gpt2", 1, 256)]
+
+
+def child(preset: str, batch: int, seq: int, amp: str, steps: int) -> dict:
+    import torch
+
+    from minigpt.cpu import keep_freed_memory
+    from minigpt.memory import capture_memory
+
+    keep_freed_memory()  # the trainer's default
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from estimate_table import shape_of
+
+    from minigpt.model import GPT, GPTConfig
+
+    shape = shape_of(preset, batch, seq)
+    models = {}
+    for name, chunked in (("plain", False), ("chunked", True)):
+        torch.manual_seed(0)
+        model = GPT(
+            GPTConfig(
+                vocab_size=shape["vocab_size"],
+                max_position_embeddings=shape["max_position_embeddings"],
+                n_layers=shape["n_layers"],
+                n_heads=shape["n_heads"],
+                d_model=shape["d_model"],
+                d_ff=shape["d_ff"],
+                chunked_loss=chunked,
+            )
+        )
+        models[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if amp == "bf16" else nullcontext
+    x = torch.randint(0, shape["vocab_size"], (batch, seq))
+    y = torch.roll(x, -1, 1)
+
+    def step(name: str) -> tuple[float, float]:
+        model, opt = models[name]
+        t0 = time.perf_counter()
+        with autocast():
+            _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return batch * seq / (time.perf_counter() - t0), loss.item()
+
+    out: dict = {name: {"tokens_per_s": []} for name in models}
+    for i in range(steps + 1):
+        for name in models:
+            tps, loss = step(name)
+            if i:
+                out[name]["tokens_per_s"].append(tps)
+            out[name]["loss"] = loss
+    for name, (model, opt) in models.items():
+        with capture_memory(model, opt) as cap:
+            step(name)
+        b = cap.breakdown
+        temps = sorted(b.peak_parts["temporaries"].items(), key=lambda kv: -kv[1])[:3]
+        out[name].update(
+            peak=b.peak,
+            peak_where=b.peak_where,
+            parts={p: b.peak_part(p) for p in b.peak_parts},
+            top_temporaries=temps,
+            activations=b.category_total("activations"),
+        )
+    return out
+
+
+def own(v: dict) -> int:
+    """The peak less what was held from before the step: the other variant's model lives in the
+    same process, and its tensors are no part of this one's step."""
+    return v["peak"] - v["parts"].get("held", 0)
+
+
+def markdown(meta: dict, results: list[dict]) -> str:
+    lines = [
+        *header("Chunked loss: the measured peak and tokens/s", meta),
+        f"{meta['steps']} measured steps of each variant after a warm-up step, alternating in one process "
+        "per "
+        "row (glibc keeping freed blocks, the trainer's default); the peak: one more step of each measured "
+        "with `capture_memory`. The machine was shared with other jobs (load average well above its 2 "
+        "cores): compare tokens/s within a row only.",
+        "",
+        "| shape | dtype | variant | tokens/s (median) | min-max | peak MiB (this model) | peak in | "
+        "biggest temporaries at the "
+        "peak (MiB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        for name in ("plain", "chunked"):
+            v = r[name]
+            t = v["tokens_per_s"]
+            temps = "; ".join(f"{n} {b / MIB:,.0f}" for n, b in v["top_temporaries"])
+            lines.append(
+                f"| {r['preset']} b{r['batch']} s{r['seq']} | {r['amp']} | {name} | "
+                f"{statistics.median(t):,.0f} | {min(t):,.0f}-{max(t):,.0f} | {own(v) / MIB:,.1f} | "
+                f"{v['peak_where']} | {temps} |"
+            )
+    lines += ["", "Effect of the chunked loss (chunked against plain, same row):", ""]
+    for r in results:
+        p, c = r["plain"], r["chunked"]
+        speed = statistics.median(c["tokens_per_s"]) / statistics.median(p["tokens_per_s"])
+        lines.append(
+            f"- {r['preset']} b{r['batch']} s{r['seq']} {r['amp']}: peak {own(p) / MIB:,.0f} -> "
+            f"{own(c) / MIB:,.0f} MiB ({100 * (own(c) / own(p) - 1):+.0f}%), tokens/s "
+            f"{speed:.2f}x, loss {p['loss']:.4f} vs {c['loss']:.4f}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    p.add_argument("--child", nargs=4, metavar=("PRESET", "BATCH", "SEQ", "AMP"), help=argparse.SUPPRESS)
+    p.add_argument("--out-dir", type=Path, default=RESULTS)
+    p.add_argument("--render", type=Path, metavar="RESULTS_JSON")
+    args = p.parse_args()
+    if args.child:
+        import json
+
+        preset, batch, seq, amp = args.child
+        print(json.dumps(child(preset, int(batch), int(seq), amp, args.steps)))
+        return 0
+    if args.render:
+        data = load_results(p, args.render)
+        atomic_write(args.render.with_suffix(".md"), markdown(data["meta"], data["results"]))
+        return 0
+    import json
+
+    meta = {**stamp(sys.argv), "steps": args.steps}
+    results = []
+    stem = args.out_dir / "cpu-chunked-loss"
+    for amp in args.dtypes:
+        for preset, batch, seq in CASES:
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                preset,
+                str(batch),
+                str(seq),
+                amp,
+                "--steps",
+                str(args.steps),
+            ]
+            done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=7200)
+            if done.returncode != 0:
+                raise RuntimeError(done.stderr[-2000:])
+            results.append(
+                {
+                    "preset": preset,
+                    "batch": batch,
+                    "seq": seq,
+                    "amp": amp,
+                    **json.loads(done.stdout.strip().splitlines()[-1]),
+                }
+            )
+            print(markdown(meta, results).splitlines()[-1], flush=True)
+            save_json(stem, {"meta": meta, "results": results})
+            atomic_write(stem.with_suffix(".md"), markdown(meta, results))
+    print(markdown(meta, results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
