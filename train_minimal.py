@@ -59,7 +59,7 @@ from minigpt.config import (
     resolve_amp,
     resolve_device,
 )
-from minigpt.cpu import keep_freed_memory
+from minigpt.cpu import keep_freed_memory, preload_hint
 from minigpt.data import (
     Batches,
     ToyBatches,
@@ -71,7 +71,8 @@ from minigpt.data import (
 )
 from minigpt.estimate import estimate_gpt, estimate_report, gpt_shape
 from minigpt.fileio import atomic_write
-from minigpt.instrument import Instruments, cpu_memory_report, cuda_memory_report
+from minigpt.instrument import Instruments, cuda_memory_report
+from minigpt.memory import process_memory
 from minigpt.metrics import (
     JsonlWriter,
     StepRecord,
@@ -226,7 +227,8 @@ def load_data(cfg: TrainConfig, rank: int, pin: bool) -> Data:
 def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
     return GPTConfig(vocab_size=pad_vocab(vocab_size), max_position_embeddings=cfg.max_position_embeddings,
                      n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_model=cfg.d_model, d_ff=cfg.d_ff,
-                     dropout=cfg.dropout, activation_checkpoint=cfg.use_activation_checkpoint)
+                     dropout=cfg.dropout, activation_checkpoint=cfg.use_activation_checkpoint,
+                     chunked_loss=cfg.chunked_loss)
 
 
 def restore(ckpt_path: Path, sharded: bool, cfg: TrainConfig, model: GPT, optimizer, scaler, batches: Batches,
@@ -294,8 +296,8 @@ def predicted_memory(cfg: TrainConfig, model: GPT, amp_dtype: str, device: str, 
     if not cfg.memory_profiler:
         return None
     shape = gpt_shape(cfg, model.cfg.vocab_size)
-    estimate = estimate_gpt(**shape, amp_dtype=amp_dtype, device=device,
-                            activation_checkpoint=cfg.use_activation_checkpoint)
+    estimate = estimate_gpt(**shape, amp_dtype=amp_dtype, device=device, activation_checkpoint=cfg.use_activation_checkpoint,
+                            grad_accum_steps=cfg.grad_accum_steps, chunked_loss=cfg.chunked_loss)
     if plan.sharded:
         estimate = parallel.per_rank_memory_estimate(estimate, plan.dp, plan.tp, plan.fsdp, shape)
     return estimate
@@ -368,7 +370,7 @@ class Throughput:
             mfu=mfu(self.flops_per_token, per_rank, self.peak_flops),
             achieved_tflops=self.flops_per_token * per_rank / 1e12,
             stage_host_ms=stages.host_ms, stage_device_ms=stages.device_ms, stage_comm_ms=comm,
-            memory=cuda_memory_report() if self.device == "cuda" else cpu_memory_report())
+            memory=cuda_memory_report() if self.device == "cuda" else process_memory())
 
 
 def score_stragglers(detector: StragglerDetector, step: int, step_times: list[float], stages,
@@ -409,6 +411,9 @@ def open_run_dir(out_dir: Path, cfg: TrainConfig, model: GPT, data: Data, rate: 
     log.info(f"Device: {device} ({device_name}), torch {torch.__version__}; {amp_note}")
     if malloc_note:
         log.info(malloc_note)
+        if hint := preload_hint(sys.argv):
+            log.info(f"CPU allocator: jemalloc kept the least memory and ran fastest here "
+                     f"(benchmarks/results/cpu-allocator.md); to use it: {hint}")
     if plan_note:  # --fsdp / --tp
         log.info(f"{plan_note}; {dist_info.backend} backend")
     elif dist_info.world_size > 1:

@@ -241,8 +241,11 @@ class TrainConfig:
     memory_profiler: bool = flag(False, group=MEM, action="store_true",
                                  help="measure one step: params, grads, optimizer state, saved activations "
                                       "per module; writes <out-dir>/memory_trace/rank{R}_dp{R}/")
-    memory_profile_step: int | None = flag(None, group=MEM, metavar="N",  # after warm-up, like the trace
-                                           none="--profile-step-start", help="the measured step")
+    # After warm-up, like the trace; with --use-profiler the step after its window, since the
+    # measurement runs a profiler of its own and two cannot record at once.
+    memory_profile_step: int | None = flag(None, group=MEM, metavar="N",
+                                           none="--profile-step-start, or --profile-step-end with --use-profiler",
+                                           help="the measured step")
     estimate_memory: bool = flag(False, group=MEM, action="store_true",
                                  help="print the predicted memory of this configuration and exit "
                                       "(builds no model)")
@@ -394,7 +397,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "train_minimal.py") ->
         cfg.vocab_size = TOY_VOCAB_SIZE
     validate(cfg, given=set(given))
     if cfg.memory_profiler and cfg.memory_profile_step is None:
-        cfg.memory_profile_step = cfg.profile_step_start  # after warm-up, the same step as the trace
+        cfg.memory_profile_step = cfg.profile_step_end if cfg.use_profiler else cfg.profile_step_start
     return cfg
 
 
@@ -439,10 +442,11 @@ def validate(cfg: TrainConfig, given: set[str] | frozenset[str] = frozenset()) -
     if cfg.memory_profile_step is not None and not cfg.memory_profiler:
         raise UsageError("--memory-profile-step needs --memory-profiler")
     if cfg.memory_profiler:
-        step = cfg.memory_profile_step if cfg.memory_profile_step is not None else cfg.profile_step_start
+        default = cfg.profile_step_end if cfg.use_profiler else cfg.profile_step_start
+        step = cfg.memory_profile_step if cfg.memory_profile_step is not None else default
         if not 1 <= step <= cfg.num_steps:
             which = "--memory-profile-step" if cfg.memory_profile_step is not None else \
-                "--memory-profile-step (default: --profile-step-start)"
+                "--memory-profile-step (default: --profile-step-start, or --profile-step-end with --use-profiler)"
             raise UsageError(f"{which} is {step}, outside the run's steps 1..{cfg.num_steps}; "
                              "pass --memory-profile-step N within them")
     if cfg.no_checkpoint and "save_interval" in given:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-import resource
 import statistics
 import time
 from collections import defaultdict
@@ -35,6 +34,7 @@ from torch.profiler import ProfilerAction, ProfilerActivity, record_function, te
 
 from minigpt import paths, stages
 from minigpt.fileio import atomic_open, atomic_write
+from minigpt.memory import process_memory
 from minigpt.progress import Progress, progress_enabled
 from minigpt.stages import STEP_RANGE, color
 
@@ -317,18 +317,6 @@ def cuda_memory_report(reset: bool = True) -> dict[str, float]:
     return report
 
 
-def cpu_memory_report() -> dict[str, int]:
-    """The process's resident memory now and at its peak (bytes): what the machine sees, beside what
-    the allocator holds. The gap is the allocator's caching and retention (minigpt/cpu.py)."""
-    try:
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * resource.getpagesize()
-    except (OSError, ValueError, IndexError):  # not Linux
-        rss = None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    return {"rss_bytes": rss, "rss_peak_bytes": peak}
-
-
 # ---------------------------------------------------------------------------- the loop's instruments
 
 class Instruments:
@@ -405,7 +393,7 @@ class Instruments:
         if self.profiler is not None and n > self.first_step:
             self.profiler.step()  # opens ProfilerStep#n here, after the evaluation and logging of n-1
         if n == self.window.start and self.profiler is not None:
-            self._rss_before_window = cpu_memory_report()["rss_peak_bytes"]
+            self._rss_before_window = process_memory()["rss_peak_bytes"]
         if self.nsys:
             self.nsys.before_step(n)
         measured = n == self.memory_step
@@ -469,7 +457,7 @@ class Instruments:
             return None
         rss = ""
         if self._rss_before_window:
-            after = cpu_memory_report()["rss_peak_bytes"]
+            after = process_memory()["rss_peak_bytes"]
             rss = (f"; process peak memory {self._rss_before_window / 2**30:.2f} GiB before the window, "
                    f"{after / 2**30:.2f} GiB after")
         if len(before) < 3:

@@ -110,7 +110,13 @@ def format_log_line(m: StepRecord) -> str:
     if "peak_allocated_gib" in mem:
         line += f" | peak mem {mem['peak_allocated_gib']:.2f}/{mem['peak_reserved_gib']:.2f} GiB alloc/reserved"
     elif mem.get("rss_bytes"):
-        line += f" | rss {mem['rss_bytes'] / 2**30:.2f} GiB (peak {mem['rss_peak_bytes'] / 2**30:.2f})"
+        # What the machine sees. Above the tensors it holds malloc's cached and retained blocks,
+        # the interpreter and the libraries: the allocator's own peak is --memory-profiler's figure.
+        line += f" | rss {mem['rss_bytes'] / 2**30:.2f} GiB, peak {mem['rss_peak_bytes'] / 2**30:.2f} GiB"
+        peak = (m.memory_breakdown or {}).get("peak")
+        if peak:
+            line += (f" (allocator peak {peak / 2**20:,.1f} MiB in step {m.memory_breakdown['step']}; the rest is "
+                     "malloc's caching and retention, the interpreter, the libraries)")
     return line
 
 
