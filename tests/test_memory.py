@@ -252,10 +252,11 @@ def test_sunburst_charts_are_offline_html_with_the_data(written):
 @pytest.mark.parametrize("args, expected", [
     (["--memory-profiler", "--memory-profile-step", "0"], "--memory-profile-step is 0, outside the run's steps 1..4"),
     (["--memory-profiler", "--memory-profile-step", "5"], "outside the run's steps 1..4"),
-    (["--memory-profiler"], "(default: --profile-step-start) is 5, outside the run's steps 1..4"),
+    (["--memory-profiler"], "(default: --profile-step-start, or --profile-step-end with --use-profiler) is 5, "
+                            "outside the run's steps 1..4"),
     (["--memory-profile-step", "2"], "--memory-profile-step needs --memory-profiler"),
-    (["--device-memory-gb", "-1"], "--device-memory-gb must be positive, got -1.0"),
-    (["--estimate-memory", "--device-memory-gb", "0"], "--device-memory-gb must be positive"),
+    (["--device-memory-gb", "-1"], "--device-memory-gb must be at least 1 MiB"),
+    (["--estimate-memory", "--device-memory-gb", "0"], "--device-memory-gb must be at least 1 MiB"),
     (["--memory-profile-step", "two"], "invalid int value: 'two'"),
 ])
 def test_bad_memory_flags(capsys, tmp_path, args, expected):
@@ -267,7 +268,8 @@ def test_bad_memory_flags(capsys, tmp_path, args, expected):
 def test_estimator_command_line_refuses_bad_flags_in_one_line(capsys):
     assert estimate.main(["--device-memory-gb", "-2"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "error: --device-memory-gb must be positive, got -2.0"
+    assert err.startswith("error: --device-memory-gb must be at least 1 MiB") and err.endswith("got -2.0")
+    assert "\n" not in err
 
 
 def test_estimate_memory_prints_and_exits_without_a_run_directory(capsys, tmp_path):
