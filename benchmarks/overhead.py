@@ -29,6 +29,7 @@ RSS, the seconds stop() and the export take, the trace's size, and which views t
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -40,6 +41,7 @@ from common import (
     device_slug,
     header,
     load_results,
+    machine_line,
     run_variant,
     save_json,
     stamp,
@@ -292,8 +294,6 @@ def main() -> int:
     p.add_argument("--check-views", action="store_true", help=argparse.SUPPRESS)
     args, trainer_flags = p.parse_known_args()
     if args.option_child:
-        import json
-
         print(
             json.dumps(
                 option_child(
@@ -334,6 +334,12 @@ def main() -> int:
         data["default_profiler_options"] = {"options": chosen, "why": why}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"overhead-{device_slug(meta['machine'])}-{args.preset}"
+    if args.parts == "options" and stem.with_suffix(".json").is_file():
+        # The stage-timing part of an earlier run stays, with its own date, machine and command.
+        old = json.loads(stem.with_suffix(".json").read_text())
+        if "results" in old:
+            data.update(results=old["results"], stage_timing_meta=old.get("stage_timing_meta", old["meta"]),
+                        instrumentation_us_per_step=old["instrumentation_us_per_step"])
     save_json(stem, data)
     table = markdown(data)
     atomic_write(stem.with_suffix(".md"), table)
@@ -378,7 +384,11 @@ def markdown(data: dict) -> str:
     meta = data["meta"]
     lines = header(f"Instrumentation overhead: {meta['name']}", meta)
     if "results" in data:
-        lines += stage_timing_lines(meta, data["results"], data["instrumentation_us_per_step"])
+        timing_meta = data.get("stage_timing_meta", meta)
+        lines += stage_timing_lines(timing_meta, data["results"], data["instrumentation_us_per_step"])
+        if "stage_timing_meta" in data:
+            lines += ["", f"(This section was measured earlier and kept: {machine_line(timing_meta)}; "
+                      f"command `{timing_meta['command']}`.)"]
     if "profiler_options" in data:
         lines += options_lines(meta, data["profiler_options"], data["default_profiler_options"])
     lines += [
