@@ -83,7 +83,7 @@ def test_overhead_prices_each_profiler_option_and_picks_the_defaults_from_the_vi
     assert "## Stage timing" not in table  # --parts options measured only the options
 
 
-NANOGPT_DIRS = (ROOT.parent / "shared" / "anchors" / "nanoGPT",  # beside the repository, or its worktrees' folder
+NANOGPT_DIRS = (ROOT.parent / "shared" / "anchors" / "nanoGPT",  # beside the repo or its worktrees
                 ROOT.parents[1] / "shared" / "anchors" / "nanoGPT")
 NANOGPT = next((d for d in NANOGPT_DIRS if (d / "train.py").is_file()), None)
 
