@@ -13,9 +13,10 @@ The denominator now comes from, in order:
 The measurement times every unit of work that `minigpt.model.flops_per_token` counts, at the
 model's own shapes (`model_workloads`), each forward and backward together: every Linear layer
 (fc, proj, qkv, the tied LM head) and causal attention, plus two square products (1024^3 and
-2048^3) as machine-wide reference points. Each unit gets a warm-up call, then ROUNDS timed calls;
-each unit's rate is its counted FLOPs over its fastest call, and the denominator is the best rate
-of all. The spread (lowest and highest round of the winning unit) goes beside it.
+2048^3) as machine-wide reference points. Each unit gets a warm-up call, then ROUNDS timed calls
+(fewer when they pass UNIT_BUDGET_S); each unit's rate is its counted FLOPs over its fastest call,
+and the denominator is the best rate of all. The spread (lowest and highest round of the winning
+unit) goes beside it.
 
 Why MFU cannot pass 100% (no clamp anywhere): a training step's counted FLOPs F are the sum of
 the units' counted FLOPs F_u (6 per weight and bias per token for every Linear, including the tied
@@ -52,6 +53,9 @@ from minigpt.fileio import atomic_write
 
 PEAK_CACHE_FILE = "peak_flops.json"  # under minigpt.data.cache_dir(): one entry per machine, dtype, torch
 ROUNDS = 3  # timed calls per unit after its warm-up: the best is kept, the rounds give the spread
+# A unit whose timed calls already took this long stops early (one timed call at least): bf16 on a
+# CPU without native bf16 runs a 50k-vocabulary LM head at ~1 GFLOP/s, a minute per call.
+UNIT_BUDGET_S = 2.0
 SQUARE_SIZES = (1024, 2048)  # machine-wide reference products, beside the model's own units
 
 # Dense peak FLOP/s per GPU from the vendors' data sheets (no 2:4 sparsity), by AMP dtype.
@@ -196,7 +200,7 @@ def peak_flops(device: str, dtype: str, workloads: list[Workload] | None = None,
            else "measured now, partly cached")
     where = f"{path}" if cache else "not cached"
     source = (f"{how}: best of {len(shapes)} units ({best['name']}) in {dtype} on {device}, "
-              f"{ROUNDS} rounds each after a warm-up [{where}]")
+              f"up to {ROUNDS} rounds each after a warm-up [{where}]")
     return PeakFlops(best["best"], source, (min(best["rounds"]), max(best["rounds"])), shapes)
 
 
@@ -245,8 +249,11 @@ def measure(device: str, dtype: str, unit: Workload, rounds: int = ROUNDS) -> li
         def call():
             a @ b_
 
-    rates = []
+    rates: list[float] = []
+    spent = 0.0
     for i in range(rounds + 1):
+        if len(rates) >= 1 and spent > UNIT_BUDGET_S:
+            break
         for t in leaves:  # as after the loop's zero_grad(set_to_none=True): no accumulation to time
             t.grad = None
         if device == "cuda":
@@ -256,7 +263,9 @@ def measure(device: str, dtype: str, unit: Workload, rounds: int = ROUNDS) -> li
         if device == "cuda":
             torch.cuda.synchronize()
         if i:  # the first call pays for warm-up: allocation, thread pool, kernel selection
-            rates.append(unit.flops / (time.perf_counter() - t0))
+            elapsed = time.perf_counter() - t0
+            rates.append(unit.flops / elapsed)
+            spent += elapsed
     return rates
 
 
