@@ -39,7 +39,7 @@ nanoGPT runs as it comes, with glibc's default malloc, while minigpt sets mallop
 environment variables (--no-malloc-variant leaves it out): the gap between the two nanoGPT rows is
 the allocator's, not the trainer's. Each run is a fresh process; the rounds interleave every
 variant, so a drift of the machine spreads over all of them. Writes
-benchmarks/results/<device>-nanogpt.json and .md.
+benchmarks/results/<device>-nanogpt.json and .md (-nanogpt-tiny for --shape tiny).
 """
 
 from __future__ import annotations
@@ -249,7 +249,8 @@ def main() -> int:
     }
     data = {"meta": meta, "results": results}
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / f"{device_slug(meta['machine'])}-nanogpt"
+    suffix = "" if args.shape == "small" else f"-{args.shape}"
+    stem = args.out_dir / f"{device_slug(meta['machine'])}-nanogpt{suffix}"
     save_json(stem, data)
     table = markdown(data)
     atomic_write(stem.with_suffix(".md"), table)

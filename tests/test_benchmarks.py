@@ -94,7 +94,7 @@ def test_nanogpt_runs_the_real_train_py_beside_minigpt(tmp_path):
     result = run("nanogpt_shape.py", "--shape", "tiny", "--repeats", "1", "--steps", "2", "--warmup", "1",
                  "--no-malloc-variant", "--out-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
-    data = json.loads((tmp_path / "cpu-nanogpt.json").read_text())
+    data = json.loads((tmp_path / "cpu-nanogpt-tiny.json").read_text())
     results = data["results"]
     assert list(results) == ["nanoGPT train.py, fp32", "minigpt train_minimal.py, fp32",
                              "nanoGPT train.py, bf16", "minigpt train_minimal.py, bf16"]
@@ -107,7 +107,7 @@ def test_nanogpt_runs_the_real_train_py_beside_minigpt(tmp_path):
     assert "--dtype=bfloat16" in nano["command"] and "--bias=True" in nano["command"]
     assert all("mfu_pct" in row for row in nano["rows"])
     assert data["meta"]["patched_line"] > 0
-    assert f"line {data['meta']['patched_line']}" in (tmp_path / "cpu-nanogpt.md").read_text()
+    assert f"line {data['meta']['patched_line']}" in (tmp_path / "cpu-nanogpt-tiny.md").read_text()
     # nanoGPT's files never land in the repository: they ran from a temporary folder
     copies = [ROOT / d / f for d in (".", "benchmarks") for f in ("configurator.py", "train.py")]
     assert not any(p.exists() for p in copies)
