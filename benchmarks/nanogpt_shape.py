@@ -1,162 +1,299 @@
-"""minigpt's trainer against a bare nanoGPT-shaped loop, same shape, same machine, same hour.
+"""minigpt's trainer beside karpathy/nanoGPT's own train.py: same shape, same machine, same hour.
 
-    python benchmarks/nanogpt_shape.py                 # 3 rounds, fp32 and AMP, both allocators
-    python benchmarks/nanogpt_shape.py --repeats 1 --steps 4 --warmup 1
+    python benchmarks/nanogpt_shape.py                 # 3 rounds, fp32 and bf16, small shape
+    python benchmarks/nanogpt_shape.py --shape tiny --repeats 1 --steps 2 --warmup 1
+    python benchmarks/nanogpt_shape.py --nanogpt-dir /path/to/nanoGPT
 
-The bare loop is the shape of nanoGPT's `train.py` defaults for this comparison: 4 layers, 4
-heads, 256 wide, block 256, batch 8, vocabulary 50304, tied embeddings, no dropout, no biases,
-exact GELU, AdamW (0.9, 0.95) with weight decay 0.1 on matrices, gradient clipping at 1.0, random
-windows from a uint16 array, and bf16 autocast forced on for the AMP rows (nanoGPT's CPU path
-ignores its dtype setting). It is written here, not imported: no instrumentation, no logging,
-the loss read once per step as nanoGPT does. minigpt runs its `small` preset, which has that shape.
+nanoGPT is not part of this repository and is never imported or copied into it. Its train.py,
+model.py and configurator.py (MIT) are read from ../shared/anchors/nanoGPT/ beside the repository
+(or --nanogpt-dir) and copied at run time into a temporary folder, where its data is written in
+its own format: data/minigpt/train.bin and val.bin, uint16 GPT-2 tokens of minigpt's built-in
+corpus (minigpt.data). It runs there as `python train.py --key=value ...` (configurator.py's
+syntax) with the settings that give minigpt's shape: n_layer, n_head, n_embd, block_size,
+batch_size as the shape says, vocabulary 50304 (no meta.pkl: nanoGPT's default), tied embeddings
+(always, in nanoGPT), dropout 0, bias=True (minigpt's Linear and LayerNorm layers have biases),
+gradient_accumulation_steps=1, compile=False, device=cpu, an eval_interval beyond the run (only
+iteration 0 evaluates, with eval_iters=1, and it is a warm-up iteration), always_save_checkpoint
+False, wandb off. Its per-iteration lines `iter N: loss X, time Yms, mfu Z%` are parsed; tokens/s
+is batch_size * block_size / time. (nanoGPT's mfu is against an A100's 312 TFLOP/s bf16, so on a
+CPU it is recorded but not compared.)
 
-Each run is a fresh process; the rounds interleave every variant, so a drift of the machine
-spreads over all of them. The bare loop runs twice: with glibc's default malloc, and with the
-setting minigpt applies itself (`minigpt/cpu.py`), here through glibc's environment variables.
-Writes benchmarks/results/<device>-nanogpt-shape.json and .md.
+bf16 on the CPU: nanoGPT's train.py line 112 reads
+
+    ctx = nullcontext() if device_type == 'cpu' else \
+          torch.amp.autocast(device_type=device_type, dtype=ptdtype)        (one line in the file)
+
+so on a CPU it never autocasts, whatever --dtype says. For the bf16 rows that one line is replaced,
+in the temporary copy only, by
+
+    ctx = torch.amp.autocast(device_type=device_type, dtype=ptdtype)
+
+and --dtype=bfloat16 is passed (dtype is a config key, so its line needs no change). That is
+nanoGPT's own autocast context, the one it uses on a GPU, now also on the CPU. The fp32 rows run
+the file unchanged with --dtype=float32. minigpt runs its preset of the same shape with --no-amp
+and --amp (bf16 autocast). Remaining differences, none of which changes a matrix shape: nanoGPT's
+MLP uses exact GELU, minigpt's the tanh form; nanoGPT's optimizer groups decay only matrices.
+
+nanoGPT runs as it comes, with glibc's default malloc, while minigpt sets mallopt itself
+(minigpt/cpu.py). So nanoGPT also runs a second time with the same setting through glibc's
+environment variables (--no-malloc-variant leaves it out): the gap between the two nanoGPT rows is
+the allocator's, not the trainer's. Each run is a fresh process; the rounds interleave every
+variant, so a drift of the machine spreads over all of them. Writes
+benchmarks/results/<device>-nanogpt.json and .md (-nanogpt-tiny for --shape tiny).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
-import time
+import tempfile
 from pathlib import Path
 
-from common import PRESETS, RESULTS, device_slug, header, run_variant, save_json, stamp
+from common import RESULTS, ROOT, device_slug, header, load_results, run_variant, save_json, stamp
 
 from minigpt.fileio import atomic_write
 
+NANOGPT_FILES = ("train.py", "model.py", "configurator.py", "LICENSE")
+# Where ../shared sits: beside the repository (main checkout) or beside the worktrees' folder.
+NANOGPT_DIRS = (
+    ROOT.parent / "shared" / "anchors" / "nanoGPT",
+    ROOT.parents[1] / "shared" / "anchors" / "nanoGPT",
+)
+CPU_CTX_LINE = ("ctx = nullcontext() if device_type == 'cpu' else "
+                "torch.amp.autocast(device_type=device_type, dtype=ptdtype)")
+AUTOCAST_CTX_LINE = "ctx = torch.amp.autocast(device_type=device_type, dtype=ptdtype)"
+ITER_LINE = re.compile(r"^iter (\d+): loss ([-\d.naif]+), time ([\d.]+)ms, mfu (-?[\d.]+)%$")
+PARAMS_LINE = re.compile(r"^number of parameters: ([\d.]+)M$")
 # glibc reads these at start-up: the same as minigpt's mallopt(M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB).
 KEEP_FREED_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
-LAYERS, HEADS, WIDTH, BLOCK, BATCH, VOCAB = 4, 4, 256, 256, 8, 50304
+# (layers, heads, width, block, batch): the shape of minigpt's preset of the same name.
+SHAPES = {"small": (4, 4, 256, 256, 8), "tiny": (2, 2, 64, 64, 4)}
+DATASET = "minigpt"
 
 
-def bare_loop(amp: bool, steps: int, warmup: int) -> float:
-    """Median seconds per step of a nanoGPT-shaped training loop (runs in the child process)."""
+def find_nanogpt(given: Path | None) -> Path | None:
+    for d in [given] if given else NANOGPT_DIRS:
+        if all((d / f).is_file() for f in NANOGPT_FILES[:3]):
+            return d
+    return None
+
+
+def prepare(src: Path, work: Path) -> int:
+    """nanoGPT's files and data in `work`; train_bf16.py is train.py with the ctx line patched.
+    Returns the line number patched."""
+    for name in NANOGPT_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, work / name)
+    lines = (work / "train.py").read_text().splitlines(keepends=True)
+    hits = [i for i, line in enumerate(lines) if line.strip() == CPU_CTX_LINE]
+    if len(hits) != 1:
+        raise SystemExit(
+            f"error: nanoGPT's train.py in {src} has {len(hits)} lines `{CPU_CTX_LINE}`, expected "
+            "one: this script knows a different train.py"
+        )
+    lines[hits[0]] = AUTOCAST_CTX_LINE + "\n"
+    (work / "train_bf16.py").write_text("".join(lines))
+
     import numpy as np
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
 
-    torch.manual_seed(0)
+    from minigpt.data import builtin_corpus, load_tokens, split_train_val
 
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln_1, self.ln_2 = nn.LayerNorm(WIDTH, bias=False), nn.LayerNorm(WIDTH, bias=False)
-            self.qkv, self.attn_proj = nn.Linear(WIDTH, 3 * WIDTH, bias=False), nn.Linear(WIDTH, WIDTH, bias=False)
-            self.fc, self.mlp_proj = nn.Linear(WIDTH, 4 * WIDTH, bias=False), nn.Linear(4 * WIDTH, WIDTH, bias=False)
-
-        def forward(self, x):
-            B, T, C = x.shape
-            q, k, v = (t.view(B, T, HEADS, C // HEADS).transpose(1, 2) for t in self.qkv(self.ln_1(x)).split(C, 2))
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.attn_proj(y.transpose(1, 2).contiguous().view(B, T, C))
-            return x + self.mlp_proj(F.gelu(self.fc(self.ln_2(x))))
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte, self.wpe = nn.Embedding(VOCAB, WIDTH), nn.Embedding(BLOCK, WIDTH)
-            self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-            self.ln_f = nn.LayerNorm(WIDTH, bias=False)
-            self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
-            self.wte.weight = self.lm_head.weight
-
-        def forward(self, idx, targets):
-            x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
-            for block in self.blocks:
-                x = block(x)
-            logits = self.lm_head(self.ln_f(x))
-            return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
-
-    model = Model()
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                                  lr=6e-4, betas=(0.9, 0.95))
-    data = np.random.default_rng(0).integers(0, 50257, 200_000).astype(np.uint16)
-
-    def batch():
-        ix = torch.randint(len(data) - BLOCK - 1, (BATCH,)).tolist()
-        x = torch.stack([torch.from_numpy(data[i:i + BLOCK].astype(np.int64)) for i in ix])
-        y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + BLOCK].astype(np.int64)) for i in ix])
-        return x, y
-
-    times = []
-    for _ in range(warmup + steps):
-        t0 = time.perf_counter()
-        x, y = batch()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-            loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss.item()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[warmup:])
+    train, val = split_train_val(np.asarray(load_tokens([builtin_corpus()])))
+    (work / "data" / DATASET).mkdir(parents=True)
+    train.astype(np.uint16).tofile(work / "data" / DATASET / "train.bin")
+    val.astype(np.uint16).tofile(work / "data" / DATASET / "val.bin")
+    return hits[0] + 1
 
 
-def run_bare(amp: bool, keep_freed: bool, steps: int, warmup: int) -> float:
+def run_nanogpt(work: Path, dtype: str, shape: str, warmup: int, steps: int, keep_freed: bool) -> dict:
+    """One fresh nanoGPT process; its measured iterations (after `warmup`, iteration 0 included)."""
+    layers, heads, width, block, batch = SHAPES[shape]
+    overrides = dict(
+        dataset=DATASET,
+        device="cpu",
+        compile=False,
+        n_layer=layers,
+        n_head=heads,
+        n_embd=width,
+        block_size=block,
+        batch_size=batch,
+        dropout=0.0,
+        bias=True,
+        gradient_accumulation_steps=1,
+        eval_interval=10**9,
+        eval_iters=1,
+        log_interval=1,
+        always_save_checkpoint=False,
+        wandb_log=False,
+        init_from="scratch",
+        max_iters=warmup + steps - 1,
+        dtype="bfloat16" if dtype == "bf16" else "float32",
+        out_dir=str(work / "out"),
+    )
+    script = "train_bf16.py" if dtype == "bf16" else "train.py"
+    cmd = [sys.executable, script, *(f"--{k}={v}" for k, v in overrides.items())]
     env = {**os.environ, **(KEEP_FREED_ENV if keep_freed else {})}
-    out = subprocess.run([sys.executable, __file__, "--child", "amp" if amp else "fp32", "--steps", str(steps),
-                          "--warmup", str(warmup)], env=env, capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    out = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=3600)
+    if out.returncode != 0:
+        raise RuntimeError(f"nanoGPT failed ({' '.join(cmd)}):\n{out.stderr[-3000:]}")
+    iters = [m.groups() for m in map(ITER_LINE.match, out.stdout.splitlines()) if m]
+    params = [float(m.group(1)) for m in map(PARAMS_LINE.match, out.stdout.splitlines()) if m]
+    rows = [
+        {"iter": int(i), "loss": float(loss), "time_ms": float(t), "mfu_pct": float(mfu)}
+        for i, loss, t, mfu in iters
+        if int(i) >= warmup
+    ]
+    if len(rows) != steps:
+        raise RuntimeError(
+            f"nanoGPT printed {len(rows)} measured iterations, expected {steps}:\n{out.stdout[-2000:]}"
+        )
+    return {"rows": rows, "params_m": params[0] if params else None, "command": " ".join(cmd[1:])}
+
+
+def run_minigpt(dtype: str, shape: str, warmup: int, steps: int) -> dict:
+    flags = ["--preset", shape, "--dropout", "0", "--amp" if dtype == "bf16" else "--no-amp"]
+    run = run_variant(flags, warmup, steps)
+    return {
+        "rows": [
+            {"step": r["step"], "loss": r["loss"], "time_ms": 1000 * r["step_time_s"]} for r in run["rows"]
+        ],
+        "params_m": run["config"]["params"] / 1e6,
+        "amp": run["config"]["amp"],
+    }
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--shape", default="small", choices=sorted(SHAPES), help="minigpt preset and nanoGPT shape"
+    )
+    p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16 (default both)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--no-malloc-variant", action="store_true", help="leave out nanoGPT with minigpt's malloc setting"
+    )
+    p.add_argument(
+        "--nanogpt-dir", type=Path, help="a folder with nanoGPT's train.py, model.py, configurator.py"
+    )
     p.add_argument("--out-dir", type=Path, default=RESULTS)
-    p.add_argument("--child", choices=["fp32", "amp"], help=argparse.SUPPRESS)
+    p.add_argument("--render", type=Path, metavar="RESULTS_JSON", help="measure nothing: rewrite the .md")
     args = p.parse_args()
+    if args.render:
+        data = load_results(p, args.render)
+        atomic_write(args.render.with_suffix(".md"), markdown(data))
+        print(markdown(data))
+        return 0
+    dtypes = args.dtypes.split(",")
     if min(args.steps, args.repeats, args.warmup) < 1:
         p.error("--steps, --repeats and --warmup must be at least 1")
-    if args.child:
-        print(bare_loop(args.child == "amp", args.steps, args.warmup))
-        return 0
+    if not dtypes or set(dtypes) - {"fp32", "bf16"}:
+        p.error(f"--dtypes takes fp32 and/or bf16, got {args.dtypes!r}")
+    src = find_nanogpt(args.nanogpt_dir)
+    if src is None:
+        where = args.nanogpt_dir or " or ".join(map(str, NANOGPT_DIRS))
+        print(
+            f"error: nanoGPT's train.py, model.py and configurator.py not found in {where}; "
+            "pass --nanogpt-dir",
+            file=sys.stderr,
+        )
+        return 2
 
-    tokens = BATCH * BLOCK
-    variants = {}
-    for amp in (False, True):
-        name = "amp" if amp else "fp32"
-        variants[f"bare loop, {name}, glibc default malloc"] = lambda a=amp: run_bare(a, False, args.steps, args.warmup)
-        variants[f"bare loop, {name}, malloc keeps freed blocks"] = lambda a=amp: run_bare(a, True, args.steps, args.warmup)
-        flags = [*PRESETS["nanogpt"], "--amp" if amp else "--no-amp"]
-        variants[f"minigpt train_minimal.py, {name}"] = lambda f=flags: statistics.median(
-            r["step_time_s"] for r in run_variant(f, args.warmup, args.steps)["rows"])
-    medians: dict[str, list[float]] = {name: [] for name in variants}
-    for r in range(args.repeats):  # interleaved rounds
-        for name, run in variants.items():
-            print(f"[{name}] round {r + 1}/{args.repeats}", flush=True)
-            medians[name].append(tokens / run())
-    meta = {**stamp(sys.argv), "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-            "extra_flags": os.environ.get("MINIGPT_ARGS", "")}
-    results = {name: {"tokens_per_s": statistics.median(v), "rounds": v} for name, v in medians.items()}
-    lines = [*header("minigpt against a bare nanoGPT-shaped loop", meta),
-             f"Shape: {LAYERS} layers, {HEADS} heads, {WIDTH} wide, block {BLOCK}, batch {BATCH}, vocabulary {VOCAB}. "
-             f"Each round runs every variant in a fresh process: median of {args.steps} steps after {args.warmup}.",
-             "", "| variant | tokens/s (median of rounds) | each round |", "|---|---|---|"]
-    for name, r in results.items():
-        lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {', '.join(f'{t:,.0f}' for t in r['rounds'])} |")
-    if meta["extra_flags"]:
-        lines += ["", f"Flags from $MINIGPT_ARGS, applied to the minigpt rows only (the bare loop keeps its shape): "
-                  f"`{meta['extra_flags']}`"]
-    table = "\n".join(lines) + "\n"
+    with tempfile.TemporaryDirectory(prefix="minigpt-nanogpt-") as tmp:
+        work = Path(tmp)
+        patched_line = prepare(src, work)
+        variants = {}
+        for dtype in dtypes:
+            variants[f"nanoGPT train.py, {dtype}"] = lambda d=dtype: run_nanogpt(
+                work, d, args.shape, args.warmup, args.steps, False
+            )
+            if not args.no_malloc_variant:
+                variants[f"nanoGPT train.py, {dtype}, malloc keeps freed blocks"] = lambda d=dtype: (
+                    run_nanogpt(work, d, args.shape, args.warmup, args.steps, True)
+                )
+            variants[f"minigpt train_minimal.py, {dtype}"] = lambda d=dtype: run_minigpt(
+                d, args.shape, args.warmup, args.steps
+            )
+        runs: dict[str, list[dict]] = {name: [] for name in variants}
+        for r in range(args.repeats):  # interleaved rounds
+            for name, run in variants.items():
+                print(f"[{name}] round {r + 1}/{args.repeats}", flush=True)
+                runs[name].append(run())
+    layers, heads, width, block, batch = SHAPES[args.shape]
+    results = {}
+    for name, rs in runs.items():
+        medians = [statistics.median(row["time_ms"] for row in run["rows"]) for run in rs]
+        results[name] = {
+            "step_ms": statistics.median(medians),
+            "step_ms_rounds": medians,
+            "tokens_per_s": batch * block * 1000 / statistics.median(medians),
+            "tokens_per_s_rounds": [batch * block * 1000 / m for m in medians],
+            "params_m": rs[0]["params_m"],
+            "rounds": rs,
+        }
+    meta = {
+        **stamp(sys.argv),
+        "shape": args.shape,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "nanogpt_dir": str(src),
+        "patched_line": patched_line,
+        "extra_flags": os.environ.get("MINIGPT_ARGS", ""),
+    }
+    data = {"meta": meta, "results": results}
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / f"{device_slug(meta['machine'])}-nanogpt-shape"
-    save_json(stem, {"meta": meta, "results": results})
+    suffix = "" if args.shape == "small" else f"-{args.shape}"
+    stem = args.out_dir / f"{device_slug(meta['machine'])}-nanogpt{suffix}"
+    save_json(stem, data)
+    table = markdown(data)
     atomic_write(stem.with_suffix(".md"), table)
     print(table)
     print(f"wrote {stem}.json, .md")
     return 0
+
+
+def markdown(data: dict) -> str:
+    meta, results = data["meta"], data["results"]
+    layers, heads, width, block, batch = SHAPES[meta["shape"]]
+    lines = [
+        *header("minigpt beside nanoGPT's own train.py", meta),
+        f"Shape: {layers} layers, {heads} heads, {width} wide, block {block}, batch {batch}, "
+        "vocabulary 50304, "
+        "tied embeddings, biases, no dropout, no gradient accumulation, no torch.compile. Each round runs "
+        f"every variant in a fresh process; a run's figure is the median of {meta['steps']} steps after "
+        f"{meta['warmup']} (nanoGPT's iteration 0, which evaluates, is always a warm-up). nanoGPT's files: "
+        f"`{meta['nanogpt_dir']}`, copied to a temporary folder at run time. The machine was shared with "
+        "other developers' jobs.",
+        "",
+        "| variant | tokens/s (median of rounds) | step ms | each round (tokens/s) | params (M) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        rounds = ", ".join(f"{t:,.0f}" for t in r["tokens_per_s_rounds"])
+        params = "-" if r["params_m"] is None else f"{r['params_m']:.2f}"
+        lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {r['step_ms']:,.0f} | {rounds} | {params} |")
+    lines += [
+        "",
+        "Params: nanoGPT prints them without the position embeddings, minigpt's config.json with them.",
+        "",
+        f"bf16 rows: nanoGPT's train.py line {meta['patched_line']}, "
+        f"`{CPU_CTX_LINE}`, never autocasts on a CPU; in the temporary copy it became "
+        f"`{AUTOCAST_CTX_LINE}` (nanoGPT's own autocast context, as on a GPU), with --dtype=bfloat16. The "
+        "fp32 rows run train.py unchanged with --dtype=float32. minigpt's rows: --no-amp and --amp (bf16).",
+        "",
+        '"malloc keeps freed blocks": glibc\'s MALLOC_MMAP_MAX_=0 and MALLOC_TRIM_THRESHOLD_, the '
+        "setting minigpt applies itself through mallopt (minigpt/cpu.py).",
+    ]
+    if meta["extra_flags"]:
+        lines += ["", f"Flags from $MINIGPT_ARGS, applied to the minigpt rows only: `{meta['extra_flags']}`"]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

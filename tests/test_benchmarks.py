@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import ROOT
@@ -42,7 +43,8 @@ def test_ablation_writes_json_markdown_and_chart(tmp_path):
 
 
 def test_overhead_reports_each_variant(tmp_path):
-    result = run("overhead.py", *TINY, "--micro-steps", "500", "--out-dir", str(tmp_path))
+    result = run("overhead.py", *TINY, "--parts", "stage-timing", "--micro-steps", "500",
+                 "--out-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "overhead-cpu-tiny.json").read_text())
     assert list(data["results"]) == ["timing off", "timing on (default)", "profiler", "profiler + stacks"]
@@ -56,6 +58,65 @@ def test_overhead_reports_each_variant(tmp_path):
     (tmp_path / "overhead-cpu-tiny.md").unlink()
     assert run("overhead.py", "--render", str(tmp_path / "overhead-cpu-tiny.json")).returncode == 0
     assert (tmp_path / "overhead-cpu-tiny.md").read_text() == table  # the table is a function of the .json
+
+
+@pytest.mark.slow
+def test_overhead_prices_each_profiler_option_and_picks_the_defaults_from_the_views(tmp_path):
+    result = run("overhead.py", "--preset", "tiny", "--parts", "options", "--repeats", "1",
+                 "--option-steps", "1", "--option-warmup", "0", "--out-dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "overhead-cpu-tiny.json").read_text())
+    options = data["profiler_options"]
+    assert list(options) == ["no profiler", "bare profiler", "record_shapes", "profile_memory",
+                             "with_flops", "with_modules", "with_stack", "all options"]
+    assert all(o["step_ms"]["median"] > 0 and o["rss_peak_mib"] > 0 for o in options.values())
+    assert "views" not in options["no profiler"] and options["bare profiler"]["trace_mb"] > 0
+    # what torch-tb-profiler builds from each trace decides the defaults
+    assert {"Overview", "Operator", "Trace"} <= set(options["bare profiler"]["views"])
+    assert "Memory" not in options["bare profiler"]["views"]
+    assert "Memory" in options["profile_memory"]["views"]
+    assert options["record_shapes"]["input_shapes"] and not options["bare profiler"]["input_shapes"]
+    assert set(options["all options"]["views"]) >= {"Overview", "Operator", "Trace", "Memory"}
+    assert data["default_profiler_options"]["options"] == ["profile_memory"]
+    table = (tmp_path / "overhead-cpu-tiny.md").read_text()
+    assert "What each torch.profiler option costs" in table and "**profile_memory**" in table
+    assert "## Stage timing" not in table  # --parts options measured only the options
+
+
+NANOGPT_DIRS = (ROOT.parent / "shared" / "anchors" / "nanoGPT",  # beside the repo or its worktrees
+                ROOT.parents[1] / "shared" / "anchors" / "nanoGPT")
+NANOGPT = next((d for d in NANOGPT_DIRS if (d / "train.py").is_file()), None)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NANOGPT is None, reason="nanoGPT's files are not in shared/anchors/nanoGPT near the repo")
+def test_nanogpt_runs_the_real_train_py_beside_minigpt(tmp_path):
+    result = run("nanogpt_shape.py", "--shape", "tiny", "--repeats", "1", "--steps", "2", "--warmup", "1",
+                 "--no-malloc-variant", "--out-dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "cpu-nanogpt-tiny.json").read_text())
+    results = data["results"]
+    assert list(results) == ["nanoGPT train.py, fp32", "minigpt train_minimal.py, fp32",
+                             "nanoGPT train.py, bf16", "minigpt train_minimal.py, bf16"]
+    for name, r in results.items():
+        rows = r["rounds"][0]["rows"]
+        assert len(rows) == 2 and all(row["time_ms"] > 0 and row["loss"] > 0 for row in rows), name
+        assert r["tokens_per_s"] > 0
+    nano = results["nanoGPT train.py, bf16"]["rounds"][0]
+    assert [row["iter"] for row in nano["rows"]] == [1, 2]  # iteration 0 (it evaluates) is warm-up
+    assert "--dtype=bfloat16" in nano["command"] and "--bias=True" in nano["command"]
+    assert all("mfu_pct" in row for row in nano["rows"])
+    assert data["meta"]["patched_line"] > 0
+    assert f"line {data['meta']['patched_line']}" in (tmp_path / "cpu-nanogpt-tiny.md").read_text()
+    # nanoGPT's files never land in the repository: they ran from a temporary folder
+    copies = [ROOT / d / f for d in (".", "benchmarks") for f in ("configurator.py", "train.py")]
+    assert not any(p.exists() for p in copies)
+
+
+def test_nanogpt_without_its_files_says_so_in_one_line(tmp_path):
+    result = run("nanogpt_shape.py", "--nanogpt-dir", str(tmp_path))
+    assert result.returncode == 2 and "nanoGPT" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_ablation_render_rewrites_table_and_chart_without_running(tmp_path):

@@ -1,0 +1,139 @@
+"""How still the MFU denominator holds: minigpt.mfu.peak_flops in N fresh processes, without the
+cache (each process measures) and with it (the first fills it, the rest read it).
+
+    python benchmarks/peak_flops.py                    # small preset's units, fp32, 5 processes
+    python benchmarks/peak_flops.py --preset tiny --processes 2
+
+Uncached, the figures spread with the machine's load: that spread is why the cache exists. Two
+uncached measurements on a quiet machine should agree within --tolerance (checked here, never in a
+test: tests assert no timings). Writes benchmarks/results/peak-flops-<device>-<preset>.json/.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import RESULTS, device_slug, header, save_json, stamp
+
+from minigpt.config import PRESETS as MODEL_PRESETS
+from minigpt.fileio import atomic_write
+
+
+def child(preset: str, dtype: str, cache: bool) -> None:
+    from minigpt.mfu import model_workloads, peak_flops
+    from minigpt.model import pad_vocab
+
+    p = MODEL_PRESETS[preset]
+    units = model_workloads(
+        p["batch_size"], p["seq_len"], p["d_model"], p["d_ff"], pad_vocab(50257), p["n_heads"]
+    )
+    peak = peak_flops("cpu", dtype, units, cache=cache)
+    print(
+        json.dumps(
+            {
+                "value": peak.value,
+                "spread": peak.spread,
+                "source": peak.source,
+                "winner": max(peak.shapes, key=lambda s: s["best"])["name"],
+            }
+        )
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="small", choices=sorted(MODEL_PRESETS))
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--processes", type=int, default=5)
+    ap.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.25,
+        help="uncached figures of two processes may differ by this fraction (default 0.25)",
+    )
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    ap.add_argument("--child", choices=["cached", "uncached"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.preset, args.dtype, args.child == "cached")
+        return 0
+    if args.processes < 2:
+        ap.error("--processes must be at least 2")
+    runs: dict[str, list[dict]] = {"uncached": [], "cached": []}
+    with tempfile.TemporaryDirectory(prefix="minigpt-peak-") as cache:
+        import os
+
+        env = {**os.environ, "MINIGPT_CACHE_DIR": cache}
+        for i in range(args.processes):  # interleaved: uncached, cached, uncached, ...
+            for mode in runs:
+                print(f"[{mode}] process {i + 1}/{args.processes}", flush=True)
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--child",
+                        mode,
+                        "--preset",
+                        args.preset,
+                        "--dtype",
+                        args.dtype,
+                    ],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+                runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    meta = {**stamp(sys.argv), "preset": args.preset, "dtype": args.dtype, "processes": args.processes}
+    results = {}
+    for mode, rs in runs.items():
+        values = [r["value"] for r in rs]
+        results[mode] = {
+            "values": values,
+            "median": statistics.median(values),
+            "min": min(values),
+            "max": max(values),
+            "max_over_min": max(values) / min(values),
+            "winners": [r["winner"] for r in rs],
+            "sources": [r["source"] for r in rs],
+        }
+    ratio = results["uncached"]["max_over_min"]
+    lines = [
+        *header(f"MFU denominator over {args.processes} fresh processes: {args.preset}, {args.dtype}", meta),
+        "Each process calls minigpt.mfu.peak_flops with the preset's units (each Linear and attention, "
+        "forward and backward, plus 1024^3 and 2048^3 products; best of 3 rounds after a warm-up). "
+        "Uncached and cached processes interleave; the cached ones share one fresh cache folder. "
+        "The machine was shared with other developers' jobs.",
+        "",
+        "| mode | TFLOP/s per process | median | max/min | winning unit |",
+        "|---|---|---|---|---|",
+    ]
+    for mode, r in results.items():
+        lines.append(
+            f"| {mode} | {', '.join(f'{v / 1e12:.4f}' for v in r['values'])} | {r['median'] / 1e12:.4f} "
+            f"| {r['max_over_min']:.3f} | {', '.join(sorted(set(r['winners'])))} |"
+        )
+    verdict = "within" if ratio - 1 <= args.tolerance else "NOT within"
+    lines += [
+        "",
+        f"Uncached processes: the highest is {100 * (ratio - 1):.1f}% above the lowest, {verdict} the "
+        f"{100 * args.tolerance:.0f}% tolerance. "
+        f"Cached: {100 * (results['cached']['max_over_min'] - 1):.1f}%.",
+    ]
+    table = "\n".join(lines) + "\n"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.out_dir / f"peak-flops-{device_slug(meta['machine'])}-{args.preset}"
+    save_json(stem, {"meta": meta, "results": results})
+    atomic_write(stem.with_suffix(".md"), table)
+    print(table)
+    return 0 if verdict == "within" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

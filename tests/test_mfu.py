@@ -1,0 +1,120 @@
+"""The MFU denominator: measured from the model's own units, cached per machine, never below what
+the model reaches. (No timing is asserted: only which figures are used and how they relate.)"""
+
+import json
+import time
+
+import pytest
+import torch
+
+from minigpt import mfu as M
+from minigpt.model import GPT, GPTConfig, flops_per_token
+
+SHAPE = dict(batch_size=2, seq_len=16, d_model=32, d_ff=128, vocab_size=128, n_heads=2)
+
+
+@pytest.fixture(autouse=True)
+def small_squares(monkeypatch, tmp_path):
+    monkeypatch.setattr(M, "SQUARE_SIZES", (64,))  # the 2048^3 reference would take seconds per test
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def units():
+    return M.model_workloads(**SHAPE)
+
+
+def test_units_add_up_to_the_counted_flops():
+    """The denominator's argument rests on this: flops_per_token is the sum of the units' FLOPs
+    (every Linear with its bias, the tied head, attention) plus the LayerNorms' parameters."""
+    cfg = GPTConfig(vocab_size=SHAPE["vocab_size"], max_position_embeddings=SHAPE["seq_len"], n_layers=3,
+                    n_heads=SHAPE["n_heads"], d_model=SHAPE["d_model"], d_ff=SHAPE["d_ff"])
+    model = GPT(cfg)
+    tokens = SHAPE["batch_size"] * SHAPE["seq_len"]
+    *block, head, attention = units()
+    per_step = cfg.n_layers * (sum(u.flops for u in block) + attention.flops) + head.flops
+    layer_norms = sum(p.numel() for n, p in model.named_parameters() if "ln_" in n)
+    assert per_step + 6 * layer_norms * tokens == flops_per_token(model, SHAPE["seq_len"]) * tokens
+
+
+def test_denominator_is_the_best_unit_and_the_cache_makes_it_hold_still(monkeypatch, tmp_path):
+    first = M.peak_flops("cpu", "fp32", units())
+    names = [s["name"] for s in first.shapes]
+    assert names[0] == "matmul 64x64x64" and {u.name for u in units()} <= set(names)
+    assert first.value == max(s["best"] for s in first.shapes) > 0
+    assert first.spread[0] <= first.spread[1] == first.value
+    assert first.source.startswith("measured now")
+
+    def no_measuring(*a, **k):
+        raise AssertionError("measured again despite the cache")
+
+    monkeypatch.setattr(M, "measure", no_measuring)
+    second = M.peak_flops("cpu", "fp32", units())
+    assert second.value == first.value and second.spread == first.spread and second.source.startswith("cache")
+    entries = json.loads((tmp_path / "cache" / M.PEAK_CACHE_FILE).read_text())
+    assert list(entries) == [M.machine_key("cpu", "fp32")]
+    assert f"{torch.get_num_threads()} threads" in list(entries)[0] and torch.__version__ in list(entries)[0]
+    assert not list((tmp_path / "cache").glob(".*tmp"))  # written atomically: no leftovers
+    with pytest.raises(AssertionError, match="measured again"):  # another dtype is another entry
+        M.peak_flops("cpu", "bf16", units())
+
+
+def test_new_units_are_measured_and_merged_into_the_cache(monkeypatch):
+    M.peak_flops("cpu", "fp32", units())
+    bigger = M.model_workloads(**{**SHAPE, "d_ff": 256})
+    measured = []
+    real = M.measure
+    monkeypatch.setattr(M, "measure", lambda d, t, u: measured.append(u.name) or real(d, t, u))
+    peak = M.peak_flops("cpu", "fp32", bigger)
+    assert sorted(measured) == sorted({u.name for u in bigger} - {u.name for u in units()})
+    assert "partly cached" in peak.source
+
+
+def test_uncached_measurement_neither_reads_nor_writes(tmp_path):
+    peak = M.peak_flops("cpu", "fp32", units(), cache=False)
+    assert "not cached" in peak.source and not (tmp_path / "cache" / M.PEAK_CACHE_FILE).exists()
+
+
+def test_unreadable_cache_is_measured_again(tmp_path):
+    path = tmp_path / "cache" / M.PEAK_CACHE_FILE
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    peak = M.peak_flops("cpu", "fp32", units())
+    assert peak.source.startswith("measured now")
+    assert M.machine_key("cpu", "fp32") in json.loads(path.read_text())
+
+
+def test_mfu_of_a_real_step_stays_below_one():
+    """A training step of the model, timed as the loop times it, against the denominator of its
+    own units: the step does those units and more, so it cannot beat their best rate."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=SHAPE["vocab_size"], max_position_embeddings=SHAPE["seq_len"], n_layers=2,
+                    n_heads=SHAPE["n_heads"], d_model=SHAPE["d_model"], d_ff=SHAPE["d_ff"])
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randint(0, cfg.vocab_size, (SHAPE["batch_size"], SHAPE["seq_len"]))
+    peak = M.peak_flops("cpu", "fp32", units())
+    for _ in range(4):
+        t0 = time.perf_counter()
+        _, loss = model(x, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tokens_per_s = x.numel() / (time.perf_counter() - t0)
+        achieved = M.achieved_tflops(flops_per_token(model, SHAPE["seq_len"]), tokens_per_s)
+        assert 0 < M.mfu(flops_per_token(model, SHAPE["seq_len"]), tokens_per_s, peak) < 1
+        assert M.mfu(flops_per_token(model, SHAPE["seq_len"]), tokens_per_s, peak.value) == \
+            pytest.approx(achieved * 1e12 / peak.value)
+
+
+def test_override_and_gpu_table(monkeypatch):
+    peak = M.peak_flops("cpu", "fp32", units(), override_tflops=2.5)
+    assert peak.value == 2.5e12 and peak.source == "override: --peak-tflops" and peak.spread is None
+    assert peak.config() == {"peak_flops": 2.5e12, "peak_flops_source": "override: --peak-tflops",
+                             "peak_flops_spread": None}
+    with pytest.raises(ValueError, match="positive"):
+        M.peak_flops("cpu", "fp32", override_tflops=0)
+    for name, gpu in (("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H100 PCIe", "H100 PCIe"),
+                      ("NVIDIA L4", "L4"), ("NVIDIA L40S", "L40S"), ("NVIDIA A100-SXM4-80GB", "A100")):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, n=name: n)
+        peak = M.peak_flops("cuda", "bf16", units())
+        assert peak.value == M.PEAK_FLOPS[gpu]["bf16"] and peak.source == f"table: {gpu} bf16 dense"
