@@ -79,11 +79,10 @@ from minigpt.metrics import (
     TensorBoardLogger,
     format_duration,
     format_log_line,
-    mfu,
-    peak_flops,
     perplexity,
     setup_logging,
 )
+from minigpt.mfu import PeakFlops, achieved_tflops, describe, mfu, model_workloads, peak_flops
 from minigpt.model import GPT, GPTConfig, flops_per_token, pad_vocab
 from minigpt.report import write_report
 from minigpt.runs import (
@@ -368,7 +367,7 @@ class Throughput:
             val_loss=val, val_ppl=None if val is None else perplexity(val), elapsed_s=elapsed,
             eta_s=self.world_size * self.tokens_per_step * (cfg.num_steps - step) / e2e, amp=amp,
             mfu=mfu(self.flops_per_token, per_rank, self.peak_flops),
-            achieved_tflops=self.flops_per_token * per_rank / 1e12,
+            achieved_tflops=achieved_tflops(self.flops_per_token, per_rank),
             stage_host_ms=stages.host_ms, stage_device_ms=stages.device_ms, stage_comm_ms=comm,
             memory=cuda_memory_report() if self.device == "cuda" else process_memory())
 
@@ -388,7 +387,7 @@ def is_log_step(step: int, cfg: TrainConfig) -> bool:
 
 
 def open_run_dir(out_dir: Path, cfg: TrainConfig, model: GPT, data: Data, rate: Throughput,
-                 dist_info: distributed.DistInfo, device: str, amp_dtype: str, amp_note: str, peak_source: str,
+                 dist_info: distributed.DistInfo, device: str, amp_dtype: str, amp_note: str, peak: PeakFlops,
                  malloc_note: str | None, resumed_from: Path | None,
                  plan_note: str | None = None, cleaned: list[str] = ()) -> logging.Logger:
     """Create the run directory, write config.json (rank 0) and say what this run is: the lines
@@ -401,7 +400,7 @@ def open_run_dir(out_dir: Path, cfg: TrainConfig, model: GPT, data: Data, rate: 
         write_json_atomic(out_dir / paths.CONFIG_FILE, {
             "config": cfg.to_dict(), "model": asdict(model.cfg), "device": device, "device_name": device_name,
             "amp": amp_dtype, "params": n_params, "flops_per_token": rate.flops_per_token,
-            "peak_flops": rate.peak_flops, "peak_flops_source": peak_source,
+            **peak.config(),
             "world_size": dist_info.world_size, "ddp_backend": dist_info.backend,
             "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()},
         })
@@ -425,7 +424,7 @@ def open_run_dir(out_dir: Path, cfg: TrainConfig, model: GPT, data: Data, rate: 
              + (", activation checkpointing" if cfg.use_activation_checkpoint else ""))
     log.info(f"Batch: {cfg.batch_size} x {cfg.seq_len} tokens x {cfg.grad_accum_steps} accumulation = "
              f"{rate.tokens_per_step:,} tokens per step per rank; {cfg.num_steps} steps")
-    log.info(f"MFU peak: {rate.peak_flops / 1e12:.2f} TFLOP/s per device ({peak_source})")
+    log.info(describe(peak))
     log.info(f"Resumed from {resumed_from} at step {rate.start_step}" if resumed_from else "Starting from scratch")
     for line in cleaned:
         log.info(f"Cleaned up after an earlier run: {line}")
@@ -452,6 +451,19 @@ def write_run_report(out_dir: Path, dist_info: distributed.DistInfo, log: loggin
             log.info(f"Report: {write_report(out_dir)} (one offline page; python -m minigpt.report rewrites it)")
         except Exception as e:  # noqa: BLE001 - the training is done and saved; say what went wrong
             log.warning(f"report not written: {type(e).__name__}: {e}")
+
+
+def mfu_peak(cfg: TrainConfig, model: GPT, device: str, amp_dtype: str, dist_info: distributed.DistInfo) -> PeakFlops:
+    """MFU's denominator (minigpt/mfu.py): --peak-tflops, a known GPU's data sheet, or this machine's
+    best rate on the model's own units, measured once and cached. Rank 0 measures alone and the
+    others read its cache: measured together they would share the cores and cache a low figure."""
+    units = model_workloads(cfg.batch_size, cfg.seq_len, cfg.d_model, cfg.d_ff, model.cfg.vocab_size, cfg.n_heads)
+    if not dist_info.is_main:
+        distributed.barrier(dist_info)
+    peak = peak_flops(device, amp_dtype, units, override_tflops=cfg.peak_tflops)
+    if dist_info.is_main:
+        distributed.barrier(dist_info)
+    return peak
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
@@ -513,15 +525,15 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
     step = restore(ckpt_path, plan.sharded, cfg, model, optimizer, scaler, data.train, rank, world_size) if cfg.resume else 0
     ddp_model = model if plan.sharded else distributed.wrap_ddp(model, dist_info, device)  # DDP from 2 ranks on
     train_model = torch.compile(ddp_model) if cfg.compile else ddp_model
-    peak, peak_source = peak_flops(device, amp_dtype)
+    peak = mfu_peak(cfg, model, device, amp_dtype, dist_info)
     # tokens per step: each data-parallel rank's batch (the ranks of a tp group share one)
     rate = Throughput(cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps, plan.dp, device,
-                      flops_per_token(model, cfg.seq_len), peak, step, 0.0)
+                      flops_per_token(model, cfg.seq_len) // plan.tp, peak.value, step, 0.0)  # per device
 
     # ------------------------------------------------------------------ run directory
     if is_main and cfg.resume:  # a resumed run repeats the steps after its checkpoint: logged once each
         stale += repair_logs(out_dir, step)
-    log = open_run_dir(out_dir, cfg, model, data, rate, dist_info, device, amp_dtype, amp_note, peak_source,
+    log = open_run_dir(out_dir, cfg, model, data, rate, dist_info, device, amp_dtype, amp_note, peak,
                        malloc_note if device == "cpu" else None, resumed_from=ckpt_path if cfg.resume else None,
                        plan_note=plan.describe(amp_dtype) if plan.sharded else None, cleaned=stale)
     metrics_file = JsonlWriter(out_dir / paths.METRICS_FILE, enabled=is_main)

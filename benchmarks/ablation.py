@@ -27,8 +27,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import (PRESETS, RESULTS, STAGES, device_slug, header, load_results, machine_line, run_variant,
-                    save_json, stamp, summarise)
+from common import (
+    PRESETS,
+    RESULTS,
+    STAGES,
+    device_slug,
+    header,
+    load_results,
+    machine_line,
+    run_variant,
+    save_json,
+    stamp,
+    summarise,
+)
 
 from minigpt.fileio import atomic_write
 from minigpt.stages import color as stage_color

@@ -6,13 +6,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-import torch
 
 from minigpt.fileio import DiskFull, disk_full_message, is_disk_full
 from minigpt.stages import label
@@ -157,62 +153,6 @@ class JsonlWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-# ---------------------------------------------------------------------------- MFU
-
-# Dense peak FLOP/s per GPU from the vendors' data sheets (no 2:4 sparsity), by AMP dtype.
-# fp32 means plain fp32 (TF32 off, PyTorch's default for matmuls).
-PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},  # SXM
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
-    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
-    "A10": {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12},
-    "V100": {"fp16": 125e12, "fp32": 15.7e12},
-}
-
-
-def peak_flops(device: str, dtype: str) -> tuple[float, str]:
-    """(peak FLOP/s of one device in `dtype`, where the figure comes from). Known GPUs come from
-    the table; anything else (every CPU) gets a matrix product timed now, so its MFU is relative
-    to what this machine's GEMM reaches rather than to a data-sheet number."""
-    if device == "cuda":
-        name = torch.cuda.get_device_name()
-        # Whole words, longest names first: "H100 PCIe" before "H100"; "L4" is not "L40S", "A10" not "A10G".
-        for gpu in sorted(PEAK_FLOPS, key=len, reverse=True):
-            if re.search(rf"\b{re.escape(gpu)}\b", name) and dtype in PEAK_FLOPS[gpu]:
-                return PEAK_FLOPS[gpu][dtype], f"table: {gpu} {dtype} dense"
-    value = measure_matmul_flops(device, dtype)
-    return value, f"measured: 2048^3 {dtype} matmul on {device}"
-
-
-def measure_matmul_flops(device: str, dtype: str, n: int = 2048, repeats: int = 5) -> float:
-    """Best FLOP/s of an n x n x n matrix product in `dtype` over a few repeats."""
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    gen = torch.Generator(device).manual_seed(0)  # its own generator: the training RNG stays untouched
-    a = torch.randn(n, n, device=device, dtype=torch_dtype, generator=gen)
-    b = torch.randn(n, n, device=device, dtype=torch_dtype, generator=gen)
-    best = float("inf")
-    for i in range(repeats + 1):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        a @ b
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i:  # the first product pays for warm-up
-            best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
-def mfu(flops_per_token: float, tokens_per_s_per_device: float, peak: float) -> float:
-    """Model FLOPs utilisation: the training FLOPs the model needs per second over the peak.
-    Tokens/s is per device, so under DDP pass the job's figure divided by the world size, and
-    count every micro-batch of gradient accumulation in the tokens."""
-    return flops_per_token * tokens_per_s_per_device / peak
 
 
 # ---------------------------------------------------------------------------- TensorBoard

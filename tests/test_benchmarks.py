@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT
 
 TINY = ["--preset", "tiny", "--use-toy-data", "--steps", "2", "--warmup", "1", "--repeats", "1"]

@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-
 from conftest import ROOT, TINY
 
 pytestmark = pytest.mark.ddp

@@ -30,7 +30,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import train_minimal
-from minigpt import config, metrics
+from minigpt import config
+from minigpt.paths import RUNS_ROOT
 from minigpt.config import TrainConfig
 
 OUT = "run"  # the run directory, relative to each example's working directory
@@ -141,17 +142,8 @@ def run_directories(args: list[str], cwd: Path) -> set[Path]:
     out = OUT
     for arg in args:
         if arg.startswith("--out-dir="):
-            out = arg.split("=", 1)[1] or str(train_minimal.RUNS_ROOT)
+            out = arg.split("=", 1)[1] or str(RUNS_ROOT)
     return {(cwd / out).resolve()}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def no_matmul_timing():
-    """Until train_minimal passes --peak-tflops to the MFU (see the report of branch `config`),
-    every run would still time its GEMM; the figure is not what this test is about."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(metrics, "measure_matmul_flops", lambda device, dtype, *a, **k: 1e12, raising=False)
-        yield
 
 
 @pytest.fixture(scope="module")

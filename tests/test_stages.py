@@ -6,6 +6,7 @@ import json
 import sys
 
 from conftest import ROOT, TINY
+
 from minigpt import stages, traces
 from minigpt.straggler import rank_figures
 

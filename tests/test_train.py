@@ -10,9 +10,9 @@ import time
 
 import pytest
 import torch
+from conftest import ROOT, TINY, run_cli
 
 import train_minimal
-from conftest import ROOT, TINY, run_cli
 
 
 def read_metrics(out):

@@ -18,8 +18,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT
+
 from minigpt.tbserve import serve_tensorboard
 
 WALKTHROUGH = ROOT / "docs" / "walkthrough.md"
