@@ -23,8 +23,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from common import (
@@ -41,6 +43,7 @@ from common import (
     summarise,
 )
 
+from minigpt.compare import compare_runs, headline
 from minigpt.fileio import atomic_write
 from minigpt.stages import color as stage_color
 
@@ -83,11 +86,14 @@ def variants(args) -> list[tuple[str, list[str], int]]:
 
 
 def peak_mib(s: dict) -> float | None:
-    """CUDA: the allocator's peak. CPU: the measured breakdown's total (params, grads, optimizer
-    state and the saved activations at their peak)."""
+    """The allocator's measured peak of one step (--memory-profiler: max_memory_allocated on CUDA,
+    the profiler's memory events on the CPU). Results measured before that existed carry only the
+    breakdown's sum (params, grads, optimizer state, saved activations at their peak)."""
+    b = s.get("breakdown_bytes") or {}
+    if b.get("peak"):
+        return b["peak"] / MIB
     if "peak_allocated_gib" in s:
         return s["peak_allocated_gib"] * 1024
-    b = s.get("breakdown_bytes")
     return b["total"] / MIB if b else None
 
 
@@ -121,6 +127,10 @@ def findings(results: dict) -> list[str]:
             text = f"{name}: {tps(name) / tps(base):.2f}x tokens/s against {base}"
             pk0, pk1 = peak_mib(results[base]), peak_mib(results[name])
             lines.append(text + (f", peak memory {pk0:,.0f} -> {pk1:,.0f} MiB" if pk0 and pk1 else ""))
+    for name, r in results.items():  # what minigpt.compare says moved, against the variant's base
+        if r.get("compare"):
+            lines.append(f"{name} against {r['compare']['against']} (python -m minigpt.compare, first round): "
+                         f"{r['compare']['headline']}")
     return lines
 
 
@@ -145,20 +155,28 @@ def markdown(meta: dict, results: dict) -> str:
             + ("n/a |" if act is None else f"{act:,.1f} ({100 * act / pk:.0f}%) |" if pk else f"{act:,.1f} |"))
     lines += ["", "Findings:", ""] + [f"- {f}" for f in findings(results)]
     if meta["machine"]["device"] == "cpu":
-        lines += ["", "On the CPU a stage's device time is its host time: the CPU runs each op as the host issues it.",
-                  "", "MFU on the CPU is against the peak each process measures at its start (a 2048^3 matmul in "
-                  "its dtype), which moves by 10-25% between processes on a shared machine: compare MFU across "
-                  "rows only over several repeats, and compare speed by tokens/s."]
+        lines += ["", "On the CPU a stage's device time is its host time: the CPU runs each op as the host issues it."]
+        if any("peak_flops_spread" in str(r) for r in results.values()) or any((r.get("breakdown_bytes") or {}).get("peak")
+                                                                              for r in results.values()):
+            lines += ["", "MFU on the CPU is against this machine's best rate on the model's own units, measured "
+                      "once and cached (minigpt/mfu.py): the same denominator for every row."]
+        else:
+            lines += ["", "MFU on the CPU is against the peak each process measured at its start (a 2048^3 matmul "
+                      "in its dtype), which moved by 10-25% between processes on a shared machine: compare MFU "
+                      "across rows only over several repeats, and compare speed by tokens/s."]
     if any(r["nproc"] > 1 for r in results.values()):
         lines += ["", "The DDP row runs torchrun's default of 1 thread per process (OMP_NUM_THREADS=1); the other "
                   "rows use every core in one process."]
     if meta.get("extra_flags"):
         lines += ["", f"Flags from $MINIGPT_ARGS, applied to every variant: `{meta['extra_flags']}`"]
-    lines += ["", "Peak memory: " + ("`torch.cuda.max_memory_allocated()` over the measured steps."
+    measured_peak = any((r.get("breakdown_bytes") or {}).get("peak") for r in results.values())
+    lines += ["", "Peak memory: " + ("the allocator's measured peak of one step (`--memory-profiler`: "
+                                     "`max_memory_allocated` on CUDA, the profiler's memory events on the CPU)."
+                                     if measured_peak else
+                                     "`torch.cuda.max_memory_allocated()` over the measured steps."
                                      if meta["machine"]["device"] == "cuda" else
-                                     "the measured breakdown (parameters + gradients + optimizer state + saved "
-                                     "activations at their peak, see `--memory-profiler`); the CPU has no allocator peak "
-                                     "to read.")]
+                                     "the measured breakdown's sum (parameters + gradients + optimizer state + saved "
+                                     "activations at their peak); these results predate the allocator's measured peak.")]
     return "\n".join(lines) + "\n"
 
 
@@ -271,12 +289,13 @@ def main() -> int:
     # Rounds interleave the variants (fp32, fp32 + ckpt, amp, ..., fp32, ...): run back to back, the
     # first variant alone met the machine as the previous job left it, and came out 5-20% slow.
     runs: dict[str, list] = {name: [] for name, _, _ in variants(args)}
+    kept = Path(tempfile.mkdtemp(prefix="minigpt-ablation-"))  # the first round's run directories
     for r in range(args.repeats):
-        for name, flags, nproc in variants(args):
+        for i, (name, flags, nproc) in enumerate(variants(args)):
             print(f"[{name}] round {r + 1}/{args.repeats}", flush=True)
             try:
                 runs[name].append(run_variant([*PRESETS[args.preset], *trainer_flags, *flags], args.warmup,
-                                              args.steps, nproc))
+                                              args.steps, nproc, keep=kept / str(i) if r == 0 else None))
             except (RuntimeError, subprocess.TimeoutExpired) as e:  # the trainer's last line says why
                 lines = [line for line in str(e).splitlines() if line.strip()]
                 p.error(f"{lines[0]} {lines[-1] if len(lines) > 1 else ''}".strip())
@@ -284,11 +303,27 @@ def main() -> int:
     for name, flags, nproc in variants(args):
         results[name] = {"flags": flags, "nproc": nproc, "amp": runs[name][0]["config"]["amp"], **summarise(runs[name])}
         print(f"[{name}] {results[name]['tokens_per_s']['median']:,.0f} tokens/s", flush=True)
+    explain(results, kept)
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     save_json(stem, {"meta": meta, "results": results})
     write_results(meta, results, stem)
     return 0
+
+
+def explain(results: dict, kept: Path) -> None:
+    """minigpt.compare on the first round's run directories: each variant against its base (fp32 for
+    the fp32 variants, amp for the others, fp32 for amp), in one line for the findings."""
+    names = list(results)
+    try:
+        for i, name in enumerate(names):
+            base = "fp32" if name == "amp" or name.startswith("fp32") else "amp"
+            if name in ("fp32",) or base not in results or not (kept / str(i)).is_dir():
+                continue
+            d = compare_runs(kept / str(names.index(base)), kept / str(i))
+            results[name]["compare"] = {"against": base, "headline": headline(d)}
+    finally:
+        shutil.rmtree(kept, ignore_errors=True)
 
 
 def write_results(meta: dict, results: dict, stem: Path) -> None:

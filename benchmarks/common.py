@@ -13,6 +13,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -67,9 +68,11 @@ def device_slug(info: dict) -> str:
     return re.sub(r"[^a-z0-9]+", "-", info["device_name"].lower()).strip("-")
 
 
-def run_variant(flags: list[str], warmup: int, steps: int, nproc: int = 1, timeout: float = 3600) -> dict:
+def run_variant(flags: list[str], warmup: int, steps: int, nproc: int = 1, timeout: float = 3600,
+                keep: Path | None = None) -> dict:
     """One fresh process (or a torchrun job of `nproc`) running the trainer; returns the measured
-    steps' rows of metrics.jsonl, the memory breakdown, and config.json."""
+    steps' rows of metrics.jsonl, the memory breakdown, and config.json. `keep`: where to copy the
+    run directory (for minigpt.compare); otherwise it goes with its temporary folder."""
     with tempfile.TemporaryDirectory(prefix="minigpt-bench-") as tmp:
         out = Path(tmp) / "run"
         total = warmup + steps + 1
@@ -88,6 +91,8 @@ def run_variant(flags: list[str], warmup: int, steps: int, nproc: int = 1, timeo
             raise RuntimeError(f"variant failed ({shlex.join(flags)}):\n{result.stderr[-3000:]}")
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         config = json.loads((out / "config.json").read_text())
+        if keep is not None:
+            shutil.copytree(out, keep, dirs_exist_ok=True)
     measured = [r for r in rows if warmup < r["step"] <= warmup + steps]
     breakdown = next((r["memory_breakdown"] for r in rows if r.get("memory_breakdown")), None)
     return {"rows": measured, "breakdown": breakdown, "config": config}
@@ -117,7 +122,9 @@ def summarise(runs: list[dict]) -> dict:
         summary["peak_allocated_gib"] = max(cuda_peaks)
     breakdown = runs[0]["breakdown"]
     if breakdown:
-        keys = ("params", "grads", "optimizer", "activations", "activations_peak", "total")
+        # "peak": the allocator's measured peak of the step (--memory-profiler); "total" is the older
+        # sum of the parts, kept for results measured before the peak was.
+        keys = ("params", "grads", "optimizer", "activations", "activations_peak", "total", "peak", "peak_stage")
         summary["breakdown_bytes"] = {k: breakdown[k] for k in keys if k in breakdown}
     return summary
 
