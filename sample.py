@@ -44,12 +44,20 @@ class Parser(argparse.ArgumentParser):
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = Parser(prog="sample.py", description="Text from a trained minigpt checkpoint.")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--out-dir", type=Path, help=f"a run directory: its {CHECKPOINT_FILE} "
-                       f"(default: the run in {RUNS_ROOT}/ whose checkpoint is newest)")
+    where.add_argument(
+        "--out-dir",
+        type=Path,
+        help=f"a run directory: its {CHECKPOINT_FILE} "
+        f"(default: the run in {RUNS_ROOT}/ whose checkpoint is newest)",
+    )
     where.add_argument("--checkpoint", type=Path, help="a checkpoint file")
-    p.add_argument("--prompt", default="", help=f"the text to continue, or {FILE_PREFIX}path to read it "
-                   "from a file (default: the start of a document; toy runs: token ids, "
-                   f"default {TOY_PROMPT!r})")
+    p.add_argument(
+        "--prompt",
+        default="",
+        help=f"the text to continue, or {FILE_PREFIX}path to read it "
+        "from a file (default: the start of a document; toy runs: token ids, "
+        f"default {TOY_PROMPT!r})",
+    )
     p.add_argument("--num-samples", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="below 1: safer text; above 1: wilder")
@@ -78,8 +86,10 @@ def checkpoint_path(args: argparse.Namespace) -> Path:
             raise UsageError(f"run directory {args.out_dir} does not exist; pass a folder under {RUNS_ROOT}/")
         path = args.out_dir / CHECKPOINT_FILE
         if not path.is_file():
-            raise UsageError(f"{args.out_dir} has no {CHECKPOINT_FILE} (trained with --no-checkpoint, or "
-                             "still before its first save?); pass --checkpoint to name one")
+            raise UsageError(
+                f"{args.out_dir} has no {CHECKPOINT_FILE} (trained with --no-checkpoint, or "
+                "still before its first save?); pass --checkpoint to name one"
+            )
         return path
     run = latest_run(RUNS_ROOT, CHECKPOINT_FILE)
     print(f"sampling from {run}, the run with the newest checkpoint", file=sys.stderr)
@@ -89,7 +99,7 @@ def checkpoint_path(args: argparse.Namespace) -> Path:
 def read_prompt(prompt: str) -> str:
     if not prompt.startswith(FILE_PREFIX):
         return prompt
-    path = Path(prompt[len(FILE_PREFIX):])
+    path = Path(prompt[len(FILE_PREFIX) :])
     try:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -103,8 +113,9 @@ def encode(prompt: str, toy: bool, vocab: int | None) -> list[int]:
         try:
             ids = [int(t) for t in (prompt or TOY_PROMPT).replace(",", " ").split()]
         except ValueError:
-            raise UsageError(f"--prompt {prompt!r}: a --use-toy-data run takes token ids, such as "
-                             f"{TOY_PROMPT!r}") from None
+            raise UsageError(
+                f"--prompt {prompt!r}: a --use-toy-data run takes token ids, such as {TOY_PROMPT!r}"
+            ) from None
     else:
         ids = get_tokenizer().encode_ordinary(prompt) if prompt else [EOT]  # a document's start
     bad = [i for i in ids if not 0 <= i < (vocab or 2**63)]
@@ -121,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     model, train_cfg = load_model(checkpoint_path(args), device)
     toy = bool(train_cfg.get("use_toy_data"))
     if not toy and train_cfg.get("tokenizer_name", "gpt2") != "gpt2":
-        raise UsageError(f"this run used the {train_cfg['tokenizer_name']} tokenizer; "
-                         "sample.py decodes gpt2 only")
+        raise UsageError(
+            f"this run used the {train_cfg['tokenizer_name']} tokenizer; sample.py decodes gpt2 only"
+        )
     vocab = vocab_in_use(train_cfg, None if toy else get_tokenizer().n_vocab)
     prompt = read_prompt(args.prompt)
     ids = encode(prompt, toy, vocab)
@@ -135,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         if i:
             print(SEPARATOR)
         # An empty prompt starts at <|endoftext|>, the start of a document: not printed.
-        print(" ".join(map(str, row)) if toy else get_tokenizer().decode(row[0 if prompt else 1:]))
+        print(" ".join(map(str, row)) if toy else get_tokenizer().decode(row[0 if prompt else 1 :]))
     return 0
 
 

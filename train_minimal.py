@@ -24,12 +24,12 @@ import platform
 import signal
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -189,6 +189,7 @@ def write_json_atomic(path: Path, obj: dict) -> None:
 @dataclass
 class Data:
     """The batches a run draws, and what the log says of them."""
+
     train: Batches
     make_val: Callable[[], Batches]  # a fresh iterator over the same validation batches each time
     name: str
@@ -202,9 +203,14 @@ def load_data(cfg: TrainConfig, rank: int, pin: bool) -> Data:
     `pin`: page-locked batches make the host-to-device copy asynchronous (CUDA)."""
     if cfg.use_toy_data:
         v = cfg.vocab_size
-        return Data(ToyBatches(v, cfg.batch_size, cfg.seq_len, cfg.data_seed, rank=rank, pin_memory=pin),
-                    partial(ToyBatches, v, cfg.batch_size, cfg.seq_len, cfg.data_seed, stream=1, pin_memory=pin),
-                    "toy sequences", v, None, None)
+        return Data(
+            ToyBatches(v, cfg.batch_size, cfg.seq_len, cfg.data_seed, rank=rank, pin_memory=pin),
+            partial(ToyBatches, v, cfg.batch_size, cfg.seq_len, cfg.data_seed, stream=1, pin_memory=pin),
+            "toy sequences",
+            v,
+            None,
+            None,
+        )
     train_files = cfg.train_data or [builtin_corpus()]
     name = ", ".join(map(str, train_files)) if cfg.train_data else "built-in corpus (pydoc_data topics)"
     tokens = load_tokens(train_files, cfg.tokenizer_name, cfg.max_tokens)
@@ -216,38 +222,68 @@ def load_data(cfg: TrainConfig, rank: int, pin: bool) -> Data:
     check_enough_tokens(val_tokens, cfg.seq_len, "the validation data")
     n_vocab = get_tokenizer(cfg.tokenizer_name).n_vocab
     if cfg.vocab_size is not None and cfg.vocab_size < n_vocab:
-        raise UsageError(f"--vocab-size {cfg.vocab_size} is smaller than the {cfg.tokenizer_name} "
-                         f"tokenizer's {n_vocab} ids; drop --vocab-size or raise it")
-    return Data(Batches(train_tokens, cfg.batch_size, cfg.seq_len, cfg.data_seed, rank=rank, pin_memory=pin),
-                partial(Batches, val_tokens, cfg.batch_size, cfg.seq_len, cfg.data_seed, stream=1, pin_memory=pin),
-                name, cfg.vocab_size or n_vocab, len(train_tokens), len(val_tokens))
+        raise UsageError(
+            f"--vocab-size {cfg.vocab_size} is smaller than the {cfg.tokenizer_name} "
+            f"tokenizer's {n_vocab} ids; drop --vocab-size or raise it"
+        )
+    return Data(
+        Batches(train_tokens, cfg.batch_size, cfg.seq_len, cfg.data_seed, rank=rank, pin_memory=pin),
+        partial(Batches, val_tokens, cfg.batch_size, cfg.seq_len, cfg.data_seed, stream=1, pin_memory=pin),
+        name,
+        cfg.vocab_size or n_vocab,
+        len(train_tokens),
+        len(val_tokens),
+    )
 
 
 def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
-    return GPTConfig(vocab_size=pad_vocab(vocab_size), max_position_embeddings=cfg.max_position_embeddings,
-                     n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_model=cfg.d_model, d_ff=cfg.d_ff,
-                     dropout=cfg.dropout, activation_checkpoint=cfg.use_activation_checkpoint,
-                     chunked_loss=cfg.chunked_loss)
+    return GPTConfig(
+        vocab_size=pad_vocab(vocab_size),
+        max_position_embeddings=cfg.max_position_embeddings,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        d_model=cfg.d_model,
+        d_ff=cfg.d_ff,
+        dropout=cfg.dropout,
+        activation_checkpoint=cfg.use_activation_checkpoint,
+        chunked_loss=cfg.chunked_loss,
+    )
 
 
-def restore(ckpt_path: Path, sharded: bool, cfg: TrainConfig, model: GPT, optimizer, scaler, batches: Batches,
-            rank: int, world_size: int) -> int:
-    """Load a checkpoint into the run; return its step. Refuses one that does not fit the flags."""
+def restore(
+    ckpt_path: Path,
+    sharded: bool,
+    cfg: TrainConfig,
+    model: GPT,
+    optimizer,
+    scaler,
+    batches: Batches,
+    rank: int,
+    world_size: int,
+) -> int:
+    """Load a checkpoint into the run (with --resume); return its step, 0 for a fresh run. Refuses
+    a checkpoint that does not fit the flags."""
+    if not cfg.resume:
+        return 0
     if sharded:
         return restore_sharded(ckpt_path, cfg, model, optimizer, scaler, batches)
     state = load_checkpoint(ckpt_path)
     check_same_shape(state["model_config"], asdict(model.cfg), ckpt_path)
     if state["step"] >= cfg.num_steps:
-        raise UsageError(f"checkpoint {ckpt_path} is at step {state['step']}, already past "
-                         f"--num-steps {cfg.num_steps}; raise --num-steps to train further")
+        raise UsageError(
+            f"checkpoint {ckpt_path} is at step {state['step']}, already past "
+            f"--num-steps {cfg.num_steps}; raise --num-steps to train further"
+        )
     try:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
     except (RuntimeError, ValueError, KeyError) as e:
-        raise UsageError(f"checkpoint {ckpt_path} does not fit this run's flags (model, optimizer or "
-                         f"--amp-dtype differ: {str(e).splitlines()[0]}); resume with the flags it was "
-                         "trained with") from None
+        raise UsageError(
+            f"checkpoint {ckpt_path} does not fit this run's flags (model, optimizer or "
+            f"--amp-dtype differ: {str(e).splitlines()[0]}); resume with the flags it was "
+            "trained with"
+        ) from None
     batches.position = state["data_position"]
     per_rank = state.get("rng_per_rank") or []
     # last: building the model drew from the generators
@@ -265,8 +301,10 @@ def restore_sharded(folder: Path, cfg: TrainConfig, model: GPT, optimizer, scale
     extra = load_sharded(folder, model, optimizer)
     check_same_shape(extra["model_config"], asdict(model.cfg), folder)
     if extra["step"] >= cfg.num_steps:
-        raise UsageError(f"checkpoint {folder} is at step {extra['step']}, already past "
-                         f"--num-steps {cfg.num_steps}; raise --num-steps to train further")
+        raise UsageError(
+            f"checkpoint {folder} is at step {extra['step']}, already past "
+            f"--num-steps {cfg.num_steps}; raise --num-steps to train further"
+        )
     scaler.load_state_dict(extra["scaler"])
     batches.position = extra["data_position"]
     set_rng_state(extra["rng"])  # this rank's own stream (rank 0's after a change of world size)
@@ -295,20 +333,41 @@ def predicted_memory(cfg: TrainConfig, model: GPT, amp_dtype: str, device: str, 
     if not cfg.memory_profiler:
         return None
     shape = gpt_shape(cfg, model.cfg.vocab_size)
-    estimate = estimate_gpt(**shape, amp_dtype=amp_dtype, device=device, activation_checkpoint=cfg.use_activation_checkpoint,
-                            grad_accum_steps=cfg.grad_accum_steps, chunked_loss=cfg.chunked_loss)
+    estimate = estimate_gpt(
+        **shape,
+        amp_dtype=amp_dtype,
+        device=device,
+        activation_checkpoint=cfg.use_activation_checkpoint,
+        grad_accum_steps=cfg.grad_accum_steps,
+        chunked_loss=cfg.chunked_loss,
+    )
     if plan.sharded:
         estimate = parallel.per_rank_memory_estimate(estimate, plan.dp, plan.tp, plan.fsdp, shape)
     return estimate
 
 
-def save_run(path: Path, sharded: bool, model: GPT, optimizer, scaler, step: int, batches: Batches,
-             cfg: TrainConfig, dist_info: distributed.DistInfo) -> None:
+def save_run(
+    path: Path,
+    sharded: bool,
+    model: GPT,
+    optimizer,
+    scaler,
+    step: int,
+    batches: Batches,
+    cfg: TrainConfig,
+    dist_info: distributed.DistInfo,
+) -> None:
     """One file from rank 0 (every rank's RNG state gathered into it), or, under --fsdp/--tp, a
     folder of shards that every rank writes (DCP) with the rest of the state beside them."""
     if sharded:
-        extra = {"scaler": scaler.state_dict(), "step": step, "data_position": batches.position,
-                 "rng": rng_state(), "config": cfg.to_dict(), "model_config": asdict(model.cfg)}
+        extra = {
+            "scaler": scaler.state_dict(),
+            "step": step,
+            "data_position": batches.position,
+            "rng": rng_state(),
+            "config": cfg.to_dict(),
+            "model_config": asdict(model.cfg),
+        }
         save_sharded(path, model, optimizer, extra)
         return
     state = checkpoint_state(model, optimizer, scaler, step, batches, cfg, dist_info)
@@ -316,25 +375,49 @@ def save_run(path: Path, sharded: bool, model: GPT, optimizer, scaler, step: int
         save_checkpoint(path, state)
 
 
-def checkpoint_state(model, optimizer, scaler, step: int, batches: Batches, cfg: TrainConfig,
-                     dist_info: distributed.DistInfo) -> dict:
+def checkpoint_state(
+    model, optimizer, scaler, step: int, batches: Batches, cfg: TrainConfig, dist_info: distributed.DistInfo
+) -> dict:
     """Everything a resumed run needs to repeat the uninterrupted one. Called on every rank: it
     gathers each rank's RNG state (each rank's dropout stream)."""
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
-            "step": step, "data_position": batches.position, "rng": rng_state(),
-            "rng_per_rank": distributed.gather(rng_state(), dist_info),
-            "config": cfg.to_dict(), "model_config": asdict(model.cfg)}
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict(),
+        "step": step,
+        "data_position": batches.position,
+        "rng": rng_state(),
+        "rng_per_rank": distributed.gather(rng_state(), dist_info),
+        "config": cfg.to_dict(),
+        "model_config": asdict(model.cfg),
+    }
 
 
-def check_finite(losses: list[torch.Tensor], step: int, dist_info: distributed.DistInfo, ckpt_path: Path,
-                 amp_dtype: str) -> list[float]:
+def check_finite(
+    losses: list[torch.Tensor],
+    step: int,
+    dist_info: distributed.DistInfo,
+    ckpt_path: Path,
+    amp_dtype: str,
+    weights=None,
+) -> list[float]:
     """Read the interval's losses (this syncs) and stop at the first non-finite one, on every rank
-    together (each rank sees only its own loss)."""
+    together (each rank sees only its own loss). Before a save, `weights` too: a checkpoint of
+    non-finite weights would replace the last good one."""
+    if weights is not None and not all(torch.isfinite(parallel.local(p)).all() for p in weights):
+        raise NonFiniteLoss(
+            f"the weights became non-finite at step {step}; {describe_intact(ckpt_path)}; lower --lr"
+        )
+    if not losses:
+        return []
     values = torch.stack(losses).tolist()
     bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
     if distributed.any_rank(bad is not None, dist_info):
-        where = (f"loss is {values[bad]} at step {step - len(values) + bad + 1}" if bad is not None
-                 else f"another rank's loss became non-finite by step {step}")
+        where = (
+            f"loss is {values[bad]} at step {step - len(values) + bad + 1}"
+            if bad is not None
+            else f"another rank's loss became non-finite by step {step}"
+        )
         hint = " or use --amp-dtype bf16 (fp16's range is narrow)" if amp_dtype == "fp16" else ""
         raise NonFiniteLoss(f"{where}; {describe_intact(ckpt_path)}; lower --lr{hint}")
     return values
@@ -343,6 +426,7 @@ def check_finite(losses: list[torch.Tensor], step: int, dist_info: distributed.D
 @dataclass
 class Throughput:
     """What turns the loop's clocks into a StepRecord: this run's constants."""
+
     tokens_per_step: int  # per rank: batch x seq_len x accumulation
     world_size: int
     device: str
@@ -351,29 +435,64 @@ class Throughput:
     start_step: int
     t_start: float  # perf_counter when the loop started
 
-    def record(self, cfg: TrainConfig, step: int, losses: list[float], lr: float, val: float | None,
-               step_times: list[float], stages, train_tokens: int | None, amp: str) -> StepRecord:
+    @classmethod
+    def of(cls, cfg: TrainConfig, plan, device: str, model: GPT, peak: PeakFlops, step: int) -> Throughput:
+        """Tokens per step: each data-parallel rank's batch (the ranks of a tp group share one);
+        FLOPs per token per device (a tp group's devices split the model)."""
+        tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps
+        return cls(
+            tokens, plan.dp, device, flops_per_token(model, cfg.seq_len) // plan.tp, peak.value, step, 0.0
+        )
+
+    def record(
+        self,
+        cfg: TrainConfig,
+        step: int,
+        losses: list[float],
+        lr: float,
+        val: float | None,
+        step_times: list[float],
+        stages,
+        train_tokens: int | None,
+        amp: str,
+    ) -> StepRecord:
         step_time = sum(step_times) / len(step_times)
         per_rank = self.tokens_per_step / step_time
         elapsed = time.perf_counter() - self.t_start
         e2e = self.world_size * self.tokens_per_step * (step - self.start_step) / elapsed
-        comm = {"backward": stages.host_ms["backward"] - stages.host_ms["backward_compute"]} \
-            if "backward_compute" in stages.host_ms else {}
+        comm = (
+            {"backward": stages.host_ms["backward"] - stages.host_ms["backward_compute"]}
+            if "backward_compute" in stages.host_ms
+            else {}
+        )
         return StepRecord(
-            step=step, num_steps=cfg.num_steps, loss=sum(losses) / len(losses), lr=lr,
+            step=step,
+            num_steps=cfg.num_steps,
+            loss=sum(losses) / len(losses),
+            lr=lr,
             epoch=1 + step * self.tokens_per_step * self.world_size // train_tokens if train_tokens else 1,
-            step_time_s=step_time, tokens_per_s=self.world_size * per_rank, tokens_per_s_per_rank=per_rank,
-            tokens_per_s_e2e=e2e, world_size=self.world_size,
-            val_loss=val, val_ppl=None if val is None else perplexity(val), elapsed_s=elapsed,
-            eta_s=self.world_size * self.tokens_per_step * (cfg.num_steps - step) / e2e, amp=amp,
+            step_time_s=step_time,
+            tokens_per_s=self.world_size * per_rank,
+            tokens_per_s_per_rank=per_rank,
+            tokens_per_s_e2e=e2e,
+            world_size=self.world_size,
+            val_loss=val,
+            val_ppl=None if val is None else perplexity(val),
+            elapsed_s=elapsed,
+            eta_s=self.world_size * self.tokens_per_step * (cfg.num_steps - step) / e2e,
+            amp=amp,
             mfu=mfu(self.flops_per_token, per_rank, self.peak_flops),
             achieved_tflops=achieved_tflops(self.flops_per_token, per_rank),
-            stage_host_ms=stages.host_ms, stage_device_ms=stages.device_ms, stage_comm_ms=comm,
-            memory=cuda_memory_report() if self.device == "cuda" else process_memory())
+            stage_host_ms=stages.host_ms,
+            stage_device_ms=stages.device_ms,
+            stage_comm_ms=comm,
+            memory=cuda_memory_report() if self.device == "cuda" else process_memory(),
+        )
 
 
-def score_stragglers(detector: StragglerDetector, step: int, step_times: list[float], stages,
-                     dist_info: distributed.DistInfo) -> list[dict]:
+def score_stragglers(
+    detector: StragglerDetector, step: int, step_times: list[float], stages, dist_info: distributed.DistInfo
+) -> list[dict]:
     """Every rank's medians over the interval, gathered and scored; the slow ranks' reports."""
     if dist_info.world_size == 1 or not stages.host_steps:
         return []
@@ -386,24 +505,51 @@ def is_log_step(step: int, cfg: TrainConfig) -> bool:
     return step % cfg.log_interval == 0 or step % cfg.eval_interval == 0 or step == cfg.num_steps
 
 
-def open_run_dir(out_dir: Path, cfg: TrainConfig, model: GPT, data: Data, rate: Throughput,
-                 dist_info: distributed.DistInfo, device: str, amp_dtype: str, amp_note: str, peak: PeakFlops,
-                 malloc_note: str | None, resumed_from: Path | None,
-                 plan_note: str | None = None, cleaned: list[str] = ()) -> logging.Logger:
+def open_run_dir(
+    out_dir: Path,
+    cfg: TrainConfig,
+    model: GPT,
+    data: Data,
+    rate: Throughput,
+    peak: PeakFlops,
+    amp: tuple,
+    notes: list[str | None],
+    dist_info: distributed.DistInfo,
+    ckpt_path: Path,
+    cleaned: list[str],
+) -> logging.Logger:
     """Create the run directory, write config.json (rank 0) and say what this run is: the lines
-    every log starts with. Returns the logger (rank 0 writes the log, metrics, TensorBoard, checkpoints)."""
+    every log starts with. `amp`: (dtype, the decision in words); `notes`: the CPU allocator's
+    setting and the parallel plan, when there are. Returns the logger (rank 0 writes the log,
+    metrics, TensorBoard, checkpoints)."""
+    (amp_dtype, amp_note), device, (malloc_note, plan_note) = amp, rate.device, notes
     out_dir.mkdir(parents=True, exist_ok=True)
     log = setup_logging(out_dir / paths.LOG_FILE, dist_info.rank)
-    device_name = torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or platform.machine())
+    device_name = (
+        torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or platform.machine())
+    )
     n_params = model.num_params(non_embedding=False)
     if dist_info.is_main:
-        write_json_atomic(out_dir / paths.CONFIG_FILE, {
-            "config": cfg.to_dict(), "model": asdict(model.cfg), "device": device, "device_name": device_name,
-            "amp": amp_dtype, "params": n_params, "flops_per_token": rate.flops_per_token,
-            **peak.config(),
-            "world_size": dist_info.world_size, "ddp_backend": dist_info.backend,
-            "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()},
-        })
+        write_json_atomic(
+            out_dir / paths.CONFIG_FILE,
+            {
+                "config": cfg.to_dict(),
+                "model": asdict(model.cfg),
+                "device": device,
+                "device_name": device_name,
+                "amp": amp_dtype,
+                "params": n_params,
+                "flops_per_token": rate.flops_per_token,
+                **peak.config(),
+                "world_size": dist_info.world_size,
+                "ddp_backend": dist_info.backend,
+                "versions": {
+                    "torch": torch.__version__,
+                    "cuda": torch.version.cuda,
+                    "python": platform.python_version(),
+                },
+            },
+        )
     log.info(f"Training started; run directory {out_dir}")
     if os.environ.get(EXTRA_ARGS_ENV):
         log.info(f"Flags appended from ${EXTRA_ARGS_ENV}: {os.environ[EXTRA_ARGS_ENV]}")
@@ -411,35 +557,55 @@ def open_run_dir(out_dir: Path, cfg: TrainConfig, model: GPT, data: Data, rate: 
     if malloc_note:
         log.info(malloc_note)
         if hint := preload_hint(sys.argv):
-            log.info(f"CPU allocator: jemalloc kept the least memory and ran fastest here "
-                     f"(benchmarks/results/cpu-allocator.md); to use it: {hint}")
+            log.info(
+                f"CPU allocator: jemalloc kept the least memory and ran fastest here "
+                f"(benchmarks/results/cpu-allocator.md); to use it: {hint}"
+            )
     if plan_note:  # --fsdp / --tp
         log.info(f"{plan_note}; {dist_info.backend} backend")
     elif dist_info.world_size > 1:
-        log.info(f"DDP: {dist_info.world_size} ranks, {dist_info.backend} backend; every rank draws its own batches")
-    log.info(f"Data: {data.name}" + ("" if data.train_tokens is None else
-             f"; {data.train_tokens:,} training tokens, {data.val_tokens:,} validation tokens"))
-    log.info(f"Model: {cfg.n_layers} layers, {cfg.n_heads} heads, d_model {cfg.d_model}, d_ff {cfg.d_ff}, "
-             f"vocab {model.cfg.vocab_size}, {n_params / 1e6:.2f}M parameters"
-             + (", activation checkpointing" if cfg.use_activation_checkpoint else ""))
-    log.info(f"Batch: {cfg.batch_size} x {cfg.seq_len} tokens x {cfg.grad_accum_steps} accumulation = "
-             f"{rate.tokens_per_step:,} tokens per step per rank; {cfg.num_steps} steps")
+        log.info(
+            f"DDP: {dist_info.world_size} ranks, {dist_info.backend} backend; "
+            f"every rank draws its own batches"
+        )
+    log.info(
+        f"Data: {data.name}"
+        + (
+            ""
+            if data.train_tokens is None
+            else f"; {data.train_tokens:,} training tokens, {data.val_tokens:,} validation tokens"
+        )
+    )
+    log.info(
+        f"Model: {cfg.n_layers} layers, {cfg.n_heads} heads, d_model {cfg.d_model}, d_ff {cfg.d_ff}, "
+        f"vocab {model.cfg.vocab_size}, {n_params / 1e6:.2f}M parameters"
+        + (", activation checkpointing" if cfg.use_activation_checkpoint else "")
+    )
+    log.info(
+        f"Batch: {cfg.batch_size} x {cfg.seq_len} tokens x {cfg.grad_accum_steps} accumulation = "
+        f"{rate.tokens_per_step:,} tokens per step per rank; {cfg.num_steps} steps"
+    )
     log.info(describe(peak))
-    log.info(f"Resumed from {resumed_from} at step {rate.start_step}" if resumed_from else "Starting from scratch")
+    log.info(f"Resumed from {ckpt_path} at step {rate.start_step}" if cfg.resume else "Starting from scratch")
     for line in cleaned:
         log.info(f"Cleaned up after an earlier run: {line}")
     return log
 
 
-def guard_run_dir(out_dir: Path, ckpt_path: Path, cfg: TrainConfig, held: ExitStack) -> list[str]:
+def guard_run_dir(
+    out_dir: Path, ckpt_path: Path, sharded: bool, cfg: TrainConfig, held: ExitStack
+) -> list[str]:
     """Before any work, on rank 0: every output path probed (a bad one costs one line, not an
     interval of training and a traceback at the first save), the run directory locked for this
     trainer alone (held until the run returns), and what a killed earlier run left cleaned up."""
     check_out_dir(out_dir)
     if not cfg.no_checkpoint:
-        probe_writable(ckpt_path, "--checkpoint-path")
+        probe_writable(ckpt_path / SHARDED_META if sharded else ckpt_path, "--checkpoint-path")
     held.enter_context(RunLock(out_dir))
-    return [f"removed {p}, a save killed midway" for p in clean_stale_tmp(ckpt_path.parent) + clean_stale_tmp(out_dir)]
+    return [
+        f"removed {p}, a save killed midway"
+        for p in clean_stale_tmp(ckpt_path.parent) + clean_stale_tmp(out_dir)
+    ]
 
 
 def write_run_report(out_dir: Path, dist_info: distributed.DistInfo, log: logging.Logger) -> None:
@@ -448,16 +614,22 @@ def write_run_report(out_dir: Path, dist_info: distributed.DistInfo, log: loggin
     distributed.barrier(dist_info)
     if dist_info.is_main:
         try:
-            log.info(f"Report: {write_report(out_dir)} (one offline page; python -m minigpt.report rewrites it)")
+            log.info(
+                f"Report: {write_report(out_dir)} (one offline page; python -m minigpt.report rewrites it)"
+            )
         except Exception as e:  # noqa: BLE001 - the training is done and saved; say what went wrong
             log.warning(f"report not written: {type(e).__name__}: {e}")
 
 
-def mfu_peak(cfg: TrainConfig, model: GPT, device: str, amp_dtype: str, dist_info: distributed.DistInfo) -> PeakFlops:
+def mfu_peak(
+    cfg: TrainConfig, model: GPT, device: str, amp_dtype: str, dist_info: distributed.DistInfo
+) -> PeakFlops:
     """MFU's denominator (minigpt/mfu.py): --peak-tflops, a known GPU's data sheet, or this machine's
     best rate on the model's own units, measured once and cached. Rank 0 measures alone and the
     others read its cache: measured together they would share the cores and cache a low figure."""
-    units = model_workloads(cfg.batch_size, cfg.seq_len, cfg.d_model, cfg.d_ff, model.cfg.vocab_size, cfg.n_heads)
+    units = model_workloads(
+        cfg.batch_size, cfg.seq_len, cfg.d_model, cfg.d_ff, model.cfg.vocab_size, cfg.n_heads
+    )
     if not dist_info.is_main:
         distributed.barrier(dist_info)
     peak = peak_flops(device, amp_dtype, units, override_tflops=cfg.peak_tflops)
@@ -470,6 +642,78 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
+
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def cpu_allocator(cfg: TrainConfig) -> str:
+    """Set the CPU allocator (minigpt/cpu.py) and say what was done."""
+    return (
+        keep_freed_memory()
+        if cfg.keep_freed_memory
+        else "CPU allocator: glibc defaults (--no-keep-freed-memory)"
+    )
+
+
+def stopped(
+    stop_signal: list[int],
+    step: int,
+    cfg: TrainConfig,
+    ckpt_path: Path,
+    out_dir: Path,
+    dist_info: distributed.DistInfo,
+    log: logging.Logger,
+) -> int:
+    """After a SIGINT/SIGTERM (on any rank) and the save: say how to continue; exit status 128 + signal."""
+    distributed.barrier(dist_info)  # no rank leaves (and gets torn down) before the save is done
+    signum = stop_signal[0] if stop_signal else signal.SIGTERM  # another rank's signal
+    saved = "no checkpoint (--no-checkpoint)" if cfg.no_checkpoint else f"checkpoint saved to {ckpt_path}"
+    log.info(
+        f"Stopped by {signal.Signals(signum).name} after step {step}; {saved}. Continue with: "
+        f"python train_minimal.py --resume --out-dir {out_dir} (and the same flags)"
+    )
+    return 128 + signum
+
+
+def finish(
+    step: int,
+    val: float,
+    record: StepRecord,
+    rate: Throughput,
+    inst: Instruments,
+    cfg: TrainConfig,
+    ckpt_path: Path,
+    out_dir: Path,
+    dist_info: distributed.DistInfo,
+    log: logging.Logger,
+) -> None:
+    """The run's last lines: the profiler's cost, both throughputs, the report, and what to open next."""
+    elapsed = time.perf_counter() - rate.t_start
+    if inst.profiler_cost():
+        log.info(inst.profiler_cost())
+    if dist_info.is_main:
+        done = step - rate.start_step
+        log.info(
+            f"Training finished: {done} steps in {format_duration(elapsed)}; val loss {val:.4f}, "
+            f"val ppl {perplexity(val):.1f}; {record.tokens_per_s:,.0f} tokens/s per step (the steps alone), "
+            f"{rate.world_size * rate.tokens_per_step * done / elapsed:,.0f} tokens/s end to end "
+            "(evaluations, logging and checkpoints included)"
+        )
+    if not cfg.no_report:
+        write_run_report(out_dir, dist_info, log)
+    log.info(f"Checkpoint: {ckpt_path}" if ckpt_path.exists() else "Checkpoint: none (--no-checkpoint)")
+    log.info(f"Run directory: {out_dir} ({paths.LOG_FILE}, {paths.METRICS_FILE}, {paths.CONFIG_FILE})")
+    if dist_info.is_main:
+        has_traces, has_report = (out_dir / paths.TRACE_DIR).is_dir(), (out_dir / paths.REPORT_FILE).is_file()
+        for line in next_steps(
+            out_dir,
+            has_traces,
+            has_report,
+            has_checkpoint=ckpt_path.is_file(),
+            checkpoint=cfg.checkpoint_path,
+        ):
+            log.info(line)
 
 
 def main(argv: list[str] | None = None, on_step: Callable[[int], None] | None = None) -> int:
@@ -485,9 +729,7 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
     device = resolve_device(cfg.device)
     check_cuda_features(cfg, device)
     amp_on, amp_dtype, amp_note = resolve_amp(cfg, device)
-    if device == "cpu":  # before the first big allocation
-        malloc_note = (keep_freed_memory() if cfg.keep_freed_memory
-                       else "CPU allocator: glibc defaults (--no-keep-freed-memory)")
+    malloc_note = cpu_allocator(cfg) if device == "cpu" else None  # before the first big allocation
     if cfg.estimate_memory:  # the predicted memory of this configuration: no model, no run directory
         print(estimate_report(cfg, device, amp_dtype, amp_note))
         return 0
@@ -499,17 +741,19 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
     plan = parallel.make_plan(cfg, rank, world_size, device)  # the (dp, tp) mesh under --fsdp / --tp
     ranks = profile_ranks(cfg.profile_ranks, world_size)
     if slow and slow.rank >= world_size:
-        raise UsageError(f"--simulate-slow-rank {cfg.simulate_slow_rank}: no rank {slow.rank} in a world of {world_size}")
+        raise UsageError(
+            f"--simulate-slow-rank {cfg.simulate_slow_rank}: no rank {slow.rank} in a world of {world_size}"
+        )
     torch.manual_seed(cfg.seed)  # the same on every rank: the same initial weights
     out_dir = Path(distributed.gather(str(resolve_out_dir(cfg)), dist_info)[0])  # rank 0's choice
     ckpt_path = checkpoint_target(cfg, out_dir, plan.sharded)
-    stale = guard_run_dir(out_dir, ckpt_path / SHARDED_META if plan.sharded else ckpt_path, cfg, held) if is_main else []
+    stale = guard_run_dir(out_dir, ckpt_path, plan.sharded, cfg, held) if is_main else []
 
     # ------------------------------------------------------------------ data, model, optimizer
     data = load_data(cfg, plan.dp_rank, pin=device == "cuda")  # the ranks of a tp group share batches
-    inst = Instruments(cfg, device=device, rank=rank, world_size=world_size, out_dir=out_dir,
-                       profiled=ranks is None or rank in ranks, worker=plan.worker,
-                       sleep_ms={slow.stage: slow.ms} if slow and slow.rank == rank else None)
+    sleep_ms = {slow.stage: slow.ms} if slow and slow.rank == rank else None  # --simulate-slow-rank
+    profiled = ranks is None or rank in ranks  # this rank takes part in --use-profiler, --nsys, ...
+    inst = Instruments(cfg, device, rank, world_size, profiled, out_dir, plan.worker, sleep_ms=sleep_ms)
     if cfg.memory_snapshot_path and inst.memory_history:
         probe_writable(inst.snapshot_path, "--memory-snapshot-path")
     model = GPT(model_config(cfg, data.vocab_size)).to(device)
@@ -520,29 +764,30 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
     optimizer = configure_optimizer(model, cfg, device)
     # fp16 needs loss scaling (its range is narrow); bf16 has fp32's range and needs none.
     scaler = torch.amp.GradScaler(device, enabled=amp_dtype == "fp16")
-    autocast = (torch.autocast(device, dtype=torch.bfloat16 if amp_dtype == "bf16" else torch.float16)
-                if amp_on else nullcontext())
-    step = restore(ckpt_path, plan.sharded, cfg, model, optimizer, scaler, data.train, rank, world_size) if cfg.resume else 0
-    ddp_model = model if plan.sharded else distributed.wrap_ddp(model, dist_info, device)  # DDP from 2 ranks on
+    autocast = torch.autocast(device, dtype=AUTOCAST_DTYPES[amp_dtype]) if amp_on else nullcontext()
+    step = restore(ckpt_path, plan.sharded, cfg, model, optimizer, scaler, data.train, rank, world_size)
+    # DDP from 2 ranks on (FSDP and TP wrapped the model in place above)
+    ddp_model = model if plan.sharded else distributed.wrap_ddp(model, dist_info, device)
     train_model = torch.compile(ddp_model) if cfg.compile else ddp_model
     peak = mfu_peak(cfg, model, device, amp_dtype, dist_info)
-    # tokens per step: each data-parallel rank's batch (the ranks of a tp group share one)
-    rate = Throughput(cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps, plan.dp, device,
-                      flops_per_token(model, cfg.seq_len) // plan.tp, peak.value, step, 0.0)  # per device
+    rate = Throughput.of(cfg, plan, device, model, peak, step)
 
     # ------------------------------------------------------------------ run directory
     if is_main and cfg.resume:  # a resumed run repeats the steps after its checkpoint: logged once each
         stale += repair_logs(out_dir, step)
-    log = open_run_dir(out_dir, cfg, model, data, rate, dist_info, device, amp_dtype, amp_note, peak,
-                       malloc_note if device == "cpu" else None, resumed_from=ckpt_path if cfg.resume else None,
-                       plan_note=plan.describe(amp_dtype) if plan.sharded else None, cleaned=stale)
+    notes = [malloc_note, plan.describe(amp_dtype) if plan.sharded else None]
+    log = open_run_dir(
+        out_dir, cfg, model, data, rate, peak, (amp_dtype, amp_note), notes, dist_info, ckpt_path, stale
+    )
     metrics_file = JsonlWriter(out_dir / paths.METRICS_FILE, enabled=is_main)
     stragglers_file = JsonlWriter(out_dir / paths.STRAGGLERS_FILE, enabled=is_main and world_size > 1)
     tensorboard = TensorBoardLogger(out_dir / paths.TENSORBOARD_DIR, enabled=is_main, purge_step=step + 1)
     inst.attach(model, optimizer, step + 1, predicted_memory(cfg, model, amp_dtype, device, plan))
     if world_size > 1 and cfg.stage_timing and not plan.sharded:  # the backward's compute, not the all-reduce
         inst.timer.add_split("backward", "backward_compute")
-        distributed.time_backward_compute(ddp_model, partial(inst.timer.split, "backward", "backward_compute"))
+        distributed.time_backward_compute(
+            ddp_model, partial(inst.timer.split, "backward", "backward_compute")
+        )
     stragglers = StragglerDetector(cfg.straggler_threshold)
 
     # ------------------------------------------------------------------ train loop
@@ -586,7 +831,9 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
                 if (is_main or plan.sharded) and (step % cfg.eval_interval == 0 or last):
                     val = evaluate(model, data.make_val(), cfg.eval_iters, device, autocast)
                 step_times, stages = inst.interval()
-                record = rate.record(cfg, step, values, lr, val, step_times, stages, data.train_tokens, amp_dtype)
+                record = rate.record(
+                    cfg, step, values, lr, val, step_times, stages, data.train_tokens, amp_dtype
+                )
                 record.memory_breakdown = inst.take_memory_breakdown()
                 log.info(format_log_line(record))
                 metrics_file.write(record)
@@ -595,38 +842,16 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
                     log.warning(format_report(report, cfg.straggler_threshold))
                     stragglers_file.write(report)
                 losses = []
-            if not cfg.no_checkpoint and (last or stop or cfg.save_interval and step % cfg.save_interval == 0):
-                if losses:
-                    check_finite(losses, step, dist_info, ckpt_path, amp_dtype)
-                if not all(torch.isfinite(parallel.local(p)).all() for p in model.parameters()):
-                    raise NonFiniteLoss(f"the weights became non-finite at step {step}; "
-                                        f"{describe_intact(ckpt_path)}; lower --lr")
+            if not cfg.no_checkpoint and (
+                last or stop or cfg.save_interval and step % cfg.save_interval == 0
+            ):
+                check_finite(losses, step, dist_info, ckpt_path, amp_dtype, weights=model.parameters())
                 save_run(ckpt_path, plan.sharded, model, optimizer, scaler, step, data.train, cfg, dist_info)
             if stop:
-                distributed.barrier(dist_info)  # no rank leaves (and gets torn down) before the save is done
-                signum = stop_signal[0] if stop_signal else signal.SIGTERM  # another rank's signal
-                saved = "no checkpoint (--no-checkpoint)" if cfg.no_checkpoint else f"checkpoint saved to {ckpt_path}"
-                log.info(f"Stopped by {signal.Signals(signum).name} after step {step}; {saved}. Continue with: "
-                         f"python train_minimal.py --resume --out-dir {out_dir} (and the same flags)")
-                return 128 + signum
+                return stopped(stop_signal, step, cfg, ckpt_path, out_dir, dist_info, log)
 
     # ------------------------------------------------------------------ finish
-    elapsed = time.perf_counter() - rate.t_start
-    if inst.profiler_cost():
-        log.info(inst.profiler_cost())
-    if is_main:
-        done = step - rate.start_step
-        log.info(f"Training finished: {done} steps in {format_duration(elapsed)}; val loss {val:.4f}, "
-                 f"val ppl {perplexity(val):.1f}; {record.tokens_per_s:,.0f} tokens/s per step (the steps alone), "
-                 f"{world_size * rate.tokens_per_step * done / elapsed:,.0f} tokens/s end to end (evaluations, "
-                 "logging and checkpoints included)")
-    if not cfg.no_report:
-        write_run_report(out_dir, dist_info, log)
-    log.info(f"Checkpoint: {ckpt_path}" if ckpt_path.exists() else "Checkpoint: none (--no-checkpoint)")
-    log.info(f"Run directory: {out_dir} ({paths.LOG_FILE}, {paths.METRICS_FILE}, {paths.CONFIG_FILE})")
-    for line in next_steps(out_dir, (out_dir / paths.TRACE_DIR).is_dir(), (out_dir / paths.REPORT_FILE).is_file(),
-                           has_checkpoint=ckpt_path.is_file(), checkpoint=cfg.checkpoint_path) if is_main else []:
-        log.info(line)
+    finish(step, val, record, rate, inst, cfg, ckpt_path, out_dir, dist_info, log)
     return 0
 
 

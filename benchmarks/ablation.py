@@ -4,7 +4,7 @@
     python benchmarks/ablation.py --preset gpt2 --steps 3 --warmup 1 --repeats 1
     python benchmarks/ablation.py --preset gpt2 --seq-len 1024 --batch-size 8 --compile --nproc 2
     python benchmarks/ablation.py --preset nanogpt                  # nanoGPT's shape: the speed comparison
-    python benchmarks/ablation.py --render benchmarks/results/cpu-small.json   # table and chart again, no runs
+    python benchmarks/ablation.py --render benchmarks/results/cpu-small.json  # table and chart again, no runs
 
 The matrix is {AMP, --no-amp} x {no checkpointing, --use-activation-checkpoint}, plus
 `--compile`, a DDP world size, and (CPU) glibc malloc's defaults when asked. Each variant runs in a
@@ -64,10 +64,12 @@ def results_name(preset: str, trainer_flags: list[str]) -> str:
 
 # {AMP, fp32} x {checkpointing or not}; the first is the baseline. Variants asked for on top are
 # each compared with "amp".
-MATRIX = [("fp32", ["--no-amp"], 1),
-          ("fp32 + ckpt", ["--no-amp", "--use-activation-checkpoint"], 1),
-          ("amp", ["--amp"], 1),
-          ("amp + ckpt", ["--amp", "--use-activation-checkpoint"], 1)]
+MATRIX = [
+    ("fp32", ["--no-amp"], 1),
+    ("fp32 + ckpt", ["--no-amp", "--use-activation-checkpoint"], 1),
+    ("amp", ["--amp"], 1),
+    ("amp + ckpt", ["--amp", "--use-activation-checkpoint"], 1),
+]
 
 
 def variants(args) -> list[tuple[str, list[str], int]]:
@@ -78,8 +80,10 @@ def variants(args) -> list[tuple[str, list[str], int]]:
     if args.compile:
         out.append(("amp + compile", ["--amp", "--compile"], 1))
     if args.chunked_loss:  # the LM head + cross-entropy a chunk of rows at a time (minigpt/model.py)
-        out += [("fp32 + chunked loss", ["--no-amp", "--chunked-loss"], 1),
-                ("amp + chunked loss", ["--amp", "--chunked-loss"], 1)]
+        out += [
+            ("fp32 + chunked loss", ["--no-amp", "--chunked-loss"], 1),
+            ("amp + chunked loss", ["--amp", "--chunked-loss"], 1),
+        ]
     if args.nproc > 1:
         out.append((f"amp + ddp x{args.nproc}", ["--amp"], args.nproc))
     return out
@@ -104,6 +108,7 @@ def activations_mib(s: dict) -> float | None:
 
 def findings(results: dict) -> list[str]:
     """The ratios a reader looks for, e.g. 'AMP 1.7x tokens/s'."""
+
     def tps(name):
         return results[name]["tokens_per_s"]["median"]
 
@@ -121,7 +126,7 @@ def findings(results: dict) -> list[str]:
             if pk0 and pk1:
                 text += f", peak memory {pk0:,.0f} -> {pk1:,.0f} MiB"
             lines.append(text)
-    for name in list(results)[len(MATRIX):]:  # the variants added to the matrix on request
+    for name in list(results)[len(MATRIX) :]:  # the variants added to the matrix on request
         base = "fp32" if name.startswith("fp32") else "amp"  # "fp32 + chunked loss" against fp32
         if base in results:
             text = f"{name}: {tps(name) / tps(base):.2f}x tokens/s against {base}"
@@ -129,59 +134,94 @@ def findings(results: dict) -> list[str]:
             lines.append(text + (f", peak memory {pk0:,.0f} -> {pk1:,.0f} MiB" if pk0 and pk1 else ""))
     for name, r in results.items():  # what minigpt.compare says moved, against the variant's base
         if r.get("compare"):
-            lines.append(f"{name} against {r['compare']['against']} (python -m minigpt.compare, first round): "
-                         f"{r['compare']['headline']}")
+            lines.append(
+                f"{name} against {r['compare']['against']} (python -m minigpt.compare, first round): "
+                f"{r['compare']['headline']}"
+            )
     return lines
 
 
 def markdown(meta: dict, results: dict) -> str:
     base = next(iter(results))
-    lines = [*header(f"Ablation: {meta['name']}", meta),
-             f"{meta['steps']} measured steps after {meta['warmup']} warm-up steps, {meta['repeats']} fresh "
-             "process(es) per variant in interleaved rounds; medians over every measured step, spread as min-max of the "
-             "repeats' medians.", "",
-             "| variant | AMP | tokens/s (median) | spread | vs baseline | MFU | step ms | "
-             + " | ".join(f"{s} host / device ms" for s in STAGES) + " | peak MiB | activations MiB (share of peak) |",
-             "|---" * (9 + len(STAGES)) + "|"]
+    lines = [
+        *header(f"Ablation: {meta['name']}", meta),
+        f"{meta['steps']} measured steps after {meta['warmup']} warm-up steps, {meta['repeats']} fresh "
+        "process(es) per variant in interleaved rounds; medians over every "
+        "measured step, spread as min-max of the "
+        "repeats' medians.",
+        "",
+        "| variant | AMP | tokens/s (median) | spread | vs baseline | MFU | step ms | "
+        + " | ".join(f"{s} host / device ms" for s in STAGES)
+        + " | peak MiB | activations MiB (share of peak) |",
+        "|---" * (9 + len(STAGES)) + "|",
+    ]
     for name, s in results.items():
         reps = s["tokens_per_s_repeats"]
         pk, act = peak_mib(s), activations_mib(s)
         lines.append(
-            f"| {name} | {s['amp']} | {s['tokens_per_s']['median']:,.0f} | {min(reps):,.0f}-{max(reps):,.0f} | "
+            f"| {name} | {s['amp']} | {s['tokens_per_s']['median']:,.0f} | "
+            f"{min(reps):,.0f}-{max(reps):,.0f} | "
             f"{s['tokens_per_s']['median'] / results[base]['tokens_per_s']['median']:.2f}x | "
             f"{100 * s['mfu']:.1f}% | {s['step_ms']['median']:.0f} | "
-            + " | ".join(f"{s['stage_host_ms'].get(st, 0):.1f} / {s['stage_device_ms'].get(st, 0):.1f}" for st in STAGES)
+            + " | ".join(
+                f"{s['stage_host_ms'].get(st, 0):.1f} / {s['stage_device_ms'].get(st, 0):.1f}"
+                for st in STAGES
+            )
             + f" | {'n/a' if pk is None else f'{pk:,.1f}'} | "
-            + ("n/a |" if act is None else f"{act:,.1f} ({100 * act / pk:.0f}%) |" if pk else f"{act:,.1f} |"))
+            + ("n/a |" if act is None else f"{act:,.1f} ({100 * act / pk:.0f}%) |" if pk else f"{act:,.1f} |")
+        )
     lines += ["", "Findings:", ""] + [f"- {f}" for f in findings(results)]
     if meta["machine"]["device"] == "cpu":
-        lines += ["", "On the CPU a stage's device time is its host time: the CPU runs each op as the host issues it."]
-        if any("peak_flops_spread" in str(r) for r in results.values()) or any((r.get("breakdown_bytes") or {}).get("peak")
-                                                                              for r in results.values()):
-            lines += ["", "MFU on the CPU is against this machine's best rate on the model's own units, measured "
-                      "once and cached (minigpt/mfu.py): the same denominator for every row."]
+        lines += [
+            "",
+            "On the CPU a stage's device time is its host time: the CPU runs each op as the host issues it.",
+        ]
+        if any("peak_flops_spread" in str(r) for r in results.values()) or any(
+            (r.get("breakdown_bytes") or {}).get("peak") for r in results.values()
+        ):
+            lines += [
+                "",
+                "MFU on the CPU is against this machine's best rate on the model's own units, measured "
+                "once and cached (minigpt/mfu.py): the same denominator for every row.",
+            ]
         else:
-            lines += ["", "MFU on the CPU is against the peak each process measured at its start (a 2048^3 matmul "
-                      "in its dtype), which moved by 10-25% between processes on a shared machine: compare MFU "
-                      "across rows only over several repeats, and compare speed by tokens/s."]
+            lines += [
+                "",
+                "MFU on the CPU is against the peak each process measured at its start (a 2048^3 matmul "
+                "in its dtype), which moved by 10-25% between processes on a shared machine: compare MFU "
+                "across rows only over several repeats, and compare speed by tokens/s.",
+            ]
     if any(r["nproc"] > 1 for r in results.values()):
-        lines += ["", "The DDP row runs torchrun's default of 1 thread per process (OMP_NUM_THREADS=1); the other "
-                  "rows use every core in one process."]
+        lines += [
+            "",
+            "The DDP row runs torchrun's default of 1 thread per process (OMP_NUM_THREADS=1); the other "
+            "rows use every core in one process.",
+        ]
     if meta.get("extra_flags"):
         lines += ["", f"Flags from $MINIGPT_ARGS, applied to every variant: `{meta['extra_flags']}`"]
     measured_peak = any((r.get("breakdown_bytes") or {}).get("peak") for r in results.values())
-    lines += ["", "Peak memory: " + ("the allocator's measured peak of one step (`--memory-profiler`: "
-                                     "`max_memory_allocated` on CUDA, the profiler's memory events on the CPU)."
-                                     if measured_peak else
-                                     "`torch.cuda.max_memory_allocated()` over the measured steps."
-                                     if meta["machine"]["device"] == "cuda" else
-                                     "the measured breakdown's sum (parameters + gradients + optimizer state + saved "
-                                     "activations at their peak); these results predate the allocator's measured peak.")]
+    lines += [
+        "",
+        "Peak memory: "
+        + (
+            "the allocator's measured peak of one step (`--memory-profiler`: "
+            "`max_memory_allocated` on CUDA, the profiler's memory events on the CPU)."
+            if measured_peak
+            else "`torch.cuda.max_memory_allocated()` over the measured steps."
+            if meta["machine"]["device"] == "cuda"
+            else "the measured breakdown's sum (parameters + gradients + optimizer state + saved "
+            "activations at their peak); these results predate the allocator's measured peak."
+        ),
+    ]
     return "\n".join(lines) + "\n"
 
 
-MEMORY_PARTS = (("params", "parameters", "#4c72b0"), ("grads", "gradients", "#55a868"),
-                ("optimizer", "optimizer state", "#8172b2"), ("activations_peak", "saved activations", "#ccb974"))
+MEMORY_PARTS = (
+    ("params", "parameters", "#4c72b0"),
+    ("grads", "gradients", "#55a868"),
+    ("optimizer", "optimizer state", "#8172b2"),
+    ("activations_peak", "saved activations", "#ccb974"),
+)
 
 
 def plot_tokens(ax, results: dict) -> None:
@@ -191,8 +231,15 @@ def plot_tokens(ax, results: dict) -> None:
     hi = [max(results[n]["tokens_per_s_repeats"]) - t for t, n in zip(tps, names)]
     ax.bar(names, tps, yerr=[lo, hi], capsize=4, color="#4c72b0")
     for i, t in enumerate(tps):
-        ax.annotate(f"{t:,.0f}", (i, t), ha="center", va="bottom", fontsize=8, xytext=(0, 3),
-                    textcoords="offset points")
+        ax.annotate(
+            f"{t:,.0f}",
+            (i, t),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            xytext=(0, 3),
+            textcoords="offset points",
+        )
     ax.set_title("tokens/s (median; bars: min-max of repeats)")
 
 
@@ -204,8 +251,17 @@ def plot_stages(ax, results: dict) -> None:
         bottom = [0.0] * len(names)
         for st in STAGES:
             vals = [results[n][f"stage_{kind}_ms"].get(st, 0.0) for n in names]
-            ax.bar([i + offset for i in x], vals, 0.38, bottom=bottom, color=stage_color(st), hatch=hatch,
-                   edgecolor="black", linewidth=0.3, label=st if kind == "host" else None)
+            ax.bar(
+                [i + offset for i in x],
+                vals,
+                0.38,
+                bottom=bottom,
+                color=stage_color(st),
+                hatch=hatch,
+                edgecolor="black",
+                linewidth=0.3,
+                label=st if kind == "host" else None,
+            )
             bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_xticks(list(x), names)
     ax.set_ylabel("ms per step")
@@ -223,8 +279,15 @@ def plot_memory(ax, results: dict) -> None:
         bottom = [b + v for b, v in zip(bottom, vals)]
     cuda = [results[n].get("peak_allocated_gib") for n in names]
     if any(cuda):
-        ax.scatter(names, [1024 * (c or 0) for c in cuda], color="black", marker="_", s=400, zorder=3,
-                   label="CUDA max allocated")
+        ax.scatter(
+            names,
+            [1024 * (c or 0) for c in cuda],
+            color="black",
+            marker="_",
+            s=400,
+            zorder=3,
+            label="CUDA max allocated",
+        )
     ax.set_ylabel("MiB")
     ax.set_title("memory at its peak, measured")
     ax.legend(fontsize=8)
@@ -232,6 +295,7 @@ def plot_memory(ax, results: dict) -> None:
 
 def chart(meta: dict, results: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -248,24 +312,34 @@ def chart(meta: dict, results: dict, path: Path) -> None:
 
 
 def main() -> int:
-    p = Parser(description=__doc__.split("\n\n")[0],
-                                epilog="Other flags go to train_minimal.py unchanged.")
+    p = Parser(description=__doc__.split("\n\n")[0], epilog="Other flags go to train_minimal.py unchanged.")
     p.add_argument("--preset", default="small", choices=sorted(PRESETS))
     p.add_argument("--steps", type=int, default=10, help="measured steps per run (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="steps before the measured ones (default 3)")
     p.add_argument("--repeats", type=int, default=3, help="fresh processes per variant (default 3)")
     p.add_argument("--compile", action="store_true", help="add an AMP + torch.compile variant")
-    p.add_argument("--malloc", action="store_true",
-                   help="CPU: add an AMP variant with glibc malloc's defaults (--no-keep-freed-memory)")
-    p.add_argument("--chunked-loss", action="store_true",
-                   help="add fp32 and AMP variants with --chunked-loss (peak and tokens/s against the plain loss)")
+    p.add_argument(
+        "--malloc",
+        action="store_true",
+        help="CPU: add an AMP variant with glibc malloc's defaults (--no-keep-freed-memory)",
+    )
+    p.add_argument(
+        "--chunked-loss",
+        action="store_true",
+        help="add fp32 and AMP variants with --chunked-loss (peak and tokens/s against the plain loss)",
+    )
     p.add_argument("--nproc", type=int, default=1, help="add an AMP + DDP variant with this many processes")
-    p.add_argument("--name", help="results file name after the device (default: the preset and the flags "
-                   "passed through)")
+    p.add_argument(
+        "--name", help="results file name after the device (default: the preset and the flags passed through)"
+    )
     p.add_argument("--force", action="store_true", help="overwrite results that are already there")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
-    p.add_argument("--render", type=Path, metavar="RESULTS_JSON",
-                   help="measure nothing: write the .md and .png again from a results .json")
+    p.add_argument(
+        "--render",
+        type=Path,
+        metavar="RESULTS_JSON",
+        help="measure nothing: write the .md and .png again from a results .json",
+    )
     args, trainer_flags = p.parse_known_args()
     if min(args.steps, args.repeats) < 1 or args.warmup < 0:
         p.error("--steps and --repeats must be at least 1, --warmup at least 0")
@@ -277,15 +351,22 @@ def main() -> int:
             p.error(f"{args.render} is not an ablation results file ({type(e).__name__}: {e})")
         return 0
 
-    meta = {**stamp(sys.argv), "name": args.name or results_name(args.preset, trainer_flags),
-            "preset_flags": PRESETS[args.preset],
-            "extra_flags": os.environ.get("MINIGPT_ARGS", ""),
-            "trainer_flags": trainer_flags, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
+    meta = {
+        **stamp(sys.argv),
+        "name": args.name or results_name(args.preset, trainer_flags),
+        "preset_flags": PRESETS[args.preset],
+        "extra_flags": os.environ.get("MINIGPT_ARGS", ""),
+        "trainer_flags": trainer_flags,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+    }
     stem = args.out_dir / f"{device_slug(meta['machine'])}-{meta['name']}"
     there = [f for f in (stem.with_suffix(x) for x in (".json", ".md", ".png")) if f.exists()]
     if there and not args.force:  # before any run: committed figures are not lost to a test run
-        p.error(f"{there[0]} is already there; pass --name NAME to write new results, "
-                "or --force to overwrite")
+        p.error(
+            f"{there[0]} is already there; pass --name NAME to write new results, or --force to overwrite"
+        )
     # Rounds interleave the variants (fp32, fp32 + ckpt, amp, ..., fp32, ...): run back to back, the
     # first variant alone met the machine as the previous job left it, and came out 5-20% slow.
     runs: dict[str, list] = {name: [] for name, _, _ in variants(args)}
@@ -294,14 +375,26 @@ def main() -> int:
         for i, (name, flags, nproc) in enumerate(variants(args)):
             print(f"[{name}] round {r + 1}/{args.repeats}", flush=True)
             try:
-                runs[name].append(run_variant([*PRESETS[args.preset], *trainer_flags, *flags], args.warmup,
-                                              args.steps, nproc, keep=kept / str(i) if r == 0 else None))
+                runs[name].append(
+                    run_variant(
+                        [*PRESETS[args.preset], *trainer_flags, *flags],
+                        args.warmup,
+                        args.steps,
+                        nproc,
+                        keep=kept / str(i) if r == 0 else None,
+                    )
+                )
             except (RuntimeError, subprocess.TimeoutExpired) as e:  # the trainer's last line says why
                 lines = [line for line in str(e).splitlines() if line.strip()]
                 p.error(f"{lines[0]} {lines[-1] if len(lines) > 1 else ''}".strip())
     results = {}
     for name, flags, nproc in variants(args):
-        results[name] = {"flags": flags, "nproc": nproc, "amp": runs[name][0]["config"]["amp"], **summarise(runs[name])}
+        results[name] = {
+            "flags": flags,
+            "nproc": nproc,
+            "amp": runs[name][0]["config"]["amp"],
+            **summarise(runs[name]),
+        }
         print(f"[{name}] {results[name]['tokens_per_s']['median']:,.0f} tokens/s", flush=True)
     explain(results, kept)
 

@@ -136,7 +136,9 @@ def markdown(meta: dict, results: dict, peak: int) -> str:
             }[setting]
         )
         t = r["tokens_per_s"]
-        how += {"keep": " (minigpt's default until now)", "bounded": " (minigpt's default now)"}.get(setting, "")
+        how += {"keep": " (minigpt's default until now)", "bounded": " (minigpt's default now)"}.get(
+            setting, ""
+        )
         lines.append(
             f"| {name} | {how} | {t['median']:,.0f} | {min(t['repeats']):,.0f}-{max(t['repeats']):,.0f} | "
             f"{t['median'] / base:.2f}x | {r['rss_peak_bytes'] / MIB:,.0f} | "

@@ -41,13 +41,21 @@ def machine() -> dict:
     """The device and the versions, as every result file records them."""
     import torch
 
-    info = {"torch": torch.__version__, "python": platform.python_version(), "cuda": torch.version.cuda,
-            "platform": platform.platform()}
+    info = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.version.cuda,
+        "platform": platform.platform(),
+    }
     if torch.cuda.is_available():
         info.update(device="cuda", device_name=torch.cuda.get_device_name(), gpus=torch.cuda.device_count())
     else:
-        info.update(device="cpu", device_name=cpu_name(), cores=os.cpu_count(),
-                    avx512_bf16=bool(torch.cpu._is_avx512_bf16_supported()))
+        info.update(
+            device="cpu",
+            device_name=cpu_name(),
+            cores=os.cpu_count(),
+            avx512_bf16=bool(torch.cpu._is_avx512_bf16_supported()),
+        )
     return info
 
 
@@ -68,19 +76,39 @@ def device_slug(info: dict) -> str:
     return re.sub(r"[^a-z0-9]+", "-", info["device_name"].lower()).strip("-")
 
 
-def run_variant(flags: list[str], warmup: int, steps: int, nproc: int = 1, timeout: float = 3600,
-                keep: Path | None = None) -> dict:
+def run_variant(
+    flags: list[str], warmup: int, steps: int, nproc: int = 1, timeout: float = 3600, keep: Path | None = None
+) -> dict:
     """One fresh process (or a torchrun job of `nproc`) running the trainer; returns the measured
     steps' rows of metrics.jsonl, the memory breakdown, and config.json. `keep`: where to copy the
     run directory (for minigpt.compare); otherwise it goes with its temporary folder."""
     with tempfile.TemporaryDirectory(prefix="minigpt-bench-") as tmp:
         out = Path(tmp) / "run"
         total = warmup + steps + 1
-        fixed = ["--num-steps", str(total), "--log-interval", "1", "--eval-interval", str(10 * total),
-                "--eval-iters", "1", "--save-interval", str(10 * total), "--warmup-steps", "1",
-                "--memory-profiler", "--memory-profile-step", str(total), "--out-dir", str(out)]
-        launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-                    if nproc > 1 else [sys.executable])
+        fixed = [
+            "--num-steps",
+            str(total),
+            "--log-interval",
+            "1",
+            "--eval-interval",
+            str(10 * total),
+            "--eval-iters",
+            "1",
+            "--save-interval",
+            str(10 * total),
+            "--warmup-steps",
+            "1",
+            "--memory-profiler",
+            "--memory-profile-step",
+            str(total),
+            "--out-dir",
+            str(out),
+        ]
+        launcher = (
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+            if nproc > 1
+            else [sys.executable]
+        )
         # $MINIGPT_ARGS (a user's scaled-down flags) go before the benchmark's own, so that the
         # step counts and the memory step the measurement relies on still hold.
         env = dict(os.environ)
@@ -112,33 +140,55 @@ def summarise(runs: list[dict]) -> dict:
         "tokens_per_s_repeats": per_repeat,
         "step_ms": spread([1000 * r["step_time_s"] for r in rows]),
         "mfu": statistics.median(r["mfu"] for r in rows),
-        "stage_host_ms": {s: statistics.median(r["stage_host_ms"].get(s, 0.0) for r in rows)
-                          for s in STAGES if rows and s in rows[0]["stage_host_ms"]},
-        "stage_device_ms": {s: statistics.median(r["stage_device_ms"].get(s, 0.0) for r in rows)
-                            for s in STAGES if rows and s in rows[0]["stage_device_ms"]},
+        "stage_host_ms": {
+            s: statistics.median(r["stage_host_ms"].get(s, 0.0) for r in rows)
+            for s in STAGES
+            if rows and s in rows[0]["stage_host_ms"]
+        },
+        "stage_device_ms": {
+            s: statistics.median(r["stage_device_ms"].get(s, 0.0) for r in rows)
+            for s in STAGES
+            if rows and s in rows[0]["stage_device_ms"]
+        },
     }
-    cuda_peaks = [r["memory"]["peak_allocated_gib"] for r in rows if r.get("memory", {}).get("peak_allocated_gib")]
+    cuda_peaks = [
+        r["memory"]["peak_allocated_gib"] for r in rows if r.get("memory", {}).get("peak_allocated_gib")
+    ]
     if cuda_peaks:
         summary["peak_allocated_gib"] = max(cuda_peaks)
     breakdown = runs[0]["breakdown"]
     if breakdown:
         # "peak": the allocator's measured peak of the step (--memory-profiler); "total" is the older
         # sum of the parts, kept for results measured before the peak was.
-        keys = ("params", "grads", "optimizer", "activations", "activations_peak", "total", "peak", "peak_stage")
+        keys = (
+            "params",
+            "grads",
+            "optimizer",
+            "activations",
+            "activations_peak",
+            "total",
+            "peak",
+            "peak_stage",
+        )
         summary["breakdown_bytes"] = {k: breakdown[k] for k in keys if k in breakdown}
     return summary
 
 
 def stamp(command: list[str]) -> dict:
-    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": shlex.join(["python", *[os.path.relpath(command[0], ROOT)] + command[1:]]),
-            "machine": machine()}
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": shlex.join(["python", *[os.path.relpath(command[0], ROOT)] + command[1:]]),
+        "machine": machine(),
+    }
 
 
 def machine_line(meta: dict) -> str:
     m = meta["machine"]
-    where = (f"{m['device_name']} ({m.get('cores')} cores{', AVX512-BF16' if m.get('avx512_bf16') else ''})"
-             if m["device"] == "cpu" else f"{m['device_name']} (CUDA {m['cuda']})")
+    where = (
+        f"{m['device_name']} ({m.get('cores')} cores{', AVX512-BF16' if m.get('avx512_bf16') else ''})"
+        if m["device"] == "cpu"
+        else f"{m['device_name']} (CUDA {m['cuda']})"
+    )
     return f"{where}; torch {m['torch']}, Python {m['python']}; {meta['date']}"
 
 

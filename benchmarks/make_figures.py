@@ -15,10 +15,11 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 # Run as a script, this folder is on sys.path: the sibling modules import directly.
 from ablation import plot_memory, plot_stages, plot_tokens
 from common import machine_line
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> int:
@@ -27,17 +28,24 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
     args = p.parse_args()
     if not args.results.exists():
-        print(f"error: {args.results} does not exist; run python benchmarks/ablation.py first", file=sys.stderr)
+        print(
+            f"error: {args.results} does not exist; run python benchmarks/ablation.py first", file=sys.stderr
+        )
         return 2
     data = json.loads(args.results.read_text())
     meta, results = data["meta"], data["results"]
 
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     args.out.mkdir(parents=True, exist_ok=True)
-    for name, plot in (("tokens_per_s", plot_tokens), ("stage_times", plot_stages), ("memory_breakdown", plot_memory)):
+    for name, plot in (
+        ("tokens_per_s", plot_tokens),
+        ("stage_times", plot_stages),
+        ("memory_breakdown", plot_memory),
+    ):
         fig, ax = plt.subplots(figsize=(7.5, 4.5))
         plot(ax, results)
         ax.tick_params(axis="x", labelrotation=15, labelsize=8)

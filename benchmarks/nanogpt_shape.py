@@ -64,8 +64,10 @@ NANOGPT_DIRS = (
     ROOT.parent / "shared" / "anchors" / "nanoGPT",
     ROOT.parents[1] / "shared" / "anchors" / "nanoGPT",
 )
-CPU_CTX_LINE = ("ctx = nullcontext() if device_type == 'cpu' else "
-                "torch.amp.autocast(device_type=device_type, dtype=ptdtype)")
+CPU_CTX_LINE = (
+    "ctx = nullcontext() if device_type == 'cpu' else "
+    "torch.amp.autocast(device_type=device_type, dtype=ptdtype)"
+)
 AUTOCAST_CTX_LINE = "ctx = torch.amp.autocast(device_type=device_type, dtype=ptdtype)"
 ITER_LINE = re.compile(r"^iter (\d+): loss ([-\d.naif]+), time ([\d.]+)ms, mfu (-?[\d.]+)%$")
 PARAMS_LINE = re.compile(r"^number of parameters: ([\d.]+)M$")

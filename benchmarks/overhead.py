@@ -338,8 +338,11 @@ def main() -> int:
         # The stage-timing part of an earlier run stays, with its own date, machine and command.
         old = json.loads(stem.with_suffix(".json").read_text())
         if "results" in old:
-            data.update(results=old["results"], stage_timing_meta=old.get("stage_timing_meta", old["meta"]),
-                        instrumentation_us_per_step=old["instrumentation_us_per_step"])
+            data.update(
+                results=old["results"],
+                stage_timing_meta=old.get("stage_timing_meta", old["meta"]),
+                instrumentation_us_per_step=old["instrumentation_us_per_step"],
+            )
     save_json(stem, data)
     table = markdown(data)
     atomic_write(stem.with_suffix(".md"), table)
@@ -387,8 +390,11 @@ def markdown(data: dict) -> str:
         timing_meta = data.get("stage_timing_meta", meta)
         lines += stage_timing_lines(timing_meta, data["results"], data["instrumentation_us_per_step"])
         if "stage_timing_meta" in data:
-            lines += ["", f"(This section was measured earlier and kept: {machine_line(timing_meta)}; "
-                      f"command `{timing_meta['command']}`.)"]
+            lines += [
+                "",
+                f"(This section was measured earlier and kept: {machine_line(timing_meta)}; "
+                f"command `{timing_meta['command']}`.)",
+            ]
     if "profiler_options" in data:
         lines += options_lines(meta, data["profiler_options"], data["default_profiler_options"])
     lines += [

@@ -49,6 +49,7 @@ MODELS = {  # the trainer's presets (minigpt/config.py), GPT-2's padded vocabula
 }
 # ---------------------------------------------------------------------------- the worker (one rank)
 
+
 def worker(args) -> None:
     from types import SimpleNamespace
 
@@ -62,21 +63,38 @@ def worker(args) -> None:
     shape = MODELS[args.model]
     world = parallel.world_size_from_env()
     tp = world if args.tp == "ALL" else int(args.tp)
-    cfg = SimpleNamespace(fsdp=args.fsdp, tp=tp, use_tensor_parallel=False, n_heads=shape["n_heads"],
-                          d_ff=shape["d_ff"], compile=False, amp=False, amp_dtype="bf16")
+    cfg = SimpleNamespace(
+        fsdp=args.fsdp,
+        tp=tp,
+        use_tensor_parallel=False,
+        n_heads=shape["n_heads"],
+        d_ff=shape["d_ff"],
+        compile=False,
+        amp=False,
+        amp_dtype="bf16",
+    )
     parallel.check_plan(cfg, world)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = parallel.build_mesh(world, tp, "cpu")
     dp_rank, dp, _, _ = parallel.mesh_coords(rank, mesh)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=shape["vocab_size"], max_position_embeddings=shape["seq_len"],
-                          n_layers=shape["n_layers"], n_heads=shape["n_heads"], d_model=shape["d_model"],
-                          d_ff=shape["d_ff"]))
+    model = GPT(
+        GPTConfig(
+            vocab_size=shape["vocab_size"],
+            max_position_embeddings=shape["seq_len"],
+            n_layers=shape["n_layers"],
+            n_heads=shape["n_heads"],
+            d_model=shape["d_model"],
+            d_ff=shape["d_ff"],
+        )
+    )
     train_model = parallel.parallelize(model, cfg, mesh, "cpu", "fp32")
     params = list(model.parameters())
-    groups = [{"params": [q for q in params if q.dim() >= 2], "weight_decay": 0.1},
-              {"params": [q for q in params if q.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [q for q in params if q.dim() >= 2], "weight_decay": 0.1},
+        {"params": [q for q in params if q.dim() < 2], "weight_decay": 0.0},
+    ]
     optimizer = torch.optim.AdamW(parallel.split_by_mesh(groups), lr=1e-4, **parallel.optimizer_kwargs(model))
     ready: list[float] = []
     if not (args.fsdp or tp > 1):
@@ -119,11 +137,18 @@ def worker(args) -> None:
             step()
             profiled_s = time.perf_counter() - t0
     exposed_s = parallel.stage_comm_ms(prof.events(), ("bench_step",))["step"] / 1000 + sum(tail_waits)
-    record = {"rank": rank, "worker": parallel.worker_name(rank, mesh), "dp": dp, "tp": tp,
-              "step_s": times, "profiled_step_s": profiled_s, "exposed_comm_s": exposed_s,
-              "state_bytes": state,
-              "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
-              "tokens_per_step": dp * shape["seq_len"]}
+    record = {
+        "rank": rank,
+        "worker": parallel.worker_name(rank, mesh),
+        "dp": dp,
+        "tp": tp,
+        "step_s": times,
+        "profiled_step_s": profiled_s,
+        "exposed_comm_s": exposed_s,
+        "state_bytes": state,
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
+        "tokens_per_step": dp * shape["seq_len"],
+    }
     Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(record))
     dist.barrier()
     dist.destroy_process_group()
@@ -142,9 +167,16 @@ def predicted_bytes(model: str, scheme: str, nproc: int) -> int:
     m = MODELS[model]
     tp = {"ddp": 1, "fsdp": 1, "tp": nproc, "fsdp x tp": 2}[scheme]
     dp = nproc // tp
-    shape = dict(n_layers=m["n_layers"], n_heads=m["n_heads"], d_model=m["d_model"], d_ff=m["d_ff"],
-                 seq_len=m["seq_len"], batch_size=1, vocab_size=m["vocab_size"],
-                 max_position_embeddings=m["seq_len"])
+    shape = dict(
+        n_layers=m["n_layers"],
+        n_heads=m["n_heads"],
+        d_model=m["d_model"],
+        d_ff=m["d_ff"],
+        seq_len=m["seq_len"],
+        batch_size=1,
+        vocab_size=m["vocab_size"],
+        max_position_embeddings=m["seq_len"],
+    )
     e = per_rank_estimate(estimate_gpt(**shape), dp, tp, scheme.startswith("fsdp"), shape)
     ddp_buckets = e["grads"] if scheme == "ddp" else 0  # DDP's gradient buckets: a second copy
     return nproc * (e["peak"] + ddp_buckets + int(0.4 * 2**30))
@@ -164,9 +196,24 @@ def run(model: str, scheme: str, nproc: int, warmup: int, steps: int) -> dict:
     flags = [f.replace("ALL", str(nproc)) for f in SCHEMES[scheme]]
     with tempfile.TemporaryDirectory(prefix="minigpt-parallel-") as tmp:
         out = Path(tmp) / "r"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               __file__, "--worker", "--model", model, "--out", str(out), "--warmup", str(warmup),
-               "--steps", str(steps), *flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            __file__,
+            "--worker",
+            "--model",
+            model,
+            "--out",
+            str(out),
+            "--warmup",
+            str(warmup),
+            "--steps",
+            str(steps),
+            *flags,
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
         if result.returncode != 0:
@@ -174,7 +221,9 @@ def run(model: str, scheme: str, nproc: int, warmup: int, steps: int) -> dict:
         ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(nproc)]
     step_s = [max(r["step_s"][i] for r in ranks) for i in range(steps)]  # the slowest rank sets the pace
     return {
-        "model": model, "scheme": scheme, "ranks": nproc,
+        "model": model,
+        "scheme": scheme,
+        "ranks": nproc,
         "tokens_per_s": spread([ranks[0]["tokens_per_step"] / s for s in step_s]),
         "step_ms": spread([1000 * s for s in step_s]),
         "exposed_comm_ms": statistics.median(1000 * r["exposed_comm_s"] for r in ranks),
@@ -205,18 +254,26 @@ def render(data: dict) -> str:
     for r in data["results"]:
         t, sb = r["tokens_per_s"], r["state_bytes"]
         share = r["exposed_comm_ms"] / r["profiled_step_ms"] if r["profiled_step_ms"] else 0
-        lines.append(f"| {r['model']} | {r['ranks']} | {r['scheme']} | {t['median']:.0f} ({t['min']:.0f}-"
-                     f"{t['max']:.0f}) | {r['step_ms']['median']:.0f} | {r['exposed_comm_ms']:.0f} "
-                     f"({100 * share:.0f}%) | {r['rss_peak_bytes'] / 2**30:.2f} | {gib(sb['params'])} / "
-                     f"{gib(sb['grads'])} / {gib(sb['optimizer'])} |")
+        lines.append(
+            f"| {r['model']} | {r['ranks']} | {r['scheme']} | {t['median']:.0f} ({t['min']:.0f}-"
+            f"{t['max']:.0f}) | {r['step_ms']['median']:.0f} | {r['exposed_comm_ms']:.0f} "
+            f"({100 * share:.0f}%) | {r['rss_peak_bytes'] / 2**30:.2f} | {gib(sb['params'])} / "
+            f"{gib(sb['grads'])} / {gib(sb['optimizer'])} |"
+        )
     for k in data.get("skipped", []):
-        lines.append(f"| {k['model']} | {k['ranks']} | {k['scheme']} | skipped: the estimator predicts "
-                     f"{k['predicted_bytes'] / 2**30:.1f} GiB for all ranks, over half of the "
-                     f"{k['available_bytes'] / 2**30:.1f} GiB then available | | | | |")
-    lines += ["", "Exposed communication: the training thread's time inside collectives and FSDP2's "
-              "gather/reduce ranges during one profiled step (their union), plus, under DDP, the "
-              "backward's wait for its last all-reduce; its share is of that profiled step. Peak RSS "
-              "includes the Python interpreter and torch (about 0.3 GiB).", ""]
+        lines.append(
+            f"| {k['model']} | {k['ranks']} | {k['scheme']} | skipped: the estimator predicts "
+            f"{k['predicted_bytes'] / 2**30:.1f} GiB for all ranks, over half of the "
+            f"{k['available_bytes'] / 2**30:.1f} GiB then available | | | | |"
+        )
+    lines += [
+        "",
+        "Exposed communication: the training thread's time inside collectives and FSDP2's "
+        "gather/reduce ranges during one profiled step (their union), plus, under DDP, the "
+        "backward's wait for its last all-reduce; its share is of that profiled step. Peak RSS "
+        "includes the Python interpreter and torch (about 0.3 GiB).",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -250,10 +307,20 @@ def main(argv=None) -> int:
             for s in args.schemes:
                 need, free = predicted_bytes(m, s, n), available_bytes()
                 if free is not None and need > MEMORY_SHARE * free:
-                    skipped.append({"model": m, "scheme": s, "ranks": n, "predicted_bytes": need,
-                                    "available_bytes": free})
-                    print(f"skipped {m} {s} x{n}: predicted {need / 2**30:.1f} GiB for all ranks, over "
-                          f"{100 * MEMORY_SHARE:.0f}% of the {free / 2**30:.1f} GiB available", flush=True)
+                    skipped.append(
+                        {
+                            "model": m,
+                            "scheme": s,
+                            "ranks": n,
+                            "predicted_bytes": need,
+                            "available_bytes": free,
+                        }
+                    )
+                    print(
+                        f"skipped {m} {s} x{n}: predicted {need / 2**30:.1f} GiB for all ranks, over "
+                        f"{100 * MEMORY_SHARE:.0f}% of the {free / 2**30:.1f} GiB available",
+                        flush=True,
+                    )
                 else:
                     variants.append((m, s, n))
     rounds: dict = {v: [] for v in variants}
@@ -261,14 +328,24 @@ def main(argv=None) -> int:
         for v in variants:
             started = time.perf_counter()
             rounds[v].append(run(*v, warmup=args.warmup, steps=args.steps))
-            print(f"{v}: {rounds[v][-1]['tokens_per_s']['median']:.0f} tok/s, "
-                  f"{time.perf_counter() - started:.0f} s", flush=True)
+            print(
+                f"{v}: {rounds[v][-1]['tokens_per_s']['median']:.0f} tok/s, "
+                f"{time.perf_counter() - started:.0f} s",
+                flush=True,
+            )
     results = []
     for rs in rounds.values():  # the median repeat by tokens/s, its spread over all repeats' steps
         rs = sorted(rs, key=lambda r: r["tokens_per_s"]["median"])
         results.append(rs[len(rs) // 2])
-    data = {"meta": stamp(sys.argv), "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
-            "results": results, "skipped": skipped, "note": args.note}
+    data = {
+        "meta": stamp(sys.argv),
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "results": results,
+        "skipped": skipped,
+        "note": args.note,
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     save_json(STEM, data)
     STEM.with_suffix(".md").write_text(render(data))

@@ -17,7 +17,6 @@ import shutil
 import sys
 from pathlib import Path
 
-
 from minigpt.config import UsageError
 from minigpt.data import builtin_corpus, tokenize_file
 
@@ -26,7 +25,9 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "train.txt"
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Tokenise text files into the trainer's token cache.")
-    p.add_argument("files", nargs="*", help="text files (default: copy the built-in corpus to data/train.txt)")
+    p.add_argument(
+        "files", nargs="*", help="text files (default: copy the built-in corpus to data/train.txt)"
+    )
     p.add_argument("--tokenizer-name", default="gpt2")
     args = p.parse_args(argv)
     files = args.files

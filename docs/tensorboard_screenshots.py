@@ -24,25 +24,26 @@ import argparse
 import gzip
 import json
 import re
-import shlex
 import shutil
-import socket
-import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 
 from minigpt.tbserve import get_json, serve_tensorboard
 
-
 # --no-sandbox: Chromium refuses to start as root without it (CI and containers run as root).
 # The rest keep an offline machine quiet: without them Chromium keeps dialling Google's services
 # for updates, sync and field trials, and each refused connection is a line of noise.
-CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def trace_steps(run_dir: Path) -> list[str]:
@@ -79,16 +80,24 @@ def main() -> int:
     p.add_argument("run_dir", type=Path)
     p.add_argument("--out", type=Path, default=Path("docs/img"))
     p.add_argument("--expect-steps", help="comma-separated step numbers (default: read from the trace)")
-    p.add_argument("--scalars-dir", type=Path,
-                   help="take tb_scalars.png from this run instead (a longer run has more points to show)")
+    p.add_argument(
+        "--scalars-dir",
+        type=Path,
+        help="take tb_scalars.png from this run instead (a longer run has more points to show)",
+    )
     args = p.parse_args()
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
-        print("error: Chromium not found; install Debian's chromium (apt-get install chromium)", file=sys.stderr)
+        print(
+            "error: Chromium not found; install Debian's chromium (apt-get install chromium)", file=sys.stderr
+        )
         return 2
     if not list((args.run_dir / "traces").glob("*.pt.trace.json*")):
-        print(f"error: {args.run_dir}/traces holds no trace; run the trainer with --use-profiler", file=sys.stderr)
+        print(
+            f"error: {args.run_dir}/traces holds no trace; run the trainer with --use-profiler",
+            file=sys.stderr,
+        )
         return 2
     expected = args.expect_steps.split(",") if args.expect_steps else trace_steps(args.run_dir)
     from playwright.sync_api import sync_playwright
@@ -121,28 +130,38 @@ def main() -> int:
             except Exception:
                 if not any("gstatic.com" in u for u in blocked):
                     raise
-                print("note: torch-tb-profiler's charts need www.gstatic.com (Google Charts), unreachable here: "
-                      "its views stay on a spinner offline. Checking the Overview's data as the page fetches it.")
+                print(
+                    "note: torch-tb-profiler's charts need www.gstatic.com (Google "
+                    "Charts), unreachable here: "
+                    "its views stay on a spinner offline. Checking the Overview's "
+                    "data as the page fetches it."
+                )
                 how = "served to the page (charts blocked offline)"
             # The steps: the rows of the Overview's step table, from the data the page draws it with
             # (a rendered page's text is full of digits; its table rows are not addressable here).
             spans = get_json(f"{url}/data/plugin/pytorch_profiler/spans?run=traces&worker=rank0_dp0")
-            overview = get_json(f"{url}/data/plugin/pytorch_profiler/overview?run=traces&worker=rank0_dp0"
-                                f"&span={urllib.parse.quote(str(spans[0]))}")
+            overview = get_json(
+                f"{url}/data/plugin/pytorch_profiler/overview?run=traces&worker=rank0_dp0"
+                f"&span={urllib.parse.quote(str(spans[0]))}"
+            )
             shown = [str(row[0]) for row in overview["steps"]["rows"]]
             page.screenshot(path=str(args.out / "tb_profiler.png"))
             if shown != expected:
                 print(f"error: the Overview lists steps {shown}, expected {expected}", file=sys.stderr)
                 return 1
             if args.scalars_dir:
-                with serve_tensorboard([sys.executable, "-m", "tensorboard.main", "--logdir",
-                                        str(args.scalars_dir)], wait_for_profiler=False) as scalars_url:
+                with serve_tensorboard(
+                    [sys.executable, "-m", "tensorboard.main", "--logdir", str(args.scalars_dir)],
+                    wait_for_profiler=False,
+                ) as scalars_url:
                     screenshot_scalars(page, scalars_url, args.out / "tb_scalars.png")
             else:
                 screenshot_scalars(page, url, args.out / "tb_scalars.png")
             browser.close()
-        print(f"TensorBoard: the PyTorch Profiler tab lists the run (views {', '.join(views)}); the Overview's "
-              f"steps {', '.join(expected)} were {how}; screenshots in {args.out}")
+        print(
+            f"TensorBoard: the PyTorch Profiler tab lists the run (views {', '.join(views)}); the Overview's "
+            f"steps {', '.join(expected)} were {how}; screenshots in {args.out}"
+        )
         return 0
 
 

@@ -61,8 +61,10 @@ def describe_intact(path: str | Path) -> str:
 
 
 def directory_message(path: Path) -> str:
-    return (f"checkpoint path {path} is a directory, not a checkpoint file; point --checkpoint-path at a "
-            f"file (for example {path / 'ckpt.pt'})")
+    return (
+        f"checkpoint path {path} is a directory, not a checkpoint file; point --checkpoint-path at a "
+        f"file (for example {path / 'ckpt.pt'})"
+    )
 
 
 def check_checkpoint_path(path: str | Path, resume: bool) -> None:
@@ -72,11 +74,15 @@ def check_checkpoint_path(path: str | Path, resume: bool) -> None:
     if path.is_dir():
         raise UsageError(directory_message(path))
     if resume and not path.is_file():
-        raise UsageError(f"no checkpoint at {path} to resume from; train without --resume first, "
-                         "or point --checkpoint-path at one")
+        raise UsageError(
+            f"no checkpoint at {path} to resume from; train without --resume first, "
+            "or point --checkpoint-path at one"
+        )
     if not resume and path.exists():
-        raise UsageError(f"{path} already exists; pass --resume to continue that run, "
-                         "or choose another --out-dir / --checkpoint-path")
+        raise UsageError(
+            f"{path} already exists; pass --resume to continue that run, "
+            "or choose another --out-dir / --checkpoint-path"
+        )
 
 
 def _is_int(v) -> bool:
@@ -86,28 +92,51 @@ def _is_int(v) -> bool:
 def _field_problem(state: dict) -> str | None:
     """The first field whose type or value cannot be what save_checkpoint wrote, described."""
     checks = [
-        ("model", lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(t, torch.Tensor)
-                                                        for k, t in v.items()),
-         "a dict of tensors"),
-        ("optimizer", lambda v: isinstance(v, dict) and isinstance(v.get("state"), dict)
-         and isinstance(v.get("param_groups"), list), "an optimizer state dict (state, param_groups)"),
+        (
+            "model",
+            lambda v: (
+                isinstance(v, dict)
+                and all(isinstance(k, str) and isinstance(t, torch.Tensor) for k, t in v.items())
+            ),
+            "a dict of tensors",
+        ),
+        (
+            "optimizer",
+            lambda v: (
+                isinstance(v, dict)
+                and isinstance(v.get("state"), dict)
+                and isinstance(v.get("param_groups"), list)
+            ),
+            "an optimizer state dict (state, param_groups)",
+        ),
         ("scaler", lambda v: isinstance(v, dict), "a dict"),
         ("step", lambda v: _is_int(v) and v >= 0, "a non-negative int"),
         ("data_position", lambda v: _is_int(v) and v >= 0, "a non-negative int"),
-        ("rng", lambda v: isinstance(v, dict) and isinstance(v.get("torch"), torch.Tensor)
-         and v["torch"].dtype == torch.uint8 and isinstance(v.get("python"), tuple), "a dict of RNG states"),
+        (
+            "rng",
+            lambda v: (
+                isinstance(v, dict)
+                and isinstance(v.get("torch"), torch.Tensor)
+                and v["torch"].dtype == torch.uint8
+                and isinstance(v.get("python"), tuple)
+            ),
+            "a dict of RNG states",
+        ),
         ("config", lambda v: isinstance(v, dict), "a dict"),
-        ("model_config", lambda v: isinstance(v, dict) and all(_is_int(v.get(k)) and v[k] > 0
-                                                               for k in SHAPE_FIELDS),
-         f"a dict with positive ints for {', '.join(SHAPE_FIELDS)}"),
+        (
+            "model_config",
+            lambda v: isinstance(v, dict) and all(_is_int(v.get(k)) and v[k] > 0 for k in SHAPE_FIELDS),
+            f"a dict with positive ints for {', '.join(SHAPE_FIELDS)}",
+        ),
     ]
     for key, ok, expected in checks:
         if not ok(state[key]):
             value = state[key]
             return f"field {key!r} holds {type(value).__name__} {_short(value)}, expected {expected}"
     per_rank = state.get("rng_per_rank")
-    if per_rank is not None and not (isinstance(per_rank, list)
-                                     and all(isinstance(r, dict) for r in per_rank)):
+    if per_rank is not None and not (
+        isinstance(per_rank, list) and all(isinstance(r, dict) for r in per_rank)
+    ):
         return f"field 'rng_per_rank' holds {type(per_rank).__name__}, expected a list of dicts"
     return None
 
@@ -125,23 +154,30 @@ def load_checkpoint(path: str | Path) -> dict:
     if path.is_dir():
         raise UsageError(directory_message(path))
     if not path.is_file():
-        raise UsageError(f"no checkpoint at {path} to resume from; train without --resume first, "
-                         "or point --checkpoint-path at one")
+        raise UsageError(
+            f"no checkpoint at {path} to resume from; train without --resume first, "
+            "or point --checkpoint-path at one"
+        )
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except OSError as e:
-        raise UsageError(f"cannot read checkpoint {path} ({e.strerror or e}); "
-                         "check its permissions") from None
+        raise UsageError(
+            f"cannot read checkpoint {path} ({e.strerror or e}); check its permissions"
+        ) from None
     except Exception as e:  # truncated zip, garbage bytes, a pickle with code in it
-        raise UsageError(f"checkpoint {path} is corrupt or truncated ({type(e).__name__}); "
-                         "use an earlier checkpoint or train without --resume") from None
+        raise UsageError(
+            f"checkpoint {path} is corrupt or truncated ({type(e).__name__}); "
+            "use an earlier checkpoint or train without --resume"
+        ) from None
     if not isinstance(state, dict) or not REQUIRED_KEYS <= state.keys():
         missing = sorted(REQUIRED_KEYS - state.keys()) if isinstance(state, dict) else sorted(REQUIRED_KEYS)
         raise UsageError(f"{path} is not a minigpt checkpoint (missing {', '.join(missing)})")
     problem = _field_problem(state)
     if problem:
-        raise UsageError(f"checkpoint {path} is malformed: {problem}; use a checkpoint written by "
-                         "train_minimal.py, or train without --resume")
+        raise UsageError(
+            f"checkpoint {path} is malformed: {problem}; use a checkpoint written by "
+            "train_minimal.py, or train without --resume"
+        )
     return state
 
 
@@ -149,8 +185,10 @@ def check_same_shape(saved: dict, current: dict, path: str | Path) -> None:
     """Refuse a checkpoint whose model shape differs from the flags, naming the differences."""
     diff = [f"{k} {saved.get(k)} vs {current.get(k)}" for k in SHAPE_FIELDS if saved.get(k) != current.get(k)]
     if diff:
-        raise UsageError(f"checkpoint {path} holds a different model ({'; '.join(diff)}: checkpoint "
-                         "vs flags); pass the flags it was trained with")
+        raise UsageError(
+            f"checkpoint {path} holds a different model ({'; '.join(diff)}: checkpoint "
+            "vs flags); pass the flags it was trained with"
+        )
 
 
 # ---------------------------------------------------------------------------- sharded (DCP) checkpoints
@@ -186,8 +224,9 @@ def _model_tp(model: torch.nn.Module) -> int:
     return 1
 
 
-def save_sharded(folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 extra: dict) -> None:
+def save_sharded(
+    folder: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: dict
+) -> None:
     """Every rank writes its shards of the model and AdamW state into `folder`.tmp (DCP, files
     fsynced), and its own `extra` (plain data and tensors: step, RNG state) beside them; after a
     barrier rank 0 renames the folder into place. A crash mid-write leaves the previous checkpoint
@@ -227,9 +266,16 @@ def save_sharded(folder: str | Path, model: torch.nn.Module, optimizer: torch.op
 # Each is data or a harmless constructor; anything else (os.system, a class with __reduce__, any
 # other name in those modules) is refused before it is called.
 _SAFE_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties",
-                                              "_MEM_FORMAT_ENCODING", "ChunkStorageMetadata",
-                                              "BytesStorageMetadata", "MetadataIndex", "StorageMeta"},
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
@@ -301,8 +347,10 @@ def load_sharded(folder: str | Path, model: torch.nn.Module, optimizer: torch.op
         if (old / SHARDED_META).is_file():
             folder = old  # a crash between save_sharded's two renames
         else:
-            raise UsageError(f"no sharded checkpoint at {folder} to resume from; train without --resume "
-                             "first, or point --checkpoint-path at one")
+            raise UsageError(
+                f"no sharded checkpoint at {folder} to resume from; train without --resume "
+                "first, or point --checkpoint-path at one"
+            )
     try:
         meta = json.loads((folder / SHARDED_META).read_text())
         saved_world, saved_tp = int(meta["world_size"]), int(meta["tp"])
@@ -311,9 +359,11 @@ def load_sharded(folder: str | Path, model: torch.nn.Module, optimizer: torch.op
     rank, world = _rank()
     tp = _model_tp(model)
     if saved_tp != tp:
-        raise UsageError(f"checkpoint {folder} was saved with tensor-parallel degree {saved_tp}, this run "
-                         f"uses {tp}: the attention's qkv rows are grouped per tp rank; "
-                         f"resume with --tp {saved_tp}")
+        raise UsageError(
+            f"checkpoint {folder} was saved with tensor-parallel degree {saved_tp}, this run "
+            f"uses {tp}: the attention's qkv rows are grouped per tp rank; "
+            f"resume with --tp {saved_tp}"
+        )
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
     reader, planner = _safe_reader_and_planner(folder)
@@ -325,13 +375,17 @@ def load_sharded(folder: str | Path, model: torch.nn.Module, optimizer: torch.op
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         fallback = lines[-1] if lines else type(e).__name__
         why = next((line for line in lines if "not allowed" in line), fallback)
-        raise UsageError(f"sharded checkpoint {folder} is damaged or does not fit this model "
-                         f"({why[:300]})") from None
+        raise UsageError(
+            f"sharded checkpoint {folder} is damaged or does not fit this model ({why[:300]})"
+        ) from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     if saved_world != world and rank == 0:
-        print(f"Resharding checkpoint {folder} from {saved_world} ranks to {world}: training continues "
-              "from its state, but the losses will not repeat exactly (another batch split and "
-              "reduction order)", flush=True)
+        print(
+            f"Resharding checkpoint {folder} from {saved_world} ranks to {world}: training continues "
+            "from its state, but the losses will not repeat exactly (another batch split and "
+            "reduction order)",
+            flush=True,
+        )
     extra_file = folder / SHARDED_EXTRA.format(rank=rank if saved_world == world else 0)
     try:
         return torch.load(extra_file, map_location="cpu", weights_only=True)
@@ -352,12 +406,18 @@ def check_sharded_path(folder: str | Path, resume: bool) -> None:
     old = folder.with_name(folder.name + ".old")  # a crash between save_sharded's two renames
     found = (folder / SHARDED_META).is_file() or (old / SHARDED_META).is_file()
     if folder.exists() and not folder.is_dir():
-        raise UsageError(f"sharded checkpoint path {folder} is a file; --fsdp/--tp write a folder of shards "
-                         "there: choose another --checkpoint-path")
+        raise UsageError(
+            f"sharded checkpoint path {folder} is a file; --fsdp/--tp write a folder of shards "
+            "there: choose another --checkpoint-path"
+        )
     if resume and not found:
-        raise UsageError(f"no sharded checkpoint at {folder} to resume from; train without --resume first, "
-                         "or point --checkpoint-path at one (a checkpoint of one file resumes without "
-                         "--fsdp/--tp)")
+        raise UsageError(
+            f"no sharded checkpoint at {folder} to resume from; train without --resume first, "
+            "or point --checkpoint-path at one (a checkpoint of one file resumes without "
+            "--fsdp/--tp)"
+        )
     if not resume and found:
-        raise UsageError(f"{folder} already holds a checkpoint; pass --resume to continue that run, "
-                         "or choose another --out-dir / --checkpoint-path")
+        raise UsageError(
+            f"{folder} already holds a checkpoint; pass --resume to continue that run, "
+            "or choose another --out-dir / --checkpoint-path"
+        )

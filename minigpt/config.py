@@ -27,14 +27,23 @@ class UsageError(Exception):
 PRESETS: dict[str, dict] = {
     # The default main job: trains in about two minutes on a 2-core CPU. It is also the shape of
     # the nanoGPT speed comparison in benchmarks/ (4 layers, 4 heads, 256 wide, block 256, batch 8).
-    "small": dict(n_layers=4, n_heads=4, d_model=256, d_ff=1024, seq_len=256, batch_size=8,
-                  dropout=0.0, lr=1e-3),
+    "small": dict(
+        n_layers=4, n_heads=4, d_model=256, d_ff=1024, seq_len=256, batch_size=8, dropout=0.0, lr=1e-3
+    ),
     # GPT-2 small, 124M parameters.
-    "gpt2": dict(n_layers=12, n_heads=12, d_model=768, d_ff=3072, seq_len=1024,
-                 max_position_embeddings=1024, batch_size=8, dropout=0.0, lr=6e-4),
+    "gpt2": dict(
+        n_layers=12,
+        n_heads=12,
+        d_model=768,
+        d_ff=3072,
+        seq_len=1024,
+        max_position_embeddings=1024,
+        batch_size=8,
+        dropout=0.0,
+        lr=6e-4,
+    ),
     # Seconds per run: for tests and smoke runs.
-    "tiny": dict(n_layers=2, n_heads=2, d_model=64, d_ff=256, seq_len=64, batch_size=4,
-                 dropout=0.0, lr=1e-3),
+    "tiny": dict(n_layers=2, n_heads=2, d_model=64, d_ff=256, seq_len=64, batch_size=4, dropout=0.0, lr=1e-3),
 }
 DEFAULT_PRESET = "small"
 TOY_VOCAB_SIZE = 64  # --use-toy-data needs no 50k vocabulary; a small one learns in seconds
@@ -68,6 +77,7 @@ def between(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = Fals
         if v is None or (lo < v if lo_open else lo <= v) and (v < hi if hi_open else v <= hi):
             return None
         return f"must be in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+
     return check
 
 
@@ -104,13 +114,31 @@ def parse_int(text: str) -> int:
 
 
 # ------------------------------------------------------------------------------------------ fields
-def flag(default=MISSING, *, help: str, group: str, check: Check | None = None, factory=None,
-         name: str | None = None, action: str | type | None = None, choices: list[str] | None = None,
-         metavar: str | None = None, none: str | None = None) -> Field:
+def flag(
+    default=MISSING,
+    *,
+    help: str,
+    group: str,
+    check: Check | None = None,
+    factory=None,
+    name: str | None = None,
+    action: str | type | None = None,
+    choices: list[str] | None = None,
+    metavar: str | None = None,
+    none: str | None = None,
+) -> Field:
     """A TrainConfig field that is also a flag. `name`: the flag when it is not --field-name;
     `none`: what a default of None means, for --help."""
-    meta = dict(help=help, group=group, check=check, name=name, action=action, choices=choices,
-                metavar=metavar, none=none)
+    meta = dict(
+        help=help,
+        group=group,
+        check=check,
+        name=name,
+        action=action,
+        choices=choices,
+        metavar=metavar,
+        none=none,
+    )
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -123,153 +151,327 @@ INSTR, MEM, DIST = "instrumentation", "memory", "distributed (under torchrun)"
 @dataclass
 class TrainConfig:
     # model
-    preset: str = flag(DEFAULT_PRESET, group=MODEL, choices=sorted(PRESETS),
-                       help="model and batch shape; the table below lists what each sets")
-    vocab_size: int | None = flag(None, group=MODEL, check=positive, metavar="N",
-                                  none="the tokenizer's, padded to a multiple of 64", help="vocabulary size")
-    max_position_embeddings: int | None = flag(None, group=MODEL, check=positive, metavar="N",
-                                               none="--seq-len", help="longest sequence the model can take")
+    preset: str = flag(
+        DEFAULT_PRESET,
+        group=MODEL,
+        choices=sorted(PRESETS),
+        help="model and batch shape; the table below lists what each sets",
+    )
+    vocab_size: int | None = flag(
+        None,
+        group=MODEL,
+        check=positive,
+        metavar="N",
+        none="the tokenizer's, padded to a multiple of 64",
+        help="vocabulary size",
+    )
+    max_position_embeddings: int | None = flag(
+        None,
+        group=MODEL,
+        check=positive,
+        metavar="N",
+        none="--seq-len",
+        help="longest sequence the model can take",
+    )
     n_layers: int = flag(4, group=MODEL, check=positive, metavar="N", help="transformer blocks")
     n_heads: int = flag(4, group=MODEL, check=positive, metavar="N", help="attention heads")
     d_model: int = flag(256, group=MODEL, check=positive, metavar="N", help="residual stream width")
-    d_ff: int | None = flag(None, group=MODEL, check=positive, metavar="N", none="4 * d_model",
-                            help="MLP width")
-    dropout: float = flag(0.0, group=MODEL, check=between(0, 1, hi_open=True), metavar="P",
-                          help="dropout probability")
-    use_activation_checkpoint: bool = flag(False, group=MODEL, action="store_true",
-                                           help="recompute each block's activations in backward "
-                                                "(less memory, more time)")
+    d_ff: int | None = flag(
+        None, group=MODEL, check=positive, metavar="N", none="4 * d_model", help="MLP width"
+    )
+    dropout: float = flag(
+        0.0, group=MODEL, check=between(0, 1, hi_open=True), metavar="P", help="dropout probability"
+    )
+    use_activation_checkpoint: bool = flag(
+        False,
+        group=MODEL,
+        action="store_true",
+        help="recompute each block's activations in backward (less memory, more time)",
+    )
     # data. Several files, or the flag given twice: the blog passes its files that way.
-    train_data: list[str] = flag(factory=list, group=DATA, action="extend", metavar="FILE",
-                                 none="the built-in corpus", help="text files to train on")
-    val_data: list[str] = flag(factory=list, group=DATA, action="extend", metavar="FILE",
-                               none="the last 10% of the training tokens", help="validation text files")
-    tokenizer_name: str = flag("gpt2", group=DATA, metavar="NAME",
-                               help="tiktoken encoding (gpt2 works offline)")
-    use_toy_data: bool = flag(False, group=DATA, action="store_true",
-                              help="synthetic, learnable sequences: a smoke test")
-    max_tokens: int | None = flag(None, group=DATA, check=positive, metavar="N", none="all of them",
-                                  help="use at most this many training tokens")
-    data_seed: int | None = flag(None, group=DATA, check=seed, metavar="N", none="--seed",
-                                 help="seed of the batch order")
+    train_data: list[str] = flag(
+        factory=list,
+        group=DATA,
+        action="extend",
+        metavar="FILE",
+        none="the built-in corpus",
+        help="text files to train on",
+    )
+    val_data: list[str] = flag(
+        factory=list,
+        group=DATA,
+        action="extend",
+        metavar="FILE",
+        none="the last 10% of the training tokens",
+        help="validation text files",
+    )
+    tokenizer_name: str = flag(
+        "gpt2", group=DATA, metavar="NAME", help="tiktoken encoding (gpt2 works offline)"
+    )
+    use_toy_data: bool = flag(
+        False, group=DATA, action="store_true", help="synthetic, learnable sequences: a smoke test"
+    )
+    max_tokens: int | None = flag(
+        None,
+        group=DATA,
+        check=positive,
+        metavar="N",
+        none="all of them",
+        help="use at most this many training tokens",
+    )
+    data_seed: int | None = flag(
+        None, group=DATA, check=seed, metavar="N", none="--seed", help="seed of the batch order"
+    )
     seq_len: int = flag(256, group=DATA, check=positive, metavar="N", help="tokens per sequence")
     # training
     batch_size: int = flag(8, group=TRAIN, check=positive, metavar="N", help="sequences per micro-batch")
-    grad_accum_steps: int = flag(1, group=TRAIN, check=positive, metavar="N",
-                                 help="micro-batches per optimizer step")
-    num_steps: int = flag(60, group=TRAIN, check=positive, metavar="N",  # about two minutes on 2 CPU cores
-                          help="optimizer steps")
+    grad_accum_steps: int = flag(
+        1, group=TRAIN, check=positive, metavar="N", help="micro-batches per optimizer step"
+    )
+    num_steps: int = flag(
+        60,
+        group=TRAIN,
+        check=positive,
+        metavar="N",  # about two minutes on 2 CPU cores
+        help="optimizer steps",
+    )
     lr: float = flag(1e-3, group=TRAIN, check=positive, metavar="LR", help="peak learning rate")
-    min_lr: float | None = flag(None, group=TRAIN, metavar="LR", none="--lr / 10",  # checked against lr
-                                help="final learning rate")
-    lr_scheduler: str = flag("cosine", group=TRAIN, choices=["cosine", "linear", "constant"],
-                             help="decay after the warm-up")
-    warmup_steps: int | None = flag(None, group=TRAIN, check=non_negative, metavar="N",
-                                    none="10% of --num-steps, at most 100", help="linear warm-up steps")
-    weight_decay: float = flag(0.1, group=TRAIN, check=non_negative, metavar="X",
-                               help="AdamW decay, on matrices only")
-    grad_clip: float = flag(1.0, group=TRAIN, check=non_negative, metavar="X",
-                            help="max gradient norm; 0 turns clipping off")
+    min_lr: float | None = flag(
+        None,
+        group=TRAIN,
+        metavar="LR",
+        none="--lr / 10",  # checked against lr
+        help="final learning rate",
+    )
+    lr_scheduler: str = flag(
+        "cosine", group=TRAIN, choices=["cosine", "linear", "constant"], help="decay after the warm-up"
+    )
+    warmup_steps: int | None = flag(
+        None,
+        group=TRAIN,
+        check=non_negative,
+        metavar="N",
+        none="10% of --num-steps, at most 100",
+        help="linear warm-up steps",
+    )
+    weight_decay: float = flag(
+        0.1, group=TRAIN, check=non_negative, metavar="X", help="AdamW decay, on matrices only"
+    )
+    grad_clip: float = flag(
+        1.0, group=TRAIN, check=non_negative, metavar="X", help="max gradient norm; 0 turns clipping off"
+    )
     seed: int = flag(1337, group=TRAIN, check=seed, metavar="N", help="seed of the weights and dropout")
-    device: str = flag("auto", group=TRAIN, choices=["auto", "cpu", "cuda"],
-                       help="auto: cuda where a GPU is visible, else cpu")
-    amp: bool | None = flag(None, group=TRAIN, action=argparse.BooleanOptionalAction,
-                            none="on where the device has native bf16", help="autocast; --no-amp: fp32")
-    amp_dtype: str = flag("bf16", group=TRAIN, choices=["bf16", "fp16"],
-                          help="autocast dtype; fp16 uses a GradScaler (CUDA only)")
+    device: str = flag(
+        "auto",
+        group=TRAIN,
+        choices=["auto", "cpu", "cuda"],
+        help="auto: cuda where a GPU is visible, else cpu",
+    )
+    amp: bool | None = flag(
+        None,
+        group=TRAIN,
+        action=argparse.BooleanOptionalAction,
+        none="on where the device has native bf16",
+        help="autocast; --no-amp: fp32",
+    )
+    amp_dtype: str = flag(
+        "bf16",
+        group=TRAIN,
+        choices=["bf16", "fp16"],
+        help="autocast dtype; fp16 uses a GradScaler (CUDA only)",
+    )
     compile: bool = flag(False, group=TRAIN, action="store_true", help="torch.compile the model")
-    keep_freed_memory: bool = flag(True, group=TRAIN, name="--no-keep-freed-memory", action="store_false",
-                                   help="CPU: leave glibc malloc's defaults (each step's big tensors then "
-                                        "page-fault anew; by default freed blocks are kept, minigpt/cpu.py)")
-    chunked_loss: bool = flag(False, group=TRAIN, action=argparse.BooleanOptionalAction,
-                              help="compute the LM head and cross-entropy in chunks of the sequence, "
-                                   "so the full logits never exist at once (less memory)")
+    keep_freed_memory: bool = flag(
+        True,
+        group=TRAIN,
+        name="--no-keep-freed-memory",
+        action="store_false",
+        help="CPU: leave glibc malloc's defaults (each step's big tensors then "
+        "page-fault anew; by default freed blocks are kept, minigpt/cpu.py)",
+    )
+    chunked_loss: bool = flag(
+        False,
+        group=TRAIN,
+        action=argparse.BooleanOptionalAction,
+        help="compute the LM head and cross-entropy in chunks of the sequence, "
+        "so the full logits never exist at once (less memory)",
+    )
     # checkpointing
-    checkpoint_path: str | None = flag(None, group=CKPT, metavar="PATH",
-                                       none="<out-dir>/checkpoints/ckpt.pt", help="checkpoint file")
-    resume: bool = flag(False, group=CKPT, action="store_true",
-                        help="continue from --checkpoint-path (without --out-dir: the latest run in runs/)")
-    save_interval: int = flag(50, group=CKPT, check=non_negative, metavar="N",
-                              help="steps between checkpoints; 0: none between, still one at the end "
-                                   "and on a signal")
-    no_checkpoint: bool = flag(False, group=CKPT, action="store_true",
-                               help="never write a checkpoint (--resume still reads one)")
+    checkpoint_path: str | None = flag(
+        None, group=CKPT, metavar="PATH", none="<out-dir>/checkpoints/ckpt.pt", help="checkpoint file"
+    )
+    resume: bool = flag(
+        False,
+        group=CKPT,
+        action="store_true",
+        help="continue from --checkpoint-path (without --out-dir: the latest run in runs/)",
+    )
+    save_interval: int = flag(
+        50,
+        group=CKPT,
+        check=non_negative,
+        metavar="N",
+        help="steps between checkpoints; 0: none between, still one at the end and on a signal",
+    )
+    no_checkpoint: bool = flag(
+        False, group=CKPT, action="store_true", help="never write a checkpoint (--resume still reads one)"
+    )
     # logging
     log_interval: int = flag(10, group=LOG, check=positive, metavar="N", help="steps between log lines")
-    eval_interval: int = flag(20, group=LOG, check=positive, metavar="N",
-                              help="steps between evaluations (and one at the end)")
-    eval_iters: int = flag(10, group=LOG, check=positive, metavar="N",
-                           help="validation batches per evaluation")
+    eval_interval: int = flag(
+        20, group=LOG, check=positive, metavar="N", help="steps between evaluations (and one at the end)"
+    )
+    eval_iters: int = flag(
+        10, group=LOG, check=positive, metavar="N", help="validation batches per evaluation"
+    )
     out_dir: str | None = flag(None, group=LOG, metavar="DIR", none="runs/<date-time>", help="run directory")
     no_report: bool = flag(False, group=LOG, action="store_true", help="do not write report.html at the end")
     # instrumentation
-    stage_timing: bool = flag(True, group=INSTR, name="--no-stage-timing", action="store_false",
-                              help="stop timing the stages (their profiler/NVTX ranges stay): "
-                                   "for overhead measurements")
-    use_profiler: bool = flag(False, group=INSTR, action="store_true",
-                              help="torch.profiler trace of steps --profile-step-start..end-1 into "
-                                   "<out-dir>/traces/")
+    stage_timing: bool = flag(
+        True,
+        group=INSTR,
+        name="--no-stage-timing",
+        action="store_false",
+        help="stop timing the stages (their profiler/NVTX ranges stay): for overhead measurements",
+    )
+    use_profiler: bool = flag(
+        False,
+        group=INSTR,
+        action="store_true",
+        help="torch.profiler trace of steps --profile-step-start..end-1 into <out-dir>/traces/",
+    )
     # Steps 5..6: after the first steps' allocations and warm-up, and with steps 2..3 before them
     # to measure the profiler's cost.
     profile_step_start: int = flag(5, group=INSTR, metavar="N", help="first profiled step")
     profile_step_end: int = flag(7, group=INSTR, metavar="N", help="step after the last profiled one")
-    profile_ranks: str = flag("0", group=INSTR, metavar="RANKS",
-                              help="ranks that profile: a list like 0,1, or all")
-    profile_with_stack: bool = flag(False, group=INSTR, action="store_true",
-                                    help="record Python stacks (larger, slower traces)")
-    profile_record_shapes: bool = flag(False, group=INSTR, action="store_true",
-                                       help="record operator input shapes (larger traces)")
-    profile_with_flops: bool = flag(False, group=INSTR, action="store_true",
-                                    help="estimate FLOPs of matmuls and convolutions in the trace")
-    profile_with_modules: bool = flag(False, group=INSTR, action="store_true",
-                                      help="record the nn.Module hierarchy of each operator")
-    nsys: bool = flag(False, group=INSTR, action="store_true",
-                      help="cudaProfilerStart/Stop around the profile window, for "
-                           "nsys --capture-range=cudaProfilerApi")
-    record_memory_history: bool = flag(False, group=INSTR, action="store_true",
-                                       help="CUDA allocation history; snapshot at the end of the window "
-                                            "or run, and on OOM")
-    memory_history_entries: int = flag(100_000, group=INSTR, check=positive, metavar="N",
-                                       help="allocations kept in the history")
-    memory_snapshot_path: str | None = flag(None, group=INSTR, metavar="PATH",
-                                            none="<out-dir>/snapshots/rank{R}_snapshot.pickle",
-                                            help="where the memory snapshot goes")
-    peak_tflops: float | None = flag(None, group=INSTR, check=positive, metavar="X",
-                                     none="a known GPU's data sheet, else a GEMM timed on this machine",
-                                     help="peak TFLOP/s of one device: the MFU denominator, set by hand")
+    profile_ranks: str = flag(
+        "0", group=INSTR, metavar="RANKS", help="ranks that profile: a list like 0,1, or all"
+    )
+    profile_with_stack: bool = flag(
+        False, group=INSTR, action="store_true", help="record Python stacks (larger, slower traces)"
+    )
+    profile_record_shapes: bool = flag(
+        False, group=INSTR, action="store_true", help="record operator input shapes (larger traces)"
+    )
+    profile_with_flops: bool = flag(
+        False,
+        group=INSTR,
+        action="store_true",
+        help="estimate FLOPs of matmuls and convolutions in the trace",
+    )
+    profile_with_modules: bool = flag(
+        False, group=INSTR, action="store_true", help="record the nn.Module hierarchy of each operator"
+    )
+    nsys: bool = flag(
+        False,
+        group=INSTR,
+        action="store_true",
+        help="cudaProfilerStart/Stop around the profile window, for nsys --capture-range=cudaProfilerApi",
+    )
+    record_memory_history: bool = flag(
+        False,
+        group=INSTR,
+        action="store_true",
+        help="CUDA allocation history; snapshot at the end of the window or run, and on OOM",
+    )
+    memory_history_entries: int = flag(
+        100_000, group=INSTR, check=positive, metavar="N", help="allocations kept in the history"
+    )
+    memory_snapshot_path: str | None = flag(
+        None,
+        group=INSTR,
+        metavar="PATH",
+        none="<out-dir>/snapshots/rank{R}_snapshot.pickle",
+        help="where the memory snapshot goes",
+    )
+    peak_tflops: float | None = flag(
+        None,
+        group=INSTR,
+        check=positive,
+        metavar="X",
+        none="a known GPU's data sheet, else a GEMM timed on this machine",
+        help="peak TFLOP/s of one device: the MFU denominator, set by hand",
+    )
     # memory (minigpt/memory.py, minigpt/estimate.py)
-    memory_profiler: bool = flag(False, group=MEM, action="store_true",
-                                 help="measure one step: params, grads, optimizer state, saved activations "
-                                      "per module; writes <out-dir>/memory_trace/rank{R}_dp{R}/")
+    memory_profiler: bool = flag(
+        False,
+        group=MEM,
+        action="store_true",
+        help="measure one step: params, grads, optimizer state, saved activations "
+        "per module; writes <out-dir>/memory_trace/rank{R}_dp{R}/",
+    )
     # After warm-up, like the trace; with --use-profiler the step after its window, since the
     # measurement runs a profiler of its own and two cannot record at once.
-    memory_profile_step: int | None = flag(None, group=MEM, metavar="N",
-                                           none="--profile-step-start, or --profile-step-end with --use-profiler",
-                                           help="the measured step")
-    estimate_memory: bool = flag(False, group=MEM, action="store_true",
-                                 help="print the predicted memory of this configuration and exit "
-                                      "(builds no model)")
-    device_memory_gb: float | None = flag(None, group=MEM, check=memory_gb, metavar="GIB",
-                                          none="the GPU's memory on CUDA, else this machine's RAM",
-                                          help="GiB the estimate must fit in")
+    memory_profile_step: int | None = flag(
+        None,
+        group=MEM,
+        metavar="N",
+        none="--profile-step-start, or --profile-step-end with --use-profiler",
+        help="the measured step",
+    )
+    estimate_memory: bool = flag(
+        False,
+        group=MEM,
+        action="store_true",
+        help="print the predicted memory of this configuration and exit (builds no model)",
+    )
+    device_memory_gb: float | None = flag(
+        None,
+        group=MEM,
+        check=memory_gb,
+        metavar="GIB",
+        none="the GPU's memory on CUDA, else this machine's RAM",
+        help="GiB the estimate must fit in",
+    )
     # distributed (torchrun)
-    ddp_backend: str | None = flag(None, group=DIST, choices=["nccl", "gloo"],
-                                   none="nccl on CUDA, gloo on the CPU", help="process group backend")
-    ddp_timeout: float = flag(300.0, group=DIST, check=timeout, metavar="S",
-                              help="seconds a collective may wait for a missing rank before the job fails")
-    straggler_threshold: float = flag(0.75, group=DIST, check=between(0, 1, lo_open=True), metavar="X",
-                                      help="report a rank whose relative or individual score falls "
-                                           "below this")
-    simulate_slow_rank: str | None = flag(None, group=DIST, metavar="R:MS[:STAGE]", none="off",
-                                          help="teaching/testing aid: rank R sleeps MS ms in STAGE "
-                                               "(default forward) every step")
-    fsdp: bool = flag(False, group=DIST, action="store_true",
-                      help="shard parameters, gradients and optimizer state over the ranks (FSDP2)")
-    tp: int = flag(1, group=DIST, check=positive, metavar="N",
-                   help="tensor-parallel degree: split each block's heads and MLP over N ranks")
-    use_tensor_parallel: bool = flag(False, group=DIST, action="store_true",
-                                     help="tensor parallelism over the ranks of one node (the blog's flag; "
-                                          "the degree is the node's size, so not with --tp)")
+    ddp_backend: str | None = flag(
+        None,
+        group=DIST,
+        choices=["nccl", "gloo"],
+        none="nccl on CUDA, gloo on the CPU",
+        help="process group backend",
+    )
+    ddp_timeout: float = flag(
+        300.0,
+        group=DIST,
+        check=timeout,
+        metavar="S",
+        help="seconds a collective may wait for a missing rank before the job fails",
+    )
+    straggler_threshold: float = flag(
+        0.75,
+        group=DIST,
+        check=between(0, 1, lo_open=True),
+        metavar="X",
+        help="report a rank whose relative or individual score falls below this",
+    )
+    simulate_slow_rank: str | None = flag(
+        None,
+        group=DIST,
+        metavar="R:MS[:STAGE]",
+        none="off",
+        help="teaching/testing aid: rank R sleeps MS ms in STAGE (default forward) every step",
+    )
+    fsdp: bool = flag(
+        False,
+        group=DIST,
+        action="store_true",
+        help="shard parameters, gradients and optimizer state over the ranks (FSDP2)",
+    )
+    tp: int = flag(
+        1,
+        group=DIST,
+        check=positive,
+        metavar="N",
+        help="tensor-parallel degree: split each block's heads and MLP over N ranks",
+    )
+    use_tensor_parallel: bool = flag(
+        False,
+        group=DIST,
+        action="store_true",
+        help="tensor parallelism over the ranks of one node (the blog's flag; "
+        "the degree is the node's size, so not with --tp)",
+    )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -337,19 +539,27 @@ def build_parser(prog: str = "train_minimal.py") -> argparse.ArgumentParser:
     """One argument per TrainConfig field. Every argument's parse default is SUPPRESS, so the
     namespace holds exactly the flags the user gave (they beat the preset, which beats the field
     defaults); --help shows the real defaults, written into each help text."""
-    epilog = (presets_table() + "\n\n"
-              f"${EXTRA_ARGS_ENV}: flags in it are appended to the command line, so they win over the same\n"
-              "flags given there: a way to scale every command of a script down to a quick run, e.g.\n"
-              f"  {EXTRA_ARGS_ENV}=\"--preset tiny --num-steps 8\" python train_minimal.py")
-    p = _Parser(prog=prog, description="Train a GPT and see where the time and memory go.", epilog=epilog,
-                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    epilog = (
+        presets_table() + "\n\n"
+        f"${EXTRA_ARGS_ENV}: flags in it are appended to the command line, so they win over the same\n"
+        "flags given there: a way to scale every command of a script down to a quick run, e.g.\n"
+        f'  {EXTRA_ARGS_ENV}="--preset tiny --num-steps 8" python train_minimal.py'
+    )
+    p = _Parser(
+        prog=prog,
+        description="Train a GPT and see where the time and memory go.",
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     groups: dict[str, argparse._ArgumentGroup] = {}
     for f in fields(TrainConfig):
         meta = f.metadata
         if meta["group"] not in groups:
             groups[meta["group"]] = p.add_argument_group(meta["group"])
-        kwargs: dict = dict(dest=f.name, default=argparse.SUPPRESS,
-                            help=(meta["help"] + default_help(f)).replace("%", "%%"))
+        kwargs: dict = dict(
+            dest=f.name, default=argparse.SUPPRESS, help=(meta["help"] + default_help(f)).replace("%", "%%")
+        )
         kind = base_type(f)
         if meta["action"] is not None:
             kwargs["action"] = meta["action"]
@@ -375,8 +585,9 @@ def parse_args(argv: list[str] | None = None, prog: str = "train_minimal.py") ->
     try:
         extra = shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
     except ValueError as e:
-        raise UsageError(f"${EXTRA_ARGS_ENV} does not parse as shell words ({e}): "
-                         f"{os.environ[EXTRA_ARGS_ENV]!r}") from None
+        raise UsageError(
+            f"${EXTRA_ARGS_ENV} does not parse as shell words ({e}): {os.environ[EXTRA_ARGS_ENV]!r}"
+        ) from None
     argv = list(sys.argv[1:] if argv is None else argv) + extra
     given = vars(build_parser(prog).parse_args(argv))  # only the flags on the command line
     preset = given.get("preset", DEFAULT_PRESET)
@@ -426,16 +637,22 @@ def validate(cfg: TrainConfig, given: set[str] | frozenset[str] = frozenset()) -
     if cfg.d_model % cfg.n_heads:
         raise UsageError(f"--d-model ({cfg.d_model}) must be divisible by --n-heads ({cfg.n_heads})")
     if cfg.seq_len > cfg.max_position_embeddings:
-        raise UsageError(f"--seq-len ({cfg.seq_len}) is larger than --max-position-embeddings "
-                         f"({cfg.max_position_embeddings}); lower --seq-len or raise the other")
+        raise UsageError(
+            f"--seq-len ({cfg.seq_len}) is larger than --max-position-embeddings "
+            f"({cfg.max_position_embeddings}); lower --seq-len or raise the other"
+        )
     if cfg.use_profiler or cfg.nsys or cfg.record_memory_history:
         s, e = cfg.profile_step_start, cfg.profile_step_end
         if not 1 <= s < e <= cfg.num_steps:
-            raise UsageError(f"the profile window needs 1 <= --profile-step-start < --profile-step-end <= "
-                             f"--num-steps; got start {s}, end {e}, num-steps {cfg.num_steps}")
+            raise UsageError(
+                f"the profile window needs 1 <= --profile-step-start < --profile-step-end <= "
+                f"--num-steps; got start {s}, end {e}, num-steps {cfg.num_steps}"
+            )
     if cfg.nsys and cfg.use_profiler:
-        raise UsageError("--nsys and --use-profiler exclude each other (both capture the same steps, "
-                         "and each distorts the other); pick one")
+        raise UsageError(
+            "--nsys and --use-profiler exclude each other (both capture the same steps, "
+            "and each distorts the other); pick one"
+        )
     profile_ranks(cfg.profile_ranks, world_size=None)  # the format; the range is checked at start-up
     if cfg.use_toy_data and (cfg.train_data or cfg.val_data):
         raise UsageError("--use-toy-data generates its own data; drop --train-data/--val-data")
@@ -445,16 +662,25 @@ def validate(cfg: TrainConfig, given: set[str] | frozenset[str] = frozenset()) -
         default = cfg.profile_step_end if cfg.use_profiler else cfg.profile_step_start
         step = cfg.memory_profile_step if cfg.memory_profile_step is not None else default
         if not 1 <= step <= cfg.num_steps:
-            which = "--memory-profile-step" if cfg.memory_profile_step is not None else \
-                "--memory-profile-step (default: --profile-step-start, or --profile-step-end with --use-profiler)"
-            raise UsageError(f"{which} is {step}, outside the run's steps 1..{cfg.num_steps}; "
-                             "pass --memory-profile-step N within them")
+            which = (
+                "--memory-profile-step"
+                if cfg.memory_profile_step is not None
+                else "--memory-profile-step (default: --profile-step-start, or "
+                "--profile-step-end with --use-profiler)"
+            )
+            raise UsageError(
+                f"{which} is {step}, outside the run's steps 1..{cfg.num_steps}; "
+                "pass --memory-profile-step N within them"
+            )
     if cfg.no_checkpoint and "save_interval" in given:
-        raise UsageError("--no-checkpoint writes no checkpoint, so --save-interval has nothing to do; "
-                         "drop one of them")
+        raise UsageError(
+            "--no-checkpoint writes no checkpoint, so --save-interval has nothing to do; drop one of them"
+        )
     if cfg.no_checkpoint and cfg.checkpoint_path is not None and not cfg.resume:
-        raise UsageError("--no-checkpoint writes no checkpoint, and without --resume --checkpoint-path "
-                         "only says where to write one; drop one of them")
+        raise UsageError(
+            "--no-checkpoint writes no checkpoint, and without --resume --checkpoint-path "
+            "only says where to write one; drop one of them"
+        )
     check_parallel(cfg, given)
     check_size(cfg)
 
@@ -462,21 +688,34 @@ def validate(cfg: TrainConfig, given: set[str] | frozenset[str] = frozenset()) -
 def check_parallel(cfg: TrainConfig, given: set[str] | frozenset[str]) -> None:
     """What FSDP and tensor parallelism need that is known without the world size."""
     if cfg.use_tensor_parallel and "tp" in given:
-        raise UsageError("--use-tensor-parallel takes the tensor-parallel degree from the node's size; "
-                         "--tp sets it by hand: pass one of them")
+        raise UsageError(
+            "--use-tensor-parallel takes the tensor-parallel degree from the node's size; "
+            "--tp sets it by hand: pass one of them"
+        )
     if cfg.tp > 1:
         if cfg.n_heads % cfg.tp:
-            raise UsageError(f"--tp {cfg.tp} must divide --n-heads {cfg.n_heads}: "
-                             "each rank holds whole heads")
+            raise UsageError(
+                f"--tp {cfg.tp} must divide --n-heads {cfg.n_heads}: each rank holds whole heads"
+            )
         if cfg.d_ff % cfg.tp:
-            raise UsageError(f"--tp {cfg.tp} must divide --d-ff {cfg.d_ff}: each rank holds an equal "
-                             "slice of the MLP")
-    sharded = [name for name, on in [("--fsdp", cfg.fsdp), ("--tp", cfg.tp > 1),
-                                     ("--use-tensor-parallel", cfg.use_tensor_parallel)] if on]
+            raise UsageError(
+                f"--tp {cfg.tp} must divide --d-ff {cfg.d_ff}: each rank holds an equal slice of the MLP"
+            )
+    sharded = [
+        name
+        for name, on in [
+            ("--fsdp", cfg.fsdp),
+            ("--tp", cfg.tp > 1),
+            ("--use-tensor-parallel", cfg.use_tensor_parallel),
+        ]
+        if on
+    ]
     if cfg.compile and sharded:
-        raise UsageError(f"--compile with {' and '.join(sharded)} is not supported: torch.compile of "
-                         "sharded (DTensor) modules needs per-block compilation, which this trainer does "
-                         "not do; drop --compile")
+        raise UsageError(
+            f"--compile with {' and '.join(sharded)} is not supported: torch.compile of "
+            "sharded (DTensor) modules needs per-block compilation, which this trainer does "
+            "not do; drop --compile"
+        )
 
 
 # ------------------------------------------------------------------------------------------ size
@@ -501,8 +740,11 @@ def quick_bytes(cfg: TrainConfig) -> dict[str, int]:
     tokens = cfg.batch_size * cfg.seq_len
     logits = 0 if cfg.chunked_loss else 4 * tokens * vocab
     activations = 68 * tokens * d * layers
-    return {f"for {params:.3g} parameters at {BYTES_PER_PARAM} bytes each": params * BYTES_PER_PARAM,
-            "of logits": logits, "of activations": activations}
+    return {
+        f"for {params:.3g} parameters at {BYTES_PER_PARAM} bytes each": params * BYTES_PER_PARAM,
+        "of logits": logits,
+        "of activations": activations,
+    }
 
 
 def check_size(cfg: TrainConfig) -> None:
@@ -521,9 +763,11 @@ def check_size(cfg: TrainConfig) -> None:
         limit, what = ram, f"this machine's {format_bytes(ram)} of RAM"
     if need > limit:
         parts = ", ".join(f"{format_bytes(n)} {label}" for label, n in terms.items())
-        raise UsageError(f"this configuration needs about {format_bytes(need)} ({parts}), more than {what}; "
-                         "lower --vocab-size, --d-model, --d-ff, --n-layers, --max-position-embeddings, "
-                         "--batch-size or --seq-len")
+        raise UsageError(
+            f"this configuration needs about {format_bytes(need)} ({parts}), more than {what}; "
+            "lower --vocab-size, --d-model, --d-ff, --n-layers, --max-position-embeddings, "
+            "--batch-size or --seq-len"
+        )
 
 
 def format_bytes(n: float) -> str:
@@ -543,8 +787,10 @@ def profile_ranks(spec: str, world_size: int | None) -> list[int] | None:
     except ValueError:
         raise UsageError(f"--profile-ranks must be 'all' or a list like 0,1; got {spec!r}") from None
     if world_size is not None and any(not 0 <= r < world_size for r in ranks):
-        raise UsageError(f"--profile-ranks {spec} names a rank outside 0..{world_size - 1} "
-                         f"(the world size is {world_size})")
+        raise UsageError(
+            f"--profile-ranks {spec} names a rank outside 0..{world_size - 1} "
+            f"(the world size is {world_size})"
+        )
     return ranks
 
 
@@ -555,11 +801,15 @@ def check_cuda_features(cfg: TrainConfig, device: str) -> None:
     if cfg.ddp_backend == "nccl":
         raise UsageError("--ddp-backend nccl needs CUDA GPUs; on the CPU use gloo (the default there)")
     if cfg.nsys:
-        raise UsageError("--nsys needs CUDA: Nsight Systems' capture range is cudaProfilerStart/Stop; "
-                         "on the CPU use --use-profiler")
+        raise UsageError(
+            "--nsys needs CUDA: Nsight Systems' capture range is cudaProfilerStart/Stop; "
+            "on the CPU use --use-profiler"
+        )
     if cfg.record_memory_history:
-        raise UsageError("--record-memory-history needs CUDA: it records the CUDA caching allocator; "
-                         "on the CPU see the memory breakdown instead")
+        raise UsageError(
+            "--record-memory-history needs CUDA: it records the CUDA caching allocator; "
+            "on the CPU see the memory breakdown instead"
+        )
 
 
 def resolve_device(requested: str) -> str:
@@ -588,10 +838,16 @@ def resolve_amp(cfg: TrainConfig, device: str) -> tuple[bool, str, str]:
         if native:
             return True, "bf16", "AMP on: bf16 autocast (this CPU has native bf16)"
         if cfg.amp:
-            return True, "bf16", ("AMP on as asked, but this CPU has no native bf16: "
-                                  "expect it slower than fp32")
-        return False, "fp32", ("AMP off: this CPU has no native bf16 (AVX512-BF16/AMX), so fp32 is faster; "
-                               "--amp forces it")
+            return (
+                True,
+                "bf16",
+                ("AMP on as asked, but this CPU has no native bf16: expect it slower than fp32"),
+            )
+        return (
+            False,
+            "fp32",
+            ("AMP off: this CPU has no native bf16 (AVX512-BF16/AMX), so fp32 is faster; --amp forces it"),
+        )
     if cfg.amp_dtype == "bf16" and not torch.cuda.is_bf16_supported():
         if cfg.amp:
             raise UsageError("this GPU does not support bf16; use --amp-dtype fp16")

@@ -39,7 +39,7 @@ PRELOADS = {"jemalloc": f"{LIBDIR}/libjemalloc.so.2", "tcmalloc": f"{LIBDIR}/lib
 
 
 def preloaded_allocator() -> str | None:
-    """"jemalloc" or "tcmalloc" when one was loaded through LD_PRELOAD, else None."""
+    """ "jemalloc" or "tcmalloc" when one was loaded through LD_PRELOAD, else None."""
     try:
         with open("/proc/self/maps") as f:
             maps = f.read()
@@ -78,8 +78,10 @@ def never_return_memory() -> str:
     ok = libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
     if not ok:
         return "CPU allocator: mallopt refused the setting; left as is"
-    return ("CPU allocator: glibc malloc keeps freed blocks (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB): "
-            "no page faults on each step's big tensors; --no-keep-freed-memory to compare")
+    return (
+        "CPU allocator: glibc malloc keeps freed blocks (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB): "
+        "no page faults on each step's big tensors; --no-keep-freed-memory to compare"
+    )
 
 
 def _glibc():
@@ -95,9 +97,13 @@ def bounded_freed_memory(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: i
     libc = _glibc()
     if libc is None:
         return "CPU allocator: left as is (not glibc)"
-    if not (libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1
-            and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1):
+    if not (
+        libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1
+        and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1
+    ):
         return "CPU allocator: mallopt refused the setting; left as is"
-    return (f"CPU allocator: glibc malloc keeps freed blocks up to {mmap_threshold // 2**20} MiB in its heap "
-            f"(trimmed above {trim_threshold // 2**20} MiB): no page faults on each step's big tensors; "
-            "--no-keep-freed-memory to compare")
+    return (
+        f"CPU allocator: glibc malloc keeps freed blocks up to {mmap_threshold // 2**20} MiB in its heap "
+        f"(trimmed above {trim_threshold // 2**20} MiB): no page faults on each step's big tensors; "
+        "--no-keep-freed-memory to compare"
+    )

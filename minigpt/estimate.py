@@ -19,6 +19,7 @@ from minigpt.memory import MB, GiB
 
 # ---------------------------------------------------------------------------- the estimator (GPT)
 
+
 @dataclass
 class MemoryEstimate:
     """Predicted bytes of one training step of the GPT in minigpt/model.py; see estimate_gpt and
@@ -71,9 +72,14 @@ class MemoryEstimate:
 
     def to_record(self) -> dict:
         record = asdict(self)
-        record.update(activations=self.activations, total=self.total, peak=self.peak,
-                      peak_moment=self.peak_moment, peak_stage=self.peak_stage,
-                      moments={m: sum(parts.values()) for m, parts in self.moments.items()})
+        record.update(
+            activations=self.activations,
+            total=self.total,
+            peak=self.peak,
+            peak_moment=self.peak_moment,
+            peak_stage=self.peak_stage,
+            moments={m: sum(parts.values()) for m, parts in self.moments.items()},
+        )
         return record
 
 
@@ -87,11 +93,24 @@ MOMENT_STAGES = {
 }
 
 
-def estimate_gpt(*, n_layers: int, d_model: int, n_heads: int, d_ff: int, seq_len: int, batch_size: int,
-                 vocab_size: int, max_position_embeddings: int, amp_dtype: str = "fp32",
-                 activation_checkpoint: bool = False, dropout: float = 0.0, device: str = "cpu",
-                 grad_accum_steps: int = 1, chunked_loss: bool = False,
-                 loss_chunk_elements: int = 2**24) -> MemoryEstimate:
+def estimate_gpt(
+    *,
+    n_layers: int,
+    d_model: int,
+    n_heads: int,
+    d_ff: int,
+    seq_len: int,
+    batch_size: int,
+    vocab_size: int,
+    max_position_embeddings: int,
+    amp_dtype: str = "fp32",
+    activation_checkpoint: bool = False,
+    dropout: float = 0.0,
+    device: str = "cpu",
+    grad_accum_steps: int = 1,
+    chunked_loss: bool = False,
+    loss_chunk_elements: int = 2**24,
+) -> MemoryEstimate:
     """Bytes of one training step of minigpt's GPT (plain numbers in, no model built), with fused
     AdamW, the step shaped as train_minimal.py runs it (the caller holds the last output until the
     next forward ends). docs/memory.md derives every term and checks it against the measurement.
@@ -104,7 +123,16 @@ def estimate_gpt(*, n_layers: int, d_model: int, n_heads: int, d_ff: int, seq_le
     tied embedding's three V x h gradients), a checkpointed block rebuilt, the optimizer step, and
     with chunked_loss a chunk of the loss in the forward.
     """
-    L, h, a, f, s, b, V, P = n_layers, d_model, n_heads, d_ff, seq_len, batch_size, vocab_size, max_position_embeddings
+    L, h, a, f, s, b, V, P = (
+        n_layers,
+        d_model,
+        n_heads,
+        d_ff,
+        seq_len,
+        batch_size,
+        vocab_size,
+        max_position_embeddings,
+    )
     amp = amp_dtype != "fp32"
     p = 2 if amp else 4
     sbh, bs = s * b * h, b * s
@@ -137,11 +165,22 @@ def estimate_gpt(*, n_layers: int, d_model: int, n_heads: int, d_ff: int, seq_le
         loss = 4 * bs * V + 8 * bs + 4
         logits = p * bs * V
     est = MemoryEstimate(
-        amp_dtype=amp_dtype, activation_checkpoint=activation_checkpoint, attention="flash" if flash else "math",
-        params=params, grads=params, optimizer=optimizer, block=block, n_layers=L, embeddings=embeddings,
-        head=head, loss=loss, weight_copies=(0 if activation_checkpoint else L * weight_copies) + head_copy,
-        logits=logits, recompute=full_block if activation_checkpoint else 0,
-        grad_accum_steps=grad_accum_steps, chunked_loss=chunked_loss,
+        amp_dtype=amp_dtype,
+        activation_checkpoint=activation_checkpoint,
+        attention="flash" if flash else "math",
+        params=params,
+        grads=params,
+        optimizer=optimizer,
+        block=block,
+        n_layers=L,
+        embeddings=embeddings,
+        head=head,
+        loss=loss,
+        weight_copies=(0 if activation_checkpoint else L * weight_copies) + head_copy,
+        logits=logits,
+        recompute=full_block if activation_checkpoint else 0,
+        grad_accum_steps=grad_accum_steps,
+        chunked_loss=chunked_loss,
     )
     # Gradients from the earlier micro-batches are there when the last one runs.
     grads_before = params if grad_accum_steps > 1 else 0
@@ -149,8 +188,13 @@ def estimate_gpt(*, n_layers: int, d_model: int, n_heads: int, d_ff: int, seq_le
     acts = est.activations
 
     def moment(grads: int = 0, activations: int = 0, temporaries: int = 0) -> dict[str, int]:
-        return {**base, "grads": base["grads"] + grads, "activations": activations,
-                "temporaries": temporaries, "held": 0}
+        return {
+            **base,
+            "grads": base["grads"] + grads,
+            "activations": activations,
+            "temporaries": temporaries,
+            "held": 0,
+        }
 
     moments = {}
     if chunked_loss:
@@ -165,18 +209,21 @@ def estimate_gpt(*, n_layers: int, d_model: int, n_heads: int, d_ff: int, seq_le
         moments["loss backward"] = moment(activations=acts, temporaries=logits + 2 * 4 * bs * V)
     if activation_checkpoint:
         # the last block rebuilt, with the LM head's weight gradient kept for the tied weight's sum
-        moments["block recompute"] = moment(activations=acts + full_block,
-                                            temporaries=logits + (0 if chunked_loss else E))
+        moments["block recompute"] = moment(
+            activations=acts + full_block, temporaries=logits + (0 if chunked_loss else E)
+        )
     # The tied weight's gradient: the LM head's (held since the start of backward), the
     # embedding's (dense V x h), and their sum, with every other gradient made by then.
-    moments["tied embedding backward"] = moment(grads=params - E if grad_accum_steps == 1 else 0,
-                                                temporaries=logits + 3 * E)
+    moments["tied embedding backward"] = moment(
+        grads=params - E if grad_accum_steps == 1 else 0, temporaries=logits + 3 * E
+    )
     moments["optimizer step"] = moment(grads=params if grad_accum_steps == 1 else 0, temporaries=logits)
     est.moments = moments
     return est
 
 
 # ---------------------------------------------------------------------------- the estimate report
+
 
 def device_memory(device: str, given_gb: float | None) -> tuple[int | None, str]:
     """(bytes the run may use, where the figure comes from)."""
@@ -186,7 +233,9 @@ def device_memory(device: str, given_gb: float | None) -> tuple[int | None, str]
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         return props.total_memory, f"the GPU's memory ({props.name})"
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM: the CPU trains in RAM"
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+            "SC_PHYS_PAGES"
+        ), "this machine's RAM: the CPU trains in RAM"
     except (ValueError, OSError, AttributeError):
         return None, "unknown (no CUDA, and the RAM size is not readable here); pass --device-memory-gb"
 
@@ -196,14 +245,24 @@ def _moment_total(moment: str):
     return lambda e: sum(e.moments[moment].values()) if moment in e.moments else None
 
 
-def format_estimate(shape: dict, amp_dtype: str, activation_checkpoint: bool, device: str,
-                    memory: int | None, memory_source: str, note: str = "", **options) -> str:
+def format_estimate(
+    shape: dict,
+    amp_dtype: str,
+    activation_checkpoint: bool,
+    device: str,
+    memory: int | None,
+    memory_source: str,
+    note: str = "",
+    **options,
+) -> str:
     """The estimator's table: columns for the run's AMP dtype (and fp32) without and with
     activation checkpointing; the run's own configuration is marked with *."""
     dtypes = [amp_dtype] + (["fp32"] if amp_dtype != "fp32" else [])
     columns = [(d, c) for d in dtypes for c in (False, True)]
-    est = {col: estimate_gpt(**shape, amp_dtype=col[0], activation_checkpoint=col[1], device=device,
-                             **options) for col in columns}
+    est = {
+        col: estimate_gpt(**shape, amp_dtype=col[0], activation_checkpoint=col[1], device=device, **options)
+        for col in columns
+    }
     chosen = (amp_dtype, activation_checkpoint)
     names = [("*" if col == chosen else "") + col[0] + (" + ckpt" if col[1] else "") for col in columns]
     e0 = est[columns[0]]
@@ -227,12 +286,18 @@ def format_estimate(shape: dict, amp_dtype: str, activation_checkpoint: bool, de
     width = max(14, *(len(n) + 2 for n in names))
     s = shape
     lines = [
-        f"Memory estimate: {s['n_layers']} layers, d_model {s['d_model']}, {s['n_heads']} heads, d_ff {s['d_ff']}, "
+        f"Memory estimate: {s['n_layers']} layers, d_model {s['d_model']}, "
+        f"{s['n_heads']} heads, d_ff {s['d_ff']}, "
         f"vocab {s['vocab_size']}, positions {s['max_position_embeddings']}; batch {s['batch_size']} x seq "
         f"{s['seq_len']}; AdamW; {e0.params // 4 / 1e6:.2f}M parameters",
-        f"Device {device}; AMP {amp_dtype}" + (f" ({note})" if note else "")
-        + "; attention: " + ("flash/memory-efficient SDPA (no s x s scores)" if e0.attention == "flash"
-                             else "math SDPA (s x s scores saved)"),
+        f"Device {device}; AMP {amp_dtype}"
+        + (f" ({note})" if note else "")
+        + "; attention: "
+        + (
+            "flash/memory-efficient SDPA (no s x s scores)"
+            if e0.attention == "flash"
+            else "math SDPA (s x s scores saved)"
+        ),
         f"  {'':46s}" + "".join(f"{n:>{width}s}" for n in names),
     ]
     for label, get in rows:
@@ -243,22 +308,36 @@ def format_estimate(shape: dict, amp_dtype: str, activation_checkpoint: bool, de
         fits = []
         for name, col in zip(names, columns):
             use = est[col].peak / memory
-            fits.append(f"{name} {'fits' if use <= 0.9 else 'is tight' if use <= 1 else 'does NOT fit'} "
-                        f"({100 * use:.0f}% of it)")
+            fits.append(
+                f"{name} {'fits' if use <= 0.9 else 'is tight' if use <= 1 else 'does NOT fit'} "
+                f"({100 * use:.0f}% of it)"
+            )
         lines.append(f"Device memory: {memory / GiB:.1f} GiB ({memory_source}). " + "; ".join(fits))
-        lines.append("  (peak estimate against device memory; above 90% counts as tight: on CUDA the context, "
-                     "workspaces and the caching allocator's rounding come on top, see docs/memory.md)")
+        lines.append(
+            "  (peak estimate against device memory; above 90% counts as tight: on CUDA the context, "
+            "workspaces and the caching allocator's rounding come on top, see docs/memory.md)"
+        )
     return "\n".join(lines)
 
 
 def gpt_shape(cfg, vocab_size: int) -> dict:
     """The estimator's numbers from a TrainConfig (minigpt.config) and the padded vocabulary."""
-    return dict(n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads, d_ff=cfg.d_ff,
-                seq_len=cfg.seq_len, batch_size=cfg.batch_size, vocab_size=vocab_size,
-                max_position_embeddings=cfg.max_position_embeddings, dropout=cfg.dropout)
+    return dict(
+        n_layers=cfg.n_layers,
+        d_model=cfg.d_model,
+        n_heads=cfg.n_heads,
+        d_ff=cfg.d_ff,
+        seq_len=cfg.seq_len,
+        batch_size=cfg.batch_size,
+        vocab_size=vocab_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        dropout=cfg.dropout,
+    )
 
 
-def estimate_report(cfg, device: str, amp_dtype: str, amp_note: str = "", vocab_size: int | None = None) -> str:
+def estimate_report(
+    cfg, device: str, amp_dtype: str, amp_note: str = "", vocab_size: int | None = None
+) -> str:
     """What `python -m minigpt.memory` and `train_minimal.py --estimate-memory` print. Builds no
     model: the vocabulary comes from --vocab-size or the tokenizer, padded to a multiple of 64 as
     the trainer does."""
@@ -267,12 +346,23 @@ def estimate_report(cfg, device: str, amp_dtype: str, amp_note: str = "", vocab_
             vocab_size = cfg.vocab_size
         else:
             from minigpt.data import get_tokenizer
+
             vocab_size = get_tokenizer(cfg.tokenizer_name).n_vocab
-        vocab_size = -(-vocab_size // 64) * 64  # as model.pad_vocab (not imported: this module is model-agnostic)
+        vocab_size = (
+            -(-vocab_size // 64) * 64
+        )  # as model.pad_vocab (not imported: this module is model-agnostic)
     memory, source = device_memory(device, cfg.device_memory_gb)
     options = dict(grad_accum_steps=cfg.grad_accum_steps, chunked_loss=getattr(cfg, "chunked_loss", False))
-    return format_estimate(gpt_shape(cfg, vocab_size), amp_dtype, cfg.use_activation_checkpoint, device,
-                           memory, source, amp_note, **options)
+    return format_estimate(
+        gpt_shape(cfg, vocab_size),
+        amp_dtype,
+        cfg.use_activation_checkpoint,
+        device,
+        memory,
+        source,
+        amp_note,
+        **options,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,8 +70,10 @@ def disk_full_message(path: Path, need: int | None, existed: bool) -> str:
         free = "free space unknown"
     needs = f"needs about {format_bytes(need)}, " if need else ""
     kept = f"the previous {path.name} was left intact" if existed else "nothing was written"
-    return (f"no space left on the device while writing {path} ({needs}{free} there); {kept}; "
-            "free some space or write elsewhere (--out-dir, --checkpoint-path)")
+    return (
+        f"no space left on the device while writing {path} ({needs}{free} there); {kept}; "
+        "free some space or write elsewhere (--out-dir, --checkpoint-path)"
+    )
 
 
 @contextmanager

@@ -23,10 +23,10 @@ import pickle
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 import nvtx
 import torch
@@ -45,6 +45,7 @@ NVTX_DOMAIN = "minigpt"  # one domain: Nsight can filter the project's ranges fr
 class StageTimes:
     """What StageTimer.read() returns: per-stage means over the interval, and every step's figures
     (medians for the straggler detector). Milliseconds."""
+
     host_ms: dict[str, float] = field(default_factory=dict)
     device_ms: dict[str, float] = field(default_factory=dict)
     host_steps: list[dict[str, float]] = field(default_factory=list)
@@ -66,7 +67,9 @@ class StageTimer:
         self.splits: dict[str, tuple[str, float, torch.cuda.Event | None]] = {}  # split -> (stage, s, event)
         self.step_host: dict[str, float] = defaultdict(float)  # ms of the step in flight
         self.host_steps: list[dict[str, float]] = []
-        self.events: list[tuple[int, str, torch.cuda.Event, torch.cuda.Event]] = []  # (step, stage, start, end)
+        self.events: list[
+            tuple[int, str, torch.cuda.Event, torch.cuda.Event]
+        ] = []  # (step, stage, start, end)
 
     @contextmanager
     def step(self) -> Iterator[None]:
@@ -149,13 +152,18 @@ class StageTimer:
             device_steps = host_steps  # the CPU runs each op as the host issues it
         # The registry's stages in their order, then any other range (a user's own stage) by name.
         registered = stages.STAGE_NAMES
-        names = [n for n in (*registered, *sorted({k for s in host_steps for k in s} - set(registered)))
-                 if any(n in s for s in host_steps)]
+        names = [
+            n
+            for n in (*registered, *sorted({k for s in host_steps for k in s} - set(registered)))
+            if any(n in s for s in host_steps)
+        ]
         n = len(host_steps)
         times = StageTimes(
             host_ms={k: sum(s.get(k, 0.0) for s in host_steps) / n for k in names},
             device_ms={k: sum(s.get(k, 0.0) for s in device_steps) / n for k in names},
-            host_steps=host_steps, device_steps=device_steps)
+            host_steps=host_steps,
+            device_steps=device_steps,
+        )
         self.host_steps, self.events = [], [e for e in self.events if e[0] >= n]
         self.events = [(i - n, *rest) for i, *rest in self.events]
         return times
@@ -163,10 +171,12 @@ class StageTimer:
 
 # ---------------------------------------------------------------------------- profiler window
 
+
 def profiler_schedule(start: int, end: int) -> Callable[[int], ProfilerAction]:
     """What the profiler does during training step n (1-based, Megatron's semantics): record steps
     start..end-1, after one warm-up step before `start` when there is one (the first profiled
     step would otherwise carry the profiler's own start-up cost), then nothing (repeat=1)."""
+
     def action(n: int) -> ProfilerAction:
         if n == start - 1:
             return ProfilerAction.WARMUP
@@ -175,6 +185,7 @@ def profiler_schedule(start: int, end: int) -> Callable[[int], ProfilerAction]:
         if n == end - 1:
             return ProfilerAction.RECORD_AND_SAVE
         return ProfilerAction.NONE
+
     return action
 
 
@@ -183,13 +194,25 @@ def profiler_options(cfg) -> dict[str, bool]:
     Memory view and the report's memory timeline need them. The others are opt-in, each priced in
     benchmarks/results/overhead-cpu-small.md: shapes, FLOPs and module names grow the trace and
     slow the profiled steps; Python stacks most of all."""
-    return {"profile_memory": True, "record_shapes": cfg.profile_record_shapes, "with_flops": cfg.profile_with_flops,
-            "with_modules": cfg.profile_with_modules, "with_stack": cfg.profile_with_stack}
+    return {
+        "profile_memory": True,
+        "record_shapes": cfg.profile_record_shapes,
+        "with_flops": cfg.profile_with_flops,
+        "with_modules": cfg.profile_with_modules,
+        "with_stack": cfg.profile_with_stack,
+    }
 
 
-def make_profiler(trace_dir: Path, worker: str, first_step: int, start: int, end: int, device: str,
-                  options: dict[str, bool] | None = None,
-                  on_window_end: Callable | None = None) -> torch.profiler.profile:
+def make_profiler(
+    trace_dir: Path,
+    worker: str,
+    first_step: int,
+    start: int,
+    end: int,
+    device: str,
+    options: dict[str, bool] | None = None,
+    on_window_end: Callable | None = None,
+) -> torch.profiler.profile:
     """A torch.profiler window over training steps start..end-1, whose trace lands in trace_dir as
     {worker}.*.pt.trace.json.gz (worker: rank{R}_dp{d}), the naming torch-tb-profiler groups by
     worker (and its Distributed view by rank). `first_step` is the training step the loop runs
@@ -206,8 +229,12 @@ def make_profiler(trace_dir: Path, worker: str, first_step: int, start: int, end
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     schedule = profiler_schedule(start, end)
-    prof = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=on_trace_ready,
-                                  **(options or {"profile_memory": True}))
+    prof = torch.profiler.profile(
+        activities=activities,
+        schedule=schedule,
+        on_trace_ready=on_trace_ready,
+        **(options or {"profile_memory": True}),
+    )
     # The profiler counts its steps from 0; start its count at the training step instead, before
     # it is entered (its action for the current step is derived from the count).
     prof.step_num = first_step
@@ -229,6 +256,7 @@ def has_device_kernels(prof: torch.profiler.profile) -> bool:
 
 
 # ---------------------------------------------------------------------------- Nsight Systems
+
 
 class NsysCaptureRange:
     """cudaProfilerStart at step `start`, cudaProfilerStop before step `end`, and in between
@@ -258,6 +286,7 @@ class NsysCaptureRange:
 
 # ---------------------------------------------------------------------------- CUDA memory
 
+
 class MemoryHistory:
     """torch.cuda.memory._record_memory_history, bounded, with Python stacks only: C++ frames make
     a dump take minutes. Snapshots open at pytorch.org/memory_viz; beside each pickle a text file
@@ -267,8 +296,9 @@ class MemoryHistory:
         self.max_entries = max_entries
 
     def start(self) -> None:
-        torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python",
-                                                 max_entries=self.max_entries)
+        torch.cuda.memory._record_memory_history(
+            enabled="all", context="all", stacks="python", max_entries=self.max_entries
+        )
 
     def dump(self, path: Path) -> Path:
         snapshot = torch.cuda.memory._snapshot()
@@ -282,22 +312,33 @@ class MemoryHistory:
 
     def dump_on_oom(self, path: Path) -> None:
         """Write `path` when the allocator runs out of memory, before the error propagates."""
+
         def observer(device, alloc, device_alloc, device_free):
             self.dump(path)
+
         torch._C._cuda_attach_out_of_memory_observer(observer)
 
 
 def largest_allocations(snapshot: dict, rows: int = 20) -> str:
     """The live blocks of a memory snapshot, largest first, each with its innermost Python frames."""
-    blocks = [b for seg in snapshot.get("segments", []) for b in seg.get("blocks", [])
-              if b.get("state") == "active_allocated"]
+    blocks = [
+        b
+        for seg in snapshot.get("segments", [])
+        for b in seg.get("blocks", [])
+        if b.get("state") == "active_allocated"
+    ]
     blocks.sort(key=lambda b: b.get("size", 0), reverse=True)
     total = sum(b.get("size", 0) for b in blocks)
-    lines = [f"{len(blocks)} live allocations, {total / 2**20:.1f} MiB; the largest {min(rows, len(blocks))}:"]
+    lines = [
+        f"{len(blocks)} live allocations, {total / 2**20:.1f} MiB; the largest {min(rows, len(blocks))}:"
+    ]
     for b in blocks[:rows]:
         frames = b.get("frames") or []
-        where = [f"{fr.get('filename', '?')}:{fr.get('line', '?')} {fr.get('name', '')}" for fr in frames
-                 if str(fr.get("filename", "")).endswith(".py")][:4]
+        where = [
+            f"{fr.get('filename', '?')}:{fr.get('line', '?')} {fr.get('name', '')}"
+            for fr in frames
+            if str(fr.get("filename", "")).endswith(".py")
+        ][:4]
         lines.append(f"{b.get('size', 0) / 2**20:10.2f} MiB  " + (" <- ".join(where) or "(no Python frames)"))
     return "\n".join(lines) + "\n"
 
@@ -319,6 +360,7 @@ def cuda_memory_report(reset: bool = True) -> dict[str, float]:
 
 # ---------------------------------------------------------------------------- the loop's instruments
 
+
 class Instruments:
     """Everything the training loop measures, held in one object beside the loop.
 
@@ -333,8 +375,18 @@ class Instruments:
 
     `cfg` is a TrainConfig (minigpt/config.py); only its instrumentation flags are read."""
 
-    def __init__(self, cfg, *, device: str, rank: int, world_size: int, profiled: bool, out_dir: Path,
-                 worker: str, log: logging.Logger | None = None, sleep_ms: dict[str, float] | None = None):
+    def __init__(
+        self,
+        cfg,
+        device: str,
+        rank: int,
+        world_size: int,
+        profiled: bool,
+        out_dir: Path,
+        worker: str,
+        log: logging.Logger | None = None,
+        sleep_ms: dict[str, float] | None = None,
+    ):
         self.cfg, self.device, self.rank, self.world_size = cfg, device, rank, world_size
         self.out_dir, self.worker, self.log = out_dir, worker, log or logging.getLogger("minigpt")
         self.profiled = profiled  # this rank takes part in --use-profiler / --nsys / memory history
@@ -358,27 +410,40 @@ class Instruments:
         self.progress = Progress(None, False)  # the bar between log lines: made when the loop starts
         self._exit = ExitStack()
 
-    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, first_step: int,
-               memory_estimate=None) -> None:
+    def attach(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, first_step: int, memory_estimate=None
+    ) -> None:
         """The model and optimizer the step trains; `first_step` is the step the loop runs next
         (1-based; later after --resume). Sets up the profiler window and the memory capture."""
         cfg, window = self.cfg, self.window
         self.model, self.optimizer, self.first_step = model, optimizer, first_step
         self.memory_estimate = memory_estimate
         if cfg.use_profiler and self.profiled and first_step <= window.start:
-            self.profiler = make_profiler(self.out_dir / paths.TRACE_DIR, self.worker, first_step, window.start,
-                                          window.stop, self.device, profiler_options(cfg), self._window_done)
+            self.profiler = make_profiler(
+                self.out_dir / paths.TRACE_DIR,
+                self.worker,
+                first_step,
+                window.start,
+                window.stop,
+                self.device,
+                profiler_options(cfg),
+                self._window_done,
+            )
         if cfg.nsys and self.profiled and first_step <= window.start:
             self.nsys = NsysCaptureRange(window.start, window.stop)
         if (cfg.use_profiler or cfg.nsys) and first_step > window.start:
-            self.log.warning(f"the profile window starts at step {window.start}, but this run resumes at step "
-                             f"{first_step}: nothing is profiled (pass a later --profile-step-start/-end)")
+            self.log.warning(
+                f"the profile window starts at step {window.start}, but this run resumes at step "
+                f"{first_step}: nothing is profiled (pass a later --profile-step-start/-end)"
+            )
         if cfg.memory_profiler and self.profiled:
             if first_step <= cfg.memory_profile_step:
                 self.memory_step = cfg.memory_profile_step
             else:
-                self.log.warning(f"--memory-profiler: step {cfg.memory_profile_step} was done before the resume "
-                                 f"at step {first_step}; nothing is measured (pass a later --memory-profile-step)")
+                self.log.warning(
+                    f"--memory-profiler: step {cfg.memory_profile_step} was done before the resume "
+                    f"at step {first_step}; nothing is measured (pass a later --memory-profile-step)"
+                )
 
     # -- the loop's view
     def stage(self, name: str):
@@ -438,11 +503,15 @@ class Instruments:
         w = self.window
         self.log.info(f"Profiled steps {w.start}-{w.stop - 1}; top operators (also in {ops_path}):\n{ops}")
         if self.device == "cuda" and not has_device_kernels(prof):
-            self.log.warning("WARNING: the trace holds no CUDA kernel events: CUPTI recorded nothing "
-                             "(check that the CUDA profiling libraries match the driver)")
-        self.log.info(f"View the trace: python -m minigpt.traces {self.out_dir / paths.TRACE_DIR}, or open "
-                      f"{self.out_dir / paths.TRACE_DIR}/*.json.gz in ui.perfetto.dev, or tensorboard --logdir "
-                      f"{self.out_dir}")
+            self.log.warning(
+                "WARNING: the trace holds no CUDA kernel events: CUPTI recorded nothing "
+                "(check that the CUDA profiling libraries match the driver)"
+            )
+        self.log.info(
+            f"View the trace: python -m minigpt.traces {self.out_dir / paths.TRACE_DIR}, or open "
+            f"{self.out_dir / paths.TRACE_DIR}/*.json.gz in ui.perfetto.dev, or tensorboard --logdir "
+            f"{self.out_dir}"
+        )
 
     def profiler_cost(self) -> str | None:
         """The profiled steps' median time against the median of the unprofiled ones, and the process's
@@ -458,14 +527,20 @@ class Instruments:
         rss = ""
         if self._rss_before_window:
             after = process_memory()["rss_peak_bytes"]
-            rss = (f"; process peak memory {self._rss_before_window / 2**30:.2f} GiB before the window, "
-                   f"{after / 2**30:.2f} GiB after")
+            rss = (
+                f"; process peak memory {self._rss_before_window / 2**30:.2f} GiB before the window, "
+                f"{after / 2**30:.2f} GiB after"
+            )
         if len(before) < 3:
-            return (f"Profiler cost: not priced: {len(before)} unprofiled step(s) to compare with, 3 needed "
-                    f"(step 1 and the warm-up step before the window do not count; run more steps){rss}")
+            return (
+                f"Profiler cost: not priced: {len(before)} unprofiled step(s) to compare with, 3 needed "
+                f"(step 1 and the warm-up step before the window do not count; run more steps){rss}"
+            )
         d, b = statistics.median(during), statistics.median(before)
-        return (f"Profiler cost: {1000 * d:.0f} ms/step profiled (median of {len(during)}) vs {1000 * b:.0f} "
-                f"ms/step unprofiled (median of {len(before)}): {d / b:.2f}x{rss}")
+        return (
+            f"Profiler cost: {1000 * d:.0f} ms/step profiled (median of {len(during)}) vs {1000 * b:.0f} "
+            f"ms/step unprofiled (median of {len(before)}): {d / b:.2f}x{rss}"
+        )
 
     # -- the one-step memory capture
     def _capture(self):
@@ -478,8 +553,9 @@ class Instruments:
 
         folder = self.out_dir / paths.MEMORY_TRACE_DIR.format(worker=self.worker)
         write_memory_trace(breakdown, folder, self.memory_estimate)
-        self.log.info(f"{format_breakdown(breakdown, self.memory_estimate)}\n  memory.log and sunburst charts: "
-                      f"{folder}")
+        self.log.info(
+            f"{format_breakdown(breakdown, self.memory_estimate)}\n  memory.log and sunburst charts: {folder}"
+        )
         self.memory_breakdown = breakdown.to_record(self.memory_estimate)
 
     def take_memory_breakdown(self) -> dict | None:
@@ -488,10 +564,12 @@ class Instruments:
         return record
 
     # -- entering and leaving
-    def __enter__(self) -> "Instruments":
+    def __enter__(self) -> Instruments:
         # A progress bar over the steps between log lines, on a terminal only (not in pipes, CI, or
         # on ranks other than 0): a log interval of a big model can be minutes of silence.
-        self.progress = Progress(self.cfg.log_interval, progress_enabled(self.rank), desc="steps to the next log line")
+        self.progress = Progress(
+            self.cfg.log_interval, progress_enabled(self.rank), desc="steps to the next log line"
+        )
         self._exit.enter_context(self.progress.attach(self.log))
         if self.profiler is not None:
             self._exit.enter_context(self.profiler)
@@ -509,4 +587,6 @@ class Instruments:
                 if not self._snapshot_dumped:  # the run ended before the window did
                     self.memory_history.dump(self.snapshot_path)
                 self.memory_history.stop()
-                self.log.info(f"CUDA memory snapshot: {self.snapshot_path} (open it at pytorch.org/memory_viz)")
+                self.log.info(
+                    f"CUDA memory snapshot: {self.snapshot_path} (open it at pytorch.org/memory_viz)"
+                )

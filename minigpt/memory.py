@@ -88,12 +88,23 @@ CATEGORIES = tuple(LAYOUT)
 SUMMARY_DEPTH = 3  # levels under each category in summary_sunburst.html (total > params > blocks > blocks.0)
 # The parts of the measured peak, in the order memory.log and the charts list them; they add up to it.
 PEAK_PARTS = ("params", "grads", "optimizer", "activations", "temporaries", "held")
-PEAK_PART_NAMES = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state",
-                   "activations": "saved activations", "temporaries": "temporaries of the ops",
-                   "held": "held from before the step"}
+PEAK_PART_NAMES = {
+    "params": "parameters",
+    "grads": "gradients",
+    "optimizer": "optimizer state",
+    "activations": "saved activations",
+    "temporaries": "temporaries of the ops",
+    "held": "held from before the step",
+}
 # Saved tensors of ops that run in no submodule take the op's name; the cross-entropy's are the loss.
-LOSS_OPS = ("cross_entropy", "nll_loss", "log_softmax", "LogSoftmaxBackward", "NllLossBackward",
-            "CrossEntropy")
+LOSS_OPS = (
+    "cross_entropy",
+    "nll_loss",
+    "log_softmax",
+    "LogSoftmaxBackward",
+    "NllLossBackward",
+    "CrossEntropy",
+)
 NO_MODULE = "(outside any submodule)"  # saved tensors whose op could not be told (no profiler session)
 # Names of the markers a capture writes into its own profiler session (never seen outside it).
 _MARK = "minigpt.memory::"
@@ -125,8 +136,10 @@ def process_memory() -> dict[str, int]:
     peak since the start (getrusage ru_maxrss, KiB on Linux). Above the allocator's own figures
     sits what the allocator caches and retains (glibc's kept blocks, see minigpt/cpu.py), the
     interpreter, the libraries' code and the data on the host."""
-    out = {"rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-           * (1 if sys.platform == "darwin" else 1024)}
+    out = {
+        "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        * (1 if sys.platform == "darwin" else 1024)
+    }
     try:
         with open("/proc/self/statm") as f:
             out["rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -136,6 +149,7 @@ def process_memory() -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------- the breakdown
+
 
 @dataclass
 class MemoryBreakdown:
@@ -172,8 +186,11 @@ class MemoryBreakdown:
 
     def subtree(self, category: str, prefix: str) -> int:
         """Bytes under a path, e.g. subtree("activations", "blocks.0")."""
-        return sum(v for k, v in getattr(self, category).items()
-                   if k == prefix or k.startswith(prefix + ".") or not prefix)
+        return sum(
+            v
+            for k, v in getattr(self, category).items()
+            if k == prefix or k.startswith(prefix + ".") or not prefix
+        )
 
     def peak_part(self, part: str) -> int:
         return sum(self.peak_parts.get(part, {}).values())
@@ -194,19 +211,27 @@ class MemoryBreakdown:
         """The stable record that metrics.jsonl carries under "memory_breakdown" (bytes). `peak` is
         the measured peak (the benchmarks' peak column), `peak_stage` when it happened."""
         record = {
-            "step": self.step, "device": self.device,
-            "params": self.category_total("params"), "grads": self.category_total("grads"),
-            "optimizer": self.category_total("optimizer"), "activations": self.category_total("activations"),
-            "activations_peak": self.activations_peak, "total": self.total,
+            "step": self.step,
+            "device": self.device,
+            "params": self.category_total("params"),
+            "grads": self.category_total("grads"),
+            "optimizer": self.category_total("optimizer"),
+            "activations": self.category_total("activations"),
+            "activations_peak": self.activations_peak,
+            "total": self.total,
             "activation_dtypes": dict(self.activation_dtypes),
-            "cuda_max_allocated": self.cuda_max_allocated, "cuda_max_reserved": self.cuda_max_reserved,
+            "cuda_max_allocated": self.cuda_max_allocated,
+            "cuda_max_reserved": self.cuda_max_reserved,
             "other": self.other,
-            "peak": self.peak, "peak_stage": self.peak_stage, "peak_where": self.peak_where,
+            "peak": self.peak,
+            "peak_stage": self.peak_stage,
+            "peak_where": self.peak_where,
             "peak_parts": {p: self.peak_part(p) for p in PEAK_PARTS} if self.peak is not None else None,
             "temporaries": dict(self.peak_parts.get("temporaries", {})),
             "peak_activations": dict(self.peak_parts.get("activations", {})),
             "held": dict(self.peak_parts.get("held", {})),
-            "peak_note": self.peak_note, "start_bytes": self.start_bytes,
+            "peak_note": self.peak_note,
+            "start_bytes": self.start_bytes,
         }
         if estimate is not None:
             record["estimate"] = estimate.to_record()
@@ -245,8 +270,13 @@ class MemoryCapture:
     happened, and what was live then. A profiler already running (the trainer's trace window)
     cannot be nested: the peak is then not measured, and `peak_note` says so."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 step: int | None = None, peak: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        step: int | None = None,
+        peak: bool = True,
+    ):
         self.model, self.optimizer, self.step, self.want_peak = model, optimizer, step, peak
         self.breakdown: MemoryBreakdown | None = None
         self._names = {id(p): n for n, p in model.named_parameters()}
@@ -326,12 +356,15 @@ class MemoryCapture:
         try:
             if self.want_peak:
                 if _profiler_busy():
-                    self._peak_note = ("not measured: another profiler was running during this step (measure "
-                                       "a "
-                                       "step outside the trace window)")
+                    self._peak_note = (
+                        "not measured: another profiler was running during this step (measure "
+                        "a "
+                        "step outside the trace window)"
+                    )
                 else:
                     self._baseline = self._scan_baseline(params)
                     from torch.profiler import ProfilerActivity, profile
+
                     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
                     self._prof = profile(activities=activities, profile_memory=True)
                     self._prof.__enter__()
@@ -409,6 +442,7 @@ class MemoryCapture:
             if owners[ptr] == 0 and self._profiling:
                 self._marks.append(("free", ptr, 0, "", ""))
                 _mark(f"{_MARK}{len(self._marks) - 1}")
+
         return callback
 
     def _enter_module(self, name: str):
@@ -417,6 +451,7 @@ class MemoryCapture:
             if self._profiling and name:
                 enter = torch.ops.profiler._record_function_enter_new
                 self._ranges.append(enter(f"{_MARK}module:{name}", None))
+
         return hook
 
     def _leave_module(self, name: str, root: bool):
@@ -427,6 +462,7 @@ class MemoryCapture:
                 torch.ops.profiler._record_function_exit._RecordFunction(self._ranges.pop())
             if root:
                 self._forward_done = True  # later micro-batches add to the peak, not to the layout
+
         return hook
 
     def _grad_hook(self, name: str):
@@ -436,6 +472,7 @@ class MemoryCapture:
                 if self._profiling:
                     self._marks.append(("grad", self._grads[name][0][2], 0, name, ""))
                     _mark(f"{_MARK}{len(self._marks) - 1}")
+
         return hook
 
     def _stop_profiler(self):
@@ -465,9 +502,13 @@ class MemoryCapture:
         seen = set()
         if self.optimizer is not None:
             order = {name: i for i, name in enumerate(self._params)}
-            states = sorted(((self._names.get(id(p), f"param{i}"), state)
-                             for i, (p, state) in enumerate(self.optimizer.state.items())),
-                            key=lambda item: order.get(item[0], len(order)))
+            states = sorted(
+                (
+                    (self._names.get(id(p), f"param{i}"), state)
+                    for i, (p, state) in enumerate(self.optimizer.state.items())
+                ),
+                key=lambda item: order.get(item[0], len(order)),
+            )
             for name, state in states:
                 for k, v in state.items():
                     if torch.is_tensor(v):
@@ -480,10 +521,16 @@ class MemoryCapture:
             max_alloc, max_reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
         activations = {k: v for k, v in self._activations.items() if v}
         b = MemoryBreakdown(
-            step=self.step, params=self._params, grads=grads, optimizer=optimizer,
-            activations=activations, activations_peak=self._peak,
+            step=self.step,
+            params=self._params,
+            grads=grads,
+            optimizer=optimizer,
+            activations=activations,
+            activations_peak=self._peak,
             activation_dtypes=dict(sorted(self._dtypes.items())),
-            device=self._device, cuda_max_allocated=max_alloc, cuda_max_reserved=max_reserved,
+            device=self._device,
+            cuda_max_allocated=max_alloc,
+            cuda_max_reserved=max_reserved,
             peak_note=self._peak_note,
         )
         if prof is not None:
@@ -500,8 +547,12 @@ class MemoryCapture:
         self.breakdown = b
 
 
-def capture_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                   step: int | None = None, peak: bool = True) -> MemoryCapture:
+def capture_memory(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    step: int | None = None,
+    peak: bool = True,
+) -> MemoryCapture:
     """`with capture_memory(model, optimizer) as cap:` around one training step."""
     return MemoryCapture(model, optimizer, step, peak)
 
@@ -559,8 +610,17 @@ def _timeline(prof, device: str) -> _Timeline:
         if tag == _EventType.Allocation:
             fields = node.typed[1]
             if fields.device.type == device and fields.alloc_size != 0:
-                raw.append((node.start_time_ns, order[0], "alloc", fields.ptr, fields.alloc_size,
-                            fields.total_allocated, _where(ctx)))
+                raw.append(
+                    (
+                        node.start_time_ns,
+                        order[0],
+                        "alloc",
+                        fields.ptr,
+                        fields.alloc_size,
+                        fields.total_allocated,
+                        _where(ctx),
+                    )
+                )
             return
         if tag != _EventType.TorchOp:
             for child in node.children:
@@ -569,9 +629,9 @@ def _timeline(prof, device: str) -> _Timeline:
         ctx = dict(ctx)
         seq = node.typed[1].sequence_number
         if name.startswith(_MARK):
-            rest = name[len(_MARK):]
+            rest = name[len(_MARK) :]
             if rest.startswith("module:"):
-                ctx["module"] = rest[len("module:"):]
+                ctx["module"] = rest[len("module:") :]
             else:
                 raw.append((node.start_time_ns, order[0], "mark", int(rest), 0, 0, _where(ctx)))
                 return
@@ -605,8 +665,13 @@ def _timeline(prof, device: str) -> _Timeline:
 
 
 def _where(ctx: dict) -> _Where:
-    return _Where(ctx.get("stage", "outside the stages"), ctx.get("module", ""), ctx.get("node", ""),
-                  ctx.get("outer", ""), ctx.get("inner", ctx.get("outer", "")))
+    return _Where(
+        ctx.get("stage", "outside the stages"),
+        ctx.get("module", ""),
+        ctx.get("node", ""),
+        ctx.get("outer", ""),
+        ctx.get("inner", ctx.get("outer", "")),
+    )
 
 
 def _saved_name(where: _Where) -> str:
@@ -614,14 +679,24 @@ def _saved_name(where: _Where) -> str:
     and targets, or the op itself."""
     op = where.inner.removeprefix("aten::")
     if where.is_loss():
-        what = {"_log_softmax": "log-probs", "log_softmax": "log-probs", "nll_loss_forward": "targets",
-                "nll_loss": "targets", "nll_loss_nd": "targets"}.get(op, op)
+        what = {
+            "_log_softmax": "log-probs",
+            "log_softmax": "log-probs",
+            "nll_loss_forward": "targets",
+            "nll_loss": "targets",
+            "nll_loss_nd": "targets",
+        }.get(op, op)
         return f"loss (cross_entropy {what})"
     return f"op {where.outer.removeprefix('aten::')}"
 
 
-def _replay(b: MemoryBreakdown, timeline: _Timeline, baseline: dict[int, list], marks: list[tuple],
-            optimizer_ptrs: dict[int, str]) -> None:
+def _replay(
+    b: MemoryBreakdown,
+    timeline: _Timeline,
+    baseline: dict[int, list],
+    marks: list[tuple],
+    optimizer_ptrs: dict[int, str],
+) -> None:
     """Walk the allocations in order from what was live at the start; the highest total is the
     peak. Then walk again to that moment and name every byte live there."""
     events = timeline.events
@@ -702,7 +777,9 @@ def _replay(b: MemoryBreakdown, timeline: _Timeline, baseline: dict[int, list], 
     if first_total is not None:
         b.allocator_peak_delta = max(0, top_total - first_total)
 
+
 # ---------------------------------------------------------------------------- trees
+
 
 def _tree(leaves: dict[str, int], root: str) -> list[tuple[str, int, int, int]]:
     """Depth-first rows (path, depth, own bytes, subtree bytes) for the leaves' paths and every
@@ -734,6 +811,7 @@ def _tree(leaves: dict[str, int], root: str) -> list[tuple[str, int, int, int]]:
 
 # ---------------------------------------------------------------------------- memory.log
 
+
 def _mb(nbytes: float) -> str:
     return f"{nbytes / MiB:.2f} MiB"
 
@@ -761,30 +839,49 @@ def format_memory_log(b: MemoryBreakdown, estimate: MemoryEstimate | None = None
         "activation_dtype_memory: " + ", ".join(f"{k}: {_mb(v)}" for k, v in b.activation_dtypes.items()),
     ]
     if b.peak is not None:
-        lines.append(f"peak_memory: {_mb(b.peak)}, " + ", ".join(
-            f"peak_{part}_memory: {_mb(b.peak_part(part))}" for part in PEAK_PARTS))
+        lines.append(
+            f"peak_memory: {_mb(b.peak)}, "
+            + ", ".join(f"peak_{part}_memory: {_mb(b.peak_part(part))}" for part in PEAK_PARTS)
+        )
         lines.append(f"peak_stage: {b.peak_stage}")
         lines.append(f"peak_where: {b.peak_where}")
     elif b.peak_note:
         lines.append(f"peak_note: {b.peak_note}")
     if b.cuda_max_allocated is not None:
-        lines.append(f"cuda_memory: max_allocated: {_mb(b.cuda_max_allocated)}, "
-                     f"max_reserved: {_mb(b.cuda_max_reserved)}, other_memory: {_mb(b.other)}")
+        lines.append(
+            f"cuda_memory: max_allocated: {_mb(b.cuda_max_allocated)}, "
+            f"max_reserved: {_mb(b.cuda_max_reserved)}, other_memory: {_mb(b.other)}"
+        )
     if estimate is not None:
         e = estimate.to_record()
-        pairs = [("params_memory", s["params"], e["params"]), ("grads_memory", s["grads"], e["grads"]),
-                 ("os_state_memory", s["optimizer"], e["optimizer"]),
-                 ("activation_memory", s["activations"], e["activations"]),
-                 ("total_memory", b.total, e["total"])]
+        pairs = [
+            ("params_memory", s["params"], e["params"]),
+            ("grads_memory", s["grads"], e["grads"]),
+            ("os_state_memory", s["optimizer"], e["optimizer"]),
+            ("activation_memory", s["activations"], e["activations"]),
+            ("total_memory", b.total, e["total"]),
+        ]
         if b.peak is not None:
             pairs.append(("peak_memory", b.peak, e["peak"]))
-        lines.append("estimate_memory: "
-                     + ", ".join(f"{k}: {_mb(est)} ({_pct(m, est)})" for k, m, est in pairs))
-    lines.append("bytes: " + ", ".join(f"{k}={v}" for k, v in [
-        ("total", b.total), ("params", s["params"]), ("grads", s["grads"]), ("os_params", 0),
-        ("os_state", s["optimizer"]), ("activation", s["activations"]),
-        ("activation_peak", b.activations_peak)]
-        + ([("peak", b.peak)] if b.peak is not None else [])))
+        lines.append(
+            "estimate_memory: " + ", ".join(f"{k}: {_mb(est)} ({_pct(m, est)})" for k, m, est in pairs)
+        )
+    lines.append(
+        "bytes: "
+        + ", ".join(
+            f"{k}={v}"
+            for k, v in [
+                ("total", b.total),
+                ("params", s["params"]),
+                ("grads", s["grads"]),
+                ("os_params", 0),
+                ("os_state", s["optimizer"]),
+                ("activation", s["activations"]),
+                ("activation_peak", b.activations_peak),
+            ]
+            + ([("peak", b.peak)] if b.peak is not None else [])
+        )
+    )
     lines.append("---Layout---")
     for category, (root, section) in LAYOUT.items():
         lines.append(f"{section}:")
@@ -804,14 +901,18 @@ PEAK_ROOT, PEAK_SECTION = "peak_mem", "peak_layout"
 
 
 def _layer(path: str, own: int, total: int) -> str:
-    return (f"layer: {path}, layer_mem: {_mb(own)}, total_mem: {_mb(total)}, "
-            f"layer_bytes: {own}, total_bytes: {total}")
+    return (
+        f"layer: {path}, layer_mem: {_mb(own)}, total_mem: {_mb(total)}, "
+        f"layer_bytes: {own}, total_bytes: {total}"
+    )
 
 
 # memory.log writes MiB; InternEvo's logs write MB for the same unit: both are read.
-_LAYER = re.compile(r"^(?P<indent>\s*)layer: (?P<path>[^,]*), layer_mem: (?P<own>[\d.]+) Mi?B, "
-                    r"total_mem: (?P<total>[\d.]+) Mi?B"
-                    r"(?:, layer_bytes: (?P<own_b>\d+), total_bytes: (?P<total_b>\d+))?")
+_LAYER = re.compile(
+    r"^(?P<indent>\s*)layer: (?P<path>[^,]*), layer_mem: (?P<own>[\d.]+) Mi?B, "
+    r"total_mem: (?P<total>[\d.]+) Mi?B"
+    r"(?:, layer_bytes: (?P<own_b>\d+), total_bytes: (?P<total_b>\d+))?"
+)
 _MB_FIELD = re.compile(r"(\w+): (-?[\d.]+) Mi?B\b")
 
 
@@ -826,8 +927,15 @@ def parse_memory_log(text: str) -> list[dict]:
     for line in text.splitlines():
         stripped = line.strip()
         if stripped == "Memory State:":
-            state = {"step": None, "time": None, "summary": {}, "activation_dtypes": {}, "cuda": {},
-                     "estimate": {}, "layouts": {}}
+            state = {
+                "step": None,
+                "time": None,
+                "summary": {},
+                "activation_dtypes": {},
+                "cuda": {},
+                "estimate": {},
+                "layouts": {},
+            }
             states.append(state)
             section = None
         elif not stripped or not states or stripped in ("---summary---", "---Layout---"):
@@ -846,18 +954,25 @@ def parse_memory_log(text: str) -> list[dict]:
                 state["summary"][f"{k}_memory"] = int(v)
         elif stripped.startswith(("activation_dtype_memory:", "cuda_memory:", "estimate_memory:")):
             head, rest = stripped.split(":", 1)
-            target = {"activation_dtype_memory": "activation_dtypes", "cuda_memory": "cuda",
-                      "estimate_memory": "estimate"}[head]
+            target = {
+                "activation_dtype_memory": "activation_dtypes",
+                "cuda_memory": "cuda",
+                "estimate_memory": "estimate",
+            }[head]
             state[target] = {k: round(float(v) * MB) for k, v in _MB_FIELD.findall(rest)}
         elif stripped.endswith("_layout:"):
             section = stripped[:-1]
             state["layouts"][section] = []
         elif (m := _LAYER.match(line)) and section:
             own_b, total_b = m["own_b"], m["total_b"]
-            state["layouts"][section].append({
-                "path": m["path"], "depth": len(m["indent"]) // 2 if m["indent"] else m["path"].count("."),
-                "layer_bytes": int(own_b) if own_b else round(float(m["own"]) * MB),
-                "total_bytes": int(total_b) if total_b else round(float(m["total"]) * MB)})
+            state["layouts"][section].append(
+                {
+                    "path": m["path"],
+                    "depth": len(m["indent"]) // 2 if m["indent"] else m["path"].count("."),
+                    "layer_bytes": int(own_b) if own_b else round(float(m["own"]) * MB),
+                    "total_bytes": int(total_b) if total_b else round(float(m["total"]) * MB),
+                }
+            )
         elif section is None:
             for k, v in _MB_FIELD.findall(stripped):
                 state["summary"].setdefault(k, round(float(v) * MB))
@@ -866,16 +981,22 @@ def parse_memory_log(text: str) -> list[dict]:
 
 # ---------------------------------------------------------------------------- sunburst charts
 
+
 def _sunburst_html(rows: list[tuple[str, str, str, int]], title: str) -> str:
     """rows: (id, label, parent id, bytes). Offline HTML: plotly.js is embedded (about 4.6 MB)."""
     import plotly.graph_objects as go  # imported when charts are written, not by the trainer
 
-    fig = go.Figure(go.Sunburst(
-        ids=[r[0] for r in rows], labels=[r[1] for r in rows], parents=[r[2] for r in rows],
-        values=[r[3] for r in rows], customdata=[r[3] / MiB for r in rows],
-        branchvalues="total",  # a node's value is its subtree's: parents are never inflated
-        hovertemplate="%{id}<br>%{customdata:.2f} MiB<br>%{percentRoot:.1%} of the chart<extra></extra>",
-    ))
+    fig = go.Figure(
+        go.Sunburst(
+            ids=[r[0] for r in rows],
+            labels=[r[1] for r in rows],
+            parents=[r[2] for r in rows],
+            values=[r[3] for r in rows],
+            customdata=[r[3] / MiB for r in rows],
+            branchvalues="total",  # a node's value is its subtree's: parents are never inflated
+            hovertemplate="%{id}<br>%{customdata:.2f} MiB<br>%{percentRoot:.1%} of the chart<extra></extra>",
+        )
+    )
     fig.update_layout(title=title, margin=dict(t=50, l=0, r=0, b=0))
     return fig.to_html(include_plotlyjs=True, full_html=True)
 
@@ -883,8 +1004,9 @@ def _sunburst_html(rows: list[tuple[str, str, str, int]], title: str) -> str:
 OWN = "(itself)"  # a node's own bytes beside its children's, drawn as a named slice, not a blank gap
 
 
-def _category_rows(b: MemoryBreakdown, category: str, max_depth: int | None = None,
-                   parent: str = "") -> list[tuple[str, str, str, int]]:
+def _category_rows(
+    b: MemoryBreakdown, category: str, max_depth: int | None = None, parent: str = ""
+) -> list[tuple[str, str, str, int]]:
     """(id, label, parent, bytes) rows of one category's tree; ids are memory.log's paths. A node
     that holds bytes itself and has children gets a child "<name> (itself)" for its own bytes, so
     that no part of a ring is left unnamed."""
@@ -914,29 +1036,36 @@ def _peak_rows(b: MemoryBreakdown, parent: str = "") -> list[tuple[str, str, str
     return rows
 
 
-def write_memory_trace(b: MemoryBreakdown, folder: Path,
-                       estimate: MemoryEstimate | None = None) -> list[Path]:
+def write_memory_trace(
+    b: MemoryBreakdown, folder: Path, estimate: MemoryEstimate | None = None
+) -> list[Path]:
     """memory.log and the sunburst charts into `folder`, each written to a temporary name and
     renamed into place. Returns the paths."""
     folder.mkdir(parents=True, exist_ok=True)
     mib = lambda c: b.category_total(c) / MiB  # noqa: E731
-    titles = {"params": f"Parameters: {mib('params'):.2f} MiB", "grads": f"Gradients: {mib('grads'):.2f} MiB",
-              "optimizer": f"Optimizer state: {mib('optimizer'):.2f} MiB",
-              "activations": f"Activations saved for backward (first forward): {mib('activations'):.2f} MiB"}
+    titles = {
+        "params": f"Parameters: {mib('params'):.2f} MiB",
+        "grads": f"Gradients: {mib('grads'):.2f} MiB",
+        "optimizer": f"Optimizer state: {mib('optimizer'):.2f} MiB",
+        "activations": f"Activations saved for backward (first forward): {mib('activations'):.2f} MiB",
+    }
     files = {MEMORY_LOG: format_memory_log(b, estimate)}
     for category in CATEGORIES:
         files[SUNBURST_FILES[category]] = _sunburst_html(_category_rows(b, category), titles[category])
     step = f" at step {b.step}" if b.step is not None else ""
     if b.peak is not None:
         files[SUNBURST_FILES["peak"]] = _sunburst_html(
-            _peak_rows(b), f"Measured peak{step}: {b.peak / MiB:.2f} MiB, in {b.peak_where}")
+            _peak_rows(b), f"Measured peak{step}: {b.peak / MiB:.2f} MiB, in {b.peak_where}"
+        )
     summary = [("total", "total", "", sum(b.category_total(c) for c in CATEGORIES))]
     for category in CATEGORIES:
         summary += _category_rows(b, category, max_depth=SUMMARY_DEPTH, parent="total")
     peak = f", measured peak {b.peak / MiB:.2f} MiB" if b.peak is not None else ""
     files[SUNBURST_FILES["summary"]] = _sunburst_html(
-        summary, f"Memory{step}: {sum(b.category_total(c) for c in CATEGORIES) / MiB:.2f} MiB "
-                 f"(activation peak {b.activations_peak / MiB:.2f} MiB{peak})")
+        summary,
+        f"Memory{step}: {sum(b.category_total(c) for c in CATEGORIES) / MiB:.2f} MiB "
+        f"(activation peak {b.activations_peak / MiB:.2f} MiB{peak})",
+    )
     paths = []
     for name, text in files.items():
         path = folder / name
@@ -948,12 +1077,14 @@ def write_memory_trace(b: MemoryBreakdown, folder: Path,
 def format_breakdown(b: MemoryBreakdown, estimate: MemoryEstimate | None = None) -> str:
     """The console table: each measured figure, and beside it the estimate and the difference."""
     e = estimate.to_record() if estimate is not None else {}
-    rows = [("parameters", b.category_total("params"), "params"),
-            ("gradients", b.category_total("grads"), "grads"),
-            ("optimizer state", b.category_total("optimizer"), "optimizer"),
-            ("activations (saved for backward)", b.category_total("activations"), "activations"),
-            ("activation peak", b.activations_peak, "activations"),
-            ("total (params+grads+optimizer+peak)", b.total, "total")]
+    rows = [
+        ("parameters", b.category_total("params"), "params"),
+        ("gradients", b.category_total("grads"), "grads"),
+        ("optimizer state", b.category_total("optimizer"), "optimizer"),
+        ("activations (saved for backward)", b.category_total("activations"), "activations"),
+        ("activation peak", b.activations_peak, "activations"),
+        ("total (params+grads+optimizer+peak)", b.total, "total"),
+    ]
     head = f"Memory breakdown at step {b.step} ({b.device}):"
     lines = [head, f"  {'':38s}{'measured':>12s}" + (f"{'estimate':>12s}{'diff':>9s}" if e else "")]
     for label, measured, key in rows:
@@ -978,9 +1109,11 @@ def format_breakdown(b: MemoryBreakdown, estimate: MemoryEstimate | None = None)
     elif b.peak_note:
         lines.append(f"  measured peak: {b.peak_note}")
     if b.cuda_max_allocated is not None:
-        lines.append(f"  CUDA max allocated {b.cuda_max_allocated / MB:.2f} MiB (reserved "
-                     f"{b.cuda_max_reserved / MB:.2f} MiB); not in the breakdown: {b.other / MB:+.2f} MiB of "
-                     "temporary buffers, workspaces and allocator rounding")
+        lines.append(
+            f"  CUDA max allocated {b.cuda_max_allocated / MB:.2f} MiB (reserved "
+            f"{b.cuda_max_reserved / MB:.2f} MiB); not in the breakdown: {b.other / MB:+.2f} MiB of "
+            "temporary buffers, workspaces and allocator rounding"
+        )
     return "\n".join(lines)
 
 

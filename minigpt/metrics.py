@@ -91,28 +91,38 @@ def format_log_line(m: StepRecord) -> str:
     """One line per log interval, in the spirit of the blog's trainer."""
     val = "n/a" if m.val_loss is None else f"{m.val_loss:.4f}"
     ppl = "n/a" if m.val_ppl is None else f"{m.val_ppl:.1f}"
-    line = (f"epoch {m.epoch} step {m.step}/{m.num_steps} | lr {m.lr:.2e} | step {m.step_time_s * 1000:.0f}ms | "
-            f"{m.tokens_per_s:,.0f} tok/s per step, {m.tokens_per_s_e2e:,.0f} end to end | "
-            + (f"{m.tokens_per_s_per_rank:,.0f} tok/s/rank x {m.world_size} | " if m.world_size > 1 else "")
-            + (f"mfu {100 * m.mfu:.1f}% ({m.achieved_tflops:.2f} TFLOP/s) | " if m.mfu is not None else "")
-            + f"train loss {m.loss:.4f} | val loss {val} | val ppl {ppl} | "
-            f"elapsed {format_duration(m.elapsed_s)} | eta {format_duration(m.eta_s)} | amp {m.amp}")
+    line = (
+        f"epoch {m.epoch} step {m.step}/{m.num_steps} | lr {m.lr:.2e} | step {m.step_time_s * 1000:.0f}ms | "
+        f"{m.tokens_per_s:,.0f} tok/s per step, {m.tokens_per_s_e2e:,.0f} end to end | "
+        + (f"{m.tokens_per_s_per_rank:,.0f} tok/s/rank x {m.world_size} | " if m.world_size > 1 else "")
+        + (f"mfu {100 * m.mfu:.1f}% ({m.achieved_tflops:.2f} TFLOP/s) | " if m.mfu is not None else "")
+        + f"train loss {m.loss:.4f} | val loss {val} | val ppl {ppl} | "
+        f"elapsed {format_duration(m.elapsed_s)} | eta {format_duration(m.eta_s)} | amp {m.amp}"
+    )
     if m.stage_host_ms:  # host/device ms per stage: on a GPU they differ, the host runs ahead and waits later
         line += " | host/device ms " + " ".join(
-            f"{label(k)} {v:.1f}/{m.stage_device_ms.get(k, float('nan')):.1f}" for k, v in m.stage_host_ms.items())
+            f"{label(k)} {v:.1f}/{m.stage_device_ms.get(k, float('nan')):.1f}"
+            for k, v in m.stage_host_ms.items()
+        )
     if m.stage_comm_ms:
-        line += " | waiting on collectives ms " + " ".join(f"{label(k)} {v:.1f}" for k, v in m.stage_comm_ms.items())
+        line += " | waiting on collectives ms " + " ".join(
+            f"{label(k)} {v:.1f}" for k, v in m.stage_comm_ms.items()
+        )
     mem = m.memory
     if "peak_allocated_gib" in mem:
-        line += f" | peak mem {mem['peak_allocated_gib']:.2f}/{mem['peak_reserved_gib']:.2f} GiB alloc/reserved"
+        line += (
+            f" | peak mem {mem['peak_allocated_gib']:.2f}/{mem['peak_reserved_gib']:.2f} GiB alloc/reserved"
+        )
     elif mem.get("rss_bytes"):
         # What the machine sees. Above the tensors it holds malloc's cached and retained blocks,
         # the interpreter and the libraries: the allocator's own peak is --memory-profiler's figure.
         line += f" | rss {mem['rss_bytes'] / 2**30:.2f} GiB, peak {mem['rss_peak_bytes'] / 2**30:.2f} GiB"
         peak = (m.memory_breakdown or {}).get("peak")
         if peak:
-            line += (f" (allocator peak {peak / 2**20:,.1f} MiB in step {m.memory_breakdown['step']}; the rest is "
-                     "malloc's caching and retention, the interpreter, the libraries)")
+            line += (
+                f" (allocator peak {peak / 2**20:,.1f} MiB in step {m.memory_breakdown['step']}; the rest is "
+                "malloc's caching and retention, the interpreter, the libraries)"
+            )
     return line
 
 
@@ -148,7 +158,7 @@ class JsonlWriter:
             except OSError:  # a full disk was already reported by write(); closing adds nothing
                 pass
 
-    def __enter__(self) -> "JsonlWriter":
+    def __enter__(self) -> JsonlWriter:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -158,8 +168,19 @@ class JsonlWriter:
 # ---------------------------------------------------------------------------- TensorBoard
 
 # Byte figures of record["memory_breakdown"] (and of its "estimate") that TensorBoard plots.
-MEMORY_BREAKDOWN_KEYS = ("params", "grads", "optimizer", "activations", "activations_peak", "total",
-                         "cuda_max_allocated", "other", "logits", "recompute", "peak")
+MEMORY_BREAKDOWN_KEYS = (
+    "params",
+    "grads",
+    "optimizer",
+    "activations",
+    "activations_peak",
+    "total",
+    "cuda_max_allocated",
+    "other",
+    "logits",
+    "recompute",
+    "peak",
+)
 
 
 class TensorBoardLogger:
@@ -177,11 +198,23 @@ class TensorBoardLogger:
     def log(self, r: StepRecord) -> None:
         if self.writer is None:
             return
-        scalars = {"train/loss": r.loss, "val/loss": r.val_loss, "val/ppl": r.val_ppl, "train/lr": r.lr,
-                   "perf/tokens_per_s": r.tokens_per_s, "perf/tokens_per_s_e2e": r.tokens_per_s_e2e,
-                   "perf/tokens_per_s_per_rank": r.tokens_per_s_per_rank, "perf/mfu": r.mfu,
-                   "perf/achieved_tflops": r.achieved_tflops, "perf/step_time_ms": 1000 * r.step_time_s}
-        for kind, figures in (("host", r.stage_host_ms), ("device", r.stage_device_ms), ("comm", r.stage_comm_ms)):
+        scalars = {
+            "train/loss": r.loss,
+            "val/loss": r.val_loss,
+            "val/ppl": r.val_ppl,
+            "train/lr": r.lr,
+            "perf/tokens_per_s": r.tokens_per_s,
+            "perf/tokens_per_s_e2e": r.tokens_per_s_e2e,
+            "perf/tokens_per_s_per_rank": r.tokens_per_s_per_rank,
+            "perf/mfu": r.mfu,
+            "perf/achieved_tflops": r.achieved_tflops,
+            "perf/step_time_ms": 1000 * r.step_time_s,
+        }
+        for kind, figures in (
+            ("host", r.stage_host_ms),
+            ("device", r.stage_device_ms),
+            ("comm", r.stage_comm_ms),
+        ):
             for stage, ms in figures.items():
                 scalars[f"stage_{kind}_ms/{stage}"] = ms
         for key, value in r.memory.items():
@@ -191,17 +224,22 @@ class TensorBoardLogger:
                 self.writer.add_scalar(tag, value, r.step)
         # The measured memory breakdown (bytes, see minigpt/memory.py), in MiB at the measured step.
         breakdown = r.memory_breakdown or {}
-        for prefix, figures in (("memory_breakdown", breakdown), ("memory_estimate", breakdown.get("estimate") or {})):
+        for prefix, figures in (
+            ("memory_breakdown", breakdown),
+            ("memory_estimate", breakdown.get("estimate") or {}),
+        ):
             for key in MEMORY_BREAKDOWN_KEYS:
                 if figures.get(key) is not None:
-                    self.writer.add_scalar(f"{prefix}/{key}_mib", figures[key] / 2**20, breakdown.get("step", r.step))
+                    self.writer.add_scalar(
+                        f"{prefix}/{key}_mib", figures[key] / 2**20, breakdown.get("step", r.step)
+                    )
         self.writer.flush()
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
 
-    def __enter__(self) -> "TensorBoardLogger":
+    def __enter__(self) -> TensorBoardLogger:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -103,16 +103,20 @@ class Workload:
         return 2 * m * k * n
 
 
-def model_workloads(batch_size: int, seq_len: int, d_model: int, d_ff: int, vocab_size: int,
-                    n_heads: int, bias: bool = True) -> list[Workload]:
+def model_workloads(
+    batch_size: int, seq_len: int, d_model: int, d_ff: int, vocab_size: int, n_heads: int, bias: bool = True
+) -> list[Workload]:
     """The units a GPT training step of this shape is made of (one micro-batch): qkv, the
     attention projection, the MLP's two layers, the tied LM head (no bias) and causal attention."""
     tokens, b = batch_size * seq_len, int(bias)
-    return [Workload("linear", (tokens, d_model, 3 * d_model, b)),
-            Workload("linear", (tokens, d_model, d_model, b)),
-            Workload("linear", (tokens, d_model, d_ff, b)), Workload("linear", (tokens, d_ff, d_model, b)),
-            Workload("linear", (tokens, d_model, vocab_size, 0)),
-            Workload("attention", (batch_size, n_heads, seq_len, d_model // n_heads))]
+    return [
+        Workload("linear", (tokens, d_model, 3 * d_model, b)),
+        Workload("linear", (tokens, d_model, d_model, b)),
+        Workload("linear", (tokens, d_model, d_ff, b)),
+        Workload("linear", (tokens, d_ff, d_model, b)),
+        Workload("linear", (tokens, d_model, vocab_size, 0)),
+        Workload("attention", (batch_size, n_heads, seq_len, d_model // n_heads)),
+    ]
 
 
 @dataclass
@@ -127,8 +131,11 @@ class PeakFlops:
 
     def config(self) -> dict:
         """The keys config.json carries."""
-        return {"peak_flops": self.value, "peak_flops_source": self.source,
-                "peak_flops_spread": list(self.spread) if self.spread else None}
+        return {
+            "peak_flops": self.value,
+            "peak_flops_source": self.source,
+            "peak_flops_spread": list(self.spread) if self.spread else None,
+        }
 
 
 def mfu(flops_per_token: float, tokens_per_s_per_device: float, peak: float | PeakFlops) -> float:
@@ -174,8 +181,13 @@ def table_peak(device: str, dtype: str) -> tuple[float, str] | None:
     return None
 
 
-def peak_flops(device: str, dtype: str, workloads: list[Workload] | None = None,
-               override_tflops: float | None = None, cache: bool = True) -> PeakFlops:
+def peak_flops(
+    device: str,
+    dtype: str,
+    workloads: list[Workload] | None = None,
+    override_tflops: float | None = None,
+    cache: bool = True,
+) -> PeakFlops:
     """The MFU denominator for `device` ("cpu" or "cuda") in `dtype` ("fp32", "bf16", "fp16").
     Pass the model's units (model_workloads) so the denominator is at least their best rate;
     without them only the square reference products are measured."""
@@ -196,21 +208,33 @@ def peak_flops(device: str, dtype: str, workloads: list[Workload] | None = None,
         if best_so_far and 2 * u.flops / best_so_far > SKIP_PREDICTED_S:
             skipped.append(u.name)
             continue
-        fresh[u.name] = {"rounds": measure(device, dtype, u), "flops": u.flops,
-                         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+        fresh[u.name] = {
+            "rounds": measure(device, dtype, u),
+            "flops": u.flops,
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        }
     if cache and fresh:
         entries = read_cache(path)  # again, just before writing: another process may have added units
         entries[key] = {**entries.get(key, {}), **fresh}
         atomic_write(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
     rates = {u.name: {**known, **fresh}[u.name] for u in units if u.name not in skipped}
-    shapes = [{"name": n, "flops": r["flops"], "best": max(r["rounds"]), "rounds": r["rounds"]}
-              for n, r in rates.items()]
+    shapes = [
+        {"name": n, "flops": r["flops"], "best": max(r["rounds"]), "rounds": r["rounds"]}
+        for n, r in rates.items()
+    ]
     best = max(shapes, key=lambda s: s["best"])
-    how = ("cache" if not fresh else "measured now" if len(fresh) == len(units)
-           else "measured now, partly cached")
+    how = (
+        "cache"
+        if not fresh
+        else "measured now"
+        if len(fresh) == len(units)
+        else "measured now, partly cached"
+    )
     where = f"{path}" if cache else "not cached"
-    source = (f"{how}: best of {len(shapes)} units ({best['name']}) in {dtype} on {device}, "
-              f"up to {ROUNDS} rounds each after a warm-up [{where}]")
+    source = (
+        f"{how}: best of {len(shapes)} units ({best['name']}) in {dtype} on {device}, "
+        f"up to {ROUNDS} rounds each after a warm-up [{where}]"
+    )
     if skipped:  # not measured, so MFU's bound holds for the measured units only: said, not hidden
         source += f"; {len(skipped)} unit(s) too slow to time here skipped: {', '.join(skipped)}"
     return PeakFlops(best["best"], source, (min(best["rounds"]), max(best["rounds"])), shapes)
@@ -283,6 +307,5 @@ def measure(device: str, dtype: str, unit: Workload, rounds: int = ROUNDS) -> li
 
 def describe(peak: PeakFlops) -> str:
     """One line for the log: the denominator, its source and spread."""
-    spread = (f" (rounds {peak.spread[0] / 1e12:.3g}-{peak.spread[1] / 1e12:.3g})" if peak.spread else "")
+    spread = f" (rounds {peak.spread[0] / 1e12:.3g}-{peak.spread[1] / 1e12:.3g})" if peak.spread else ""
     return f"MFU peak {peak.value / 1e12:.3g} TFLOP/s{spread}; {peak.source}"
-

@@ -41,8 +41,13 @@ class GPTConfig:
 LOSS_CHUNK_ELEMENTS = 2**24
 
 
-def _loss_chunk(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
-                grad_scale: torch.Tensor | None):
+def _loss_chunk(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    dtype: torch.dtype,
+    grad_scale: torch.Tensor | None,
+):
     """One chunk of rows: (sum of its losses, and, when grad_scale is given, d(loss)/d(x rows) and
     d(loss)/d(weight) for loss = sum * grad_scale). The logits are made in `dtype` (autocast's)
     and turned into fp32 for the softmax, as F.cross_entropy does under autocast."""
@@ -82,11 +87,16 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_grad else None
         with torch.autocast(device, enabled=False):
             for i in range(0, x.size(0), rows):
-                part, gx, gw = _loss_chunk(x[i:i + rows], weight, targets[i:i + rows], dtype,
-                                           1.0 / n_valid if need_grad else None)
+                part, gx, gw = _loss_chunk(
+                    x[i : i + rows],
+                    weight,
+                    targets[i : i + rows],
+                    dtype,
+                    1.0 / n_valid if need_grad else None,
+                )
                 total += part
                 if need_grad:
-                    grad_x[i:i + rows] = gx
+                    grad_x[i : i + rows] = gx
                     grad_w += gw
         if need_grad:
             ctx.save_for_backward(grad_x, grad_w)

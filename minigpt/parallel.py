@@ -57,33 +57,52 @@ def check_plan(cfg, world_size: int) -> None:
     if tp_flag < 1:
         raise UsageError(f"--tp must be positive, got {tp_flag}")
     if use_tp and tp_flag not in (1, tp_degree(cfg, world_size)):
-        raise UsageError(f"--use-tensor-parallel means --tp {tp_degree(cfg, world_size)} (this node's "
-                         "ranks); "
-                         f"it contradicts --tp {tp_flag}: pass one of them")
+        raise UsageError(
+            f"--use-tensor-parallel means --tp {tp_degree(cfg, world_size)} (this node's "
+            "ranks); "
+            f"it contradicts --tp {tp_flag}: pass one of them"
+        )
     tp = tp_degree(cfg, world_size)
-    names = " ".join(n for n, on in (("--fsdp", fsdp), (f"--tp {tp_flag}", tp_flag != 1),
-                                     ("--use-tensor-parallel", use_tp)) if on)
+    names = " ".join(
+        n
+        for n, on in (("--fsdp", fsdp), (f"--tp {tp_flag}", tp_flag != 1), ("--use-tensor-parallel", use_tp))
+        if on
+    )
     if world_size < 2:
-        raise UsageError(f"{names} shards the model across processes: launch with torchrun and 2 or more "
-                         "(torchrun --nproc_per_node 2 train_minimal.py ...); one process trains unsharded")
+        raise UsageError(
+            f"{names} shards the model across processes: launch with torchrun and 2 or more "
+            "(torchrun --nproc_per_node 2 train_minimal.py ...); one process trains unsharded"
+        )
     if world_size % tp:
-        raise UsageError(f"the world size {world_size} is not divisible by the tensor-parallel degree {tp}; "
-                         "use a --tp that divides the number of processes")
+        raise UsageError(
+            f"the world size {world_size} is not divisible by the tensor-parallel degree {tp}; "
+            "use a --tp that divides the number of processes"
+        )
     if cfg.n_heads % tp:
-        raise UsageError(f"--n-heads {cfg.n_heads} is not divisible by the tensor-parallel degree {tp}: "
-                         "each rank computes whole attention heads")
+        raise UsageError(
+            f"--n-heads {cfg.n_heads} is not divisible by the tensor-parallel degree {tp}: "
+            "each rank computes whole attention heads"
+        )
     if cfg.d_ff % tp:
-        raise UsageError(f"--d-ff {cfg.d_ff} is not divisible by the tensor-parallel degree {tp}: "
-                         "each rank holds an equal slice of the MLP")
+        raise UsageError(
+            f"--d-ff {cfg.d_ff} is not divisible by the tensor-parallel degree {tp}: "
+            "each rank holds an equal slice of the MLP"
+        )
     if tp > 1 and world_size > tp and not fsdp:
-        raise UsageError(f"--tp {tp} on {world_size} processes leaves a data-parallel dimension of "
-                         f"{world_size // tp}: add --fsdp to shard it (DDP does not compose with TP here)")
+        raise UsageError(
+            f"--tp {tp} on {world_size} processes leaves a data-parallel dimension of "
+            f"{world_size // tp}: add --fsdp to shard it (DDP does not compose with TP here)"
+        )
     if cfg.compile:
-        raise UsageError(f"--compile with {names} is not supported: minigpt compiles the whole model, and "
-                         "FSDP2's hooks and DTensor ops need per-block compilation (as torchtitan does)")
+        raise UsageError(
+            f"--compile with {names} is not supported: minigpt compiles the whole model, and "
+            "FSDP2's hooks and DTensor ops need per-block compilation (as torchtitan does)"
+        )
     if getattr(cfg, "amp_dtype", "bf16") == "fp16" and getattr(cfg, "amp", None) is not False:
-        raise UsageError(f"{names} with --amp-dtype fp16 is not supported: its GradScaler is untested on "
-                         "sharded gradients here; use bf16 (or --no-amp)")
+        raise UsageError(
+            f"{names} with --amp-dtype fp16 is not supported: its GradScaler is untested on "
+            "sharded gradients here; use bf16 (or --no-amp)"
+        )
     # Activation checkpointing composes: the model checkpoints each (FSDP-wrapped) block, and during
     # the recomputation FSDP2 all-gathers that block's parameters again, as torchtitan's AC does.
 
@@ -142,8 +161,10 @@ class Plan:
             mp = "bf16 params, fp32 reduce" if amp_dtype == "bf16" else "fp32"
             parts.append(f"FSDP2 over dp {self.dp} ({mp})")
         if self.tp > 1:
-            parts.append(f"tensor parallel {self.tp} (qkv, mlp.fc column-wise; attn.proj, mlp.proj row-wise; "
-                         "embeddings and head replicated)")
+            parts.append(
+                f"tensor parallel {self.tp} (qkv, mlp.fc column-wise; attn.proj, mlp.proj row-wise; "
+                "embeddings and head replicated)"
+            )
         return "; ".join(parts) + f"; mesh dp {self.dp} x tp {self.tp}; this rank {self.worker}"
 
 
@@ -167,8 +188,9 @@ def _group_qkv_by_rank(linear: nn.Linear, n_heads: int, tp: int) -> None:
     The permutation is part of the sharded checkpoint: load_sharded refuses another --tp."""
     C = linear.in_features
     per = C // tp
-    order = torch.cat([torch.arange(part * C + r * per, part * C + (r + 1) * per)
-                       for r in range(tp) for part in range(3)])
+    order = torch.cat(
+        [torch.arange(part * C + r * per, part * C + (r + 1) * per) for r in range(tp) for part in range(3)]
+    )
     with torch.no_grad():
         linear.weight.copy_(linear.weight[order])
         if linear.bias is not None:
@@ -207,8 +229,11 @@ def parallelize(model: nn.Module, cfg, mesh, device: str, amp_dtype: str) -> nn.
     if fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if amp_dtype == "bf16" else MixedPrecisionPolicy()
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if amp_dtype == "bf16"
+            else MixedPrecisionPolicy()
+        )
         for block in model.blocks:
             fully_shard(block, mesh=mesh["dp"], mp_policy=mp)
         fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
@@ -222,6 +247,7 @@ def parallelize(model: nn.Module, cfg, mesh, device: str, amp_dtype: str) -> nn.
 
 
 # ---------------------------------------------------------------------------- training with DTensors
+
 
 def split_by_mesh(groups: list[dict]) -> list[dict]:
     """Split each optimizer parameter group by the kind of its tensors: plain, or DTensor on a given
@@ -334,6 +360,7 @@ def local_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
 
 # ---------------------------------------------------------------------------- per-rank predictions
 
+
 def per_rank_estimate(estimate, dp: int, tp: int, fsdp: bool, shape: dict | None = None) -> dict:
     """Scale a minigpt.estimate.MemoryEstimate (the whole model in one process) to one rank.
 
@@ -374,9 +401,18 @@ def per_rank_estimate(estimate, dp: int, tp: int, fsdp: bool, shape: dict | None
         block = whole + (e.block - whole) // tp
     activations = e.n_layers * block + e.embeddings + e.head + e.loss
     total = params + grads + optimizer + activations
-    return {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
-            "block": block, "total": total, "peak": total + e.logits + e.recompute,
-            "dp": dp, "tp": tp, "fsdp": fsdp}
+    return {
+        "params": params,
+        "grads": grads,
+        "optimizer": optimizer,
+        "activations": activations,
+        "block": block,
+        "total": total,
+        "peak": total + e.logits + e.recompute,
+        "dp": dp,
+        "tp": tp,
+        "fsdp": fsdp,
+    }
 
 
 # ---------------------------------------------------------------------------- a communication model
@@ -384,8 +420,16 @@ def per_rank_estimate(estimate, dp: int, tp: int, fsdp: bool, shape: dict | None
 H100_NVLINK_BYTES_PER_S = 450e9  # assumed: NVLink 4, 900 GB/s both ways = 450 GB/s per direction per GPU
 
 
-def comm_model(shape: dict, dp: int, tp: int, fsdp: bool, param_bytes: int = 4, reduce_bytes: int = 4,
-               act_bytes: int = 4, link_bytes_per_s: float = H100_NVLINK_BYTES_PER_S) -> dict:
+def comm_model(
+    shape: dict,
+    dp: int,
+    tp: int,
+    fsdp: bool,
+    param_bytes: int = 4,
+    reduce_bytes: int = 4,
+    act_bytes: int = 4,
+    link_bytes_per_s: float = H100_NVLINK_BYTES_PER_S,
+) -> dict:
     """Bytes each GPU sends per optimizer step, per kind of collective, and the seconds they take
     at `link_bytes_per_s` (ring algorithms, bandwidth term only: no latency, no overlap with
     compute, so an upper bound on what is exposed). P = parameters, b s h = tokens x width.
@@ -434,34 +478,57 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--link-gb-s", type=float, default=H100_NVLINK_BYTES_PER_S / 1e9)
     a = p.parse_args(argv)
     pre = PRESETS[a.preset]
-    shape = dict(n_layers=pre["n_layers"], n_heads=pre["n_heads"], d_model=pre["d_model"], d_ff=pre["d_ff"],
-                 seq_len=pre["seq_len"], batch_size=a.batch_size or pre["batch_size"], vocab_size=50304,
-                 max_position_embeddings=pre.get("max_position_embeddings", pre["seq_len"]))
+    shape = dict(
+        n_layers=pre["n_layers"],
+        n_heads=pre["n_heads"],
+        d_model=pre["d_model"],
+        d_ff=pre["d_ff"],
+        seq_len=pre["seq_len"],
+        batch_size=a.batch_size or pre["batch_size"],
+        vocab_size=50304,
+        max_position_embeddings=pre.get("max_position_embeddings", pre["seq_len"]),
+    )
     n = a.gpus
     plans = [("DDP", n, 1, False), ("FSDP", n, 1, True), (f"TP {n}", 1, n, False)]
     plans += [(f"FSDP {n // t} x TP {t}", n // t, t, True) for t in (2, 4) if n % t == 0 and n > t]
     L, h, s = shape["n_layers"], shape["d_model"], shape["seq_len"]
     n_params = estimate_gpt(**shape).params // 4 - shape["max_position_embeddings"] * h  # as model.num_params
     flops_per_token = 6 * n_params + 12 * L * h * s
-    print(f"{a.preset}: {shape}; {n} GPUs; bf16 AMP (fp32 master weights, AdamW), "
-          f"link {a.link_gb_s:.0f} GB/s per direction")
-    print(f"compute per GPU at {100 * a.mfu:.0f}% of {a.peak_tflops:.0f} TFLOP/s; communication time "
-          "is the bandwidth term alone, none of it overlapped (an upper bound on what is exposed)")
-    print(f"{'plan':18s} {'params+grads+AdamW':>19s} {'activations':>12s} {'peak':>9s} "
-          f"{'comm/step':>10s} {'comm time':>10s} {'compute':>9s}")
+    print(
+        f"{a.preset}: {shape}; {n} GPUs; bf16 AMP (fp32 master weights, AdamW), "
+        f"link {a.link_gb_s:.0f} GB/s per direction"
+    )
+    print(
+        f"compute per GPU at {100 * a.mfu:.0f}% of {a.peak_tflops:.0f} TFLOP/s; communication time "
+        "is the bandwidth term alone, none of it overlapped (an upper bound on what is exposed)"
+    )
+    print(
+        f"{'plan':18s} {'params+grads+AdamW':>19s} {'activations':>12s} {'peak':>9s} "
+        f"{'comm/step':>10s} {'comm time':>10s} {'compute':>9s}"
+    )
     for name, dp, tp, fsdp in plans:
         if shape["n_heads"] % tp or shape["d_ff"] % tp:
             print(f"{name:18s} not possible: {shape['n_heads']} heads do not split {tp} ways")
             continue
         e = per_rank_estimate(estimate_gpt(**shape, amp_dtype="bf16", device="cuda"), dp, tp, fsdp, shape)
-        c = comm_model(shape, dp, tp, fsdp, param_bytes=2 if fsdp else 4, reduce_bytes=4, act_bytes=2,
-                       link_bytes_per_s=a.link_gb_s * 1e9)
+        c = comm_model(
+            shape,
+            dp,
+            tp,
+            fsdp,
+            param_bytes=2 if fsdp else 4,
+            reduce_bytes=4,
+            act_bytes=2,
+            link_bytes_per_s=a.link_gb_s * 1e9,
+        )
         gib = 2**30
         compute = flops_per_token * shape["batch_size"] * s / tp / (a.peak_tflops * 1e12 * a.mfu)
-        print(f"{name:18s} {(e['params'] + e['grads'] + e['optimizer']) / gib:16.2f} GiB "
-              f"{e['activations'] / gib:8.2f} GiB {e['peak'] / gib:5.2f} GiB "
-              f"{c['total_bytes'] / 1e9:6.2f} GB "
-              f"{1000 * c['seconds']:7.2f} ms {1000 * compute:6.1f} ms")
+        print(
+            f"{name:18s} {(e['params'] + e['grads'] + e['optimizer']) / gib:16.2f} GiB "
+            f"{e['activations'] / gib:8.2f} GiB {e['peak'] / gib:5.2f} GiB "
+            f"{c['total_bytes'] / 1e9:6.2f} GB "
+            f"{1000 * c['seconds']:7.2f} ms {1000 * compute:6.1f} ms"
+        )
     return 0
 
 
@@ -473,8 +540,11 @@ if __name__ == "__main__":
 
 # Profiler ranges that are communication: c10d and functional collectives, their waits, gloo's own
 # ranges, and FSDP2's gather / reduce ranges (which include its copy-in and copy-out).
-COMM_PATTERN = re.compile(r"all_gather|allgather|reduce_scatter|post_backward_reduce|all_reduce|allreduce|"
-                          r"wait_tensor|broadcast|gloo:", re.IGNORECASE)
+COMM_PATTERN = re.compile(
+    r"all_gather|allgather|reduce_scatter|post_backward_reduce|all_reduce|allreduce|"
+    r"wait_tensor|broadcast|gloo:",
+    re.IGNORECASE,
+)
 
 
 def _union_us(spans: list[tuple[float, float]]) -> float:
@@ -498,8 +568,11 @@ def stage_comm_ms(events, stages: tuple[str, ...]) -> dict[str, float]:
     if not ranges:
         return {}
     thread = ranges[0].thread
-    comm = [(e.time_range.start, e.time_range.end) for e in events
-            if e.thread == thread and COMM_PATTERN.search(e.name)]
+    comm = [
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.thread == thread and COMM_PATTERN.search(e.name)
+    ]
     out = {s: 0.0 for s in stages}
     for r in ranges:
         lo, hi = r.time_range.start, r.time_range.end

@@ -11,8 +11,9 @@ import sys
 from typing import TextIO
 
 
-def progress_enabled(rank: int | None = None, streams: tuple[TextIO, ...] | None = None,
-                     environ: dict | None = None) -> bool:
+def progress_enabled(
+    rank: int | None = None, streams: tuple[TextIO, ...] | None = None, environ: dict | None = None
+) -> bool:
     """Whether to draw a bar: rank 0 (default: $RANK, as torchrun sets it), both streams on a
     terminal, not under CI (which sets $CI), not a dumb terminal, and tqdm installed."""
     environ = os.environ if environ is None else environ
@@ -46,15 +47,29 @@ class Progress:
     """tqdm's bar on stderr when `enabled`, otherwise nothing at all (every method a no-op).
     It vanishes when closed (leave=False): the log lines are the record, the bar is a pulse."""
 
-    def __init__(self, total: int | None, enabled: bool, desc: str = "", unit: str = "step",
-                 unit_scale: bool = False, file: TextIO | None = None):
+    def __init__(
+        self,
+        total: int | None,
+        enabled: bool,
+        desc: str = "",
+        unit: str = "step",
+        unit_scale: bool = False,
+        file: TextIO | None = None,
+    ):
         self.bar = None
         self._filter: tuple[logging.Logger, logging.Filter] | None = None
         if enabled:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale, leave=False,
-                            dynamic_ncols=True, file=file or sys.stderr)
+            self.bar = tqdm(
+                total=total,
+                desc=desc,
+                unit=unit,
+                unit_scale=unit_scale,
+                leave=False,
+                dynamic_ncols=True,
+                file=file or sys.stderr,
+            )
 
     @property
     def enabled(self) -> bool:

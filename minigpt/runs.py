@@ -81,8 +81,9 @@ def check_out_dir(path: str | Path, what: str = "--out-dir") -> None:
     path = Path(path)
     root = _pseudo_fs(path)
     if root is not None:
-        raise UsageError(f"{what} {path} lies under {root}, a kernel file system; "
-                         "choose a folder such as runs/NAME")
+        raise UsageError(
+            f"{what} {path} lies under {root}, a kernel file system; choose a folder such as runs/NAME"
+        )
     if path.exists() and not path.is_dir():
         raise UsageError(f"{what} {path} is a file, not a folder; choose another {what}")
     probe_writable(path / LOCK_FILE, what)
@@ -113,8 +114,10 @@ class RunLock:
                 holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
                 os.close(fd)
                 self._remove_made()
-                raise UsageError(f"another trainer (PID {holder}) is using {self.out_dir}; wait for it to "
-                                 "finish, or choose another --out-dir") from None
+                raise UsageError(
+                    f"another trainer (PID {holder}) is using {self.out_dir}; wait for it to "
+                    "finish, or choose another --out-dir"
+                ) from None
             # The holder before us may have removed the file between our open and our flock:
             # then we hold a lock on a deleted file, which guards nothing. Try again.
             try:
@@ -165,12 +168,16 @@ def latest_run(root: str | Path, checkpoint_file: str | Path = Path("checkpoints
         except OSError:
             continue
     if not found:
-        raise UsageError(f"--resume: no run in {root}/ has a checkpoint ({checkpoint_file}); "
-                         "pass --out-dir or --checkpoint-path")
+        raise UsageError(
+            f"--resume: no run in {root}/ has a checkpoint ({checkpoint_file}); "
+            "pass --out-dir or --checkpoint-path"
+        )
     found.sort(key=lambda t: t[0], reverse=True)
     if len(found) > 1 and found[0][0] - found[1][0] < AMBIGUOUS_S:
-        raise UsageError(f"--resume: {found[0][1]} and {found[1][1]} saved their checkpoints within "
-                         f"{AMBIGUOUS_S:g}s of each other; pass --out-dir to say which to continue")
+        raise UsageError(
+            f"--resume: {found[0][1]} and {found[1][1]} saved their checkpoints within "
+            f"{AMBIGUOUS_S:g}s of each other; pass --out-dir to say which to continue"
+        )
     return found[0][1]
 
 
@@ -233,9 +240,16 @@ def repair_jsonl(path: str | Path, last_step: int | None) -> int:
     return dropped
 
 
-def next_steps(out_dir: str | Path, has_traces: bool, has_report: bool, *, has_checkpoint: bool = True,
-               checkpoint: str | Path | None = None, trace_dir: str = "traces",
-               report_file: str = "report.html") -> list[str]:
+def next_steps(
+    out_dir: str | Path,
+    has_traces: bool,
+    has_report: bool,
+    *,
+    has_checkpoint: bool = True,
+    checkpoint: str | Path | None = None,
+    trace_dir: str = "traces",
+    report_file: str = "report.html",
+) -> list[str]:
     """The lines every run ends with: what to open or run next, with this run's paths.
     checkpoint: a --checkpoint-path outside the run directory, which sample.py must be told."""
     out_dir = Path(out_dir)

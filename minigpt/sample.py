@@ -27,8 +27,10 @@ def load_model(path: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:
-        raise UsageError(f"checkpoint {path}: its weights do not fit its model_config "
-                         f"({str(e).splitlines()[0]}); the file was edited or damaged") from None
+        raise UsageError(
+            f"checkpoint {path}: its weights do not fit its model_config "
+            f"({str(e).splitlines()[0]}); the file was edited or damaged"
+        ) from None
     return model.to(device).eval(), state["config"]
 
 
@@ -41,9 +43,15 @@ def vocab_in_use(train_config: dict, n_vocab: int | None) -> int | None:
 
 
 @torch.no_grad()
-def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, generator: torch.Generator | None = None,
-             vocab_size: int | None = None) -> torch.Tensor:
+def generate(
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
     """Extend each row of idx (batch, time) by max_new_tokens sampled tokens.
 
     The context is cropped to the model's max_position_embeddings (its position table ends

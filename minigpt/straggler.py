@@ -28,6 +28,7 @@ from minigpt.stages import scored_stages, split_parent
 @dataclass
 class SlowRank:
     """--simulate-slow-rank R:MS[:STAGE]: rank R sleeps MS milliseconds inside STAGE each step."""
+
     rank: int
     ms: float
     stage: str = "forward"
@@ -40,17 +41,23 @@ def parse_slow_rank(spec: str, stages: tuple[str, ...]) -> SlowRank:
             raise ValueError
         slow = SlowRank(int(parts[0]), float(parts[1]), *parts[2:])
     except ValueError:
-        raise UsageError(f"--simulate-slow-rank takes RANK:MS or RANK:MS:STAGE (e.g. 1:200:forward); "
-                         f"got {spec!r}") from None
+        raise UsageError(
+            f"--simulate-slow-rank takes RANK:MS or RANK:MS:STAGE (e.g. 1:200:forward); got {spec!r}"
+        ) from None
     if slow.rank < 0 or not 0 < slow.ms < float("inf"):
         raise UsageError(f"--simulate-slow-rank {spec}: the rank must be >= 0 and the delay positive")
     if slow.stage not in stages:
-        raise UsageError(f"--simulate-slow-rank {spec}: unknown stage {slow.stage!r}; one of {', '.join(stages)}")
+        raise UsageError(
+            f"--simulate-slow-rank {spec}: unknown stage {slow.stage!r}; one of {', '.join(stages)}"
+        )
     return slow
 
 
-def rank_figures(rank: int, host: str, step_times_ms: list[float], stage_steps: list[dict[str, float]]) -> dict:
+def rank_figures(
+    rank: int, host: str, step_times_ms: list[float], stage_steps: list[dict[str, float]]
+) -> dict:
     """This rank's medians over one log interval, as sent to every other rank."""
+
     def scored(step: dict[str, float]) -> float:
         # A split that was not timed stands for its whole stage: without DDP there is no
         # communication hook, and the whole backward is the rank's own work.
@@ -58,7 +65,8 @@ def rank_figures(rank: int, host: str, step_times_ms: list[float], stage_steps: 
 
     names = {k for s in stage_steps for k in s}
     return {
-        "rank": rank, "host": host,
+        "rank": rank,
+        "host": host,
         "step_ms": statistics.median(step_times_ms),
         "scored_ms": statistics.median([scored(s) for s in stage_steps]),
         "stages_ms": {k: statistics.median([s.get(k, 0.0) for s in stage_steps]) for k in sorted(names)},
@@ -85,21 +93,33 @@ class StragglerDetector:
             # The stage that grew most: against the fastest rank if that is the low score, else
             # against this rank's own best interval.
             reference = fastest if relative <= individual else best
-            grew = {s: f["stages_ms"].get(s, 0.0) - reference["stages_ms"].get(s, 0.0)
-                    for s in scored_stages() if s in f["stages_ms"]}
+            grew = {
+                s: f["stages_ms"].get(s, 0.0) - reference["stages_ms"].get(s, 0.0)
+                for s in scored_stages()
+                if s in f["stages_ms"]
+            }
             stage = max(grew, key=grew.get) if grew else None
-            reports.append({
-                "step": step, "rank": f["rank"], "host": f["host"],
-                "relative_score": round(relative, 3), "individual_score": round(individual, 3),
-                "stage": stage, "stage_ms": f["stages_ms"].get(stage),
-                "reference_stage_ms": reference["stages_ms"].get(stage),
-                "scored_ms": f["scored_ms"], "step_ms": f["step_ms"],
-            })
+            reports.append(
+                {
+                    "step": step,
+                    "rank": f["rank"],
+                    "host": f["host"],
+                    "relative_score": round(relative, 3),
+                    "individual_score": round(individual, 3),
+                    "stage": stage,
+                    "stage_ms": f["stages_ms"].get(stage),
+                    "reference_stage_ms": reference["stages_ms"].get(stage),
+                    "scored_ms": f["scored_ms"],
+                    "step_ms": f["step_ms"],
+                }
+            )
         return reports
 
 
 def format_report(r: dict, threshold: float) -> str:
-    return (f"STRAGGLER rank {r['rank']} on {r['host']} at step {r['step']}: relative score "
-            f"{r['relative_score']:.2f}, individual score {r['individual_score']:.2f} (threshold "
-            f"{threshold:.2f}); {r['stage']} grew most: {r['stage_ms']:.1f} ms vs "
-            f"{r['reference_stage_ms']:.1f} ms")
+    return (
+        f"STRAGGLER rank {r['rank']} on {r['host']} at step {r['step']}: relative score "
+        f"{r['relative_score']:.2f}, individual score {r['individual_score']:.2f} (threshold "
+        f"{threshold:.2f}); {r['stage']} grew most: {r['stage_ms']:.1f} ms vs "
+        f"{r['reference_stage_ms']:.1f} ms"
+    )

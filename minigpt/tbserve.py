@@ -9,8 +9,8 @@ import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 
 def free_port() -> int:
@@ -20,15 +20,21 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve_tensorboard(argv: list[str], cwd=None, env=None, timeout: float = 120,
-                      wait_for_profiler: bool = True) -> Iterator[str]:
+def serve_tensorboard(
+    argv: list[str], cwd=None, env=None, timeout: float = 120, wait_for_profiler: bool = True
+) -> Iterator[str]:
     """Run `argv` (a tensorboard command line) on 127.0.0.1 and a free port; yield its URL once
     it answers and, with `wait_for_profiler`, once the profiler plugin has loaded the traces (it
     parses them in the background); stop it after."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([*argv, "--host", "127.0.0.1", "--port", str(port)], cwd=cwd, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*argv, "--host", "127.0.0.1", "--port", str(port)],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + timeout
         while True:

@@ -102,48 +102,87 @@ def default_stages() -> tuple[str, ...]:
     except ImportError:
         return DEFAULT_STAGES
     return tuple(stages.STAGE_NAMES)
+
+
 TRACE_SUFFIXES = (".json", ".json.gz")  # torch writes .pt.trace.json(.gz); other tools other names
-TRACE_SUBDIR = "traces"          # where a minigpt run folder keeps them
+TRACE_SUBDIR = "traces"  # where a minigpt run folder keeps them
 DEFAULT_TOP = 10
-WHOLE_TRACE = "whole trace"      # the window when a trace has no ProfilerStep#N ranges
+WHOLE_TRACE = "whole trace"  # the window when a trace has no ProfilerStep#N ranges
 
 STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
-RANGE_CATS = {"user_annotation"}                     # record_function ranges on the host
-OP_CATS = {"cpu_op", "Operator"}                     # aten operators (old traces: ranges too)
-LAUNCH_CATS = {"cuda_runtime", "Runtime", "cuda_driver", "Driver", "mtia_runtime", "xpu_runtime",
-               "xpu_driver", "privateuse1_runtime", "privateuse1_driver", "hpu_op"}
+RANGE_CATS = {"user_annotation"}  # record_function ranges on the host
+OP_CATS = {"cpu_op", "Operator"}  # aten operators (old traces: ranges too)
+LAUNCH_CATS = {
+    "cuda_runtime",
+    "Runtime",
+    "cuda_driver",
+    "Driver",
+    "mtia_runtime",
+    "xpu_runtime",
+    "xpu_driver",
+    "privateuse1_runtime",
+    "privateuse1_driver",
+    "hpu_op",
+}
 KERNEL_CATS = {"kernel", "Kernel", "mtia_ccp_events"}
 MEMCPY_CATS = {"gpu_memcpy", "Memcpy"}
 MEMSET_CATS = {"gpu_memset", "Memset"}
 DEVICE_CATS = KERNEL_CATS | MEMCPY_CATS | MEMSET_CATS  # work on the device
 COMM_CATS = {"collective_comm"}
 # Known categories that are neither host ranges nor device work: never taken for unknown device work.
-OTHER_CATS = {"gpu_user_annotation", "python_function", "Python", "Trace", "cpu_instant_event",
-              "external_correlation", "overhead", "Overhead", "cuda_sync", "cuda_event",
-              "cuda_profiler_range", "glow_runtime", "mtia_insight", "mtia_counters",
-              "xpu_scope_profiler", "xpu_sync", "async", "fwdbwd", "ac2g"}
+OTHER_CATS = {
+    "gpu_user_annotation",
+    "python_function",
+    "Python",
+    "Trace",
+    "cpu_instant_event",
+    "external_correlation",
+    "overhead",
+    "Overhead",
+    "cuda_sync",
+    "cuda_event",
+    "cuda_profiler_range",
+    "glow_runtime",
+    "mtia_insight",
+    "mtia_counters",
+    "xpu_scope_profiler",
+    "xpu_sync",
+    "async",
+    "fwdbwd",
+    "ac2g",
+}
 KNOWN_CATS = RANGE_CATS | OP_CATS | LAUNCH_CATS | DEVICE_CATS | COMM_CATS | OTHER_CATS
 EPS_US = 1e-3  # timestamps are floats in microseconds; tolerate rounding at range edges
 
 # Collectives: on the host by operator name, on the device by kernel name (see the docstring).
-COMM_OP = re.compile(r"^(?:c10d::|_?c10d_functional::|gloo:|nccl:|rccl:|xccl:|mpi:|ucc:|hccl:)"
-                     r"|record_param_comms|ProcessGroup")
+COMM_OP = re.compile(
+    r"^(?:c10d::|_?c10d_functional::|gloo:|nccl:|rccl:|xccl:|mpi:|ucc:|hccl:)"
+    r"|record_param_comms|ProcessGroup"
+)
 COMM_KERNEL = re.compile(r"(?:nccl|msccl)\w*kernel|rccl", re.I)
-COMM_KINDS = (("all-reduce", re.compile(r"all_?reduce", re.I)),
-              ("reduce-scatter", re.compile(r"reduce_?scatter", re.I)),
-              ("all-gather", re.compile(r"all_?gather", re.I)),
-              ("all-to-all", re.compile(r"all_?to_?all", re.I)),
-              ("broadcast", re.compile(r"broadcast", re.I)),
-              ("barrier", re.compile(r"barrier", re.I)),
-              ("send/recv", re.compile(r"send|recv", re.I)),
-              ("reduce", re.compile(r"reduce", re.I)))
+COMM_KINDS = (
+    ("all-reduce", re.compile(r"all_?reduce", re.I)),
+    ("reduce-scatter", re.compile(r"reduce_?scatter", re.I)),
+    ("all-gather", re.compile(r"all_?gather", re.I)),
+    ("all-to-all", re.compile(r"all_?to_?all", re.I)),
+    ("broadcast", re.compile(r"broadcast", re.I)),
+    ("barrier", re.compile(r"barrier", re.I)),
+    ("send/recv", re.compile(r"send|recv", re.I)),
+    ("reduce", re.compile(r"reduce", re.I)),
+)
 
 # Tensor-core / matrix-core verdict (the rules are in the module docstring).
-MATMUL = re.compile(r"(?<!fb)gemm|gemv|matmul|cutlass|nvjet|conv(?!ert)|winograd|dgrad|wgrad|fprop|"
-                    r"scudnn|hcudnn|Cijk_|xdl|wmma|hmma|flash|fmha", re.I)
+MATMUL = re.compile(
+    r"(?<!fb)gemm|gemv|matmul|cutlass|nvjet|conv(?!ert)|winograd|dgrad|wgrad|fprop|"
+    r"scudnn|hcudnn|Cijk_|xdl|wmma|hmma|flash|fmha",
+    re.I,
+)
 NO_TC = re.compile(r"sgemm|dgemm|simt|ffma|gemv", re.I)
-TC = re.compile(r"hmma|imma|wmma|gmma|xmma|tensorop|s16816|s1688|h16816|h1688|h884|884gemm|i8816|i16832|"
-                r"nvjet|flash|fmha|_MI\d+x\d+x\d+|xdl", re.I)
+TC = re.compile(
+    r"hmma|imma|wmma|gmma|xmma|tensorop|s16816|s1688|h16816|h1688|h884|884gemm|i8816|i16832|"
+    r"nvjet|flash|fmha|_MI\d+x\d+x\d+|xdl",
+    re.I,
+)
 TC_DTYPE = re.compile(r"bf16|fp16|f16|half|tf32|fp8|e4m3|e5m2|int8", re.I)
 
 
@@ -178,24 +217,31 @@ def comm_kind(names) -> str:
 
 # ---------------------------------------------------------------------------- reading
 
+
 def _number(x) -> bool:
     """A finite time that float arithmetic can take (no bool, NaN, inf, or a 400-digit integer)."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return False
-    return abs(x) < 2 ** 63 if isinstance(x, int) else math.isfinite(x)
+    return abs(x) < 2**63 if isinstance(x, int) else math.isfinite(x)
 
 
 def _valid(e) -> bool:
     """A complete event with the fields every later step relies on, of the right types."""
-    return (isinstance(e.get("name"), str) and _number(e.get("ts")) and _number(e.get("dur"))
-            and e["dur"] >= 0 and isinstance(e.get("args", {}), dict)
-            and isinstance(e.get("cat", ""), str)
-            and all(isinstance(e.get(k), (int, str, type(None))) for k in ("pid", "tid")))
+    return (
+        isinstance(e.get("name"), str)
+        and _number(e.get("ts"))
+        and _number(e.get("dur"))
+        and e["dur"] >= 0
+        and isinstance(e.get("args", {}), dict)
+        and isinstance(e.get("cat", ""), str)
+        and all(isinstance(e.get(k), (int, str, type(None))) for k in ("pid", "tid"))
+    )
 
 
 @dataclass
 class Trace:
     """The complete ('X') events of one trace file, checked, and what its header says."""
+
     path: Path
     events: list[dict]
     malformed: int  # entries skipped: not an object, or a complete event with fields of the wrong type
@@ -255,8 +301,13 @@ def trace_files(target: Path) -> list[Path]:
     if not target.is_dir():
         return [target]
     try:
-        files = [p for folder in (target, target / TRACE_SUBDIR) if folder.is_dir()
-                 for p in sorted(folder.iterdir()) if is_trace_file(p)]
+        files = [
+            p
+            for folder in (target, target / TRACE_SUBDIR)
+            if folder.is_dir()
+            for p in sorted(folder.iterdir())
+            if is_trace_file(p)
+        ]
     except OSError as e:
         raise TraceError(f"cannot list {target}: {e.strerror or e}") from None
     if not files:
@@ -265,6 +316,7 @@ def trace_files(target: Path) -> list[Path]:
 
 
 # ---------------------------------------------------------------------------- classifying
+
 
 def is_device_work(e: dict) -> bool:
     """Kernels, copies and fills on any accelerator, by category; an unknown category counts when
@@ -283,6 +335,7 @@ def is_comm_kernel(e: dict) -> bool:
 
 
 # ---------------------------------------------------------------------------- intervals
+
 
 def union_us(intervals) -> float:
     """Total length of the union of [start, end] intervals: overlapping parts count once."""
@@ -336,10 +389,12 @@ def device_figures(work: list[dict]) -> dict:
     if not work:
         return {"device_busy_ms": 0.0, "device_sum_ms": 0.0, "device_span_ms": 0.0, "kernels": 0}
     spans = _spans(work)
-    return {"device_busy_ms": union_us(spans) / 1000,
-            "device_sum_ms": sum(e - s for s, e in spans) / 1000,
-            "device_span_ms": (max(e for _, e in spans) - min(s for s, _ in spans)) / 1000,
-            "kernels": len(work)}
+    return {
+        "device_busy_ms": union_us(spans) / 1000,
+        "device_sum_ms": sum(e - s for s, e in spans) / 1000,
+        "device_span_ms": (max(e for _, e in spans) - min(s for s, _ in spans)) / 1000,
+        "kernels": len(work),
+    }
 
 
 def _key(x):
@@ -374,15 +429,16 @@ class Launches:
             rows.sort(key=lambda r: r[0])
             self.ts[pid] = [ts for ts, _ in rows]
             self.work[pid] = [w for _, w in rows]
-        self.orphans = sorted((e for e in work if _key(e["args"].get("correlation")) not in claimed),
-                              key=lambda e: e["ts"])
+        self.orphans = sorted(
+            (e for e in work if _key(e["args"].get("correlation")) not in claimed), key=lambda e: e["ts"]
+        )
         self.orphan_ts = [e["ts"] for e in self.orphans]
 
     def inside(self, pid, start: float, end: float) -> list[dict]:
         """Device events launched from any thread of process `pid` (None: of any process) between
         start and end."""
         out = []
-        for p in (self.ts if pid is None else [_key(pid)]):
+        for p in self.ts if pid is None else [_key(pid)]:
             ts, work = self.ts.get(p, []), self.work.get(p, [])
             lo, hi = bisect_left(ts, start - EPS_US), bisect_right(ts, end + EPS_US)
             out += [k for launched in work[lo:hi] for k in launched]
@@ -396,6 +452,7 @@ class Launches:
 
 # ---------------------------------------------------------------------------- summary
 
+
 class _Index:
     """What every window needs, computed once per trace."""
 
@@ -404,7 +461,7 @@ class _Index:
         wanted = set(stages)
         self.ranges: dict = defaultdict(list)  # stage name -> its host ranges
         self.steps = []
-        self.comm: dict = defaultdict(list)   # pid -> [(start, end, name)] of host collectives
+        self.comm: dict = defaultdict(list)  # pid -> [(start, end, name)] of host collectives
         thread_ops: dict = defaultdict(list)  # (pid, tid) -> intervals of its other operators
         thread_comm: dict = defaultdict(list)  # (pid, tid) -> intervals of its collectives
         for e in events:
@@ -414,8 +471,11 @@ class _Index:
                     self.ranges[name].append(e)
                 elif STEP_NAME.match(name):
                     self.steps.append(e)
-            pid, thread, span = _key(e.get("pid")), (_key(e.get("pid")), _key(e.get("tid"))), \
-                (e["ts"], e["ts"] + e["dur"])
+            pid, thread, span = (
+                _key(e.get("pid")),
+                (_key(e.get("pid")), _key(e.get("tid"))),
+                (e["ts"], e["ts"] + e["dur"]),
+            )
             if (cat in RANGE_CATS or cat in OP_CATS or cat in COMM_CATS) and COMM_OP.search(name):
                 self.comm[pid].append((*span, name))
                 thread_comm[thread].append(span)
@@ -438,10 +498,13 @@ class _Index:
         if not rows:
             return 0.0, set()
         inflight = merged([(max(s, start), min(e, end)) for s, e, _ in rows])
-        busy = self.busy.get(pids[0], []) if len(pids) == 1 else merged(
-            [iv for p in pids for iv in self.busy.get(p, [])])
+        busy = (
+            self.busy.get(pids[0], [])
+            if len(pids) == 1
+            else merged([iv for p in pids for iv in self.busy.get(p, [])])
+        )
         lo = bisect_left(busy, (start,))  # merged and sorted: skip what ended before the range
-        waiting = sum(e - s for s, e in subtract(inflight, busy[max(lo - 1, 0):]))
+        waiting = sum(e - s for s, e in subtract(inflight, busy[max(lo - 1, 0) :]))
         return waiting, {n for _, _, n in rows}
 
     def window(self, pid, start: float, end: float, gpu: bool) -> tuple[dict, list[dict], dict]:
@@ -454,8 +517,13 @@ class _Index:
         for name in self.stages:
             # A stage may open several times in a window (gradient accumulation): sum the host times,
             # and take the union of all the device work launched in any of its ranges.
-            opened = [r for r in self.ranges.get(name, ()) if (pid is None or r.get("pid") == pid)
-                      and start - EPS_US <= r["ts"] and r["ts"] + r["dur"] <= end + EPS_US]
+            opened = [
+                r
+                for r in self.ranges.get(name, ())
+                if (pid is None or r.get("pid") == pid)
+                and start - EPS_US <= r["ts"]
+                and r["ts"] + r["dur"] <= end + EPS_US
+            ]
             if not opened:
                 continue
             stage = {"host_ms": sum(r["dur"] for r in opened) / 1000, "calls": len(opened)}
@@ -466,8 +534,9 @@ class _Index:
             stage["comm_host_ms"] = comm_us / 1000
             stage["comm_device_ms"] = 0.0  # no NCCL/RCCL kernels without device work
             if gpu:
-                kernels = [k for r in opened
-                           for k in self.launches.inside(r.get("pid"), r["ts"], r["ts"] + r["dur"])]
+                kernels = [
+                    k for r in opened for k in self.launches.inside(r.get("pid"), r["ts"], r["ts"] + r["dur"])
+                ]
                 stage.update(device_figures(kernels))
                 comm_kernels = [k for k in kernels if is_comm_kernel(k)]
                 stage["comm_device_ms"] = union_us(_spans(comm_kernels)) / 1000
@@ -495,11 +564,13 @@ def _steps(index: _Index, gpu: bool):
     return rows, works, stage_works, spans
 
 
-def totals(rows: list[dict], stages: tuple[str, ...], gpu: bool, works=None, stage_works=None,
-           spans=None) -> dict:
+def totals(
+    rows: list[dict], stages: tuple[str, ...], gpu: bool, works=None, stage_works=None, spans=None
+) -> dict:
     """Figures over all profiled steps. Host time, device busy time and device span are unions over
     the steps (with the steps' intervals given), so steps whose ranges overlap are not counted twice;
     sums (device sum, kernels, calls, stage host and communication times) are plain sums."""
+
     def union_of(key, intervals):
         return union_us(intervals) / 1000 if intervals is not None else sum(r[key] for r in rows)
 
@@ -510,10 +581,14 @@ def totals(rows: list[dict], stages: tuple[str, ...], gpu: bool, works=None, sta
         if works is not None:
             span_iv = [(min(s for s, _ in _spans(w)), max(e for _, e in _spans(w))) for w in works if w]
         busy_iv = _spans(flat) if flat is not None else None
-        total.update({"device_busy_ms": union_of("device_busy_ms", busy_iv),
-                      "device_sum_ms": sum(r["device_sum_ms"] for r in rows),
-                      "device_span_ms": union_of("device_span_ms", span_iv),
-                      "kernels": sum(r["kernels"] for r in rows)})
+        total.update(
+            {
+                "device_busy_ms": union_of("device_busy_ms", busy_iv),
+                "device_sum_ms": sum(r["device_sum_ms"] for r in rows),
+                "device_span_ms": union_of("device_span_ms", span_iv),
+                "kernels": sum(r["kernels"] for r in rows),
+            }
+        )
     total["stages"] = {}
     for name in stages:
         seen = [r["stages"][name] for r in rows if name in r["stages"]]
@@ -522,13 +597,25 @@ def totals(rows: list[dict], stages: tuple[str, ...], gpu: bool, works=None, sta
         stage = {k: sum(s[k] for s in seen) for k in ("host_ms", "calls", "comm_host_ms", "comm_device_ms")}
         if gpu:
             kernels = [k for sw in (stage_works or []) for k in sw.get(name, [])]
-            stage.update(device_figures(kernels) if stage_works is not None else
-                         {k: sum(s[k] for s in seen) for k in ("device_busy_ms", "device_sum_ms",
-                                                                "device_span_ms", "kernels")})
+            stage.update(
+                device_figures(kernels)
+                if stage_works is not None
+                else {
+                    k: sum(s[k] for s in seen)
+                    for k in ("device_busy_ms", "device_sum_ms", "device_span_ms", "kernels")
+                }
+            )
             if stage_works is not None:
-                stage["device_span_ms"] = union_us(
-                    [(min(s for s, _ in _spans(w)), max(e for _, e in _spans(w)))
-                     for sw in stage_works if (w := sw.get(name))]) / 1000
+                stage["device_span_ms"] = (
+                    union_us(
+                        [
+                            (min(s for s, _ in _spans(w)), max(e for _, e in _spans(w)))
+                            for sw in stage_works
+                            if (w := sw.get(name))
+                        ]
+                    )
+                    / 1000
+                )
         kinds = {s["comm_kind"] for s in seen if s["comm_kind"]}
         stage["comm_kind"] = (kinds.pop() if len(kinds) == 1 else "collectives") if kinds else None
         total["stages"][name] = stage
@@ -546,9 +633,17 @@ def top_kernels(events: list[dict], top: int) -> tuple[list[dict], float]:
             g["category"] = e["cat"]
     all_us = sum(g["total_us"] for g in groups.values())
     ranked = sorted(groups.items(), key=lambda kv: kv[1]["total_us"], reverse=True)[:top]
-    return [{"name": name, "category": g["category"], "calls": g["calls"], "total_ms": g["total_us"] / 1000,
-             "share": g["total_us"] / all_us if all_us else 0.0, "tensor_cores": tensor_cores(name)}
-            for name, g in ranked], all_us / 1000
+    return [
+        {
+            "name": name,
+            "category": g["category"],
+            "calls": g["calls"],
+            "total_ms": g["total_us"] / 1000,
+            "share": g["total_us"] / all_us if all_us else 0.0,
+            "tensor_cores": tensor_cores(name),
+        }
+        for name, g in ranked
+    ], all_us / 1000
 
 
 def operator_times(events: list[dict]) -> dict[str, dict]:
@@ -582,10 +677,14 @@ def operator_times(events: list[dict]) -> dict[str, dict]:
 
 def top_operators(events: list[dict], top: int) -> dict[str, list[dict]]:
     ops = operator_times(events)
-    rows = [{"name": name, "calls": o["calls"], "self_ms": o["self_us"] / 1000,
-             "total_ms": o["total_us"] / 1000} for name, o in ops.items()]
-    return {"by_self": sorted(rows, key=lambda r: r["self_ms"], reverse=True)[:top],
-            "by_total": sorted(rows, key=lambda r: r["total_ms"], reverse=True)[:top]}
+    rows = [
+        {"name": name, "calls": o["calls"], "self_ms": o["self_us"] / 1000, "total_ms": o["total_us"] / 1000}
+        for name, o in ops.items()
+    ]
+    return {
+        "by_self": sorted(rows, key=lambda r: r["self_ms"], reverse=True)[:top],
+        "by_total": sorted(rows, key=lambda r: r["total_ms"], reverse=True)[:top],
+    }
 
 
 def summarize(path: Path, stages: tuple[str, ...] | None = None, top: int = DEFAULT_TOP) -> dict:
@@ -618,7 +717,7 @@ def summarize(path: Path, stages: tuple[str, ...] | None = None, top: int = DEFA
         "malformed_events": trace.malformed,
         "stages": list(stages),
         "device_time": "busy = union of kernel, memcpy and memset intervals over all streams; "
-                       "sum = their plain sum; span = first start to last end",
+        "sum = their plain sum; span = first start to last end",
         "device_busy_ms": union_us(_spans(work)) / 1000,
         "device_sum_ms": sum(e["dur"] for e in work) / 1000,
         "device_streams": len(streams),
@@ -632,9 +731,10 @@ def summarize(path: Path, stages: tuple[str, ...] | None = None, top: int = DEFA
 
 # ---------------------------------------------------------------------------- printing
 
+
 def short(name: str, width: int = 90) -> str:
     """Kernel and operator names can be pages of C++ templates; keep the start."""
-    return name if len(name) <= width else name[:width - 3] + "..."
+    return name if len(name) <= width else name[: width - 3] + "..."
 
 
 def comm_lines(s: dict) -> list[str]:
@@ -647,8 +747,10 @@ def comm_lines(s: dict) -> list[str]:
             dev = st.get("comm_device_ms", 0.0)
             if st["comm_host_ms"] <= 0 and dev <= 0:
                 continue
-            text = (f"{label:>6}  {name} {st['host_ms']:.1f} ms, of which waiting on {st['comm_kind']}: "
-                    f"{st['comm_host_ms']:.1f} ms (compute {st['host_ms'] - st['comm_host_ms']:.1f} ms)")
+            text = (
+                f"{label:>6}  {name} {st['host_ms']:.1f} ms, of which waiting on {st['comm_kind']}: "
+                f"{st['comm_host_ms']:.1f} ms (compute {st['host_ms'] - st['comm_host_ms']:.1f} ms)"
+            )
             if dev > 0:
                 text += f"; {st['comm_kind']} kernels on the device: {dev:.1f} ms"
             out.append(text)
@@ -663,20 +765,26 @@ def render(s: dict) -> str:
     if steps:
         out.append(f"{len(steps)} profiled step(s): {', '.join(map(str, steps))}")
     else:
-        out.append(f"no ProfilerStep#N ranges: the whole trace is one window "
-                   f"({s['totals']['host_ms']:.2f} ms)")
+        out.append(
+            f"no ProfilerStep#N ranges: the whole trace is one window ({s['totals']['host_ms']:.2f} ms)"
+        )
     if s.get("malformed_events"):
         out.append(f"{s['malformed_events']} malformed events skipped")
     if gpu:
-        out.append(f"device time: busy {s['device_busy_ms']:.2f} ms (union of kernel, memcpy and memset "
-                   f"intervals over {s['device_streams']} stream(s)); summed over streams "
-                   f"{s['device_sum_ms']:.2f} ms")
-        out.append("per range: device work launched inside it (from any thread); busy = union, "
-                   "span = first start to last end")
+        out.append(
+            f"device time: busy {s['device_busy_ms']:.2f} ms (union of kernel, memcpy and memset "
+            f"intervals over {s['device_streams']} stream(s)); summed over streams "
+            f"{s['device_sum_ms']:.2f} ms"
+        )
+        out.append(
+            "per range: device work launched inside it (from any thread); busy = union, "
+            "span = first start to last end"
+        )
     else:
         out.append("no device events in this trace (CPU only): host times only")
-    has_comm = any(st["comm_host_ms"] > 0 or st.get("comm_device_ms", 0) > 0
-                   for st in s["totals"]["stages"].values())
+    has_comm = any(
+        st["comm_host_ms"] > 0 or st.get("comm_device_ms", 0) > 0 for st in s["totals"]["stages"].values()
+    )
 
     head = f"{'step':>6}  {'stage':<16}{'host ms':>10}"
     if has_comm:
@@ -707,23 +815,33 @@ def render(s: dict) -> str:
         out += comm
 
     if gpu:
-        out += ["", f"top {len(s['kernels'])} kernels of {s['kernel_total_ms']:.2f} ms device time summed "
-                "over streams (TC: tensor/matrix cores, judged by name; '-' = not a GEMM or convolution)",
-                f"{'total ms':>10}{'share':>8}{'calls':>7}{'avg us':>9}  {'TC':<4}name"]
+        out += [
+            "",
+            f"top {len(s['kernels'])} kernels of {s['kernel_total_ms']:.2f} ms device time summed "
+            "over streams (TC: tensor/matrix cores, judged by name; '-' = not a GEMM or convolution)",
+            f"{'total ms':>10}{'share':>8}{'calls':>7}{'avg us':>9}  {'TC':<4}name",
+        ]
         for k in s["kernels"]:
-            out.append(f"{k['total_ms']:>10.2f}{100 * k['share']:>7.1f}%{k['calls']:>7}"
-                       f"{1000 * k['total_ms'] / k['calls']:>9.1f}  {k['tensor_cores']:<4}{short(k['name'])}")
+            out.append(
+                f"{k['total_ms']:>10.2f}{100 * k['share']:>7.1f}%{k['calls']:>7}"
+                f"{1000 * k['total_ms'] / k['calls']:>9.1f}  {k['tensor_cores']:<4}{short(k['name'])}"
+            )
 
     for key, title in (("by_self", "self"), ("by_total", "total")):
         rows = s["operators"][key]
-        out += ["", f"top {len(rows)} host operators by {title} time",
-                f"{'self ms':>10}{'total ms':>10}{'calls':>7}  name"]
-        out += [f"{r['self_ms']:>10.2f}{r['total_ms']:>10.2f}{r['calls']:>7}  {short(r['name'])}"
-                for r in rows]
+        out += [
+            "",
+            f"top {len(rows)} host operators by {title} time",
+            f"{'self ms':>10}{'total ms':>10}{'calls':>7}  name",
+        ]
+        out += [
+            f"{r['self_ms']:>10.2f}{r['total_ms']:>10.2f}{r['calls']:>7}  {short(r['name'])}" for r in rows
+        ]
     return "\n".join(out)
 
 
 # ---------------------------------------------------------------------------- command line
+
 
 def summarize_all(target: Path, stages: tuple[str, ...], top: int) -> tuple[list[dict], list[dict]]:
     """Summaries of TRACE, or of every trace in a folder ordered by rank then name, and the files
@@ -738,21 +856,29 @@ def summarize_all(target: Path, stages: tuple[str, ...], top: int) -> tuple[list
         except TraceError as e:
             skipped.append({"file": str(p), "reason": str(e)})
     if not summaries:
-        raise TraceError(f"none of the {len(files)} .json/.json.gz files in {target} is a trace "
-                         f"(first: {skipped[0]['reason']})")
+        raise TraceError(
+            f"none of the {len(files)} .json/.json.gz files in {target} is a trace "
+            f"(first: {skipped[0]['reason']})"
+        )
     summaries.sort(key=lambda s: (s["rank"] is None, s["rank"] if s["rank"] is not None else 0, s["file"]))
     return summaries, skipped
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m minigpt.traces", description=__doc__,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(
+        prog="python -m minigpt.traces",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("trace", help="a .json(.gz) trace file, or a folder of them (or a run folder)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--top", type=int, default=DEFAULT_TOP, help="rows in the kernel and operator tables")
-    parser.add_argument("--stages", default=None,
-                        help="comma-separated record_function ranges to report per step "
-                             f"(default: {','.join(default_stages())})")
+    parser.add_argument(
+        "--stages",
+        default=None,
+        help="comma-separated record_function ranges to report per step "
+        f"(default: {','.join(default_stages())})",
+    )
     args = parser.parse_args(argv)
     stages = tuple(s for s in args.stages.split(",") if s) if args.stages else default_stages()
     target = Path(args.trace)

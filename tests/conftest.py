@@ -9,8 +9,25 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 # Toy data and a tiny model: each training run in the tests takes a few seconds.
-TINY = ["--use-toy-data", "--preset", "tiny", "--n-layers", "2", "--d-model", "32", "--n-heads", "2",
-        "--seq-len", "16", "--batch-size", "8", "--lr", "1e-2", "--eval-iters", "1"]
+TINY = [
+    "--use-toy-data",
+    "--preset",
+    "tiny",
+    "--n-layers",
+    "2",
+    "--d-model",
+    "32",
+    "--n-heads",
+    "2",
+    "--seq-len",
+    "16",
+    "--batch-size",
+    "8",
+    "--lr",
+    "1e-2",
+    "--eval-iters",
+    "1",
+]
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -31,8 +48,14 @@ def pytest_collection_modifyitems(config, items):
 
 def run_cli(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run train_minimal.py as a user would, in a fresh process."""
-    return subprocess.run([sys.executable, str(ROOT / "train_minimal.py"), *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train_minimal.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=os.environ.copy(),
+    )
 
 
 def fails(capsys, *args: str) -> str:

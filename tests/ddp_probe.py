@@ -18,18 +18,22 @@ rank = int(os.environ.get("RANK", 0))
 prefix, argv = sys.argv[1], sys.argv[2:]
 models, grads = [], {}
 
+
 class ProbedGPT(train_minimal.GPT):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         models.append(self)
 
+
 real_clip = torch.nn.utils.clip_grad_norm_
+
 
 def probed_clip(params, *args, **kwargs):
     params = list(params)
     if not grads:
         grads.update({n: p.grad.detach().clone() for n, p in models[0].named_parameters()})
     return real_clip(params, *args, **kwargs)
+
 
 train_minimal.GPT = ProbedGPT
 torch.nn.utils.clip_grad_norm_ = probed_clip
@@ -44,7 +48,10 @@ if os.environ.get("PROBE_FAIL"):
                 os._exit(13)  # the process dies without a word, as a killed rank would
             raise RuntimeError(f"probe failure on rank {rank} at step {step}")
 
+
 status = train_minimal.cli(argv, on_step=on_step)
-torch.save({"grads": grads, "params": {k: v.detach().clone() for k, v in models[0].state_dict().items()}},
-           f"{prefix}.rank{rank}.pt")
+torch.save(
+    {"grads": grads, "params": {k: v.detach().clone() for k, v in models[0].state_dict().items()}},
+    f"{prefix}.rank{rank}.pt",
+)
 sys.exit(status)

@@ -45,8 +45,16 @@ args = p.parse_args()
 
 world = parallel.world_size_from_env()
 L, H, D, F, V = (int(v) for v in args.shape.split(","))
-cfg = SimpleNamespace(fsdp=args.fsdp, tp=args.tp, use_tensor_parallel=args.use_tensor_parallel, n_heads=H,
-                      d_ff=F, compile=False, amp=args.amp, amp_dtype="bf16")
+cfg = SimpleNamespace(
+    fsdp=args.fsdp,
+    tp=args.tp,
+    use_tensor_parallel=args.use_tensor_parallel,
+    n_heads=H,
+    d_ff=F,
+    compile=False,
+    amp=args.amp,
+    amp_dtype="bf16",
+)
 parallel.check_plan(cfg, world)  # before any process group
 if world > 1:
     dist.init_process_group("gloo")
@@ -56,14 +64,26 @@ mesh = parallel.build_mesh(world, tp, "cpu")
 dp_rank, dp_size, tp_rank, _ = parallel.mesh_coords(rank, mesh)
 
 torch.manual_seed(0)
-model = GPT(GPTConfig(vocab_size=V, max_position_embeddings=args.seq, n_layers=L, n_heads=H, d_model=D,
-                      d_ff=F,                       activation_checkpoint=args.ac))
+model = GPT(
+    GPTConfig(
+        vocab_size=V,
+        max_position_embeddings=args.seq,
+        n_layers=L,
+        n_heads=H,
+        d_model=D,
+        d_ff=F,
+        activation_checkpoint=args.ac,
+    )
+)
 train_model = parallel.parallelize(model, cfg, mesh, "cpu", "bf16" if args.amp else "fp32")
 params = list(model.parameters())
-groups = [{"params": [q for q in params if q.dim() >= 2], "weight_decay": 0.1},
-          {"params": [q for q in params if q.dim() < 2], "weight_decay": 0.0}]
-optimizer = torch.optim.AdamW(parallel.split_by_mesh(groups), lr=1e-2, betas=(0.9, 0.95),
-                              **parallel.optimizer_kwargs(model))
+groups = [
+    {"params": [q for q in params if q.dim() >= 2], "weight_decay": 0.1},
+    {"params": [q for q in params if q.dim() < 2], "weight_decay": 0.0},
+]
+optimizer = torch.optim.AdamW(
+    parallel.split_by_mesh(groups), lr=1e-2, betas=(0.9, 0.95), **parallel.optimizer_kwargs(model)
+)
 first = args.first_step
 if args.load:
     first = load_sharded(args.load, model, optimizer)["step"]
@@ -155,14 +175,27 @@ params_out = {}
 if world == 1 or args.save:
     from torch.distributed.tensor import DTensor
 
-    params_out = {n: (q.full_tensor() if isinstance(q, DTensor) else q).detach().flatten()[:64].tolist()
-                  for n, q in model.named_parameters()}
-record = {"rank": rank, "worker": parallel.worker_name(rank, mesh), "dp": dp_rank, "dp_size": dp_size,
-          "tp_rank": tp_rank, "tp": tp, "losses": losses, "grad_norms": grad_norms, "step_s": times,
-          "state_bytes": state_bytes,
-          "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
-          "first_step": first, "params": params_out, "activation_layout": activation_layout,
-          "activation_dtypes": cap.breakdown.activation_dtypes}
+    params_out = {
+        n: (q.full_tensor() if isinstance(q, DTensor) else q).detach().flatten()[:64].tolist()
+        for n, q in model.named_parameters()
+    }
+record = {
+    "rank": rank,
+    "worker": parallel.worker_name(rank, mesh),
+    "dp": dp_rank,
+    "dp_size": dp_size,
+    "tp_rank": tp_rank,
+    "tp": tp,
+    "losses": losses,
+    "grad_norms": grad_norms,
+    "step_s": times,
+    "state_bytes": state_bytes,
+    "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
+    "first_step": first,
+    "params": params_out,
+    "activation_layout": activation_layout,
+    "activation_dtypes": cap.breakdown.activation_dtypes,
+}
 with open(f"{args.out}.rank{rank}.json", "w") as f:
     json.dump(record, f)
 if rank == 0:

@@ -14,8 +14,13 @@ TINY = ["--preset", "tiny", "--use-toy-data", "--steps", "2", "--warmup", "1", "
 
 
 def run(script, *args):
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_ablation_writes_json_markdown_and_chart(tmp_path):
@@ -26,13 +31,16 @@ def test_ablation_writes_json_markdown_and_chart(tmp_path):
     meta = data["meta"]
     assert meta["machine"]["torch"] == torch.__version__ and meta["machine"]["device"] == "cpu"
     assert meta["command"].startswith("python benchmarks/ablation.py --preset tiny") and meta["date"]
-    for name, r in data["results"].items():
+    for r in data["results"].values():
         assert r["tokens_per_s"]["n"] == 2 and r["tokens_per_s"]["median"] > 0
         assert set(r["stage_host_ms"]) == {"data_to_device", "forward", "backward", "optimizer_step"}
         assert r["breakdown_bytes"]["params"] > 0
     # checkpointing keeps fewer activations: measured, not assumed
     results = data["results"]
-    assert results["fp32 + ckpt"]["breakdown_bytes"]["activations"] < results["fp32"]["breakdown_bytes"]["activations"]
+    assert (
+        results["fp32 + ckpt"]["breakdown_bytes"]["activations"]
+        < results["fp32"]["breakdown_bytes"]["activations"]
+    )
     table = (tmp_path / "cpu-tiny.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("|")]
     assert len({line.count("|") for line in rows}) == 1  # every row as wide as the header: it renders
@@ -42,18 +50,25 @@ def test_ablation_writes_json_markdown_and_chart(tmp_path):
 
 
 def test_overhead_reports_each_variant(tmp_path):
-    result = run("overhead.py", *TINY, "--parts", "stage-timing", "--micro-steps", "500",
-                 "--out-dir", str(tmp_path))
+    result = run(
+        "overhead.py", *TINY, "--parts", "stage-timing", "--micro-steps", "500", "--out-dir", str(tmp_path)
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "overhead-cpu-tiny.json").read_text())
     assert list(data["results"]) == ["timing off", "timing on (default)", "profiler", "profiler + stacks"]
     assert data["results"]["timing off"]["stage_host_ms"] == {}  # --no-stage-timing reached the trainer
     assert set(data["results"]["timing on (default)"]["stage_host_ms"]) >= {"forward", "backward"}
     table = (tmp_path / "overhead-cpu-tiny.md").read_text()
-    assert "overhead vs timing off" in table and "The default instrumentation (ranges and timing) costs" in table
+    assert (
+        "overhead vs timing off" in table and "The default instrumentation (ranges and timing) costs" in table
+    )
     costs = data["instrumentation_us_per_step"]
     # the ranges cost tens of microseconds, an empty loop about one: ordered whatever the machine does
-    assert 0 < costs["bare loop"] < min(costs["ranges only (--no-stage-timing)"], costs["ranges + timing (default)"])
+    assert (
+        0
+        < costs["bare loop"]
+        < min(costs["ranges only (--no-stage-timing)"], costs["ranges + timing (default)"])
+    )
     (tmp_path / "overhead-cpu-tiny.md").unlink()
     assert run("overhead.py", "--render", str(tmp_path / "overhead-cpu-tiny.json")).returncode == 0
     assert (tmp_path / "overhead-cpu-tiny.md").read_text() == table  # the table is a function of the .json
@@ -61,13 +76,34 @@ def test_overhead_reports_each_variant(tmp_path):
 
 @pytest.mark.slow
 def test_overhead_prices_each_profiler_option_and_picks_the_defaults_from_the_views(tmp_path):
-    result = run("overhead.py", "--preset", "tiny", "--parts", "options", "--repeats", "1",
-                 "--option-steps", "1", "--option-warmup", "0", "--out-dir", str(tmp_path))
+    result = run(
+        "overhead.py",
+        "--preset",
+        "tiny",
+        "--parts",
+        "options",
+        "--repeats",
+        "1",
+        "--option-steps",
+        "1",
+        "--option-warmup",
+        "0",
+        "--out-dir",
+        str(tmp_path),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "overhead-cpu-tiny.json").read_text())
     options = data["profiler_options"]
-    assert list(options) == ["no profiler", "bare profiler", "record_shapes", "profile_memory",
-                             "with_flops", "with_modules", "with_stack", "all options"]
+    assert list(options) == [
+        "no profiler",
+        "bare profiler",
+        "record_shapes",
+        "profile_memory",
+        "with_flops",
+        "with_modules",
+        "with_stack",
+        "all options",
+    ]
     assert all(o["step_ms"]["median"] > 0 and o["rss_peak_mib"] > 0 for o in options.values())
     assert "views" not in options["no profiler"] and options["bare profiler"]["trace_mb"] > 0
     # what torch-tb-profiler builds from each trace decides the defaults
@@ -82,21 +118,39 @@ def test_overhead_prices_each_profiler_option_and_picks_the_defaults_from_the_vi
     assert "## Stage timing" not in table  # --parts options measured only the options
 
 
-NANOGPT_DIRS = (ROOT.parent / "shared" / "anchors" / "nanoGPT",  # beside the repo or its worktrees
-                ROOT.parents[1] / "shared" / "anchors" / "nanoGPT")
+NANOGPT_DIRS = (
+    ROOT.parent / "shared" / "anchors" / "nanoGPT",  # beside the repo or its worktrees
+    ROOT.parents[1] / "shared" / "anchors" / "nanoGPT",
+)
 NANOGPT = next((d for d in NANOGPT_DIRS if (d / "train.py").is_file()), None)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(NANOGPT is None, reason="nanoGPT's files are not in shared/anchors/nanoGPT near the repo")
 def test_nanogpt_runs_the_real_train_py_beside_minigpt(tmp_path):
-    result = run("nanogpt_shape.py", "--shape", "tiny", "--repeats", "1", "--steps", "2", "--warmup", "1",
-                 "--no-malloc-variant", "--out-dir", str(tmp_path))
+    result = run(
+        "nanogpt_shape.py",
+        "--shape",
+        "tiny",
+        "--repeats",
+        "1",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--no-malloc-variant",
+        "--out-dir",
+        str(tmp_path),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "cpu-nanogpt-tiny.json").read_text())
     results = data["results"]
-    assert list(results) == ["nanoGPT train.py, fp32", "minigpt train_minimal.py, fp32",
-                             "nanoGPT train.py, bf16", "minigpt train_minimal.py, bf16"]
+    assert list(results) == [
+        "nanoGPT train.py, fp32",
+        "minigpt train_minimal.py, fp32",
+        "nanoGPT train.py, bf16",
+        "minigpt train_minimal.py, bf16",
+    ]
     for name, r in results.items():
         rows = r["rounds"][0]["rows"]
         assert len(rows) == 2 and all(row["time_ms"] > 0 and row["loss"] > 0 for row in rows), name

@@ -15,6 +15,7 @@ def text(tmp_path):
         path = tmp_path / name
         path.write_text(content)
         return str(path)
+
     return make
 
 
@@ -36,31 +37,52 @@ def test_empty_data_file(capsys, text, tmp_path):
 
 
 def test_too_few_tokens_says_how_many(capsys, text, tmp_path):
-    msg = fails(capsys, "--preset", "tiny", "--train-data", text("Hello world " * 20),
-                "--out-dir", str(tmp_path / "r"))
+    msg = fails(
+        capsys,
+        "--preset",
+        "tiny",
+        "--train-data",
+        text("Hello world " * 20),
+        "--out-dir",
+        str(tmp_path / "r"),
+    )
     assert "needs at least 65" in msg and "--seq-len 64" in msg
 
 
 def test_too_few_validation_tokens(capsys, text, tmp_path):
-    msg = fails(capsys, "--preset", "tiny", "--train-data", text("Hello world " * 500),
-                "--val-data", text("Hello", "val.txt"), "--out-dir", str(tmp_path / "r"))
+    msg = fails(
+        capsys,
+        "--preset",
+        "tiny",
+        "--train-data",
+        text("Hello world " * 500),
+        "--val-data",
+        text("Hello", "val.txt"),
+        "--out-dir",
+        str(tmp_path / "r"),
+    )
     assert "validation data has 1 tokens" in msg
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--d-model", "100", "--n-heads", "3"], "--d-model (100) must be divisible by --n-heads (3)"),
-    (["--seq-len", "128", "--max-position-embeddings", "64"],
-     "--seq-len (128) is larger than --max-position-embeddings (64)"),
-    (["--batch-size", "0"], "--batch-size must be positive"),
-    (["--num-steps", "-5"], "--num-steps must be positive"),
-    (["--n-layers", "0"], "--n-layers must be positive"),
-    (["--lr", "0"], "--lr must be positive"),
-    (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
-    (["--lr", "fast"], "invalid float value: 'fast'"),
-    (["--preset", "huge"], "invalid choice: 'huge'"),
-    (["--amp-dtype", "fp16", "--device", "cpu"], "fp16 needs CUDA"),
-    (["--use-toy-data", "--train-data", "x.txt"], "--use-toy-data generates its own data"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--d-model", "100", "--n-heads", "3"], "--d-model (100) must be divisible by --n-heads (3)"),
+        (
+            ["--seq-len", "128", "--max-position-embeddings", "64"],
+            "--seq-len (128) is larger than --max-position-embeddings (64)",
+        ),
+        (["--batch-size", "0"], "--batch-size must be positive"),
+        (["--num-steps", "-5"], "--num-steps must be positive"),
+        (["--n-layers", "0"], "--n-layers must be positive"),
+        (["--lr", "0"], "--lr must be positive"),
+        (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+        (["--lr", "fast"], "invalid float value: 'fast'"),
+        (["--preset", "huge"], "invalid choice: 'huge'"),
+        (["--amp-dtype", "fp16", "--device", "cpu"], "fp16 needs CUDA"),
+        (["--use-toy-data", "--train-data", "x.txt"], "--use-toy-data generates its own data"),
+    ],
+)
 def test_bad_flags(capsys, tmp_path, args, expected):
     assert expected in fails(capsys, *args, "--out-dir", str(tmp_path / "r"))
 
@@ -122,11 +144,15 @@ def test_a_real_process_prints_one_line_and_exits_2(tmp_path):
 
 # ---------------------------------------------------------------------------- instrumentation flags
 
-@pytest.mark.parametrize("window, expected", [
-    (["--profile-step-start", "0", "--profile-step-end", "2"], "1 <= --profile-step-start"),
-    (["--profile-step-start", "3", "--profile-step-end", "3"], "got start 3, end 3"),
-    (["--profile-step-start", "2", "--profile-step-end", "9"], "num-steps 6"),
-])
+
+@pytest.mark.parametrize(
+    "window, expected",
+    [
+        (["--profile-step-start", "0", "--profile-step-end", "2"], "1 <= --profile-step-start"),
+        (["--profile-step-start", "3", "--profile-step-end", "3"], "got start 3, end 3"),
+        (["--profile-step-start", "2", "--profile-step-end", "9"], "num-steps 6"),
+    ],
+)
 def test_bad_profile_window(capsys, tmp_path, window, expected):
     out = tmp_path / "run"
     msg = fails(capsys, *TINY, "--num-steps", "6", "--use-profiler", *window, "--out-dir", str(out))
@@ -147,8 +173,9 @@ def test_nsys_and_profiler_exclude_each_other(capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
-@pytest.mark.parametrize("flag, why", [("--nsys", "cudaProfilerStart"),
-                                       ("--record-memory-history", "CUDA caching allocator")])
+@pytest.mark.parametrize(
+    "flag, why", [("--nsys", "cudaProfilerStart"), ("--record-memory-history", "CUDA caching allocator")]
+)
 def test_cuda_only_features_are_refused_on_the_cpu(capsys, tmp_path, flag, why):
     out = tmp_path / "run"
     msg = fails(capsys, *TINY, flag, "--out-dir", str(out))
@@ -161,15 +188,19 @@ def test_memory_history_entries_must_be_positive(capsys):
 
 # ---------------------------------------------------------------------------- distributed flags
 
-@pytest.mark.parametrize("flags, expected", [
-    (["--straggler-threshold", "1.5"], "--straggler-threshold must be in (0, 1]"),
-    (["--ddp-timeout", "0"], "--ddp-timeout must be positive"),
-    (["--simulate-slow-rank", "1"], "RANK:MS or RANK:MS:STAGE"),
-    (["--simulate-slow-rank", "a:b"], "RANK:MS or RANK:MS:STAGE"),
-    (["--simulate-slow-rank", "0:-5"], "the delay positive"),
-    (["--simulate-slow-rank", "0:5:lunch"], "unknown stage 'lunch'"),
-    (["--simulate-slow-rank", "1:50"], "no rank 1 in a world of 1"),
-])
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--straggler-threshold", "1.5"], "--straggler-threshold must be in (0, 1]"),
+        (["--ddp-timeout", "0"], "--ddp-timeout must be positive"),
+        (["--simulate-slow-rank", "1"], "RANK:MS or RANK:MS:STAGE"),
+        (["--simulate-slow-rank", "a:b"], "RANK:MS or RANK:MS:STAGE"),
+        (["--simulate-slow-rank", "0:-5"], "the delay positive"),
+        (["--simulate-slow-rank", "0:5:lunch"], "unknown stage 'lunch'"),
+        (["--simulate-slow-rank", "1:50"], "no rank 1 in a world of 1"),
+    ],
+)
 def test_bad_distributed_flags(capsys, tmp_path, flags, expected):
     out = tmp_path / "run"
     assert expected in fails(capsys, *TINY, *flags, "--out-dir", str(out))
@@ -191,27 +222,31 @@ def test_minigpt_args_are_appended_and_win(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------- numbers (issue 14, item 5)
 
-@pytest.mark.parametrize("flags, expected", [
-    (["--lr", "inf"], "--lr must be a finite number, got inf"),
-    (["--lr", "nan"], "--lr must be a finite number, got nan"),  # not blamed on --min-lr
-    (["--min-lr", "nan"], "--min-lr must be a finite number"),
-    (["--weight-decay", "nan"], "--weight-decay must be a finite number"),
-    (["--grad-clip", "nan"], "--grad-clip must be a finite number"),  # NaN once turned clipping off
-    (["--dropout", "nan"], "--dropout must be a finite number"),
-    (["--ddp-timeout", "nan"], "--ddp-timeout must be a finite number"),
-    (["--ddp-timeout", "1e30"], "--ddp-timeout must be at most a week"),
-    (["--straggler-threshold", "nan"], "--straggler-threshold must be a finite number"),
-    (["--device-memory-gb", "inf"], "--device-memory-gb must be a finite number"),
-    (["--device-memory-gb", "1e-12"], "--device-memory-gb must be at least 1 MiB"),
-    (["--peak-tflops", "nan"], "--peak-tflops must be a finite number"),
-    (["--seed", "-1"], "--seed must be in [0, 2**32), got -1"),
-    (["--seed", "4294967296"], "--seed must be in [0, 2**32), got 4294967296"),
-    (["--data-seed", "123456789012345678901234567890"], "--data-seed must be in [0, 2**32)"),
-    (["--vocab-size", "10000000000000"], "this configuration needs about"),
-    (["--vocab-size", "1e13"], "PiB"),
-    (["--eval-iters", str(2**64)], "--eval-iters is out of range"),
-    (["--num-step", "5"], "unrecognized arguments: --num-step 5"),
-])
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--lr", "inf"], "--lr must be a finite number, got inf"),
+        (["--lr", "nan"], "--lr must be a finite number, got nan"),  # not blamed on --min-lr
+        (["--min-lr", "nan"], "--min-lr must be a finite number"),
+        (["--weight-decay", "nan"], "--weight-decay must be a finite number"),
+        (["--grad-clip", "nan"], "--grad-clip must be a finite number"),  # NaN once turned clipping off
+        (["--dropout", "nan"], "--dropout must be a finite number"),
+        (["--ddp-timeout", "nan"], "--ddp-timeout must be a finite number"),
+        (["--ddp-timeout", "1e30"], "--ddp-timeout must be at most a week"),
+        (["--straggler-threshold", "nan"], "--straggler-threshold must be a finite number"),
+        (["--device-memory-gb", "inf"], "--device-memory-gb must be a finite number"),
+        (["--device-memory-gb", "1e-12"], "--device-memory-gb must be at least 1 MiB"),
+        (["--peak-tflops", "nan"], "--peak-tflops must be a finite number"),
+        (["--seed", "-1"], "--seed must be in [0, 2**32), got -1"),
+        (["--seed", "4294967296"], "--seed must be in [0, 2**32), got 4294967296"),
+        (["--data-seed", "123456789012345678901234567890"], "--data-seed must be in [0, 2**32)"),
+        (["--vocab-size", "10000000000000"], "this configuration needs about"),
+        (["--vocab-size", "1e13"], "PiB"),
+        (["--eval-iters", str(2**64)], "--eval-iters is out of range"),
+        (["--num-step", "5"], "unrecognized arguments: --num-step 5"),
+    ],
+)
 def test_bad_numbers_are_refused_before_anything_is_written(capsys, tmp_path, monkeypatch, flags, expected):
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"
@@ -222,7 +257,11 @@ def test_bad_numbers_are_refused_before_anything_is_written(capsys, tmp_path, mo
 def test_several_training_files_are_all_used(capsys, text, tmp_path):
     a, b = text("alpha beta gamma " * 60, "a.txt"), text("delta epsilon " * 60, "b.txt")
     out = tmp_path / "run"
-    assert train_minimal.cli([*TINY[1:], "--train-data", a, "--train-data", b, "--num-steps", "1",
-                              "--out-dir", str(out)]) == 0
+    assert (
+        train_minimal.cli(
+            [*TINY[1:], "--train-data", a, "--train-data", b, "--num-steps", "1", "--out-dir", str(out)]
+        )
+        == 0
+    )
     log = (out / "train.log").read_text()
     assert a in log and b in log

@@ -26,6 +26,7 @@ def refused(*args: str) -> str:
 
 # ---------------------------------------------------------------------------- one definition
 
+
 def test_every_field_has_a_flag_and_every_flag_a_field():
     assert sorted(a.dest for a in actions()) == sorted(f.name for f in dataclasses.fields(TrainConfig))
 
@@ -45,11 +46,17 @@ def test_help_shows_every_default():
 def test_help_shows_real_defaults_and_what_none_means():
     text = build_parser().format_help()
     flat = " ".join(text.split())  # argparse wraps lines
-    for expected in ["--n-layers N transformer blocks (default: 4, from --preset small)",
-                     "(default: 0.001, from --preset small)", "(default: 1337)", "(default: 0.1)",
-                     "--d-ff N MLP width (default: 1024, from --preset small)",
-                     "--min-lr LR final learning rate (default: --lr / 10)",
-                     "(default: 10% of --num-steps, at most 100)", "--tp N", "(default: 1)"]:
+    for expected in [
+        "--n-layers N transformer blocks (default: 4, from --preset small)",
+        "(default: 0.001, from --preset small)",
+        "(default: 1337)",
+        "(default: 0.1)",
+        "--d-ff N MLP width (default: 1024, from --preset small)",
+        "--min-lr LR final learning rate (default: --lr / 10)",
+        "(default: 10% of --num-steps, at most 100)",
+        "--tp N",
+        "(default: 1)",
+    ]:
         assert expected in flat, expected
 
 
@@ -74,6 +81,7 @@ def test_abbreviations_are_refused(capsys, abbreviation):
 
 
 # ---------------------------------------------------------------------------- precedence
+
 
 def test_preset_overrides_field_defaults():
     assert parse_args(["--preset", "tiny"]).n_layers == PRESETS["tiny"]["n_layers"]
@@ -117,9 +125,22 @@ def test_non_integers_are_refused(capsys, value):
 
 # ---------------------------------------------------------------------------- new flags
 
+
 def test_new_flags_parse():
-    cfg = parse_args(["--peak-tflops", "312", "--profile-record-shapes", "--profile-with-flops",
-                      "--profile-with-modules", "--chunked-loss", "--no-report", "--fsdp", "--tp", "2"])
+    cfg = parse_args(
+        [
+            "--peak-tflops",
+            "312",
+            "--profile-record-shapes",
+            "--profile-with-flops",
+            "--profile-with-modules",
+            "--chunked-loss",
+            "--no-report",
+            "--fsdp",
+            "--tp",
+            "2",
+        ]
+    )
     assert cfg.peak_tflops == 312 and cfg.profile_record_shapes and cfg.profile_with_flops
     assert cfg.profile_with_modules and cfg.chunked_loss and cfg.no_report and cfg.fsdp and cfg.tp == 2
     assert parse_args(["--chunked-loss", "--no-chunked-loss"]).chunked_loss is False
@@ -131,28 +152,36 @@ def test_new_flags_parse():
     assert parse_args(["--use-tensor-parallel"]).use_tensor_parallel
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--peak-tflops", "0"], "--peak-tflops must be positive, got 0.0"),
-    (["--peak-tflops", "inf"], "--peak-tflops must be a finite number"),
-    (["--save-interval", "-1"], "--save-interval must not be negative"),
-    (["--no-checkpoint", "--save-interval", "10"], "no checkpoint, so --save-interval has nothing to do"),
-    (["--no-checkpoint", "--checkpoint-path", "x.pt"], "drop one of them"),
-    (["--tp", "0"], "--tp must be positive"),
-    (["--tp", "3"], "--tp 3 must divide --n-heads 4"),
-    (["--tp", "2", "--n-heads", "2", "--d-model", "64", "--d-ff", "101"], "--tp 2 must divide --d-ff 101"),
-    (["--use-tensor-parallel", "--tp", "1"], "--use-tensor-parallel takes the tensor-parallel degree"),
-    (["--fsdp", "--compile"], "--compile with --fsdp is not supported"),
-    (["--tp", "2", "--compile"], "--compile with --tp is not supported"),
-    (["--use-tensor-parallel", "--compile"], "--compile with --use-tensor-parallel"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--peak-tflops", "0"], "--peak-tflops must be positive, got 0.0"),
+        (["--peak-tflops", "inf"], "--peak-tflops must be a finite number"),
+        (["--save-interval", "-1"], "--save-interval must not be negative"),
+        (["--no-checkpoint", "--save-interval", "10"], "no checkpoint, so --save-interval has nothing to do"),
+        (["--no-checkpoint", "--checkpoint-path", "x.pt"], "drop one of them"),
+        (["--tp", "0"], "--tp must be positive"),
+        (["--tp", "3"], "--tp 3 must divide --n-heads 4"),
+        (
+            ["--tp", "2", "--n-heads", "2", "--d-model", "64", "--d-ff", "101"],
+            "--tp 2 must divide --d-ff 101",
+        ),
+        (["--use-tensor-parallel", "--tp", "1"], "--use-tensor-parallel takes the tensor-parallel degree"),
+        (["--fsdp", "--compile"], "--compile with --fsdp is not supported"),
+        (["--tp", "2", "--compile"], "--compile with --tp is not supported"),
+        (["--use-tensor-parallel", "--compile"], "--compile with --use-tensor-parallel"),
+    ],
+)
 def test_new_flag_checks(args, expected):
     assert expected in refused(*args)
 
 
 # ---------------------------------------------------------------------------- numeric checks
 
-@pytest.mark.parametrize("flag", [f for f in dataclasses.fields(TrainConfig) if config.base_type(f) is float],
-                         ids=lambda f: f.name)
+
+@pytest.mark.parametrize(
+    "flag", [f for f in dataclasses.fields(TrainConfig) if config.base_type(f) is float], ids=lambda f: f.name
+)
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
 def test_every_float_refuses_nan_and_inf(flag, value):
     name = config.flag_name(flag)
@@ -187,9 +216,15 @@ def test_ints_beyond_64_bits_are_refused():
     assert "out of range" in refused("--log-interval", str(2**70))
 
 
-@pytest.mark.parametrize("args", [["--vocab-size", "1e13"], ["--n-layers", "100000"], ["--d-model", "1000000",
-                                  "--n-heads", "1"], ["--batch-size", "100000", "--seq-len", "100000",
-                                  "--max-position-embeddings", "100000"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--vocab-size", "1e13"],
+        ["--n-layers", "100000"],
+        ["--d-model", "1000000", "--n-heads", "1"],
+        ["--batch-size", "100000", "--seq-len", "100000", "--max-position-embeddings", "100000"],
+    ],
+)
 def test_absurd_sizes_are_refused_with_the_bytes_they_need(args):
     msg = refused(*args)
     assert msg.startswith("this configuration needs about ") and "more than this machine's" in msg
@@ -216,7 +251,8 @@ def test_estimate_memory_may_predict_what_this_machine_cannot_hold(monkeypatch):
 
 
 def test_config_imports_without_torch():
-    code = ("import sys, minigpt.config as c; c.parse_args(['--preset', 'tiny']); "
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys, minigpt.config as c; c.parse_args(['--preset', 'tiny']); print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -69,8 +69,9 @@ def test_toy_batches_are_arithmetic_sequences():
     assert (stride == stride[:, :1]).all() and ((stride >= 1) & (stride <= 4)).all()
 
 
-@pytest.mark.parametrize("content, message", [(None, "does not exist"), ("", "is empty"),
-                                              (b"\xff\xfe\x00", "not UTF-8")])
+@pytest.mark.parametrize(
+    "content, message", [(None, "does not exist"), ("", "is empty"), (b"\xff\xfe\x00", "not UTF-8")]
+)
 def test_bad_files_are_usage_errors(tmp_path, content, message):
     f = tmp_path / "data.txt"
     if isinstance(content, str):

@@ -19,16 +19,25 @@ FLAGS = [*TINY, "--no-amp", "--dropout", "0.0"]
 
 
 def torchrun(script, *args, env=None, timeout=240):
-    return subprocess.run([*TORCHRUN, str(script), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [*TORCHRUN, str(script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def probe(tmp_path, *args, env=None):
     """Run the trainer under torchrun through tests/ddp_probe.py; return (result, per-rank probes)."""
     prefix = tmp_path / "probe"
     result = torchrun(ROOT / "tests" / "ddp_probe.py", str(prefix), *args, env=env)
-    probes = [torch.load(f"{prefix}.rank{r}.pt", weights_only=True) for r in range(2)
-              if os.path.exists(f"{prefix}.rank{r}.pt")]
+    probes = [
+        torch.load(f"{prefix}.rank{r}.pt", weights_only=True)
+        for r in range(2)
+        if os.path.exists(f"{prefix}.rank{r}.pt")
+    ]
     return result, probes
 
 
@@ -38,8 +47,18 @@ def read_metrics(out):
 
 def test_ranks_stay_identical_and_rank_0_alone_writes(tmp_path):
     out = tmp_path / "run"
-    result, probes = probe(tmp_path, *FLAGS, "--num-steps", "6", "--grad-accum-steps", "2",
-                           "--log-interval", "3", "--out-dir", str(out))
+    result, probes = probe(
+        tmp_path,
+        *FLAGS,
+        "--num-steps",
+        "6",
+        "--grad-accum-steps",
+        "2",
+        "--log-interval",
+        "3",
+        "--out-dir",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(probes) == 2
     for name, p0 in probes[0]["params"].items():
@@ -80,9 +99,21 @@ def test_two_ranks_give_the_gradients_of_one_rank_with_twice_the_batch(tmp_path)
 
 def test_every_profiled_rank_writes_its_trace(tmp_path):
     out = tmp_path / "run"
-    result = torchrun(ROOT / "train_minimal.py", *FLAGS, "--num-steps", "5", "--use-profiler",
-                      "--profile-step-start", "3", "--profile-step-end", "4", "--profile-ranks", "all",
-                      "--out-dir", str(out))
+    result = torchrun(
+        ROOT / "train_minimal.py",
+        *FLAGS,
+        "--num-steps",
+        "5",
+        "--use-profiler",
+        "--profile-step-start",
+        "3",
+        "--profile-step-end",
+        "4",
+        "--profile-ranks",
+        "all",
+        "--out-dir",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         traces = list((out / "traces").glob(f"rank{rank}_dp{rank}.*.pt.trace.json.gz"))
@@ -100,8 +131,18 @@ def stragglers(out):
 
 def test_a_slow_rank_is_named_and_the_waiting_rank_is_not(tmp_path):
     out = tmp_path / "run"
-    result = torchrun(ROOT / "train_minimal.py", *FLAGS, "--num-steps", "10", "--log-interval", "5",
-                      "--simulate-slow-rank", "1:150:forward", "--out-dir", str(out))
+    result = torchrun(
+        ROOT / "train_minimal.py",
+        *FLAGS,
+        "--num-steps",
+        "10",
+        "--log-interval",
+        "5",
+        "--simulate-slow-rank",
+        "1:150:forward",
+        "--out-dir",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     reports = stragglers(out)
     assert reports and {r["rank"] for r in reports} == {1}
@@ -117,20 +158,53 @@ def test_no_rank_is_named_when_none_is_slow(tmp_path):
     # Steps of tens of milliseconds, medians over 10 steps. Two ranks share this machine's two cores
     # with whatever else runs (the rest of the suite, CI): once, the noise alone crossed 0.75, so the
     # threshold here is 0.5, still above the 0.32 a 200 ms straggler scored in the walkthrough (chapter 8).
-    result = torchrun(ROOT / "train_minimal.py", *FLAGS, "--d-model", "128", "--d-ff", "512", "--seq-len", "64",
-                      "--num-steps", "20", "--log-interval", "10", "--straggler-threshold", "0.5",
-                      "--out-dir", str(out))
+    result = torchrun(
+        ROOT / "train_minimal.py",
+        *FLAGS,
+        "--d-model",
+        "128",
+        "--d-ff",
+        "512",
+        "--seq-len",
+        "64",
+        "--num-steps",
+        "20",
+        "--log-interval",
+        "10",
+        "--straggler-threshold",
+        "0.5",
+        "--out-dir",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "(bwd compute)" in (out / "train.log").read_text()  # the scores had figures to work on
     assert stragglers(out) == []
 
 
 def test_resume_under_torchrun_repeats_the_uninterrupted_losses(tmp_path):
-    flags = [*FLAGS, "--dropout", "0.1", "--lr-scheduler", "constant", "--log-interval", "1", "--eval-interval", "100"]
+    flags = [
+        *FLAGS,
+        "--dropout",
+        "0.1",
+        "--lr-scheduler",
+        "constant",
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        "100",
+    ]
     full, part = tmp_path / "full", tmp_path / "part"
-    assert torchrun(ROOT / "train_minimal.py", *flags, "--num-steps", "6", "--out-dir", str(full)).returncode == 0
-    assert torchrun(ROOT / "train_minimal.py", *flags, "--num-steps", "3", "--out-dir", str(part)).returncode == 0
-    result = torchrun(ROOT / "train_minimal.py", *flags, "--num-steps", "6", "--out-dir", str(part), "--resume")
+    assert (
+        torchrun(ROOT / "train_minimal.py", *flags, "--num-steps", "6", "--out-dir", str(full)).returncode
+        == 0
+    )
+    assert (
+        torchrun(ROOT / "train_minimal.py", *flags, "--num-steps", "3", "--out-dir", str(part)).returncode
+        == 0
+    )
+    result = torchrun(
+        ROOT / "train_minimal.py", *flags, "--num-steps", "6", "--out-dir", str(part), "--resume"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     expected = {r["step"]: r["loss"] for r in read_metrics(full)}
     resumed = {r["step"]: r["loss"] for r in read_metrics(part) if r["step"] > 3}
@@ -141,9 +215,26 @@ def test_resume_under_torchrun_repeats_the_uninterrupted_losses(tmp_path):
 
 def test_sigterm_under_torchrun_stops_every_rank_at_the_same_step(tmp_path):
     out = tmp_path / "run"
-    job = subprocess.Popen([*TORCHRUN, str(ROOT / "train_minimal.py"), *FLAGS, "--num-steps", "100000",
-                            "--log-interval", "50", "--eval-interval", "50", "--out-dir", str(out)], cwd=ROOT, text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    job = subprocess.Popen(
+        [
+            *TORCHRUN,
+            str(ROOT / "train_minimal.py"),
+            *FLAGS,
+            "--num-steps",
+            "100000",
+            "--log-interval",
+            "50",
+            "--eval-interval",
+            "50",
+            "--out-dir",
+            str(out),
+        ],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.time() + 120
     while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
         assert time.time() < deadline and job.poll() is None
@@ -165,8 +256,17 @@ def test_sigterm_under_torchrun_stops_every_rank_at_the_same_step(tmp_path):
 def test_a_failing_or_dying_rank_ends_the_job_with_a_message(tmp_path, how):
     out = tmp_path / "run"
     t0 = time.time()
-    result, _ = probe(tmp_path, *FLAGS, "--num-steps", "50", "--ddp-timeout", "20", "--out-dir", str(out),
-                      env={"PROBE_FAIL": f"1:3:{how}"})
+    result, _ = probe(
+        tmp_path,
+        *FLAGS,
+        "--num-steps",
+        "50",
+        "--ddp-timeout",
+        "20",
+        "--out-dir",
+        str(out),
+        env={"PROBE_FAIL": f"1:3:{how}"},
+    )
     assert result.returncode != 0
     assert time.time() - t0 < 120  # bounded: never a silent hang
     text = result.stdout + result.stderr

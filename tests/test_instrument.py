@@ -35,8 +35,21 @@ def inside(event, outer):
 
 def profiled_run(tmp_path, *extra):
     out = tmp_path / "run"
-    args = [*TINY, "--num-steps", "8", "--log-interval", "4", "--use-profiler",
-            "--profile-step-start", "3", "--profile-step-end", "5", "--out-dir", str(out), *extra]
+    args = [
+        *TINY,
+        "--num-steps",
+        "8",
+        "--log-interval",
+        "4",
+        "--use-profiler",
+        "--profile-step-start",
+        "3",
+        "--profile-step-end",
+        "5",
+        "--out-dir",
+        str(out),
+        *extra,
+    ]
     assert train_minimal.cli(args) == 0
     return out
 
@@ -62,7 +75,16 @@ def test_profiler_window_writes_one_trace_with_the_steps_and_stages(tmp_path, ca
 
 def test_profiler_cost_is_not_priced_against_fewer_than_three_steps(tmp_path, capsys):
     out = tmp_path / "run"
-    args = [*TINY, "--num-steps", "6", "--use-profiler", "--profile-step-start", "3", "--profile-step-end", "5"]
+    args = [
+        *TINY,
+        "--num-steps",
+        "6",
+        "--use-profiler",
+        "--profile-step-start",
+        "3",
+        "--profile-step-end",
+        "5",
+    ]
     assert train_minimal.cli([*args, "--out-dir", str(out)]) == 0
     assert "Profiler cost: not priced: 2 unprofiled step(s)" in capsys.readouterr().out  # steps 5 and 6 only
 
@@ -71,12 +93,31 @@ def test_profiled_steps_hold_only_the_training_step(tmp_path):
     # Evaluations (with many batches, so they take as long as several steps) and logging after
     # steps 3 and 4, inside the window: each ProfilerStep range must still be the step alone.
     out = tmp_path / "run"
-    args = [*TINY, "--num-steps", "6", "--log-interval", "1", "--eval-interval", "1", "--eval-iters", "20",
-            "--use-profiler", "--profile-step-start", "3", "--profile-step-end", "5", "--out-dir", str(out)]
+    args = [
+        *TINY,
+        "--num-steps",
+        "6",
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        "1",
+        "--eval-iters",
+        "20",
+        "--use-profiler",
+        "--profile-step-start",
+        "3",
+        "--profile-step-end",
+        "5",
+        "--out-dir",
+        str(out),
+    ]
     assert train_minimal.cli(args) == 0
     _, trace = load_trace(out)
-    steps = {int(e["name"].split("#")[1]): e["dur"] / 1000 for e in trace["traceEvents"]
-             if e.get("ph") == "X" and e.get("name", "").startswith("ProfilerStep#")}
+    steps = {
+        int(e["name"].split("#")[1]): e["dur"] / 1000
+        for e in trace["traceEvents"]
+        if e.get("ph") == "X" and e.get("name", "").startswith("ProfilerStep#")
+    }
     logged = {r["step"]: 1000 * r["step_time_s"] for r in map(json.loads, (out / "metrics.jsonl").open())}
     assert sorted(steps) == [3, 4]
     for step, ms in steps.items():
@@ -113,8 +154,22 @@ def test_resumed_run_profiles_the_same_training_steps(tmp_path):
     out = tmp_path / "run"
     base = [*TINY, "--out-dir", str(out), "--save-interval", "2"]
     assert train_minimal.cli([*base, "--num-steps", "2"]) == 0
-    assert train_minimal.cli([*base, "--num-steps", "8", "--resume", "--use-profiler",
-                              "--profile-step-start", "5", "--profile-step-end", "7"]) == 0
+    assert (
+        train_minimal.cli(
+            [
+                *base,
+                "--num-steps",
+                "8",
+                "--resume",
+                "--use-profiler",
+                "--profile-step-start",
+                "5",
+                "--profile-step-end",
+                "7",
+            ]
+        )
+        == 0
+    )
     _, trace = load_trace(out)
     names = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
     assert names == {"ProfilerStep#5", "ProfilerStep#6"}
@@ -123,8 +178,21 @@ def test_resumed_run_profiles_the_same_training_steps(tmp_path):
 def test_stage_times_add_up_to_the_step_time(tmp_path):
     # A model big enough that a step is tens of milliseconds: the loop's own Python is then small.
     out = tmp_path / "run"
-    args = [*TINY, "--d-model", "128", "--d-ff", "512", "--seq-len", "64", "--num-steps", "12",
-            "--log-interval", "4", "--out-dir", str(out)]
+    args = [
+        *TINY,
+        "--d-model",
+        "128",
+        "--d-ff",
+        "512",
+        "--seq-len",
+        "64",
+        "--num-steps",
+        "12",
+        "--log-interval",
+        "4",
+        "--out-dir",
+        str(out),
+    ]
     assert train_minimal.cli(args) == 0
     for row in read_metrics(out):
         assert set(row["stage_host_ms"]) == set(STAGES)
@@ -143,8 +211,11 @@ def test_no_stage_timing_drops_the_times_but_keeps_the_ranges(tmp_path):
 
 def test_stage_uses_process_wide_nvtx_ranges(monkeypatch):
     seen = []
-    monkeypatch.setattr(instrument.nvtx, "start_range",
-                        lambda message, color, domain: seen.append(("start", message, color, domain)) or 7)
+    monkeypatch.setattr(
+        instrument.nvtx,
+        "start_range",
+        lambda message, color, domain: seen.append(("start", message, color, domain)) or 7,
+    )
     monkeypatch.setattr(instrument.nvtx, "end_range", lambda rid: seen.append(("end", rid)))
     timer = StageTimer("cpu")
     with timer.stage("backward"):
@@ -177,7 +248,9 @@ def test_stage_timer_splits_and_per_step_figures():
 
 def test_log_line_and_mfu(tmp_path):
     out = tmp_path / "run"
-    assert train_minimal.cli([*TINY, "--num-steps", "4", "--grad-accum-steps", "2", "--out-dir", str(out)]) == 0
+    assert (
+        train_minimal.cli([*TINY, "--num-steps", "4", "--grad-accum-steps", "2", "--out-dir", str(out)]) == 0
+    )
     config = json.loads((out / "config.json").read_text())
     assert config["peak_flops_source"].startswith(("measured now", "cache")) and config["peak_flops"] > 1e9
     assert config["peak_flops_spread"][0] <= config["peak_flops"] <= config["peak_flops_spread"][1] * 1.0001
@@ -198,8 +271,15 @@ def test_tensorboard_gets_the_same_figures(tmp_path):
     events = EventAccumulator(str(out / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"train/loss", "val/loss", "train/lr", "perf/tokens_per_s", "perf/mfu",
-            "stage_host_ms/forward", "stage_device_ms/backward"} <= tags
+    assert {
+        "train/loss",
+        "val/loss",
+        "train/lr",
+        "perf/tokens_per_s",
+        "perf/mfu",
+        "stage_host_ms/forward",
+        "stage_device_ms/backward",
+    } <= tags
     rows = read_metrics(out)
     assert [e.step for e in events.Scalars("train/loss")] == [r["step"] for r in rows]
     assert events.Scalars("train/loss")[-1].value == pytest.approx(rows[-1]["loss"], rel=1e-6)
@@ -207,13 +287,22 @@ def test_tensorboard_gets_the_same_figures(tmp_path):
 
 def test_profiler_schedule_has_megatron_semantics():
     from torch.profiler import ProfilerAction as A
+
     action = instrument.profiler_schedule(start=3, end=6)
-    assert [action(n) for n in range(1, 8)] == [A.NONE, A.WARMUP, A.RECORD, A.RECORD, A.RECORD_AND_SAVE,
-                                                A.NONE, A.NONE]
+    assert [action(n) for n in range(1, 8)] == [
+        A.NONE,
+        A.WARMUP,
+        A.RECORD,
+        A.RECORD,
+        A.RECORD_AND_SAVE,
+        A.NONE,
+        A.NONE,
+    ]
     assert instrument.profiler_schedule(1, 2)(1) == A.RECORD_AND_SAVE  # no warm-up step before step 1
 
 
 # ---------------------------------------------------------------------------- TensorBoard server
+
 
 @pytest.mark.slow
 def test_tensorboard_with_torch_tb_profiler_serves_the_run(tmp_path):
@@ -234,11 +323,16 @@ def test_tensorboard_with_torch_tb_profiler_serves_the_run(tmp_path):
 
 # ---------------------------------------------------------------------------- CUDA only
 
+
 @pytest.mark.cuda
 def test_cuda_stage_times_come_from_events(tmp_path):
     out = tmp_path / "run"
-    assert train_minimal.cli([*TINY, "--device", "cuda", "--num-steps", "6", "--log-interval", "3",
-                              "--out-dir", str(out)]) == 0
+    assert (
+        train_minimal.cli(
+            [*TINY, "--device", "cuda", "--num-steps", "6", "--log-interval", "3", "--out-dir", str(out)]
+        )
+        == 0
+    )
     row = read_metrics(out)[-1]
     assert set(row["stage_device_ms"]) == set(STAGES) and row["stage_device_ms"] != row["stage_host_ms"]
     assert row["memory"]["peak_allocated_gib"] > 0 and "alloc_retries" in row["memory"]
@@ -265,8 +359,25 @@ def test_nsys_capture_range_calls_start_and_stop(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
     out = tmp_path / "run"
-    assert train_minimal.cli([*TINY, "--device", "cuda", "--num-steps", "6", "--nsys", "--profile-step-start", "2",
-                              "--profile-step-end", "4", "--out-dir", str(out)]) == 0
+    assert (
+        train_minimal.cli(
+            [
+                *TINY,
+                "--device",
+                "cuda",
+                "--num-steps",
+                "6",
+                "--nsys",
+                "--profile-step-start",
+                "2",
+                "--profile-step-end",
+                "4",
+                "--out-dir",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert calls == ["start", "stop"]
 
 
@@ -276,6 +387,7 @@ def test_memory_history_snapshot_and_its_text(tmp_path):
     snap = out / "snapshots" / "rank0_snapshot.pickle"
     assert snap.exists() and snap.with_suffix(".txt").read_text().split()[1] == "live"
     import pickle
+
     assert "segments" in pickle.loads(snap.read_bytes())
 
 
@@ -291,4 +403,3 @@ def test_oom_writes_a_snapshot_before_the_error(tmp_path):
     finally:
         history.stop()
     assert path.exists() and path.with_suffix(".txt").exists()
-

@@ -25,8 +25,16 @@ from minigpt.memory import (
 )
 from minigpt.model import GPT, GPTConfig
 
-SHAPE = dict(n_layers=2, d_model=32, n_heads=2, d_ff=128, seq_len=16, batch_size=4, vocab_size=64,
-             max_position_embeddings=16)
+SHAPE = dict(
+    n_layers=2,
+    d_model=32,
+    n_heads=2,
+    d_ff=128,
+    seq_len=16,
+    batch_size=4,
+    vocab_size=64,
+    max_position_embeddings=16,
+)
 
 
 def train_steps(model, optimizer, make_batch, steps=2, amp=False, accum=1, measure_step=None):
@@ -51,19 +59,29 @@ def train_steps(model, optimizer, make_batch, steps=2, amp=False, accum=1, measu
 def tiny_gpt(checkpoint=False, **shape):
     s = {**SHAPE, **shape}
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=s["vocab_size"], max_position_embeddings=s["max_position_embeddings"],
-                          n_layers=s["n_layers"], n_heads=s["n_heads"], d_model=s["d_model"], d_ff=s["d_ff"],
-                          activation_checkpoint=checkpoint))
+    model = GPT(
+        GPTConfig(
+            vocab_size=s["vocab_size"],
+            max_position_embeddings=s["max_position_embeddings"],
+            n_layers=s["n_layers"],
+            n_heads=s["n_heads"],
+            d_model=s["d_model"],
+            d_ff=s["d_ff"],
+            activation_checkpoint=checkpoint,
+        )
+    )
     model.train()
     optimizer = train_minimal.configure_optimizer(model, parse_args([]), "cpu")
 
     def batch(m):
         x = torch.randint(0, s["vocab_size"], (s["batch_size"], s["seq_len"]))
         return m(x, torch.roll(x, -1, 1))[1]
+
     return model, optimizer, batch, s
 
 
 # ---------------------------------------------------------------------------- measured figures
+
 
 def test_two_linears_by_hand():
     """Every figure of a small MLP equals its size computed by hand, and a storage saved twice
@@ -144,16 +162,34 @@ def test_the_peak_is_one_micro_batch_under_gradient_accumulation():
 
 # ---------------------------------------------------------------------------- the estimator
 
+
 @pytest.mark.parametrize("amp", ["fp32", "bf16"])
 @pytest.mark.parametrize("checkpoint", [False, True])
-@pytest.mark.parametrize("shape", [{}, dict(n_layers=1, d_model=64, n_heads=4, d_ff=192, seq_len=32,
-                                           batch_size=2, vocab_size=256, max_position_embeddings=48)])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {},
+        dict(
+            n_layers=1,
+            d_model=64,
+            n_heads=4,
+            d_ff=192,
+            seq_len=32,
+            batch_size=2,
+            vocab_size=256,
+            max_position_embeddings=48,
+        ),
+    ],
+)
 def test_estimate_matches_the_measurement(amp, checkpoint, shape):
     model, optimizer, batch, s = tiny_gpt(checkpoint=checkpoint, **shape)
     b = train_steps(model, optimizer, batch, amp=amp == "bf16")
     e = estimate_gpt(**s, amp_dtype=amp, activation_checkpoint=checkpoint)
-    assert (e.params, e.grads, e.optimizer) == (b.category_total("params"), b.category_total("grads"),
-                                                b.category_total("optimizer"))  # exact
+    assert (e.params, e.grads, e.optimizer) == (
+        b.category_total("params"),
+        b.category_total("grads"),
+        b.category_total("optimizer"),
+    )  # exact
     for measured, estimated in [(b.category_total("activations"), e.activations), (b.total, e.total)]:
         assert abs(estimated - measured) <= 0.10 * measured, (measured, estimated)
     if not checkpoint:
@@ -176,8 +212,16 @@ def test_estimate_formula_per_block():
     """Korthikanti's sbh terms for this model: 36sbh in bf16 and 64sbh in fp32 with d_ff = 4h,
     plus the small LayerNorm statistics and logsumexp."""
     s, b, h, a = 128, 2, 64, 4
-    shape = dict(n_layers=1, d_model=h, n_heads=a, d_ff=4 * h, seq_len=s, batch_size=b, vocab_size=64,
-                 max_position_embeddings=s)
+    shape = dict(
+        n_layers=1,
+        d_model=h,
+        n_heads=a,
+        d_ff=4 * h,
+        seq_len=s,
+        batch_size=b,
+        vocab_size=64,
+        max_position_embeddings=s,
+    )
     small = 16 * b * s + 4 * a * b * s
     bf16 = estimate_gpt(**shape, amp_dtype="bf16")
     assert bf16.block - 2 * (4 * h * h + 2 * h * 4 * h) == 36 * s * b * h + small  # minus the weight copies
@@ -186,6 +230,7 @@ def test_estimate_formula_per_block():
 
 
 # ---------------------------------------------------------------------------- memory.log and charts
+
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
@@ -222,20 +267,26 @@ def test_memory_log_parses_back(written):
 
 
 def test_parse_reads_internevo_style_lines():
-    text = ("Memory State:\ntime: 37.5\n---summary---\ntotal_memory: 10.00 MB\n"
-            "params_memory: 4.00 MB, grads_memory: 4.00 MB, os_params_memory: 0.00 MB, os_state_memory: 2.00 MB, "
-            "activation_memory: 0.00 MB\n---Layout---\nparams_layout:\n"
-            "layer: param_mem, layer_mem: 0.00 MB, total_mem: 4.00 MB\n"
-            "layer: param_mem.embedding.weight, layer_mem: 4.00 MB, total_mem: 4.00 MB\n")
+    text = (
+        "Memory State:\ntime: 37.5\n---summary---\ntotal_memory: 10.00 MB\n"
+        "params_memory: 4.00 MB, grads_memory: 4.00 MB, os_params_memory: 0.00 MB, os_state_memory: 2.00 MB, "
+        "activation_memory: 0.00 MB\n---Layout---\nparams_layout:\n"
+        "layer: param_mem, layer_mem: 0.00 MB, total_mem: 4.00 MB\n"
+        "layer: param_mem.embedding.weight, layer_mem: 4.00 MB, total_mem: 4.00 MB\n"
+    )
     (state,) = parse_memory_log(text)
     assert state["summary"]["total_memory"] == 10 * 2**20 and state["time"] == 37.5
-    assert state["layouts"]["params_layout"][1] == {"path": "param_mem.embedding.weight", "depth": 2,
-                                                    "layer_bytes": 4 * 2**20, "total_bytes": 4 * 2**20}
+    assert state["layouts"]["params_layout"][1] == {
+        "path": "param_mem.embedding.weight",
+        "depth": 2,
+        "layer_bytes": 4 * 2**20,
+        "total_bytes": 4 * 2**20,
+    }
 
 
 def test_sunburst_charts_are_offline_html_with_the_data(written):
     _, folder = written
-    for kind, name in SUNBURST_FILES.items():
+    for name in SUNBURST_FILES.values():
         html = (folder / name).read_text()
         assert "<html>" in html[:100] and '"type":"sunburst"' in html
         assert "plotly.js v" in html and 'src="http' not in html  # plotly.js embedded: opens offline
@@ -249,16 +300,26 @@ def test_sunburst_charts_are_offline_html_with_the_data(written):
 
 # ---------------------------------------------------------------------------- the trainer
 
-@pytest.mark.parametrize("args, expected", [
-    (["--memory-profiler", "--memory-profile-step", "0"], "--memory-profile-step is 0, outside the run's steps 1..4"),
-    (["--memory-profiler", "--memory-profile-step", "5"], "outside the run's steps 1..4"),
-    (["--memory-profiler"], "(default: --profile-step-start, or --profile-step-end with --use-profiler) is 5, "
-                            "outside the run's steps 1..4"),
-    (["--memory-profile-step", "2"], "--memory-profile-step needs --memory-profiler"),
-    (["--device-memory-gb", "-1"], "--device-memory-gb must be at least 1 MiB"),
-    (["--estimate-memory", "--device-memory-gb", "0"], "--device-memory-gb must be at least 1 MiB"),
-    (["--memory-profile-step", "two"], "invalid int value: 'two'"),
-])
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (
+            ["--memory-profiler", "--memory-profile-step", "0"],
+            "--memory-profile-step is 0, outside the run's steps 1..4",
+        ),
+        (["--memory-profiler", "--memory-profile-step", "5"], "outside the run's steps 1..4"),
+        (
+            ["--memory-profiler"],
+            "(default: --profile-step-start, or --profile-step-end with --use-profiler) is 5, "
+            "outside the run's steps 1..4",
+        ),
+        (["--memory-profile-step", "2"], "--memory-profile-step needs --memory-profiler"),
+        (["--device-memory-gb", "-1"], "--device-memory-gb must be at least 1 MiB"),
+        (["--estimate-memory", "--device-memory-gb", "0"], "--device-memory-gb must be at least 1 MiB"),
+        (["--memory-profile-step", "two"], "invalid int value: 'two'"),
+    ],
+)
 def test_bad_memory_flags(capsys, tmp_path, args, expected):
     out = tmp_path / "run"
     assert expected in fails(capsys, *TINY, "--num-steps", "4", *args, "--out-dir", str(out))
@@ -293,8 +354,23 @@ def test_estimate_memory_defaults_to_the_machines_memory(capsys):
 
 def test_memory_profiler_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
-    assert train_minimal.cli([*TINY, "--num-steps", "4", "--log-interval", "3", "--memory-profiler",
-                              "--memory-profile-step", "2", "--out-dir", str(out)]) == 0
+    assert (
+        train_minimal.cli(
+            [
+                *TINY,
+                "--num-steps",
+                "4",
+                "--log-interval",
+                "3",
+                "--memory-profiler",
+                "--memory-profile-step",
+                "2",
+                "--out-dir",
+                str(out),
+            ]
+        )
+        == 0
+    )
     folder = out / "memory_trace" / "rank0_dp0"
     assert {p.name for p in folder.iterdir()} == {MEMORY_LOG, *SUNBURST_FILES.values()}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -303,13 +379,17 @@ def test_memory_profiler_end_to_end(tmp_path, capsys):
     m = carrying[0]["memory_breakdown"]
     assert m["step"] == 2 and m["device"] == "cpu"
     assert m["total"] == m["params"] + m["grads"] + m["optimizer"] + m["activations_peak"] > 0
-    assert m["estimate"]["params"] == m["params"] and abs(m["estimate"]["total"] - m["total"]) <= 0.1 * m["total"]
+    assert (
+        m["estimate"]["params"] == m["params"]
+        and abs(m["estimate"]["total"] - m["total"]) <= 0.1 * m["total"]
+    )
     (state,) = parse_memory_log((folder / MEMORY_LOG).read_text())
     assert state["summary"]["total_memory"] == m["total"]
     log = (out / "train.log").read_text()
     assert "Memory breakdown at step 2" in log and "estimate" in log and "+0.0%" in log
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     events = EventAccumulator(str(out / "tb"))
     events.Reload()
     (point,) = events.Scalars("memory_breakdown/total_mib")
@@ -320,8 +400,9 @@ def test_memory_profiler_end_to_end(tmp_path, capsys):
 @pytest.mark.cuda
 def test_cuda_breakdown_beside_max_allocated():
     """On a GPU: the same figures, with max_memory_allocated beside them and the remainder named."""
-    model, _, batch, s = tiny_gpt(d_model=128, n_heads=4, d_ff=512, seq_len=64, batch_size=8,
-                                  max_position_embeddings=64, vocab_size=512)
+    model, _, batch, s = tiny_gpt(
+        d_model=128, n_heads=4, d_ff=512, seq_len=64, batch_size=8, max_position_embeddings=64, vocab_size=512
+    )
     model.cuda()
     optimizer = train_minimal.configure_optimizer(model, parse_args([]), "cuda")
 
@@ -329,9 +410,12 @@ def test_cuda_breakdown_beside_max_allocated():
         x = torch.randint(0, s["vocab_size"], (s["batch_size"], s["seq_len"]), device="cuda")
         with torch.autocast("cuda", dtype=torch.bfloat16):
             return m(x, torch.roll(x, -1, 1))[1]
+
     b = train_steps(model, optimizer, cuda_batch)
     e = estimate_gpt(**s, amp_dtype="bf16", device="cuda")
-    assert b.device == "cuda" and b.cuda_max_allocated >= b.category_total("params") + b.category_total("optimizer")
+    assert b.device == "cuda" and b.cuda_max_allocated >= b.category_total("params") + b.category_total(
+        "optimizer"
+    )
     assert b.other == b.cuda_max_allocated - b.total and b.cuda_max_reserved >= b.cuda_max_allocated
     assert (e.params, e.optimizer) == (b.category_total("params"), b.category_total("optimizer"))
     assert abs(e.activations - b.category_total("activations")) <= 0.10 * b.category_total("activations")
@@ -340,8 +424,16 @@ def test_cuda_breakdown_beside_max_allocated():
 
 # ---------------------------------------------------------------------------- the measured peak
 
-PEAK_SHAPE = dict(n_layers=2, d_model=64, n_heads=2, d_ff=256, seq_len=32, batch_size=2, vocab_size=2048,
-                  max_position_embeddings=32)
+PEAK_SHAPE = dict(
+    n_layers=2,
+    d_model=64,
+    n_heads=2,
+    d_ff=256,
+    seq_len=32,
+    batch_size=2,
+    vocab_size=2048,
+    max_position_embeddings=32,
+)
 
 
 def trainer_steps(model, optimizer, shape, amp=False, accum=1, steps=2, hold=True):
@@ -443,10 +535,15 @@ def test_the_measured_peak_agrees_with_the_kernels_count_of_resident_pages():
 
     from conftest import ROOT
 
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024), "MALLOC_TRIM_THRESHOLD_": "0",
-           "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", RSS_CHILD], env=env, capture_output=True, text=True,
-                         timeout=300)
+    env = {
+        **os.environ,
+        "MALLOC_MMAP_THRESHOLD_": str(64 * 1024),
+        "MALLOC_TRIM_THRESHOLD_": "0",
+        "PYTHONPATH": str(ROOT),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", RSS_CHILD], env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     rise = r["peak"] - r["start"]

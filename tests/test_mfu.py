@@ -26,8 +26,14 @@ def units():
 def test_units_add_up_to_the_counted_flops():
     """The denominator's argument rests on this: flops_per_token is the sum of the units' FLOPs
     (every Linear with its bias, the tied head, attention) plus the LayerNorms' parameters."""
-    cfg = GPTConfig(vocab_size=SHAPE["vocab_size"], max_position_embeddings=SHAPE["seq_len"], n_layers=3,
-                    n_heads=SHAPE["n_heads"], d_model=SHAPE["d_model"], d_ff=SHAPE["d_ff"])
+    cfg = GPTConfig(
+        vocab_size=SHAPE["vocab_size"],
+        max_position_embeddings=SHAPE["seq_len"],
+        n_layers=3,
+        n_heads=SHAPE["n_heads"],
+        d_model=SHAPE["d_model"],
+        d_ff=SHAPE["d_ff"],
+    )
     model = GPT(cfg)
     tokens = SHAPE["batch_size"] * SHAPE["seq_len"]
     *block, head, attention = units()
@@ -87,8 +93,14 @@ def test_mfu_of_a_real_step_stays_below_one():
     """A training step of the model, timed as the loop times it, against the denominator of its
     own units: the step does those units and more, so it cannot beat their best rate."""
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=SHAPE["vocab_size"], max_position_embeddings=SHAPE["seq_len"], n_layers=2,
-                    n_heads=SHAPE["n_heads"], d_model=SHAPE["d_model"], d_ff=SHAPE["d_ff"])
+    cfg = GPTConfig(
+        vocab_size=SHAPE["vocab_size"],
+        max_position_embeddings=SHAPE["seq_len"],
+        n_layers=2,
+        n_heads=SHAPE["n_heads"],
+        d_model=SHAPE["d_model"],
+        d_ff=SHAPE["d_ff"],
+    )
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters())
     x = torch.randint(0, cfg.vocab_size, (SHAPE["batch_size"], SHAPE["seq_len"]))
@@ -102,19 +114,28 @@ def test_mfu_of_a_real_step_stays_below_one():
         tokens_per_s = x.numel() / (time.perf_counter() - t0)
         achieved = M.achieved_tflops(flops_per_token(model, SHAPE["seq_len"]), tokens_per_s)
         assert 0 < M.mfu(flops_per_token(model, SHAPE["seq_len"]), tokens_per_s, peak) < 1
-        assert M.mfu(flops_per_token(model, SHAPE["seq_len"]), tokens_per_s, peak.value) == \
-            pytest.approx(achieved * 1e12 / peak.value)
+        assert M.mfu(flops_per_token(model, SHAPE["seq_len"]), tokens_per_s, peak.value) == pytest.approx(
+            achieved * 1e12 / peak.value
+        )
 
 
 def test_override_and_gpu_table(monkeypatch):
     peak = M.peak_flops("cpu", "fp32", units(), override_tflops=2.5)
     assert peak.value == 2.5e12 and peak.source == "override: --peak-tflops" and peak.spread is None
-    assert peak.config() == {"peak_flops": 2.5e12, "peak_flops_source": "override: --peak-tflops",
-                             "peak_flops_spread": None}
+    assert peak.config() == {
+        "peak_flops": 2.5e12,
+        "peak_flops_source": "override: --peak-tflops",
+        "peak_flops_spread": None,
+    }
     with pytest.raises(ValueError, match="positive"):
         M.peak_flops("cpu", "fp32", override_tflops=0)
-    for name, gpu in (("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H100 PCIe", "H100 PCIe"),
-                      ("NVIDIA L4", "L4"), ("NVIDIA L40S", "L40S"), ("NVIDIA A100-SXM4-80GB", "A100")):
+    for name, gpu in (
+        ("NVIDIA H100 80GB HBM3", "H100"),
+        ("NVIDIA H100 PCIe", "H100 PCIe"),
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA L40S", "L40S"),
+        ("NVIDIA A100-SXM4-80GB", "A100"),
+    ):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, n=name: n)
         peak = M.peak_flops("cuda", "bf16", units())
         assert peak.value == M.PEAK_FLOPS[gpu]["bf16"] and peak.source == f"table: {gpu} bf16 dense"

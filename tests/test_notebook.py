@@ -21,14 +21,15 @@ def test_profiling_notebook_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("MINIGPT_NOTEBOOK_RUNS", str(tmp_path / "runs"))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(nb, kernel_name="python3", timeout=300,
-                   resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    NotebookClient(
+        nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(NOTEBOOK.parent)}}
+    ).execute()
 
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
     text = "\n".join(o.get("text", "") for o in outputs if o.output_type == "stream")
-    assert "top host operators by self time" in text and "aten::" in text   # the trace summary
-    assert "ratios are B / A" in text and "activation_checkpoint" in text   # the comparison
+    assert "top host operators by self time" in text and "aten::" in text  # the trace summary
+    assert "ratios are B / A" in text and "activation_checkpoint" in text  # the comparison
     frames = [o for o in outputs if "text/html" in o.get("data", {})]
-    assert frames and "srcdoc=" in frames[0]["data"]["text/html"]           # the report, inline
+    assert frames and "srcdoc=" in frames[0]["data"]["text/html"]  # the report, inline
     assert (tmp_path / "runs" / "base" / "report.html").exists()

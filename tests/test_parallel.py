@@ -26,24 +26,36 @@ SHAPE = ["--shape", "2,4,64,256,128", "--seq", "32", "--batch", "8"]  # layers, 
 
 
 def plan(**kw):
-    base = dict(fsdp=False, tp=1, use_tensor_parallel=False, n_heads=4, d_ff=256, compile=False, amp=None,
-                amp_dtype="bf16")
+    base = dict(
+        fsdp=False,
+        tp=1,
+        use_tensor_parallel=False,
+        n_heads=4,
+        d_ff=256,
+        compile=False,
+        amp=None,
+        amp_dtype="bf16",
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
 # ---------------------------------------------------------------------------- refusals, no processes
 
-@pytest.mark.parametrize("kw, world, words", [
-    (dict(fsdp=True), 1, "launch with torchrun"),
-    (dict(tp=2), 1, "launch with torchrun"),
-    (dict(tp=3), 4, "not divisible by the tensor-parallel degree 3"),
-    (dict(tp=2, n_heads=3), 2, "--n-heads 3"),
-    (dict(tp=4, d_ff=6, n_heads=4), 4, "--d-ff 6"),
-    (dict(tp=2), 4, "add --fsdp"),
-    (dict(fsdp=True, compile=True), 2, "--compile"),
-    (dict(fsdp=True, amp_dtype="fp16"), 2, "fp16"),
-    (dict(tp=0), 2, "--tp must be positive"),
-])
+
+@pytest.mark.parametrize(
+    "kw, world, words",
+    [
+        (dict(fsdp=True), 1, "launch with torchrun"),
+        (dict(tp=2), 1, "launch with torchrun"),
+        (dict(tp=3), 4, "not divisible by the tensor-parallel degree 3"),
+        (dict(tp=2, n_heads=3), 2, "--n-heads 3"),
+        (dict(tp=4, d_ff=6, n_heads=4), 4, "--d-ff 6"),
+        (dict(tp=2), 4, "add --fsdp"),
+        (dict(fsdp=True, compile=True), 2, "--compile"),
+        (dict(fsdp=True, amp_dtype="fp16"), 2, "fp16"),
+        (dict(tp=0), 2, "--tp must be positive"),
+    ],
+)
 def test_plans_that_cannot_work_are_refused_in_one_line(kw, world, words):
     with pytest.raises(UsageError) as e:
         check_plan(plan(**kw), world)
@@ -61,8 +73,13 @@ def test_use_tensor_parallel_means_this_nodes_ranks(monkeypatch):
 
 
 def test_plans_that_work_pass():
-    for kw, world in [(dict(), 1), (dict(fsdp=True), 2), (dict(tp=2), 2), (dict(fsdp=True, tp=2), 4),
-                      (dict(fsdp=True, amp=False, amp_dtype="fp16"), 2)]:
+    for kw, world in [
+        (dict(), 1),
+        (dict(fsdp=True), 2),
+        (dict(tp=2), 2),
+        (dict(fsdp=True, tp=2), 4),
+        (dict(fsdp=True, amp=False, amp_dtype="fp16"), 2),
+    ]:
         check_plan(plan(**kw), world)
 
 
@@ -84,8 +101,16 @@ def test_worker_names_keep_the_ddp_form_without_tp():
 
 
 def test_per_rank_estimate_shards_state_and_splits_tp_activations():
-    shape = dict(n_layers=2, n_heads=4, d_model=64, d_ff=256, seq_len=32, batch_size=8, vocab_size=128,
-                 max_position_embeddings=32)
+    shape = dict(
+        n_layers=2,
+        n_heads=4,
+        d_model=64,
+        d_ff=256,
+        seq_len=32,
+        batch_size=8,
+        vocab_size=128,
+        max_position_embeddings=32,
+    )
     e = estimate_gpt(**shape)
     ddp, fsdp = per_rank_estimate(e, 2, 1, False), per_rank_estimate(e, 2, 1, True)
     assert ddp["params"] == e.params and fsdp["params"] == e.params // 2
@@ -107,24 +132,29 @@ def test_exposed_communication_is_the_union_of_comm_ranges_inside_each_stage():
     def ev(name, start, end, thread=1):
         return SimpleNamespace(name=name, thread=thread, time_range=SimpleNamespace(start=start, end=end))
 
-    events = [ev("forward", 0, 10_000), ev("backward", 10_000, 30_000),
-              ev("FSDP::all_gather (blocks.0)", 1_000, 3_000),
-              ev("c10d::_allgather_base_", 1_500, 2_500),  # nested in the one above
-              ev("aten::mm", 3_000, 9_000),
-              ev("FSDP::post_backward_reduce (blocks.0)", 25_000, 32_000),  # runs past the stage's end
-              ev("gloo:all_reduce", 11_000, 20_000, thread=2)]  # another thread: overlapped, not exposed
+    events = [
+        ev("forward", 0, 10_000),
+        ev("backward", 10_000, 30_000),
+        ev("FSDP::all_gather (blocks.0)", 1_000, 3_000),
+        ev("c10d::_allgather_base_", 1_500, 2_500),  # nested in the one above
+        ev("aten::mm", 3_000, 9_000),
+        ev("FSDP::post_backward_reduce (blocks.0)", 25_000, 32_000),  # runs past the stage's end
+        ev("gloo:all_reduce", 11_000, 20_000, thread=2),
+    ]  # another thread: overlapped, not exposed
     ms = stage_comm_ms(events, ("forward", "backward"))
     assert ms == {"forward": 2.0, "backward": 5.0, "step": 9.0}
 
 
 # ---------------------------------------------------------------------------- sharded checkpoints, 1 process
 
+
 def _tiny():
     from minigpt.model import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, max_position_embeddings=8, n_layers=1, n_heads=2, d_model=16,
-                          d_ff=32))
+    model = GPT(
+        GPTConfig(vocab_size=64, max_position_embeddings=8, n_layers=1, n_heads=2, d_model=16, d_ff=32)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x = torch.randint(0, 64, (2, 8))
     model(x, x)[1].backward()
@@ -172,9 +202,18 @@ def test_sharded_checkpoint_with_code_in_its_metadata_is_refused(tmp_path):
 
 # ---------------------------------------------------------------------------- torchrun, gloo
 
+
 def torchrun(nproc, *args, timeout=300):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           str(PROBE), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        str(PROBE),
+        *args,
+    ]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
@@ -187,8 +226,13 @@ def run_plan(tmp_path_factory, nproc: int, *flags: str) -> dict:
     if key not in _runs:
         out = tmp_path_factory.mktemp("plan") / "out.json"
         if nproc == 1:
-            result = subprocess.run([sys.executable, str(PROBE), str(out), *SHAPE, *flags], cwd=ROOT,
-                                    capture_output=True, text=True, timeout=300)
+            result = subprocess.run(
+                [sys.executable, str(PROBE), str(out), *SHAPE, *flags],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
         else:
             result = torchrun(nproc, str(out), *SHAPE, *flags)
         assert result.returncode == 0, result.stderr[-3000:]
@@ -207,8 +251,16 @@ def test_estimate_of_one_process_matches_its_measurement(tmp_path_factory):
 
 
 def check_estimate(record, dp, tp, fsdp):
-    shape = dict(n_layers=2, n_heads=4, d_model=64, d_ff=256, seq_len=32, batch_size=8 // dp,
-                 vocab_size=128, max_position_embeddings=32)
+    shape = dict(
+        n_layers=2,
+        n_heads=4,
+        d_model=64,
+        d_ff=256,
+        seq_len=32,
+        batch_size=8 // dp,
+        vocab_size=128,
+        max_position_embeddings=32,
+    )
     predicted = per_rank_estimate(estimate_gpt(**shape), dp, tp, fsdp, shape)
     for r in record["ranks"]:
         for category, measured in r["state_bytes"].items():
@@ -241,8 +293,12 @@ def test_fsdp_2_matches_ddp_2(tmp_path_factory):
 def test_fsdp_x_tp_2_by_2_on_4_processes(tmp_path_factory):
     single, two_d = run_plan(tmp_path_factory, 1), run_plan(tmp_path_factory, 4, "--fsdp", "--tp", "2")
     assert rel(two_d["losses"], single["losses"]) < 1e-4
-    assert [r["worker"] for r in two_d["ranks"]] == ["rank0_dp0_tp0", "rank1_dp0_tp1", "rank2_dp1_tp0",
-                                                     "rank3_dp1_tp1"]
+    assert [r["worker"] for r in two_d["ranks"]] == [
+        "rank0_dp0_tp0",
+        "rank1_dp0_tp1",
+        "rank2_dp1_tp0",
+        "rank3_dp1_tp1",
+    ]
     check_estimate(two_d, dp=2, tp=2, fsdp=True)
 
 
@@ -251,9 +307,11 @@ def test_fsdp_x_tp_2_by_2_on_4_processes(tmp_path_factory):
 def test_sharded_checkpoint_resumes_bit_exact_and_reshards_4_to_2(tmp_path):
     straight, first, second = (tmp_path / n for n in ("straight.json", "first.json", "second.json"))
     ck, ck4 = tmp_path / "ck", tmp_path / "ck4"
-    for args in [(2, straight, "--steps", "6", "--save", tmp_path / "end"),
-                 (2, first, "--steps", "3", "--save", ck),
-                 (2, second, "--steps", "3", "--load", ck, "--save", tmp_path / "end2")]:
+    for args in [
+        (2, straight, "--steps", "6", "--save", tmp_path / "end"),
+        (2, first, "--steps", "3", "--save", ck),
+        (2, second, "--steps", "3", "--load", ck, "--save", tmp_path / "end2"),
+    ]:
         result = torchrun(args[0], str(args[1]), "--fsdp", *map(str, args[2:]))
         assert result.returncode == 0, result.stderr[-3000:]
     a, b, c = (json.loads(p.read_text()) for p in (straight, first, second))
@@ -281,12 +339,37 @@ def free_port() -> int:
 def test_two_torchrun_agents_as_two_nodes(tmp_path):
     port = free_port()
     out = tmp_path / "out.json"
-    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
-                                str(node), "--nproc_per_node", "1", "--rdzv-backend", "c10d",
-                                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "minigpt-test",
-                                str(PROBE), str(out), "--fsdp", "--steps", "3"],
-                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-              for node in (0, 1)]
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc_per_node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "minigpt-test",
+                str(PROBE),
+                str(out),
+                "--fsdp",
+                "--steps",
+                "3",
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     try:
         outputs = [a.communicate(timeout=300) for a in agents]
     finally:
@@ -299,6 +382,7 @@ def test_two_torchrun_agents_as_two_nodes(tmp_path):
 
 
 # ---------------------------------------------------------------------------- the trainer
+
 
 def test_trainer_refuses_fsdp_without_torchrun(capsys):
     from conftest import fails
@@ -316,9 +400,25 @@ def test_trainer_end_to_end_under_fsdp_and_tp(tmp_path, flags, worker):
     out = tmp_path / "run"
 
     def train(*extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(ROOT / "train_minimal.py"), *TRAINER_TINY, *flags, "--out-dir", str(out),
-               "--memory-profiler", "--memory-profile-step", "5", "--profile-ranks", "all", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(ROOT / "train_minimal.py"),
+            *TRAINER_TINY,
+            *flags,
+            "--out-dir",
+            str(out),
+            "--memory-profiler",
+            "--memory-profile-step",
+            "5",
+            "--profile-ranks",
+            "all",
+            *extra,
+        ]
         return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
     result = train()

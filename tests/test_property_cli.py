@@ -31,8 +31,8 @@ from hypothesis import strategies as st
 
 import train_minimal
 from minigpt import config
-from minigpt.paths import RUNS_ROOT
 from minigpt.config import TrainConfig
+from minigpt.paths import RUNS_ROOT
 
 OUT = "run"  # the run directory, relative to each example's working directory
 CORPUS = "corpus.txt"  # a small text file in each example's working directory
@@ -54,14 +54,22 @@ def ints(lo: int, hi: int, huge: list[int] = HUGE_INTS) -> st.SearchStrategy[str
 
 
 def floats() -> st.SearchStrategy[str]:
-    return st.one_of(st.floats(0, 2).map(repr), st.floats(allow_nan=True, allow_infinity=True).map(repr),
-                     st.sampled_from(HUGE_FLOATS).map(repr), WORDS, TEXT)
+    return st.one_of(
+        st.floats(0, 2).map(repr),
+        st.floats(allow_nan=True, allow_infinity=True).map(repr),
+        st.sampled_from(HUGE_FLOATS).map(repr),
+        WORDS,
+        TEXT,
+    )
 
 
 def paths(kind: str) -> st.SearchStrategy[str]:
     """Inside the run directory, or places that cannot work: /proc, under a file, a directory."""
-    inside = {"checkpoint_path": f"{OUT}/ck/ckpt.pt", "memory_snapshot_path": f"{OUT}/snap.pickle",
-              "out_dir": f"{OUT}/inner"}[kind]
+    inside = {
+        "checkpoint_path": f"{OUT}/ck/ckpt.pt",
+        "memory_snapshot_path": f"{OUT}/snap.pickle",
+        "out_dir": f"{OUT}/inner",
+    }[kind]
     return st.sampled_from([inside, "/proc/minigpt/x", f"{CORPUS}/x", ".", "", OUT])
 
 
@@ -71,9 +79,24 @@ BOUNDED = {
     "num_steps": ints(-1, 3, huge=[2**63, 10**30, -1, 0]),
     "eval_iters": ints(-1, 3, huge=[2**63, 10**30, -1, 0]),
     "grad_accum_steps": ints(-1, 3, huge=[2**63, 10**30, -1, 0]),
-    "simulate_slow_rank": st.one_of(st.sampled_from(["0:1", "0:2:forward", "0:1:backward", "1:5", "0:0",
-                                                     "0:-5", "0:nan", "0:inf", "a:b", "0:5:lunch", "0"]),
-                                    TEXT),
+    "simulate_slow_rank": st.one_of(
+        st.sampled_from(
+            [
+                "0:1",
+                "0:2:forward",
+                "0:1:backward",
+                "1:5",
+                "0:0",
+                "0:-5",
+                "0:nan",
+                "0:inf",
+                "a:b",
+                "0:5:lunch",
+                "0",
+            ]
+        ),
+        TEXT,
+    ),
     "tokenizer_name": st.one_of(st.just("gpt2"), TEXT.map(lambda s: "nosuch" + s)),  # others download
     "train_data": st.sampled_from([CORPUS, "missing.txt", "", ".", "/dev/null"]),
     "val_data": st.sampled_from([CORPUS, "missing.txt", "", ".", "/dev/null"]),
@@ -153,9 +176,13 @@ def workspace(tmp_path_factory):
     return root
 
 
-@settings(max_examples=int(os.environ.get("MINIGPT_PROPERTY_EXAMPLES", 60)), deadline=None, database=None,
-          derandomize=not os.environ.get("MINIGPT_PROPERTY_RANDOM"),
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=int(os.environ.get("MINIGPT_PROPERTY_EXAMPLES", 60)),
+    deadline=None,
+    database=None,
+    derandomize=not os.environ.get("MINIGPT_PROPERTY_RANDOM"),
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(args=command_lines())
 def test_any_flag_values_end_cleanly(capsys, workspace, args):
     cwd = Path(tempfile.mkdtemp(dir=workspace))
@@ -165,7 +192,7 @@ def test_any_flag_values_end_cleanly(capsys, workspace, args):
     before, cache_before = snapshot(cwd, skip=runs), snapshot(cache)
     if os.environ.get("MINIGPT_PROPERTY_LOG"):
         with open(os.environ["MINIGPT_PROPERTY_LOG"], "a") as log:
-            print(args[len(TINY):], file=log, flush=True)
+            print(args[len(TINY) :], file=log, flush=True)
     old_cwd, t0 = os.getcwd(), time.perf_counter()
     os.chdir(cwd)
     try:
@@ -192,4 +219,3 @@ def test_any_flag_values_end_cleanly(capsys, workspace, args):
     # The token cache may gain a file (it is a cache); what it held stays as it was.
     assert {k: cache_after.get(k) for k in cache_before} == cache_before, args
     shutil.rmtree(cwd, ignore_errors=True)
-

@@ -49,6 +49,7 @@ def one_line(e: pytest.ExceptionInfo) -> str:
 
 # ---------------------------------------------------------------------------- write probes
 
+
 def test_probe_refuses_kernel_file_systems_and_file_parents(tmp_path):
     with pytest.raises(UsageError) as e:
         probe_writable("/proc/x/ckpt.pt", "--checkpoint-path")
@@ -107,8 +108,9 @@ time.sleep(60)
 
 def start_holder(out_dir: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(out_dir)], stdout=subprocess.PIPE, text=True,
-                            env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(out_dir)], stdout=subprocess.PIPE, text=True, env=env
+    )
     assert proc.stdout.readline().strip() == "locked"
     return proc
 
@@ -146,6 +148,7 @@ def test_a_lock_on_a_new_folder_leaves_nothing_when_released(tmp_path):
 
 # ---------------------------------------------------------------------------- which run to resume
 
+
 def make_run(root: Path, name: str, mtime: float) -> Path:
     ckpt = root / name / "checkpoints" / "ckpt.pt"
     ckpt.parent.mkdir(parents=True)
@@ -173,6 +176,7 @@ def test_resume_refuses_when_ambiguous_or_empty(tmp_path):
 
 
 # ---------------------------------------------------------------------------- left by a killed process
+
 
 def dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -223,6 +227,7 @@ def test_next_steps_name_this_runs_paths(tmp_path):
 
 # ---------------------------------------------------------------------------- a full disk
 
+
 def test_full_disk_is_one_line_and_the_old_file_survives(tmp_path, monkeypatch):
     path = tmp_path / "config.json"
     atomic_write(path, "old")
@@ -243,8 +248,10 @@ def test_full_disk_is_one_line_and_the_old_file_survives(tmp_path, monkeypatch):
 def test_full_disk_during_a_checkpoint_save(tmp_path, monkeypatch):
     path = tmp_path / "ckpt.pt"
     save_checkpoint(path, {"w": torch.zeros(10)})
-    monkeypatch.setattr("minigpt.fileio.os.fsync",
-                        lambda fd: (_ for _ in ()).throw(OSError(errno.EDQUOT, "Disk quota exceeded")))
+    monkeypatch.setattr(
+        "minigpt.fileio.os.fsync",
+        lambda fd: (_ for _ in ()).throw(OSError(errno.EDQUOT, "Disk quota exceeded")),
+    )
     with pytest.raises(DiskFull) as e:
         save_checkpoint(path, {"w": torch.zeros(1 << 20)})  # 4 MiB of float32
     assert "needs about 4.0 MiB" in one_line(e)
@@ -270,21 +277,41 @@ def test_full_disk_on_a_real_tmpfs(tmp_path):
 
 # ---------------------------------------------------------------------------- hand-made checkpoints
 
+
 def good_state() -> dict:
     cfg = GPTConfig(vocab_size=64, max_position_embeddings=16, n_layers=1, n_heads=2, d_model=16, d_ff=32)
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters())
     from dataclasses import asdict
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": {}, "step": 5,
-            "data_position": 5, "rng": rng_state(), "rng_per_rank": [rng_state()], "config": {},
-            "model_config": asdict(cfg)}
+
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scaler": {},
+        "step": 5,
+        "data_position": 5,
+        "rng": rng_state(),
+        "rng_per_rank": [rng_state()],
+        "config": {},
+        "model_config": asdict(cfg),
+    }
 
 
-@pytest.mark.parametrize("field, value", [
-    ("step", "5"), ("step", True), ("model", [1, 2]), ("model", {"w": "not a tensor"}),
-    ("data_position", -1), ("optimizer", {"state": 1}), ("rng", {"torch": 3}), ("config", "x"),
-    ("model_config", {"vocab_size": "64"}), ("rng_per_rank", "x"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("step", "5"),
+        ("step", True),
+        ("model", [1, 2]),
+        ("model", {"w": "not a tensor"}),
+        ("data_position", -1),
+        ("optimizer", {"state": 1}),
+        ("rng", {"torch": 3}),
+        ("config", "x"),
+        ("model_config", {"vocab_size": "64"}),
+        ("rng_per_rank", "x"),
+    ],
+)
 def test_wrong_field_types_are_refused_by_name(tmp_path, field, value):
     state = good_state()
     save_checkpoint(tmp_path / "ok.pt", state)
@@ -316,6 +343,7 @@ def test_intact_is_claimed_only_when_a_checkpoint_exists(tmp_path):
 
 
 # ---------------------------------------------------------------------------- the token cache
+
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch) -> Path:
@@ -381,6 +409,7 @@ def test_big_text_is_tokenised_in_pieces_to_the_same_ids(monkeypatch):
 
 
 # ---------------------------------------------------------------------------- the progress bar
+
 
 class Stream:
     def __init__(self, tty: bool):
@@ -458,9 +487,15 @@ def test_a_piped_run_prints_no_bar_and_a_terminal_gets_one():
 
 # ---------------------------------------------------------------------------- benchmarks/ablation.py
 
+
 def ablation(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ablation.py"), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "ablation.py"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def results_prefix() -> str:
@@ -490,8 +525,21 @@ def test_ablation_render_of_a_bad_file_is_one_line(tmp_path, content):
 
 @pytest.mark.slow  # runs the trainer once
 def test_ablation_failing_variant_is_one_line(tmp_path):
-    result = ablation("--preset", "tiny", "--use-toy-data", "--steps", "1", "--warmup", "0", "--repeats", "1",
-                      "--n-heads", "3", "--out-dir", str(tmp_path))
+    result = ablation(
+        "--preset",
+        "tiny",
+        "--use-toy-data",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--repeats",
+        "1",
+        "--n-heads",
+        "3",
+        "--out-dir",
+        str(tmp_path),
+    )
     err = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(err) == 1 and "variant failed" in err[0], result.stderr
     assert list(tmp_path.iterdir()) == []

@@ -32,8 +32,20 @@ def rows(stdout: str) -> list[list[int]]:
 
 
 def test_same_seed_same_samples_and_the_right_length(toy_run, capsys):
-    args = ("--out-dir", str(toy_run), "--prompt", "1 2 3", "--num-samples", "3", "--max-new-tokens", "7",
-            "--temperature", "1.5", "--seed", "5")
+    args = (
+        "--out-dir",
+        str(toy_run),
+        "--prompt",
+        "1 2 3",
+        "--num-samples",
+        "3",
+        "--max-new-tokens",
+        "7",
+        "--temperature",
+        "1.5",
+        "--seed",
+        "5",
+    )
     status, first, _ = sample(capsys, *args)
     assert status == 0
     assert sample(capsys, *args)[1] == first
@@ -48,7 +60,7 @@ def test_top_k_1_is_greedy_decoding(toy_run):
     ids = idx.clone()
     with torch.no_grad():
         for _ in range(6):
-            logits, _ = model(ids[:, -model.cfg.max_position_embeddings:])
+            logits, _ = model(ids[:, -model.cfg.max_position_embeddings :])
             ids = torch.cat([ids, logits[:, -1, :].argmax(-1, keepdim=True)], dim=1)
     gen = torch.Generator().manual_seed(0)
     assert torch.equal(generate(model, idx, 6, temperature=0.7, top_k=1, generator=gen), ids)
@@ -61,20 +73,30 @@ def test_context_is_cropped_to_the_position_table(toy_run):
     assert out.shape == (1, long_prompt.size(1) + 4)
 
 
-@pytest.mark.parametrize("flags, expect", [
-    (["--temperature", "0"], "--temperature"), (["--temperature", "nan"], "--temperature"),
-    (["--top-k", "0"], "--top-k"), (["--prompt", "1 99999"], "outside this model's vocabulary"),
-    (["--prompt", "hello"], "token ids"), (["--seed", "-1"], "--seed"),
-    (["--prompt", "FILE:/nonexistent/prompt.txt"], "cannot read"),
-])
+@pytest.mark.parametrize(
+    "flags, expect",
+    [
+        (["--temperature", "0"], "--temperature"),
+        (["--temperature", "nan"], "--temperature"),
+        (["--top-k", "0"], "--top-k"),
+        (["--prompt", "1 99999"], "outside this model's vocabulary"),
+        (["--prompt", "hello"], "token ids"),
+        (["--seed", "-1"], "--seed"),
+        (["--prompt", "FILE:/nonexistent/prompt.txt"], "cannot read"),
+    ],
+)
 def test_bad_inputs_exit_2_with_one_line(toy_run, capsys, flags, expect):
     status, _, err = sample(capsys, "--out-dir", str(toy_run), *flags)
     assert status == 2 and len(err.strip().splitlines()) == 1 and expect in err, err
 
 
 def test_missing_or_wrong_checkpoints_exit_2(tmp_path, toy_run, capsys):
-    for args in (["--out-dir", str(tmp_path / "nope")], ["--out-dir", str(tmp_path)],
-                 ["--checkpoint", str(toy_run)], ["--checkpoint", str(toy_run / "config.json")]):
+    for args in (
+        ["--out-dir", str(tmp_path / "nope")],
+        ["--out-dir", str(tmp_path)],
+        ["--checkpoint", str(toy_run)],
+        ["--checkpoint", str(toy_run / "config.json")],
+    ):
         status, _, err = sample(capsys, *args)
         assert status == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
 
@@ -89,8 +111,17 @@ def test_text_run_decodes_with_the_gpt2_tokenizer(tmp_path, capsys):
     status = train_minimal.cli([*flags, "--train-data", str(text), "--num-steps", "2", "--out-dir", str(out)])
     assert status == 0
     capsys.readouterr()
-    status, stdout, _ = sample(capsys, "--out-dir", str(out), "--prompt", "The while statement",
-                               "--num-samples", "2", "--max-new-tokens", "5")
+    status, stdout, _ = sample(
+        capsys,
+        "--out-dir",
+        str(out),
+        "--prompt",
+        "The while statement",
+        "--num-samples",
+        "2",
+        "--max-new-tokens",
+        "5",
+    )
     assert status == 0
     blocks = stdout.split(SAMPLE["SEPARATOR"])
     assert len(blocks) == 2 and all(b.strip().startswith("The while statement") for b in blocks)

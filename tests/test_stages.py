@@ -38,8 +38,19 @@ def test_a_new_stage_reaches_the_log_metrics_tensorboard_stragglers_and_trace(tm
     spec.loader.exec_module(trainer)
 
     out = tmp_path / "run"
-    flags = ["--num-steps", "4", "--log-interval", "2", "--use-profiler", "--profile-step-start", "2",
-             "--profile-step-end", "4", "--out-dir", str(out)]
+    flags = [
+        "--num-steps",
+        "4",
+        "--log-interval",
+        "2",
+        "--use-profiler",
+        "--profile-step-start",
+        "2",
+        "--profile-step-end",
+        "4",
+        "--out-dir",
+        str(out),
+    ]
     assert trainer.cli([*TINY, *flags]) == 0
 
     log_lines = [line for line in (out / "train.log").read_text().splitlines() if "host/device ms" in line]
@@ -53,9 +64,13 @@ def test_a_new_stage_reaches_the_log_metrics_tensorboard_stragglers_and_trace(tm
     events.Reload()
     assert "stage_host_ms/zero_grad" in events.Tags()["scalars"]
 
-    figures = rank_figures(0, "host", [10.0, 10.0], [{**{s: 1.0 for s in stages.STAGE_NAMES}, "zero_grad": 5.0}] * 2)
+    figures = rank_figures(
+        0, "host", [10.0, 10.0], [{**{s: 1.0 for s in stages.STAGE_NAMES}, "zero_grad": 5.0}] * 2
+    )
     assert figures["stages_ms"]["zero_grad"] == 5.0
-    assert figures["scored_ms"] == 1.0 * 3 + 1.0 + 5.0  # h2d, fwd, opt, the backward (no DDP split), the new one
+    assert (
+        figures["scored_ms"] == 1.0 * 3 + 1.0 + 5.0
+    )  # h2d, fwd, opt, the backward (no DDP split), the new one
 
     (trace,) = sorted((out / "traces").glob("*.pt.trace.json.gz"))
     summary = traces.summarize(trace)

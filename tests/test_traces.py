@@ -25,20 +25,29 @@ from minigpt.traces import Launches, tensor_cores, union_us
 
 # Real traces written by other projects: ../shared/traces beside the clone (as in CI and /work/main);
 # MINIGPT_SHARED_TRACES points elsewhere (a git worktree one level deeper).
-SHARED_TRACES = Path(os.environ.get("MINIGPT_SHARED_TRACES",
-                                    Path(__file__).resolve().parents[1].parent / "shared" / "traces"))
+SHARED_TRACES = Path(
+    os.environ.get("MINIGPT_SHARED_TRACES", Path(__file__).resolve().parents[1].parent / "shared" / "traces")
+)
 RESNET = SHARED_TRACES / "tb_plugin_resnet50_worker0.1623143089861.pt.trace.json.gz"
 GPU_METRICS = SHARED_TRACES / "tb_plugin_gpu_metrics_input.json"
-needs_shared = pytest.mark.skipif(not RESNET.exists() or not GPU_METRICS.exists(),
-                                  reason=f"torch-tb-profiler's sample traces are not in {SHARED_TRACES}")
+needs_shared = pytest.mark.skipif(
+    not RESNET.exists() or not GPU_METRICS.exists(),
+    reason=f"torch-tb-profiler's sample traces are not in {SHARED_TRACES}",
+)
 
 STAGES = ["data_to_device", "forward", "backward", "optimizer_step"]
 
 
 def traces(*args: str) -> subprocess.CompletedProcess:
     """Run the tool as a user would, in a fresh process."""
-    return subprocess.run([sys.executable, "-m", "minigpt.traces", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, env=os.environ.copy())
+    return subprocess.run(
+        [sys.executable, "-m", "minigpt.traces", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=os.environ.copy(),
+    )
 
 
 def ok(*args: str) -> str:
@@ -58,12 +67,28 @@ def fails(*args: str) -> str:
 
 # ---------------------------------------------------------------------------- a real CPU trace
 
+
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     """One profiled training run on the CPU: steps 3 and 4 are recorded (Megatron's semantics)."""
     out = tmp_path_factory.mktemp("traces") / "run"
-    assert train_minimal.cli([*TINY, "--num-steps", "6", "--use-profiler", "--profile-step-start", "3",
-                              "--profile-step-end", "5", "--out-dir", str(out)]) == 0
+    assert (
+        train_minimal.cli(
+            [
+                *TINY,
+                "--num-steps",
+                "6",
+                "--use-profiler",
+                "--profile-step-start",
+                "3",
+                "--profile-step-end",
+                "5",
+                "--out-dir",
+                str(out),
+            ]
+        )
+        == 0
+    )
     files = sorted((out / "traces").glob("*.pt.trace.json.gz"))
     assert len(files) == 1
     return out, files[0]
@@ -86,7 +111,8 @@ def test_cpu_trace_has_the_profiled_steps_and_their_stages(cpu_run):
     assert total["steps"] == 2
     assert total["host_ms"] == pytest.approx(sum(r["host_ms"] for r in s["steps"]))
     assert total["stages"]["backward"]["host_ms"] == pytest.approx(
-        sum(r["stages"]["backward"]["host_ms"] for r in s["steps"]))
+        sum(r["stages"]["backward"]["host_ms"] for r in s["steps"])
+    )
     # The host operators are real aten ops, and self time never exceeds total time.
     by_self = s["operators"]["by_self"]
     assert by_self and any(op["name"].startswith("aten::") for op in by_self)
@@ -116,8 +142,10 @@ def test_directory_input_gives_one_summary_per_file(cpu_run, tmp_path):
         (folder / name).write_bytes(trace.read_bytes())
     (folder / "notes.txt").write_text("not a trace")  # ignored: not *.json(.gz)
     summaries = json.loads(ok(folder, "--json"))["traces"]
-    assert [os.path.basename(s["file"]) for s in summaries] == ["rank0_dp0.1.pt.trace.json.gz",
-                                                                "rank1_dp1.2.pt.trace.json.gz"]
+    assert [os.path.basename(s["file"]) for s in summaries] == [
+        "rank0_dp0.1.pt.trace.json.gz",
+        "rank1_dp1.2.pt.trace.json.gz",
+    ]
     assert ok(folder).count("profiled step(s): 3, 4") == 2
 
 
@@ -132,17 +160,42 @@ def gpu_step(step: int, t0: float, corr0: int) -> list[dict]:
     backward [400, 900] is opened on the main thread, but its three kernels are launched from
     autograd's thread (as on a real GPU); two of them overlap on two streams;
     after the stages, a device-to-host copy is launched (counted in the step only)."""
+
     def rng(name, ts, dur, cat="user_annotation", tid=MAIN, pid=PID):
-        return {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": t0 + ts, "dur": dur,
-                "args": {}}
+        return {
+            "ph": "X",
+            "cat": cat,
+            "name": name,
+            "pid": pid,
+            "tid": tid,
+            "ts": t0 + ts,
+            "dur": dur,
+            "args": {},
+        }
 
     def launch(ts, corr, tid, name="cudaLaunchKernel"):
-        return {"ph": "X", "cat": "cuda_runtime", "name": name, "pid": PID, "tid": tid, "ts": t0 + ts,
-                "dur": 5, "args": {"correlation": corr0 + corr}}
+        return {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": name,
+            "pid": PID,
+            "tid": tid,
+            "ts": t0 + ts,
+            "dur": 5,
+            "args": {"correlation": corr0 + corr},
+        }
 
     def kernel(name, ts, dur, corr, stream=7, cat="kernel"):
-        return {"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": stream, "ts": t0 + ts, "dur": dur,
-                "args": {"correlation": corr0 + corr, "stream": stream, "device": 0}}
+        return {
+            "ph": "X",
+            "cat": cat,
+            "name": name,
+            "pid": 0,
+            "tid": stream,
+            "ts": t0 + ts,
+            "dur": dur,
+            "args": {"correlation": corr0 + corr, "stream": stream, "device": 0},
+        }
 
     return [
         rng(f"ProfilerStep#{step}", 0, 1000),
@@ -233,22 +286,25 @@ def test_operator_self_time_excludes_nested_operators(gpu_trace):
     assert ops["aten::empty"]["self_ms"] == pytest.approx(0.020)
 
 
-@pytest.mark.parametrize("name, verdict", [
-    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", "yes"),
-    ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_32x5_nn", "yes"),
-    ("cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align8", "yes"),
-    ("volta_h884gemm_64x64_ldg8_nn", "yes"),  # Volta's HMMA shape
-    ("ampere_gemm_fp32_kernel", "no"),  # a GEMM with no tensor-core marker: plain fp32
-    ("sm90_gemm_bf16_wgmma_tma", "yes"),
-    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "yes"),
-    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 64>>", "yes"),
-    ("ampere_sgemm_128x64_nn", "no"),
-    ("sm80_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize128x128x8_stage3_warpsize2x2x1_ffma", "no"),
-    ("cutlass::Kernel<cutlass_80_simt_sgemm_128x128_8x4_nn_align1>", "no"),
-    ("gemv2T_kernel_val<int, int, float, float, float, 128, 16, 4, 4, false>", "no"),
-    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<c10::BFloat16>>", "-"),
-    ("Memcpy HtoD (Pinned -> Device)", "-"),
-])
+@pytest.mark.parametrize(
+    "name, verdict",
+    [
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", "yes"),
+        ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_32x5_nn", "yes"),
+        ("cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align8", "yes"),
+        ("volta_h884gemm_64x64_ldg8_nn", "yes"),  # Volta's HMMA shape
+        ("ampere_gemm_fp32_kernel", "no"),  # a GEMM with no tensor-core marker: plain fp32
+        ("sm90_gemm_bf16_wgmma_tma", "yes"),
+        ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "yes"),
+        ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 64>>", "yes"),
+        ("ampere_sgemm_128x64_nn", "no"),
+        ("sm80_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize128x128x8_stage3_warpsize2x2x1_ffma", "no"),
+        ("cutlass::Kernel<cutlass_80_simt_sgemm_128x128_8x4_nn_align1>", "no"),
+        ("gemv2T_kernel_val<int, int, float, float, float, 128, 16, 4, 4, false>", "no"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<c10::BFloat16>>", "-"),
+        ("Memcpy HtoD (Pinned -> Device)", "-"),
+    ],
+)
 def test_tensor_core_heuristic(name, verdict):
     assert tensor_cores(name) == verdict
 
@@ -261,15 +317,19 @@ def test_union_counts_overlaps_once():
 
 # ---------------------------------------------------------------------------- bad inputs
 
+
 def test_missing_file(tmp_path):
     assert "nope.pt.trace.json.gz does not exist" in fails(tmp_path / "nope.pt.trace.json.gz")
 
 
-@pytest.mark.parametrize("name, content", [
-    ("garbage.pt.trace.json.gz", b"\x00\x01not gzip at all"),
-    ("garbage.pt.trace.json", b"{this is not json"),
-    ("text.pt.trace.json", b"\xff\xfe\x00binary"),
-])
+@pytest.mark.parametrize(
+    "name, content",
+    [
+        ("garbage.pt.trace.json.gz", b"\x00\x01not gzip at all"),
+        ("garbage.pt.trace.json", b"{this is not json"),
+        ("text.pt.trace.json", b"\xff\xfe\x00binary"),
+    ],
+)
 def test_garbage_file(tmp_path, name, content):
     (tmp_path / name).write_bytes(content)
     assert "is not a JSON trace" in fails(tmp_path / name)
@@ -287,6 +347,7 @@ def test_folder_without_traces_and_bad_flag(tmp_path):
 
 
 # ---------------------------------------------------------------------------- independent counts
+
 
 def sweep_busy_us(spans) -> float:
     """The union of intervals by a sweep line (+1 at a start, -1 at an end): a different method from
@@ -327,18 +388,47 @@ def test_busy_time_agrees_with_a_sweep_line_on_random_streams(tmp_path):
     rnd = random.Random(7)
     events, expected = [], {}
     for step, t0 in ((1, 0.0), (2, 50_000.0)):
-        events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step}", "pid": 1,
-                       "tid": 1, "ts": t0, "dur": 40_000.0, "args": {}})
+        events.append(
+            {
+                "ph": "X",
+                "cat": "user_annotation",
+                "name": f"ProfilerStep#{step}",
+                "pid": 1,
+                "tid": 1,
+                "ts": t0,
+                "dur": 40_000.0,
+                "args": {},
+            }
+        )
         spans = []
         for i in range(300):
             corr = step * 1000 + i
             launch = t0 + rnd.uniform(0, 39_000)
             start, dur = launch + rnd.uniform(1, 3000), rnd.uniform(0.5, 400)
-            events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1,
-                           "tid": 1 + i % 2, "ts": launch, "dur": 3.0, "args": {"correlation": corr}})
-            events.append({"ph": "X", "cat": "kernel", "name": f"k{i % 5}", "pid": 0,
-                           "tid": f"stream {i % 4}", "ts": start, "dur": dur,
-                           "args": {"correlation": corr, "stream": i % 4}})
+            events.append(
+                {
+                    "ph": "X",
+                    "cat": "cuda_runtime",
+                    "name": "cudaLaunchKernel",
+                    "pid": 1,
+                    "tid": 1 + i % 2,
+                    "ts": launch,
+                    "dur": 3.0,
+                    "args": {"correlation": corr},
+                }
+            )
+            events.append(
+                {
+                    "ph": "X",
+                    "cat": "kernel",
+                    "name": f"k{i % 5}",
+                    "pid": 0,
+                    "tid": f"stream {i % 4}",
+                    "ts": start,
+                    "dur": dur,
+                    "args": {"correlation": corr, "stream": i % 4},
+                }
+            )
             spans.append((start, start + dur))
         expected[step] = spans
     s = summary(write_trace(tmp_path / "random.json", events))
@@ -356,6 +446,7 @@ def test_busy_time_agrees_with_a_sweep_line_on_random_streams(tmp_path):
 
 # ---------------------------------------------------------------------------- torch-tb-profiler's samples
 
+
 def tb_independent_steps(path: Path) -> dict:
     """Per ProfilerStep of an old-format trace, counted here: the Kernel/Memcpy/Memset events whose
     Runtime launch (same correlation id, same process) falls inside the step."""
@@ -369,8 +460,12 @@ def tb_independent_steps(path: Path) -> dict:
     out = {}
     for step in (e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")):
         start, end = step["ts"], step["ts"] + step["dur"]
-        mine = [k for e in launches if e["pid"] == step["pid"] and start <= e["ts"] <= end
-                for k in work[e["args"]["correlation"]]]
+        mine = [
+            k
+            for e in launches
+            if e["pid"] == step["pid"] and start <= e["ts"] <= end
+            for k in work[e["args"]["correlation"]]
+        ]
         out[int(step["name"].split("#")[1])] = mine
     return out, [k for ks in work.values() for k in ks], events
 
@@ -392,8 +487,9 @@ def test_tb_profiler_resnet_sample_old_category_names():
     assert s["kernel_total_ms"] == pytest.approx(sum(k["dur"] for k in all_work) / 1000, rel=0.01)
     # Steps are back to back: the total host time is their union, and equals the sum here.
     steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")]
-    assert s["totals"]["host_ms"] == pytest.approx(sweep_busy_us([(e["ts"], e["ts"] + e["dur"])
-                                                                  for e in steps]) / 1000, rel=0.01)
+    assert s["totals"]["host_ms"] == pytest.approx(
+        sweep_busy_us([(e["ts"], e["ts"] + e["dur"]) for e in steps]) / 1000, rel=0.01
+    )
     verdicts = {k["name"]: k["tensor_cores"] for k in s["kernels"]}
     assert all(v == "no" for n, v in verdicts.items() if "sgemm" in n or "dgrad_engine" in n)
     assert all(v == "-" for n, v in verdicts.items() if "bn_" in n or "elementwise" in n)
@@ -415,8 +511,14 @@ def test_tb_profiler_samples_as_a_folder():
 
 # ---------------------------------------------------------------------------- hand-made traces per rule
 
-OLD_NAMES = {"user_annotation": "Operator", "cpu_op": "Operator", "cuda_runtime": "Runtime",
-             "kernel": "Kernel", "gpu_memcpy": "Memcpy", "gpu_memset": "Memset"}
+OLD_NAMES = {
+    "user_annotation": "Operator",
+    "cpu_op": "Operator",
+    "cuda_runtime": "Runtime",
+    "kernel": "Kernel",
+    "gpu_memcpy": "Memcpy",
+    "gpu_memset": "Memset",
+}
 
 
 def renamed(events: list[dict], names: dict) -> list[dict]:
@@ -424,9 +526,16 @@ def renamed(events: list[dict], names: dict) -> list[dict]:
 
 
 def figures(s: dict) -> list:
-    return [(r["step"], r["host_ms"], r["device_busy_ms"], r["kernels"],
-             {n: (st["host_ms"], st["device_busy_ms"], st["kernels"]) for n, st in r["stages"].items()})
-            for r in s["steps"]]
+    return [
+        (
+            r["step"],
+            r["host_ms"],
+            r["device_busy_ms"],
+            r["kernels"],
+            {n: (st["host_ms"], st["device_busy_ms"], st["kernels"]) for n, st in r["stages"].items()},
+        )
+        for r in s["steps"]
+    ]
 
 
 def test_old_category_names_read_as_the_new_ones(tmp_path):
@@ -436,13 +545,16 @@ def test_old_category_names_read_as_the_new_ones(tmp_path):
     assert figures(old) == figures(new) and old["device_busy_ms"] == new["device_busy_ms"]
 
 
-@pytest.mark.parametrize("launch_cat, work_cat, launch_name", [
-    ("mtia_runtime", "mtia_ccp_events", "mtiaLaunchKernel"),         # MTIA
-    ("xpu_runtime", "kernel", "zeCommandListAppendLaunchKernel"),   # Intel XPU
-    ("cuda_runtime", "kernel", "hipLaunchKernel"),                  # ROCm: HIP calls are cuda_runtime
-    ("privateuse1_runtime", "kernel", "aclrtLaunchKernel"),          # an out-of-tree backend
-    ("cuda_driver", "kernel", "cuLaunchKernel"),
-])
+@pytest.mark.parametrize(
+    "launch_cat, work_cat, launch_name",
+    [
+        ("mtia_runtime", "mtia_ccp_events", "mtiaLaunchKernel"),  # MTIA
+        ("xpu_runtime", "kernel", "zeCommandListAppendLaunchKernel"),  # Intel XPU
+        ("cuda_runtime", "kernel", "hipLaunchKernel"),  # ROCm: HIP calls are cuda_runtime
+        ("privateuse1_runtime", "kernel", "aclrtLaunchKernel"),  # an out-of-tree backend
+        ("cuda_driver", "kernel", "cuLaunchKernel"),
+    ],
+)
 def test_device_work_of_any_accelerator(tmp_path, launch_cat, work_cat, launch_name):
     """Device time is found by category, whatever the vendor: such a trace is never 'CPU only'."""
     events = [e for e in gpu_step(3, 0, 0)]
@@ -461,13 +573,32 @@ def test_device_work_of_any_accelerator(tmp_path, launch_cat, work_cat, launch_n
 def test_mtia_trace_without_profiler_steps_is_one_window(tmp_path):
     """The trace of issue 13: MTIA device events only, no ProfilerStep. The whole trace is one window
     and the output says so; device time is counted, it is not called a CPU run."""
-    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 9, "tid": 9, "ts": 0, "dur": 100,
-               "args": {}}]
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 9, "tid": 9, "ts": 0, "dur": 100, "args": {}}
+    ]
     for i in range(3):
-        events += [{"ph": "X", "cat": "mtia_runtime", "name": "runFunction", "pid": 9, "tid": 9, "ts": 10 + i,
-                    "dur": 1, "args": {"correlation": i}},
-                   {"ph": "X", "cat": "mtia_ccp_events", "name": f"fused_op_{i}", "pid": 1, "tid": 2,
-                    "ts": 50 + 100 * i, "dur": 80, "args": {"correlation": i}}]
+        events += [
+            {
+                "ph": "X",
+                "cat": "mtia_runtime",
+                "name": "runFunction",
+                "pid": 9,
+                "tid": 9,
+                "ts": 10 + i,
+                "dur": 1,
+                "args": {"correlation": i},
+            },
+            {
+                "ph": "X",
+                "cat": "mtia_ccp_events",
+                "name": f"fused_op_{i}",
+                "pid": 1,
+                "tid": 2,
+                "ts": 50 + 100 * i,
+                "dur": 80,
+                "args": {"correlation": i},
+            },
+        ]
     path = write_trace(tmp_path / "mtia.json", events)
     s = summary(path)
     assert s["window"] == "whole trace" and s["steps"] == [] and s["cpu_only"] is False
@@ -494,8 +625,9 @@ def test_unknown_device_category_and_gpu_user_annotation(tmp_path):
             e["cat"] = "future_device_activity"
     s = summary(write_trace(tmp_path / "t.json", events))
     assert s["steps"][0]["kernels"] == 5 and s["steps"][0]["device_busy_ms"] == pytest.approx(0.410)
-    only_annotation = [e for e in gpu_step(3, 0, 0)
-                       if e["cat"] != "kernel" and not e["name"].startswith("Memcpy")]
+    only_annotation = [
+        e for e in gpu_step(3, 0, 0) if e["cat"] != "kernel" and not e["name"].startswith("Memcpy")
+    ]
     assert summary(write_trace(tmp_path / "a.json", only_annotation))["cpu_only"] is True
 
 
@@ -537,22 +669,26 @@ def test_malformed_events_are_skipped_and_counted(tmp_path):
     assert f"{len(MALFORMED)} malformed events skipped" in ok(path)
 
 
-@pytest.mark.parametrize("content", [
-    '{"traceEvents": []}',
-    '{"traceEvents": {"a": 1}}',
-    "42",
-    '"a string"',
-    json.dumps({"traceEvents": MALFORMED}),
-    '{"traceEvents": [{"ph": "M", "name": "process_name"}]}',
-])
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"traceEvents": []}',
+        '{"traceEvents": {"a": 1}}',
+        "42",
+        '"a string"',
+        json.dumps({"traceEvents": MALFORMED}),
+        '{"traceEvents": [{"ph": "M", "name": "process_name"}]}',
+    ],
+)
 def test_a_file_that_is_not_a_trace_gets_one_line(tmp_path, content):
     (tmp_path / "x.json").write_text(content)
     assert "x.json" in fails(tmp_path / "x.json")
 
 
 def test_odd_header_types_do_not_crash(tmp_path):
-    path = write_trace(tmp_path / "t.json", gpu_step(3, 0, 0), distributedInfo={"rank": "zero"},
-                       deviceProperties=None)
+    path = write_trace(
+        tmp_path / "t.json", gpu_step(3, 0, 0), distributedInfo={"rank": "zero"}, deviceProperties=None
+    )
     assert summary(path)["rank"] is None
     write_trace(tmp_path / "u.json", gpu_step(3, 0, 0), distributedInfo=[1, 2])
     assert summary(tmp_path / "u.json")["rank"] is None
@@ -565,8 +701,10 @@ def test_folder_takes_any_json_ordered_by_rank(tmp_path):
     write_trace(tmp_path / "b_worker.json.gz", gpu_step(3, 0, 0), distributedInfo={"rank": 0})
     (tmp_path / "config.json").write_text('{"lr": 0.1}')
     folder = json.loads(ok(tmp_path, "--json"))
-    assert [(Path(t["file"]).name, t["rank"]) for t in folder["traces"]] == [("b_worker.json.gz", 0),
-                                                                              ("a_worker.json", 1)]
+    assert [(Path(t["file"]).name, t["rank"]) for t in folder["traces"]] == [
+        ("b_worker.json.gz", 0),
+        ("a_worker.json", 1),
+    ]
     assert [Path(d["file"]).name for d in folder["skipped"]] == ["config.json"]
     text = ok(tmp_path)
     assert text.index("(rank 0)") < text.index("(rank 1)")
@@ -577,33 +715,43 @@ def test_folder_takes_any_json_ordered_by_rank(tmp_path):
     assert "none of the 1 .json/.json.gz files" in fails(empty)
 
 
-@pytest.mark.parametrize("name, verdict", [
-    ("void fbgemm_gpu::split_embedding_codegen_forward_unweighted_kernel<c10::Half, float, 8>", "-"),
-    ("void fbgemm_gpu::batched_embedding_backward_kernel<c10::Half, c10::BFloat16>", "-"),
-    ("Cijk_Ailk_Bljk_HHS_BH_MT128x128x32_MI16x16x1_SN_1LDSB0_APM1_ABV0", "yes"),  # Tensile, MFMA
-    ("Cijk_Alik_Bljk_BBS_BH_Bias_HA_S_SAV_UserArgs_MT256x256x64_MI32x32x8_SN_LDSB1", "yes"),  # hipBLASLt
-    ("Cijk_Ailk_Bljk_SB_MT64x64x8_SE_K1", "no"),  # Tensile without an MFMA shape: VALU
-    ("void ck::kernel_gemm_xdl_cshuffle_v3<ck::half_t>", "yes"),
-    ("sm80_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_tilesize128x128x32", "yes"),
-    ("void cudnn::cnn::conv2d_grouped_direct_kernel<float, float, float>", "no"),
-    ("volta_scudnn_128x64_relu_interior_nn_v1", "no"),
-    ("void cudnn::detail::dgrad_engine<float, 512, 6, 5, 3, 3, 3, false>", "no"),
-    ("void at::native::unrolled_elementwise_kernel<convert_to_half>", "-"),  # convert is not conv
-    ("void cudnn::bn_fw_tr_1C11_kernel_NCHW<float, float, 512, true, 1>", "-"),
-    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "-"),
-])
+@pytest.mark.parametrize(
+    "name, verdict",
+    [
+        ("void fbgemm_gpu::split_embedding_codegen_forward_unweighted_kernel<c10::Half, float, 8>", "-"),
+        ("void fbgemm_gpu::batched_embedding_backward_kernel<c10::Half, c10::BFloat16>", "-"),
+        ("Cijk_Ailk_Bljk_HHS_BH_MT128x128x32_MI16x16x1_SN_1LDSB0_APM1_ABV0", "yes"),  # Tensile, MFMA
+        ("Cijk_Alik_Bljk_BBS_BH_Bias_HA_S_SAV_UserArgs_MT256x256x64_MI32x32x8_SN_LDSB1", "yes"),  # hipBLASLt
+        ("Cijk_Ailk_Bljk_SB_MT64x64x8_SE_K1", "no"),  # Tensile without an MFMA shape: VALU
+        ("void ck::kernel_gemm_xdl_cshuffle_v3<ck::half_t>", "yes"),
+        ("sm80_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_tilesize128x128x32", "yes"),
+        ("void cudnn::cnn::conv2d_grouped_direct_kernel<float, float, float>", "no"),
+        ("volta_scudnn_128x64_relu_interior_nn_v1", "no"),
+        ("void cudnn::detail::dgrad_engine<float, 512, 6, 5, 3, 3, 3, false>", "no"),
+        ("void at::native::unrolled_elementwise_kernel<convert_to_half>", "-"),  # convert is not conv
+        ("void cudnn::bn_fw_tr_1C11_kernel_NCHW<float, float, 512, true, 1>", "-"),
+        ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "-"),
+    ],
+)
 def test_tensor_core_verdict_only_for_gemm_and_convolution(name, verdict):
     assert tensor_cores(name) == verdict
 
 
 def test_help_documents_the_rules():
     text = ok("--help")
-    for rule in ("fbgemm", "Cijk_", "mtia_ccp_events", "malformed", "gpu_user_annotation",
-                 "waiting on all-reduce"):
+    for rule in (
+        "fbgemm",
+        "Cijk_",
+        "mtia_ccp_events",
+        "malformed",
+        "gpu_user_annotation",
+        "waiting on all-reduce",
+    ):
         assert rule in text
 
 
 # ---------------------------------------------------------------------------- communication
+
 
 def comm_step(kind: str) -> list[dict]:
     """One step whose backward [400, 900] holds a collective. gloo: c10d::allreduce_ on the main
@@ -613,23 +761,79 @@ def comm_step(kind: str) -> list[dict]:
     if kind == "gloo":
         events = [e for e in events if e["cat"] not in ("kernel", "gpu_memcpy", "cuda_runtime")]
         events += [
-            {"ph": "X", "cat": "cpu_op", "name": "c10d::allreduce_", "pid": PID, "tid": MAIN, "ts": 600,
-             "dur": 5, "args": {}},
-            {"ph": "X", "cat": "user_annotation", "name": "gloo:all_reduce", "pid": PID, "tid": 77, "ts": 610,
-             "dur": 270, "args": {}},
-            {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "pid": PID, "tid": 77, "ts": 620, "dur": 10,
-             "args": {}},  # inside the collective on its own thread: part of it
-            {"ph": "X", "cat": "cpu_op", "name": "aten::add_", "pid": PID, "tid": MAIN, "ts": 700, "dur": 20,
-             "args": {}},
+            {
+                "ph": "X",
+                "cat": "cpu_op",
+                "name": "c10d::allreduce_",
+                "pid": PID,
+                "tid": MAIN,
+                "ts": 600,
+                "dur": 5,
+                "args": {},
+            },
+            {
+                "ph": "X",
+                "cat": "user_annotation",
+                "name": "gloo:all_reduce",
+                "pid": PID,
+                "tid": 77,
+                "ts": 610,
+                "dur": 270,
+                "args": {},
+            },
+            {
+                "ph": "X",
+                "cat": "cpu_op",
+                "name": "aten::copy_",
+                "pid": PID,
+                "tid": 77,
+                "ts": 620,
+                "dur": 10,
+                "args": {},
+            },  # inside the collective on its own thread: part of it
+            {
+                "ph": "X",
+                "cat": "cpu_op",
+                "name": "aten::add_",
+                "pid": PID,
+                "tid": MAIN,
+                "ts": 700,
+                "dur": 20,
+                "args": {},
+            },
         ]
     else:
         events += [
-            {"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "pid": PID, "tid": AUTOGRAD, "ts": 598,
-             "dur": 8, "args": {}},
-            {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": PID, "tid": AUTOGRAD,
-             "ts": 600, "dur": 4, "args": {"correlation": 50}},
-            {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "pid": 0,
-             "tid": 20, "ts": 650, "dur": 200, "args": {"correlation": 50, "stream": 20}},
+            {
+                "ph": "X",
+                "cat": "cpu_op",
+                "name": "record_param_comms",
+                "pid": PID,
+                "tid": AUTOGRAD,
+                "ts": 598,
+                "dur": 8,
+                "args": {},
+            },
+            {
+                "ph": "X",
+                "cat": "cuda_runtime",
+                "name": "cudaLaunchKernel",
+                "pid": PID,
+                "tid": AUTOGRAD,
+                "ts": 600,
+                "dur": 4,
+                "args": {"correlation": 50},
+            },
+            {
+                "ph": "X",
+                "cat": "kernel",
+                "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL",
+                "pid": 0,
+                "tid": 20,
+                "ts": 650,
+                "dur": 200,
+                "args": {"correlation": 50, "stream": 20},
+            },
         ]
     return events
 
@@ -657,9 +861,25 @@ def test_the_waiting_rank_shows_its_wait_in_the_backward(tmp_path):
     """A real 2-rank gloo run where rank 1's forward sleeps 200 ms: rank 0 waits for it in the
     backward's all-reduce, and the trace says so; rank 1's backward does not wait."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "train_minimal.py"), *TINY, "--num-steps", "8", "--use-profiler",
-           "--profile-ranks", "all", "--simulate-slow-rank", "1:200:forward", "--out-dir", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(ROOT / "train_minimal.py"),
+        *TINY,
+        "--num-steps",
+        "8",
+        "--use-profiler",
+        "--profile-ranks",
+        "all",
+        "--simulate-slow-rank",
+        "1:200:forward",
+        "--out-dir",
+        str(out),
+    ]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy())
     assert result.returncode == 0, result.stderr[-3000:]
     folder = json.loads(ok(out, "--json"))
@@ -676,18 +896,27 @@ def test_the_waiting_rank_shows_its_wait_in_the_backward(tmp_path):
 # ---------------------------------------------------------------------------- odd field types (issue 14)
 
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(10 ** 30), max_value=10 ** 30)
-    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8),
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**30), max_value=10**30)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
-    max_leaves=5)
+    max_leaves=5,
+)
 FIELDS = ["ph", "cat", "name", "pid", "tid", "ts", "dur", "args", "correlation", "stream"]
 
 
 # 150 cases keep the suite fast; TRACES_FUZZ_EXAMPLES=3000 hunts longer.
-@settings(max_examples=int(os.environ.get("TRACES_FUZZ_EXAMPLES", "150")), deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(changes=st.lists(st.tuples(st.integers(0, 60), st.sampled_from(FIELDS), JSON_VALUES), max_size=6),
-       header=JSON_VALUES)
+@settings(
+    max_examples=int(os.environ.get("TRACES_FUZZ_EXAMPLES", "150")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    changes=st.lists(st.tuples(st.integers(0, 60), st.sampled_from(FIELDS), JSON_VALUES), max_size=6),
+    header=JSON_VALUES,
+)
 def test_odd_field_types_never_crash(tmp_path, changes, header):
     """Any field of any event, or the header's distributedInfo, replaced by any JSON value: the
     summary is made (the odd events counted as malformed) or the file is refused with a TraceError,

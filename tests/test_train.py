@@ -21,7 +21,9 @@ def read_metrics(out):
 
 def test_toy_run_learns_and_writes_its_run_directory(tmp_path, capsys):
     out = tmp_path / "run"
-    assert train_minimal.cli([*TINY, "--num-steps", "100", "--log-interval", "20", "--out-dir", str(out)]) == 0
+    assert (
+        train_minimal.cli([*TINY, "--num-steps", "100", "--log-interval", "20", "--out-dir", str(out)]) == 0
+    )
     printed = capsys.readouterr().out
     lines = printed.splitlines()
     assert any(f"Run directory: {out}" in line for line in lines)
@@ -30,7 +32,9 @@ def test_toy_run_learns_and_writes_its_run_directory(tmp_path, capsys):
     assert [r["step"] for r in rows] == [20, 40, 60, 80, 100]
     assert rows[0]["loss"] > 3.0  # ln(64) = 4.2 at the start
     assert rows[-1]["loss"] < 0.5 * rows[0]["loss"]
-    assert rows[-1]["val_loss"] is not None and rows[-1]["val_ppl"] == pytest.approx(math.exp(rows[-1]["val_loss"]))
+    assert rows[-1]["val_loss"] is not None and rows[-1]["val_ppl"] == pytest.approx(
+        math.exp(rows[-1]["val_loss"])
+    )
     # AMP is on by default only where the CPU runs bf16 natively (this one has AVX512-BF16).
     native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     assert all(r["tokens_per_s"] > 0 and r["amp"] == ("bf16" if native_bf16 else "fp32") for r in rows)
@@ -46,7 +50,10 @@ def test_toy_run_learns_and_writes_its_run_directory(tmp_path, capsys):
 
 def test_bf16_autocast_on_cpu_trains_in_bf16():
     from minigpt.model import GPT, GPTConfig
-    model = GPT(GPTConfig(vocab_size=64, max_position_embeddings=16, n_layers=1, n_heads=2, d_model=32, d_ff=64))
+
+    model = GPT(
+        GPTConfig(vocab_size=64, max_position_embeddings=16, n_layers=1, n_heads=2, d_model=32, d_ff=64)
+    )
     x = torch.randint(0, 64, (2, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits, loss = model(x, x)
@@ -66,13 +73,16 @@ def test_gradient_accumulation_matches_a_bigger_batch(tmp_path):
     # 2 micro-batches of 4 from positions (0, 1) vs the same 8 rows at once: same first update.
     from minigpt.data import ToyBatches
     from minigpt.model import GPT, GPTConfig
+
     batches = ToyBatches(64, 4, 16, seed=0)
     micro = [next(batches) for _ in range(2)]
     big = tuple(torch.cat(t) for t in zip(*micro))
     grads = []
     for chunks in (micro, [big]):
         torch.manual_seed(0)
-        model = GPT(GPTConfig(vocab_size=64, max_position_embeddings=16, n_layers=1, n_heads=2, d_model=32, d_ff=64))
+        model = GPT(
+            GPTConfig(vocab_size=64, max_position_embeddings=16, n_layers=1, n_heads=2, d_model=32, d_ff=64)
+        )
         for x, y in chunks:
             (model(x, y)[1] / len(chunks)).backward()
         grads.append(model.wte.weight.grad)
@@ -82,15 +92,28 @@ def test_gradient_accumulation_matches_a_bigger_batch(tmp_path):
 def sigterm_at(stop_step: int):
     """An on_step callback (train_minimal.main's seam) that sends this process SIGTERM as step
     `stop_step` (1-based) starts, as a scheduler would."""
+
     def on_step(step: int) -> None:
         if step == stop_step:
             os.kill(os.getpid(), signal.SIGTERM)
+
     return on_step
 
 
 @pytest.mark.parametrize("extra", [[], ["--grad-accum-steps", "2"]])
 def test_resume_repeats_the_uninterrupted_losses(tmp_path, monkeypatch, extra):
-    flags = [*TINY, *extra, "--dropout", "0.1", "--log-interval", "1", "--eval-interval", "3", "--num-steps", "8"]
+    flags = [
+        *TINY,
+        *extra,
+        "--dropout",
+        "0.1",
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        "3",
+        "--num-steps",
+        "8",
+    ]
     full, part = tmp_path / "full", tmp_path / "part"
     assert train_minimal.cli([*flags, "--out-dir", str(full)]) == 0
     assert train_minimal.cli([*flags, "--out-dir", str(part)], on_step=sigterm_at(4)) == 128 + signal.SIGTERM
@@ -118,12 +141,27 @@ def test_eval_interval_holds_when_it_is_not_a_multiple_of_the_log_interval(tmp_p
 
 def test_sigterm_saves_and_exits_with_a_message(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train_minimal.py"), *TINY, "--num-steps", "100000",
-                             "--log-interval", "1", "--out-dir", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "train_minimal.py"),
+            *TINY,
+            "--num-steps",
+            "100000",
+            "--log-interval",
+            "1",
+            "--out-dir",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 120
     while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "timeout"
+        assert proc.poll() is None and time.time() < deadline, (
+            proc.stderr.read() if proc.poll() else "timeout"
+        )
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=60)
@@ -166,9 +204,15 @@ def test_main_job_end_to_end_on_a_short_run(tmp_path):
     assert rows[0]["loss"] == pytest.approx(math.log(50257), abs=0.6)  # untrained: about ln(vocab)
     assert rows[-1]["val_loss"] is not None
     lines = r.stdout.strip().splitlines()
-    assert any(line.endswith(f"Run directory: {out} (train.log, metrics.jsonl, config.json)") for line in lines)
-    assert any(line.endswith(f"Report: {out / 'report.html'} (one offline page; python -m minigpt.report rewrites it)")
-               for line in lines)
+    assert any(
+        line.endswith(f"Run directory: {out} (train.log, metrics.jsonl, config.json)") for line in lines
+    )
+    assert any(
+        line.endswith(
+            f"Report: {out / 'report.html'} (one offline page; python -m minigpt.report rewrites it)"
+        )
+        for line in lines
+    )
     assert "Next steps:" in r.stdout and lines[-1].endswith(f"python sample.py --out-dir {out}")
 
 

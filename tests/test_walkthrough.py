@@ -45,32 +45,46 @@ def test_the_walkthrough_has_commands():
 @pytest.mark.slow
 def test_every_walkthrough_command_runs(tmp_path):
     repo = tmp_path / "repo"
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
     for f in files:
         if (ROOT / f).is_file():
             (repo / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, repo / f)
-    env = {**os.environ, "MINIGPT_ARGS": SCALE, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "MINIGPT_ARGS": SCALE,
+        "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+    }
     failures = []
     for cmd in commands(WALKTHROUGH.read_text()):
         needs_cuda = "# needs CUDA" in cmd
         cmd = cmd.split(" # ")[0]
         if cmd.startswith("nsys ") and shutil.which("nsys") is None:
             continue  # Nsight Systems is not installed here; its trainer flag is checked on its own line
-        if "tensorboard_screenshots.py" in cmd and shutil.which("chromium") is None and not os.environ.get("CI"):
+        if (
+            "tensorboard_screenshots.py" in cmd
+            and shutil.which("chromium") is None
+            and not os.environ.get("CI")
+        ):
             continue  # needs Debian's chromium; CI installs it, so there the command runs
         if cmd.startswith("tensorboard "):  # a server: it must come up and list the run's traces
             with serve_tensorboard(shlex.split(cmd), cwd=repo, env=env):
                 continue
         if "benchmarks/" in cmd:
             cmd = f"{cmd} {BENCH_SCALE}"
-        result = subprocess.run(cmd, shell=True, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+        result = subprocess.run(
+            cmd, shell=True, cwd=repo, env=env, capture_output=True, text=True, timeout=900
+        )
         if needs_cuda and not torch.cuda.is_available():
             ok = result.returncode == 2 and "needs CUDA" in result.stderr
         else:
             ok = result.returncode == 0
         if not ok:
-            failures.append(f"$ {cmd}\n(exit {result.returncode})\n{result.stdout[-1500:]}\n{result.stderr[-1500:]}")
+            failures.append(
+                f"$ {cmd}\n(exit {result.returncode})\n{result.stdout[-1500:]}\n{result.stderr[-1500:]}"
+            )
     assert not failures, "\n\n".join(failures)
 
 
@@ -84,13 +98,37 @@ def test_tensorboard_profiler_page_in_chromium(tmp_path):
             pytest.fail("Chromium is not installed: .ci/run installs Debian's chromium before the tests")
         pytest.skip("needs Debian's chromium (apt-get install chromium)")
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, str(ROOT / "train_minimal.py"), "--use-toy-data", "--preset", "tiny",
-                        "--num-steps", "8", "--log-interval", "4", "--use-profiler", "--profile-step-start", "3",
-                        "--profile-step-end", "5", "--out-dir", str(out)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train_minimal.py"),
+            "--use-toy-data",
+            "--preset",
+            "tiny",
+            "--num-steps",
+            "8",
+            "--log-interval",
+            "4",
+            "--use-profiler",
+            "--profile-step-start",
+            "3",
+            "--profile-step-end",
+            "5",
+            "--out-dir",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     img = tmp_path / "img"
-    r = subprocess.run([sys.executable, str(ROOT / "docs" / "tensorboard_screenshots.py"), str(out), "--out", str(img)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "docs" / "tensorboard_screenshots.py"), str(out), "--out", str(img)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "the PyTorch Profiler tab lists the run (views Overview, Operator" in r.stdout, r.stdout
     assert "the Overview's steps 3, 4 were" in r.stdout, r.stdout
