@@ -204,8 +204,11 @@ def peak_flops(
     missing = sorted((u for u in units if u.name not in known), key=lambda u: u.flops)  # smallest first
     fresh, skipped = {}, []
     for u in missing:
-        best_so_far = max([max(r["rounds"]) for r in (*known.values(), *fresh.values())], default=None)
-        if best_so_far and 2 * u.flops / best_so_far > SKIP_PREDICTED_S:
+        # Predicted from the largest unit timed so far (the nearest in size): small units can run at
+        # rates a big product never reaches (emulated bf16), so the best rate would be optimistic.
+        timed = [r for r in (*known.values(), *fresh.values()) if r["flops"] <= u.flops]
+        nearest = max(timed, key=lambda r: r["flops"], default=None)
+        if nearest and 2 * u.flops / max(nearest["rounds"]) > SKIP_PREDICTED_S:
             skipped.append(u.name)
             continue
         fresh[u.name] = {
