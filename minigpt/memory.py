@@ -417,6 +417,10 @@ class MemoryCapture:
             add(buf, "held", f"buffer {buf_name}")
         self._watched = []
         owners: dict[int, int] = defaultdict(int)
+        # Garbage in reference cycles not yet collected would count as held tensors (and hold
+        # allocator memory until the collector happens to run): collect it before the scan, so the
+        # measured step starts from what is really live.
+        gc.collect()
         for obj in gc.get_objects():
             # not isinstance: it reads __class__, which warns on deprecated module objects. Parameters
             # of this model are already in `base`; another model's are held like any tensor.
