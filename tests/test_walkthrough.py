@@ -52,6 +52,8 @@ def test_every_walkthrough_command_runs(tmp_path):
         if (ROOT / f).is_file():
             (repo / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, repo / f)
+    if (ROOT.parent / "shared").is_dir():  # ../shared beside the copy too, as beside a clone (nanoGPT)
+        (tmp_path / "shared").symlink_to(ROOT.parent / "shared")
     env = {
         **os.environ,
         "MINIGPT_ARGS": SCALE,
