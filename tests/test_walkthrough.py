@@ -74,7 +74,7 @@ def test_every_walkthrough_command_runs(tmp_path):
         if cmd.startswith("tensorboard "):  # a server: it must come up and list the run's traces
             with serve_tensorboard(shlex.split(cmd), cwd=repo, env=env):
                 continue
-        if "benchmarks/" in cmd:
+        if "benchmarks/" in cmd and "make_figures.py" not in cmd:  # the figures only draw: no steps to scale
             cmd = f"{cmd} {BENCH_SCALE}"
         result = subprocess.run(
             cmd, shell=True, cwd=repo, env=env, capture_output=True, text=True, timeout=900
