@@ -690,8 +690,8 @@ def finish(
 ) -> None:
     """The run's last lines: the profiler's cost, both throughputs, the report, and what to open next."""
     elapsed = time.perf_counter() - rate.t_start
-    if inst.profiler_cost():
-        log.info(inst.profiler_cost())
+    if cost := inst.profiler_cost():
+        log.info(cost)
     if dist_info.is_main:
         done = step - rate.start_step
         log.info(

@@ -230,7 +230,7 @@ def peak_flops(
         "cache"
         if not fresh
         else "measured now"
-        if len(fresh) == len(units)
+        if len(fresh) == len(units) - len(skipped)  # every unit timed here, none read from the cache
         else "measured now, partly cached"
     )
     where = f"{path}" if cache else "not cached"
