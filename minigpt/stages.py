@@ -18,6 +18,7 @@ class Stage:
     # Counted in straggler scores: the stage's time is the rank's own work, with no collective
     # inside it to wait on (the backward holds DDP's all-reduce: its compute part is scored).
     scored: bool = True
+    part_of: str | None = None  # a split (SPLITS): the stage it is timed inside
 
 
 STAGES: tuple[Stage, ...] = (
@@ -30,7 +31,7 @@ STAGES: tuple[Stage, ...] = (
 # Parts of a stage timed inside it (StageTimer.add_split): under data parallelism, the backward's
 # own compute, up to the moment its last gradient bucket is ready, without the wait for the
 # all-reduce. Scored for stragglers in place of the whole backward.
-SPLITS: tuple[Stage, ...] = (Stage("backward_compute", "(bwd compute)", "salmon"),)
+SPLITS: tuple[Stage, ...] = (Stage("backward_compute", "(bwd compute)", "salmon", part_of="backward"),)
 
 STEP_RANGE = Stage("train_step", "step", "white", scored=False)  # the range around one whole step
 
@@ -62,4 +63,4 @@ def scored_stages() -> tuple[str, ...]:
 
 def split_parent(name: str) -> str | None:
     """The stage a split is part of (backward_compute -> backward)."""
-    return {"backward_compute": "backward"}.get(name)
+    return stage(name).part_of
