@@ -37,25 +37,12 @@ def child(preset: str, batch: int, seq: int, amp: str, steps: int) -> dict:
 
     keep_freed_memory()  # the trainer's default
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from estimate_table import shape_of
-
-    from minigpt.model import GPT, GPTConfig
+    from estimate_table import model_of, shape_of
 
     shape = shape_of(preset, batch, seq)
     models = {}
     for name, chunked in (("plain", False), ("chunked", True)):
-        torch.manual_seed(0)
-        model = GPT(
-            GPTConfig(
-                vocab_size=shape["vocab_size"],
-                max_position_embeddings=shape["max_position_embeddings"],
-                n_layers=shape["n_layers"],
-                n_heads=shape["n_heads"],
-                d_model=shape["d_model"],
-                d_ff=shape["d_ff"],
-                chunked_loss=chunked,
-            )
-        )
+        model = model_of(shape, chunked_loss=chunked)
         models[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if amp == "bf16" else nullcontext
     x = torch.randint(0, shape["vocab_size"], (batch, seq))

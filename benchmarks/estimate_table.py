@@ -39,6 +39,13 @@ TOLERANCE = 0.10  # the estimator's promise: the measured peak within 10%
 SHAPES = [("small", 1, 256), ("small", 2, 1024), ("gpt2", 1, 256), ("gpt2", 2, 1024)]
 
 
+def model_of(shape: dict, **options) -> GPT:
+    """minigpt's GPT of an estimator shape (seeded: every variant starts from the same weights)."""
+    torch.manual_seed(0)
+    keys = ("vocab_size", "max_position_embeddings", "n_layers", "n_heads", "d_model", "d_ff")
+    return GPT(GPTConfig(**{k: shape[k] for k in keys}, **options))
+
+
 def shape_of(preset: str, batch: int, seq: int) -> dict:
     p = PRESETS[preset]
     return dict(
@@ -63,19 +70,7 @@ def measure(
     grad_clip: float = 1.0,
 ) -> MemoryBreakdown:
     """`steps` training steps as the trainer runs them; the last is measured."""
-    torch.manual_seed(0)
-    model = GPT(
-        GPTConfig(
-            vocab_size=shape["vocab_size"],
-            max_position_embeddings=shape["max_position_embeddings"],
-            n_layers=shape["n_layers"],
-            n_heads=shape["n_heads"],
-            d_model=shape["d_model"],
-            d_ff=shape["d_ff"],
-            activation_checkpoint=checkpoint,
-            chunked_loss=chunked_loss,
-        )
-    )
+    model = model_of(shape, activation_checkpoint=checkpoint, chunked_loss=chunked_loss)
     model.train()
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(
