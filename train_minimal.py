@@ -59,7 +59,7 @@ from minigpt.config import (
     resolve_amp,
     resolve_device,
 )
-from minigpt.cpu import keep_freed_memory, preload_hint
+from minigpt.cpu import keep_freed_memory, preload_hint, release_freed_memory
 from minigpt.data import (
     Batches,
     ToyBatches,
@@ -139,9 +139,11 @@ def evaluate(model: torch.nn.Module, batches: Batches, iters: int, device: str, 
     model.eval()
     losses = []
     for _ in range(iters):
+        release_freed_memory()  # CPU: the kept heap's free blocks back to the system (minigpt/cpu.py)
         x, y = (t.to(device, non_blocking=True) for t in next(batches))
         with autocast:
             losses.append(model(x, y)[1].float())
+    release_freed_memory()
     model.train()
     return torch.stack(losses).mean().item()
 

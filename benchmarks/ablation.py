@@ -63,7 +63,7 @@ def results_name(preset: str, trainer_flags: list[str]) -> str:
 
 
 # {AMP, fp32} x {checkpointing or not}; the first is the baseline. Variants asked for on top are
-# each compared with "amp".
+# each compared with its base: "amp", or "fp32" under --fp32-only.
 MATRIX = [
     ("fp32", ["--no-amp"], 1),
     ("fp32 + ckpt", ["--no-amp", "--use-activation-checkpoint"], 1),
@@ -73,19 +73,20 @@ MATRIX = [
 
 
 def variants(args) -> list[tuple[str, list[str], int]]:
-    """(name, flags, processes) of each variant."""
-    out = list(MATRIX)
+    """(name, flags, processes) of each variant. --fp32-only drops the AMP rows and runs the
+    variants asked for on top in fp32 (a CPU without native bf16 emulates it, ~80x slower)."""
+    base, flag = ("fp32", "--no-amp") if args.fp32_only else ("amp", "--amp")
+    out = [v for v in MATRIX if not (args.fp32_only and "--amp" in v[1])]
     if args.malloc:
-        out.append(("amp, malloc defaults", ["--amp", "--no-keep-freed-memory"], 1))
+        out.append((f"{base}, malloc defaults", [flag, "--no-keep-freed-memory"], 1))
     if args.compile:
-        out.append(("amp + compile", ["--amp", "--compile"], 1))
+        out.append((f"{base} + compile", [flag, "--compile"], 1))
     if args.chunked_loss:  # the LM head + cross-entropy a chunk of rows at a time (minigpt/model.py)
-        out += [
-            ("fp32 + chunked loss", ["--no-amp", "--chunked-loss"], 1),
-            ("amp + chunked loss", ["--amp", "--chunked-loss"], 1),
-        ]
+        out.append(("fp32 + chunked loss", ["--no-amp", "--chunked-loss"], 1))
+        if not args.fp32_only:
+            out.append(("amp + chunked loss", ["--amp", "--chunked-loss"], 1))
     if args.nproc > 1:
-        out.append((f"amp + ddp x{args.nproc}", ["--amp"], args.nproc))
+        out.append((f"{base} + ddp x{args.nproc}", [flag], args.nproc))
     return out
 
 
@@ -126,7 +127,8 @@ def findings(results: dict) -> list[str]:
             if pk0 and pk1:
                 text += f", peak memory {pk0:,.0f} -> {pk1:,.0f} MiB"
             lines.append(text)
-    for name in list(results)[len(MATRIX) :]:  # the variants added to the matrix on request
+    matrix = {m[0] for m in MATRIX}
+    for name in [n for n in results if n not in matrix]:  # the variants added to the matrix on request
         base = "fp32" if name.startswith("fp32") else "amp"  # "fp32 + chunked loss" against fp32
         if base in results:
             text = f"{name}: {tps(name) / tps(base):.2f}x tokens/s against {base}"
@@ -317,11 +319,16 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10, help="measured steps per run (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="steps before the measured ones (default 3)")
     p.add_argument("--repeats", type=int, default=3, help="fresh processes per variant (default 3)")
+    p.add_argument(
+        "--fp32-only",
+        action="store_true",
+        help="no AMP rows; the variants asked for on top run in fp32 (for a CPU without native bf16)",
+    )
     p.add_argument("--compile", action="store_true", help="add an AMP + torch.compile variant")
     p.add_argument(
         "--malloc",
         action="store_true",
-        help="CPU: add an AMP variant with glibc malloc's defaults (--no-keep-freed-memory)",
+        help="CPU: add a variant with glibc malloc's defaults (--no-keep-freed-memory)",
     )
     p.add_argument(
         "--chunked-loss",

@@ -1,17 +1,22 @@
 """The CPU allocator's memory cost beside its speed: peak RSS and tokens/s per malloc setting.
 
-    python benchmarks/allocator.py                  # small preset, fp32, 3 rounds
+    python benchmarks/allocator.py                  # the main job's shape, fp32, 3 rounds
     python benchmarks/allocator.py --render benchmarks/results/cpu-allocator.json
 
-Each variant is a fresh process that trains the small preset in fp32 (AMP is emulated, slow and
-beside the point on an AVX2 CPU) for --warmup + --steps steps, and reports tokens/s over the
-measured steps, its peak RSS (getrusage) and its RSS at the end. The variants run in interleaved
-rounds. The allocator's true peak (torch's own figure, the same whatever malloc does) is measured
-once, with minigpt.memory.capture_memory, so that RSS can be read as a multiple of it.
+Each variant is a fresh process that runs the trainer itself (train_minimal.py, small preset, fp32:
+AMP is emulated, slow and beside the point on an AVX2 CPU) for --steps steps with an evaluation
+every --eval-interval steps, as the main job does: an evaluation's shapes differ from a step's, and
+a heap tuned for the step's pattern can grow there. Per variant: tokens/s of the steps (median of
+the steps after the first two), tokens/s end to end (steps x tokens over the trainer's elapsed
+time, evaluations included), and the process's peak RSS as the kernel counted it (os.wait4's
+ru_maxrss), beside the trainer's own figure. The variants run in interleaved rounds. The allocator's
+true peak (torch's own figure, the same whatever malloc does) is measured once, with
+minigpt.memory.capture_memory, so that RSS can be read as a multiple of it.
 
-Variants: glibc keeping freed blocks (minigpt/cpu.py's keep-freed setting), glibc's defaults, glibc
-bounded (big blocks from the heap, mmap above 1 GiB, the heap trimmed above 256 MiB), and jemalloc
-and tcmalloc through LD_PRELOAD (Debian's libjemalloc2 and libtcmalloc-minimal4).
+Variants: glibc's defaults; glibc bounded (big blocks from the heap, mmap above 1 GiB, the heap
+trimmed above 256 MiB); the same, its free blocks given back around evaluations (the trainer's
+default); glibc never mapping nor trimming (the oldest setting, asked for by name); jemalloc and
+tcmalloc through LD_PRELOAD (Debian's libjemalloc2 and libtcmalloc-minimal4).
 Writes benchmarks/results/cpu-allocator.json and .md.
 """
 
@@ -20,10 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import runpy
 import statistics
 import subprocess
 import sys
-import time
+import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 from common import RESULTS, ROOT, header, load_results, save_json, stamp
@@ -32,117 +39,139 @@ from minigpt.fileio import atomic_write
 
 MIB = 2**20
 LIBDIR = Path("/usr/lib/x86_64-linux-gnu")
-# name -> (malloc setting applied in the child, LD_PRELOAD library or None)
+# name -> (malloc setting applied in the child before the trainer starts, LD_PRELOAD library or None).
+# "trainer" leaves the choice to the trainer's default (minigpt/cpu.py keep_freed_memory); the
+# others run it with --no-keep-freed-memory so that it leaves the child's setting alone.
 VARIANTS = {
-    "glibc keep-freed": ("keep", None),
     "glibc defaults": ("defaults", None),
     "glibc bounded": ("bounded", None),
-    "jemalloc": ("defaults", LIBDIR / "libjemalloc.so.2"),
-    "tcmalloc": ("defaults", LIBDIR / "libtcmalloc_minimal.so.4"),
+    "glibc bounded, given back at evaluations": ("trainer", None),
+    "jemalloc": ("trainer", LIBDIR / "libjemalloc.so.2"),
+    "tcmalloc": ("trainer", LIBDIR / "libtcmalloc_minimal.so.4"),
+    "glibc never trims": ("keep", None),
+}
+DEFAULT_VARIANTS = list(VARIANTS)[:5]
+HOW = {
+    "defaults": "none",
+    "bounded": "mallopt M_MMAP_THRESHOLD=1 GiB, M_TRIM_THRESHOLD=256 MiB",
+    "trainer": "the same, and malloc_trim(0) around each evaluation batch (minigpt's default now)",
+    "keep": "mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB (minigpt's first default)",
 }
 SPEED_BUDGET = 0.10  # the default may cost at most 10% of tokens/s ...
 RSS_BUDGET = 1.5  # ... to keep peak RSS within 1.5x the allocator's true peak
+SKIP_STEPS = 2  # warm-up steps left out of the steps' median
 
 
-def child(setting: str, warmup: int, steps: int, measure_peak: bool) -> dict:
-    """Runs in the fresh process: the setting first, then the training steps."""
+def child(setting: str, argv: list[str]) -> None:
+    """Runs in the fresh process: the setting first, then the trainer as `python train_minimal.py`."""
     from minigpt import cpu
 
     if setting == "keep":
         cpu.never_return_memory()
     elif setting == "bounded":
         cpu.bounded_freed_memory()
+    if setting != "trainer":
+        argv = [*argv, "--no-keep-freed-memory"]
+    sys.argv = [str(ROOT / "train_minimal.py"), *argv]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        if e.code:
+            raise
+
+
+def true_peak() -> int:
+    """The allocator's peak in one training step of the same shape (torch's figure)."""
     import torch
 
     from minigpt.config import PRESETS
-    from minigpt.memory import capture_memory, process_memory
+    from minigpt.memory import capture_memory
     from minigpt.model import GPT, GPTConfig
 
     p = PRESETS["small"]
     b, s, V = p["batch_size"], p["seq_len"], 50304
     torch.manual_seed(0)
-    model = GPT(
-        GPTConfig(
-            vocab_size=V,
-            max_position_embeddings=s,
-            n_layers=p["n_layers"],
-            n_heads=p["n_heads"],
-            d_model=p["d_model"],
-            d_ff=p["d_ff"],
-        )
-    )
+    keys = ("n_layers", "n_heads", "d_model", "d_ff")
+    model = GPT(GPTConfig(vocab_size=V, max_position_embeddings=s, **{k: p[k] for k in keys}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
-    times = []
-    for step in range(warmup + steps):
-        t0 = time.perf_counter()
+    for step in (1, 2):
         x = torch.randint(0, V, (b, s))
-        _, loss = model(x, torch.roll(x, -1, 1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step >= warmup:
-            times.append(time.perf_counter() - t0)
-    out = {"tokens_per_s": [b * s / t for t in times], **process_memory()}
-    if measure_peak:
-        with capture_memory(model, optimizer) as cap:
+        with capture_memory(model, optimizer) if step == 2 else nullcontext() as cap:
             _, loss = model(x, torch.roll(x, -1, 1))
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        out["true_peak"] = cap.breakdown.peak
-    return out
+    return cap.breakdown.peak
 
 
-def run(name: str, warmup: int, steps: int, measure_peak: bool = False) -> dict:
+def run(name: str, steps: int, eval_interval: int) -> dict:
+    """One fresh trainer process under the variant's setting; its figures."""
     setting, preload = VARIANTS[name]
     env = dict(os.environ)
     if preload is not None:
         env["LD_PRELOAD"] = str(preload)
-    cmd = [sys.executable, __file__, "--child", setting, "--warmup", str(warmup), "--steps", str(steps)]
-    if measure_peak:
-        cmd.append("--measure-peak")
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
-    if result.returncode != 0:
-        raise RuntimeError(f"{name} failed:\n{result.stderr[-2000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory(prefix="minigpt-alloc-") as tmp:
+        out = Path(tmp) / "run"
+        argv = [
+            *("--num-steps", str(steps), "--eval-interval", str(eval_interval), "--log-interval", "1"),
+            *("--no-checkpoint", "--no-report", "--out-dir", str(out)),
+        ]
+        with open(Path(tmp) / "stdout", "w+") as log:
+            proc = subprocess.Popen(
+                [sys.executable, __file__, "--child", setting, "--", *argv],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            if proc.returncode != 0:
+                log.seek(0)
+                raise RuntimeError(f"{name} failed:\n{log.read()[-2000:]}")
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = records[-1]
+    tokens_per_step = last["tokens_per_s"] * last["step_time_s"]
+    return {
+        "tokens_per_s": [r["tokens_per_s"] for r in records[SKIP_STEPS:]],
+        "tokens_per_s_e2e": last["step"] * tokens_per_step / last["elapsed_s"],
+        "rss_peak_bytes": usage.ru_maxrss * 1024,  # the kernel's count (KiB on Linux)
+        "trainer_rss_peak_bytes": last["memory"]["rss_peak_bytes"],
+        "rss_bytes": last["memory"]["rss_bytes"],
+    }
 
 
 def markdown(meta: dict, results: dict, peak: int) -> str:
-    base = results["glibc keep-freed"]["tokens_per_s"]["median"]
+    base_name = "glibc defaults" if "glibc defaults" in results else next(iter(results))
+    base = results[base_name]
     lines = [
         *header("CPU allocator: peak RSS against tokens/s", meta),
-        f"small preset (4 layers, d 256, batch 8 x 256, vocabulary 50304), fp32, {meta['steps']} measured "
-        f"steps after {meta['warmup']} warm-up step(s), {meta['repeats']} fresh processes per variant in "
-        "interleaved rounds; tokens/s: median over every measured step (spread: min-max of the rounds' "
-        "medians); RSS: the largest over the rounds. The machine was shared with other jobs.",
+        f"The trainer itself (`train_minimal.py`, small preset: 4 layers, d 256, batch 8 x 256, vocabulary "
+        f"50304, fp32), {meta['steps']} steps with an evaluation ({meta.get('eval_iters', 10)} batches) "
+        f"every {meta['eval_interval']} steps, {meta['repeats']} fresh processes per variant in interleaved "
+        f"rounds. tokens/s: the median of the steps after the first {SKIP_STEPS} (spread: min-max of the "
+        "rounds' medians); end to end: steps x tokens over the trainer's elapsed time, evaluations "
+        "included (median of the rounds). Peak RSS: the largest over the rounds, as the kernel counted it "
+        "(`os.wait4`), beside the trainer's own figure (its last log line). "
+        + ("The machine was shared with other jobs." if meta.get("shared") else ""),
         "",
-        f"The allocator's true peak in a step (torch's own figure, `capture_memory`): {peak / MIB:,.0f} MiB. "
-        f"Budget: peak RSS within {RSS_BUDGET}x of it unless that costs more than "
+        f"The allocator's true peak in a training step (torch's own figure, `capture_memory`): "
+        f"{peak / MIB:,.0f} MiB. Budget: peak RSS within {RSS_BUDGET}x of it unless that costs more than "
         f"{100 * SPEED_BUDGET:.0f}% of tokens/s.",
         "",
-        "| variant | how | tokens/s | spread | vs keep-freed | peak RSS MiB | x true peak | RSS at end MiB |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| variant | how | tokens/s (steps) | spread | vs {base_name} | end to end | peak RSS MiB | "
+        "x true peak | trainer's peak RSS MiB | RSS at end MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         setting, preload = VARIANTS[name]
-        how = (
-            f"LD_PRELOAD={Path(preload).name}"
-            if preload
-            else {
-                "keep": "mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB",
-                "defaults": "none",
-                "bounded": "mallopt M_MMAP_THRESHOLD=1 GiB, M_TRIM_THRESHOLD=256 MiB",
-            }[setting]
-        )
+        how = f"LD_PRELOAD={Path(preload).name}" if preload else HOW[setting]
         t = r["tokens_per_s"]
-        how += {"keep": " (minigpt's default until now)", "bounded": " (minigpt's default now)"}.get(
-            setting, ""
-        )
         lines.append(
             f"| {name} | {how} | {t['median']:,.0f} | {min(t['repeats']):,.0f}-{max(t['repeats']):,.0f} | "
-            f"{t['median'] / base:.2f}x | {r['rss_peak_bytes'] / MIB:,.0f} | "
-            f"{r['rss_peak_bytes'] / peak:.2f} | {r['rss_bytes'] / MIB:,.0f} |"
+            f"{t['median'] / base['tokens_per_s']['median']:.2f}x | {r['tokens_per_s_e2e']:,.0f} | "
+            f"{r['rss_peak_bytes'] / MIB:,.0f} | {r['rss_peak_bytes'] / peak:.2f} | "
+            f"{r['trainer_rss_peak_bytes'] / MIB:,.0f} | {r['rss_bytes'] / MIB:,.0f} |"
         )
     ok = [n for n, r in results.items() if r["rss_peak_bytes"] <= RSS_BUDGET * peak]
     best = max(results, key=lambda n: results[n]["tokens_per_s"]["median"])
@@ -161,36 +190,44 @@ def markdown(meta: dict, results: dict, peak: int) -> str:
 
 
 def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":  # --child SETTING -- TRAINER ARGS
+        child(sys.argv[2], sys.argv[4:])
+        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--eval-interval", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--child", choices=["keep", "defaults", "bounded"], help=argparse.SUPPRESS)
-    p.add_argument("--measure-peak", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
+    p.add_argument("--shared", action="store_true", help="say in the table that the machine was shared")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--render", type=Path, metavar="RESULTS_JSON")
     args = p.parse_args()
-    if args.child:
-        print(json.dumps(child(args.child, args.warmup, args.steps, args.measure_peak)))
-        return 0
     if args.render:
         data = load_results(p, args.render)
         atomic_write(
             args.render.with_suffix(".md"), markdown(data["meta"], data["results"], data["true_peak"])
         )
         return 0
+    if args.steps <= SKIP_STEPS or not 0 < args.eval_interval <= args.steps:
+        p.error(f"--steps must be above {SKIP_STEPS} and --eval-interval within 1..--steps")
     missing = [n for n in args.variants if VARIANTS[n][1] is not None and not VARIANTS[n][1].exists()]
     if missing:
         p.error(f"{', '.join(missing)}: not installed (apt-get install -y libjemalloc2 libtcmalloc-minimal4)")
-    meta = {**stamp(sys.argv), "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats}
-    true_peak = run("glibc defaults", 1, 1, measure_peak=True)["true_peak"]
+    meta = {
+        **stamp(sys.argv),
+        "steps": args.steps,
+        "eval_interval": args.eval_interval,
+        "repeats": args.repeats,
+        "shared": args.shared,
+    }
+    peak = true_peak()
     raw: dict[str, list[dict]] = {n: [] for n in args.variants}
     for r in range(args.repeats):  # interleaved: each round runs every variant once
         for name in args.variants:
-            raw[name].append(run(name, args.warmup, args.steps))
+            raw[name].append(run(name, args.steps, args.eval_interval))
             print(
                 f"[{name}] round {r + 1}: {statistics.median(raw[name][-1]['tokens_per_s']):,.0f} tokens/s, "
+                f"{raw[name][-1]['tokens_per_s_e2e']:,.0f} end to end, "
                 f"peak RSS {raw[name][-1]['rss_peak_bytes'] / MIB:,.0f} MiB",
                 flush=True,
             )
@@ -202,14 +239,16 @@ def main() -> int:
                 "median": statistics.median(every),
                 "repeats": [statistics.median(r["tokens_per_s"]) for r in runs],
             },
+            "tokens_per_s_e2e": statistics.median(r["tokens_per_s_e2e"] for r in runs),
             "rss_peak_bytes": max(r["rss_peak_bytes"] for r in runs),
+            "trainer_rss_peak_bytes": max(r["trainer_rss_peak_bytes"] for r in runs),
             "rss_bytes": max(r["rss_bytes"] for r in runs),
             "runs": runs,
         }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / "cpu-allocator"
-    save_json(stem, {"meta": meta, "results": results, "true_peak": true_peak})
-    table = markdown(meta, results, true_peak)
+    save_json(stem, {"meta": meta, "results": results, "true_peak": peak})
+    table = markdown(meta, results, peak)
     atomic_write(stem.with_suffix(".md"), table)
     print(table)
     return 0

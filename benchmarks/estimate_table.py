@@ -10,6 +10,13 @@ AdamW, the caller holding the last step's output), measured with minigpt.memory.
 beside it minigpt.estimate.estimate_gpt's prediction from the same numbers. The matrix: presets
 small and gpt2 x batch 1-2 x seq 256-1024 x fp32/bf16 x activation checkpointing x gradient
 accumulation 1/2. Writes benchmarks/results/<device>-estimate.json and .md.
+
+--shape-only-matmuls: on a CPU without native bf16 (AVX2 only) a bf16 matrix product is emulated,
+80x slower than fp32, and a gpt2 cell would take hours. The memory a step allocates depends on
+shapes, not values, so this mode still runs every op through the allocator but gives aten::mm an
+output of its exact shape and dtype, zero-filled, instead of its arithmetic (ShapeOnlyMatmuls). Its
+rows say so, and --shape-only-matmuls on cells also measured for real shows the two peaks side by
+side (the table's "shape-only check").
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from pathlib import Path
 import torch
 from common import RESULTS, device_slug, header, load_results, save_json, stamp
 from torch.autograd.profiler import record_function
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from minigpt.config import PRESETS
 from minigpt.estimate import estimate_gpt
@@ -60,6 +68,17 @@ def shape_of(preset: str, batch: int, seq: int) -> dict:
     )
 
 
+class ShapeOnlyMatmuls(TorchDispatchMode):
+    """aten::mm's output without its arithmetic: a zero-filled tensor of the same shape and dtype,
+    allocated where the op would allocate it (the profiler still names aten::mm around it)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default:
+            a, b = args
+            return torch.zeros((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
+        return func(*args, **(kwargs or {}))
+
+
 def measure(
     shape: dict,
     amp_dtype: str = "fp32",
@@ -68,6 +87,7 @@ def measure(
     chunked_loss: bool = False,
     steps: int = 2,
     grad_clip: float = 1.0,
+    shape_only_matmuls: bool = False,
 ) -> MemoryBreakdown:
     """`steps` training steps as the trainer runs them; the last is measured."""
     model = model_of(shape, activation_checkpoint=checkpoint, chunked_loss=chunked_loss)
@@ -84,6 +104,7 @@ def measure(
     )  # as train_minimal.configure_optimizer
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if amp_dtype == "bf16" else nullcontext()
     b, s, V = shape["batch_size"], shape["seq_len"], shape["vocab_size"]
+    matmuls = ShapeOnlyMatmuls if shape_only_matmuls else nullcontext
     cap = None
     for step in range(1, steps + 1):
         cap = capture_memory(model, optimizer, step) if step == steps else nullcontext()
@@ -93,10 +114,11 @@ def measure(
                 with record_function("data_to_device"):
                     x = torch.randint(0, V, (b, s))
                     y = torch.roll(x, -1, 1)
-                with record_function("forward"), autocast:
+                # the mode inside the stage's range: entered outside, it hides the range from the profiler
+                with record_function("forward"), autocast, matmuls():
                     _, loss = model(x, y)  # the caller holds the output until the next forward ends
                     loss = loss / accum
-                with record_function("backward"):
+                with record_function("backward"), matmuls():
                     loss.backward()
                 step_loss += loss.detach()
             with record_function("optimizer_step"):
@@ -106,10 +128,10 @@ def measure(
     return cap.breakdown
 
 
-def cell(preset: str, batch: int, seq: int, amp: str, ckpt: bool, accum: int) -> dict:
+def cell(preset: str, batch: int, seq: int, amp: str, ckpt: bool, accum: int, shape_only: bool) -> dict:
     shape = shape_of(preset, batch, seq)
     t0 = time.perf_counter()
-    b = measure(shape, amp, ckpt, accum)
+    b = measure(shape, amp, ckpt, accum, shape_only_matmuls=shape_only)
     e = estimate_gpt(**shape, amp_dtype=amp, activation_checkpoint=ckpt, grad_accum_steps=accum)
     predicted = e.peak_parts()
     measured = {p: b.peak_part(p) for p in PEAK_PARTS}
@@ -120,6 +142,7 @@ def cell(preset: str, batch: int, seq: int, amp: str, ckpt: bool, accum: int) ->
         "amp": amp,
         "ckpt": ckpt,
         "accum": accum,
+        "matmuls": "shape only" if shape_only else "computed",
         "measured_peak": b.peak,
         "predicted_peak": e.peak,
         "error": (e.peak - b.peak) / b.peak,
@@ -132,8 +155,49 @@ def cell(preset: str, batch: int, seq: int, amp: str, ckpt: bool, accum: int) ->
     }
 
 
+SHAPE_ONLY = " (shape-only matmuls)"
+
+
+def key(r: dict) -> tuple:
+    """A cell's identity: its shape, dtype, checkpointing, accumulation and matmul mode."""
+    return (r["preset"], r["batch"], r["seq"], r["amp"], r["ckpt"], r["accum"], r.get("matmuls", "computed"))
+
+
+def name(r: dict) -> str:
+    return (
+        f"{r['preset']} b{r['batch']} s{r['seq']} {r['amp']}{' ckpt' if r['ckpt'] else ''} accum {r['accum']}"
+    )
+
+
+def shape_only_check(rows: list[dict]) -> list[str]:
+    """Cells measured both ways: the shape-only peak against the computed one."""
+    computed = {key(r)[:-1]: r for r in rows if r.get("matmuls", "computed") == "computed"}
+    pairs = [
+        (computed[key(r)[:-1]], r)
+        for r in rows
+        if r.get("matmuls") == "shape only" and key(r)[:-1] in computed
+    ]
+    if not pairs:
+        return []
+    lines = [
+        "",
+        "Shape-only check: cells measured with aten::mm computed and with its arithmetic skipped "
+        "(`--shape-only-matmuls`); the allocator's peak should not change.",
+        "",
+        "| cell | computed MiB | shape only MiB | difference |",
+        "|---|---|---|---|",
+    ]
+    for c, s in pairs:
+        lines.append(
+            f"| {name(c)} | {c['measured_peak'] / MIB:,.1f} | {s['measured_peak'] / MIB:,.1f} | "
+            f"{100 * (s['measured_peak'] - c['measured_peak']) / c['measured_peak']:+.2f}% |"
+        )
+    return lines
+
+
 def markdown(meta: dict, rows: list[dict]) -> str:
     worst = max(rows, key=lambda r: abs(r["error"]))
+    within = sum(abs(r["error"]) <= TOLERANCE for r in rows)
     lines = [
         *header("Memory estimate vs the measured peak", meta),
         "Each cell: one warm-up step, then one step measured with `capture_memory` (the allocator's peak "
@@ -142,15 +206,14 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "temporaries of the ops (the logits and their gradient among them), and tensors held from before "
         "the step (the caller's last output).",
         "",
-        f"Worst cell: {worst['preset']} b{worst['batch']} s{worst['seq']} {worst['amp']}"
-        f"{' ckpt' if worst['ckpt'] else ''} accum {worst['accum']}: {100 * worst['error']:+.1f}%; "
-        f"{sum(abs(r['error']) <= TOLERANCE for r in rows)} of {len(rows)} cells within "
-        f"{100 * TOLERANCE:.0f}%.",
+        f"Worst cell: {name(worst)}{SHAPE_ONLY if worst.get('matmuls') == 'shape only' else ''}: "
+        f"{100 * worst['error']:+.1f}%; {within} of {len(rows)} cells "
+        f'within {100 * TOLERANCE:.0f}%. Matmuls "shape only": measured with `--shape-only-matmuls` (the '
+        "allocations of every op, aten::mm's arithmetic skipped; see the check below the table).",
         "",
-        "| preset | batch | seq | dtype | ckpt | accum | measured MiB | predicted MiB | error | "
-        "peak in (measured / "
-        "predicted) | " + " | ".join(PEAK_PARTS) + " |",
-        "|---" * (10 + len(PEAK_PARTS)) + "|",
+        "| preset | batch | seq | dtype | ckpt | accum | matmuls | measured MiB | predicted MiB | error | "
+        "peak in (measured / predicted) | " + " | ".join(PEAK_PARTS) + " |",
+        "|---" * (11 + len(PEAK_PARTS)) + "|",
     ]
     for r in rows:
         parts = " | ".join(
@@ -158,15 +221,15 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         )
         lines.append(
             f"| {r['preset']} | {r['batch']} | {r['seq']} | {r['amp']} | {'yes' if r['ckpt'] else 'no'} | "
-            f"{r['accum']} | {r['measured_peak'] / MIB:,.1f} | {r['predicted_peak'] / MIB:,.1f} | "
-            f"{100 * r['error']:+.1f}% | {r['measured_stage']} / {r['predicted_stage']} | {parts} |"
+            f"{r['accum']} | {r.get('matmuls', 'computed')} | {r['measured_peak'] / MIB:,.1f} | "
+            f"{r['predicted_peak'] / MIB:,.1f} | {100 * r['error']:+.1f}% | "
+            f"{r['measured_stage']} / {r['predicted_stage']} | {parts} |"
         )
+    lines += shape_only_check(rows)
     lines += ["", "Where each measured peak happened:", ""]
     for r in rows:
-        lines.append(
-            f"- {r['preset']} b{r['batch']} s{r['seq']} {r['amp']}{' ckpt' if r['ckpt'] else ''} "
-            f"accum {r['accum']}: {r['measured_where']}"
-        )
+        shape_only = SHAPE_ONLY if r.get("matmuls") == "shape only" else ""
+        lines.append(f"- {name(r)}{shape_only}: {r['measured_where']}")
     return "\n".join(lines) + "\n"
 
 
@@ -184,6 +247,11 @@ def main() -> int:
         "--keep",
         action="store_true",
         help="keep the cells of the results file that this run does not measure again",
+    )
+    p.add_argument(
+        "--shape-only-matmuls",
+        action="store_true",
+        help="skip aten::mm's arithmetic, keep its allocation (emulated bf16 on an AVX2 CPU is 80x slower)",
     )
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--render", type=Path, metavar="RESULTS_JSON", help="measure nothing: write the .md again")
@@ -203,13 +271,14 @@ def main() -> int:
     stem = args.out_dir / f"{device_slug(meta['machine'])}-estimate"
     if args.keep and stem.with_suffix(".json").is_file():
         rows = json.loads(stem.with_suffix(".json").read_text())["results"]
-    done = {(r["preset"], r["batch"], r["seq"], r["amp"], r["ckpt"], r["accum"]) for r in rows}
+    done = {key(r) for r in rows}
+    mode = "shape only" if args.shape_only_matmuls else "computed"
     for (preset, batch, seq), amp, ckpt, accum in itertools.product(
         shapes, args.dtypes, [False, True], [1, 2]
     ):
-        if (preset, batch, seq, amp, ckpt, accum) in done:
+        if (preset, batch, seq, amp, ckpt, accum, mode) in done:
             continue
-        rows.append(cell(preset, batch, seq, amp, ckpt, accum))
+        rows.append(cell(preset, batch, seq, amp, ckpt, accum, args.shape_only_matmuls))
         r = rows[-1]
         print(
             f"{preset} b{batch} s{seq} {amp} ckpt={ckpt} accum={accum}: "

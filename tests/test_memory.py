@@ -592,6 +592,32 @@ def test_no_chart_has_an_unnamed_slice(tmp_path):
 
 
 @pytest.mark.parametrize("amp", ["fp32", "bf16"])
+def test_shape_only_matmuls_allocate_what_computed_ones_do(monkeypatch, amp):
+    """benchmarks/estimate_table.py --shape-only-matmuls measures the emulated-bf16 cells this CPU
+    cannot afford: the same step must allocate exactly as much, part by part."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    table = __import__("importlib").import_module("estimate_table")
+    calls = []
+    dispatch = table.ShapeOnlyMatmuls.__torch_dispatch__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        calls.append(func is torch.ops.aten.mm.default)
+        return dispatch(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(table.ShapeOnlyMatmuls, "__torch_dispatch__", counted)
+    computed = table.measure(PEAK_SHAPE, amp)
+    assert not calls
+    shape_only = table.measure(PEAK_SHAPE, amp, shape_only_matmuls=True)
+    assert sum(calls) > 0  # aten::mm was met and skipped
+    assert shape_only.peak == computed.peak
+    # the same bytes in every part (their op names differ: aten::mm's output is made by aten::zeros)
+    assert {p: shape_only.peak_part(p) for p in PEAK_PARTS} == {p: computed.peak_part(p) for p in PEAK_PARTS}
+    assert shape_only.peak_stage == computed.peak_stage
+
+
+@pytest.mark.parametrize("amp", ["fp32", "bf16"])
 @pytest.mark.parametrize("checkpoint", [False, True])
 @pytest.mark.parametrize("accum", [1, 2])
 def test_the_estimate_predicts_the_measured_peak(amp, checkpoint, accum):
