@@ -37,6 +37,7 @@ from common import (
     header,
     load_results,
     machine_line,
+    native_bf16,
     run_variant,
     save_json,
     stamp,
@@ -73,8 +74,8 @@ MATRIX = [
 
 
 def variants(args) -> list[tuple[str, list[str], int]]:
-    """(name, flags, processes) of each variant. --fp32-only drops the AMP rows and runs the
-    variants asked for on top in fp32 (a CPU without native bf16 emulates it, ~80x slower)."""
+    """(name, flags, processes) of each variant. Without the AMP rows (--amp-rows), the variants
+    asked for on top run in fp32 (a CPU without native bf16 emulates it, ~80x slower)."""
     base, flag = ("fp32", "--no-amp") if args.fp32_only else ("amp", "--amp")
     out = [v for v in MATRIX if not (args.fp32_only and "--amp" in v[1])]
     if args.malloc:
@@ -102,6 +103,18 @@ def peak_mib(s: dict) -> float | None:
     return b["total"] / MIB if b else None
 
 
+def measured_peak(results: dict) -> bool:
+    """Whether the results carry the allocator's measured peak (or CUDA's max_memory_allocated),
+    not only the older breakdown sum."""
+    return any(
+        (r.get("breakdown_bytes") or {}).get("peak") or "peak_allocated_gib" in r for r in results.values()
+    )
+
+
+def memory_label(results: dict) -> str:
+    return "peak memory" if measured_peak(results) else "breakdown sum"
+
+
 def activations_mib(s: dict) -> float | None:
     b = s.get("breakdown_bytes")
     return b.get("activations_peak", b.get("activations")) / MIB if b else None
@@ -125,7 +138,7 @@ def findings(results: dict) -> list[str]:
             if act0 and act1:
                 text += f", {100 * (act1 / act0 - 1):+.0f}% activations"
             if pk0 and pk1:
-                text += f", peak memory {pk0:,.0f} -> {pk1:,.0f} MiB"
+                text += f", {memory_label(results)} {pk0:,.0f} -> {pk1:,.0f} MiB"
             lines.append(text)
     matrix = {m[0] for m in MATRIX}
     for name in [n for n in results if n not in matrix]:  # the variants added to the matrix on request
@@ -133,7 +146,8 @@ def findings(results: dict) -> list[str]:
         if base in results:
             text = f"{name}: {tps(name) / tps(base):.2f}x tokens/s against {base}"
             pk0, pk1 = peak_mib(results[base]), peak_mib(results[name])
-            lines.append(text + (f", peak memory {pk0:,.0f} -> {pk1:,.0f} MiB" if pk0 and pk1 else ""))
+            memory = f", {memory_label(results)} {pk0:,.0f} -> {pk1:,.0f} MiB" if pk0 and pk1 else ""
+            lines.append(text + memory)
     for name, r in results.items():  # what minigpt.compare says moved, against the variant's base
         if r.get("compare"):
             lines.append(
@@ -150,11 +164,21 @@ def markdown(meta: dict, results: dict) -> str:
         f"{meta['steps']} measured steps after {meta['warmup']} warm-up steps, {meta['repeats']} fresh "
         "process(es) per variant in interleaved rounds; medians over every "
         "measured step, spread as min-max of the "
-        "repeats' medians.",
+        "repeats' medians."
+        + (
+            " No AMP rows (`--amp-rows` off, the default on a CPU without native bf16, where bf16 is "
+            "emulated and its matmuls run ~80x slower than fp32)."
+            if meta.get("fp32_only")
+            else ""
+        ),
         "",
         "| variant | AMP | tokens/s (median) | spread | vs baseline | MFU | step ms | "
         + " | ".join(f"{s} host / device ms" for s in STAGES)
-        + " | peak MiB | activations MiB (share of peak) |",
+        + (
+            " | peak MiB | activations MiB (share of peak) |"
+            if measured_peak(results)
+            else " | breakdown sum MiB (not the peak) | activations MiB (share of the sum) |"
+        ),
         "|---" * (9 + len(STAGES)) + "|",
     ]
     for name, s in results.items():
@@ -201,14 +225,13 @@ def markdown(meta: dict, results: dict) -> str:
         ]
     if meta.get("extra_flags"):
         lines += ["", f"Flags from $MINIGPT_ARGS, applied to every variant: `{meta['extra_flags']}`"]
-    measured_peak = any((r.get("breakdown_bytes") or {}).get("peak") for r in results.values())
     lines += [
         "",
         "Peak memory: "
         + (
             "the allocator's measured peak of one step (`--memory-profiler`: "
             "`max_memory_allocated` on CUDA, the profiler's memory events on the CPU)."
-            if measured_peak
+            if any((r.get("breakdown_bytes") or {}).get("peak") for r in results.values())
             else "`torch.cuda.max_memory_allocated()` over the measured steps."
             if meta["machine"]["device"] == "cuda"
             else "the measured breakdown's sum (parameters + gradients + optimizer state + saved "
@@ -320,9 +343,11 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3, help="steps before the measured ones (default 3)")
     p.add_argument("--repeats", type=int, default=3, help="fresh processes per variant (default 3)")
     p.add_argument(
-        "--fp32-only",
-        action="store_true",
-        help="no AMP rows; the variants asked for on top run in fp32 (for a CPU without native bf16)",
+        "--amp-rows",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the AMP rows; off: none, and the variants on top run in fp32 (auto: off on a CPU without "
+        "native bf16, where bf16 is emulated and its matmuls run ~80x slower)",
     )
     p.add_argument("--compile", action="store_true", help="add an AMP + torch.compile variant")
     p.add_argument(
@@ -358,8 +383,13 @@ def main() -> int:
             p.error(f"{args.render} is not an ablation results file ({type(e).__name__}: {e})")
         return 0
 
+    meta = stamp(sys.argv)
+    args.fp32_only = args.amp_rows == "off" or (args.amp_rows == "auto" and not native_bf16(meta["machine"]))
+    if args.fp32_only and args.amp_rows == "auto":  # emulated bf16: hours, and no bf16 machine's figure
+        print("ablation.py: this CPU has no native bf16 (AVX512-BF16/AMX): AMP rows left out", flush=True)
     meta = {
-        **stamp(sys.argv),
+        **meta,
+        "fp32_only": args.fp32_only,
         "name": args.name or results_name(args.preset, trainer_flags),
         "preset_flags": PRESETS[args.preset],
         "extra_flags": os.environ.get("MINIGPT_ARGS", ""),

@@ -136,6 +136,11 @@ def run(name: str, steps: int, eval_interval: int) -> dict:
         "tokens_per_s": [r["tokens_per_s"] for r in records[SKIP_STEPS:]],
         "tokens_per_s_e2e": last["step"] * tokens_per_step / last["elapsed_s"],
         "rss_peak_bytes": usage.ru_maxrss * 1024,  # the kernel's count (KiB on Linux)
+        # what the kernel charged the process: CPU seconds (user, system: page faults are system time)
+        # and page faults. Less moved by other jobs on a shared machine than wall-clock tokens/s.
+        "cpu_user_s": usage.ru_utime,
+        "cpu_system_s": usage.ru_stime,
+        "minor_faults": usage.ru_minflt,
         "trainer_rss_peak_bytes": last["memory"]["rss_peak_bytes"],
         "rss_bytes": last["memory"]["rss_bytes"],
     }
@@ -152,16 +157,18 @@ def markdown(meta: dict, results: dict, peak: int) -> str:
         f"rounds. tokens/s: the median of the steps after the first {SKIP_STEPS} (spread: min-max of the "
         "rounds' medians); end to end: steps x tokens over the trainer's elapsed time, evaluations "
         "included (median of the rounds). Peak RSS: the largest over the rounds, as the kernel counted it "
-        "(`os.wait4`), beside the trainer's own figure (its last log line). "
+        "(`os.wait4`), beside the trainer's own figure (its last log line). CPU seconds and page faults: "
+        "what the kernel charged the whole process (`os.wait4`, median of the rounds); they move less than "
+        "tokens/s when other jobs share the machine, and page faults are the cost a kept heap avoids. "
         + ("The machine was shared with other jobs." if meta.get("shared") else ""),
         "",
         f"The allocator's true peak in a training step (torch's own figure, `capture_memory`): "
         f"{peak / MIB:,.0f} MiB. Budget: peak RSS within {RSS_BUDGET}x of it unless that costs more than "
         f"{100 * SPEED_BUDGET:.0f}% of tokens/s.",
         "",
-        f"| variant | how | tokens/s (steps) | spread | vs {base_name} | end to end | peak RSS MiB | "
-        "x true peak | trainer's peak RSS MiB | RSS at end MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| variant | how | tokens/s (steps) | spread | vs {base_name} | end to end | CPU s user + system | "
+        "page faults | peak RSS MiB | x true peak | trainer's peak RSS MiB | RSS at end MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         setting, preload = VARIANTS[name]
@@ -170,6 +177,7 @@ def markdown(meta: dict, results: dict, peak: int) -> str:
         lines.append(
             f"| {name} | {how} | {t['median']:,.0f} | {min(t['repeats']):,.0f}-{max(t['repeats']):,.0f} | "
             f"{t['median'] / base['tokens_per_s']['median']:.2f}x | {r['tokens_per_s_e2e']:,.0f} | "
+            f"{r['cpu_user_s']:,.0f} + {r['cpu_system_s']:,.0f} | {r['minor_faults'] / 1e6:,.2f} M | "
             f"{r['rss_peak_bytes'] / MIB:,.0f} | {r['rss_peak_bytes'] / peak:.2f} | "
             f"{r['trainer_rss_peak_bytes'] / MIB:,.0f} | {r['rss_bytes'] / MIB:,.0f} |"
         )
@@ -241,6 +249,10 @@ def main() -> int:
             },
             "tokens_per_s_e2e": statistics.median(r["tokens_per_s_e2e"] for r in runs),
             "rss_peak_bytes": max(r["rss_peak_bytes"] for r in runs),
+            **{
+                k: statistics.median(r[k] for r in runs)
+                for k in ("cpu_user_s", "cpu_system_s", "minor_faults")
+            },
             "trainer_rss_peak_bytes": max(r["trainer_rss_peak_bytes"] for r in runs),
             "rss_bytes": max(r["rss_bytes"] for r in runs),
             "runs": runs,

@@ -9,6 +9,11 @@ fall on both alike; tokens/s is the median over the measured steps. Then one ste
 measured with minigpt.memory.capture_memory: the allocator's peak, where it happened, and its
 biggest parts. (train_minimal.py's own ablation runs it as `benchmarks/ablation.py --chunked-loss`
 once the trainer passes --chunked-loss to the model.) Writes benchmarks/results/cpu-chunked-loss.*.
+
+--shape-only-matmuls measures the peaks only, aten::mm's arithmetic skipped (estimate_table.py's
+ShapeOnlyMatmuls: the same allocations, tested): a CPU without native bf16 emulates it ~80x slower
+than fp32, so its bf16 tokens/s say nothing of a bf16 machine and a gpt2 step takes many minutes.
+--keep keeps the rows of the results file that this run does not measure again.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from common import RESULTS, ROOT, header, load_results, save_json, stamp
+from common import RESULTS, ROOT, header, keeping, load_results, save_json, stamp
 
 from minigpt.fileio import atomic_write
 
@@ -29,17 +34,34 @@ MIB = 2**20
 CASES = [("small", 8, 256), ("gpt2", 1, 256)]
 
 
-def child(preset: str, batch: int, seq: int, amp: str, steps: int) -> dict:
+def peak_fields(b) -> dict:
+    """A measured step's peak, where it happened and its parts (a MemoryBreakdown)."""
+    temps = sorted(b.peak_parts["temporaries"].items(), key=lambda kv: -kv[1])[:3]
+    return dict(
+        peak=b.peak,
+        peak_where=b.peak_where,
+        parts={p: b.peak_part(p) for p in b.peak_parts},
+        top_temporaries=temps,
+        activations=b.category_total("activations"),
+    )
+
+
+def child(preset: str, batch: int, seq: int, amp: str, steps: int, shape_only: bool) -> dict:
     import torch
 
     from minigpt.cpu import keep_freed_memory
     from minigpt.memory import capture_memory
 
     keep_freed_memory()  # the trainer's default
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from estimate_table import model_of, shape_of
+    from estimate_table import measure, model_of, shape_of  # the child runs as a script in benchmarks/
 
     shape = shape_of(preset, batch, seq)
+    if shape_only:  # peaks only: one model at a time, as the estimate table measures its cells
+        return {
+            name: {"tokens_per_s": [], "loss": None, **peak_fields(b)}
+            for name, chunked in (("plain", False), ("chunked", True))
+            for b in [measure(shape, amp, chunked_loss=chunked, shape_only_matmuls=True)]
+        }
     models = {}
     for name, chunked in (("plain", False), ("chunked", True)):
         model = model_of(shape, chunked_loss=chunked)
@@ -69,15 +91,7 @@ def child(preset: str, batch: int, seq: int, amp: str, steps: int) -> dict:
     for name, (model, opt) in models.items():
         with capture_memory(model, opt) as cap:
             step(name)
-        b = cap.breakdown
-        temps = sorted(b.peak_parts["temporaries"].items(), key=lambda kv: -kv[1])[:3]
-        out[name].update(
-            peak=b.peak,
-            peak_where=b.peak_where,
-            parts={p: b.peak_part(p) for p in b.peak_parts},
-            top_temporaries=temps,
-            activations=b.category_total("activations"),
-        )
+        out[name].update(peak_fields(cap.breakdown))
     return out
 
 
@@ -106,20 +120,28 @@ def markdown(meta: dict, results: list[dict]) -> str:
             v = r[name]
             t = v["tokens_per_s"]
             temps = "; ".join(f"{n} {b / MIB:,.0f}" for n, b in v["top_temporaries"])
+            speed = (
+                f"{statistics.median(t):,.0f} | {min(t):,.0f}-{max(t):,.0f}"
+                if t
+                else "not measured | shape-only matmuls"
+            )
             lines.append(
-                f"| {r['preset']} b{r['batch']} s{r['seq']} | {r['amp']} | {name} | "
-                f"{statistics.median(t):,.0f} | {min(t):,.0f}-{max(t):,.0f} | {own(v) / MIB:,.1f} | "
-                f"{v['peak_where']} | {temps} |"
+                f"| {r['preset']} b{r['batch']} s{r['seq']} | {r['amp']} | {name} | {speed} | "
+                f"{own(v) / MIB:,.1f} | {v['peak_where']} | {temps} |"
             )
     lines += ["", "Effect of the chunked loss (chunked against plain, same row):", ""]
     for r in results:
         p, c = r["plain"], r["chunked"]
-        speed = statistics.median(c["tokens_per_s"]) / statistics.median(p["tokens_per_s"])
-        lines.append(
+        text = (
             f"- {r['preset']} b{r['batch']} s{r['seq']} {r['amp']}: peak {own(p) / MIB:,.0f} -> "
-            f"{own(c) / MIB:,.0f} MiB ({100 * (own(c) / own(p) - 1):+.0f}%), tokens/s "
-            f"{speed:.2f}x, loss {p['loss']:.4f} vs {c['loss']:.4f}"
+            f"{own(c) / MIB:,.0f} MiB ({100 * (own(c) / own(p) - 1):+.0f}%)"
         )
+        if p["tokens_per_s"] and c["tokens_per_s"]:
+            speed = statistics.median(c["tokens_per_s"]) / statistics.median(p["tokens_per_s"])
+            text += f", tokens/s {speed:.2f}x, loss {p['loss']:.4f} vs {c['loss']:.4f}"
+        else:
+            text += " (peaks with shape-only matmuls; tokens/s not measured: emulated bf16)"
+        lines.append(text)
     return "\n".join(lines) + "\n"
 
 
@@ -127,6 +149,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    p.add_argument(
+        "--shape-only-matmuls",
+        action="store_true",
+        help="peaks only, aten::mm's arithmetic skipped (emulated bf16 on an AVX2 CPU is ~80x slower)",
+    )
+    p.add_argument("--keep", action="store_true", help="keep the rows this run does not measure again")
     p.add_argument("--child", nargs=4, metavar=("PRESET", "BATCH", "SEQ", "AMP"), help=argparse.SUPPRESS)
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--render", type=Path, metavar="RESULTS_JSON")
@@ -135,7 +163,7 @@ def main() -> int:
         import json
 
         preset, batch, seq, amp = args.child
-        print(json.dumps(child(preset, int(batch), int(seq), amp, args.steps)))
+        print(json.dumps(child(preset, int(batch), int(seq), amp, args.steps, args.shape_only_matmuls)))
         return 0
     if args.render:
         data = load_results(p, args.render)
@@ -144,8 +172,12 @@ def main() -> int:
     import json
 
     meta = {**stamp(sys.argv), "steps": args.steps}
-    results = []
     stem = args.out_dir / "cpu-chunked-loss"
+    results = []
+    if args.keep and stem.with_suffix(".json").is_file():
+        earlier = json.loads(stem.with_suffix(".json").read_text())
+        results = [r for r in earlier["results"] if r["amp"] not in args.dtypes]
+        meta = keeping(meta, earlier["meta"])
     for amp in args.dtypes:
         for preset, batch, seq in CASES:
             cmd = [
@@ -158,6 +190,7 @@ def main() -> int:
                 amp,
                 "--steps",
                 str(args.steps),
+                *(["--shape-only-matmuls"] if args.shape_only_matmuls else []),
             ]
             done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=7200)
             if done.returncode != 0:

@@ -55,8 +55,14 @@ def machine() -> dict:
             device_name=cpu_name(),
             cores=os.cpu_count(),
             avx512_bf16=bool(torch.cpu._is_avx512_bf16_supported()),
+            amx=bool(torch.cpu._is_amx_tile_supported()),
         )
     return info
+
+
+def native_bf16(m: dict) -> bool:
+    """Whether the machine of a results file runs bf16 natively (a GPU, AVX512-BF16 or AMX)."""
+    return m["device"] != "cpu" or bool(m.get("avx512_bf16") or m.get("amx"))
 
 
 def cpu_name() -> str:
@@ -184,8 +190,9 @@ def stamp(command: list[str]) -> dict:
 
 def machine_line(meta: dict) -> str:
     m = meta["machine"]
+    bf16 = ", ".join(n for k, n in (("avx512_bf16", "AVX512-BF16"), ("amx", "AMX")) if m.get(k))
     where = (
-        f"{m['device_name']} ({m.get('cores')} cores{', AVX512-BF16' if m.get('avx512_bf16') else ''})"
+        f"{m['device_name']} ({m.get('cores')} cores, {bf16 or 'no native bf16'})"
         if m["device"] == "cpu"
         else f"{m['device_name']} (CUDA {m['cuda']})"
     )
@@ -193,8 +200,18 @@ def machine_line(meta: dict) -> str:
 
 
 def header(title: str, meta: dict) -> list[str]:
-    """The opening lines of every results table: what, on which machine, by which command."""
-    return [f"# {title}", "", f"Machine: {machine_line(meta)}", "", f"Command: `{meta['command']}`", ""]
+    """The opening lines of every results table: what, on which machine, by which command (and
+    the earlier runs whose rows a --keep run kept)."""
+    lines = [f"# {title}", "", f"Machine: {machine_line(meta)}", "", f"Command: `{meta['command']}`", ""]
+    for m in meta.get("earlier", []):
+        lines += [f"Rows kept from an earlier run: `{m['command']}` ({machine_line(m)})", ""]
+    return lines
+
+
+def keeping(meta: dict, earlier: dict) -> dict:
+    """This run's meta, naming the earlier run (and those it kept) whose rows are kept beside its own."""
+    before = [*earlier.get("earlier", []), {k: v for k, v in earlier.items() if k != "earlier"}]
+    return {**meta, "earlier": [m for m in before if m.get("command") != meta["command"]]}
 
 
 def save_json(stem: Path, data: dict) -> None:

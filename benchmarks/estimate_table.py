@@ -30,7 +30,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from common import RESULTS, device_slug, header, load_results, save_json, stamp
+from common import RESULTS, device_slug, header, keeping, load_results, save_json, stamp
 from torch.autograd.profiler import record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -270,7 +270,8 @@ def main() -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"{device_slug(meta['machine'])}-estimate"
     if args.keep and stem.with_suffix(".json").is_file():
-        rows = json.loads(stem.with_suffix(".json").read_text())["results"]
+        earlier = json.loads(stem.with_suffix(".json").read_text())
+        rows, meta = earlier["results"], keeping(meta, earlier["meta"])
     done = {key(r) for r in rows}
     mode = "shape only" if args.shape_only_matmuls else "computed"
     for (preset, batch, seq), amp, ckpt, accum in itertools.product(
