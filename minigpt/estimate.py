@@ -199,9 +199,12 @@ def estimate_gpt(
     moments = {}
     if chunked_loss:
         rows = min(bs, max(1, loss_chunk_elements // V))
-        # one chunk: its fp32 logits (then probabilities), the weight's chunk gradient, and under
-        # autocast the low-precision copies of the weight and of the chunk's gradient
-        chunk = 4 * rows * V + E + (p * V * h + p * rows * V if amp else 0)
+        # Inside a chunk the previous chunk's weight gradient (E) is still held (by the loop's
+        # variables) beside the accumulator. Two moments: logsumexp, with the fp32 logits and its
+        # own shifted copy of them (2 x 4.rows.V); and the weight-gradient matmul, with the
+        # probabilities (in the logits' memory), the new chunk gradient (E) and, under autocast,
+        # the low-precision copies of the weight and of the probabilities.
+        chunk = max(8 * rows * V + E, 4 * rows * V + 2 * E + (p * V * h + p * rows * V if amp else 0))
         moments["loss forward (a chunk)"] = moment(activations=acts, temporaries=chunk)
     else:
         # LogSoftmaxBackward: the logits the caller holds, the saved log-probabilities (in acts), the
