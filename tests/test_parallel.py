@@ -15,11 +15,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, TINY
 
 from minigpt.config import UsageError
 from minigpt.estimate import estimate_gpt
 from minigpt.parallel import check_plan, per_rank_estimate, worker_name
+from minigpt.stages import STAGE_NAMES
 
 PROBE = ROOT / "tests" / "parallel_probe.py"
 SHAPE = ["--shape", "2,4,64,256,128", "--seq", "32", "--batch", "8"]  # layers, heads, d_model, d_ff, vocab
@@ -430,3 +431,56 @@ def test_trainer_end_to_end_under_fsdp_and_tp(tmp_path, flags, worker):
     result = train("--num-steps", "8", "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Resumed from" in (out / "train.log").read_text()
+
+
+@pytest.mark.ddp
+@pytest.mark.parametrize("flags", [["--fsdp"], ["--tp", "2"]])
+def test_log_line_and_metrics_carry_each_stages_time_in_collectives(tmp_path, flags):
+    """Under FSDP and TP the collectives run inside the forward, the backward and the optimizer step
+    (clipping's all-reduce): one profiled step per log interval gives each stage its time in them."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += [str(ROOT / "train_minimal.py"), *TINY, "--num-steps", "4", "--log-interval", "1"]
+    result = subprocess.run(
+        [*cmd, *flags, "--out-dir", str(out), "--no-report", "--no-checkpoint"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "USDT" not in result.stdout + result.stderr  # Kineto's start/stop lines kept out of the log
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["stage_comm_ms"] == {} and rows[0]["comm_step"] is None  # step 1: one-time costs
+    log = (out / "train.log").read_text()
+    for row in rows[1:]:  # every interval is one step: its own step is profiled
+        comm, host = row["stage_comm_ms"], row["stage_host_ms"]
+        assert row["comm_step"] == row["step"] and list(comm) == list(STAGE_NAMES)
+        assert comm["forward"] > 0 and comm["backward"] > 0 and comm["optimizer_step"] > 0
+        for stage, ms in comm.items():  # a part of the stage (the profiler's range holds the clock's)
+            assert ms <= host[stage] * 1.01 + 0.05, (stage, ms, host[stage])
+        assert f"waiting on collectives ms (step {row['step']}) h2d 0.0 fwd {comm['forward']:.1f}" in log
+
+
+def test_one_step_per_interval_is_profiled_for_collectives_and_never_under_another_profiler():
+    from minigpt.instrument import CommProbe
+
+    cfg = SimpleNamespace(
+        use_profiler=True,
+        profile_step_start=5,
+        profile_step_end=7,
+        memory_profiler=True,
+        memory_profile_step=8,
+    )
+    probe, started = CommProbe(cfg), []
+    for n in range(1, 13):
+        if probe.start(n, first_step=1):
+            started.append(n)
+            probe.stop(n)
+        if n % 3 == 0:  # a log interval of 3 steps
+            probe.take()
+    # 1: the run's first step; 4-6: the window and its warm-up step; 8: the memory step
+    assert started == [2, 7, 10]
+    probe.take()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert not probe.start(20, first_step=1)  # a profiler of someone else's: none nested in it
