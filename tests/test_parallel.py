@@ -291,6 +291,25 @@ def test_fsdp_2_matches_ddp_2(tmp_path_factory):
 
 @pytest.mark.ddp
 @pytest.mark.slow
+def test_fsdp_memory_breakdown_names_gathered_weights_and_sharded_gradients(tmp_path_factory):
+    """minigpt.memory's own capture under FSDP 2: the gradients are the reduce-scattered shards
+    (half of DDP's), the weights FSDP gathers for a block are parameters, not activations (so the
+    activations are DDP's, the per-rank batch being the same), and the peak's parts add up to it."""
+    ddp, fsdp = run_plan(tmp_path_factory, 2), run_plan(tmp_path_factory, 2, "--fsdp")
+    for d, f in zip(ddp["ranks"], fsdp["ranks"]):
+        assert f["state_bytes"]["grads"] == f["local_grads"] > 0
+        assert f["state_bytes"]["grads"] * 2 == pytest.approx(d["state_bytes"]["grads"], rel=0.01)
+        assert f["state_bytes"]["activations"] == d["state_bytes"]["activations"]
+        parts = {p: sum(names.values()) for p, names in f["peak_parts"].items()}
+        assert abs(sum(parts.values()) - f["peak"]) <= 0.02 * f["peak"]
+        assert abs(f["peak"] - f["start_bytes"] - f["allocator_peak_delta"]) <= 0.02 * f["peak"]
+        gathered = sum(v for k, v in f["peak_parts"]["params"].items() if "gathered by FSDP" in k)
+        assert gathered > 0 and parts["params"] == f["state_bytes"]["params"] + gathered
+        assert all("FSDP" not in name for name in f["peak_parts"]["temporaries"])  # all of FSDP's named
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
 def test_fsdp_x_tp_2_by_2_on_4_processes(tmp_path_factory):
     single, two_d = run_plan(tmp_path_factory, 1), run_plan(tmp_path_factory, 4, "--fsdp", "--tp", "2")
     assert rel(two_d["losses"], single["losses"]) < 1e-4
