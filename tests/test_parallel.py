@@ -453,6 +453,7 @@ def test_trainer_end_to_end_under_fsdp_and_tp(tmp_path, flags, worker):
 
 
 @pytest.mark.ddp
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [["--fsdp"], ["--tp", "2"]])
 def test_log_line_and_metrics_carry_each_stages_time_in_collectives(tmp_path, flags):
     """Under FSDP and TP the collectives run inside the forward, the backward and the optimizer step
