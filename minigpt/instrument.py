@@ -285,7 +285,7 @@ class CommProbe:
     forward and the backward, issued from inside torch; their record_function ranges ("FSDP::
     all_gather (blocks.0)", "_c10d_functional::wait_tensor", ...) are the one place they can be seen
     without patching torch. A CPU-only torch.profiler (no shapes, memory, stacks or device activity)
-    is the cheapest reader of those ranges; minigpt.parallel.stage_comm_ms takes, per stage, the
+    is the cheapest reader of those ranges; minigpt.parallel.comm_by_stage takes, per stage, the
     union of the collective ranges on the training thread inside it. On a GPU that is the host's
     time issuing and waiting for collectives; the device's overlap is in the trace (minigpt.traces).
 
@@ -318,12 +318,12 @@ class CommProbe:
 
     def stop(self, n: int) -> None:
         """Stop the profiler and keep step `n`'s figure."""
-        from minigpt.parallel import stage_comm_ms
+        from minigpt.parallel import comm_by_stage, kineto_spans
 
         prof, self.prof = self.prof, None
         with quiet_stderr():
             prof.__exit__(None, None, None)
-        ms = stage_comm_ms(prof.events(), stages.STAGE_NAMES)
+        ms = comm_by_stage(kineto_spans(prof), stages.STAGE_NAMES)
         self.figure = (n, {s: ms[s] for s in stages.STAGE_NAMES if s in ms})
 
     def take(self) -> tuple[int, dict[str, float]] | None:

@@ -504,3 +504,21 @@ def test_one_step_per_interval_is_profiled_for_collectives_and_never_under_anoth
     probe.take()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         assert not probe.start(20, first_step=1)  # a profiler of someone else's: none nested in it
+
+
+def test_the_raw_kineto_reader_agrees_with_the_profilers_events():
+    """CommProbe reads the profiler's raw results (faster); the figure must be prof.events()'s."""
+    import time
+
+    from torch.autograd.profiler import record_function
+
+    from minigpt.parallel import comm_by_stage, kineto_spans, stage_comm_ms
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with record_function("forward"):
+            torch.ones(100) @ torch.ones(100)
+            with record_function("c10d::allreduce_"):  # a stand-in collective of about 5 ms
+                time.sleep(0.005)
+    raw, parsed = comm_by_stage(kineto_spans(prof), STAGE_NAMES), stage_comm_ms(prof.events(), STAGE_NAMES)
+    assert raw.keys() == parsed.keys() and 4.5 < raw["forward"] < 50
+    assert all(abs(raw[k] - parsed[k]) < 0.01 for k in raw)
