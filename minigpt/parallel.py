@@ -541,7 +541,7 @@ if __name__ == "__main__":
 # Profiler ranges that are communication: c10d and functional collectives, their waits, gloo's own
 # ranges, and FSDP2's gather / reduce ranges (which include its copy-in and copy-out).
 COMM_PATTERN = re.compile(
-    r"all_gather|allgather|reduce_scatter|post_backward_reduce|all_reduce|allreduce|"
+    r"all_gather|allgather|reduce_scatter|post_backward_reduce|rs_wait|all_reduce|allreduce|"
     r"wait_tensor|broadcast|gloo:",
     re.IGNORECASE,
 )
