@@ -455,18 +455,19 @@ class Throughput:
         val: float | None,
         step_times: list[float],
         stages,
+        comm: tuple[int, dict[str, float]] | None,
         train_tokens: int | None,
         amp: str,
     ) -> StepRecord:
+        """`comm`: under FSDP/TP, (the profiled step, its ms in collectives per stage) from
+        Instruments.take_comm; under DDP the backward's wait for the all-reduce is split off instead."""
         step_time = sum(step_times) / len(step_times)
         per_rank = self.tokens_per_step / step_time
         elapsed = time.perf_counter() - self.t_start
         e2e = self.world_size * self.tokens_per_step * (step - self.start_step) / elapsed
-        comm = (
-            {"backward": stages.host_ms["backward"] - stages.host_ms["backward_compute"]}
-            if "backward_compute" in stages.host_ms
-            else {}
-        )
+        comm_step, comm_ms = comm or (None, {})
+        if "backward_compute" in stages.host_ms:  # DDP: every step's wait, averaged like the stages
+            comm_ms = {"backward": stages.host_ms["backward"] - stages.host_ms["backward_compute"]}
         return StepRecord(
             step=step,
             num_steps=cfg.num_steps,
@@ -487,7 +488,8 @@ class Throughput:
             achieved_tflops=achieved_tflops(self.flops_per_token, per_rank),
             stage_host_ms=stages.host_ms,
             stage_device_ms=stages.device_ms,
-            stage_comm_ms=comm,
+            stage_comm_ms=comm_ms,
+            comm_step=comm_step,
             memory=cuda_memory_report() if self.device == "cuda" else process_memory(),
         )
 
@@ -755,7 +757,9 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
     data = load_data(cfg, plan.dp_rank, pin=device == "cuda")  # the ranks of a tp group share batches
     sleep_ms = {slow.stage: slow.ms} if slow and slow.rank == rank else None  # --simulate-slow-rank
     profiled = ranks is None or rank in ranks  # this rank takes part in --use-profiler, --nsys, ...
-    inst = Instruments(cfg, device, rank, world_size, profiled, out_dir, plan.worker, sleep_ms=sleep_ms)
+    inst = Instruments(
+        cfg, device, rank, world_size, profiled, out_dir, plan.worker, sleep_ms=sleep_ms, comm=plan.sharded
+    )
     if cfg.memory_snapshot_path and inst.memory_history:
         probe_writable(inst.snapshot_path, "--memory-snapshot-path")
     model = GPT(model_config(cfg, data.vocab_size)).to(device)
@@ -834,7 +838,16 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
                     val = evaluate(model, data.make_val(), cfg.eval_iters, device, autocast)
                 step_times, stages = inst.interval()
                 record = rate.record(
-                    cfg, step, values, lr, val, step_times, stages, data.train_tokens, amp_dtype
+                    cfg,
+                    step,
+                    values,
+                    lr,
+                    val,
+                    step_times,
+                    stages,
+                    inst.take_comm(),
+                    data.train_tokens,
+                    amp_dtype,
                 )
                 record.memory_breakdown = inst.take_memory_breakdown()
                 log.info(format_log_line(record))

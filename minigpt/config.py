@@ -334,6 +334,14 @@ class TrainConfig:
         action="store_false",
         help="stop timing the stages (their profiler/NVTX ranges stay): for overhead measurements",
     )
+    comm_profile: bool = flag(
+        True,
+        group=INSTR,
+        name="--no-comm-profile",
+        action="store_false",
+        help="under --fsdp/--tp: do not profile one step per log interval for the stages' time in "
+        "collectives (the log line's 'waiting on collectives')",
+    )
     use_profiler: bool = flag(
         False,
         group=INSTR,

@@ -19,8 +19,10 @@ any training step.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import statistics
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -255,6 +257,81 @@ def has_device_kernels(prof: torch.profiler.profile) -> bool:
     return any(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
 
 
+# ---------------------------------------------------------------------------- time in collectives
+
+
+@contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 to /dev/null: Kineto prints "USDT: ... profiler_start" and "profiler_stop"
+    from C++ each time a profiler starts and stops (torch 2.13, no setting turns it off), which
+    would put two lines per rank into the log at every interval. Only around the start and stop."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+class CommProbe:
+    """Each stage's time in collectives under FSDP and TP, from one profiled step per log interval.
+
+    Why a profiled step: under DDP the all-reduce sits at the end of the backward, and a mark where
+    the last gradient bucket is ready splits it off (StageTimer.add_split). FSDP2's all-gathers,
+    reduce-scatters and waits, and DTensor's all-reduces, are spread through every block of the
+    forward and the backward, issued from inside torch; their record_function ranges ("FSDP::
+    all_gather (blocks.0)", "_c10d_functional::wait_tensor", ...) are the one place they can be seen
+    without patching torch. A CPU-only torch.profiler (no shapes, memory, stacks or device activity)
+    is the cheapest reader of those ranges; minigpt.parallel.comm_by_stage takes, per stage, the
+    union of the collective ranges on the training thread inside it. On a GPU that is the host's
+    time issuing and waiting for collectives; the device's overlap is in the trace (minigpt.traces).
+
+    The cost is kept small: one step of each interval (the first eligible one), the profiler started
+    and stopped outside that step's clock, its events read after it. Eligible: not the run's first
+    step (one-time costs: lazy initialisation, first allocations), and no other profiler in the step
+    (two cannot record at once): not in --use-profiler's window or its warm-up step, not the
+    --memory-profiler step. Every rank profiles the same step, so no rank waits on another's
+    profiler. The log line says which step the figure is from."""
+
+    def __init__(self, cfg):
+        self.window = (
+            range(cfg.profile_step_start - 1, cfg.profile_step_end) if cfg.use_profiler else range(0)
+        )
+        self.memory_step = cfg.memory_profile_step if cfg.memory_profiler else None
+        self.due = True  # no step of this interval profiled yet
+        self.figure: tuple[int, dict[str, float]] | None = None
+        self.prof: torch.profiler.profile | None = None
+
+    def start(self, n: int, first_step: int) -> bool:
+        """Start profiling step `n` if it is the interval's profiled step; say whether it is."""
+        busy = n in self.window or n == self.memory_step or torch.autograd.profiler._is_profiler_enabled
+        if not self.due or n == first_step or busy:
+            return False
+        self.due = False
+        self.prof = torch.profiler.profile(activities=[ProfilerActivity.CPU])
+        with quiet_stderr():
+            self.prof.__enter__()
+        return True
+
+    def stop(self, n: int) -> None:
+        """Stop the profiler and keep step `n`'s figure."""
+        from minigpt.parallel import comm_by_stage, kineto_spans
+
+        prof, self.prof = self.prof, None
+        with quiet_stderr():
+            prof.__exit__(None, None, None)
+        ms = comm_by_stage(kineto_spans(prof), stages.STAGE_NAMES)
+        self.figure = (n, {s: ms[s] for s in stages.STAGE_NAMES if s in ms})
+
+    def take(self) -> tuple[int, dict[str, float]] | None:
+        """The interval's figure, once; the next interval profiles a step of its own."""
+        figure, self.figure, self.due = self.figure, None, True
+        return figure
+
+
 # ---------------------------------------------------------------------------- Nsight Systems
 
 
@@ -386,7 +463,10 @@ class Instruments:
         worker: str,
         log: logging.Logger | None = None,
         sleep_ms: dict[str, float] | None = None,
+        comm: bool = False,
     ):
+        """`comm`: the step's collectives are issued by the model itself (FSDP, TP), not by a DDP
+        wrapper whose backward can be split: profile one step per log interval for them (CommProbe)."""
         self.cfg, self.device, self.rank, self.world_size = cfg, device, rank, world_size
         self.out_dir, self.worker, self.log = out_dir, worker, log or logging.getLogger("minigpt")
         self.profiled = profiled  # this rank takes part in --use-profiler / --nsys / memory history
@@ -407,6 +487,7 @@ class Instruments:
         self.memory_step: int | None = None
         self.memory_breakdown: dict | None = None  # the measured step's record, for the next log line
         self._rss_before_window: int | None = None
+        self.comm = CommProbe(cfg) if comm and cfg.comm_profile and cfg.stage_timing else None
         self.progress = Progress(None, False)  # the bar between log lines: made when the loop starts
         self._exit = ExitStack()
 
@@ -463,12 +544,17 @@ class Instruments:
             self.nsys.before_step(n)
         measured = n == self.memory_step
         capture = self._capture() if measured else nullcontext()
-        t0 = time.perf_counter()
-        with capture as cap, self.timer.step():
-            yield
-        if sync and self.device == "cuda":
-            torch.cuda.synchronize()  # the step's time must include the work still queued
-        self.step_times[n] = time.perf_counter() - t0
+        probed = self.comm is not None and self.comm.start(n, self.first_step)  # outside the step's clock
+        try:
+            t0 = time.perf_counter()
+            with capture as cap, self.timer.step():
+                yield
+            if sync and self.device == "cuda":
+                torch.cuda.synchronize()  # the step's time must include the work still queued
+            self.step_times[n] = time.perf_counter() - t0
+        finally:
+            if probed:
+                self.comm.stop(n)
         self._interval.append(self.step_times[n])
         self.progress.update()
         # After the clock, outside the ProfilerStep range: writing a trace, snapshot or chart is not training.
@@ -557,6 +643,11 @@ class Instruments:
             f"{format_breakdown(breakdown, self.memory_estimate)}\n  memory.log and sunburst charts: {folder}"
         )
         self.memory_breakdown = breakdown.to_record(self.memory_estimate)
+
+    def take_comm(self) -> tuple[int, dict[str, float]] | None:
+        """(the profiled step, its ms in collectives per stage) of the interval, once; None when no
+        step of it was profiled (or no CommProbe)."""
+        return self.comm.take() if self.comm else None
 
     def take_memory_breakdown(self) -> dict | None:
         """The measured step's figures once, for the first log line after it."""

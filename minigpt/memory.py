@@ -11,7 +11,9 @@ Measuring (model-agnostic: any nn.Module and optimizer). Wrap one whole training
 
 - parameters: every parameter of the model, once (a tied weight is one tensor);
 - gradients: the real `.grad` tensors, read when autograd accumulates them (a hook per parameter),
-  because the step ends with zero_grad(set_to_none=True);
+  because the step ends with zero_grad(set_to_none=True), and, for any the hooks missed (a gradient
+  assigned rather than accumulated), read from `.grad` as the optimizer step begins (a step
+  pre-hook). Under FSDP2 they are the reduce-scattered shards, one storage per block;
 - optimizer state: the tensors in `optimizer.state`, read after the step (they exist from the
   first step on);
 - activations: the tensors autograd saves for backward, seen through
@@ -20,7 +22,11 @@ Measuring (model-agnostic: any nn.Module and optimizer). Wrap one whole training
 
 Every figure counts storages, not tensors: a storage is counted once however many views of it are
 saved (q, k and v are three views of one qkv output), and a saved tensor whose storage is a
-parameter's (a weight saved by a matmul) counts as a parameter, not as an activation. The live
+parameter's (a weight saved by a matmul) counts as a parameter, not as an activation. Sharded
+models (FSDP2, tensor parallelism) count each DTensor's local shard; the full weights FSDP2
+all-gathers for a block's forward are parameters too ("gathered"), never activations, and at the
+peak its all-gather buffers are named as gathered parameters, its reduce-scatter buffer and the
+unsharded gradients as gradients. The live
 total of saved bytes is kept as tensors are saved and released, and its highest value is the
 activation peak; under non-reentrant activation checkpointing the forward saves only each block's
 input (the block's insides are recomputed during backward, under the checkpoint's own hooks).
@@ -285,8 +291,10 @@ class MemoryCapture:
     # -- saved tensors
     def _pack(self, t: torch.Tensor):
         key, nbytes = _storage_key_and_bytes(t)
-        if key in self._param_keys:
-            return t  # a parameter saved for backward (fp32 weights of a matmul): counted as a parameter
+        if key in self._param_keys or key in self._own_keys.get(self._stack[-1], ()):
+            # a parameter saved for backward (the weights of a matmul), or the copy FSDP2 gathered of
+            # one for the running module's forward: counted as a parameter, not an activation
+            return t
         with self._lock:
             if self._refs[key] == 0:
                 self._live += nbytes
@@ -332,6 +340,8 @@ class MemoryCapture:
             self._params[name] = 0 if key in seen else nbytes
             seen.add(key)
         self._grads: dict[str, tuple[tuple, int]] = {}
+        self._own_keys: dict[str, set] = {}  # module -> the storages of its own parameters as it runs
+        self._hooked: set[int] = set()  # gathered (unsharded) parameters whose gradient is watched
         self._refs: dict[tuple, int] = defaultdict(int)
         self._live_bytes: dict[tuple, int] = {}
         self._live = self._peak = 0
@@ -376,6 +386,8 @@ class MemoryCapture:
             for name, p in params.items():
                 if p.requires_grad:
                     self._exit.callback(p.register_post_accumulate_grad_hook(self._grad_hook(name)).remove)
+            if self.optimizer is not None:  # gradients that came without AccumulateGrad (see _before_step)
+                self._exit.callback(self.optimizer.register_step_pre_hook(self._before_step).remove)
             self._exit.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
         except BaseException:
             self._exit.close()
@@ -452,6 +464,7 @@ class MemoryCapture:
     def _enter_module(self, name: str):
         def hook(module, args):
             self._stack.append(name)
+            self._own_keys[name] = self._gathered(name, module)
             if self._profiling and name:
                 enter = torch.ops.profiler._record_function_enter_new
                 self._ranges.append(enter(f"{_MARK}module:{name}", None))
@@ -469,15 +482,44 @@ class MemoryCapture:
 
         return hook
 
-    def _grad_hook(self, name: str):
+    def _gathered(self, name: str, module: nn.Module) -> set:
+        """The storages of `module`'s own parameters as its forward starts. Under FSDP2 these are
+        not the sharded parameters seen on entering but the full copies its pre-forward hook (which
+        runs before this one) all-gathered: a matmul that saves its weight then saves a parameter,
+        not an activation. Their gradients (autograd's, before FSDP2 reduce-scatters them into
+        the shards) are watched too, to name them at the peak."""
+        keys = set()
+        for pname, p in module.named_parameters(recurse=False):
+            key = _storage_key_and_bytes(p)[0]
+            keys.add(key)
+            if key not in self._param_keys and p.requires_grad and id(p) not in self._hooked:
+                self._hooked.add(id(p))
+                full = f"{name}.{pname}" if name else pname
+                hook = self._grad_hook(full, unsharded=True)
+                self._exit.callback(p.register_post_accumulate_grad_hook(hook).remove)
+        return keys
+
+    def _grad_hook(self, name: str, unsharded: bool = False):
         def hook(p: torch.Tensor) -> None:
-            if p.grad is not None:
-                self._grads[name] = _storage_key_and_bytes(p.grad)
-                if self._profiling:
-                    self._marks.append(("grad", self._grads[name][0][2], 0, name, ""))
-                    _mark(f"{_MARK}{len(self._marks) - 1}")
+            if p.grad is None:
+                return
+            key_bytes = _storage_key_and_bytes(p.grad)
+            if not unsharded:
+                self._grads[name] = key_bytes
+            if self._profiling:
+                label = f"{name} (unsharded before the reduce-scatter)" if unsharded else name
+                self._marks.append(("grad", key_bytes[0][2], 0, label, ""))
+                _mark(f"{_MARK}{len(self._marks) - 1}")
 
         return hook
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        """The gradients the optimizer is about to use, read from `.grad`, for any parameter whose
+        gradient no AccumulateGrad hook reported (a gradient assigned directly, as FSDP2 does with
+        the reduce-scattered shard; torch 2.13 calls the hooks for it, other versions need not)."""
+        for name, p in self.model.named_parameters():
+            if p.grad is not None and name not in self._grads:
+                self._grad_hook(name)(p)
 
     def _stop_profiler(self):
         if self._prof is not None:
@@ -565,6 +607,9 @@ def capture_memory(
 
 # Ranges that are not ops: the profiler's step, the loop's step range (stages are matched apart).
 _RANGES = ("ProfilerStep", "train_step", "backward_compute", "##")
+# FSDP2's record_function ranges (torch.distributed.fsdp._fully_shard) around its all-gather (with
+# its copy-out into the full parameters) and around its gradient reduction (the reduce-scatter).
+_FSDP_RANGES = ("FSDP::all_gather", "FSDP::post_backward_reduce")
 
 
 @dataclass
@@ -583,6 +628,19 @@ class _Where:
     node: str  # the autograd node in backward ("MmBackward0"), else ""
     outer: str  # the outermost aten op under the module ("aten::linear"), else ""
     inner: str  # the innermost ("aten::mm")
+    fsdp: str = ""  # inside FSDP2's all-gather ("gather") or gradient reduction ("reduce"), else ""
+    fsdp_unit: str = ""  # the module FSDP2 gathers or reduces for ("blocks.1"; "" for the root)
+
+    def fsdp_part(self) -> tuple[str, str] | None:
+        """(part, name) at the peak for memory FSDP2 allocates: the all-gather's buffers and the full
+        parameters copied out of them are parameters (gathered), the reduce-scatter's input buffer
+        gradients; None elsewhere."""
+        unit = self.fsdp_unit or "the root module"  # no commas: memory.log's rows are comma-separated
+        if self.fsdp == "gather":
+            return "params", f"{unit} (gathered by FSDP)"
+        if self.fsdp == "reduce":
+            return "grads", f"{unit} (FSDP reduce-scatter input)"
+        return None
 
     def is_loss(self) -> bool:
         return not self.module and any(k in f"{self.outer} {self.inner} {self.node}" for k in LOSS_OPS)
@@ -641,6 +699,9 @@ def _timeline(prof, device: str) -> _Timeline:
                 return
         elif name in STAGE_NAMES:
             ctx["stage"] = name
+        elif name.startswith(_FSDP_RANGES):  # "FSDP::all_gather (blocks.1)": FSDP2's own memory
+            ctx["fsdp"] = "gather" if name.startswith(_FSDP_RANGES[0]) else "reduce"
+            ctx["fsdp_unit"] = name.partition(" (")[2].removesuffix(")")
         elif name.startswith("autograd::engine::evaluate_function: "):
             ctx["node"] = name.split(": ", 1)[1]
             ctx["module"] = seq_module.get(seq, "")
@@ -675,6 +736,8 @@ def _where(ctx: dict) -> _Where:
         ctx.get("node", ""),
         ctx.get("outer", ""),
         ctx.get("inner", ctx.get("outer", "")),
+        ctx.get("fsdp", ""),
+        ctx.get("fsdp_unit", ""),
     )
 
 
@@ -768,6 +831,8 @@ def _replay(
             parts["grads"][grad_ptrs[ptr]] += nbytes
         elif ptr in optimizer_ptrs:
             parts["optimizer"][optimizer_ptrs[ptr]] += nbytes
+        elif fsdp := where.fsdp_part():
+            parts[fsdp[0]][fsdp[1]] += nbytes
         else:
             parts["temporaries"][where.describe()] += nbytes
     b.peak = peak

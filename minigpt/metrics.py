@@ -75,6 +75,9 @@ class StepRecord:
     stage_host_ms: dict[str, float] = field(default_factory=dict)  # stage -> mean host ms per step
     stage_device_ms: dict[str, float] = field(default_factory=dict)  # stage -> mean device ms per step
     stage_comm_ms: dict[str, float] = field(default_factory=dict)  # stage -> of it, ms waiting on collectives
+    # The step stage_comm_ms was measured in, under FSDP/TP (one profiled step per interval); None
+    # under DDP, whose figure is the interval's mean like the stages'.
+    comm_step: int | None = None
     # CUDA: peak_allocated_gib, peak_reserved_gib, alloc_retries, ooms (per interval);
     # CPU: rss_bytes and rss_peak_bytes (the process, as the machine sees it)
     memory: dict[str, float] = field(default_factory=dict)
@@ -105,8 +108,10 @@ def format_log_line(m: StepRecord) -> str:
             for k, v in m.stage_host_ms.items()
         )
     if m.stage_comm_ms:
-        line += " | waiting on collectives ms " + " ".join(
-            f"{label(k)} {v:.1f}" for k, v in m.stage_comm_ms.items()
+        line += (
+            " | waiting on collectives ms "
+            + (f"(step {m.comm_step}) " if m.comm_step else "")
+            + " ".join(f"{label(k)} {v:.1f}" for k, v in m.stage_comm_ms.items())
         )
     mem = m.memory
     if "peak_allocated_gib" in mem:

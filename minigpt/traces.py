@@ -19,7 +19,9 @@ files that are not traces are listed as skipped. For every profiled step (the pr
                     process waited). Collectives are c10d ops (`c10d::allreduce_`), functional
                     collectives (`_c10d_functional::all_reduce`, `wait_tensor`), backend ranges
                     (`gloo:all_reduce`, `nccl:all_reduce`, ...), `record_param_comms`,
-                    `ProcessGroup...` names and `collective_comm` events. Under DDP with gloo
+                    `ProcessGroup...` names, `collective_comm` events, and FSDP2's ranges
+                    around its all-gather and gradient reduction (`FSDP::all_gather (blocks.0)`,
+                    `FSDP::post_backward_reduce (...)`), inside which the thread waits. Under DDP with gloo
                     (torch 2.13) the main thread records `c10d::allreduce_` when a bucket is ready,
                     gloo's own thread records `gloo:all_reduce` for the collective itself, and the
                     main thread waits at the end of `backward`, printed as
@@ -155,8 +157,12 @@ KNOWN_CATS = RANGE_CATS | OP_CATS | LAUNCH_CATS | DEVICE_CATS | COMM_CATS | OTHE
 EPS_US = 1e-3  # timestamps are floats in microseconds; tolerate rounding at range edges
 
 # Collectives: on the host by operator name, on the device by kernel name (see the docstring).
+# FSDP2's ranges around its all-gather (and copy-out) and its gradient reduction count as collectives:
+# on the CPU the training thread waits for gloo inside them, and since the reduction runs in an
+# autograd node (RegisterPostBackwardFunctionBackward), that wait would otherwise count as compute.
 COMM_OP = re.compile(
     r"^(?:c10d::|_?c10d_functional::|gloo:|nccl:|rccl:|xccl:|mpi:|ucc:|hccl:)"
+    r"|^FSDP::(?:all_gather|post_backward_reduce|post_backward_rs_wait)"
     r"|record_param_comms|ProcessGroup"
 )
 COMM_KERNEL = re.compile(r"(?:nccl|msccl)\w*kernel|rccl", re.I)

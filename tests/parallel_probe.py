@@ -125,51 +125,22 @@ for step in range(first, first + args.steps):
 if args.save:
     save_sharded(args.save, model, optimizer, {"step": first + args.steps})
 
-# One more step, measured (not in the losses): the local bytes of parameters, gradients (after
-# backward) and AdamW state, and the saved activations through minigpt.memory, with the two
-# changes it needs for sharded models (see _dtensor_aware below).
-from torch.distributed.tensor import DTensor  # noqa: E402
+# One more step, measured (not in the losses) by minigpt.memory's capture: each rank's local
+# parameter, gradient and AdamW-state bytes, its saved activations, and its peak, part by part.
+# Nothing from the steps above dies in it (x and y live on), so the peak's rise over the start of
+# the step is the allocator's own figure.
+from minigpt.memory import capture_memory  # noqa: E402
 
-from minigpt import memory  # noqa: E402
-
-
-def _local(t):
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _dtensor_aware(t):
-    return real_key(t.to_local() if isinstance(t, DTensor) else t)
-
-
-class ShardAwareCapture(memory.MemoryCapture):
-    """FSDP2 gathers each block's parameters into fresh storages for its forward: a weight that a
-    matmul saves is then not one of the (sharded) parameters' storages seen on entering, so count
-    the storages of the running module's own parameters as parameters too."""
-
-    def _pack(self, t):
-        module = self._modules_by_name.get(self._stack[-1])
-        if module is not None:
-            own = {_local(q).untyped_storage().data_ptr() for q in module.parameters(recurse=False)}
-            if _local(t).untyped_storage().data_ptr() in own:
-                return t
-        return super()._pack(t)
-
-    def __enter__(self):
-        self._modules_by_name = dict(self.model.named_modules())
-        return super().__enter__()
-
-
-real_key = memory._storage_key_and_bytes
-memory._storage_key_and_bytes = _dtensor_aware
-with ShardAwareCapture(model, optimizer) as cap:
+del loss
+with capture_memory(model, optimizer) as cap:
     with autocast:
         loss = train_model(x, y)[1]
     loss.backward()
-    state_bytes = parallel.local_state_bytes(model, optimizer)
+    local_grads = parallel.local_state_bytes(model)["grads"]  # .grad after the backward: a cross-check
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-memory._storage_key_and_bytes = real_key
-state_bytes["activations"] = cap.breakdown.category_total("activations")
+breakdown = cap.breakdown.to_record()
+state_bytes = {c: breakdown[c] for c in ("params", "grads", "optimizer", "activations")}
 activation_layout = cap.breakdown.activations
 params_out = {}
 if world == 1 or args.save:
@@ -195,6 +166,11 @@ record = {
     "params": params_out,
     "activation_layout": activation_layout,
     "activation_dtypes": cap.breakdown.activation_dtypes,
+    "local_grads": local_grads,
+    "peak": breakdown["peak"],
+    "peak_parts": cap.breakdown.peak_parts,
+    "start_bytes": breakdown["start_bytes"],
+    "allocator_peak_delta": cap.breakdown.allocator_peak_delta,
 }
 with open(f"{args.out}.rank{rank}.json", "w") as f:
     json.dump(record, f)

@@ -15,11 +15,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, TINY
 
 from minigpt.config import UsageError
 from minigpt.estimate import estimate_gpt
 from minigpt.parallel import check_plan, per_rank_estimate, worker_name
+from minigpt.stages import STAGE_NAMES
 
 PROBE = ROOT / "tests" / "parallel_probe.py"
 SHAPE = ["--shape", "2,4,64,256,128", "--seq", "32", "--batch", "8"]  # layers, heads, d_model, d_ff, vocab
@@ -290,6 +291,25 @@ def test_fsdp_2_matches_ddp_2(tmp_path_factory):
 
 @pytest.mark.ddp
 @pytest.mark.slow
+def test_fsdp_memory_breakdown_names_gathered_weights_and_sharded_gradients(tmp_path_factory):
+    """minigpt.memory's own capture under FSDP 2: the gradients are the reduce-scattered shards
+    (half of DDP's), the weights FSDP gathers for a block are parameters, not activations (so the
+    activations are DDP's, the per-rank batch being the same), and the peak's parts add up to it."""
+    ddp, fsdp = run_plan(tmp_path_factory, 2), run_plan(tmp_path_factory, 2, "--fsdp")
+    for d, f in zip(ddp["ranks"], fsdp["ranks"]):
+        assert f["state_bytes"]["grads"] == f["local_grads"] > 0
+        assert f["state_bytes"]["grads"] * 2 == pytest.approx(d["state_bytes"]["grads"], rel=0.01)
+        assert f["state_bytes"]["activations"] == d["state_bytes"]["activations"]
+        parts = {p: sum(names.values()) for p, names in f["peak_parts"].items()}
+        assert abs(sum(parts.values()) - f["peak"]) <= 0.02 * f["peak"]
+        assert abs(f["peak"] - f["start_bytes"] - f["allocator_peak_delta"]) <= 0.02 * f["peak"]
+        gathered = sum(v for k, v in f["peak_parts"]["params"].items() if "gathered by FSDP" in k)
+        assert gathered > 0 and parts["params"] == f["state_bytes"]["params"] + gathered
+        assert all("FSDP" not in name for name in f["peak_parts"]["temporaries"])  # all of FSDP's named
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
 def test_fsdp_x_tp_2_by_2_on_4_processes(tmp_path_factory):
     single, two_d = run_plan(tmp_path_factory, 1), run_plan(tmp_path_factory, 4, "--fsdp", "--tp", "2")
     assert rel(two_d["losses"], single["losses"]) < 1e-4
@@ -430,3 +450,75 @@ def test_trainer_end_to_end_under_fsdp_and_tp(tmp_path, flags, worker):
     result = train("--num-steps", "8", "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Resumed from" in (out / "train.log").read_text()
+
+
+@pytest.mark.ddp
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [["--fsdp"], ["--tp", "2"]])
+def test_log_line_and_metrics_carry_each_stages_time_in_collectives(tmp_path, flags):
+    """Under FSDP and TP the collectives run inside the forward, the backward and the optimizer step
+    (clipping's all-reduce): one profiled step per log interval gives each stage its time in them."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += [str(ROOT / "train_minimal.py"), *TINY, "--num-steps", "4", "--log-interval", "1"]
+    result = subprocess.run(
+        [*cmd, *flags, "--out-dir", str(out), "--no-report", "--no-checkpoint"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "USDT" not in result.stdout + result.stderr  # Kineto's start/stop lines kept out of the log
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["stage_comm_ms"] == {} and rows[0]["comm_step"] is None  # step 1: one-time costs
+    log = (out / "train.log").read_text()
+    for row in rows[1:]:  # every interval is one step: its own step is profiled
+        comm, host = row["stage_comm_ms"], row["stage_host_ms"]
+        assert row["comm_step"] == row["step"] and list(comm) == list(STAGE_NAMES)
+        assert comm["forward"] > 0 and comm["backward"] > 0 and comm["optimizer_step"] > 0
+        for stage, ms in comm.items():  # a part of the stage (the profiler's range holds the clock's)
+            assert ms <= host[stage] * 1.01 + 0.05, (stage, ms, host[stage])
+        assert f"waiting on collectives ms (step {row['step']}) h2d 0.0 fwd {comm['forward']:.1f}" in log
+
+
+def test_one_step_per_interval_is_profiled_for_collectives_and_never_under_another_profiler():
+    from minigpt.instrument import CommProbe
+
+    cfg = SimpleNamespace(
+        use_profiler=True,
+        profile_step_start=5,
+        profile_step_end=7,
+        memory_profiler=True,
+        memory_profile_step=8,
+    )
+    probe, started = CommProbe(cfg), []
+    for n in range(1, 13):
+        if probe.start(n, first_step=1):
+            started.append(n)
+            probe.stop(n)
+        if n % 3 == 0:  # a log interval of 3 steps
+            probe.take()
+    # 1: the run's first step; 4-6: the window and its warm-up step; 8: the memory step
+    assert started == [2, 7, 10]
+    probe.take()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert not probe.start(20, first_step=1)  # a profiler of someone else's: none nested in it
+
+
+def test_the_raw_kineto_reader_agrees_with_the_profilers_events():
+    """CommProbe reads the profiler's raw results (faster); the figure must be prof.events()'s."""
+    import time
+
+    from torch.autograd.profiler import record_function
+
+    from minigpt.parallel import comm_by_stage, kineto_spans, stage_comm_ms
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with record_function("forward"):
+            torch.ones(100) @ torch.ones(100)
+            with record_function("c10d::allreduce_"):  # a stand-in collective of about 5 ms
+                time.sleep(0.005)
+    raw, parsed = comm_by_stage(kineto_spans(prof), STAGE_NAMES), stage_comm_ms(prof.events(), STAGE_NAMES)
+    assert raw.keys() == parsed.keys() and 4.5 < raw["forward"] < 50
+    assert all(abs(raw[k] - parsed[k]) < 0.01 for k in raw)

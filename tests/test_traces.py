@@ -847,6 +847,26 @@ def test_gloo_wait_is_named_in_the_backward(tmp_path):
     assert "backward 0.5 ms, of which waiting on all-reduce: 0.3 ms (compute 0.2 ms)" in ok(path)
 
 
+def test_fsdp_waits_inside_an_autograd_node_are_communication(tmp_path):
+    """FSDP2 on gloo: the gradient reduction runs inside an autograd node on the main thread, which
+    waits there while gloo's thread reduces. Its FSDP:: range makes the wait communication, not the
+    node's compute."""
+    events = [e for e in gpu_step(3, 0, 0) if e["cat"] not in ("kernel", "gpu_memcpy", "cuda_runtime")]
+
+    def op(name, tid, ts, dur, cat="cpu_op"):
+        return {"ph": "X", "cat": cat, "name": name, "pid": PID, "tid": tid, "ts": ts, "dur": dur, "args": {}}
+
+    events += [
+        op("RegisterPostBackwardFunctionBackward", MAIN, 590, 300),
+        op("FSDP::post_backward_reduce (blocks.0)", MAIN, 600, 285, "user_annotation"),
+        op("c10d::_reduce_scatter_base_", MAIN, 602, 5),
+        op("gloo:all_reduce", 77, 610, 270, "user_annotation"),
+    ]
+    path = write_trace(tmp_path / "fsdp.json", events)
+    bwd = summary(path)["steps"][0]["stages"]["backward"]
+    assert bwd["comm_host_ms"] == pytest.approx(0.285)  # the FSDP range, all of it waiting on gloo
+
+
 def test_nccl_kernels_are_the_device_side_of_communication(tmp_path):
     path = write_trace(tmp_path / "nccl.json", comm_step("nccl"))
     bwd = summary(path)["steps"][0]["stages"]["backward"]
