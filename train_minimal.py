@@ -59,7 +59,7 @@ from minigpt.config import (
     resolve_amp,
     resolve_device,
 )
-from minigpt.cpu import keep_freed_memory, preload_hint, release_freed_memory
+from minigpt.cpu import keep_freed_memory, preload_hint, release_freed_memory, run_under_preferred_allocator
 from minigpt.data import (
     Batches,
     ToyBatches,
@@ -560,11 +560,8 @@ def open_run_dir(
     log.info(f"Device: {device} ({device_name}), torch {torch.__version__}; {amp_note}")
     if malloc_note:
         log.info(malloc_note)
-        if hint := preload_hint(sys.argv):
-            log.info(
-                f"CPU allocator: jemalloc kept the least memory and ran fastest here "
-                f"(benchmarks/results/cpu-allocator.md); to use it: {hint}"
-            )
+        if hint := preload_hint():
+            log.info(f"CPU allocator: {hint}")
     if plan_note:  # --fsdp / --tp
         log.info(f"{plan_note}; {dist_info.backend} backend")
     elif dist_info.world_size > 1:
@@ -885,5 +882,7 @@ def cli(argv: list[str] | None = None, on_step: Callable[[int], None] | None = N
 
 
 if __name__ == "__main__":
+    if not torch.cuda.is_available():  # the CPU's malloc is chosen at exec time (minigpt/cpu.py)
+        run_under_preferred_allocator(sys.argv[1:])
     # record(): under torchrun, a failing rank's error reaches the launcher's summary, with its rank.
     sys.exit(record(cli)())

@@ -54,7 +54,7 @@ DEFAULT_VARIANTS = list(VARIANTS)[:5]
 HOW = {
     "defaults": "none",
     "bounded": "mallopt M_MMAP_THRESHOLD=1 GiB, M_TRIM_THRESHOLD=256 MiB",
-    "trainer": "the same, and malloc_trim(0) around each evaluation batch (minigpt's default now)",
+    "trainer": "the same, and malloc_trim(0) around each evaluation (the default without tcmalloc)",
     "keep": "mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB (minigpt's first default)",
 }
 SPEED_BUDGET = 0.10  # the default may cost at most 10% of tokens/s ...
@@ -107,7 +107,7 @@ def true_peak() -> int:
 def run(name: str, steps: int, eval_interval: int) -> dict:
     """One fresh trainer process under the variant's setting; its figures."""
     setting, preload = VARIANTS[name]
-    env = dict(os.environ)
+    env = {**os.environ, "MINIGPT_MALLOC": "glibc"}  # the variant's malloc, not the trainer's choice
     if preload is not None:
         env["LD_PRELOAD"] = str(preload)
     with tempfile.TemporaryDirectory(prefix="minigpt-alloc-") as tmp:

@@ -1,20 +1,21 @@
-"""CPU-only set-up: make glibc's malloc keep the big blocks it frees.
+"""CPU-only set-up: which malloc serves the step's big tensors, and how much it keeps.
 
 A training step allocates and frees the same large tensors every step (at the default preset the
 logits and their gradient are 8 x 256 x 50304 floats, 412 MB each). glibc serves blocks above its
-mmap threshold (at most 32 MB) with a fresh mmap and hands them back to the kernel with munmap
-when they are freed. Every step then touches hundreds of MB of brand-new pages, and the kernel
-zero-fills each 4 KiB page on its first touch: page faults, not arithmetic, become a large part of
-the step (on the 2-core CPU of benchmarks/results, keeping the blocks gave 1.74x tokens/s with
-bf16 autocast in cpu-small.md, and 1.38x in fp32 and 1.64x with AMP for the bare loop of
-cpu-nanogpt-shape.md). Raising the mmap threshold to 1 GiB serves the big blocks from the heap,
-where a freed block is reused by the next step, as PyTorch's CUDA caching allocator does on a GPU;
-a trim threshold of 256 MiB still gives the heap's free top back. The price is memory the process
-keeps: benchmarks/results/cpu-allocator.md measures peak RSS against the step's true peak for this
-setting, the older never-map-never-trim one (never_return_memory), glibc's defaults, and jemalloc
-and tcmalloc through LD_PRELOAD (Intel's PyTorch CPU tuning guide recommends them). A running
-process cannot change its malloc: preload_hint() gives the command that starts under jemalloc.
-Only glibc has mallopt: elsewhere it is a no-op, said so.
+mmap threshold (at most 32 MB) with a fresh mmap and hands them back with munmap when freed: every
+step touches hundreds of MB of new pages the kernel zero-fills, and page faults become a large part
+of the step. benchmarks/results/cpu-allocator.md measures the trainer itself under each choice,
+evaluations included, as peak RSS against the allocator's true peak and tokens/s:
+
+- tcmalloc (LD_PRELOAD) was the fastest and kept 1.35x the true peak; jemalloc 1.21x, a little
+  slower. run_under_preferred_allocator() re-executes the trainer under the first installed.
+- Without them, keep_freed_memory(): glibc serves blocks up to 1 GiB from its heap, where a freed
+  block is reused without page faults, trims the heap's top above 256 MiB, and
+  release_freed_memory() gives its free blocks back around evaluations, whose other shapes split
+  the kept blocks (the heap grew to 3.6x the true peak at the first evaluation without it; 2x with).
+- glibc's defaults (--no-keep-freed-memory) kept 1.24x at ~0.75x the speed.
+
+Only glibc has mallopt and malloc_trim: elsewhere they are no-ops, said so.
 """
 
 from __future__ import annotations
@@ -28,10 +29,9 @@ M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
 
 
-# What keep_freed_memory() applies (benchmarks/results/cpu-allocator.md): big blocks from glibc's
-# heap, where a freed block is reused without page faults, and the heap's free top given back
-# above 256 MiB. Never mapping and never trimming (the older setting) kept ~1.6-1.7x the step's true
-# peak resident; this keeps ~1.5x at the same speed. glibc's defaults keep ~1.2x but ran ~18% slower.
+# What keep_freed_memory() applies without tcmalloc or jemalloc: big blocks from glibc's heap, where
+# a freed block is reused without page faults, and the heap's free top given back above 256 MiB
+# (benchmarks/results/cpu-allocator.md: 1.28x glibc's defaults' tokens/s, 2x the true peak resident).
 MMAP_THRESHOLD = 2**30
 TRIM_THRESHOLD = 256 * 2**20
 LIBDIR = "/usr/lib/x86_64-linux-gnu"
@@ -48,17 +48,56 @@ def preloaded_allocator() -> str | None:
     return next((name for name in PRELOADS if f"lib{name}" in maps), None)
 
 
-def preload_hint(argv: list[str]) -> str | None:
-    """The command that runs the same job under jemalloc, when it is installed and not in use: in
-    benchmarks/results/cpu-allocator.md it was the fastest setting and kept the least resident.
-    A running process cannot swap its malloc, so the trainer prints this rather than re-executing."""
+# The preference, by benchmarks/results/cpu-allocator.md (the trainer itself, evaluations included):
+# tcmalloc and jemalloc kept peak RSS within 1.5x of the allocator's true peak, no glibc setting that
+# ran as fast did (glibc's defaults did, at ~0.75x the tokens/s). Re-executing under one of them is
+# what torch's own CPU launcher (torch.backends.xeon.run_cpu) does with LD_PRELOAD.
+PREFERRED = ("tcmalloc", "jemalloc")
+NO_PRELOAD_ENV = "MINIGPT_MALLOC"  # =glibc: stay on glibc's malloc (the allocator benchmark sets it)
+
+
+def preload_command(argv: list[str], env: dict, exists=None) -> tuple[list[str], dict] | None:
+    """The (command, environment) that runs this same process under the preferred allocator, or None
+    when it should run as it is: one already preloaded, none installed, glibc asked for
+    ($MINIGPT_MALLOC=glibc or --no-keep-freed-memory), or this is the re-executed process."""
     import os
-    import shlex
     import sys
 
-    if preloaded_allocator() or not os.path.exists(PRELOADS["jemalloc"]):
+    exists = exists or os.path.exists
+    if platform.system() != "Linux" or env.get(NO_PRELOAD_ENV) == "glibc" or "--no-keep-freed-memory" in argv:
         return None
-    return f"LD_PRELOAD={PRELOADS['jemalloc']} {shlex.join([os.path.basename(sys.executable), *argv])}"
+    if preloaded_allocator() or env.get("LD_PRELOAD"):
+        return None
+    lib = next((PRELOADS[n] for n in PREFERRED if exists(PRELOADS[n])), None)
+    if lib is None:
+        return None
+    return [sys.executable, *getattr(sys, "orig_argv", [sys.executable, *argv])[1:]], {
+        **env,
+        "LD_PRELOAD": lib,
+        NO_PRELOAD_ENV: "preloaded",  # never twice
+    }
+
+
+def run_under_preferred_allocator(argv: list[str]) -> None:
+    """CPU runs: replace this process (same pid, same arguments) by one with the preferred malloc
+    preloaded; a running process cannot swap its malloc. Returns when there is nothing to do."""
+    import os
+
+    if (cmd := preload_command(argv, dict(os.environ))) is not None:
+        os.execve(cmd[0][0], cmd[0], cmd[1])
+
+
+def preload_hint() -> str | None:
+    """What to install when no preferred allocator is there (the trainer then keeps glibc's heap)."""
+    import os
+
+    if preloaded_allocator() or any(os.path.exists(PRELOADS[n]) for n in PREFERRED):
+        return None
+    return (
+        "tcmalloc kept peak RSS within 1.5x of the allocator's peak at glibc's best speed "
+        "(benchmarks/results/cpu-allocator.md); apt-get install libtcmalloc-minimal4 and the trainer "
+        "uses it"
+    )
 
 
 def keep_freed_memory() -> str:
