@@ -290,8 +290,9 @@ def headline(d: dict, top: int = 2) -> str:
             )
         )
     mem = {r["category"]: r for r in d["memory"]}
-    if mem.get("total", {}).get("ratio") is not None:
-        parts.append(f"peak memory {_x(mem['total']['ratio'])}")
+    key = "peak" if mem.get("peak", {}).get("ratio") is not None else "total"  # measured, else the sum
+    if mem.get(key, {}).get("ratio") is not None:
+        parts.append(f"{'peak memory' if key == 'peak' else 'memory (sum of parts)'} {_x(mem[key]['ratio'])}")
     return "; ".join(parts) or "nothing to compare"
 
 

@@ -167,6 +167,7 @@ def peak_memory(run: Run) -> dict[str, float]:
             "activations",
             "activations_peak",
             "total",
+            "peak",  # the allocator's measured peak of the step (total is the older sum of parts)
             "cuda_max_allocated",
             "cuda_max_reserved",
         ):
@@ -181,6 +182,7 @@ def peak_memory(run: Run) -> dict[str, float]:
             ("activations", "activation_memory"),
             ("activations_peak", "activation_peak_memory"),
             ("total", "total_memory"),
+            ("peak", "peak_memory"),
         ):
             if src in s:
                 out[k] = s[src]
