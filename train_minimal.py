@@ -16,13 +16,19 @@ The file reads top to bottom: parse flags -> build data, model, optimizer -> tra
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # the CPU's malloc is chosen before torch loads: a re-exec then costs ~0
+    from minigpt.cpu import run_under_preferred_allocator
+
+    run_under_preferred_allocator(sys.argv[1:])
+
 import json
 import logging
 import math
 import os
 import platform
 import signal
-import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -59,7 +65,7 @@ from minigpt.config import (
     resolve_amp,
     resolve_device,
 )
-from minigpt.cpu import keep_freed_memory, preload_hint, release_freed_memory, run_under_preferred_allocator
+from minigpt.cpu import keep_freed_memory, preload_hint, release_freed_memory
 from minigpt.data import (
     Batches,
     ToyBatches,
@@ -882,7 +888,5 @@ def cli(argv: list[str] | None = None, on_step: Callable[[int], None] | None = N
 
 
 if __name__ == "__main__":
-    if not torch.cuda.is_available():  # the CPU's malloc is chosen at exec time (minigpt/cpu.py)
-        run_under_preferred_allocator(sys.argv[1:])
     # record(): under torchrun, a failing rank's error reaches the launcher's summary, with its rank.
     sys.exit(record(cli)())

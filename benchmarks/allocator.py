@@ -30,7 +30,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from contextlib import nullcontext
 from pathlib import Path
 
 from common import RESULTS, ROOT, header, load_results, save_json, stamp
@@ -82,26 +81,11 @@ def child(setting: str, argv: list[str]) -> None:
 
 def true_peak() -> int:
     """The allocator's peak in one training step of the same shape (torch's figure)."""
-    import torch
+    from estimate_table import measure, shape_of
 
     from minigpt.config import PRESETS
-    from minigpt.memory import capture_memory
-    from minigpt.model import GPT, GPTConfig
 
-    p = PRESETS["small"]
-    b, s, V = p["batch_size"], p["seq_len"], 50304
-    torch.manual_seed(0)
-    keys = ("n_layers", "n_heads", "d_model", "d_ff")
-    model = GPT(GPTConfig(vocab_size=V, max_position_embeddings=s, **{k: p[k] for k in keys}))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=True)
-    for step in (1, 2):
-        x = torch.randint(0, V, (b, s))
-        with capture_memory(model, optimizer) if step == 2 else nullcontext() as cap:
-            _, loss = model(x, torch.roll(x, -1, 1))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    return cap.breakdown.peak
+    return measure(shape_of("small", PRESETS["small"]["batch_size"], PRESETS["small"]["seq_len"])).peak
 
 
 def run(name: str, steps: int, eval_interval: int) -> dict:

@@ -58,24 +58,25 @@ NO_PRELOAD_ENV = "MINIGPT_MALLOC"  # =glibc: stay on glibc's malloc (the allocat
 
 def preload_command(argv: list[str], env: dict, exists=None) -> tuple[list[str], dict] | None:
     """The (command, environment) that runs this same process under the preferred allocator, or None
-    when it should run as it is: one already preloaded, none installed, glibc asked for
-    ($MINIGPT_MALLOC=glibc or --no-keep-freed-memory), or this is the re-executed process."""
+    when it should run as it is: not Linux, a GPU's driver present (the choice is for CPU runs), one
+    already preloaded, none installed, glibc asked for ($MINIGPT_MALLOC=glibc, or
+    --no-keep-freed-memory on the command line or in $MINIGPT_ARGS), or this is the re-executed
+    process."""
     import os
     import sys
 
     exists = exists or os.path.exists
-    if platform.system() != "Linux" or env.get(NO_PRELOAD_ENV) == "glibc" or "--no-keep-freed-memory" in argv:
+    flags = [*argv, *env.get("MINIGPT_ARGS", "").split()]
+    if platform.system() != "Linux" or exists("/dev/nvidiactl"):
+        return None
+    if env.get(NO_PRELOAD_ENV) == "glibc" or "--no-keep-freed-memory" in flags:
         return None
     if preloaded_allocator() or env.get("LD_PRELOAD"):
         return None
     lib = next((PRELOADS[n] for n in PREFERRED if exists(PRELOADS[n])), None)
     if lib is None:
         return None
-    return [sys.executable, *getattr(sys, "orig_argv", [sys.executable, *argv])[1:]], {
-        **env,
-        "LD_PRELOAD": lib,
-        NO_PRELOAD_ENV: "preloaded",  # never twice
-    }
+    return [sys.executable, *sys.orig_argv[1:]], {**env, "LD_PRELOAD": lib, NO_PRELOAD_ENV: "preloaded"}
 
 
 def run_under_preferred_allocator(argv: list[str]) -> None:
@@ -103,12 +104,9 @@ def preload_hint() -> str | None:
 def keep_freed_memory() -> str:
     """Apply the setting; return a line for the log saying what was done."""
     preloaded = preloaded_allocator()
-    global _release_at_evaluation
     if preloaded:
         return f"CPU allocator: {preloaded} (LD_PRELOAD); glibc's settings left alone"
-    line = bounded_freed_memory(MMAP_THRESHOLD, TRIM_THRESHOLD)
-    _release_at_evaluation = line.startswith("CPU allocator: glibc malloc keeps")
-    return line.replace("; --no-keep", ", given back around evaluations; --no-keep")
+    return bounded_freed_memory(MMAP_THRESHOLD, TRIM_THRESHOLD, give_back_at_evaluations=True)
 
 
 def never_return_memory() -> str:
@@ -134,8 +132,8 @@ def release_freed_memory() -> bool:
     """Under keep_freed_memory(), give the pages of every free block in glibc's heap back to the
     system (malloc_trim(0)); True when some were. The kept heap serves a training step's regular
     pattern well, but an evaluation's other shapes split its big free blocks for small ones, so
-    their big tensors land on fresh pages: without this, the default main job's RSS grew from 2.4
-    to 5.9 GiB at its first evaluation (benchmarks/results/cpu-allocator.md measures it)."""
+    their big tensors land on fresh pages: without this, the main job's RSS grew to 3.6x the
+    allocator's true peak at its first evaluation (benchmarks/results/cpu-allocator.md)."""
     libc = _glibc() if _release_at_evaluation else None
     return bool(libc is not None and libc.malloc_trim(0))
 
@@ -146,10 +144,14 @@ def _glibc():
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
 
-def bounded_freed_memory(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM_THRESHOLD) -> str:
+def bounded_freed_memory(
+    mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM_THRESHOLD, give_back_at_evaluations=False
+) -> str:
     """glibc serves blocks up to `mmap_threshold` from its heap, where freed blocks are reused
-    without page faults, and gives the heap's free top back to the system above `trim_threshold`.
-    Setting the threshold also stops glibc from moving it on its own (at most 32 MiB)."""
+    without page faults, and gives the heap's free top back to the system above `trim_threshold`;
+    with `give_back_at_evaluations`, release_freed_memory() gives its free blocks back too. Setting
+    the threshold also stops glibc from moving it on its own (at most 32 MiB)."""
+    global _release_at_evaluation
     libc = _glibc()
     if libc is None:
         return "CPU allocator: left as is (not glibc)"
@@ -158,8 +160,10 @@ def bounded_freed_memory(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: i
         and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1
     ):
         return "CPU allocator: mallopt refused the setting; left as is"
+    _release_at_evaluation = give_back_at_evaluations
     return (
         f"CPU allocator: glibc malloc keeps freed blocks up to {mmap_threshold // 2**20} MiB in its heap "
-        f"(trimmed above {trim_threshold // 2**20} MiB): no page faults on each step's big tensors; "
-        "--no-keep-freed-memory to compare"
+        f"(trimmed above {trim_threshold // 2**20} MiB"
+        + ("; given back around evaluations" if give_back_at_evaluations else "")
+        + "): no page faults on each step's big tensors; --no-keep-freed-memory to compare"
     )

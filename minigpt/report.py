@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from minigpt.fileio import atomic_write
+from minigpt.metrics import MEMORY_BREAKDOWN_KEYS
 from minigpt.paths import REPORT_FILE
 from minigpt.runfiles import Run, RunError, load_run, timeline_events
 from minigpt.stages import STAGE_NAMES, color, label, split_parent
@@ -160,17 +161,7 @@ def peak_memory(run: Run) -> dict[str, float]:
     out: dict[str, float] = {}
     b = run.breakdown()
     if b:
-        for k in (
-            "params",
-            "grads",
-            "optimizer",
-            "activations",
-            "activations_peak",
-            "total",
-            "peak",  # the allocator's measured peak of the step (total is the older sum of parts)
-            "cuda_max_allocated",
-            "cuda_max_reserved",
-        ):
+        for k in (*MEMORY_BREAKDOWN_KEYS, "cuda_max_reserved"):
             if isinstance(b.get(k), (int, float)):
                 out[k] = b[k]
     elif run.memory:  # memory.log without a metrics line (a run stopped right after the measured step)

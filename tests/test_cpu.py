@@ -54,6 +54,10 @@ def test_the_trainer_reexecutes_under_the_preferred_allocator_only_when_it_shoul
     assert cpu.preload_command([], env, installed) is None  # the re-executed process runs as it is
     assert cpu.preload_command([], {cpu.NO_PRELOAD_ENV: "glibc"}, installed) is None
     assert cpu.preload_command(["--no-keep-freed-memory"], {}, installed) is None
+    assert (
+        cpu.preload_command([], {"MINIGPT_ARGS": "--preset tiny --no-keep-freed-memory"}, installed) is None
+    )
+    assert cpu.preload_command([], {}, {tcmalloc, "/dev/nvidiactl"}.__contains__) is None  # a GPU run
     assert cpu.preload_command([], {}, lambda path: False) is None  # none installed: glibc's heap
     only_jemalloc = {cpu.PRELOADS["jemalloc"]}.__contains__
     assert cpu.preload_command([], {}, only_jemalloc)[1]["LD_PRELOAD"] == cpu.PRELOADS["jemalloc"]
