@@ -1,0 +1,231 @@
+"""Rewrite every excerpt, table and image of README.md and docs/ from the current code.
+
+    python docs/refresh.py                  # runs every excerpt's command at full scale (~10 minutes)
+    python docs/refresh.py --check          # changes nothing; lists the excerpts that differ
+    python docs/refresh.py --only estimate  # the excerpts whose command contains "estimate"
+
+An excerpt is a fenced block that follows a marker naming the command that prints it:
+
+    <!-- excerpt: python -m minigpt.estimate --preset gpt2 -->
+    ```text
+    ...what the command prints...
+    ```
+
+`<!-- excerpt(check=log): ... -->` says which lines the tests compare (tests/test_docs.py):
+`all` (default) every line's form, `log` only the timestamped log lines' (a profiler table's rows
+change with the model), `labels` the lines that do not start with a figure (a table's headings and
+row names, not its rows of numbers), `exact` the text itself (a deterministic command such as the
+estimator, which the fast tests run at full scale; the `Device` line and the `*` that marks this
+machine's AMP column are left out, as they depend on the CPU).
+
+A table that a benchmark wrote is included, not pasted:
+
+    <!-- include: benchmarks/results/overhead-cpu-small.md -->
+    ...the file's text...
+    <!-- end include -->
+
+The commands run in a copy of the repository (their run directories and benchmark outputs land
+there, not here), in the order they appear; then the images are drawn (IMAGES) and copied back.
+Benchmarks are not re-run: their tables are included from benchmarks/results/, which only a
+benchmark command rewrites (timings need a quiet machine; see README "Benchmarks").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ("README.md", "docs/walkthrough.md", "docs/memory.md", "docs/parallel.md")
+
+# The images, drawn after the excerpts (the report screenshot needs the walkthrough's runs/main),
+# each (command, files it writes relative to the copy); copied back into this repository.
+IMAGES = (
+    ("python benchmarks/make_figures.py", ("docs/img/tokens_per_s.png", "docs/img/stage_times.png")),
+    (
+        "python benchmarks/make_figures.py --results benchmarks/results/cpu-small-fp32.json --only memory",
+        ("docs/img/memory_breakdown.png",),
+    ),
+    (
+        "python -m minigpt.report runs/main && python docs/report_screenshots.py runs/main/report.html "
+        "--out docs/img/report_main.png",
+        ("docs/img/report_main.png",),
+    ),
+)
+
+EXCERPT = re.compile(
+    r"<!-- excerpt(?:\(check=(all|log|labels|exact)\))?: (.+?) -->\n```text\n(.*?)```\n", re.S
+)
+INCLUDE = re.compile(r"<!-- include: (\S+) -->\n(.*?)<!-- end include -->\n", re.S)
+FENCE_TEXT = re.compile(r"^```text$", re.M)
+
+
+@dataclass
+class Excerpt:
+    doc: str  # README.md or docs/...
+    command: str
+    check: str  # all | log | exact
+    text: str  # what the document holds now
+
+
+def excerpts(root: Path = ROOT) -> list[Excerpt]:
+    out = []
+    for doc in DOCS:
+        for m in EXCERPT.finditer((root / doc).read_text()):
+            out.append(Excerpt(doc, m.group(2), m.group(1) or "all", m.group(3)))
+    return out
+
+
+def includes(root: Path = ROOT) -> list[tuple[str, str, str]]:
+    """(doc, included file, the text the document holds)."""
+    return [(doc, m.group(1), m.group(2)) for doc in DOCS for m in INCLUDE.finditer((root / doc).read_text())]
+
+
+def unmarked_text_blocks(root: Path = ROOT) -> list[str]:
+    """```text blocks that no excerpt marker names: a pasted excerpt nobody can refresh."""
+    bad = []
+    for doc in DOCS:
+        text = (root / doc).read_text()
+        marked = {m.start(3) - len("```text\n") for m in EXCERPT.finditer(text)}
+        for m in FENCE_TEXT.finditer(text):
+            if m.start() not in marked:
+                bad.append(f"{doc}:{text.count(chr(10), 0, m.start()) + 1}")
+    return bad
+
+
+def copy_repo(dest: Path) -> Path:
+    """The tracked files of this repository in `dest`, with ../shared beside it as beside a clone."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
+    for f in files.stdout.split():
+        if (ROOT / f).is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, dest / f)
+    if (ROOT.parent / "shared").is_dir() and not (dest.parent / "shared").exists():
+        (dest.parent / "shared").symlink_to(ROOT.parent / "shared")
+    return dest
+
+
+def run(command: str, cwd: Path, extra_args: str = "", timeout: float = 1800) -> str:
+    """What the command prints (stdout and stderr, as a terminal shows them), trailing spaces cut.
+    `extra_args` go to every trainer run through $MINIGPT_ARGS (the tests' scaled-down runs)."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("MINIGPT_ARGS", None)
+    env["MINIGPT_CACHE_DIR"] = str(cwd / ".cache")  # a new user's: no token cache, no peak FLOP/s
+    if extra_args:
+        env["MINIGPT_ARGS"] = extra_args
+    r = subprocess.run(
+        command,
+        shell=True,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+    return "".join(line.rstrip() + "\n" for line in r.stdout.splitlines())
+
+
+def included(path: Path) -> str:
+    """A results file as a document includes it: without its own "# title" line, and its
+    sections two levels down, under the document's chapter."""
+    text = path.read_text()
+    if text.startswith("# "):
+        text = text.split("\n", 1)[1].lstrip("\n")
+    return re.sub(r"^(#+) ", r"\1## ", text, flags=re.M)
+
+
+def splice(m: re.Match, group: int, new: str) -> str:
+    """The match's text with one group's text replaced."""
+    a, b = m.start(group) - m.start(), m.end(group) - m.start()
+    return m.group(0)[:a] + new + m.group(0)[b:]
+
+
+def skeleton(line: str) -> str:
+    """A line's form without its figures: timestamps, numbers, run-directory names and
+    parenthesised lists (a breakdown's top names change with the model) masked. Two outputs of
+    one command at different scales or on different machines have the same skeletons."""
+    line = re.sub(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\]", "[T]", line)
+    line = re.sub(r"runs/\d{8}-\d{6}(-\d+)?", "runs/RUN", line)
+    line = re.sub(r"[0-9a-f]{12,}", "ID", line)
+    while (new := re.sub(r"\([^()]*\)", "", line)) != line:
+        line = new
+    line = re.sub(r"[-+]?\d[\d,]*(\.\d+)?(e[-+]?\d+)?", "#", line)
+    return " ".join(line.split())
+
+
+def form_differences(doc_text: str, fresh_text: str, check: str) -> list[str]:
+    """The document's lines whose form the fresh output no longer has (for `check`=all or log),
+    or a diff of the text itself (`exact`)."""
+    if check == "exact":
+        a, b = machine_free(doc_text), machine_free(fresh_text)
+        return [] if a == b else [f"expected exactly:\n{fresh_text}"]
+    have = {skeleton(line) for line in fresh_text.splitlines()}
+    lines = [x for x in doc_text.splitlines() if x.strip()]
+    if check == "log":
+        lines = [x for x in lines if skeleton(x).startswith("[T]")]
+    if check == "labels":
+        lines = [x for x in lines if not skeleton(x).startswith("#")]
+    return [x for x in lines if skeleton(x) not in have]
+
+
+def machine_free(text: str) -> str:
+    """An estimate's text without what depends on the CPU (its AMP decision)."""
+    return "\n".join(x.replace("*", " ") for x in text.splitlines() if not x.startswith("Device "))
+
+
+def refresh(check: bool, only: str | None) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = copy_repo(Path(tmp) / "repo")
+        fresh: dict[tuple[str, str], str] = {}
+        for e in excerpts():
+            if only is None or only in e.command:
+                print(f"$ {e.command}", flush=True)
+                fresh[e.doc, e.command] = run(e.command, copy)
+        stale = 0
+        for doc in DOCS:
+            path = ROOT / doc
+            text = path.read_text()
+
+            def excerpt(m: re.Match, doc: str = doc) -> str:
+                return splice(m, 3, fresh.get((doc, m.group(2)), m.group(3)))
+
+            def include(m: re.Match) -> str:
+                return splice(m, 2, included(ROOT / m.group(1)))
+
+            new = INCLUDE.sub(include, EXCERPT.sub(excerpt, text))
+            if new != text:
+                stale += 1
+                print(f"{'differs' if check else 'rewrote'}: {doc}")
+                if not check:
+                    path.write_text(new)
+        if not check and only is None:
+            for command, files in IMAGES:
+                print(f"$ {command}", flush=True)
+                run(command, copy)
+                for f in files:
+                    shutil.copy2(copy / f, ROOT / f)
+                    print(f"wrote {f}")
+    return 1 if check and stale else 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 when an excerpt differs")
+    p.add_argument("--only", help="refresh only the excerpts whose command contains this text")
+    args = p.parse_args()
+    if bad := unmarked_text_blocks():
+        print(f"error: text blocks with no excerpt marker: {', '.join(bad)}", file=sys.stderr)
+        return 2
+    return refresh(args.check, args.only)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The excerpts of README.md and docs/ are what the code prints now (docs/refresh.py rewrites them).
+
+Fast: every ```text block names the command that prints it; every included table is its results
+file; the estimator's excerpts, deterministic, are what it prints now, to the byte. Slow: every
+other excerpt's command runs scaled down, and each line of the excerpt still has a line of the
+same form (figures masked) in the fresh output: a changed log line, a renamed field or a new
+column fails here until `python docs/refresh.py` is run.
+"""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "docs"))
+import refresh  # noqa: E402
+
+SCALE = "--preset tiny --seq-len 32 --batch-size 2 --eval-iters 1"  # as tests/test_walkthrough.py
+
+
+def test_every_text_block_is_an_excerpt_with_its_command():
+    assert refresh.unmarked_text_blocks() == []
+    commands = [e.command for e in refresh.excerpts()]
+    assert any(c.startswith("python train_minimal.py") for c in commands), commands
+
+
+def test_included_tables_are_their_results_files():
+    found = refresh.includes()
+    assert found, "README and walkthrough include the benchmark tables"
+    for doc, path, text in found:
+        assert text == refresh.included(ROOT / path), f"{doc} holds a stale copy of {path}"
+
+
+def test_estimate_excerpts_are_what_the_estimator_prints(tmp_path):
+    exact = [e for e in refresh.excerpts() if e.check == "exact"]
+    assert exact, "the walkthrough's estimate is an exact excerpt"
+    for e in exact:
+        fresh = refresh.run(e.command, ROOT)
+        assert refresh.form_differences(e.text, fresh, "exact") == [], f"{e.doc}: {e.command}"
+
+
+def test_a_changed_form_is_caught():
+    """The check itself: a field added to a log line, or a renamed label, is a difference;
+    other figures, times and run names are not."""
+    doc = "[2026-11-22 18:02:09] epoch 1 step 10/60 | lr 9.93e-04 | step 896ms | 2,286 tok/s (x)\n"
+    same = "[2026-11-24 03:00:00] epoch 2 step 3/6 | lr 1.00e-02 | step 12ms | 17 tok/s (other)\n"
+    changed = "[2026-11-24 03:00:00] epoch 2 step 3/6 | lr 1.00e-02 | step 12ms | 17 tok/s | mfu 3%\n"
+    assert refresh.form_differences(doc, same, "all") == []
+    assert refresh.form_differences(doc, changed, "all") == [doc.strip()]
+    assert refresh.skeleton("Training started; run directory runs/20261124-030000") == refresh.skeleton(
+        "Training started; run directory runs/20261123-105443-2"
+    )
+    assert refresh.form_differences("  4.0 MiB  aten::mm\nby self time\n", "by total time\n", "labels") == [
+        "by self time"
+    ]
+
+
+@pytest.mark.slow
+def test_every_excerpt_keeps_the_form_the_code_prints(tmp_path):
+    repo = refresh.copy_repo(tmp_path / "repo")
+    if shutil.which("torchrun") is None:  # the venv's own, beside this interpreter
+        pytest.skip("torchrun not on PATH")
+    failures = []
+    for e in refresh.excerpts():
+        if e.check == "exact":
+            continue  # the fast test runs these at full scale
+        fresh = refresh.run(e.command, repo, extra_args=SCALE, timeout=900)
+        if missing := refresh.form_differences(e.text, fresh, e.check):
+            failures.append(f"{e.doc}: $ {e.command}\nno longer printed:\n" + "\n".join(missing[:5]))
+    assert not failures, "\n\n".join(failures) + "\n\n(python docs/refresh.py rewrites the excerpts)"
+
+
+def test_refresh_check_passes_on_the_committed_docs():
+    """--check of the includes alone (no command runs): exit 0 when nothing is stale."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "docs" / "refresh.py"), "--check", "--only", "no such command"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
