@@ -21,8 +21,17 @@ import sys
 from pathlib import Path
 
 from minigpt.fileio import atomic_write
+from minigpt.memory import (
+    CATEGORIES,
+    PEAK_PART_NAMES,
+    PEAK_PARTS,
+    category_leaves,
+    category_rows,
+    peak_of_state,
+    peak_rows,
+)
 from minigpt.metrics import MEMORY_BREAKDOWN_KEYS
-from minigpt.paths import REPORT_FILE
+from minigpt.paths import METRICS_FILE, REPORT_FILE
 from minigpt.runfiles import Run, RunError, load_run, timeline_events
 from minigpt.stages import STAGE_NAMES, color, label, split_parent
 
@@ -52,6 +61,7 @@ td:first-child, th:first-child { text-align: left; }
 td.name { text-align: left; font-family: monospace; max-width: 60em; overflow-wrap: anywhere; }
 .nodata { color: #777; font-style: italic; } .problem { color: #a40; }
 .kv td { text-align: left; } .kv td:first-child { color: #555; }
+td.sum { font-weight: bold; border-top: 1px solid #999; } .headline { font-size: 1.15em; }
 .new { color: #a40; } .gone { color: #06a; } .grid { display: flex; flex-wrap: wrap; gap: 2em; }
 """
 
@@ -512,38 +522,175 @@ def operators_section(run: Run) -> str:
     return body
 
 
-def _sunburst(state: dict):
-    """memory.log's layouts as one sunburst: total > category > module > ... (3 levels deep)."""
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / MB:,.2f} MiB"
+
+
+def measured_peaks(run: Run) -> list[dict]:
+    """The measured peak of each rank that has one, rank 0 first: {"rank", "step", "peak" (bytes),
+    "stage", "where", "parts": {part: {name: bytes}}}, the parts adding up to the peak. memory.log's
+    peak_layout names every byte; without memory.log, metrics.jsonl's record gives each part's
+    total and the names of the activations, temporaries and held tensors."""
+    out = []
+    for state in run.memory:
+        p = peak_of_state(state)
+        if p is not None:
+            out.append({**p, "rank": state["rank"], "step": state["step"]})
+    b = run.breakdown()
+    if out or not b or not isinstance(b.get("peak"), (int, float)):
+        return out
+    totals = b.get("peak_parts") or {}
+    named = {
+        "activations": b.get("peak_activations"),
+        "temporaries": b.get("temporaries"),
+        "held": b.get("held"),
+    }
+    parts: dict[str, dict[str, int]] = {}
+    for part in PEAK_PARTS:
+        names = named.get(part) or {}
+        if names and sum(names.values()) == totals.get(part):
+            parts[part] = dict(names)
+        elif totals.get(part):
+            parts[part] = {f"{PEAK_PART_NAMES[part]} (not named in {METRICS_FILE})": totals[part]}
+    where = {"stage": b.get("peak_stage"), "where": b.get("peak_where")}
+    return [{"peak": b["peak"], **where, "parts": parts, "rank": 0, "step": b.get("step")}]
+
+
+def _sunburst_figure(rows: list[tuple[str, str, str, int]], title: str):
+    """memory.py's (id, label, parent, bytes) rows as a plotly sunburst: every parent is a row, and
+    a parent's value is its children's sum (branchvalues="total")."""
     import plotly.graph_objects as go
 
-    ids, labels, parents, values = ["total"], ["total"], [""], [0]
-    for rows in state["layouts"].values():
-        for row in rows:
-            if row["depth"] > 3 or row["total_bytes"] <= 0:
-                continue
-            parts = row["path"].split(".")
-            ids.append(row["path"])
-            labels.append(".".join(parts[-2:]) if parts[-1].isdigit() else parts[-1])
-            parents.append(".".join(parts[:-1]) if row["depth"] else "total")
-            values.append(row["total_bytes"])
-            if row["depth"] == 0:
-                values[0] += row["total_bytes"]
     fig = go.Figure(
         go.Sunburst(
-            ids=ids,
-            labels=labels,
-            parents=parents,
-            values=values,
+            ids=[r[0] for r in rows],
+            labels=[r[1] for r in rows],
+            parents=[r[2] for r in rows],
+            values=[r[3] for r in rows],
             branchvalues="total",
-            customdata=[v / MB for v in values],
-            hovertemplate="%{id}<br>%{customdata:.2f} MiB<extra></extra>",
+            customdata=[r[3] / MB for r in rows],
+            texttemplate="%{label}<br>%{customdata:.1f} MiB",
+            hovertemplate="%{label}<br>%{customdata:.2f} MiB, %{percentRoot:.1%} of the chart<extra></extra>",
         )
     )
-    fig.update_layout(
-        title=f"rank {state['rank']}, step {state['step']}: "
-        f"{values[0] / MB:.2f} MiB (activations counted once, as saved)"
-    )
+    fig.update_layout(title=title)
     return fig
+
+
+def _peak_body(p: dict, est: dict | None, ranks: int) -> str:
+    """The measured peak in words, a table of the parts live at that moment (they add up to it),
+    and the sunburst of those parts."""
+    stage = p["stage"] or "n/a"
+    where = (p["where"] or "").removeprefix(f"{stage} / ") or "n/a"
+    who = f"rank {p['rank']}, " if ranks > 1 else ""
+    body = (
+        f'<p class="headline">Measured peak: <b>{esc(_mib(p["peak"]))}</b> ({who}step {esc(p["step"])}), '
+        f"during <b>{esc(stage)}</b>, at {esc(where)}.</p>"
+    )
+    rows = [
+        [
+            "measured peak",
+            f"{_mib(p['peak'])} ({p['peak']:,} bytes): the allocator's highest figure in step "
+            f"{p['step']}, replayed from its allocations and frees",
+        ],
+        ["when (stage)", stage],
+        ["where (module / op)", where],
+    ]
+    if est and isinstance(est.get("peak"), (int, float)):
+        rows.append(
+            [
+                "estimated peak",
+                f"{_mib(est['peak'])} ({100 * (est['peak'] - p['peak']) / p['peak']:+.1f}%), "
+                f"at {est.get('peak_moment') or 'n/a'} ({est.get('peak_stage') or 'n/a'})",
+            ]
+        )
+    body += table(["", ""], rows, cls="kv")
+    total = sum(v for names in p["parts"].values() for v in names.values())
+    part_rows = []
+    for part in PEAK_PARTS:
+        names = sorted(p["parts"].get(part, {}).items(), key=lambda kv: -kv[1])
+        nbytes = sum(v for _, v in names)
+        top = "; ".join(f"{n} {v / MB:,.2f}" for n, v in names[:3] if v) + ("; ..." if len(names) > 3 else "")
+        part_rows.append([PEAK_PART_NAMES[part], fmt(nbytes / MB), f"{100 * nbytes / p['peak']:.1f}%", top])
+    same = total == p["peak"]
+    part_rows.append(
+        [
+            ("sum of the parts", "sum"),
+            (fmt(total / MB), "sum"),
+            (f"{100 * total / p['peak']:.1f}%", "sum"),
+            (
+                "= the measured peak"
+                if same
+                else f"differs from the measured peak by {_mib(total - p['peak'])}: memory.log is cut or old",
+                "sum" if same else "problem",
+            ),
+        ]
+    )
+    body += "<p>Live at the peak, every byte named once:</p>" + table(
+        ["part", "MiB", "of the peak", "largest (MiB)"], part_rows, name_col=3
+    )
+    title = f"{who}step {p['step']}: the measured peak, {_mib(p['peak'])}, by what was live"
+    return body + figure(_sunburst_figure(peak_rows(p["parts"]), title), "memory-sunburst", 520)
+
+
+def _categories_body(b: dict, est: dict | None) -> str:
+    """Each category over the whole step, measured and estimated; their sum labelled as one."""
+    import plotly.graph_objects as go
+
+    cats = [("peak", "measured peak")] if isinstance(b.get("peak"), (int, float)) else []
+    cats += [
+        ("params", "parameters"),
+        ("grads", "gradients"),
+        ("optimizer", "optimizer state"),
+        ("activations", "activations (all saved)"),
+        ("activations_peak", "activation peak"),
+        ("total", SUM_OF_PARTS),
+    ]
+    fig = go.Figure(
+        go.Bar(
+            x=[t for _, t in cats],
+            y=[(b.get(k) or 0) / MB for k, _ in cats],
+            name="measured",
+            marker_color="teal",
+        )
+    )
+    if est:
+        fig.add_trace(
+            go.Bar(
+                x=[t for _, t in cats],
+                y=[(est.get(k) or 0) / MB for k, _ in cats],
+                name="estimate",
+                marker_color="orange",
+            )
+        )
+    fig.update_layout(
+        barmode="group",
+        yaxis_title="MiB",
+        title=f"by category over step {b.get('step')}" + (", against the estimate" if est else ""),
+    )
+    rows = [
+        [
+            t,
+            fmt((b.get(k) or 0) / MB),
+            fmt((est or {}).get(k, 0) / MB) if est else "n/a",
+            (f"{100 * (est[k] - b[k]) / b[k]:+.1f}%" if est and b.get(k) and k in est else "n/a"),
+        ]
+        for k, t in cats
+    ]
+    note = (
+        "<p>Each category is measured over the whole step. Gradients and activations are never all "
+        f"alive at once and the ops' temporaries are in none of them, so the {esc(SUM_OF_PARTS)} "
+        "(parameters + gradients + optimizer state + activation peak) is not a peak: the measured peak "
+        "above is.</p>"
+    )
+    return (
+        note
+        + figure(fig, "memory-estimate", 360)
+        + table(["MiB", "measured", "estimate", "difference"], rows)
+    )
+
+
+SUM_OF_PARTS = "sum of the categories"
 
 
 def memory_section(run: Run) -> str:
@@ -551,11 +698,34 @@ def memory_section(run: Run) -> str:
 
     body = ""
     b = run.breakdown()
+    est = dict((b or {}).get("estimate") or {}) or None
+    if est and "activations_peak" not in est and "activations" in est:
+        est["activations_peak"] = est["activations"]  # the estimate counts every saved tensor live at once
+    peaks = measured_peaks(run)
+    if peaks:
+        body += _peak_body(peaks[0], est, len(run.memory))
+        if len(peaks) > 1:
+            body += "<p>Every rank's measured peak:</p>" + table(
+                ["rank", "step", "MiB", "stage", "where"],
+                [[p["rank"], p["step"], fmt(p["peak"] / MB), p["stage"], p["where"]] for p in peaks],
+                name_col=4,
+            )
+    elif run.memory or b:
+        state = run.memory[0] if run.memory else {}
+        note = state.get("peak_note") or (b or {}).get("peak_note") or "this run's memory.log predates it"
+        body += f'<p class="headline">Measured peak: {esc(note)}.</p>'
+        if run.memory:  # the categories' trees, labelled as the sum they are
+            leaves = category_leaves(state)
+            rows = [("total", SUM_OF_PARTS, "", sum(sum(v.values()) for v in leaves.values()))]
+            for category in CATEGORIES:
+                rows += category_rows(leaves[category], category, max_depth=3, parent="total")
+            title = (
+                f"step {state['step']} by category: {_mib(rows[0][3])}, a sum of parts never all live at once"
+            )
+            body += figure(_sunburst_figure(rows, title), "memory-sunburst", 520)
     if run.memory:
-        body += '<div class="grid">' + figure(_sunburst(run.memory[0]), "memory-sunburst", 460)
         folder = run.memory[0]["folder"]
         links = sorted(p.name for p in folder.glob("*_sunburst.html"))
-        body += "</div>"
         if links:
             rel = folder.relative_to(run.path)
             body += (
@@ -563,51 +733,8 @@ def memory_section(run: Run) -> str:
                 + ", ".join(f'<a href="{esc(rel / n)}">{esc(n)}</a>' for n in links)
                 + "</p>"
             )
-    est = dict((b or {}).get("estimate") or {}) or None
-    if est and "activations_peak" not in est and "activations" in est:
-        est["activations_peak"] = est["activations"]  # the estimate counts every saved tensor live at once
     if b:
-        cats = [
-            ("params", "parameters"),
-            ("grads", "gradients"),
-            ("optimizer", "optimizer state"),
-            ("activations", "activations"),
-            ("activations_peak", "activation peak"),
-            ("total", "total"),
-        ]
-        fig = go.Figure(
-            go.Bar(
-                x=[t for _, t in cats],
-                y=[(b.get(k) or 0) / MB for k, _ in cats],
-                name="measured",
-                marker_color="teal",
-            )
-        )
-        if est:
-            fig.add_trace(
-                go.Bar(
-                    x=[t for _, t in cats],
-                    y=[(est.get(k) or 0) / MB for k, _ in cats],
-                    name="estimate",
-                    marker_color="orange",
-                )
-            )
-        fig.update_layout(
-            barmode="group",
-            yaxis_title="MiB",
-            title=f"measured at step {b.get('step')}" + (" against the estimate" if est else ""),
-        )
-        body += figure(fig, "memory-estimate", 360)
-        rows = [
-            [
-                t,
-                fmt((b.get(k) or 0) / MB),
-                fmt((est or {}).get(k, 0) / MB) if est else "n/a",
-                (f"{100 * (est[k] - b[k]) / b[k]:+.1f}%" if est and b.get(k) and k in est else "n/a"),
-            ]
-            for k, t in cats
-        ]
-        body += table(["MiB", "measured", "estimate", "difference"], rows)
+        body += _categories_body(b, est)
     series = [
         (k, t)
         for k, t in (("rss_bytes", "RSS"), ("rss_peak_bytes", "peak RSS"))
