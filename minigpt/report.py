@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import html
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -127,6 +128,35 @@ def fmt(x, digits: int = 2) -> str:
     return f"{x:,}" if isinstance(x, int) else str(x)
 
 
+def tflops(x: float) -> str:
+    """TFLOP/s to three significant digits: 989, 1.36, 0.00861 (a fixed 3 decimals would show a
+    CPU's 0.009 and a GPU's 989.000)."""
+    if not x:
+        return "0"
+    digits = max(0, 2 - math.floor(math.log10(abs(x))))
+    return f"{x:,.{digits}f}"
+
+
+def flops_spread(spread) -> str | None:
+    """config.json's peak_flops_spread, [lowest, highest] FLOP/s over the measuring rounds, as
+    "1.04-1.36 TFLOP/s"; None when the run has none (a table's figure, or --peak-tflops)."""
+    if not isinstance(spread, (list, tuple)) or len(spread) != 2:
+        return None
+    if not all(isinstance(v, (int, float)) and v > 0 for v in spread):
+        return None
+    return f"{tflops(spread[0] / 1e12)}-{tflops(spread[1] / 1e12)} TFLOP/s"
+
+
+def fitted_range(values: list) -> list[float] | None:
+    """A y range for a series that is one value (one logged step, or a constant learning rate):
+    plotly would centre it on a -1..1 axis, where 3e-4 reads as 0. None: let plotly fit it."""
+    values = [v for v in values if isinstance(v, (int, float))]
+    if not values or min(values) != max(values) or values[0] == 0:
+        return None
+    v = values[0]
+    return [0.0, 2 * v] if v > 0 else [2 * v, 0.0]
+
+
 def median(values: list) -> float | None:
     values = [v for v in values if isinstance(v, (int, float))]
     return statistics.median(values) if values else None
@@ -210,12 +240,12 @@ def summary_section(run: Run) -> str:
         (cfg.get("batch_size") or 0) * (cfg.get("seq_len") or 0) * (cfg.get("grad_accum_steps") or 1)
     )
     peak = (
-        f"{fmt(t['peak_tflops'], 3)} TFLOP/s per device ({t['peak_flops_source'] or 'source not recorded'})"
+        f"{tflops(t['peak_tflops'])} TFLOP/s per device ({t['peak_flops_source'] or 'source not recorded'})"
         if t["peak_tflops"] is not None
         else "n/a"
     )
-    if t["peak_flops_spread"] is not None:
-        peak += f", spread {t['peak_flops_spread']}"
+    if spread := flops_spread(t["peak_flops_spread"]):
+        peak += f"; the measuring rounds gave {spread}"
     rows = [
         ("run", str(run.path)),
         (
@@ -301,11 +331,17 @@ def curves_section(run: Run) -> str:
             1,
             1,
         )
-    fig.add_trace(
-        go.Scatter(x=steps, y=[r.get("lr") for r in run.metrics], name="lr", mode="lines+markers"), 1, 2
-    )
+    lrs = [r.get("lr") for r in run.metrics]
+    fig.add_trace(go.Scatter(x=steps, y=lrs, name="lr", mode="lines+markers"), 1, 2)
     fig.update_xaxes(title_text="step")
-    return figure(fig, "curves-plot", 340)
+    fig.update_yaxes(exponentformat="e", range=fitted_range(lrs), row=1, col=2)  # 3e-4, not 300µ
+    body = ""
+    if len(run.metrics) == 1:
+        body = (
+            f"<p>One logged step (step {esc(steps[0])}): each chart of this page holds one point per "
+            "series; --log-interval N logs every N steps.</p>"
+        )
+    return body + figure(fig, "curves-plot", 340)
 
 
 def stages_section(run: Run) -> str:
@@ -446,13 +482,18 @@ def timeline_section(run: Run) -> str:
     # Per step and stage, from the trace summary: host ms (and device busy ms on a GPU).
     s = run.traces[0]
     names = list(s.get("stages") or STAGE_NAMES)
+    # Time in collectives is shown where the trace has collectives (DDP, FSDP), not as "(comm 0.00)".
+    comm = any(
+        (st.get("comm_host_ms") or 0) > 0 or (st.get("comm_device_ms") or 0) > 0
+        for st in s["totals"]["stages"].values()
+    )
     rows = []
     for row in s["steps"]:
         cells = [row["step"]]
         for n in names:
             st = row["stages"].get(n, {})
             cell = fmt(st.get("host_ms")) + ("" if cpu else f" / {fmt(st.get('device_busy_ms'))}")
-            if isinstance(st.get("comm_host_ms"), (int, float)):  # collectives inside the stage (DDP)
+            if comm and isinstance(st.get("comm_host_ms"), (int, float)):  # collectives inside the stage
                 cell += f" (comm {fmt(st['comm_host_ms'])})"
             cells.append(cell)
         cells.append(fmt(row.get("host_ms")) + ("" if cpu else f" / {fmt(row.get('device_busy_ms'))}"))

@@ -608,7 +608,9 @@ def test_the_peak_reads_back_from_memory_log_with_parts_that_add_up_to_it():
     assert p["parts"] == {part: {n: v for n, v in b.peak_parts.get(part, {}).items()} for part in PEAK_PARTS}
     assert sum(v for names in p["parts"].values() for v in names.values()) == b.peak
     leaves = memory.category_leaves(parse_memory_log(format_memory_log(b))[0])
-    assert {c: sum(v.values()) for c, v in leaves.items()} == {c: b.category_total(c) for c in memory.CATEGORIES}
+    assert {c: sum(v.values()) for c, v in leaves.items()} == {
+        c: b.category_total(c) for c in memory.CATEGORIES
+    }
     b.peak, b.peak_note = None, "not measured: another profiler was running"
     assert memory.peak_of_state(parse_memory_log(format_memory_log(b))[0]) is None
 
