@@ -721,8 +721,13 @@ def _categories_body(b: dict, est: dict | None) -> str:
     note = (
         "<p>Each category is measured over the whole step. Gradients and activations are never all "
         f"alive at once and the ops' temporaries are in none of them, so the {esc(SUM_OF_PARTS)} "
-        "(parameters + gradients + optimizer state + activation peak) is not a peak: the measured peak "
-        "above is.</p>"
+        "(parameters + gradients + optimizer state + activation peak) is not a peak: "
+        + (
+            "the measured peak is."
+            if isinstance(b.get("peak"), (int, float))
+            else "the step's peak was not measured."
+        )
+        + "</p>"
     )
     return (
         note

@@ -366,6 +366,7 @@ def test_an_unmeasured_peak_says_why_and_draws_the_sum_as_a_sum(tmp_path):
     mem = memory_html(write_report(unmeasured_run(tmp_path / "r")).read_text())
     assert "Measured peak: not measured: another profiler was running during this step." in mem
     assert "a sum of parts never all live at once" in mem and "memory-sunburst" in mem
+    assert "is not a peak: the step's peak was not measured." in mem
 
 
 def test_one_logged_step_and_a_constant_lr_read_right(tmp_path):
