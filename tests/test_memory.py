@@ -594,6 +594,29 @@ def test_no_chart_has_an_unnamed_slice(tmp_path):
     assert charts["peak"][0][3] == b.peak  # the chart's centre is the measured peak: its parts add up to it
 
 
+def test_the_peak_chart_draws_when_cuda_corrects_the_profiler_downwards():
+    """On CUDA the peak is max_memory_allocated and "(not seen by the profiler)" the difference,
+    which may be negative: plotly refuses a negative sector or a parent smaller than its children,
+    so the chart draws the positive bytes, each parent the sum of its children."""
+    from minigpt import memory
+
+    parts = {
+        "params": {"wte.weight": 4096},
+        "grads": {},
+        "temporaries": {"forward / lm_head / aten::mm": 8192, "(not seen by the profiler)": -512},
+    }
+    rows = memory.peak_rows(parts)
+    ids = {r[0] for r in rows}
+    assert all(value > 0 and (parent == "" or parent in ids) for _, _, parent, value in rows)
+    assert {r[0]: r[3] for r in rows} == {
+        "peak_mem": 4096 + 8192,
+        "peak_mem/params": 4096,
+        "peak_mem/params/wte.weight": 4096,
+        "peak_mem/temporaries": 8192,
+        "peak_mem/temporaries/forward / lm_head / aten::mm": 8192,
+    }
+
+
 def test_the_peak_reads_back_from_memory_log_with_parts_that_add_up_to_it():
     """What the report reads: memory.log's peak, when and where, and its parts, exactly; a name
     with commas (a held tensor's shape) does not cut its row."""
