@@ -17,6 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
+PROBLEMS = ("error", "warning", "trace", "assert")  # console message types that fail the check
 CHROMIUM_FLAGS = ["--no-sandbox", "--disable-dev-shm-usage"]  # root in a container; small /dev/shm
 
 # What each section holds once drawn, counted in the page (JavaScript run by the browser).
@@ -28,6 +29,7 @@ ids => ids.map(id => {
   return {id, present: true, plots: plots.length,
           drawn: plots.filter(p => p.querySelector('svg.main-svg, canvas')).length,
           tables: s.querySelectorAll('table').length, nodata: s.querySelectorAll('.nodata').length,
+          slices: s.querySelectorAll('.sunburstlayer path.surface').length,
           text: s.innerText.slice(0, 200)};
 })
 """
@@ -44,8 +46,9 @@ def check_page(
     width: int = 1400,
     height: int = 1000,
 ) -> dict:
-    """Load the report; return {"errors": [console errors], "outside": [non-file URLs requested],
-    "sections": [per-section state]}. Takes a screenshot when asked."""
+    """Load the report; return {"errors": [console errors, warnings and traces, page errors],
+    "outside": [non-file URLs requested], "sections": [per-section state], "slices": sunburst
+    sectors drawn in the page}. Takes a screenshot when asked."""
     from playwright.sync_api import sync_playwright
 
     from minigpt.report import SECTIONS
@@ -65,17 +68,20 @@ def check_page(
         try:
             page = browser.new_page(viewport={"width": width, "height": height})
             page.route("**/*", route)
-            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            # Plotly reports a chart it could not build (a sunburst parent that is missing) as a
+            # console trace beginning "WARN:" and draws nothing: a warning or a trace fails as an error does.
+            page.on("console", lambda m: errors.append(f"{m.type}: {m.text}") if m.type in PROBLEMS else None)
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(Path(report).resolve().as_uri(), wait_until="load", timeout=120_000)
             page.wait_for_timeout(1500)  # let plotly finish its first draw
             sections = page.evaluate(SECTION_STATE_JS, [sid for sid, _ in SECTIONS])
+            slices = page.evaluate("document.querySelectorAll('.sunburstlayer path.surface').length")
             if screenshot is not None:
                 screenshot.parent.mkdir(parents=True, exist_ok=True)
                 page.screenshot(path=str(screenshot), full_page=full_page)
         finally:
             browser.close()
-    return {"errors": errors, "outside": outside, "sections": sections}
+    return {"errors": errors, "outside": outside, "sections": sections, "slices": slices}
 
 
 def shrink(png: Path) -> None:

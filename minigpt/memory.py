@@ -977,8 +977,9 @@ def _layer(path: str, own: int, total: int) -> str:
 
 
 # memory.log writes MiB; InternEvo's logs write MB for the same unit: both are read.
+# A name may hold commas (a held tensor's shape, "int64[4, 64]"): the path ends at ", layer_mem: ".
 _LAYER = re.compile(
-    r"^(?P<indent>\s*)layer: (?P<path>[^,]*), layer_mem: (?P<own>[\d.]+) Mi?B, "
+    r"^(?P<indent>\s*)layer: (?P<path>.*?), layer_mem: (?P<own>[\d.]+) Mi?B, "
     r"total_mem: (?P<total>[\d.]+) Mi?B"
     r"(?:, layer_bytes: (?P<own_b>\d+), total_bytes: (?P<total_b>\d+))?"
 )
@@ -1048,6 +1049,37 @@ def parse_memory_log(text: str) -> list[dict]:
     return states
 
 
+def peak_of_state(state: dict) -> dict | None:
+    """The measured peak of one parsed memory.log state, for a reader of the run (the report):
+    {"peak": bytes, "stage", "where", "parts": {part: {name: bytes}}}, the parts as peak_layout
+    lists them (PEAK_PARTS order), which add up to the peak. None when the step's peak was not
+    measured (the log then has a peak_note) or the log predates the measured peak."""
+    peak = state["summary"].get("peak_memory")
+    rows = state["layouts"].get(PEAK_SECTION)
+    if peak is None or rows is None:
+        return None
+    parts: dict[str, dict[str, int]] = {}
+    current: dict[str, int] | None = None
+    for row in rows:
+        if row["depth"] == 1:
+            current = parts.setdefault(row["path"], {})
+        elif row["depth"] == 2 and current is not None:
+            current[row["path"]] = current.get(row["path"], 0) + row["layer_bytes"]
+    return {"peak": peak, "stage": state.get("peak_stage"), "where": state.get("peak_where"), "parts": parts}
+
+
+def category_leaves(state: dict) -> dict[str, dict[str, int]]:
+    """Each category's own bytes per path, {category: {path under its root: bytes}}, read back
+    from a parsed memory.log state's layouts: what the breakdown's dicts held."""
+    out: dict[str, dict[str, int]] = {}
+    for category, (root, section) in LAYOUT.items():
+        leaves = out[category] = {}
+        for row in state["layouts"].get(section, []):
+            if row["layer_bytes"] > 0 and row["path"] != root:
+                leaves[row["path"].removeprefix(root + ".")] = row["layer_bytes"]
+    return out
+
+
 # ---------------------------------------------------------------------------- sunburst charts
 
 
@@ -1066,21 +1098,21 @@ def _sunburst_html(rows: list[tuple[str, str, str, int]], title: str) -> str:
             hovertemplate="%{id}<br>%{customdata:.2f} MiB<br>%{percentRoot:.1%} of the chart<extra></extra>",
         )
     )
-    fig.update_layout(title=title, margin=dict(t=50, l=0, r=0, b=0))
+    fig.update_layout(title=title, margin=dict(t=80, l=0, r=0, b=0))  # two-line titles
     return fig.to_html(include_plotlyjs=True, full_html=True)
 
 
 OWN = "(itself)"  # a node's own bytes beside its children's, drawn as a named slice, not a blank gap
 
 
-def _category_rows(
-    b: MemoryBreakdown, category: str, max_depth: int | None = None, parent: str = ""
+def category_rows(
+    leaves: dict[str, int], category: str, max_depth: int | None = None, parent: str = ""
 ) -> list[tuple[str, str, str, int]]:
-    """(id, label, parent, bytes) rows of one category's tree; ids are memory.log's paths. A node
-    that holds bytes itself and has children gets a child "<name> (itself)" for its own bytes, so
-    that no part of a ring is left unnamed."""
+    """(id, label, parent, bytes) rows of one category's tree (leaves: a MemoryBreakdown's dict of
+    that category); ids are memory.log's paths. A node that holds bytes itself and has children
+    gets a child "<name> (itself)" for its own bytes, so that no part of a ring is left unnamed."""
     root = LAYOUT[category][0]
-    tree = [r for r in _tree(getattr(b, category), root) if max_depth is None or r[1] <= max_depth]
+    tree = [r for r in _tree(leaves, root) if max_depth is None or r[1] <= max_depth]
     has_children = {path.rsplit(".", 1)[0] for path, depth, _, _ in tree if depth}
     rows = []
     for path, depth, own, total in tree:
@@ -1092,17 +1124,23 @@ def _category_rows(
     return rows
 
 
-def _peak_rows(b: MemoryBreakdown, parent: str = "") -> list[tuple[str, str, str, int]]:
-    """(id, label, parent, bytes) rows of the measured peak: the peak > its parts > their names."""
-    rows = [(PEAK_ROOT, "peak", parent, b.peak)]
-    for part in PEAK_PARTS:
-        if not b.peak_part(part):
+def peak_rows(
+    parts: dict[str, dict[str, int]], parent: str = "", label: str = "peak"
+) -> list[tuple[str, str, str, int]]:
+    """(id, label, parent, bytes) rows of the measured peak: the peak > its parts > their names.
+    A node's value is the sum of its drawn children (plotly's branchvalues="total" refuses a parent
+    smaller than its children): only positive names are drawn, so on CUDA a negative "(not seen by
+    the profiler)" correction leaves the chart, and the root is then the drawn bytes, not the peak.
+    With no negative name the root is the measured peak, since the parts add up to it."""
+    body: list[tuple[str, str, str, int]] = []
+    for part in [p for p in PEAK_PARTS if p in parts] + [p for p in parts if p not in PEAK_PARTS]:
+        items = [(name, nbytes) for name, nbytes in parts[part].items() if nbytes > 0]
+        if not items:
             continue
-        rows.append((f"{PEAK_ROOT}/{part}", PEAK_PART_NAMES[part], PEAK_ROOT, b.peak_part(part)))
-        for name, nbytes in b.peak_parts[part].items():
-            if nbytes:
-                rows.append((f"{PEAK_ROOT}/{part}/{name}", name, f"{PEAK_ROOT}/{part}", nbytes))
-    return rows
+        pid = f"{PEAK_ROOT}/{part}"
+        body.append((pid, PEAK_PART_NAMES.get(part, part), PEAK_ROOT, sum(v for _, v in items)))
+        body += [(f"{pid}/{name}", name, pid, nbytes) for name, nbytes in items]
+    return [(PEAK_ROOT, label, parent, sum(r[3] for r in body if r[2] == PEAK_ROOT))] + body
 
 
 def write_memory_trace(
@@ -1120,20 +1158,28 @@ def write_memory_trace(
     }
     files = {MEMORY_LOG: format_memory_log(b, estimate)}
     for category in CATEGORIES:
-        files[SUNBURST_FILES[category]] = _sunburst_html(_category_rows(b, category), titles[category])
+        rows = category_rows(getattr(b, category), category)
+        files[SUNBURST_FILES[category]] = _sunburst_html(rows, titles[category])
     step = f" at step {b.step}" if b.step is not None else ""
     if b.peak is not None:
         files[SUNBURST_FILES["peak"]] = _sunburst_html(
-            _peak_rows(b), f"Measured peak{step}: {b.peak / MiB:.2f} MiB, in {b.peak_where}"
+            peak_rows(b.peak_parts),
+            f"Measured peak{step}: {b.peak / MiB:.2f} MiB (what was live then; the parts add up to it)"
+            f"<br>in {b.peak_where}",
         )
-    summary = [("total", "total", "", sum(b.category_total(c) for c in CATEGORIES))]
+    summary = [("total", "sum of the categories", "", sum(b.category_total(c) for c in CATEGORIES))]
     for category in CATEGORIES:
-        summary += _category_rows(b, category, max_depth=SUMMARY_DEPTH, parent="total")
-    peak = f", measured peak {b.peak / MiB:.2f} MiB" if b.peak is not None else ""
+        summary += category_rows(getattr(b, category), category, max_depth=SUMMARY_DEPTH, parent="total")
+    peak = (
+        f"the measured peak is {b.peak / MiB:.2f} MiB ({SUNBURST_FILES['peak']})"
+        if b.peak is not None
+        else "the peak was not measured"
+    )
     files[SUNBURST_FILES["summary"]] = _sunburst_html(
         summary,
-        f"Memory{step}: {sum(b.category_total(c) for c in CATEGORIES) / MiB:.2f} MiB "
-        f"(activation peak {b.activations_peak / MiB:.2f} MiB{peak})",
+        f"By category{step}: {sum(b.category_total(c) for c in CATEGORIES) / MiB:.2f} MiB, a sum of parts "
+        "never all live at once<br>(parameters + gradients + optimizer state + every saved activation; "
+        f"{peak})",
     )
     paths = []
     for name, text in files.items():

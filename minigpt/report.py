@@ -16,13 +16,23 @@ from __future__ import annotations
 
 import argparse
 import html
+import math
 import statistics
 import sys
 from pathlib import Path
 
 from minigpt.fileio import atomic_write
+from minigpt.memory import (
+    CATEGORIES,
+    PEAK_PART_NAMES,
+    PEAK_PARTS,
+    category_leaves,
+    category_rows,
+    peak_of_state,
+    peak_rows,
+)
 from minigpt.metrics import MEMORY_BREAKDOWN_KEYS
-from minigpt.paths import REPORT_FILE
+from minigpt.paths import METRICS_FILE, REPORT_FILE
 from minigpt.runfiles import Run, RunError, load_run, timeline_events
 from minigpt.stages import STAGE_NAMES, color, label, split_parent
 
@@ -52,6 +62,7 @@ td:first-child, th:first-child { text-align: left; }
 td.name { text-align: left; font-family: monospace; max-width: 60em; overflow-wrap: anywhere; }
 .nodata { color: #777; font-style: italic; } .problem { color: #a40; }
 .kv td { text-align: left; } .kv td:first-child { color: #555; }
+td.sum { font-weight: bold; border-top: 1px solid #999; } .headline { font-size: 1.15em; }
 .new { color: #a40; } .gone { color: #06a; } .grid { display: flex; flex-wrap: wrap; gap: 2em; }
 """
 
@@ -115,6 +126,35 @@ def fmt(x, digits: int = 2) -> str:
     if isinstance(x, float):
         return f"{x:,.{digits}f}"
     return f"{x:,}" if isinstance(x, int) else str(x)
+
+
+def tflops(x: float) -> str:
+    """TFLOP/s to three significant digits: 989, 1.36, 0.00861 (a fixed 3 decimals would show a
+    CPU's 0.009 and a GPU's 989.000)."""
+    if not x:
+        return "0"
+    digits = max(0, 2 - math.floor(math.log10(abs(x))))
+    return f"{x:,.{digits}f}"
+
+
+def flops_spread(spread) -> str | None:
+    """config.json's peak_flops_spread, [lowest, highest] FLOP/s over the measuring rounds, as
+    "1.04-1.36 TFLOP/s"; None when the run has none (a table's figure, or --peak-tflops)."""
+    if not isinstance(spread, (list, tuple)) or len(spread) != 2:
+        return None
+    if not all(isinstance(v, (int, float)) and v > 0 for v in spread):
+        return None
+    return f"{tflops(spread[0] / 1e12)}-{tflops(spread[1] / 1e12)} TFLOP/s"
+
+
+def fitted_range(values: list) -> list[float] | None:
+    """A y range for a series that is one value (one logged step, or a constant learning rate):
+    plotly would centre it on a -1..1 axis, where 3e-4 reads as 0. None: let plotly fit it."""
+    values = [v for v in values if isinstance(v, (int, float))]
+    if not values or min(values) != max(values) or values[0] == 0:
+        return None
+    v = values[0]
+    return [0.0, 2 * v] if v > 0 else [2 * v, 0.0]
 
 
 def median(values: list) -> float | None:
@@ -200,12 +240,12 @@ def summary_section(run: Run) -> str:
         (cfg.get("batch_size") or 0) * (cfg.get("seq_len") or 0) * (cfg.get("grad_accum_steps") or 1)
     )
     peak = (
-        f"{fmt(t['peak_tflops'], 3)} TFLOP/s per device ({t['peak_flops_source'] or 'source not recorded'})"
+        f"{tflops(t['peak_tflops'])} TFLOP/s per device ({t['peak_flops_source'] or 'source not recorded'})"
         if t["peak_tflops"] is not None
         else "n/a"
     )
-    if t["peak_flops_spread"] is not None:
-        peak += f", spread {t['peak_flops_spread']}"
+    if spread := flops_spread(t["peak_flops_spread"]):
+        peak += f"; the measuring rounds gave {spread}"
     rows = [
         ("run", str(run.path)),
         (
@@ -291,11 +331,17 @@ def curves_section(run: Run) -> str:
             1,
             1,
         )
-    fig.add_trace(
-        go.Scatter(x=steps, y=[r.get("lr") for r in run.metrics], name="lr", mode="lines+markers"), 1, 2
-    )
+    lrs = [r.get("lr") for r in run.metrics]
+    fig.add_trace(go.Scatter(x=steps, y=lrs, name="lr", mode="lines+markers"), 1, 2)
     fig.update_xaxes(title_text="step")
-    return figure(fig, "curves-plot", 340)
+    fig.update_yaxes(exponentformat="e", range=fitted_range(lrs), row=1, col=2)  # 3e-4, not 300µ
+    body = ""
+    if len(run.metrics) == 1:
+        body = (
+            f"<p>One logged step (step {esc(steps[0])}): each chart of this page holds one point per "
+            "series; --log-interval N logs every N steps.</p>"
+        )
+    return body + figure(fig, "curves-plot", 340)
 
 
 def stages_section(run: Run) -> str:
@@ -436,13 +482,18 @@ def timeline_section(run: Run) -> str:
     # Per step and stage, from the trace summary: host ms (and device busy ms on a GPU).
     s = run.traces[0]
     names = list(s.get("stages") or STAGE_NAMES)
+    # Time in collectives is shown where the trace has collectives (DDP, FSDP), not as "(comm 0.00)".
+    comm = any(
+        (st.get("comm_host_ms") or 0) > 0 or (st.get("comm_device_ms") or 0) > 0
+        for st in s["totals"]["stages"].values()
+    )
     rows = []
     for row in s["steps"]:
         cells = [row["step"]]
         for n in names:
             st = row["stages"].get(n, {})
             cell = fmt(st.get("host_ms")) + ("" if cpu else f" / {fmt(st.get('device_busy_ms'))}")
-            if isinstance(st.get("comm_host_ms"), (int, float)):  # collectives inside the stage (DDP)
+            if comm and isinstance(st.get("comm_host_ms"), (int, float)):  # collectives inside the stage
                 cell += f" (comm {fmt(st['comm_host_ms'])})"
             cells.append(cell)
         cells.append(fmt(row.get("host_ms")) + ("" if cpu else f" / {fmt(row.get('device_busy_ms'))}"))
@@ -512,38 +563,180 @@ def operators_section(run: Run) -> str:
     return body
 
 
-def _sunburst(state: dict):
-    """memory.log's layouts as one sunburst: total > category > module > ... (3 levels deep)."""
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / MB:,.2f} MiB"
+
+
+def measured_peaks(run: Run) -> list[dict]:
+    """The measured peak of each rank that has one, rank 0 first: {"rank", "step", "peak" (bytes),
+    "stage", "where", "parts": {part: {name: bytes}}}, the parts adding up to the peak. memory.log's
+    peak_layout names every byte; without memory.log, metrics.jsonl's record gives each part's
+    total and the names of the activations, temporaries and held tensors."""
+    out = []
+    for state in run.memory:
+        p = peak_of_state(state)
+        if p is not None:
+            out.append({**p, "rank": state["rank"], "step": state["step"]})
+    b = run.breakdown()
+    if out or not b or not isinstance(b.get("peak"), (int, float)):
+        return out
+    totals = b.get("peak_parts") or {}
+    named = {
+        "activations": b.get("peak_activations"),
+        "temporaries": b.get("temporaries"),
+        "held": b.get("held"),
+    }
+    parts: dict[str, dict[str, int]] = {}
+    for part in PEAK_PARTS:
+        names = named.get(part) or {}
+        if names and sum(names.values()) == totals.get(part):
+            parts[part] = dict(names)
+        elif totals.get(part):
+            parts[part] = {f"{PEAK_PART_NAMES[part]} (not named in {METRICS_FILE})": totals[part]}
+    where = {"stage": b.get("peak_stage"), "where": b.get("peak_where")}
+    return [{"peak": b["peak"], **where, "parts": parts, "rank": 0, "step": b.get("step")}]
+
+
+def _sunburst_figure(rows: list[tuple[str, str, str, int]], title: str):
+    """memory.py's (id, label, parent, bytes) rows as a plotly sunburst: every parent is a row, and
+    a parent's value is its children's sum (branchvalues="total")."""
     import plotly.graph_objects as go
 
-    ids, labels, parents, values = ["total"], ["total"], [""], [0]
-    for rows in state["layouts"].values():
-        for row in rows:
-            if row["depth"] > 3 or row["total_bytes"] <= 0:
-                continue
-            parts = row["path"].split(".")
-            ids.append(row["path"])
-            labels.append(".".join(parts[-2:]) if parts[-1].isdigit() else parts[-1])
-            parents.append(".".join(parts[:-1]) if row["depth"] else "total")
-            values.append(row["total_bytes"])
-            if row["depth"] == 0:
-                values[0] += row["total_bytes"]
     fig = go.Figure(
         go.Sunburst(
-            ids=ids,
-            labels=labels,
-            parents=parents,
-            values=values,
+            ids=[r[0] for r in rows],
+            labels=[r[1] for r in rows],
+            parents=[r[2] for r in rows],
+            values=[r[3] for r in rows],
             branchvalues="total",
-            customdata=[v / MB for v in values],
-            hovertemplate="%{id}<br>%{customdata:.2f} MiB<extra></extra>",
+            customdata=[r[3] / MB for r in rows],
+            texttemplate="%{label}<br>%{customdata:.1f} MiB",
+            hovertemplate="%{label}<br>%{customdata:.2f} MiB, %{percentRoot:.1%} of the chart<extra></extra>",
         )
     )
-    fig.update_layout(
-        title=f"rank {state['rank']}, step {state['step']}: "
-        f"{values[0] / MB:.2f} MiB (activations counted once, as saved)"
-    )
+    fig.update_layout(title=title)
     return fig
+
+
+def _peak_body(p: dict, est: dict | None, ranks: int) -> str:
+    """The measured peak in words, a table of the parts live at that moment (they add up to it),
+    and the sunburst of those parts."""
+    stage = p["stage"] or "n/a"
+    where = (p["where"] or "").removeprefix(f"{stage} / ") or "n/a"
+    who = f"rank {p['rank']}, " if ranks > 1 else ""
+    body = (
+        f'<p class="headline">Measured peak: <b>{esc(_mib(p["peak"]))}</b> ({who}step {esc(p["step"])}), '
+        f"during <b>{esc(stage)}</b>, at {esc(where)}.</p>"
+    )
+    rows = [
+        [
+            "measured peak",
+            f"{_mib(p['peak'])} ({p['peak']:,} bytes): the allocator's highest figure in step "
+            f"{p['step']}, replayed from its allocations and frees",
+        ],
+        ["when (stage)", stage],
+        ["where (module / op)", where],
+    ]
+    if est and isinstance(est.get("peak"), (int, float)):
+        rows.append(
+            [
+                "estimated peak",
+                f"{_mib(est['peak'])} ({100 * (est['peak'] - p['peak']) / p['peak']:+.1f}%), "
+                f"at {est.get('peak_moment') or 'n/a'} ({est.get('peak_stage') or 'n/a'})",
+            ]
+        )
+    body += table(["", ""], rows, cls="kv")
+    total = sum(v for names in p["parts"].values() for v in names.values())
+    part_rows = []
+    for part in PEAK_PARTS:
+        names = sorted(p["parts"].get(part, {}).items(), key=lambda kv: -kv[1])
+        nbytes = sum(v for _, v in names)
+        top = "; ".join(f"{n} {v / MB:,.2f}" for n, v in names[:3] if v) + ("; ..." if len(names) > 3 else "")
+        part_rows.append([PEAK_PART_NAMES[part], fmt(nbytes / MB), f"{100 * nbytes / p['peak']:.1f}%", top])
+    same = total == p["peak"]
+    part_rows.append(
+        [
+            ("sum of the parts", "sum"),
+            (fmt(total / MB), "sum"),
+            (f"{100 * total / p['peak']:.1f}%", "sum"),
+            (
+                "= the measured peak"
+                if same
+                else f"differs from the measured peak by {_mib(total - p['peak'])}: memory.log is cut or old",
+                "sum" if same else "problem",
+            ),
+        ]
+    )
+    body += "<p>Live at the peak, every byte named once:</p>" + table(
+        ["part", "MiB", "of the peak", "largest (MiB)"], part_rows, name_col=3
+    )
+    title = f"{who}step {p['step']}: the measured peak, {_mib(p['peak'])}, by what was live"
+    return body + figure(_sunburst_figure(peak_rows(p["parts"]), title), "memory-sunburst", 520)
+
+
+def _categories_body(b: dict, est: dict | None) -> str:
+    """Each category over the whole step, measured and estimated; their sum labelled as one."""
+    import plotly.graph_objects as go
+
+    cats = [("peak", "measured peak")] if isinstance(b.get("peak"), (int, float)) else []
+    cats += [
+        ("params", "parameters"),
+        ("grads", "gradients"),
+        ("optimizer", "optimizer state"),
+        ("activations", "activations (all saved)"),
+        ("activations_peak", "activation peak"),
+        ("total", SUM_OF_PARTS),
+    ]
+    fig = go.Figure(
+        go.Bar(
+            x=[t for _, t in cats],
+            y=[(b.get(k) or 0) / MB for k, _ in cats],
+            name="measured",
+            marker_color="teal",
+        )
+    )
+    if est:
+        fig.add_trace(
+            go.Bar(
+                x=[t for _, t in cats],
+                y=[(est.get(k) or 0) / MB for k, _ in cats],
+                name="estimate",
+                marker_color="orange",
+            )
+        )
+    fig.update_layout(
+        barmode="group",
+        yaxis_title="MiB",
+        title=f"by category over step {b.get('step')}" + (", against the estimate" if est else ""),
+    )
+    rows = [
+        [
+            t,
+            fmt((b.get(k) or 0) / MB),
+            fmt((est or {}).get(k, 0) / MB) if est else "n/a",
+            (f"{100 * (est[k] - b[k]) / b[k]:+.1f}%" if est and b.get(k) and k in est else "n/a"),
+        ]
+        for k, t in cats
+    ]
+    note = (
+        "<p>Each category is measured over the whole step. Gradients and activations are never all "
+        f"alive at once and the ops' temporaries are in none of them, so the {esc(SUM_OF_PARTS)} "
+        "(parameters + gradients + optimizer state + activation peak) is not a peak: "
+        + (
+            "the measured peak is."
+            if isinstance(b.get("peak"), (int, float))
+            else "the step's peak was not measured."
+        )
+        + "</p>"
+    )
+    return (
+        note
+        + figure(fig, "memory-estimate", 360)
+        + table(["MiB", "measured", "estimate", "difference"], rows)
+    )
+
+
+SUM_OF_PARTS = "sum of the categories"
 
 
 def memory_section(run: Run) -> str:
@@ -551,11 +744,34 @@ def memory_section(run: Run) -> str:
 
     body = ""
     b = run.breakdown()
+    est = dict((b or {}).get("estimate") or {}) or None
+    if est and "activations_peak" not in est and "activations" in est:
+        est["activations_peak"] = est["activations"]  # the estimate counts every saved tensor live at once
+    peaks = measured_peaks(run)
+    if peaks:
+        body += _peak_body(peaks[0], est, len(run.memory))
+        if len(peaks) > 1:
+            body += "<p>Every rank's measured peak:</p>" + table(
+                ["rank", "step", "MiB", "stage", "where"],
+                [[p["rank"], p["step"], fmt(p["peak"] / MB), p["stage"], p["where"]] for p in peaks],
+                name_col=4,
+            )
+    elif run.memory or b:
+        state = run.memory[0] if run.memory else {}
+        note = state.get("peak_note") or (b or {}).get("peak_note") or "this run's memory.log predates it"
+        body += f'<p class="headline">Measured peak: {esc(note)}.</p>'
+        if run.memory:  # the categories' trees, labelled as the sum they are
+            leaves = category_leaves(state)
+            rows = [("total", SUM_OF_PARTS, "", sum(sum(v.values()) for v in leaves.values()))]
+            for category in CATEGORIES:
+                rows += category_rows(leaves[category], category, max_depth=3, parent="total")
+            title = (
+                f"step {state['step']} by category: {_mib(rows[0][3])}, a sum of parts never all live at once"
+            )
+            body += figure(_sunburst_figure(rows, title), "memory-sunburst", 520)
     if run.memory:
-        body += '<div class="grid">' + figure(_sunburst(run.memory[0]), "memory-sunburst", 460)
         folder = run.memory[0]["folder"]
         links = sorted(p.name for p in folder.glob("*_sunburst.html"))
-        body += "</div>"
         if links:
             rel = folder.relative_to(run.path)
             body += (
@@ -563,51 +779,8 @@ def memory_section(run: Run) -> str:
                 + ", ".join(f'<a href="{esc(rel / n)}">{esc(n)}</a>' for n in links)
                 + "</p>"
             )
-    est = dict((b or {}).get("estimate") or {}) or None
-    if est and "activations_peak" not in est and "activations" in est:
-        est["activations_peak"] = est["activations"]  # the estimate counts every saved tensor live at once
     if b:
-        cats = [
-            ("params", "parameters"),
-            ("grads", "gradients"),
-            ("optimizer", "optimizer state"),
-            ("activations", "activations"),
-            ("activations_peak", "activation peak"),
-            ("total", "total"),
-        ]
-        fig = go.Figure(
-            go.Bar(
-                x=[t for _, t in cats],
-                y=[(b.get(k) or 0) / MB for k, _ in cats],
-                name="measured",
-                marker_color="teal",
-            )
-        )
-        if est:
-            fig.add_trace(
-                go.Bar(
-                    x=[t for _, t in cats],
-                    y=[(est.get(k) or 0) / MB for k, _ in cats],
-                    name="estimate",
-                    marker_color="orange",
-                )
-            )
-        fig.update_layout(
-            barmode="group",
-            yaxis_title="MiB",
-            title=f"measured at step {b.get('step')}" + (" against the estimate" if est else ""),
-        )
-        body += figure(fig, "memory-estimate", 360)
-        rows = [
-            [
-                t,
-                fmt((b.get(k) or 0) / MB),
-                fmt((est or {}).get(k, 0) / MB) if est else "n/a",
-                (f"{100 * (est[k] - b[k]) / b[k]:+.1f}%" if est and b.get(k) and k in est else "n/a"),
-            ]
-            for k, t in cats
-        ]
-        body += table(["MiB", "measured", "estimate", "difference"], rows)
+        body += _categories_body(b, est)
     series = [
         (k, t)
         for k, t in (("rss_bytes", "RSS"), ("rss_peak_bytes", "peak RSS"))

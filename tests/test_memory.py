@@ -579,16 +579,63 @@ def test_no_chart_has_an_unnamed_slice(tmp_path):
 
     model, optimizer, _, s = tiny_gpt(**PEAK_SHAPE)
     b = trainer_steps(model, optimizer, s)
-    charts = {c: memory._category_rows(b, c) for c in memory.CATEGORIES}
-    charts["peak"] = memory._peak_rows(b)
+    charts = {c: memory.category_rows(getattr(b, c), c) for c in memory.CATEGORIES}
+    charts["peak"] = memory.peak_rows(b.peak_parts)
     for name, rows in charts.items():
         children: dict = {}
+        ids = {r[0] for r in rows}
         for rid, label, parent, value in rows:
             assert label.strip(), (name, rid)
+            assert value > 0 and (parent == "" or parent in ids), (name, rid, parent)  # plotly draws it
             children.setdefault(parent, []).append(value)
         for rid, _, _, value in rows:
             if rid in children:
                 assert sum(children[rid]) == value, (name, rid)
+    assert charts["peak"][0][3] == b.peak  # the chart's centre is the measured peak: its parts add up to it
+
+
+def test_the_peak_chart_draws_when_cuda_corrects_the_profiler_downwards():
+    """On CUDA the peak is max_memory_allocated and "(not seen by the profiler)" the difference,
+    which may be negative: plotly refuses a negative sector or a parent smaller than its children,
+    so the chart draws the positive bytes, each parent the sum of its children."""
+    from minigpt import memory
+
+    parts = {
+        "params": {"wte.weight": 4096},
+        "grads": {},
+        "temporaries": {"forward / lm_head / aten::mm": 8192, "(not seen by the profiler)": -512},
+    }
+    rows = memory.peak_rows(parts)
+    ids = {r[0] for r in rows}
+    assert all(value > 0 and (parent == "" or parent in ids) for _, _, parent, value in rows)
+    assert {r[0]: r[3] for r in rows} == {
+        "peak_mem": 4096 + 8192,
+        "peak_mem/params": 4096,
+        "peak_mem/params/wte.weight": 4096,
+        "peak_mem/temporaries": 8192,
+        "peak_mem/temporaries/forward / lm_head / aten::mm": 8192,
+    }
+
+
+def test_the_peak_reads_back_from_memory_log_with_parts_that_add_up_to_it():
+    """What the report reads: memory.log's peak, when and where, and its parts, exactly; a name
+    with commas (a held tensor's shape) does not cut its row."""
+    from minigpt import memory
+
+    model, optimizer, _, s = tiny_gpt(**PEAK_SHAPE)
+    b = trainer_steps(model, optimizer, s)
+    b.peak_parts["held"]["held before the step: int64[4, 64]"] = 2048
+    b.peak += 2048
+    p = memory.peak_of_state(parse_memory_log(format_memory_log(b))[0])
+    assert p["peak"] == b.peak and p["stage"] == b.peak_stage and p["where"] == b.peak_where
+    assert p["parts"] == {part: {n: v for n, v in b.peak_parts.get(part, {}).items()} for part in PEAK_PARTS}
+    assert sum(v for names in p["parts"].values() for v in names.values()) == b.peak
+    leaves = memory.category_leaves(parse_memory_log(format_memory_log(b))[0])
+    assert {c: sum(v.values()) for c, v in leaves.items()} == {
+        c: b.category_total(c) for c in memory.CATEGORIES
+    }
+    b.peak, b.peak_note = None, "not measured: another profiler was running"
+    assert memory.peak_of_state(parse_memory_log(format_memory_log(b))[0]) is None
 
 
 @pytest.mark.parametrize("amp", ["fp32", "bf16"])

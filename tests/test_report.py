@@ -5,6 +5,7 @@ file:// and no console error."""
 from __future__ import annotations
 
 import gzip
+import html
 import json
 import shutil
 import sys
@@ -13,7 +14,16 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TINY
 
-from minigpt.report import SECTIONS, main, write_report
+from minigpt.memory import (
+    MEMORY_LOG,
+    PEAK_PARTS,
+    MemoryBreakdown,
+    parse_memory_log,
+    peak_of_state,
+    peak_rows,
+    write_memory_trace,
+)
+from minigpt.report import SECTIONS, fitted_range, main, write_report
 from minigpt.runfiles import RunError, load_run
 
 KERNEL = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64"
@@ -275,6 +285,130 @@ def test_out_flag_and_existing_report_replaced(tmp_path, capsys):
     assert str(out) in capsys.readouterr().out
 
 
+def memory_html(page: str) -> str:
+    return page[page.index('<section id="memory">') : page.index('<section id="stragglers">')]
+
+
+def test_memory_section_leads_with_the_measured_peak(cpu_run):
+    """The first figure of the memory section is the allocator's peak, with its stage and op, and
+    the parts live then, which add up to it; the figures are memory.log's and metrics.jsonl's."""
+    mem = memory_html(write_report(cpu_run).read_text())
+    state = parse_memory_log((cpu_run / "memory_trace" / "rank0_dp0" / MEMORY_LOG).read_text())[-1]
+    p = peak_of_state(state)
+    record = load_run(cpu_run).breakdown()
+    assert p["peak"] == record["peak"] and p["stage"] == record["peak_stage"] in ("forward", "backward")
+    parts = {part: sum(p["parts"].get(part, {}).values()) for part in PEAK_PARTS}
+    assert sum(parts.values()) == p["peak"] and parts == record["peak_parts"]  # the parts add up to it
+    head = mem.index("Measured peak:")
+    assert head < mem.index("memory-sunburst") < mem.index("memory-estimate")
+    assert f"<b>{p['peak'] / 2**20:,.2f} MiB</b>" in mem[head : head + 200]
+    assert f"during <b>{p['stage']}</b>" in mem
+    assert html.escape(p["where"].removeprefix(f"{p['stage']} / ")) in mem
+    assert f"{p['peak']:,} bytes" in mem
+    for part, nbytes in parts.items():
+        assert f"<td>{nbytes / 2**20:,.2f}</td>" in mem, part
+    assert f'<td class="sum">{p["peak"] / 2**20:,.2f}</td>' in mem and "= the measured peak" in mem
+    # A sum of the categories is labelled as one, never as a "total" beside the peak.
+    assert "<td>total</td>" not in mem and "<td>sum of the categories</td>" in mem
+    assert "is not a peak" in mem
+
+
+def test_the_peak_without_memory_log_comes_from_metrics(tmp_path):
+    """A run whose memory.log is gone still leads with its peak: metrics.jsonl's record."""
+    record = {
+        "step": 3,
+        "params": 400,
+        "grads": 400,
+        "optimizer": 800,
+        "activations": 1000,
+        "activations_peak": 1000,
+        "total": 2600,
+        "peak": 3 * 2**20,
+        "peak_stage": "backward",
+        "peak_where": "backward / lm_head / MmBackward0: aten::mm",
+        "peak_parts": {
+            "params": 400,
+            "grads": 0,
+            "optimizer": 800,
+            "activations": 1000,
+            "temporaries": 3 * 2**20 - 2200,
+            "held": 0,
+        },
+        "peak_activations": {"lm_head": 1000},
+        "temporaries": {"backward / lm_head / MmBackward0: aten::mm": 3 * 2**20 - 2200},
+        "held": {},
+    }
+    mem = memory_html(write_report(make_run(tmp_path / "r", breakdown=record)).read_text())
+    assert (
+        "Measured peak: <b>3.00 MiB</b>" in mem and "during <b>backward</b>, at lm_head / MmBackward0" in mem
+    )
+    assert "= the measured peak" in mem and "memory-sunburst" in mem
+
+
+def unmeasured_run(folder: Path) -> Path:
+    """A run whose measured step ran inside the trace window: no peak, a note saying why."""
+    b = MemoryBreakdown(
+        step=5,
+        params={"wte.weight": 4096, "blocks.0.mlp.fc.weight": 2048},
+        grads={"wte.weight": 4096, "blocks.0.mlp.fc.weight": 2048},
+        optimizer={"wte.weight.exp_avg": 4096, "wte.weight.exp_avg_sq": 4096},
+        activations={"blocks.0.mlp": 1024, "blocks.0.mlp.fc": 512},
+        activations_peak=1536,
+        activation_dtypes={"float32": 1536},
+        peak_note="not measured: another profiler was running during this step",
+    )
+    run = make_run(folder, breakdown=b.to_record())
+    write_memory_trace(b, run / "memory_trace" / "rank0_dp0")
+    return run
+
+
+def test_an_unmeasured_peak_says_why_and_draws_the_sum_as_a_sum(tmp_path):
+    mem = memory_html(write_report(unmeasured_run(tmp_path / "r")).read_text())
+    assert "Measured peak: not measured: another profiler was running during this step." in mem
+    assert "a sum of parts never all live at once" in mem and "memory-sunburst" in mem
+    assert "is not a peak: the step's peak was not measured." in mem
+
+
+def test_one_logged_step_and_a_constant_lr_read_right(tmp_path):
+    run = make_run(tmp_path / "one", steps=(10,))
+    page = write_report(run).read_text()
+    assert "One logged step (step 10)" in page
+    assert fitted_range([3e-4]) == [0.0, 6e-4] and fitted_range([1e-3, 1e-3, 1e-3]) == [0.0, 2e-3]
+    assert fitted_range([1e-3, 5e-4]) is None and fitted_range([0.0]) is None  # plotly fits those itself
+    assert '"range":[0.0,0.0002]' in page  # the lr of step 10, 1e-4, mid-axis
+    assert "One logged step" not in write_report(make_run(tmp_path / "three")).read_text()
+
+
+def test_measured_flops_spread_is_in_tflops(tmp_path):
+    run = make_run(tmp_path / "r")
+    config = json.loads((run / "config.json").read_text())
+    config.update(peak_flops=2330541570715.065, peak_flops_spread=[1215599041154.5454, 2330541570715.065])
+    (run / "config.json").write_text(json.dumps(config))
+    page = write_report(run).read_text()
+    assert "2.33 TFLOP/s per device" in page and "the measuring rounds gave 1.22-2.33 TFLOP/s" in page
+    assert "1215599041154" not in page
+
+
+def test_comm_time_only_where_the_trace_has_collectives(tmp_path):
+    plain = write_report(make_run(tmp_path / "one", trace=gpu_trace_events())).read_text()
+    assert "(comm " not in plain
+    events = gpu_trace_events()
+    backward = next(e for e in events if e["name"] == "backward")
+    events.append(
+        {
+            "ph": "X",
+            "cat": "cpu_op",
+            "name": "c10d::allreduce_",
+            "pid": 1,
+            "tid": 1,
+            "ts": backward["ts"] + 100,
+            "dur": 3000,
+        }
+    )
+    ddp = write_report(make_run(tmp_path / "ddp", trace=events, world_size=2)).read_text()
+    assert "(comm 3.00)" in ddp and "(comm 0.00)" in ddp  # a stage without collectives, beside one with
+
+
 # ---------------------------------------------------------------------------- in a browser
 
 
@@ -315,3 +449,21 @@ def test_report_opens_offline_in_chromium(cpu_run, tmp_path):
     assert state["errors"] == [] and state["outside"] == []
     present = [s for s in state["sections"] if s["present"]]
     assert len(present) == 5 and all(s["drawn"] == s["plots"] for s in present)
+
+
+@pytest.mark.slow
+def test_memory_charts_draw_every_slice_without_a_console_warning(cpu_run, tmp_path):
+    """The sunburst of the report and each chart beside memory.log draw one sector per row, with no
+    console error, warning or trace (plotly's "Failed to build sunburst hierarchy" is a trace)."""
+    shots = _chromium_or_skip()
+    run = load_run(cpu_run)
+    rows = peak_rows(peak_of_state(run.memory[0])["parts"])
+    state = shots.check_page(write_report(cpu_run))
+    assert state["errors"] == [], state["errors"]
+    memory = {s["id"]: s for s in state["sections"]}["memory"]
+    assert memory["slices"] == len(rows) > 1 + len(PEAK_PARTS), memory
+    state = shots.check_page(write_report(unmeasured_run(tmp_path / "u")))
+    assert state["errors"] == [] and {s["id"]: s for s in state["sections"]}["memory"]["slices"] >= 8
+    for chart in sorted(run.memory[0]["folder"].glob("*_sunburst.html")):
+        state = shots.check_page(chart)
+        assert state["errors"] == [] and state["slices"] > 1, (chart.name, state["errors"])
