@@ -2,6 +2,7 @@
 start-up, each defined once, written on every metrics.jsonl record, and read unchanged by the last
 log line, the report and minigpt.compare; an older run without them says so."""
 
+import gzip
 import json
 import re
 import time
@@ -11,6 +12,7 @@ from conftest import TINY, run_cli
 from test_report import make_run
 
 from minigpt.compare import compare_runs, format_compare, headline
+from minigpt.instrument import PROFILER_STDERR_NOTE
 from minigpt.metrics import OLDER_RUN, RUN_KEYS, RunTotals, evaluation_notice, process_age_s
 from minigpt.report import summary_section
 from minigpt.runfiles import load_run
@@ -147,3 +149,36 @@ def test_a_long_evaluation_is_announced_and_a_short_one_is_not():
     assert evaluation_notice(20, 1500.0) == "evaluating (20 batches, about 30.0s)..."
     assert evaluation_notice(20, 10.0) is None
     assert evaluation_notice(20, None) is None  # no forward time measured: nothing to say
+
+
+def test_a_profiled_run_explains_torchs_stderr_lines_before_they_appear(tmp_path):
+    """torch writes 'USDT: ... profiler_start' and a CPUAllocator warning to stderr from C++ in
+    every profiled run: the log says what they are, once, before the profiler starts, and the run's
+    stderr holds nothing else unexplained."""
+    out = tmp_path / "run"
+    r = run_cli(
+        *TINY,
+        "--num-steps",
+        "4",
+        "--log-interval",
+        "2",
+        "--use-profiler",
+        "--profile-step-start",
+        "2",
+        "--profile-step-end",
+        "3",
+        "--out-dir",
+        str(out),
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    notes = [i for i, x in enumerate(lines) if PROFILER_STDERR_NOTE in x]
+    first_step = next(i for i, x in enumerate(lines) if " step 2/4 " in x)
+    assert len(notes) == 1 and notes[0] < first_step
+    explained = ("profiler_start", "profiler_stop", "Memory block of unknown size")
+    unexplained = [x for x in r.stderr.splitlines() if x.strip() and not any(e in x for e in explained)]
+    assert unexplained == []
+    (trace,) = (out / "traces").glob("rank0_dp0.*.pt.trace.json.gz")  # written whole, and readable
+    with gzip.open(trace, "rt") as f:
+        names = {e.get("name") for e in json.load(f)["traceEvents"]}
+    assert "ProfilerStep#2" in names and "[memory]" in names  # the step and its memory events
