@@ -5,8 +5,10 @@
     python -m minigpt.compare runs/fp32 runs/amp --html amp.html # the report, with the second run
 
 What the blog post this project grew from did by hand, screenshot by screenshot, for AMP against
-fp32: each stage's host and device time in A and in B and their ratio (B / A); tokens/s (per step,
-and end to end when the runs recorded it), MFU and peak memory by category; the top host
+fp32: each stage's host and device time in A and in B and their ratio (B / A); the runs' own
+tokens/s over the steps alone and end to end and their start-up (metrics.jsonl's last record; "n/a
+(older run)" where a trainer did not write them), the median interval's tokens/s, MFU, and peak
+memory by category; the top host
 operators and device kernels of the two traces matched by name, with what is new in B, gone from
 A, or changed; and the losses at the steps both runs logged. Runs without traces compare without
 the operator tables. Model shapes that differ are allowed (that may be the point of the

@@ -53,7 +53,8 @@ def format_duration(seconds: float) -> str:
 class StepRecord:
     """One logged step: the one definition of what the console line, metrics.jsonl and TensorBoard
     show. metrics.jsonl holds one of these per line, under these keys (README "Run directory").
-    Times are the means over the steps since the previous record."""
+    Times are the means over the steps since the previous record, except the run_* keys,
+    tokens_per_s_e2e, elapsed_s and startup_s: those are the run so far (RunTotals)."""
 
     step: int  # training steps done (1-based)
     num_steps: int
@@ -316,6 +317,7 @@ class TensorBoardLogger:
             "train/lr": r.lr,
             "perf/tokens_per_s": r.tokens_per_s,
             "perf/tokens_per_s_e2e": r.tokens_per_s_e2e,
+            "perf/run_tokens_per_s": r.run_tokens_per_s,  # the run so far, the steps alone
             "perf/tokens_per_s_per_rank": r.tokens_per_s_per_rank,
             "perf/mfu": r.mfu,
             "perf/achieved_tflops": r.achieved_tflops,
