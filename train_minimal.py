@@ -713,7 +713,7 @@ def finish(
     if cost := inst.profiler_cost():
         log.info(cost)
     if dist_info.is_main:
-        log.info(format_finished(record, step - rate.start_step))
+        log.info(format_finished(record, step - rate.start_step, rate.start_step))
     if not cfg.no_report:
         write_run_report(out_dir, dist_info, log)
     log.info(f"Checkpoint: {ckpt_path}" if ckpt_path.exists() else "Checkpoint: none (--no-checkpoint)")

@@ -173,8 +173,9 @@ def run_figures(records: list[dict]) -> dict[str, float | None]:
     return {k: last.get(k) if isinstance(last.get(k), (int, float)) else None for k in RUN_KEYS}
 
 
-def format_finished(r: StepRecord, steps: int) -> str:
-    """The run's last line: its figures exactly as metrics.jsonl's last record holds them."""
+def format_finished(r: StepRecord, steps: int, resumed_at: int = 0) -> str:
+    """The run's last line: its figures exactly as metrics.jsonl's last record holds them. A run
+    resumed at step `resumed_at` counts from there: the steps before were another process's."""
     startup = (
         f"start-up {format_duration(r.startup_s)} before the loop, in neither figure"
         if r.startup_s is not None
@@ -182,7 +183,9 @@ def format_finished(r: StepRecord, steps: int) -> str:
     )
     val = f"val loss {r.val_loss:.4f}, val ppl {r.val_ppl:.1f}" if r.val_loss is not None else "no evaluation"
     return (
-        f"Training finished: {steps} steps, {r.run_tokens:,} tokens; {val}; "
+        f"Training finished: {steps} steps"
+        + (f" (since the resume at step {resumed_at})" if resumed_at else "")
+        + f", {r.run_tokens:,} tokens; {val}; "
         f"{r.run_tokens_per_s:,.0f} tokens/s over the steps alone ({r.run_step_time_s:.2f}s, every "
         f"step's time summed), {r.tokens_per_s_e2e:,.0f} tokens/s end to end ({r.elapsed_s:.2f}s of "
         f"loop: evaluations, logging and checkpoints included); {startup}"

@@ -140,6 +140,7 @@ def throughput(run: Run) -> dict:
     c = run.config
     return {
         **run_figures(run.metrics),
+        "resumed": bool(c.get("config", {}).get("resume")),  # the run's figures count from the resume
         "tokens_per_s": median([r.get("tokens_per_s") for r in m]),
         "tokens_per_s_per_rank": median([r.get("tokens_per_s_per_rank") for r in m]),
         "mfu": median([r.get("mfu") for r in m]),
@@ -196,7 +197,8 @@ def throughput_rows(t: dict) -> list[tuple[str, str]]:
     says), then the per-interval median for comparison with the log lines."""
     tokens = f"{t['run_tokens']:,} tokens" if t["run_tokens"] is not None else "tokens"
     steps_alone = (
-        f"{fmt(t['run_tokens_per_s'], 0)} (the whole run: {tokens} / {t['run_step_time_s']:.2f}s, "
+        f"{fmt(t['run_tokens_per_s'], 0)} ({'since the resume' if t['resumed'] else 'the whole run'}: "
+        f"{tokens} / {t['run_step_time_s']:.2f}s, "
         "every step's time summed)"
         if t["run_tokens_per_s"] is not None
         else OLDER_RUN

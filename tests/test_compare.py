@@ -96,7 +96,9 @@ def test_text_output(pair):
     assert "forward" in text and "aten::mm" in text and "new" in text and "gone" in text
     assert "losses at the steps both runs logged" in text
     line = headline(compare_runs(*pair))
-    assert line.startswith("tokens/s (median interval) 2.00x; stages backward 0.50x, forward 0.50x; operators aten::mm -4.0 ms")
+    assert line.startswith(
+        "tokens/s (median interval) 2.00x; stages backward 0.50x, forward 0.50x; operators aten::mm -4.0 ms"
+    )
     # the measured peak, not the sum of parts: (16 + 18) / (16 + 30) MiB = 0.739 (the sum: 0.846)
     assert line.endswith("peak memory 0.74x")
 

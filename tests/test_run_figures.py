@@ -5,12 +5,15 @@ log line, the report and minigpt.compare; an older run without them says so."""
 import gzip
 import json
 import re
+import signal
 import time
 
 import pytest
 from conftest import TINY, run_cli
 from test_report import make_run
+from test_train import sigterm_at
 
+import train_minimal
 from minigpt.compare import compare_runs, format_compare, headline
 from minigpt.instrument import PROFILER_STDERR_NOTE
 from minigpt.metrics import OLDER_RUN, RUN_KEYS, RunTotals, evaluation_notice, process_age_s
@@ -182,3 +185,17 @@ def test_a_profiled_run_explains_torchs_stderr_lines_before_they_appear(tmp_path
     with gzip.open(trace, "rt") as f:
         names = {e.get("name") for e in json.load(f)["traceEvents"]}
     assert "ProfilerStep#2" in names and "[memory]" in names  # the step and its memory events
+
+
+def test_a_resumed_run_counts_from_its_resume(tmp_path, capsys):
+    """The steps before a resume were another process's: the resumed run's figures, its last line
+    and its report count from the checkpoint's step and say so."""
+    out = tmp_path / "run"
+    flags = [*TINY, "--num-steps", "6", "--log-interval", "2", "--out-dir", str(out)]
+    assert train_minimal.cli(flags, on_step=sigterm_at(4)) == 128 + signal.SIGTERM
+    assert train_minimal.cli([*flags, "--resume"]) == 0
+    last = read_metrics(out)[-1]
+    assert last["step"] == 6 and last["run_tokens"] == 2 * 8 * 16  # steps 5 and 6
+    finished = next(x for x in capsys.readouterr().out.splitlines() if "Training finished:" in x)
+    assert "2 steps (since the resume at step 4), 256 tokens;" in finished
+    assert "(since the resume: 256 tokens /" in summary_section(load_run(out))
