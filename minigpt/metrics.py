@@ -188,7 +188,7 @@ def format_finished(r: StepRecord, steps: int, resumed_at: int = 0) -> str:
         + f", {r.run_tokens:,} tokens; {val}; "
         f"{r.run_tokens_per_s:,.0f} tokens/s over the steps alone ({r.run_step_time_s:.2f}s, every "
         f"step's time summed), {r.tokens_per_s_e2e:,.0f} tokens/s end to end ({r.elapsed_s:.2f}s of "
-        f"loop: evaluations, logging and checkpoints included); {startup}"
+        f"loop to the last log line: evaluations, logging and checkpoints included); {startup}"
     )
 
 

@@ -208,7 +208,8 @@ def throughput_rows(t: dict) -> list[tuple[str, str]]:
         if t["tokens_per_s_e2e"] is None
         else fmt(t["tokens_per_s_e2e"], 0)
         + (
-            f" ({tokens} / {t['elapsed_s']:.2f}s of loop: evaluations, logging and checkpoints included)"
+            f" ({tokens} / {t['elapsed_s']:.2f}s of loop to the last log line: evaluations, logging "
+            "and checkpoints included)"
             if t["elapsed_s"] is not None
             else ""
         )
