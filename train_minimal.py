@@ -17,6 +17,9 @@ The file reads top to bottom: parse flags -> build data, model, optimizer -> tra
 from __future__ import annotations
 
 import sys
+import time
+
+IMPORTED_AT = time.time()  # start-up's lower bound where /proc cannot tell when the process started
 
 if __name__ == "__main__":  # the CPU's malloc is chosen before torch loads: a re-exec then costs ~0
     from minigpt.cpu import run_under_preferred_allocator
@@ -29,7 +32,6 @@ import math
 import os
 import platform
 import signal
-import time
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
@@ -81,9 +83,11 @@ from minigpt.instrument import Instruments, cuda_memory_report
 from minigpt.memory import process_memory
 from minigpt.metrics import (
     JsonlWriter,
+    RunTotals,
     StepRecord,
     TensorBoardLogger,
-    format_duration,
+    evaluation_notice,
+    format_finished,
     format_log_line,
     perplexity,
     setup_logging,
@@ -433,7 +437,8 @@ def check_finite(
 
 @dataclass
 class Throughput:
-    """What turns the loop's clocks into a StepRecord: this run's constants."""
+    """What turns the loop's clocks into a StepRecord: this run's constants, and the run-wide
+    totals (minigpt.metrics.RunTotals) that every record carries."""
 
     tokens_per_step: int  # per rank: batch x seq_len x accumulation
     world_size: int
@@ -441,16 +446,15 @@ class Throughput:
     flops_per_token: int
     peak_flops: float
     start_step: int
-    t_start: float  # perf_counter when the loop started
+    totals: RunTotals
 
     @classmethod
     def of(cls, cfg: TrainConfig, plan, device: str, model: GPT, peak: PeakFlops, step: int) -> Throughput:
         """Tokens per step: each data-parallel rank's batch (the ranks of a tp group share one);
         FLOPs per token per device (a tp group's devices split the model)."""
         tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps
-        return cls(
-            tokens, plan.dp, device, flops_per_token(model, cfg.seq_len) // plan.tp, peak.value, step, 0.0
-        )
+        fpt = flops_per_token(model, cfg.seq_len) // plan.tp
+        return cls(tokens, plan.dp, device, fpt, peak.value, step, RunTotals(tokens * plan.dp))
 
     def record(
         self,
@@ -469,8 +473,8 @@ class Throughput:
         Instruments.take_comm; under DDP the backward's wait for the all-reduce is split off instead."""
         step_time = sum(step_times) / len(step_times)
         per_rank = self.tokens_per_step / step_time
-        elapsed = time.perf_counter() - self.t_start
-        e2e = self.world_size * self.tokens_per_step * (step - self.start_step) / elapsed
+        self.totals.add(step_times)
+        run = self.totals.figures()  # run_tokens, run_tokens_per_s, tokens_per_s_e2e, elapsed_s, ...
         comm_step, comm_ms = comm or (None, {})
         if "backward_compute" in stages.host_ms:  # DDP: every step's wait, averaged like the stages
             comm_ms = {"backward": stages.host_ms["backward"] - stages.host_ms["backward_compute"]}
@@ -483,12 +487,11 @@ class Throughput:
             step_time_s=step_time,
             tokens_per_s=self.world_size * per_rank,
             tokens_per_s_per_rank=per_rank,
-            tokens_per_s_e2e=e2e,
+            **run,
             world_size=self.world_size,
             val_loss=val,
             val_ppl=None if val is None else perplexity(val),
-            elapsed_s=elapsed,
-            eta_s=self.world_size * self.tokens_per_step * (cfg.num_steps - step) / e2e,
+            eta_s=self.totals.tokens_per_step * (cfg.num_steps - step) / run["tokens_per_s_e2e"],
             amp=amp,
             mfu=mfu(self.flops_per_token, per_rank, self.peak_flops),
             achieved_tflops=achieved_tflops(self.flops_per_token, per_rank),
@@ -500,14 +503,25 @@ class Throughput:
         )
 
 
+def forward_ms(stages, step_times: list[float], cfg: TrainConfig) -> float | None:
+    """One batch's forward time in the interval (ms), what an evaluation batch costs: the forward
+    stage per micro-batch, or a third of a step without stage timing."""
+    if "forward" in stages.host_ms:
+        return stages.host_ms["forward"] / cfg.grad_accum_steps
+    return 1000 * sum(step_times) / len(step_times) / 3 / cfg.grad_accum_steps if step_times else None
+
+
 def score_stragglers(
     detector: StragglerDetector, step: int, step_times: list[float], stages, dist_info: distributed.DistInfo
 ) -> list[dict]:
-    """Every rank's medians over the interval, gathered and scored; the slow ranks' reports."""
+    """Every rank's medians over the interval, gathered and scored; the slow ranks' reports, on
+    rank 0 alone: every rank gathers the same figures, and torchrun prints each rank's warnings, so
+    a report from every rank would show each STRAGGLER line once per rank."""
     if dist_info.world_size == 1 or not stages.host_steps:
         return []
     mine = rank_figures(dist_info.rank, dist_info.host, [1000 * t for t in step_times], stages.device_steps)
-    return detector.update(step, distributed.gather(mine, dist_info))
+    reports = detector.update(step, distributed.gather(mine, dist_info))
+    return reports if dist_info.is_main else []
 
 
 def is_log_step(step: int, cfg: TrainConfig) -> bool:
@@ -685,7 +699,6 @@ def stopped(
 
 def finish(
     step: int,
-    val: float,
     record: StepRecord,
     rate: Throughput,
     inst: Instruments,
@@ -695,18 +708,12 @@ def finish(
     dist_info: distributed.DistInfo,
     log: logging.Logger,
 ) -> None:
-    """The run's last lines: the profiler's cost, both throughputs, the report, and what to open next."""
-    elapsed = time.perf_counter() - rate.t_start
+    """The run's last lines: the profiler's cost, the run's figures (metrics.jsonl's last record's:
+    minigpt.metrics.format_finished), the report, and what to open next."""
     if cost := inst.profiler_cost():
         log.info(cost)
     if dist_info.is_main:
-        done = step - rate.start_step
-        log.info(
-            f"Training finished: {done} steps in {format_duration(elapsed)}; val loss {val:.4f}, "
-            f"val ppl {perplexity(val):.1f}; {record.tokens_per_s:,.0f} tokens/s per step (the steps alone), "
-            f"{rate.world_size * rate.tokens_per_step * done / elapsed:,.0f} tokens/s end to end "
-            "(evaluations, logging and checkpoints included)"
-        )
+        log.info(format_finished(record, step - rate.start_step, rate.start_step))
     if not cfg.no_report:
         write_run_report(out_dir, dist_info, log)
     log.info(f"Checkpoint: {ckpt_path}" if ckpt_path.exists() else "Checkpoint: none (--no-checkpoint)")
@@ -801,7 +808,8 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
 
     # ------------------------------------------------------------------ train loop
     model.train()
-    rate.t_start, losses, val = time.perf_counter(), [], None
+    losses, val = [], None
+    rate.totals.start(IMPORTED_AT)  # start-up ends here: the run-wide figures count from now
     # SIGINT / SIGTERM finish the step in flight, save, and leave; a second Ctrl-C kills at once.
     with stop_on_signals() as stop_signal, metrics_file, stragglers_file, tensorboard, inst:
         while step < cfg.num_steps:
@@ -836,10 +844,12 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
 
             if is_log_step(step, cfg) or stop:  # outside the step: not in its clock nor in its ProfilerStep
                 values = check_finite(losses, step, dist_info, ckpt_path, amp_dtype)
+                step_times, stages = inst.interval()
                 # sharded: every rank takes part (the forward has collectives)
                 if (is_main or plan.sharded) and (step % cfg.eval_interval == 0 or last):
+                    if notice := evaluation_notice(cfg.eval_iters, forward_ms(stages, step_times, cfg)):
+                        log.info(notice)  # a long evaluation is not silence
                     val = evaluate(model, data.make_val(), cfg.eval_iters, device, autocast)
-                step_times, stages = inst.interval()
                 record = rate.record(
                     cfg,
                     step,
@@ -869,7 +879,7 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
                 return stopped(stop_signal, step, cfg, ckpt_path, out_dir, dist_info, log)
 
     # ------------------------------------------------------------------ finish
-    finish(step, val, record, rate, inst, cfg, ckpt_path, out_dir, dist_info, log)
+    finish(step, record, rate, inst, cfg, ckpt_path, out_dir, dist_info, log)
     return 0
 
 

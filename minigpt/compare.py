@@ -5,8 +5,10 @@
     python -m minigpt.compare runs/fp32 runs/amp --html amp.html # the report, with the second run
 
 What the blog post this project grew from did by hand, screenshot by screenshot, for AMP against
-fp32: each stage's host and device time in A and in B and their ratio (B / A); tokens/s (per step,
-and end to end when the runs recorded it), MFU and peak memory by category; the top host
+fp32: each stage's host and device time in A and in B and their ratio (B / A); the runs' own
+tokens/s over the steps alone and end to end and their start-up (metrics.jsonl's last record; "n/a
+(older run)" where a trainer did not write them), the median interval's tokens/s, MFU, and peak
+memory by category; the top host
 operators and device kernels of the two traces matched by name, with what is new in B, gone from
 A, or changed; and the losses at the steps both runs logged. Runs without traces compare without
 the operator tables. Model shapes that differ are allowed (that may be the point of the
@@ -23,6 +25,7 @@ import sys
 from pathlib import Path
 
 from minigpt.fileio import atomic_write
+from minigpt.metrics import OLDER_RUN, RUN_KEYS
 from minigpt.report import (
     MB,
     esc,
@@ -47,6 +50,10 @@ CHANGED = 0.10  # a matched operator whose time moved by more than 10% is "chang
 # Configuration keys that never explain a difference between two runs.
 IGNORED_KEYS = {"out_dir", "checkpoint_path", "memory_snapshot_path", "resume"}
 SHAPE_KEYS = ("n_layers", "n_heads", "d_model", "d_ff", "vocab_size", "max_position_embeddings")
+# The run-wide figures compared: rows shown even where a run lacks them (OLDER_RUN says why).
+RUN_ROWS = ("run_tokens_per_s", "tokens_per_s_e2e", "startup_s")
+# Interval figures: medians over the steady logged steps; rows only where a run recorded them.
+INTERVAL_ROWS = ("tokens_per_s", "tokens_per_s_per_rank", "mfu", "achieved_tflops", "peak_tflops")
 
 
 def ratio(a, b) -> float | None:
@@ -175,19 +182,15 @@ def compare_loaded(a: Run, b: Run) -> dict:
         for k in dict.fromkeys([*ca, *cb])
         if k not in IGNORED_KEYS and ca.get(k) != cb.get(k)
     }
-    if a.config.get("amp") != b.config.get("amp"):
-        config_diff["amp (resolved)"] = [a.config.get("amp"), b.config.get("amp")]
+    if "amp" in config_diff or a.config.get("amp") != b.config.get("amp"):
+        config_diff["amp"] = [
+            precision(ca.get("amp"), a.config.get("amp")),
+            precision(cb.get("amp"), b.config.get("amp")),
+        ]
     ta, tb = throughput(a), throughput(b)
     thr = []
-    for k in (
-        "tokens_per_s",
-        "tokens_per_s_per_rank",
-        "tokens_per_s_e2e",
-        "mfu",
-        "achieved_tflops",
-        "peak_tflops",
-    ):
-        if ta.get(k) is not None or tb.get(k) is not None:
+    for k in (*RUN_ROWS, *INTERVAL_ROWS):
+        if k in RUN_ROWS or ta.get(k) is not None or tb.get(k) is not None:
             thr.append({"metric": k, "a": ta.get(k), "b": tb.get(k), "ratio": ratio(ta.get(k), tb.get(k))})
     st = [median([r.get("step_time_s") for r in steady(x.metrics)]) for x in (a, b)]
     if any(v is not None for v in st):
@@ -228,6 +231,12 @@ def compare_loaded(a: Run, b: Run) -> dict:
     }
 
 
+def precision(flag: bool | None, used: str | None) -> str:
+    """What a run trained in, and the --amp flag that decided it: "bf16 (default)", "fp32 (--no-amp)"."""
+    how = {True: "--amp", False: "--no-amp", None: "default"}.get(flag, f"--amp {flag}")
+    return f"{used or 'precision not recorded'} ({how})"
+
+
 def compare_runs(a: Path, b: Path) -> dict:
     """Compare two run directories (see the module docstring). Raises RunError for a folder that
     is not a run. Ratios are B / A."""
@@ -257,9 +266,11 @@ def _table(head: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,))
 
 
 THROUGHPUT_LABELS = {
-    "tokens_per_s": ("tokens/s (per step, job)", 1, 0),
-    "tokens_per_s_per_rank": ("tokens/s per rank", 1, 0),
-    "tokens_per_s_e2e": ("tokens/s end to end", 1, 0),
+    "run_tokens_per_s": ("tokens/s over the steps alone (run)", 1, 0),
+    "tokens_per_s_e2e": ("tokens/s end to end (run)", 1, 0),
+    "startup_s": ("start-up s (in neither rate)", 1, 2),
+    "tokens_per_s": ("tokens/s per step, median interval", 1, 0),
+    "tokens_per_s_per_rank": ("  per rank", 1, 0),
     "mfu": ("MFU %", 100, 1),
     "achieved_tflops": ("achieved TFLOP/s", 1, 3),
     "peak_tflops": ("MFU peak TFLOP/s", 1, 3),
@@ -267,12 +278,34 @@ THROUGHPUT_LABELS = {
 }
 
 
+# peak_memory()'s categories (bytes) under names that do not contradict the MiB column they sit in.
+MEMORY_LABELS = {
+    "peak": "allocator peak (measured)",
+    "total": "sum of the parts",
+    "rss_peak_bytes": "process peak RSS",
+    "peak_allocated_bytes": "CUDA peak allocated",
+    "peak_reserved_bytes": "CUDA peak reserved",
+    "cuda_max_allocated": "CUDA max allocated (measured step)",
+    "cuda_max_reserved": "CUDA max reserved (measured step)",
+}
+
+
+def _run_v(metric: str, x, scale: float, digits: int) -> str:
+    """A run-wide figure, or OLDER_RUN where a trainer before these keys did not write it."""
+    return OLDER_RUN if x is None and metric in RUN_KEYS else _v(x, scale, digits)
+
+
 def headline(d: dict, top: int = 2) -> str:
     """The comparison in one line, for a benchmark's findings: throughput, the stages that moved
     most, the operators that explain it, and the peak memory. Ratios are B / A."""
     parts = []
     thr = {r["metric"]: r for r in d["throughput"]}
-    for key, name in (("tokens_per_s", "tokens/s"), ("tokens_per_s_e2e", "tokens/s end to end")):
+    # Per step, the median interval after the first: a benchmark's convention (no warm-up in it),
+    # named as such; the run-wide figures, warm-up included, are in the throughput table.
+    for key, name in (
+        ("tokens_per_s", "tokens/s (median interval)"),
+        ("tokens_per_s_e2e", "tokens/s end to end"),
+    ):
         if thr.get(key, {}).get("ratio") is not None:
             parts.append(f"{name} {_x(thr[key]['ratio'])}")
     moved = [r for r in d["stages"] if r.get("host_ratio") is not None and not split_parent(r["stage"])]
@@ -305,7 +338,8 @@ def format_compare(d: dict) -> str:
             f"{r['logged_steps']} logged steps)"
             for k, r in (("A", a), ("B", b))
         ),
-        "ratios are B / A; medians over the logged steps after the first",
+        "ratios are B / A; the run's figures from its last metrics record, the others medians over "
+        "the logged steps after the first",
     ]
     out += [f"note: {n}" for n in d["notes"]]
     if d["config_diff"]:
@@ -314,7 +348,8 @@ def format_compare(d: dict) -> str:
         rows = []
         for r in d["throughput"]:
             lab, scale, dig = THROUGHPUT_LABELS.get(r["metric"], (r["metric"], 1, 2))
-            rows.append([lab, _v(r["a"], scale, dig), _v(r["b"], scale, dig), _x(r["ratio"])])
+            m = r["metric"]
+            rows.append([lab, _run_v(m, r["a"], scale, dig), _run_v(m, r["b"], scale, dig), _x(r["ratio"])])
         out += [""] + _table(["throughput", "A", "B", "B/A"], rows)
     if d["stages"]:
         rows = []
@@ -347,7 +382,15 @@ def format_compare(d: dict) -> str:
         head = ["stage", "host A", "host B", "B/A"] + (["busy A", "busy B", "B/A"] if gpu else [])
         out += ["", "stage ms per profiled step (traces, rank 0)"] + _table(head, rows)
     if d["memory"]:
-        rows = [[r["category"], _v(r["a"], 1 / MB), _v(r["b"], 1 / MB), _x(r["ratio"])] for r in d["memory"]]
+        rows = [
+            [
+                MEMORY_LABELS.get(r["category"], r["category"]),
+                _v(r["a"], 1 / MB),
+                _v(r["b"], 1 / MB),
+                _x(r["ratio"]),
+            ]
+            for r in d["memory"]
+        ]
         out += ["", "peak memory MiB"] + _table(["category", "A", "B", "B/A"], rows)
     for key, title in (
         ("operators", "host operators, self ms per profiled step"),
@@ -412,8 +455,8 @@ def compare_html(d: dict, a: Run, b: Run) -> str:
             [
                 [
                     THROUGHPUT_LABELS.get(r["metric"], (r["metric"],))[0],
-                    _v(r["a"], *THROUGHPUT_LABELS.get(r["metric"], ("", 1, 2))[1:]),
-                    _v(r["b"], *THROUGHPUT_LABELS.get(r["metric"], ("", 1, 2))[1:]),
+                    _run_v(r["metric"], r["a"], *THROUGHPUT_LABELS.get(r["metric"], ("", 1, 2))[1:]),
+                    _run_v(r["metric"], r["b"], *THROUGHPUT_LABELS.get(r["metric"], ("", 1, 2))[1:]),
                     _x(r["ratio"]),
                 ]
                 for r in d["throughput"]
@@ -507,7 +550,7 @@ def compare_html(d: dict, a: Run, b: Run) -> str:
         for side, key in (("A", "a"), ("B", "b")):
             fig.add_trace(
                 go.Bar(
-                    x=[r["category"] for r in d["memory"]],
+                    x=[MEMORY_LABELS.get(r["category"], r["category"]) for r in d["memory"]],
                     y=[(r[key] or 0) / MB for r in d["memory"]],
                     name=side,
                 )
@@ -515,7 +558,15 @@ def compare_html(d: dict, a: Run, b: Run) -> str:
         fig.update_layout(barmode="group", yaxis_title="MiB")
         body = figure(fig, "compare-memory", 340) + table(
             ["MiB", "A", "B", "B/A"],
-            [[r["category"], _v(r["a"], 1 / MB), _v(r["b"], 1 / MB), _x(r["ratio"])] for r in d["memory"]],
+            [
+                [
+                    MEMORY_LABELS.get(r["category"], r["category"]),
+                    _v(r["a"], 1 / MB),
+                    _v(r["b"], 1 / MB),
+                    _x(r["ratio"]),
+                ]
+                for r in d["memory"]
+            ],
         )
     else:
         body = nodata("no memory breakdown: run with --memory-profiler")

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -51,7 +53,8 @@ def format_duration(seconds: float) -> str:
 class StepRecord:
     """One logged step: the one definition of what the console line, metrics.jsonl and TensorBoard
     show. metrics.jsonl holds one of these per line, under these keys (README "Run directory").
-    Times are the means over the steps since the previous record."""
+    Times are the means over the steps since the previous record, except the run_* keys,
+    tokens_per_s_e2e, elapsed_s and startup_s: those are the run so far (RunTotals)."""
 
     step: int  # training steps done (1-based)
     num_steps: int
@@ -61,13 +64,22 @@ class StepRecord:
     step_time_s: float  # mean host time of one training step: the step alone, not evals or logging
     tokens_per_s: float  # per step: the job's tokens per step / step_time_s (all ranks)
     tokens_per_s_per_rank: float
-    # End to end: tokens trained since the loop started / wall-clock time since then, evaluations,
-    # logging and checkpoints included. What the job really delivers; the ETA follows it.
+    # The run so far, cumulative since the loop started: the last record holds the whole run's
+    # figures (a resumed run counts from its restart). RunTotals defines them; the last log line,
+    # the report and minigpt.compare read these keys, never recompute them.
+    run_tokens: int  # tokens trained (the job's, all ranks)
+    run_step_time_s: float  # the sum of every step's host time: the steps alone, no evals, no logging
+    run_tokens_per_s: float  # run_tokens / run_step_time_s: the run's rate over the steps alone
+    # End to end: run_tokens / elapsed_s, evaluations, logging and checkpoints included (the final
+    # checkpoint, saved after the last record, is not). What the job delivers; the ETA follows it.
     tokens_per_s_e2e: float
+    # Process start to the loop's start (interpreter, imports, data, model, MFU peak), in no rate
+    # above; None where /proc is missing and the trainer gave no import time.
+    startup_s: float | None
     world_size: int
     val_loss: float | None  # the latest evaluation (None before the first)
     val_ppl: float | None
-    elapsed_s: float  # wall-clock since the loop started
+    elapsed_s: float  # wall-clock since the loop started: the time end to end is over
     eta_s: float  # remaining steps at the end-to-end rate
     amp: str  # "bf16", "fp16" or "fp32"
     mfu: float | None  # model FLOPs utilisation per device, against config.json's peak_flops
@@ -88,6 +100,104 @@ class StepRecord:
         if d["memory_breakdown"] is None:
             del d["memory_breakdown"]
         return d
+
+
+# The run-wide keys a reader takes from metrics.jsonl's last record; OLDER_RUN stands for one that
+# a trainer before them did not write (no figure is rebuilt from other keys: it would differ).
+RUN_KEYS = ("run_tokens", "run_step_time_s", "run_tokens_per_s", "tokens_per_s_e2e", "elapsed_s", "startup_s")
+OLDER_RUN = "n/a (older run)"
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started, from /proc (Linux): the kernel's start time, so the
+    interpreter's own start and the trainer's re-exec under another malloc (same process) count.
+    None where /proc cannot tell."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        start_ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, counting from the state (3)
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return round(max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK")), 2)  # 0.01 s ticks
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@dataclass
+class RunTotals:
+    """The run-wide figures, accumulated over every step since the loop started: the one place
+    they are defined. The steps-alone rate is every step's tokens over the sum of every step's time
+    (not a mean of interval means, which would weigh a short interval like a long one); end to end
+    is the same tokens over the loop's wall-clock time; start-up is the process's age when the loop
+    starts, kept apart from both."""
+
+    tokens_per_step: int  # the job's: every data-parallel rank's batch
+    t_start: float = 0.0  # perf_counter at the loop's start
+    startup_s: float | None = None
+    steps: int = 0
+    step_time_s: float = 0.0
+
+    def start(self, imported_at: float | None = None) -> None:
+        """Call as the loop starts. `imported_at`: time.time() when the trainer was imported, the
+        start-up's lower bound where /proc is missing."""
+        self.t_start = time.perf_counter()
+        age = process_age_s()
+        if age is None and imported_at is not None:
+            age = time.time() - imported_at
+        self.startup_s = age
+
+    def add(self, step_times: list[float]) -> None:
+        """Every step of an interval, each with its own time (seconds)."""
+        self.steps += len(step_times)
+        self.step_time_s += sum(step_times)
+
+    @property
+    def tokens(self) -> int:
+        return self.steps * self.tokens_per_step
+
+    def figures(self) -> dict[str, float | None]:
+        """The StepRecord fields of RUN_KEYS, now."""
+        elapsed = time.perf_counter() - self.t_start
+        return {
+            "run_tokens": self.tokens,
+            "run_step_time_s": self.step_time_s,
+            "run_tokens_per_s": self.tokens / self.step_time_s if self.step_time_s > 0 else 0.0,
+            "tokens_per_s_e2e": self.tokens / elapsed if elapsed > 0 else 0.0,
+            "elapsed_s": elapsed,
+            "startup_s": self.startup_s,
+        }
+
+
+def run_figures(records: list[dict]) -> dict[str, float | None]:
+    """The run's figures (RUN_KEYS) as metrics.jsonl's last record holds them; None for a key an
+    older trainer did not write: show OLDER_RUN for it."""
+    last = records[-1] if records else {}
+    return {k: last.get(k) if isinstance(last.get(k), (int, float)) else None for k in RUN_KEYS}
+
+
+def format_finished(r: StepRecord, steps: int, resumed_at: int = 0) -> str:
+    """The run's last line: its figures exactly as metrics.jsonl's last record holds them. A run
+    resumed at step `resumed_at` counts from there: the steps before were another process's."""
+    startup = (
+        f"start-up {format_duration(r.startup_s)} before the loop, in neither figure"
+        if r.startup_s is not None
+        else "start-up not measured (no /proc)"
+    )
+    val = f"val loss {r.val_loss:.4f}, val ppl {r.val_ppl:.1f}" if r.val_loss is not None else "no evaluation"
+    return (
+        f"Training finished: {steps} steps"
+        + (f" (since the resume at step {resumed_at})" if resumed_at else "")
+        + f", {r.run_tokens:,} tokens; {val}; "
+        f"{r.run_tokens_per_s:,.0f} tokens/s over the steps alone ({r.run_step_time_s:.2f}s, every "
+        f"step's time summed), {r.tokens_per_s_e2e:,.0f} tokens/s end to end ({r.elapsed_s:.2f}s of "
+        f"loop to the last log line: evaluations, logging and checkpoints included); {startup}"
+    )
+
+
+def evaluation_notice(batches: int, forward_ms: float | None, threshold_s: float = 5.0) -> str | None:
+    """A line before an evaluation expected to take `threshold_s` or more (at `forward_ms` per
+    batch, the interval's forward time), so a long one is not minutes of silence; None otherwise."""
+    if forward_ms is None or batches * forward_ms / 1000 < threshold_s:
+        return None
+    return f"evaluating ({batches} batches, about {format_duration(batches * forward_ms / 1000)})..."
 
 
 def format_log_line(m: StepRecord) -> str:
@@ -210,6 +320,7 @@ class TensorBoardLogger:
             "train/lr": r.lr,
             "perf/tokens_per_s": r.tokens_per_s,
             "perf/tokens_per_s_e2e": r.tokens_per_s_e2e,
+            "perf/run_tokens_per_s": r.run_tokens_per_s,  # the run so far, the steps alone
             "perf/tokens_per_s_per_rank": r.tokens_per_s_per_rank,
             "perf/mfu": r.mfu,
             "perf/achieved_tflops": r.achieved_tflops,

@@ -31,7 +31,7 @@ from minigpt.memory import (
     peak_of_state,
     peak_rows,
 )
-from minigpt.metrics import MEMORY_BREAKDOWN_KEYS
+from minigpt.metrics import MEMORY_BREAKDOWN_KEYS, OLDER_RUN, run_figures
 from minigpt.paths import METRICS_FILE, REPORT_FILE
 from minigpt.runfiles import Run, RunError, load_run, timeline_events
 from minigpt.stages import STAGE_NAMES, color, label, split_parent
@@ -172,14 +172,17 @@ def steady(metrics: list[dict]) -> list[dict]:
 
 
 def throughput(run: Run) -> dict:
-    """Both throughputs, MFU and what it is measured against: medians over the steady steps."""
+    """The run's own figures, as metrics.jsonl's last record holds them (minigpt.metrics.RUN_KEYS:
+    tokens/s over the steps alone and end to end, start-up; None for an older run that did not
+    write them), and the per-interval figures' medians over the steady steps: tokens/s per step,
+    MFU, and what MFU is measured against."""
     m = steady(run.metrics)
-    last = run.metrics[-1] if run.metrics else {}
     c = run.config
     return {
+        **run_figures(run.metrics),
+        "resumed": bool(c.get("config", {}).get("resume")),  # the run's figures count from the resume
         "tokens_per_s": median([r.get("tokens_per_s") for r in m]),
         "tokens_per_s_per_rank": median([r.get("tokens_per_s_per_rank") for r in m]),
-        "tokens_per_s_e2e": last.get("tokens_per_s_e2e"),
         "mfu": median([r.get("mfu") for r in m]),
         "achieved_tflops": median([r.get("achieved_tflops") for r in m]),
         "peak_tflops": c["peak_flops"] / 1e12 if isinstance(c.get("peak_flops"), (int, float)) else None,
@@ -229,6 +232,45 @@ def peak_memory(run: Run) -> dict[str, float]:
     return out
 
 
+def throughput_rows(t: dict) -> list[tuple[str, str]]:
+    """The summary's tokens/s and start-up rows: the run's figures (what the trainer's last line
+    says), then the per-interval median for comparison with the log lines."""
+    tokens = f"{t['run_tokens']:,} tokens" if t["run_tokens"] is not None else "tokens"
+    steps_alone = (
+        f"{fmt(t['run_tokens_per_s'], 0)} ({'since the resume' if t['resumed'] else 'the whole run'}: "
+        f"{tokens} / {t['run_step_time_s']:.2f}s, "
+        "every step's time summed)"
+        if t["run_tokens_per_s"] is not None
+        else OLDER_RUN
+    )
+    e2e = (
+        OLDER_RUN
+        if t["tokens_per_s_e2e"] is None
+        else fmt(t["tokens_per_s_e2e"], 0)
+        + (
+            f" ({tokens} / {t['elapsed_s']:.2f}s of loop to the last log line: evaluations, logging "
+            "and checkpoints included)"
+            if t["elapsed_s"] is not None
+            else ""
+        )
+    )
+    startup = (
+        OLDER_RUN
+        if t["startup_s"] is None
+        else f"{t['startup_s']:.2f}s from the process's start to the loop's (in neither rate)"
+    )
+    return [
+        ("tokens/s over the steps alone", steps_alone),
+        ("tokens/s end to end", e2e),
+        ("start-up", startup),
+        (
+            "tokens/s per step, median interval",
+            f"{fmt(t['tokens_per_s'], 0)} (median of the logged intervals after the first; "
+            f"{fmt(t['tokens_per_s_per_rank'], 0)} per rank)",
+        ),
+    ]
+
+
 def summary_section(run: Run) -> str:
     c, cfg = run.config, run.config.get("config", {})
     model = c.get("model", {})
@@ -273,16 +315,7 @@ def summary_section(run: Run) -> str:
         ),
         ("precision", c.get("amp")),
         ("versions", ", ".join(f"{k} {v}" for k, v in versions.items() if v)),
-        (
-            "tokens/s per step (job)",
-            f"{fmt(t['tokens_per_s'], 0)} (median of the logged steps after the first; "
-            f"{fmt(t['tokens_per_s_per_rank'], 0)} per rank)",
-        ),
-        (
-            "tokens/s end to end",
-            fmt(t["tokens_per_s_e2e"], 0)
-            + ("" if t["tokens_per_s_e2e"] is not None else " (not recorded by this trainer version)"),
-        ),
+        *throughput_rows(t),
         (
             "MFU",
             (f"{100 * t['mfu']:.1f}%" if t["mfu"] is not None else "n/a")

@@ -148,6 +148,9 @@ def test_a_slow_rank_is_named_and_the_waiting_rank_is_not(tmp_path):
     assert reports and {r["rank"] for r in reports} == {1}
     assert all(r["stage"] == "forward" and r["relative_score"] < 0.75 for r in reports)
     assert "STRAGGLER rank 1" in (out / "train.log").read_text()
+    # Each report printed once: by rank 0, not again by every rank that scored the same figures.
+    printed = [x for x in (result.stdout + result.stderr).splitlines() if "STRAGGLER" in x]
+    assert len(printed) == len(reports) and all("[rank " not in x for x in printed)
     # Rank 0 waited for rank 1 inside its backward's all-reduce: its backward grew, its compute did not.
     row = read_metrics(out)[-1]
     assert row["stage_host_ms"]["backward"] > 100 > row["stage_host_ms"]["backward_compute"]

@@ -276,6 +276,7 @@ def test_tensorboard_gets_the_same_figures(tmp_path):
         "val/loss",
         "train/lr",
         "perf/tokens_per_s",
+        "perf/run_tokens_per_s",
         "perf/mfu",
         "stage_host_ms/forward",
         "stage_device_ms/backward",

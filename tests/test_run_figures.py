@@ -1,0 +1,201 @@
+"""The run's own figures (minigpt.metrics.RunTotals): tokens/s over the steps alone and end to end,
+start-up, each defined once, written on every metrics.jsonl record, and read unchanged by the last
+log line, the report and minigpt.compare; an older run without them says so."""
+
+import gzip
+import json
+import re
+import signal
+import time
+
+import pytest
+from conftest import TINY, run_cli
+from test_report import make_run
+from test_train import sigterm_at
+
+import train_minimal
+from minigpt.compare import compare_runs, format_compare, headline
+from minigpt.instrument import PROFILER_STDERR_NOTE
+from minigpt.metrics import OLDER_RUN, RUN_KEYS, RunTotals, evaluation_notice, process_age_s
+from minigpt.report import summary_section
+from minigpt.runfiles import load_run
+
+
+def read_metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory):
+    """A tiny real run whose log intervals differ in length (4, 4, 2 steps): a mean of interval
+    means would differ from every step's tokens over every step's time."""
+    out = tmp_path_factory.mktemp("figures") / "run"
+    t0 = time.monotonic()
+    r = run_cli(*TINY, "--num-steps", "10", "--log-interval", "4", "--out-dir", str(out))
+    wall = time.monotonic() - t0
+    assert r.returncode == 0, r.stderr
+    return out, r.stdout, wall
+
+
+def test_run_wide_rates_are_every_steps_tokens_over_every_steps_time(real_run):
+    out, _, wall = real_run
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [4, 8, 10]
+    tokens_per_step = 8 * 16  # --batch-size 8 x --seq-len 16, one rank
+    steps = [b["step"] - a["step"] for a, b in zip([{"step": 0}, *rows], rows)]
+    summed = [sum(n * r["step_time_s"] for n, r in zip(steps[: i + 1], rows)) for i in range(len(rows))]
+    for row, step_time in zip(rows, summed):  # cumulative on every record
+        assert row["run_tokens"] == row["step"] * tokens_per_step
+        assert row["run_step_time_s"] == pytest.approx(step_time, rel=1e-9)
+        assert row["run_tokens_per_s"] == pytest.approx(row["run_tokens"] / step_time, rel=1e-9)
+        assert row["tokens_per_s_e2e"] == pytest.approx(row["run_tokens"] / row["elapsed_s"], rel=1e-9)
+    last = rows[-1]
+    # The loop holds the steps and more (evaluation, logging): end to end is below the steps alone.
+    assert last["tokens_per_s_e2e"] < last["run_tokens_per_s"]
+    # Start-up is the process's age at the loop's start: above zero, below the whole process's wall.
+    assert 0 < last["startup_s"] < wall - last["elapsed_s"]
+    # The per-interval keys keep their meaning: the last interval's own rate.
+    assert last["tokens_per_s"] == pytest.approx(tokens_per_step / last["step_time_s"], rel=1e-9)
+
+
+def test_the_last_line_says_the_last_records_figures(real_run):
+    out, stdout, _ = real_run
+    last = read_metrics(out)[-1]
+    line = next(x for x in stdout.splitlines() if "Training finished:" in x)
+    assert f"10 steps, {last['run_tokens']:,} tokens;" in line
+    assert (
+        f"{last['run_tokens_per_s']:,.0f} tokens/s over the steps alone ({last['run_step_time_s']:.2f}s, "
+        "every step's time summed)" in line
+    )
+    assert f"{last['tokens_per_s_e2e']:,.0f} tokens/s end to end ({last['elapsed_s']:.2f}s of loop" in line
+    assert re.search(r"start-up \d+\.\ds before the loop, in neither figure$", line)
+
+
+def test_report_and_compare_read_the_same_keys(real_run):
+    out, _, _ = real_run
+    last = read_metrics(out)[-1]
+    page = summary_section(load_run(out))
+    assert f"{last['run_tokens_per_s']:,.0f} (the whole run: {last['run_tokens']:,} tokens" in page
+    assert (
+        f"{last['tokens_per_s_e2e']:,.0f} ({last['run_tokens']:,} tokens / {last['elapsed_s']:.2f}s" in page
+    )
+    thr = {r["metric"]: r for r in compare_runs(out, out)["throughput"]}
+    for key in ("run_tokens_per_s", "tokens_per_s_e2e", "startup_s"):
+        assert thr[key]["a"] == last[key] and thr[key]["ratio"] == pytest.approx(1.0)
+
+
+def with_run_figures(folder, **figures):
+    """Add the run-wide keys to a made-up run's records, as the trainer now writes them."""
+    rows = [{**r, **figures} for r in read_metrics(folder)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_an_older_run_says_so_instead_of_a_rebuilt_figure(tmp_path):
+    old = make_run(tmp_path / "old", tokens_per_s=1000.0)  # a trainer before the run-wide keys
+    new = with_run_figures(
+        make_run(tmp_path / "new", tokens_per_s=2000.0, amp="bf16"),
+        run_tokens=7680,
+        run_step_time_s=4.0,
+        run_tokens_per_s=1920.0,
+        tokens_per_s_e2e=1500.0,
+        elapsed_s=5.12,
+        startup_s=4.7,
+    )
+    text = format_compare(compare_runs(old, new))
+    steps_alone = next(x for x in text.splitlines() if x.startswith("tokens/s over the steps alone"))
+    assert OLDER_RUN in steps_alone and "1,920" in steps_alone
+    startup = next(x for x in text.splitlines() if x.startswith("start-up s"))
+    assert OLDER_RUN in startup and "4.70" in startup
+    assert "tokens/s (median interval) 2.00x" in headline(compare_runs(old, new))  # named for what it is
+    page = summary_section(load_run(old))
+    assert page.count(OLDER_RUN) == 3  # steps alone, end to end, start-up
+    assert "1,920 (the whole run: 7,680 tokens / 4.00s" in summary_section(load_run(new))
+
+
+def test_compare_says_what_precision_each_run_used_and_names_the_rss_peak(tmp_path):
+    a = make_run(tmp_path / "a", amp="fp32")
+    b = make_run(tmp_path / "b", amp="bf16")
+    config = json.loads((a / "config.json").read_text())
+    config["config"]["amp"] = False  # --no-amp
+    (a / "config.json").write_text(json.dumps(config))
+    rows = read_metrics(b)
+    for r in rows:
+        r["memory"] = {"rss_bytes": 3 * 2**30, "rss_peak_bytes": 4327.5 * 2**20}
+    (b / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = format_compare(compare_runs(a, b))
+    assert "  amp: fp32 (--no-amp) -> bf16 (default)" in text.splitlines()
+    assert "None" not in text and "amp (resolved)" not in text
+    memory = text.split("peak memory MiB")[1]
+    rss = next(x for x in memory.splitlines() if x.startswith("process peak RSS"))
+    assert rss.split()[-2] == "4,327.50"  # MiB, as the heading says
+    assert "bytes" not in memory
+
+
+def test_run_totals_weigh_every_step_alike():
+    totals = RunTotals(tokens_per_step=100)
+    totals.start()
+    totals.add([1.0, 1.0, 1.0])  # an interval of 3 one-second steps
+    totals.add([4.0])  # and one of a single slow step
+    f = totals.figures()
+    assert set(f) == set(RUN_KEYS)
+    assert f["run_tokens"] == 400 and f["run_step_time_s"] == pytest.approx(7.0)
+    assert f["run_tokens_per_s"] == pytest.approx(400 / 7)  # the mean of the intervals' rates is 62.5
+
+
+def test_process_age_is_this_processs():
+    age = process_age_s()
+    assert age is not None and age > 0  # Linux: /proc
+
+
+def test_a_long_evaluation_is_announced_and_a_short_one_is_not():
+    assert evaluation_notice(20, 1500.0) == "evaluating (20 batches, about 30.0s)..."
+    assert evaluation_notice(20, 10.0) is None
+    assert evaluation_notice(20, None) is None  # no forward time measured: nothing to say
+
+
+def test_a_profiled_run_explains_torchs_stderr_lines_before_they_appear(tmp_path):
+    """torch writes 'USDT: ... profiler_start' and a CPUAllocator warning to stderr from C++ in
+    every profiled run: the log says what they are, once, before the profiler starts, and the run's
+    stderr holds nothing else unexplained."""
+    out = tmp_path / "run"
+    r = run_cli(
+        *TINY,
+        "--num-steps",
+        "4",
+        "--log-interval",
+        "2",
+        "--use-profiler",
+        "--profile-step-start",
+        "2",
+        "--profile-step-end",
+        "3",
+        "--out-dir",
+        str(out),
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    notes = [i for i, x in enumerate(lines) if PROFILER_STDERR_NOTE in x]
+    first_step = next(i for i, x in enumerate(lines) if " step 2/4 " in x)
+    assert len(notes) == 1 and notes[0] < first_step
+    explained = ("profiler_start", "profiler_stop", "Memory block of unknown size")
+    unexplained = [x for x in r.stderr.splitlines() if x.strip() and not any(e in x for e in explained)]
+    assert unexplained == []
+    (trace,) = (out / "traces").glob("rank0_dp0.*.pt.trace.json.gz")  # written whole, and readable
+    with gzip.open(trace, "rt") as f:
+        names = {e.get("name") for e in json.load(f)["traceEvents"]}
+    assert "ProfilerStep#2" in names and "[memory]" in names  # the step and its memory events
+
+
+def test_a_resumed_run_counts_from_its_resume(tmp_path, capsys):
+    """The steps before a resume were another process's: the resumed run's figures, its last line
+    and its report count from the checkpoint's step and say so."""
+    out = tmp_path / "run"
+    flags = [*TINY, "--num-steps", "6", "--log-interval", "2", "--out-dir", str(out)]
+    assert train_minimal.cli(flags, on_step=sigterm_at(4)) == 128 + signal.SIGTERM
+    assert train_minimal.cli([*flags, "--resume"]) == 0
+    last = read_metrics(out)[-1]
+    assert last["step"] == 6 and last["run_tokens"] == 2 * 8 * 16  # steps 5 and 6
+    finished = next(x for x in capsys.readouterr().out.splitlines() if "Training finished:" in x)
+    assert "2 steps (since the resume at step 4), 256 tokens;" in finished
+    assert "(since the resume: 256 tokens /" in summary_section(load_run(out))
