@@ -11,7 +11,9 @@ Text from a trained minigpt checkpoint.
 
 The checkpoint is read as data (weights_only); the model is rebuilt from the shape it records, so
 no training flags are needed. Runs on real text decode with the GPT-2 tokenizer; --use-toy-data
-runs have no text, so their prompt and output are token ids.
+runs have no text, so their prompt and output are token ids. The samples go to stdout, one at a
+time as each is drawn; what it is doing (the checkpoint loaded, sample i of n) goes to stderr, with a progress
+bar over the new tokens on a terminal.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ import torch
 from minigpt.config import UsageError, resolve_device
 from minigpt.data import EOT, get_tokenizer
 from minigpt.paths import CHECKPOINT_FILE, RUNS_ROOT
+from minigpt.progress import Progress, progress_enabled
 from minigpt.runs import latest_run
-from minigpt.sample import generate, load_model, vocab_in_use
+from minigpt.sample import generate, load_model, utf8_text, vocab_in_use
 
 FILE_PREFIX = "FILE:"  # --prompt FILE:path reads the prompt from a file
 TOY_PROMPT = "0 2 4 6"  # a toy run's task is arithmetic sequences: the stride is in the prompt
@@ -41,8 +44,23 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every default in --help, and the docstring's commands as written. A default of None or ""
+    is not printed: those flags' help says in words what happens without them."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def log(message: str) -> None:
+    """What the script is doing, on stderr: stdout holds only the samples."""
+    print(message, file=sys.stderr, flush=True)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = Parser(prog="sample.py", description="Text from a trained minigpt checkpoint.")
+    p = Parser(prog="sample.py", description=__doc__, formatter_class=HelpFormatter)
     where = p.add_mutually_exclusive_group()
     where.add_argument(
         "--out-dir",
@@ -56,16 +74,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="",
         help=f"the text to continue, or {FILE_PREFIX}path to read it "
         "from a file (default: the start of a document; toy runs: token ids, "
-        f"default {TOY_PROMPT!r})",
+        f"default {TOY_PROMPT!r})".replace("%", "%%"),
     )
-    p.add_argument("--num-samples", type=int, default=3)
-    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--num-samples", type=int, default=3, help="how many samples to draw")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=200, help="tokens to draw after the prompt, per sample"
+    )
     p.add_argument("--temperature", type=float, default=0.8, help="below 1: safer text; above 1: wilder")
     p.add_argument("--top-k", type=int, default=200, help="sample among the k likeliest tokens (1: greedy)")
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--seed", type=int, default=1337, help="the same seed draws the same samples")
+    p.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when there is one"
+    )
     # fp32 by default: on a CPU without native bf16, bf16 autocast is emulated and slower.
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="bf16: autocast, fast on a GPU; on a CPU without native bf16 it is emulated and slower",
+    )
     args = p.parse_args(argv)
     if not (args.temperature > 0 and math.isfinite(args.temperature)):
         raise UsageError(f"--temperature {args.temperature}: give a positive finite number, such as 0.8")
@@ -126,10 +153,22 @@ def encode(prompt: str, toy: bool, vocab: int | None) -> list[int]:
     return ids
 
 
+def sample_text(row: list[int], toy: bool, from_document_start: bool) -> str:
+    """What a sample prints: a toy run's token ids, or the text of the tokens decoded all at once
+    (utf8_text: no U+FFFD for a character whose bytes are split over tokens). A sample that
+    starts a document starts at <|endoftext|>, which is not printed."""
+    if toy:
+        return " ".join(map(str, row))
+    return utf8_text(get_tokenizer().decode_bytes(row[1 if from_document_start else 0 :]))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = resolve_device(args.device)
-    model, train_cfg = load_model(checkpoint_path(args), device)
+    path = checkpoint_path(args)
+    # Nothing on stderr before the inputs are checked (the checkpoint, the prompt against its
+    # vocabulary): a mistake is then the only line there. Loading takes seconds; sampling, minutes.
+    model, train_cfg = load_model(path, device)
     toy = bool(train_cfg.get("use_toy_data"))
     if not toy and train_cfg.get("tokenizer_name", "gpt2") != "gpt2":
         raise UsageError(
@@ -140,14 +179,30 @@ def main(argv: list[str] | None = None) -> int:
     ids = encode(prompt, toy, vocab)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     autocast = torch.autocast(device, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
-    idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
-    with autocast:
-        out = generate(model, idx, args.max_new_tokens, args.temperature, args.top_k, generator, vocab)
-    for i, row in enumerate(out.tolist()):
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
+    params = sum(p.numel() for p in model.parameters())
+    log(
+        f"loaded {path} ({params / 1e6:.1f}M parameters) on {device}; drawing {args.num_samples} "
+        f"sample(s) of {args.max_new_tokens} tokens after a {len(ids)}-token prompt"
+    )
+    # One sample at a time: each is printed as soon as it is drawn, not after all of them.
+    for i in range(args.num_samples):
+        log(f"generating sample {i + 1} of {args.num_samples}")
+        with Progress(args.max_new_tokens, progress_enabled(), desc=f"sample {i + 1}", unit="tok") as bar:
+            with autocast:
+                out = generate(
+                    model,
+                    idx,
+                    args.max_new_tokens,
+                    args.temperature,
+                    args.top_k,
+                    generator,
+                    vocab,
+                    bar.update,
+                )
         if i:
             print(SEPARATOR)
-        # An empty prompt starts at <|endoftext|>, the start of a document: not printed.
-        print(" ".join(map(str, row)) if toy else get_tokenizer().decode(row[0 if prompt else 1 :]))
+        print(sample_text(out[0].tolist(), toy, from_document_start=not prompt), flush=True)
     return 0
 
 

@@ -103,6 +103,16 @@ def peak_mib(s: dict) -> float | None:
     return b["total"] / MIB if b else None
 
 
+def tokens_median(s: dict) -> float:
+    """The 'tokens/s (median)' column and the tokens/s bar."""
+    return s["tokens_per_s"]["median"]
+
+
+def stage_ms(s: dict, kind: str, stage: str) -> float:
+    """A stage's median ms per step, `kind` host or device: one table cell's half, one chart segment."""
+    return s[f"stage_{kind}_ms"].get(stage, 0.0)
+
+
 def measured_peak(results: dict) -> bool:
     """Whether the results carry the allocator's measured peak (or CUDA's max_memory_allocated),
     not only the older breakdown sum."""
@@ -124,7 +134,7 @@ def findings(results: dict) -> list[str]:
     """The ratios a reader looks for, e.g. 'AMP 1.7x tokens/s'."""
 
     def tps(name):
-        return results[name]["tokens_per_s"]["median"]
+        return tokens_median(results[name])
 
     lines = []
     if "amp" in results and "fp32" in results:
@@ -185,14 +195,11 @@ def markdown(meta: dict, results: dict) -> str:
         reps = s["tokens_per_s_repeats"]
         pk, act = peak_mib(s), activations_mib(s)
         lines.append(
-            f"| {name} | {s['amp']} | {s['tokens_per_s']['median']:,.0f} | "
+            f"| {name} | {s['amp']} | {tokens_median(s):,.0f} | "
             f"{min(reps):,.0f}-{max(reps):,.0f} | "
-            f"{s['tokens_per_s']['median'] / results[base]['tokens_per_s']['median']:.2f}x | "
+            f"{tokens_median(s) / tokens_median(results[base]):.2f}x | "
             f"{100 * s['mfu']:.1f}% | {s['step_ms']['median']:.0f} | "
-            + " | ".join(
-                f"{s['stage_host_ms'].get(st, 0):.1f} / {s['stage_device_ms'].get(st, 0):.1f}"
-                for st in STAGES
-            )
+            + " | ".join(f"{stage_ms(s, 'host', st):.1f} / {stage_ms(s, 'device', st):.1f}" for st in STAGES)
             + f" | {'n/a' if pk is None else f'{pk:,.1f}'} | "
             + ("n/a |" if act is None else f"{act:,.1f} ({100 * act / pk:.0f}%) |" if pk else f"{act:,.1f} |")
         )
@@ -248,34 +255,48 @@ MEMORY_PARTS = (
     ("activations_peak", "saved activations", "#ccb974"),
 )
 
+# PNG metadata: matplotlib writes its version under "Software" by default; without it the same
+# results render to the same bytes on any install, so a re-render leaves a clean checkout clean.
+PNG_METADATA = {"Software": None}
+
+
+def legend_outside(ax) -> None:
+    """The legend right of the axes, where it cannot cover a bar (inside, it hid the last one)."""
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
 
 def plot_tokens(ax, results: dict) -> None:
+    """tokens/s per variant: the table's 'tokens/s (median)' column, with its 'spread' as error bars."""
     names = list(results)
-    tps = [results[n]["tokens_per_s"]["median"] for n in names]
+    tps = [tokens_median(results[n]) for n in names]
     lo = [t - min(results[n]["tokens_per_s_repeats"]) for t, n in zip(tps, names)]
     hi = [max(results[n]["tokens_per_s_repeats"]) - t for t, n in zip(tps, names)]
-    ax.bar(names, tps, yerr=[lo, hi], capsize=4, color="#4c72b0")
-    for i, t in enumerate(tps):
-        ax.annotate(
+    ax.bar(names, tps, yerr=[lo, hi], capsize=4, color="#4c72b0", label="tokens/s (median)")
+    for i, (t, h) in enumerate(zip(tps, hi)):
+        ax.annotate(  # above the error bar, not across it
             f"{t:,.0f}",
-            (i, t),
+            (i, t + h),
             ha="center",
             va="bottom",
             fontsize=8,
             xytext=(0, 3),
             textcoords="offset points",
         )
+    ax.margins(y=0.12)  # room for the numbers above the error bars
+    ax.set_xlabel("variant")
+    ax.set_ylabel("tokens/s")
     ax.set_title("tokens/s (median; bars: min-max of repeats)")
 
 
 def plot_stages(ax, results: dict) -> None:
-    """Stacked stage ms per step, host (plain) beside device (hatched), per variant."""
+    """Stacked stage ms per step, host (plain) beside device (hatched), per variant: the table's
+    'host / device ms' columns, one segment each."""
     names = list(results)
     x = range(len(names))
     for offset, kind, hatch in ((-0.2, "host", ""), (0.2, "device", "//")):
         bottom = [0.0] * len(names)
         for st in STAGES:
-            vals = [results[n][f"stage_{kind}_ms"].get(st, 0.0) for n in names]
+            vals = [stage_ms(results[n], kind, st) for n in names]
             ax.bar(
                 [i + offset for i in x],
                 vals,
@@ -286,36 +307,55 @@ def plot_stages(ax, results: dict) -> None:
                 edgecolor="black",
                 linewidth=0.3,
                 label=st if kind == "host" else None,
+                gid=f"{kind}:{st}",
             )
             bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_xticks(list(x), names)
+    ax.set_xlabel("variant")
     ax.set_ylabel("ms per step")
     ax.set_title("stage times: host (plain) vs device (hatched)")
-    ax.legend(fontsize=8)
+    legend_outside(ax)
 
 
 def plot_memory(ax, results: dict) -> None:
-    """Peak memory per variant: the breakdown stacked where measured, else the CUDA peak."""
+    """Per variant, the table's memory column as an outlined bar (the allocator's measured peak, or
+    for older results the breakdown's sum), and inside it the breakdown's parts stacked. Where the
+    peak was measured, the space above the parts is what the breakdown does not hold (temporaries
+    of the backward, the allocator's cached blocks)."""
     names = list(results)
     bottom = [0.0] * len(names)
     for key, label, color in MEMORY_PARTS:
         vals = [(results[n].get("breakdown_bytes") or {}).get(key, 0) / MIB for n in names]
-        ax.bar(names, vals, bottom=bottom, color=color, label=label)
+        if any(vals):
+            ax.bar(names, vals, 0.6, bottom=bottom, color=color, label=label, gid=f"part:{key}")
         bottom = [b + v for b, v in zip(bottom, vals)]
-    cuda = [results[n].get("peak_allocated_gib") for n in names]
-    if any(cuda):
-        ax.scatter(
-            names,
-            [1024 * (c or 0) for c in cuda],
-            color="black",
-            marker="_",
-            s=400,
-            zorder=3,
-            label="CUDA max allocated",
+    peaks = [peak_mib(results[n]) or 0.0 for n in names]
+    label = memory_label(results)
+    ax.bar(
+        names,
+        peaks,
+        0.8,
+        fill=False,
+        edgecolor="black",
+        linewidth=1.5,
+        label=label + (" (measured)" if measured_peak(results) else " (no measured peak)"),
+        gid="memory",
+    )
+    for i, pk in enumerate(peaks):
+        ax.annotate(
+            f"{pk:,.1f}",
+            (i, pk),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            xytext=(0, 3),
+            textcoords="offset points",
         )
+    ax.margins(y=0.12)
+    ax.set_xlabel("variant")
     ax.set_ylabel("MiB")
-    ax.set_title("memory at its peak, measured")
-    ax.legend(fontsize=8)
+    ax.set_title(f"{label} per step, and the breakdown's parts")
+    legend_outside(ax)
 
 
 def chart(meta: dict, results: dict, path: Path) -> None:
@@ -324,16 +364,23 @@ def chart(meta: dict, results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    fig = chart_figure(meta, results)
+    fig.savefig(path, dpi=110, metadata=PNG_METADATA)
+    plt.close(fig)
+
+
+def chart_figure(meta: dict, results: dict):
+    """The three panels of the .png: tokens/s, stage times, memory (the test reads its bars back)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.2), layout="constrained")
     plot_tokens(axes[0], results)
     plot_stages(axes[1], results)
     plot_memory(axes[2], results)
     for ax in axes:
         ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     fig.suptitle(f"{meta['name']} on {machine_line(meta)}\n{meta['command']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def main() -> int:

@@ -4,8 +4,9 @@
     python benchmarks/make_figures.py --results benchmarks/results/nvidia-h100-80gb-hbm3-gpt2.json
 
 Writes into docs/img/: tokens_per_s.png, stage_times.png and memory_breakdown.png, each titled
-with the machine, versions and date of the measurement. The TensorBoard screenshots come from
-docs/tensorboard_screenshots.py.
+with the machine, versions and date of the measurement. The colours are the stage registry's
+(minigpt/stages.py) and the PNGs carry no version or date: the same results give the same bytes.
+The TensorBoard screenshots come from docs/tensorboard_screenshots.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 # Run as a script, this folder is on sys.path: the sibling modules import directly.
-from ablation import plot_memory, plot_stages, plot_tokens
+from ablation import PNG_METADATA, plot_memory, plot_stages, plot_tokens
 from common import machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,12 +47,11 @@ def main() -> int:
         ("stage_times", plot_stages),
         ("memory_breakdown", plot_memory),
     ):
-        fig, ax = plt.subplots(figsize=(7.5, 4.5))
+        fig, ax = plt.subplots(figsize=(8.5, 4.5), layout="constrained")
         plot(ax, results)
         ax.tick_params(axis="x", labelrotation=15, labelsize=8)
         fig.suptitle(f"{meta['name']}: {machine_line(meta)}\n{meta['command']}", fontsize=8)
-        fig.tight_layout()
-        fig.savefig(args.out / f"{name}.png", dpi=110)
+        fig.savefig(args.out / f"{name}.png", dpi=110, metadata=PNG_METADATA)
         plt.close(fig)
         print(f"wrote {args.out / name}.png")
     return 0

@@ -4,7 +4,9 @@ command line around it."""
 
 from __future__ import annotations
 
+import codecs
 import math
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 
@@ -51,13 +53,15 @@ def generate(
     top_k: int | None = None,
     generator: torch.Generator | None = None,
     vocab_size: int | None = None,
+    on_token: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Extend each row of idx (batch, time) by max_new_tokens sampled tokens.
 
     The context is cropped to the model's max_position_embeddings (its position table ends
     there). Logits are divided by temperature (below 1: sharper; above: flatter); top_k keeps only
     the k likeliest tokens (top_k=1 is greedy decoding); ids >= vocab_size (padding) are never
-    drawn. The draw uses `generator`, so a seed fixes the text."""
+    drawn. The draw uses `generator`, so a seed fixes the text. `on_token` is called after each
+    new token (a progress bar's update)."""
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a positive finite number, not {temperature}")
     if top_k is not None and top_k < 1:
@@ -74,4 +78,16 @@ def generate(
         probs = F.softmax(logits, dim=-1)
         nxt = torch.multinomial(probs, num_samples=1, generator=generator)
         idx = torch.cat([idx, nxt], dim=1)
+        if on_token is not None:
+            on_token()
     return idx
+
+
+def utf8_text(data: bytes) -> str:
+    """The text of a sample's bytes, decoded all at once: GPT-2's byte-level tokens split many
+    characters (CJK, emoji, accented letters) over two or three tokens, and a token decoded alone
+    shows its half of a character as U+FFFD. An incomplete character at the very end (the sample
+    stopped before its last bytes were drawn) is left out, not shown as U+FFFD. Bytes that are no
+    UTF-8 at all (a lone continuation byte, as an undertrained model draws) still show as U+FFFD:
+    there is no character to show."""
+    return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(data, final=False)

@@ -53,7 +53,10 @@ Event categories (Kineto's ActivityType names, and the older names torch-tb-prof
                  Memset; and any complete event of an unknown category that carries the on-device
                  conventions (`args.stream`, or a "stream N" thread). gpu_user_annotation is the
                  projection of host ranges onto the device timeline, not work, and is not counted.
-  The device is never identified by vendor: a trace is "CPU only" when it has no device work at all.
+  The device is never identified by vendor: a trace is "CPU only" when it has no device work and no
+  launches. Launches without any device work are a GPU trace whose device side was not recorded
+  (the profiler ran without CUPTI, i.e. without ProfilerActivity.CUDA): the report says so and
+  shows host times only, rather than calling a GPU run CPU-only.
 
 Tensor-core / matrix-core verdict, by kernel name (a trace has no flag that says so):
   "-"    for every kernel that is not a GEMM or a convolution. GEMM/convolution kernels are names
@@ -87,7 +90,7 @@ import os
 import re
 import sys
 from bisect import bisect_left, bisect_right
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -714,12 +717,16 @@ def summarize(path: Path, stages: tuple[str, ...] | None = None, top: int = DEFA
         total["steps"] = 0
         window = WHOLE_TRACE
     kernels, kernel_ms = top_kernels(events, top) if gpu else ([], 0.0)
+    launch_calls = Counter(e["cat"] for e in events if e["cat"] in LAUNCH_CATS)
     streams = {(_key(e.get("pid")), _key(e.get("tid"))) for e in work}
     return {
         "file": str(path),
         "rank": trace.rank,
         "window": window,
-        "cpu_only": not gpu,
+        "cpu_only": not gpu and not launch_calls,
+        # runtime/driver calls by category: with no device work, the kernels were not recorded
+        "launch_calls": dict(launch_calls),
+        "device_not_recorded": not gpu and bool(launch_calls),
         "malformed_events": trace.malformed,
         "stages": list(stages),
         "device_time": "busy = union of kernel, memcpy and memset intervals over all streams; "
@@ -764,7 +771,7 @@ def comm_lines(s: dict) -> list[str]:
 
 
 def render(s: dict) -> str:
-    gpu = not s["cpu_only"]
+    gpu = not s["cpu_only"] and not s.get("device_not_recorded")
     steps = [r["step"] for r in s["steps"]]
     rank = f" (rank {s['rank']})" if s.get("rank") is not None else ""
     out = [f"trace: {s['file']}{rank}"]
@@ -785,6 +792,14 @@ def render(s: dict) -> str:
         out.append(
             "per range: device work launched inside it (from any thread); busy = union, "
             "span = first start to last end"
+        )
+    elif s.get("device_not_recorded"):
+        calls = ", ".join(f"{n:,} {cat}" for cat, n in sorted(s["launch_calls"].items()))
+        out.append(
+            f"a GPU trace whose kernels were not recorded: {calls} calls but no kernel, memcpy or "
+            "memset events, so host times only. Kernels are recorded through CUPTI: profile with "
+            "torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) "
+            "(train_minimal.py --use-profiler does on a GPU)"
         )
     else:
         out.append("no device events in this trace (CPU only): host times only")

@@ -202,3 +202,100 @@ def test_ablation_render_rewrites_table_and_chart_without_running(tmp_path):
 def test_bad_benchmark_flags_fail_with_a_message():
     result = run("ablation.py", "--steps", "0")
     assert result.returncode == 2 and "--steps and --repeats must be at least 1" in result.stderr
+
+
+ABLATION_RESULTS = ["cpu-small-fp32", "cpu-small", "cpu-gpt2-b2"]  # the committed ablation charts
+
+
+def table_rows(table: str) -> dict[str, list[str]]:
+    """The ablation table's cells by variant name, as a reader sees them."""
+    rows = [line.strip("|").split(" | ") for line in table.splitlines() if line.startswith("| ")]
+    header, body = rows[0], rows[1:]
+    return {
+        cells[0].strip(): dict(zip((h.strip() for h in header), (c.strip() for c in cells))) for cells in body
+    }
+
+
+def bar_containers(ax) -> list:
+    from matplotlib.container import BarContainer
+
+    return [c for c in ax.containers if isinstance(c, BarContainer)]
+
+
+def number(cell: str) -> float:
+    return float(cell.split()[0].replace(",", ""))
+
+
+@pytest.mark.parametrize("stem", ABLATION_RESULTS)
+def test_ablation_chart_plots_the_numbers_its_table_prints(stem, monkeypatch):
+    """Each bar of the .png, read back from its Axes, equals its cell in the .md: the memory panel
+    once plotted the breakdown's sum (770 MiB) beside a table that said the peak (1,888.6)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import ablation
+
+    data = json.loads((ROOT / "benchmarks" / "results" / f"{stem}.json").read_text())
+    meta, results = data["meta"], data["results"]
+    rows = table_rows(ablation.markdown(meta, results))
+    memory_column = next(h for h in next(iter(rows.values())) if "MiB" in h and "activations" not in h)
+    fig = ablation.chart_figure(meta, results)
+    tokens_ax, stages_ax, memory_ax = fig.axes[:3]
+    names = list(results)
+
+    tokens = [p.get_height() for p in bar_containers(tokens_ax)[0].patches]
+    assert tokens == pytest.approx([number(rows[n]["tokens/s (median)"]) for n in names], abs=0.5)
+
+    for container in bar_containers(stages_ax):
+        kind, stage = container.patches[0].get_gid().split(":")
+        heights = [p.get_height() for p in container.patches]
+        cells = [rows[n][f"{stage} host / device ms"].split(" / ")[kind == "device"] for n in names]
+        assert heights == pytest.approx([float(c) for c in cells], abs=0.05), (kind, stage)
+
+    memory = next(c for c in bar_containers(memory_ax) if c.patches[0].get_gid() == "memory")
+    assert [p.get_height() for p in memory.patches] == pytest.approx(
+        [number(rows[n][memory_column]) for n in names], abs=0.05
+    )
+    assert memory.get_label().startswith(ablation.memory_label(results))
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("stem", ABLATION_RESULTS)
+def test_ablation_chart_legends_cover_no_bar_and_axes_say_their_units(stem, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import ablation
+
+    data = json.loads((ROOT / "benchmarks" / "results" / f"{stem}.json").read_text())
+    fig = ablation.chart_figure(data["meta"], data["results"])
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    bars = [p.get_window_extent(renderer) for ax in fig.axes for c in bar_containers(ax) for p in c.patches]
+    for ax in fig.axes:
+        assert ax.get_xlabel() == "variant"
+        assert ax.get_ylabel() in ("tokens/s", "ms per step", "MiB")
+        legend = ax.get_legend()
+        if legend is not None:
+            box = legend.get_window_extent(renderer)
+            assert not any(box.overlaps(b) for b in bars if b.height > 0), ax.get_title()
+    plt.close(fig)
+
+
+def test_make_figures_renders_the_same_bytes_twice(tmp_path):
+    """A re-render leaves a clean checkout clean: fixed colours, no version or date in the PNGs."""
+    for out in ("a", "b"):
+        result = run("make_figures.py", "--out", str(tmp_path / out))
+        assert result.returncode == 0, result.stderr[-3000:]
+    names = sorted(p.name for p in (tmp_path / "a").glob("*.png"))
+    assert names == ["memory_breakdown.png", "stage_times.png", "tokens_per_s.png"]
+    for name in names:
+        png = (tmp_path / "a" / name).read_bytes()
+        assert png == (tmp_path / "b" / name).read_bytes(), name
+        assert b"Matplotlib version" not in png

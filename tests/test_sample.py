@@ -125,3 +125,96 @@ def test_text_run_decodes_with_the_gpt2_tokenizer(tmp_path, capsys):
     assert status == 0
     blocks = stdout.split(SAMPLE["SEPARATOR"])
     assert len(blocks) == 2 and all(b.strip().startswith("The while statement") for b in blocks)
+
+
+def test_status_goes_to_stderr_and_only_the_samples_to_stdout(toy_run, capsys):
+    """A long sampling run says what it is doing (it once printed nothing for minutes)."""
+    status, out, err = sample(
+        capsys, "--out-dir", str(toy_run), "--num-samples", "3", "--max-new-tokens", "4"
+    )
+    assert status == 0
+    assert f"loaded {toy_run / 'checkpoints' / 'ckpt.pt'}" in err
+    for i in (1, 2, 3):
+        assert f"generating sample {i} of 3" in err
+    assert len(rows(out)) == 3  # stdout parses as the samples alone
+
+
+def test_generate_reports_every_new_token(toy_run):
+    model, _ = load_model(toy_run / "checkpoints" / "ckpt.pt")
+    ticks = []
+    generate(
+        model,
+        torch.tensor([[1, 2]]),
+        5,
+        generator=torch.Generator().manual_seed(0),
+        on_token=lambda: ticks.append(1),
+    )
+    assert len(ticks) == 5
+
+
+def test_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        SAMPLE["parse_args"](["--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split("options:")[1].split())  # argparse wraps lines
+    for flag, default in {
+        "--num-samples": 3,
+        "--max-new-tokens": 200,
+        "--temperature": 0.8,
+        "--top-k": 200,
+        "--seed": 1337,
+        "--device": "auto",
+        "--dtype": "fp32",
+    }.items():
+        assert f"(default: {default})" in text.split(flag, 1)[1].split(" --")[0], flag
+    assert "the run in runs/ whose checkpoint is newest" in text and "default '0 2 4 6'" in text
+    assert "(default: None)" not in text
+
+
+TEXT = "日本語の文章 🙂👍 naïve café"  # CJK, emoji, accents: GPT-2 splits their bytes over tokens
+
+
+def test_characters_split_over_tokens_decode_whole():
+    """GPT-2's byte-level tokens split a CJK character or an emoji over two or three tokens; the
+    sample's text must show the character, never U+FFFD for its halves."""
+    from minigpt.data import EOT, get_tokenizer
+
+    enc = get_tokenizer()
+    tokens = enc.encode_ordinary(TEXT)
+    pieces = [enc.decode_single_token_bytes(t) for t in tokens]
+    split = []
+    for p in pieces:
+        try:
+            p.decode("utf-8")
+        except UnicodeDecodeError:
+            split.append(p)
+    assert split, "the text must hold tokens that are part of a character, or this test proves nothing"
+    text = SAMPLE["sample_text"]([EOT, *tokens], toy=False, from_document_start=True)
+    assert text == TEXT and "\ufffd" not in text
+
+
+def test_a_sample_cut_inside_a_character_leaves_the_partial_character_out():
+    """max_new_tokens can end a sample between the tokens of one character: the complete text up to
+    it is shown, not a trailing U+FFFD."""
+    from minigpt.data import get_tokenizer
+
+    enc = get_tokenizer()
+    tokens = enc.encode_ordinary(TEXT)
+    cuts = 0
+    for k in range(1, len(tokens)):
+        data = enc.decode_bytes(tokens[:k])
+        text = SAMPLE["sample_text"](tokens[:k], toy=False, from_document_start=False)
+        assert "\ufffd" not in text and TEXT.startswith(text), k
+        complete = data.decode("utf-8", errors="ignore")
+        assert text == complete
+        cuts += enc.decode(tokens[:k]).endswith("\ufffd")  # what decoding without care shows
+    assert cuts > 0  # some cut falls inside a character
+
+
+def test_bytes_that_are_not_utf8_still_show_as_replacement():
+    """A lone continuation byte (an undertrained model draws them) is no character at all: it shows
+    as U+FFFD, in the middle; only a character cut at the end is held back."""
+    from minigpt.sample import utf8_text
+
+    assert utf8_text(b"a\x80b") == "a\ufffdb"
+    assert utf8_text("é".encode() + "🙂".encode()[:2]) == "é"

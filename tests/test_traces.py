@@ -628,7 +628,37 @@ def test_unknown_device_category_and_gpu_user_annotation(tmp_path):
     only_annotation = [
         e for e in gpu_step(3, 0, 0) if e["cat"] != "kernel" and not e["name"].startswith("Memcpy")
     ]
-    assert summary(write_trace(tmp_path / "a.json", only_annotation))["cpu_only"] is True
+    s = summary(write_trace(tmp_path / "a.json", only_annotation))
+    assert s["device_busy_ms"] == 0 and s["kernels"] == []
+    assert s["device_not_recorded"] is True  # its launches remain: a GPU trace, not a CPU one
+
+
+def test_launches_without_kernels_read_as_a_gpu_trace_whose_kernels_were_not_recorded(tmp_path):
+    """HTA's cupti_profiler test trace has 1,862 CUDA runtime calls and no kernel: the profiler ran
+    without CUPTI. Calling it 'CPU only' sent its reader looking for a CPU run that never was."""
+    events = [e for e in gpu_step(3, 0, 0) if e["cat"] != "kernel" and not e["name"].startswith("Memcpy")]
+    events.append({**events[-1], "cat": "cuda_driver", "name": "cuLaunchKernel", "args": {"correlation": 99}})
+    launches = sum(e["cat"] == "cuda_runtime" for e in events)
+    assert launches >= 4
+    path = write_trace(tmp_path / "t.json", events)
+    s = summary(path)
+    assert s["cpu_only"] is False and s["device_not_recorded"] is True
+    assert s["launch_calls"] == {"cuda_runtime": launches, "cuda_driver": 1}
+    assert s["steps"][0]["host_ms"] > 0 and "device_busy_ms" not in s["steps"][0]["stages"]["forward"]
+    text = ok(path)
+    assert "CPU only" not in text
+    assert (
+        f"a GPU trace whose kernels were not recorded: 1 cuda_driver, {launches} cuda_runtime calls" in text
+    )
+    assert "ProfilerActivity.CUDA" in text and "CUPTI" in text
+    assert "dev busy ms" not in text  # no device columns invented
+
+
+def test_a_trace_without_launches_or_device_work_is_still_cpu_only(tmp_path):
+    events = [e for e in gpu_step(3, 0, 0) if e["cat"] == "user_annotation"]
+    s = summary(write_trace(tmp_path / "t.json", events))
+    assert s["cpu_only"] is True and s["device_not_recorded"] is False and s["launch_calls"] == {}
+    assert "no device events in this trace (CPU only)" in ok(tmp_path / "t.json")
 
 
 def test_overlapping_steps_are_not_counted_twice(tmp_path):
