@@ -500,15 +500,19 @@ def timeline_section(run: Run) -> str:
         yaxis=dict(categoryorder="array", categoryarray=list(reversed(lanes))),
     )
     cpu = all(s.get("cpu_only") for s in run.traces)
+    unrecorded = any(s.get("device_not_recorded") for s in run.traces)
+    if cpu:
+        lane = "CPU-only trace: no device lane (the CPU runs each op as the host issues it)."
+    elif unrecorded:
+        lane = (
+            "A GPU trace whose kernels were not recorded (CUDA launches, no kernel events): host "
+            "times only; profile with ProfilerActivity.CUDA to record them."
+        )
+    else:
+        lane = "The device lane holds every kernel, memcpy and memset of the window."
     body = (
         f"<p>{len(run.traces)} trace file(s), profiled steps "
-        f"{', '.join(str(x['step']) for x in run.traces[0]['steps'])}. "
-        + (
-            "CPU-only trace: no device lane (the CPU runs each op as the host issues it)."
-            if cpu
-            else "The device lane holds every kernel, memcpy and memset of the window."
-        )
-        + "</p>"
+        f"{', '.join(str(x['step']) for x in run.traces[0]['steps'])}. {lane}</p>"
     )
     body += figure(fig, "timeline-plot", 120 + 60 * len(lanes))
     body += "".join(nodata(n) for n in notes)
