@@ -11,10 +11,21 @@ tokens/s over the steps alone and end to end and their start-up (metrics.jsonl's
 memory by category; the top host
 operators and device kernels of the two traces matched by name, with what is new in B, gone from
 A, or changed; and the losses at the steps both runs logged. Runs without traces compare without
-the operator tables. Model shapes that differ are allowed (that may be the point of the
-comparison) and flagged, since per-step figures are then not like for like.
+the operator tables.
 
-benchmarks/ablation.py uses compare_runs() and format_compare() to explain its findings.
+Every timing ratio comes with its 95% interval (minigpt.stats: Welch's t on the log samples), and
+one whose interval holds 1.0 reads "no difference within noise". The samples are the logged
+intervals after the first (warm-up), each the mean of --log-interval steps, and the profiled steps
+of the traces: they measure a run's step-to-step noise, not the noise between processes (repeat
+in fresh processes for that: the benchmarks do). With fewer than stats.MIN_SAMPLES logged intervals
+after warm-up in a run, no ratio is claimed: the output says how many there were and what to
+rerun with. The run-wide figures are one per run and get no interval; memory figures are counts.
+
+Runs of different models (shapes) or of different machines (device, device name, versions) are
+refused with one line, exit 2: their per-step figures are not like for like. --allow-different
+compares them anyway, and the output says so.
+
+benchmarks/ablation.py uses compare_runs() and headline() to explain its findings.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ from minigpt.report import (
 )
 from minigpt.runfiles import Run, RunError, load_run
 from minigpt.stages import split_parent
+from minigpt.stats import MIN_SAMPLES, RatioInterval, needed_samples, ratio_interval, verdict
 
 TOP_COMPARE = 15  # operator / kernel rows shown: the largest differences per profiled step
 CHANGED = 0.10  # a matched operator whose time moved by more than 10% is "changed", else "same":
@@ -54,10 +66,90 @@ SHAPE_KEYS = ("n_layers", "n_heads", "d_model", "d_ff", "vocab_size", "max_posit
 RUN_ROWS = ("run_tokens_per_s", "tokens_per_s_e2e", "startup_s")
 # Interval figures: medians over the steady logged steps; rows only where a run recorded them.
 INTERVAL_ROWS = ("tokens_per_s", "tokens_per_s_per_rank", "mfu", "achieved_tflops", "peak_tflops")
+# What config.json says of the machine: runs that differ in one of these are not like for like.
+MACHINE_KEYS = ("device", "device_name", "versions")
+# The samples of each kind of ratio, as RatioInterval.method names them.
+FROM_INTERVALS = "Welch t on log samples: logged intervals after warm-up (one run each)"
+FROM_PROFILED = "Welch t on log samples: profiled steps (one trace each)"
+INTERVAL_UNIT = ("logged interval after the first (warm-up)", "logged intervals after the first (warm-up)")
+ONE_FIGURE = "one figure per run: no interval"
+TOO_FEW = "too few samples"
 
 
 def ratio(a, b) -> float | None:
     return b / a if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a else None
+
+
+def after_warmup(run: Run) -> list[dict]:
+    """The logged intervals after the first, which holds warm-up (and compilation): the samples
+    of every interval. Unlike report.steady(), a run with one logged interval has none."""
+    return run.metrics[1:]
+
+
+def samples(records: list[dict], key: str, sub: str | None = None) -> list[float]:
+    """One figure per record: record[key], or record[key][sub] (a stage); missing ones skipped."""
+    out = []
+    for r in records:
+        v = r.get(key)
+        if sub is not None:
+            v = v.get(sub) if isinstance(v, dict) else None
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out.append(float(v))
+    return out
+
+
+def interval_of(a: list[float], b: list[float], method: str) -> tuple[RatioInterval | None, str]:
+    """B / A's interval and what to print in its place: the verdict; TOO_FEW below MIN_SAMPLES a
+    side; "-" where a side never recorded the figure, or has a zero (a stage that takes no time
+    here: a ratio of it means nothing)."""
+    if not a and not b or (not a or not b) and max(len(a), len(b)) >= MIN_SAMPLES:
+        return None, "-"
+    if needed_samples(len(a), len(b)):
+        return None, TOO_FEW
+    if min(a) <= 0 or min(b) <= 0:
+        return None, "-"
+    iv = ratio_interval(a, b, method=method)
+    return iv, verdict(iv)
+
+
+def _set_interval(
+    row: dict, a: list[float], b: list[float], method: str, prefix: str = "", short: bool = False
+) -> None:
+    """Add `prefix`interval and `prefix`verdict to a row; `short`: the runs have too few logged
+    intervals after warm-up, so a figure they hold (from the warm-up alone) gets TOO_FEW."""
+    iv, text = interval_of(a, b, method)
+    if short and text == "-" and not (a and b and min(a + b) <= 0):
+        text = TOO_FEW
+    row[f"{prefix}interval"] = iv.to_json() if iv else None
+    row[f"{prefix}verdict"] = text
+
+
+def different(a: Run, b: Run) -> list[str]:
+    """What makes two runs not like for like: a model shape or the machine, one phrase each
+    ("d_model 64 vs 128", "device_name x vs y", "torch 2.13.0 vs 2.12.0"); empty when alike."""
+    ma, mb = a.config.get("model", {}), b.config.get("model", {})
+    out = [f"{k} {ma.get(k)} vs {mb.get(k)}" for k in SHAPE_KEYS if ma.get(k) != mb.get(k)]
+    for k in MACHINE_KEYS:
+        va, vb = a.config.get(k), b.config.get(k)
+        if isinstance(va, dict) or isinstance(vb, dict):
+            va, vb = va or {}, vb or {}
+            out += [
+                f"{n} {va.get(n)} vs {vb.get(n)}" for n in dict.fromkeys([*va, *vb]) if va.get(n) != vb.get(n)
+            ]
+        elif va != vb:
+            out.append(f"{k} {va} vs {vb}")
+    return out
+
+
+def _mismatch(a: Run, b: Run) -> str | None:
+    """The one line that refuses runs of different models or machines, or None."""
+    ma, mb = a.config.get("model", {}), b.config.get("model", {})
+    model = any(ma.get(k) != mb.get(k) for k in SHAPE_KEYS)
+    machine = any(a.config.get(k) != b.config.get(k) for k in MACHINE_KEYS)
+    if not (model or machine):
+        return None
+    what = " and ".join(w for w, x in (("different models", model), ("different machines", machine)) if x)
+    return f"A and B are {what} ({', '.join(different(a, b))})"
 
 
 def _describe(run: Run) -> dict:
@@ -73,6 +165,7 @@ def _describe(run: Run) -> dict:
         "params": c.get("params"),
         "traces": len(run.traces),
         "logged_steps": len(run.metrics),
+        "intervals_after_warmup": len(after_warmup(run)),
     }
 
 
@@ -83,6 +176,8 @@ def _stage_rows(a: Run, b: Run) -> list[dict]:
         for k in ("stage_host_ms", "stage_device_ms", "stage_comm_ms")
     }
     names = list(dict.fromkeys([*med["stage_host_ms"][0], *med["stage_host_ms"][1]]))
+    wa, wb = after_warmup(a), after_warmup(b)
+    short = needed_samples(len(wa), len(wb)) is not None
     for n in names:
         row = {"stage": n}
         for key, out in (("stage_host_ms", "host"), ("stage_device_ms", "device"), ("stage_comm_ms", "comm")):
@@ -91,6 +186,7 @@ def _stage_rows(a: Run, b: Run) -> list[dict]:
                 continue
             row[f"{out}_ms"] = [va, vb]
             row[f"{out}_ratio"] = ratio(va, vb)
+            _set_interval(row, samples(wa, key, n), samples(wb, key, n), FROM_INTERVALS, f"{out}_", short)
         rows.append(row)
     return rows
 
@@ -106,12 +202,22 @@ def _trace_stage_rows(a: Run, b: Run) -> list[dict]:
         sa, sb = ta["totals"]["stages"].get(n, {}), tb["totals"]["stages"].get(n, {})
         row = {"stage": n, "host_ms": [sa.get("host_ms", 0) / na, sb.get("host_ms", 0) / nb]}
         row["host_ratio"] = ratio(*row["host_ms"])
+        per_a = [s["stages"][n] for s in ta["steps"] if n in s.get("stages", {})]
+        per_b = [s["stages"][n] for s in tb["steps"] if n in s.get("stages", {})]
+        _set_interval(row, samples(per_a, "host_ms"), samples(per_b, "host_ms"), FROM_PROFILED, "host_")
         if "device_busy_ms" in sa or "device_busy_ms" in sb:
             row["device_busy_ms"] = [
                 sa.get("device_busy_ms", 0) / na if "device_busy_ms" in sa else None,
                 sb.get("device_busy_ms", 0) / nb if "device_busy_ms" in sb else None,
             ]
             row["device_ratio"] = ratio(*row["device_busy_ms"])
+            _set_interval(
+                row,
+                samples(per_a, "device_busy_ms"),
+                samples(per_b, "device_busy_ms"),
+                FROM_PROFILED,
+                "device_",
+            )
         rows.append(row)
     return rows
 
@@ -157,20 +263,31 @@ def _losses(a: Run, b: Run, key: str) -> list[dict]:
     ]
 
 
-def compare_loaded(a: Run, b: Run) -> dict:
+def compare_loaded(a: Run, b: Run, allow_different: bool = False) -> dict:
+    """compare_runs() on runs already loaded."""
+    mismatch = _mismatch(a, b)
+    if mismatch and not allow_different:
+        raise RunError(
+            f"{mismatch}: their per-step figures are not like for like; "
+            "pass --allow-different to compare them anyway"
+        )
     notes = []
+    if mismatch:
+        notes.append(
+            f"{mismatch}, compared anyway (--allow-different): per-step figures are not like for like"
+        )
     if a.path.resolve() == b.path.resolve():
         notes.append("A and B are the same run directory")
     ma, mb = a.config.get("model", {}), b.config.get("model", {})
     shape_diff = {k: [ma.get(k), mb.get(k)] for k in SHAPE_KEYS if ma.get(k) != mb.get(k)}
-    if shape_diff:
-        notes.append(
-            "model shapes differ ("
-            + ", ".join(f"{k} {x} vs {y}" for k, (x, y) in shape_diff.items())
-            + "): per-step times, memory and losses are not like for like"
+    n_a, n_b = len(after_warmup(a)), len(after_warmup(b))
+    shortfall = needed_samples(n_a, n_b, MIN_SAMPLES, INTERVAL_UNIT, "run")
+    if shortfall:
+        every = max(int(x.config.get("config", {}).get("log_interval") or 1) for x in (a, b))
+        shortfall += (
+            f": rerun with --num-steps {(MIN_SAMPLES + 1) * every} or more at --log-interval {every}, "
+            "or a smaller --log-interval"
         )
-    if a.config.get("device") != b.config.get("device"):
-        notes.append(f"devices differ: {a.config.get('device')} vs {b.config.get('device')}")
     if a.world_size != b.world_size:
         notes.append(
             f"world sizes differ: {a.world_size} vs {b.world_size} (tokens/s is the job's; "
@@ -188,13 +305,25 @@ def compare_loaded(a: Run, b: Run) -> dict:
             precision(cb.get("amp"), b.config.get("amp")),
         ]
     ta, tb = throughput(a), throughput(b)
+    wa, wb = after_warmup(a), after_warmup(b)
     thr = []
     for k in (*RUN_ROWS, *INTERVAL_ROWS):
         if k in RUN_ROWS or ta.get(k) is not None or tb.get(k) is not None:
-            thr.append({"metric": k, "a": ta.get(k), "b": tb.get(k), "ratio": ratio(ta.get(k), tb.get(k))})
+            row = {"metric": k, "a": ta.get(k), "b": tb.get(k), "ratio": ratio(ta.get(k), tb.get(k))}
+            if k in RUN_ROWS:
+                row["interval"], row["verdict"] = None, ONE_FIGURE if row["ratio"] is not None else "-"
+            elif k == "peak_tflops":  # the MFU denominator: a setting or a cached measurement, not a timing
+                row["interval"], row["verdict"] = None, _x(row["ratio"])
+            else:
+                _set_interval(row, samples(wa, k), samples(wb, k), FROM_INTERVALS, short=bool(shortfall))
+            thr.append(row)
     st = [median([r.get("step_time_s") for r in steady(x.metrics)]) for x in (a, b)]
     if any(v is not None for v in st):
-        thr.append({"metric": "step_time_s", "a": st[0], "b": st[1], "ratio": ratio(*st)})
+        row = {"metric": "step_time_s", "a": st[0], "b": st[1], "ratio": ratio(*st)}
+        _set_interval(
+            row, samples(wa, "step_time_s"), samples(wb, "step_time_s"), FROM_INTERVALS, short=bool(shortfall)
+        )
+        thr.append(row)
     pa, pb = peak_memory(a), peak_memory(b)
     memory = [
         {"category": k, "a": pa.get(k), "b": pb.get(k), "ratio": ratio(pa.get(k), pb.get(k))}
@@ -218,6 +347,9 @@ def compare_loaded(a: Run, b: Run) -> dict:
         "a": _describe(a),
         "b": _describe(b),
         "notes": notes + [f"A: {p}" for p in a.problems] + [f"B: {p}" for p in b.problems],
+        # The samples every timing interval rests on, and the line that says why none was claimed.
+        "samples": {"a": n_a, "b": n_b, "needed": MIN_SAMPLES, "shortfall": shortfall},
+        "allowed_different": mismatch,
         "shape_diff": shape_diff,
         "config_diff": config_diff,
         "stages": _stage_rows(a, b),
@@ -237,10 +369,13 @@ def precision(flag: bool | None, used: str | None) -> str:
     return f"{used or 'precision not recorded'} ({how})"
 
 
-def compare_runs(a: Path, b: Path) -> dict:
+def compare_runs(a: Path, b: Path, allow_different: bool = False) -> dict:
     """Compare two run directories (see the module docstring). Raises RunError for a folder that
-    is not a run. Ratios are B / A."""
-    return compare_loaded(load_run(Path(a)), load_run(Path(b)))
+    is not a run, and for runs of different models or machines unless `allow_different`. Ratios
+    are B / A: each row's "ratio" is the point figure alone; "verdict" is what may be said of it
+    (its interval, "no difference within noise", TOO_FEW, ONE_FIGURE) and "interval" the
+    RatioInterval's fields, None where there is none."""
+    return compare_loaded(load_run(Path(a)), load_run(Path(b)), allow_different)
 
 
 # ---------------------------------------------------------------------------- text
@@ -295,23 +430,31 @@ def _run_v(metric: str, x, scale: float, digits: int) -> str:
     return OLDER_RUN if x is None and metric in RUN_KEYS else _v(x, scale, digits)
 
 
+def _claim(name: str, row: dict, prefix: str = "") -> str:
+    """One ratio for the headline: "forward 0.50x (0.48-0.52)", "forward: no difference within
+    noise", "forward: -" (a colon where no ratio is claimed)."""
+    iv = row.get(f"{prefix}interval")
+    claimed = iv is not None and not iv["low"] <= 1.0 <= iv["high"]
+    return f"{name}{' ' if claimed else ': '}{row.get(f'{prefix}verdict', '-')}"
+
+
 def headline(d: dict, top: int = 2) -> str:
     """The comparison in one line, for a benchmark's findings: throughput, the stages that moved
-    most, the operators that explain it, and the peak memory. Ratios are B / A."""
-    parts = []
-    thr = {r["metric"]: r for r in d["throughput"]}
-    # Per step, the median interval after the first: a benchmark's convention (no warm-up in it),
-    # named as such; the run-wide figures, warm-up included, are in the throughput table.
-    for key, name in (
-        ("tokens_per_s", "tokens/s (median interval)"),
-        ("tokens_per_s_e2e", "tokens/s end to end"),
-    ):
-        if thr.get(key, {}).get("ratio") is not None:
-            parts.append(f"{name} {_x(thr[key]['ratio'])}")
-    moved = [r for r in d["stages"] if r.get("host_ratio") is not None and not split_parent(r["stage"])]
-    moved.sort(key=lambda r: abs((r["host_ms"][1] or 0) - (r["host_ms"][0] or 0)), reverse=True)
-    if moved:
-        parts.append("stages " + ", ".join(f"{r['stage']} {_x(r['host_ratio'])}" for r in moved[:top]))
+    most, the operators that explain it, and the peak memory. Ratios are B / A, each with its 95%
+    interval; with too few logged intervals the line says so instead of a ratio."""
+    if d["samples"]["shortfall"]:
+        parts = [d["samples"]["shortfall"]]
+    else:
+        parts = []
+        thr = {r["metric"]: r for r in d["throughput"]}
+        # Per step, over the logged intervals after the first (no warm-up in them). The run-wide
+        # figures are one per run, with no interval: they stay in the throughput table.
+        if thr.get("tokens_per_s", {}).get("verdict", "-") != "-":
+            parts.append(_claim("tokens/s per step", thr["tokens_per_s"]))
+        moved = [r for r in d["stages"] if r.get("host_ratio") is not None and not split_parent(r["stage"])]
+        moved.sort(key=lambda r: abs((r["host_ms"][1] or 0) - (r["host_ms"][0] or 0)), reverse=True)
+        if moved:
+            parts.append("stages " + ", ".join(_claim(r["stage"], r, "host_") for r in moved[:top]))
     ops = d["operators"][:top]
     if ops:
         parts.append(
@@ -324,7 +467,7 @@ def headline(d: dict, top: int = 2) -> str:
         )
     mem = {r["category"]: r for r in d["memory"]}
     key = "peak" if mem.get("peak", {}).get("ratio") is not None else "total"  # measured, else the sum
-    if mem.get(key, {}).get("ratio") is not None:
+    if mem.get(key, {}).get("ratio") is not None:  # bytes: a count, no noise to allow for
         parts.append(f"{'peak memory' if key == 'peak' else 'memory (sum of parts)'} {_x(mem[key]['ratio'])}")
     return "; ".join(parts) or "nothing to compare"
 
@@ -338,9 +481,13 @@ def format_compare(d: dict) -> str:
             f"{r['logged_steps']} logged steps)"
             for k, r in (("A", a), ("B", b))
         ),
-        "ratios are B / A; the run's figures from its last metrics record, the others medians over "
-        "the logged steps after the first",
+        "ratios are B / A with their 95% interval, over the logged intervals after the first (Welch t: "
+        "each run's step-to-step noise, not the noise between processes; repeat runs for that);",
+        'an interval that holds 1.0 reads "no difference within noise". A and B: the run\'s figures from '
+        "its last metrics record, the others medians over the logged intervals after the first",
     ]
+    if d["samples"]["shortfall"]:
+        out.append(f"no ratio claimed: {d['samples']['shortfall']}")
     out += [f"note: {n}" for n in d["notes"]]
     if d["config_diff"]:
         out += ["", "flags that differ:"] + [f"  {k}: {x} -> {y}" for k, (x, y) in d["config_diff"].items()]
@@ -349,8 +496,8 @@ def format_compare(d: dict) -> str:
         for r in d["throughput"]:
             lab, scale, dig = THROUGHPUT_LABELS.get(r["metric"], (r["metric"], 1, 2))
             m = r["metric"]
-            rows.append([lab, _run_v(m, r["a"], scale, dig), _run_v(m, r["b"], scale, dig), _x(r["ratio"])])
-        out += [""] + _table(["throughput", "A", "B", "B/A"], rows)
+            rows.append([lab, _run_v(m, r["a"], scale, dig), _run_v(m, r["b"], scale, dig), r["verdict"]])
+        out += [""] + _table(["throughput", "A", "B", "B/A (95% interval)"], rows, left=(0, 3))
     if d["stages"]:
         rows = []
         for r in d["stages"]:
@@ -361,26 +508,28 @@ def format_compare(d: dict) -> str:
                     name,
                     _v(h[0]),
                     _v(h[1]),
-                    _x(r.get("host_ratio")),
+                    r.get("host_verdict", "-"),
                     _v(dv[0]),
                     _v(dv[1]),
-                    _x(r.get("device_ratio")),
+                    r.get("device_verdict", "-"),
                 ]
             )
-        out += ["", "stage ms per step (metrics.jsonl)"] + _table(
-            ["stage", "host A", "host B", "B/A", "device A", "device B", "B/A"], rows
+        out += ["", "stage ms per step (metrics.jsonl; medians; B/A with its 95% interval)"] + _table(
+            ["stage", "host A", "host B", "B/A", "device A", "device B", "B/A"], rows, left=(0, 3, 6)
         )
     if d["trace_stages"]:
         gpu = any("device_busy_ms" in r for r in d["trace_stages"])
         rows = []
         for r in d["trace_stages"]:
-            row = [r["stage"], _v(r["host_ms"][0]), _v(r["host_ms"][1]), _x(r["host_ratio"])]
+            row = [r["stage"], _v(r["host_ms"][0]), _v(r["host_ms"][1]), r.get("host_verdict", "-")]
             if gpu:
                 dv = r.get("device_busy_ms", [None, None])
-                row += [_v(dv[0]), _v(dv[1]), _x(r.get("device_ratio"))]
+                row += [_v(dv[0]), _v(dv[1]), r.get("device_verdict", "-")]
             rows.append(row)
         head = ["stage", "host A", "host B", "B/A"] + (["busy A", "busy B", "B/A"] if gpu else [])
-        out += ["", "stage ms per profiled step (traces, rank 0)"] + _table(head, rows)
+        out += ["", "stage ms per profiled step (traces, rank 0; B/A over the profiled steps)"] + _table(
+            head, rows, left=(0, 3, 6)
+        )
     if d["memory"]:
         rows = [
             [
@@ -391,7 +540,9 @@ def format_compare(d: dict) -> str:
             ]
             for r in d["memory"]
         ]
-        out += ["", "peak memory MiB"] + _table(["category", "A", "B", "B/A"], rows)
+        out += ["", "peak memory MiB (counted, not timed: no interval)"] + _table(
+            ["category", "A", "B", "B/A"], rows
+        )
     for key, title in (
         ("operators", "host operators, self ms per profiled step"),
         ("kernels", "device kernels, ms per profiled step"),
@@ -431,7 +582,14 @@ def compare_html(d: dict, a: Run, b: Run) -> str:
     import plotly.graph_objects as go
 
     parts = [f"<h1>minigpt: {esc(a.name)} (A) against {esc(b.name)} (B)</h1>"]
+    if d["samples"]["shortfall"]:
+        parts.append(f'<p class="problem">No ratio claimed: {esc(d["samples"]["shortfall"])}.</p>')
     parts += [f'<p class="problem">{esc(n)}</p>' for n in d["notes"]]
+    parts.append(
+        "<p>Ratios are B / A with their 95% interval over the logged intervals after the first (Welch t "
+        "on the log samples: each run's step-to-step noise, not the noise between processes); an "
+        "interval that holds 1.0 reads &ldquo;no difference within noise&rdquo;.</p>"
+    )
     parts.append(
         section(
             "summary",
@@ -451,13 +609,13 @@ def compare_html(d: dict, a: Run, b: Run) -> str:
     body = ""
     if d["throughput"]:
         body += table(
-            ["", "A", "B", "B/A"],
+            ["", "A", "B", "B/A (95% interval)"],
             [
                 [
                     THROUGHPUT_LABELS.get(r["metric"], (r["metric"],))[0],
                     _run_v(r["metric"], r["a"], *THROUGHPUT_LABELS.get(r["metric"], ("", 1, 2))[1:]),
                     _run_v(r["metric"], r["b"], *THROUGHPUT_LABELS.get(r["metric"], ("", 1, 2))[1:]),
-                    _x(r["ratio"]),
+                    r["verdict"],
                 ]
                 for r in d["throughput"]
             ],
@@ -476,6 +634,21 @@ def compare_html(d: dict, a: Run, b: Run) -> str:
             )
         fig.update_layout(barmode="group", yaxis_title="ms per step (median)")
         body += figure(fig, "compare-stages", 360)
+        body += table(
+            ["stage ms per step", "host A", "host B", "B/A (95% interval)", "device A", "device B", "B/A"],
+            [
+                [
+                    r["stage"],
+                    _v(r.get("host_ms", [None, None])[0]),
+                    _v(r.get("host_ms", [None, None])[1]),
+                    r.get("host_verdict", "-"),
+                    _v(r.get("device_ms", [None, None])[0]),
+                    _v(r.get("device_ms", [None, None])[1]),
+                    r.get("device_verdict", "-"),
+                ]
+                for r in d["stages"]
+            ],
+        )
     parts.append(
         section("stages", "Throughput and stage times", body or nodata("no logged steps in either run"))
     )
@@ -588,6 +761,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--html", type=Path, metavar="FILE", help="also write the comparison as an offline HTML page"
     )
+    p.add_argument(
+        "--allow-different",
+        action="store_true",
+        help="compare runs of different models or machines (refused by default: not like for like)",
+    )
     args = p.parse_args(argv)
     try:
         if args.html is not None and args.html.is_dir():
@@ -595,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"--html {args.html} is a folder; give a file name such as {args.html / 'compare.html'}"
             )
         a, b = load_run(args.run_a), load_run(args.run_b)
-        d = compare_loaded(a, b)
+        d = compare_loaded(a, b, args.allow_different)
         if args.html is not None:
             atomic_write(args.html, compare_html(d, a, b))
     except (RunError, OSError) as e:

@@ -1,16 +1,38 @@
 """python -m minigpt.compare: stage ratios, throughput, memory, operators and kernels matched by
-name (new, gone, changed), losses at common steps; mismatched inputs flagged or refused."""
+name (new, gone, changed), losses at common steps; each timing ratio with its 95% interval, none
+claimed from too few logged intervals; runs of different models or machines refused."""
 
 from __future__ import annotations
 
 import json
+import math
+import random
 
 import pytest
 from test_report import KERNEL, gpu_trace_events, make_run
 
-from minigpt.compare import compare_runs, format_compare, headline, main
+from minigpt.compare import TOO_FEW, compare_runs, format_compare, headline, main
+from minigpt.runfiles import RunError
 
 MIB = 1024 * 1024
+STEPS = (10, 20, 30, 40, 50)  # four logged intervals after the first: enough for an interval
+TEN = tuple(range(10, 101, 10))
+
+
+def noisy(folder, sd: float, seed: int):
+    """Scale each logged interval's timings by its own random factor (log-normal, `sd`), as a
+    loaded machine does: tokens/s down where the step time and the stages go up."""
+    rng = random.Random(seed)
+    rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        f = math.exp(rng.gauss(0, sd))
+        r["step_time_s"] *= f
+        for k in ("tokens_per_s", "tokens_per_s_per_rank", "mfu"):
+            r[k] /= f
+        for k in ("stage_host_ms", "stage_device_ms"):
+            r[k] = {s: v * f for s, v in r[k].items()}
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
 
 
 def breakdown(activations_mib: float) -> dict:
@@ -34,6 +56,7 @@ def pair(tmp_path):
     swapped for another, an operator gone and one new."""
     a = make_run(
         tmp_path / "fp32",
+        steps=STEPS,
         tokens_per_s=1000.0,
         breakdown=breakdown(10),
         trace=gpu_trace_events(
@@ -42,11 +65,12 @@ def pair(tmp_path):
     )
     b = make_run(
         tmp_path / "amp",
+        steps=STEPS,
         tokens_per_s=2000.0,
         stage_scale=0.5,
         breakdown=breakdown(6),
         amp="bf16",
-        losses=[4.0, 3.6, 3.2],
+        losses=[4.0, 3.6, 3.2, 2.8, 2.4],
         trace=gpu_trace_events(op_ms={"aten::mm": 4.0, "aten::add": 1.02, "aten::to": 0.5}),
     )
     return a, b
@@ -82,7 +106,7 @@ def test_operators_and_kernels_matched_by_name(pair):
 
 def test_losses_at_common_steps(pair, tmp_path):
     d = compare_runs(*pair)
-    assert [r["step"] for r in d["losses"]] == [10, 20, 30]
+    assert [r["step"] for r in d["losses"]] == list(STEPS)
     assert d["losses"][1]["delta"] == pytest.approx(3.6 - 3.5)
     other = make_run(tmp_path / "other", steps=(5, 15))
     d = compare_runs(pair[0], other)
@@ -91,25 +115,125 @@ def test_losses_at_common_steps(pair, tmp_path):
 
 def test_text_output(pair):
     text = format_compare(compare_runs(*pair))
-    assert "ratios are B / A" in text
-    assert "tokens/s per step, median interval" in text and "2.00x" in text
+    assert "ratios are B / A with their 95% interval" in text
+    # Every interval the same: the interval is the ratio itself.
+    assert "tokens/s per step, median interval" in text and "2.00x (2.00-2.00)" in text
     assert "forward" in text and "aten::mm" in text and "new" in text and "gone" in text
     assert "losses at the steps both runs logged" in text
     line = headline(compare_runs(*pair))
     assert line.startswith(
-        "tokens/s (median interval) 2.00x; stages backward 0.50x, forward 0.50x; operators aten::mm -4.0 ms"
+        "tokens/s per step 2.00x (2.00-2.00); stages backward 0.50x (0.50-0.50), forward 0.50x (0.50-0.50); "
+        "operators aten::mm -4.0 ms"
     )
     # the measured peak, not the sum of parts: (16 + 18) / (16 + 30) MiB = 0.739 (the sum: 0.846)
     assert line.endswith("peak memory 0.74x")
 
 
-def test_shapes_differ_flagged_and_traceless_runs_compare(tmp_path):
-    a = make_run(tmp_path / "a", d_model=64)
-    b = make_run(tmp_path / "b", d_model=128)
-    d = compare_runs(a, b)
-    assert any("model shapes differ" in n and "d_model 64 vs 128" in n for n in d["notes"])
+def test_traceless_runs_compare(tmp_path):
+    d = compare_runs(make_run(tmp_path / "a", steps=STEPS), make_run(tmp_path / "b", steps=STEPS))
     assert d["operators"] == [] and any("no trace in A and B" in n for n in d["notes"])
     assert d["stages"] and d["losses"]
+
+
+def test_a_real_speed_up_has_its_interval_and_noise_says_so(tmp_path):
+    base = noisy(make_run(tmp_path / "a", steps=TEN, tokens_per_s=1000.0), 0.03, 1)
+    fast = noisy(make_run(tmp_path / "b", steps=TEN, tokens_per_s=2000.0, stage_scale=0.5), 0.03, 2)
+    d = compare_runs(base, fast)
+    tok = next(r for r in d["throughput"] if r["metric"] == "tokens_per_s")
+    iv = tok["interval"]
+    assert (iv["n_a"], iv["n_b"], iv["level"]) == (9, 9, 0.95) and iv["low"] < 2.0 < iv["high"]
+    assert (
+        1.9 < iv["low"]
+        and iv["high"] < 2.1
+        and tok["verdict"] == f"{iv['ratio']:.2f}x ({iv['low']:.2f}-{iv['high']:.2f})"
+    )
+    fwd = next(r for r in d["stages"] if r["stage"] == "forward")
+    assert fwd["host_interval"]["high"] < 0.55 and fwd["host_verdict"].startswith("0.5")
+    # The same speed, 30% noise per interval: no percentage, the verdict says noise.
+    same = noisy(make_run(tmp_path / "c", steps=STEPS, tokens_per_s=1000.0), 0.3, 3)
+    d = compare_runs(base, same)
+    text = format_compare(d)
+    row = next(x for x in text.splitlines() if x.startswith("tokens/s per step"))
+    assert row.endswith("no difference within noise") and "x (" not in row
+    assert headline(d).startswith("tokens/s per step: no difference within noise")
+
+
+def test_run_wide_figures_are_one_per_run_and_claim_no_ratio(tmp_path):
+    a, b = make_run(tmp_path / "a", steps=STEPS), make_run(tmp_path / "b", steps=STEPS)
+    for folder, rate in ((a, 1000.0), (b, 1360.0)):
+        rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+        rows[-1]["run_tokens_per_s"] = rate
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    d = compare_runs(a, b)
+    row = next(r for r in d["throughput"] if r["metric"] == "run_tokens_per_s")
+    assert row["ratio"] == pytest.approx(1.36) and row["interval"] is None
+    line = next(x for x in format_compare(d).splitlines() if x.startswith("tokens/s over the steps alone"))
+    assert line.endswith("one figure per run: no interval") and "1.36x" not in line
+    assert "1.36x" not in headline(d)
+
+
+@pytest.mark.parametrize("steps, had", [((10,), 0), ((10, 20), 1), ((10, 20, 30), 2)])
+def test_too_few_intervals_claim_no_ratio_and_say_what_is_needed(tmp_path, steps, had):
+    a = make_run(tmp_path / "a", steps=steps, tokens_per_s=1000.0)
+    b = make_run(tmp_path / "b", steps=steps, tokens_per_s=1360.0)  # "checkpointing gives 1.36x"
+    d = compare_runs(a, b)
+    need = (
+        f"A has {had} logged interval{'' if had == 1 else 's'} after the first (warm-up), B {had}; "
+        "an interval needs at least 3 per run: "
+        "rerun with --num-steps 40 or more at --log-interval 10, or a smaller --log-interval"
+    )
+    assert d["samples"] == {"a": had, "b": had, "needed": 3, "shortfall": need}
+    text = format_compare(d)
+    assert f"no ratio claimed: {need}" in text.splitlines()
+    assert "1.36x" not in text and "1.36x" not in headline(d)
+    assert headline(d) == need
+    tok = next(r for r in d["throughput"] if r["metric"] == "tokens_per_s")
+    assert tok["interval"] is None and tok["verdict"] == TOO_FEW
+    assert all(r["host_verdict"] == TOO_FEW for r in d["stages"])
+
+
+def edit_config(folder, **changes):
+    c = json.loads((folder / "config.json").read_text())
+    for path, value in changes.items():
+        *parents, key = path.split("__")
+        node = c
+        for p in parents:
+            node = node[p]
+        node[key] = value
+    (folder / "config.json").write_text(json.dumps(c))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        ({"model__d_model": 128}, "A and B are different models (d_model 64 vs 128)"),
+        ({"model__vocab_size": 50304}, "A and B are different models (vocab_size 64 vs 50304)"),
+        (
+            {"device_name": "NVIDIA A100-SXM4-40GB"},
+            "different machines (device_name NVIDIA H100 80GB HBM3 vs NVIDIA A100",
+        ),
+        ({"versions__torch": "2.12.0"}, "A and B are different machines (torch 2.13.0 vs 2.12.0)"),
+        (
+            {"device": "cpu", "model__n_layers": 4},
+            "different models and different machines (n_layers 2 vs 4, device cuda vs cpu)",
+        ),
+    ],
+)
+def test_different_models_or_machines_refused_unless_allowed(tmp_path, capsys, change, says):
+    a = make_run(tmp_path / "a", steps=STEPS)
+    b = edit_config(make_run(tmp_path / "b", steps=STEPS), **change)
+    html = tmp_path / "cmp.html"
+    assert main([str(a), str(b), "--html", str(html)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and not html.exists()
+    assert len(err.strip().splitlines()) == 1 and says in err and "--allow-different" in err
+    with pytest.raises(RunError, match="not like for like"):
+        compare_runs(a, b)
+    assert main([str(a), str(b), "--allow-different", "--html", str(html)]) == 0
+    out = capsys.readouterr().out
+    assert "compared anyway (--allow-different)" in out and says in out
+    assert "compared anyway (--allow-different)" in html.read_text()
 
 
 def test_cli_json_html_and_refusals(pair, tmp_path, capsys):
@@ -118,8 +242,10 @@ def test_cli_json_html_and_refusals(pair, tmp_path, capsys):
     assert main([str(a), str(b), "--json", "--html", str(html)]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["a"]["path"] == str(a) and d["operators"]
+    assert d["samples"]["shortfall"] is None and d["throughput"][3]["interval"]["n_a"] == 4
     page = html.read_text()
     assert "compare-stages" in page and "compare-operators" in page and "<script src" not in page
+    assert "B/A (95% interval)" in page and "0.50x (0.50-0.50)" in page
     for bad in (tmp_path / "missing", tmp_path):
         assert main([str(a), str(bad)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
