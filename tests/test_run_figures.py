@@ -92,9 +92,10 @@ def with_run_figures(folder, **figures):
 
 
 def test_an_older_run_says_so_instead_of_a_rebuilt_figure(tmp_path):
-    old = make_run(tmp_path / "old", tokens_per_s=1000.0)  # a trainer before the run-wide keys
+    steps = (10, 20, 30, 40, 50)  # enough logged intervals for compare to give an interval
+    old = make_run(tmp_path / "old", tokens_per_s=1000.0, steps=steps)  # a trainer before the run-wide keys
     new = with_run_figures(
-        make_run(tmp_path / "new", tokens_per_s=2000.0, amp="bf16"),
+        make_run(tmp_path / "new", tokens_per_s=2000.0, amp="bf16", steps=steps),
         run_tokens=7680,
         run_step_time_s=4.0,
         run_tokens_per_s=1920.0,
@@ -107,7 +108,7 @@ def test_an_older_run_says_so_instead_of_a_rebuilt_figure(tmp_path):
     assert OLDER_RUN in steps_alone and "1,920" in steps_alone
     startup = next(x for x in text.splitlines() if x.startswith("start-up s"))
     assert OLDER_RUN in startup and "4.70" in startup
-    assert "tokens/s (median interval) 2.00x" in headline(compare_runs(old, new))  # named for what it is
+    assert "tokens/s per step 2.00x (2.00-2.00)" in headline(compare_runs(old, new))  # named for what it is
     page = summary_section(load_run(old))
     assert page.count(OLDER_RUN) == 3  # steps alone, end to end, start-up
     assert "1,920 (the whole run: 7,680 tokens / 4.00s" in summary_section(load_run(new))
