@@ -18,6 +18,7 @@ import math
 import os
 import re
 import stat
+import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -69,10 +70,11 @@ def _value_problem(value, depth: int = 0) -> str | None:
 def _type_problem(value, hint) -> str | None:
     """Whether `value` has the type of a dataclass field's annotation (int, float, str, dict,
     their `| None`): a string where a number belongs is named, not met in an f-string later."""
-    args = typing.get_args(hint)
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    args = typing.get_args(hint) if union else (hint,)
     if value is None:
         return None if type(None) in args else "is null"
-    kinds = [a for a in args if a is not type(None)] or [hint]
+    kinds = [a for a in args if a is not type(None)]
     for kind in kinds:
         origin = typing.get_origin(kind) or kind
         if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
