@@ -396,6 +396,39 @@ def test_ranks_with_the_same_flags_share_rank_0s_run_id(monkeypatch):
     assert second.run_id == first.run_id
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.ddp
+@pytest.mark.slow  # two processes that each import torch and join a gloo group
+def test_two_real_ranks_with_different_flags_exit_2_with_one_line(tmp_path):
+    """Two ranks started by hand, as torchrun would start them, one with --grad-accum-steps 2:
+    accepted silently before; now both exit 2 naming the flag, before any run directory exists."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    base = [sys.executable, str(ROOT / "train_minimal.py"), *FAST, "--num-steps", "2", "--ddp-timeout", "60"]
+    procs = [
+        subprocess.Popen(
+            [*base, "--out-dir", str(tmp_path / "run"), *extra],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stderr=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r, extra in enumerate([[], ["--grad-accum-steps", "2"]])
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 2, err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "--grad-accum-steps is 2 on rank 1 but 1 on rank 0" in lines[0], err
+    assert not (tmp_path / "run").exists()
+
+
 # ---------------------------------------------------------------------------- 2, 6. run files
 
 
@@ -582,7 +615,7 @@ def test_count_of_bad_inputs():
         "shared checkpoint / another run's checkpoint": 3,
         "data files and token cache": 3,
         "numeric and path flags": len(BAD_FLAGS),
-        "torchrun ranks": 5,
+        "torchrun ranks": 6,
         "config.json": len(CONFIG_DAMAGE),
         "metrics, stragglers, memory.log, traces": len(PART_DAMAGE),
         "bounded reads": 1,

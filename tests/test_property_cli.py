@@ -226,6 +226,12 @@ def test_any_flag_values_end_cleanly(capsys, workspace, args):
 
 # ---------------------------------------------------------------------------- every trainer flag, parse only
 
+QUICK = dict(  # the hypothesis settings of the parse-only and the tools' tests
+    deadline=None,
+    database=None,
+    derandomize=not os.environ.get("MINIGPT_PROPERTY_RANDOM"),
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 # Values a hostile user types: edges, non-numbers, huge, NUL, empty, whitespace.
 HOSTILE_TEXT = st.sampled_from(
     ["", " ", "\0", "nan", "-nan", "inf", "-inf", "1e99", "-1e99", "1e308", "1e-320", "0", "-0", "-1",
@@ -250,8 +256,7 @@ HOSTILE_FLAGS = {f.name: hostile_values(f) for f in config.fields(TrainConfig)}
 PARSE_EXAMPLES = int(os.environ.get("MINIGPT_HOSTILE_EXAMPLES", 400))
 
 
-@settings(max_examples=PARSE_EXAMPLES, deadline=None, database=None, derandomize=not os.environ.get("MINIGPT_PROPERTY_RANDOM"),
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
+@settings(max_examples=PARSE_EXAMPLES, **QUICK)
 @given(
     chosen=st.lists(st.sampled_from(sorted(HOSTILE_FLAGS)), min_size=1, max_size=3, unique=True),
     data_=st.data(),
@@ -344,8 +349,7 @@ def tool_command(draw, places: dict[str, str]) -> tuple[str, list[str]]:
     return name, args
 
 
-@settings(max_examples=TOOL_EXAMPLES, deadline=None, database=None, derandomize=not os.environ.get("MINIGPT_PROPERTY_RANDOM"),
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
+@settings(max_examples=TOOL_EXAMPLES, **QUICK)
 @given(data_=st.data())
 def test_tools_and_sample_with_hostile_arguments_end_cleanly(capsys, tmp_path_factory, tool_places, data_):
     """Every flag of report, compare, traces and sample.py, in-process, in a scratch folder (their
