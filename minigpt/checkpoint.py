@@ -435,7 +435,6 @@ def save_sharded(
     fsynced), and its own `extra` (plain data and tensors: step, RNG state) beside them; after a
     barrier rank 0 renames the folder into place. A crash mid-write leaves the previous checkpoint
     whole; a crash between the two renames leaves it as `folder`.old, which load_sharded finds."""
-    import json
     import shutil
 
     import torch.distributed.checkpoint as dcp
@@ -540,8 +539,6 @@ def load_sharded(folder: str | Path, model: torch.nn.Module, optimizer: torch.op
     exact; at another world size DCP reshards the state, the extra of rank 0 is returned, and a
     message says that the losses will not repeat exactly. Raises UsageError for a missing or
     damaged folder or another tensor-parallel degree."""
-    import json
-
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -556,9 +553,11 @@ def load_sharded(folder: str | Path, model: torch.nn.Module, optimizer: torch.op
                 "first, or point --checkpoint-path at one"
             )
     try:
-        meta = json.loads((folder / SHARDED_META).read_text())
+        meta = json.loads(read_bounded(folder / SHARDED_META, CONFIG_JSON_LIMIT))
         saved_world, saved_tp = int(meta["world_size"]), int(meta["tp"])
-    except (ValueError, KeyError, TypeError):
+        if saved_world < 1 or saved_tp < 1:
+            raise ValueError
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError, UnreadableFile):
         raise UsageError(f"{folder / SHARDED_META} is damaged; use an earlier checkpoint") from None
     rank, world = _rank()
     tp = _model_tp(model)

@@ -227,7 +227,7 @@ class TrainConfig:
         action="extend",
         metavar="FILE",
         none="the built-in corpus",
-        help="text files to train on",
+        help="text files to train on (UTF-8, at most 1 GiB each: minigpt.data.MAX_TEXT_BYTES)",
     )
     val_data: list[str] = flag(
         factory=list,
@@ -258,7 +258,11 @@ class TrainConfig:
     # training
     batch_size: int = flag(8, group=TRAIN, check=positive, metavar="N", help="sequences per micro-batch")
     grad_accum_steps: int = flag(
-        1, group=TRAIN, check=inner_loop, metavar="N", help="micro-batches per optimizer step"
+        1,
+        group=TRAIN,
+        check=inner_loop,
+        metavar="N",
+        help=f"micro-batches per optimizer step (at most {MAX_INNER_LOOP})",
     )
     num_steps: int = flag(
         60,
@@ -354,7 +358,11 @@ class TrainConfig:
         20, group=LOG, check=positive, metavar="N", help="steps between evaluations (and one at the end)"
     )
     eval_iters: int = flag(
-        10, group=LOG, check=inner_loop, metavar="N", help="validation batches per evaluation"
+        10,
+        group=LOG,
+        check=inner_loop,
+        metavar="N",
+        help=f"validation batches per evaluation (at most {MAX_INNER_LOOP})",
     )
     out_dir: str | None = flag(None, group=LOG, metavar="DIR", none="runs/<date-time>", help="run directory")
     no_report: bool = flag(False, group=LOG, action="store_true", help="do not write report.html at the end")
