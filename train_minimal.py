@@ -44,10 +44,10 @@ from minigpt import distributed, parallel, paths
 from minigpt.checkpoint import (
     SHARDED_META,
     check_checkpoint_path,
-    check_own_run,
     check_resume,
     check_same_shape,
     check_sharded_path,
+    check_sharded_resume,
     describe_intact,
     load_checkpoint,
     load_sharded,
@@ -310,8 +310,8 @@ def restore_sharded(folder: Path, cfg: TrainConfig, model: GPT, optimizer, scale
     """restore() for --fsdp/--tp: every rank loads its shards (minigpt.checkpoint.load_sharded);
     returns the step."""
     extra = load_sharded(folder, model, optimizer)
+    check_sharded_resume(extra, cfg, folder)  # its keys and types; this run's own checkpoint
     check_same_shape(extra["model_config"], asdict(model.cfg), folder)
-    check_own_run(extra["config"], cfg, folder)
     if extra["step"] >= cfg.num_steps:
         raise UsageError(
             f"checkpoint {folder} is at step {extra['step']}, already past "

@@ -591,11 +591,16 @@ def load_sharded(folder: str | Path, model: torch.nn.Module, optimizer: torch.op
         )
     extra_file = folder / SHARDED_EXTRA.format(rank=rank if saved_world == world else 0)
     try:
-        extra = torch.load(extra_file, map_location="cpu", weights_only=True)
+        return torch.load(extra_file, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001
         raise UsageError(f"{extra_file} is missing or corrupt ({type(e).__name__})") from None
-    check_extra(extra, extra_file)
-    return extra
+
+
+def check_sharded_resume(extra, cfg, folder: str | Path) -> None:
+    """restore_sharded's checks of what load_sharded returned, before any of it is used: the
+    extra state's keys and types (check_extra), and that it is this run's own (check_own_run)."""
+    check_extra(extra, Path(folder) / "extra_rank*.pt")
+    check_own_run(extra["config"], cfg, folder)
 
 
 def check_extra(extra, extra_file: str | Path) -> None:
