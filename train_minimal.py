@@ -46,8 +46,10 @@ from minigpt import distributed, parallel, paths
 from minigpt.checkpoint import (
     SHARDED_META,
     check_checkpoint_path,
+    check_resume,
     check_same_shape,
     check_sharded_path,
+    check_sharded_resume,
     describe_intact,
     load_checkpoint,
     load_sharded,
@@ -281,6 +283,7 @@ def restore(
         return restore_sharded(ckpt_path, cfg, model, optimizer, scaler, batches)
     state = load_checkpoint(ckpt_path)
     check_same_shape(state["model_config"], asdict(model.cfg), ckpt_path)
+    check_resume(state, cfg, optimizer, ckpt_path)  # this run's own checkpoint; optimizer state fits
     if state["step"] >= cfg.num_steps:
         raise UsageError(
             f"checkpoint {ckpt_path} is at step {state['step']}, already past "
@@ -311,6 +314,7 @@ def restore_sharded(folder: Path, cfg: TrainConfig, model: GPT, optimizer, scale
     """restore() for --fsdp/--tp: every rank loads its shards (minigpt.checkpoint.load_sharded);
     returns the step."""
     extra = load_sharded(folder, model, optimizer)
+    check_sharded_resume(extra, cfg, folder)  # its keys and types; this run's own checkpoint
     check_same_shape(extra["model_config"], asdict(model.cfg), folder)
     if extra["step"] >= cfg.num_steps:
         raise UsageError(
@@ -622,7 +626,7 @@ def guard_run_dir(
     check_out_dir(out_dir)
     if not cfg.no_checkpoint:
         probe_writable(ckpt_path / SHARDED_META if sharded else ckpt_path, "--checkpoint-path")
-    held.enter_context(RunLock(out_dir))
+    held.enter_context(RunLock(out_dir, None if cfg.no_checkpoint else ckpt_path))
     return [
         f"removed {p}, a save killed midway"
         for p in clean_stale_tmp(ckpt_path.parent) + clean_stale_tmp(out_dir)
@@ -752,6 +756,7 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
     # Under torchrun: join the process group (NCCL on CUDA, gloo on the CPU). Otherwise world size 1.
     dist_info = distributed.setup(device, cfg.ddp_backend, cfg.ddp_timeout)
     rank, world_size, is_main = dist_info.rank, dist_info.world_size, dist_info.is_main
+    distributed.check_same_config(cfg, dist_info)  # ranks started with different flags: one line
     plan = parallel.make_plan(cfg, rank, world_size, device)  # the (dp, tp) mesh under --fsdp / --tp
     ranks = profile_ranks(cfg.profile_ranks, world_size)
     if slow and slow.rank >= world_size:

@@ -3,17 +3,25 @@ that a resumed run repeats, on the CPU, the losses of a run that never stopped."
 
 from __future__ import annotations
 
+import json
+import math
 import random
 from pathlib import Path
 
 import torch
 
-from minigpt.config import UsageError
-from minigpt.fileio import atomic_open
+from minigpt.config import UsageError, format_bytes, machine_ram_bytes, quick_param_count
+from minigpt.fileio import UnreadableFile, atomic_open, read_bounded
 
 # The fields that fix the model's shape: a checkpoint whose values differ cannot be loaded.
 SHAPE_FIELDS = ("vocab_size", "max_position_embeddings", "n_layers", "n_heads", "d_model", "d_ff")
 REQUIRED_KEYS = {"model", "optimizer", "scaler", "step", "data_position", "rng", "config", "model_config"}
+# What each rank of a sharded checkpoint keeps beside its shards (extra_rank{R}.pt).
+EXTRA_KEYS = REQUIRED_KEYS - {"model", "optimizer"}
+# Building a model needs its fp32 weights at least (sample.py); the trainer adds gradients and
+# AdamW's two moments (16 bytes a parameter, minigpt.config.BYTES_PER_PARAM).
+WEIGHT_BYTES = 4
+CONFIG_JSON_LIMIT = 1 << 20  # config.json is a few KiB; read for the run id only
 
 
 def rng_state() -> dict:
@@ -22,6 +30,34 @@ def rng_state() -> dict:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()  # this process's GPU: other ranks save their own
     return state
+
+
+def rng_problem(state) -> str | None:
+    """What is wrong with an RNG state, tried on throwaway generators (never the global ones), so
+    a malformed state is refused by name before set_rng_state fails on it mid-restore."""
+    if not isinstance(state, dict):
+        return f"holds {type(state).__name__}, expected a dict of RNG states"
+    t = state.get("torch")
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
+        return "'torch' is not a 1-D uint8 tensor"
+    try:
+        torch.Generator().set_state(t.clone())
+    except (RuntimeError, TypeError, ValueError) as e:
+        return f"'torch' is not a generator state ({str(e).splitlines()[0][:80]})"
+    try:
+        random.Random().setstate(state.get("python"))
+    except (TypeError, ValueError, OverflowError):
+        return "'python' is not a random.getstate() tuple"
+    cuda = state.get("cuda")
+    if cuda is not None and not (
+        isinstance(cuda, torch.Tensor) and cuda.dtype == torch.uint8 and cuda.dim() == 1
+    ):
+        return "'cuda' is not a 1-D uint8 tensor"
+    if cuda is not None and torch.cuda.is_available():
+        size = torch.cuda.get_rng_state().numel()
+        if cuda.numel() != size:
+            return f"'cuda' holds {cuda.numel()} bytes, not the {size} of a CUDA generator"
+    return None
 
 
 def set_rng_state(state: dict) -> None:
@@ -89,8 +125,8 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _field_problem(state: dict) -> str | None:
-    """The first field whose type or value cannot be what save_checkpoint wrote, described."""
+def _field_problem(state: dict, keys: set[str] = REQUIRED_KEYS) -> str | None:
+    """The first field (of `keys`) whose type or value cannot be what save_checkpoint wrote, described."""
     checks = [
         (
             "model",
@@ -112,16 +148,7 @@ def _field_problem(state: dict) -> str | None:
         ("scaler", lambda v: isinstance(v, dict), "a dict"),
         ("step", lambda v: _is_int(v) and v >= 0, "a non-negative int"),
         ("data_position", lambda v: _is_int(v) and v >= 0, "a non-negative int"),
-        (
-            "rng",
-            lambda v: (
-                isinstance(v, dict)
-                and isinstance(v.get("torch"), torch.Tensor)
-                and v["torch"].dtype == torch.uint8
-                and isinstance(v.get("python"), tuple)
-            ),
-            "a dict of RNG states",
-        ),
+        ("rng", lambda v: rng_problem(v) is None, "a dict of RNG states"),
         ("config", lambda v: isinstance(v, dict), "a dict"),
         (
             "model_config",
@@ -130,14 +157,18 @@ def _field_problem(state: dict) -> str | None:
         ),
     ]
     for key, ok, expected in checks:
-        if not ok(state[key]):
+        if key in keys and not ok(state[key]):
             value = state[key]
+            if key == "rng":
+                return f"field 'rng' {rng_problem(value)}"
             return f"field {key!r} holds {type(value).__name__} {_short(value)}, expected {expected}"
     per_rank = state.get("rng_per_rank")
-    if per_rank is not None and not (
-        isinstance(per_rank, list) and all(isinstance(r, dict) for r in per_rank)
-    ):
-        return f"field 'rng_per_rank' holds {type(per_rank).__name__}, expected a list of dicts"
+    if per_rank is not None:
+        if not isinstance(per_rank, list):
+            return f"field 'rng_per_rank' holds {type(per_rank).__name__}, expected a list of RNG states"
+        for i, r in enumerate(per_rank):
+            if problem := rng_problem(r):
+                return f"field 'rng_per_rank' entry {i} {problem}"
     return None
 
 
@@ -158,6 +189,7 @@ def load_checkpoint(path: str | Path) -> dict:
             f"no checkpoint at {path} to resume from; train without --resume first, "
             "or point --checkpoint-path at one"
         )
+    check_file_fits(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except OSError as e:
@@ -178,7 +210,179 @@ def load_checkpoint(path: str | Path) -> dict:
             f"checkpoint {path} is malformed: {problem}; use a checkpoint written by "
             "train_minimal.py, or train without --resume"
         )
+    check_model_fits(state["model_config"], path)
     return state
+
+
+def available_memory_bytes() -> int | None:
+    """Memory a new allocation can have without swapping: the kernel's MemAvailable, else the
+    machine's RAM (no psutil, no torch); None where the OS says neither."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f.read(1 << 16).decode(errors="replace").splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return machine_ram_bytes()
+
+
+def model_bytes(model_config: dict, bytes_per_param: int = WEIGHT_BYTES) -> int:
+    """The bytes of a model built from a checkpoint's model_config, torch-free: its parameter
+    count (minigpt.config.quick_param_count) times bytes_per_param."""
+    c = model_config
+    params = quick_param_count(
+        c["vocab_size"], c["max_position_embeddings"], c["d_model"], c["d_ff"], c["n_layers"]
+    )
+    return params * bytes_per_param
+
+
+def check_model_fits(model_config: dict, path: str | Path, bytes_per_param: int = WEIGHT_BYTES) -> None:
+    """Before a model is built from a checkpoint's model_config (sample.py, the trainer): refuse
+    one whose weights alone exceed the memory available now, so a checkpoint that says
+    n_layers 100000 costs one line instead of the kernel's OOM killer. The config's shape fields
+    must already be positive ints (load_checkpoint checks them)."""
+    need = model_bytes(model_config, bytes_per_param)
+    have = available_memory_bytes()
+    if have is not None and need > have:
+        shape = ", ".join(f"{k} {model_config[k]}" for k in SHAPE_FIELDS)
+        raise UsageError(
+            f"checkpoint {path} describes a model of about {format_bytes(need)} ({shape}), more than "
+            f"the {format_bytes(have)} of memory available; it cannot be built here: use a "
+            "checkpoint of a smaller model, or a machine with more memory"
+        )
+
+
+def check_file_fits(path: Path) -> None:
+    """torch.load reads the whole file into memory: refuse one larger than the memory available."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return  # torch.load names the problem
+    have = available_memory_bytes()
+    if have is not None and size > have:
+        raise UsageError(
+            f"checkpoint {path} is {format_bytes(size)}, more than the {format_bytes(have)} of memory "
+            "available to load it; use it on a machine with more memory"
+        )
+
+
+def recorded_run_id(out_dir: str | Path) -> str | None:
+    """The run id in a run directory's config.json (None: no config.json, or one written before
+    run ids, or unreadable: then there is nothing to protect or nothing to compare)."""
+    path = Path(out_dir) / "config.json"
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(read_bounded(path, CONFIG_JSON_LIMIT))
+    except (UnreadableFile, ValueError, RecursionError):
+        return None
+    config = data.get("config") if isinstance(data, dict) else None
+    run_id = config.get("run_id") if isinstance(config, dict) else None
+    return run_id if isinstance(run_id, str) else None
+
+
+def check_own_run(saved_config: dict, cfg, path: str | Path) -> None:
+    """Before --resume touches the run directory (its metrics cut back to the checkpoint's step,
+    config.json rewritten, TensorBoard purged): refuse a checkpoint that is not this run's own,
+    told by the run id that config.json and every checkpoint record. Then this run takes the
+    checkpoint's id, so the run stays one run however often it resumes. A run directory without
+    a config.json has no history to lose, and one written before run ids cannot be told apart."""
+    saved = saved_config.get("run_id") if isinstance(saved_config, dict) else None
+    saved = saved if isinstance(saved, str) else None
+    mine = recorded_run_id(cfg.out_dir) if cfg.out_dir else None
+    if mine and saved and mine != saved:
+        raise UsageError(
+            f"checkpoint {path} belongs to another run (run id {saved}) than {cfg.out_dir} (run id "
+            f"{mine}): resuming would cut that run's metrics back to the checkpoint's step and "
+            "overwrite its config; resume with a new --out-dir, or with that run's own checkpoint"
+        )
+    if saved:
+        cfg.run_id = saved
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _step_ok(v) -> bool:
+    if isinstance(v, torch.Tensor):
+        return v.numel() == 1 and v.is_floating_point() and bool(torch.isfinite(v).all()) and v.item() >= 0
+    return _number(v) and v >= 0
+
+
+def optimizer_problem(saved: dict, optimizer: torch.optim.Optimizer) -> str | None:
+    """What makes a saved optimizer state unfit for `optimizer`, described; None when it fits.
+    load_state_dict checks only the number of parameters per group: a moment of the wrong shape
+    is accepted and the fused AdamW kernel then reads past its end (a segmentation fault)."""
+    groups = saved["param_groups"]
+    live = optimizer.param_groups
+    if len(groups) != len(live):
+        return f"{len(groups)} parameter groups, this model's optimizer has {len(live)}"
+    params: dict = {}
+    for i, (g, lg) in enumerate(zip(groups, live)):
+        if not isinstance(g, dict) or not isinstance(g.get("params"), list):
+            return f"parameter group {i} is not a dict with a 'params' list"
+        if len(g["params"]) != len(lg["params"]):
+            return (
+                f"parameter group {i} holds {len(g['params'])} parameters, this model's {len(lg['params'])}"
+            )
+        for key, value in lg.items():
+            if key == "params" or key not in g:
+                continue
+            kept = g[key]
+            if isinstance(value, bool) or value is None:
+                ok = kept is None or isinstance(kept, bool)
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                ok = _number(kept)
+            elif isinstance(value, (tuple, list)):
+                ok = isinstance(kept, (tuple, list)) and len(kept) == len(value) and all(map(_number, kept))
+            else:
+                ok = type(kept) is type(value)
+            if not ok:
+                return f"parameter group {i}'s {key!r} holds {type(kept).__name__} {_short(kept)}"
+        for pid, p in zip(g["params"], lg["params"]):
+            if not isinstance(pid, int) or isinstance(pid, bool) or pid in params:
+                return f"parameter group {i} names parameter {pid!r} twice or not by number"
+            params[pid] = p
+    state = saved["state"]
+    for pid, st in state.items():
+        if pid not in params:
+            return f"state for parameter {pid!r}, which no parameter group names"
+        if not isinstance(st, dict):
+            return f"state of parameter {pid} holds {type(st).__name__}, expected a dict"
+        p = params[pid]
+        for key, value in st.items():
+            if key == "step":
+                if not _step_ok(value):
+                    return f"parameter {pid}'s step is not a finite, non-negative number"
+            elif isinstance(value, torch.Tensor):
+                if tuple(value.shape) != tuple(p.shape):
+                    return (
+                        f"parameter {pid}'s {key} has shape {list(value.shape)}, "
+                        f"the parameter {list(p.shape)}"
+                    )
+                if not value.is_floating_point():
+                    return f"parameter {pid}'s {key} is {value.dtype}, not floating point"
+            else:
+                return f"parameter {pid}'s {key} holds {type(value).__name__}, expected a tensor"
+    return None
+
+
+def check_optimizer_state(saved: dict, optimizer: torch.optim.Optimizer, path: str | Path) -> None:
+    """Before optimizer.load_state_dict: one line for a saved state that does not fit."""
+    if problem := optimizer_problem(saved, optimizer):
+        raise UsageError(
+            f"checkpoint {path}: its optimizer state does not fit this model ({problem}); "
+            "use a checkpoint written by train_minimal.py for these flags, or train without --resume"
+        )
+
+
+def check_resume(state: dict, cfg, optimizer: torch.optim.Optimizer, path: str | Path) -> None:
+    """Everything a --resume checks of a loaded one-file checkpoint before any of it is used: the
+    run it belongs to (check_own_run), and its optimizer state against this model's parameters."""
+    check_own_run(state["config"], cfg, path)
+    check_optimizer_state(state["optimizer"], optimizer, path)
 
 
 def check_same_shape(saved: dict, current: dict, path: str | Path) -> None:
@@ -231,7 +435,6 @@ def save_sharded(
     fsynced), and its own `extra` (plain data and tensors: step, RNG state) beside them; after a
     barrier rank 0 renames the folder into place. A crash mid-write leaves the previous checkpoint
     whole; a crash between the two renames leaves it as `folder`.old, which load_sharded finds."""
-    import json
     import shutil
 
     import torch.distributed.checkpoint as dcp
@@ -336,8 +539,6 @@ def load_sharded(folder: str | Path, model: torch.nn.Module, optimizer: torch.op
     exact; at another world size DCP reshards the state, the extra of rank 0 is returned, and a
     message says that the losses will not repeat exactly. Raises UsageError for a missing or
     damaged folder or another tensor-parallel degree."""
-    import json
-
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -352,9 +553,11 @@ def load_sharded(folder: str | Path, model: torch.nn.Module, optimizer: torch.op
                 "first, or point --checkpoint-path at one"
             )
     try:
-        meta = json.loads((folder / SHARDED_META).read_text())
+        meta = json.loads(read_bounded(folder / SHARDED_META, CONFIG_JSON_LIMIT))
         saved_world, saved_tp = int(meta["world_size"]), int(meta["tp"])
-    except (ValueError, KeyError, TypeError):
+        if saved_world < 1 or saved_tp < 1:
+            raise ValueError
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError, UnreadableFile):
         raise UsageError(f"{folder / SHARDED_META} is damaged; use an earlier checkpoint") from None
     rank, world = _rank()
     tp = _model_tp(model)
@@ -391,6 +594,25 @@ def load_sharded(folder: str | Path, model: torch.nn.Module, optimizer: torch.op
         return torch.load(extra_file, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001
         raise UsageError(f"{extra_file} is missing or corrupt ({type(e).__name__})") from None
+
+
+def check_sharded_resume(extra, cfg, folder: str | Path) -> None:
+    """restore_sharded's checks of what load_sharded returned, before any of it is used: the
+    extra state's keys and types (check_extra), and that it is this run's own (check_own_run)."""
+    check_extra(extra, Path(folder) / "extra_rank*.pt")
+    check_own_run(extra["config"], cfg, folder)
+
+
+def check_extra(extra, extra_file: str | Path) -> None:
+    """A sharded checkpoint's extra_rank{R}.pt: the keys and types save_run gave it, or one line."""
+    if not isinstance(extra, dict) or not EXTRA_KEYS <= extra.keys():
+        missing = sorted(EXTRA_KEYS - extra.keys()) if isinstance(extra, dict) else sorted(EXTRA_KEYS)
+        raise UsageError(
+            f"{extra_file} is not a minigpt checkpoint's extra state (missing {', '.join(missing)}); "
+            "use an earlier checkpoint"
+        )
+    if problem := _field_problem(extra, EXTRA_KEYS):
+        raise UsageError(f"{extra_file} is malformed: {problem}; use an earlier checkpoint")
 
 
 def sharded_checkpoint_dir(path: str | Path) -> Path:

@@ -14,6 +14,7 @@ import os
 import shlex
 import sys
 import typing
+import uuid
 from collections.abc import Callable
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from decimal import Decimal, InvalidOperation
@@ -62,6 +63,17 @@ MAX_DDP_TIMEOUT_S = 7 * 24 * 3600.0
 BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW's two moments
 ESTIMATE_CAP_BYTES = 2**50  # --estimate-memory answers for other machines: refuse only above 1 PiB
 QUICK_COUNT_VOCAB = 50304  # the gpt2 tokenizer's 50,257 padded to 64, when --vocab-size is not given
+# Loops that run inside one step before anything is printed (micro-batches, validation batches):
+# beyond this a typo (1e9) hangs the first step with no output, and no real run needs more
+# (nanoGPT's largest: 40 micro-batches, 200 evaluation batches).
+MAX_INNER_LOOP = 65_536
+MAX_DEVICE_MEMORY_GB = 2.0**20  # 1 PiB: far beyond any device; 1e300 overflows an int of bytes
+MAX_SLOW_MS = (
+    3_600_000.0  # an hour per step: --simulate-slow-rank is a teaching aid; time.sleep overflows past ~1e16 s
+)
+MAX_HISTORY_ENTRIES = 2**31 - 1  # the CUDA allocator's history size is a C int
+# Flags that name a file or folder: an empty value would silently mean the default.
+PATH_FLAGS = ("out_dir", "checkpoint_path", "memory_snapshot_path", "train_data", "val_data")
 
 
 def positive(v) -> str | None:
@@ -86,9 +98,29 @@ def seed(v) -> str | None:
 
 
 def memory_gb(v) -> str | None:
-    if v is None or v >= MIN_DEVICE_MEMORY_GB:
+    if v is None or MIN_DEVICE_MEMORY_GB <= v <= MAX_DEVICE_MEMORY_GB:
         return None
+    if v > MAX_DEVICE_MEMORY_GB:
+        return (
+            f"must be at most {MAX_DEVICE_MEMORY_GB:.0f} (1 PiB; the figure is in GiB: 80 for an 80 GB GPU)"
+        )
     return "must be at least 1 MiB, i.e. 0.0009765625 (the figure is in GiB: 80 for an 80 GB GPU)"
+
+
+def inner_loop(v) -> str | None:
+    if v is None:
+        return None
+    if v <= 0:
+        return "must be positive"
+    return None if v <= MAX_INNER_LOOP else f"must be at most {MAX_INNER_LOOP} (it runs inside every step)"
+
+
+def history_entries(v) -> str | None:
+    if v is None:
+        return None
+    if v <= 0:
+        return "must be positive"
+    return None if v <= MAX_HISTORY_ENTRIES else f"must be at most {MAX_HISTORY_ENTRIES} (a C int)"
 
 
 def timeout(v) -> str | None:
@@ -195,7 +227,7 @@ class TrainConfig:
         action="extend",
         metavar="FILE",
         none="the built-in corpus",
-        help="text files to train on",
+        help="text files to train on (UTF-8, at most 1 GiB each: minigpt.data.MAX_TEXT_BYTES)",
     )
     val_data: list[str] = flag(
         factory=list,
@@ -226,7 +258,11 @@ class TrainConfig:
     # training
     batch_size: int = flag(8, group=TRAIN, check=positive, metavar="N", help="sequences per micro-batch")
     grad_accum_steps: int = flag(
-        1, group=TRAIN, check=positive, metavar="N", help="micro-batches per optimizer step"
+        1,
+        group=TRAIN,
+        check=inner_loop,
+        metavar="N",
+        help=f"micro-batches per optimizer step (at most {MAX_INNER_LOOP})",
     )
     num_steps: int = flag(
         60,
@@ -322,7 +358,11 @@ class TrainConfig:
         20, group=LOG, check=positive, metavar="N", help="steps between evaluations (and one at the end)"
     )
     eval_iters: int = flag(
-        10, group=LOG, check=positive, metavar="N", help="validation batches per evaluation"
+        10,
+        group=LOG,
+        check=inner_loop,
+        metavar="N",
+        help=f"validation batches per evaluation (at most {MAX_INNER_LOOP})",
     )
     out_dir: str | None = flag(None, group=LOG, metavar="DIR", none="runs/<date-time>", help="run directory")
     no_report: bool = flag(False, group=LOG, action="store_true", help="do not write report.html at the end")
@@ -383,7 +423,7 @@ class TrainConfig:
         help="CUDA allocation history; snapshot at the end of the window or run, and on OOM",
     )
     memory_history_entries: int = flag(
-        100_000, group=INSTR, check=positive, metavar="N", help="allocations kept in the history"
+        100_000, group=INSTR, check=history_entries, metavar="N", help="allocations kept in the history"
     )
     memory_snapshot_path: str | None = flag(
         None,
@@ -481,8 +521,13 @@ class TrainConfig:
         "the degree is the node's size, so not with --tp)",
     )
 
+    # Not a flag: an id drawn by parse_args and recorded in config.json and in every checkpoint
+    # (to_dict), so a --resume can tell this run's checkpoint from another's (check_own_run in
+    # minigpt/checkpoint.py). A resumed run takes its checkpoint's id; torchrun's ranks, rank 0's.
+    run_id: typing.ClassVar[str | None] = None
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "run_id": self.run_id}
 
 
 _TYPES = typing.get_type_hints(TrainConfig)
@@ -615,15 +660,53 @@ def parse_args(argv: list[str] | None = None, prog: str = "train_minimal.py") ->
     if cfg.use_toy_data and cfg.vocab_size is None:
         cfg.vocab_size = TOY_VOCAB_SIZE
     validate(cfg, given=set(given))
+    cfg.run_id = uuid.uuid4().hex[:16]
     if cfg.memory_profiler and cfg.memory_profile_step is None:
         cfg.memory_profile_step = cfg.profile_step_end if cfg.use_profiler else cfg.profile_step_start
     return cfg
 
 
+def check_text(f: Field, value) -> None:
+    """A path flag given as "" would silently mean its default (runs/<date-time>, the run's own
+    checkpoint): refused. A NUL byte cannot be in a path or a name (the OS refuses it with a
+    ValueError deep inside open())."""
+    texts = value if isinstance(value, list) else [value] if isinstance(value, str) else []
+    for text in texts:
+        if "\0" in text:
+            raise UsageError(f"{flag_name(f)} holds a NUL byte, which no file name or value may hold")
+        if f.name in PATH_FLAGS and not text.strip():
+            default = f.metadata["none"]
+            raise UsageError(
+                f"{flag_name(f)} is empty; name a path"
+                + (f", or leave the flag out for the default ({default})" if default else "")
+            )
+
+
+def check_slow_rank(spec: str | None) -> None:
+    """--simulate-slow-rank's numbers bounded (the format itself: minigpt.straggler.parse_slow_rank):
+    a delay of 1e99 ms overflows time.sleep with a traceback in the first step."""
+    if spec is None:
+        return
+    parts = spec.split(":")
+    try:
+        rank, ms = int(parts[0]), float(parts[1])
+    except (ValueError, IndexError):
+        return  # parse_slow_rank names the format
+    if not -INT_LIMIT < rank < 2**31:
+        raise UsageError(f"--simulate-slow-rank {spec}: the rank must be below 2**31")
+    if math.isfinite(ms) and ms > MAX_SLOW_MS:
+        raise UsageError(
+            f"--simulate-slow-rank {spec}: the delay must be at most {MAX_SLOW_MS:.0f} ms (an hour per step)"
+        )
+
+
 def check_fields(cfg: TrainConfig) -> None:
-    """Each flag on its own: finite floats, the field's own check, ints that fit an int64."""
+    """Each flag on its own: finite floats, the field's own check, ints that fit an int64, no
+    empty path, no NUL byte."""
+    check_slow_rank(cfg.simulate_slow_rank)
     for f in fields(TrainConfig):
         value, kind, check = getattr(cfg, f.name), base_type(f), f.metadata["check"]
+        check_text(f, value)
         if value is None or kind not in (int, float):
             continue
         if kind is float and not math.isfinite(value):
@@ -735,6 +818,12 @@ def machine_ram_bytes() -> int | None:
         return None
 
 
+def quick_param_count(vocab: int, positions: int, d: int, d_ff: int, layers: int) -> int:
+    """Parameters of a GPT of this shape (embeddings, blocks, final LayerNorm; the head is tied),
+    in exact integer arithmetic so absurd shapes do not overflow."""
+    return (vocab + positions) * d + layers * (4 * d * d + 2 * d * d_ff + 9 * d + d_ff) + 2 * d
+
+
 def quick_bytes(cfg: TrainConfig) -> dict[str, int]:
     """The bytes of a training step, roughly and cheaply, by what needs them: parameters x 16 bytes (fp32
     weights, gradients, AdamW's two moments), the fp32 logits (4 b s V, unless --chunked-loss),
@@ -744,7 +833,7 @@ def quick_bytes(cfg: TrainConfig) -> dict[str, int]:
     vocab = -(-(cfg.vocab_size or QUICK_COUNT_VOCAB) // 64) * 64
     d, d_ff, layers = cfg.d_model, cfg.d_ff or 4 * cfg.d_model, cfg.n_layers
     positions = cfg.max_position_embeddings or cfg.seq_len
-    params = (vocab + positions) * d + layers * (4 * d * d + 2 * d * d_ff + 9 * d + d_ff) + 2 * d
+    params = quick_param_count(vocab, positions, d, d_ff, layers)
     tokens = cfg.batch_size * cfg.seq_len
     logits = 0 if cfg.chunked_loss else 4 * tokens * vocab
     activations = 68 * tokens * d * layers

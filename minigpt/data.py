@@ -40,6 +40,10 @@ TOKEN_MAGIC = b"MINIGPT-TOKENS-1"
 TOKEN_HEADER = struct.Struct("<16sQ32s")  # magic, number of ids, SHA-256 of the ids' bytes
 TOKEN_HEADER_SIZE = 64
 TOKEN_SUFFIX = "tok"
+# The largest text file --train-data/--val-data take. Tokenising holds the file's bytes, its text
+# and its ids (a Python int each, about 9 bytes of memory per byte of text) at once: 1 GiB of text
+# needs about 12 GiB. Above it: split the file, or cap what is used with --max-tokens after a split.
+MAX_TEXT_BYTES = 1 << 30
 # Text above this size is tokenised in pieces, with a progress bar on a terminal: about a second
 # of tiktoken's work per piece on one core.
 TOKENIZE_CHUNK_CHARS = 4 << 20
@@ -147,15 +151,24 @@ def write_token_file(path: Path, ids: np.ndarray) -> None:
     atomic_write(path, header.ljust(TOKEN_HEADER_SIZE, b"\0") + body)
 
 
-def read_token_file(path: Path) -> np.ndarray | None:
-    """The ids of a cached token file, memory-mapped, or None when the file is missing, truncated,
-    not a token file, or its ids do not match the hash in its header."""
+def read_token_file(path: Path, n_vocab: int | None = None) -> np.ndarray | None:
+    """The ids of a cached token file, memory-mapped, or None when the file is missing, not a
+    regular file (a FIFO would block the run), truncated, not a token file, its ids do not match
+    the hash in its header, or (given n_vocab) an id is not below n_vocab: a self-consistent file
+    holding id 65535 would otherwise end in an IndexError inside the embedding."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(TOKEN_HEADER_SIZE)
-        size = path.stat().st_size
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        head, size = os.read(fd, TOKEN_HEADER_SIZE), st.st_size
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     if len(head) < TOKEN_HEADER.size:
         return None
     magic, count, digest = TOKEN_HEADER.unpack_from(head)
@@ -163,6 +176,8 @@ def read_token_file(path: Path) -> np.ndarray | None:
         return None
     ids = np.memmap(path, dtype="<u2", mode="r", offset=TOKEN_HEADER_SIZE, shape=(count,))
     if hashlib.sha256(memoryview(ids).cast("B")).digest() != digest:
+        return None
+    if n_vocab is not None and int(ids.max()) >= n_vocab:
         return None
     return ids
 
@@ -204,18 +219,26 @@ def tokenize_file(
     (keyed by the content's hash); in memory when the cache cannot be written."""
     path = Path(path)
     check_regular_file(path)
+    size = path.stat().st_size
+    if size > MAX_TEXT_BYTES:
+        raise UsageError(
+            f"data file {path} is {size / 2**30:.1f} GiB, above the {MAX_TEXT_BYTES / 2**30:.0f} GiB a "
+            "text file may be (it is tokenised in memory); split it into smaller files"
+        )
     try:
         raw = path.read_bytes()
     except OSError as e:
         raise UsageError(f"cannot read data file {path} ({e.strerror}); check its permissions") from None
     digest = hashlib.sha256(raw + tokenizer_name.encode()).hexdigest()[:20]
     cached = cache_dir() / "tokens" / f"{path.stem}-{digest}.{tokenizer_name}.{TOKEN_SUFFIX}"
-    ids = read_token_file(cached)
+    n_vocab = get_tokenizer(tokenizer_name).n_vocab
+    ids = read_token_file(cached, n_vocab)
     if ids is not None:
         return ids
-    if cached.exists():
+    if cached.exists() or cached.is_symlink():
         note(
-            f"cached tokens {cached} are damaged (truncated, or not matching their hash); "
+            f"cached tokens {cached} are damaged (truncated, not matching their hash, ids beyond "
+            "the vocabulary, or not a regular file); "
             f"tokenising {path} again"
         )
     try:
@@ -237,7 +260,7 @@ def tokenize_file(
             f"(set ${CACHE_ENV} to a writable folder to keep the tokens)"
         )
         return array
-    mapped = read_token_file(cached)  # memory-mapped: the pages are shared, not copied, by every run
+    mapped = read_token_file(cached, n_vocab)  # memory-mapped: the pages are shared, not copied, by every run
     return array if mapped is None else mapped
 
 

@@ -134,3 +134,30 @@ def time_backward_compute(ddp_model: torch.nn.Module, on_ready) -> None:
         return default_hooks.allreduce_hook(state, bucket)
 
     ddp_model.register_comm_hook(None, hook)
+
+
+def check_same_config(cfg, info: DistInfo) -> None:
+    """At start-up, before anything is built: every rank's resolved configuration must be rank
+    0's. Ranks started with different flags otherwise fail later and far from the cause: a
+    different --d-model with a traceback on every rank, a different --num-steps, --log-interval
+    or --fsdp by hanging in a collective until --ddp-timeout, a different --grad-accum-steps
+    silently. `cfg`: a minigpt.config.TrainConfig. Rank 0's run id (drawn per process) is taken
+    by every rank. Raises UsageError naming the first flag that differs, on every rank."""
+    if not info.enabled:
+        return
+    from dataclasses import fields
+
+    from minigpt.config import TrainConfig, UsageError, flag_name
+
+    names = {f.name: flag_name(f) for f in fields(TrainConfig)}
+    everyone = gather(cfg.to_dict(), info)
+    first = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], 1):
+        for key in first:
+            if key != "run_id" and theirs.get(key) != first.get(key):
+                raise UsageError(
+                    f"the ranks were started with different flags: {names.get(key, key)} is "
+                    f"{theirs.get(key)!r} on rank {rank} but {first.get(key)!r} on rank 0; start "
+                    "every rank with the same flags (and the same $MINIGPT_ARGS)"
+                )
+    cfg.run_id = first.get("run_id")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -103,3 +104,59 @@ def atomic_write(path: str | Path, data: bytes | str) -> None:
     size = len(data) if isinstance(data, bytes) else len(data.encode("utf-8"))
     with atomic_open(path, "wb" if isinstance(data, bytes) else "w", size_hint=size) as f:
         f.write(data)
+
+
+class UnreadableFile(UsageError):
+    """A file that must not be read: not a regular file (a FIFO blocks, /dev/zero never ends),
+    or larger than its reader's limit."""
+
+
+def file_kind(mode: int) -> str:
+    return (
+        "a directory"
+        if stat.S_ISDIR(mode)
+        else "a FIFO"
+        if stat.S_ISFIFO(mode)
+        else "a character device"
+        if stat.S_ISCHR(mode)
+        else "a block device"
+        if stat.S_ISBLK(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "not a regular file"
+    )
+
+
+def read_bounded(path: str | Path, limit: int) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes, else UnreadableFile (one line). The
+    file is opened non-blocking and checked through its descriptor (fstat), so a FIFO is refused
+    rather than waited on and a link to /dev/zero is refused rather than read for ever; no more
+    than limit + 1 bytes are read even if the file grows meanwhile."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except OSError as e:
+        raise UnreadableFile(f"{path} cannot be read ({e.strerror or type(e).__name__})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnreadableFile(f"{path} is {file_kind(st.st_mode)}, not a regular file")
+        if st.st_size > limit:
+            raise UnreadableFile(
+                f"{path} is {format_bytes(st.st_size)}, above the {format_bytes(limit)} this reader takes"
+            )
+        chunks, left = [], limit + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+    except OSError as e:
+        raise UnreadableFile(f"{path} cannot be read ({e.strerror or type(e).__name__})") from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise UnreadableFile(f"{path} grew past {format_bytes(limit)} while it was read")
+    return data

@@ -14,12 +14,19 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
+import os
 import re
-from dataclasses import dataclass, field
+import stat
+import types
+import typing
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from minigpt import traces
+from minigpt.fileio import UnreadableFile, file_kind, format_bytes, read_bounded
 from minigpt.memory import MEMORY_LOG, parse_memory_log
+from minigpt.metrics import StepRecord
 from minigpt.paths import CONFIG_FILE, MEMORY_TRACE_DIR, METRICS_FILE, STRAGGLERS_FILE, TRACE_DIR
 
 # The run directory's names are minigpt/paths.py's; the memory folders of every rank match this.
@@ -30,6 +37,86 @@ TRACES_DIR = TRACE_DIR
 # an operator that is gone from one that merely fell out of a top-10.
 ALL_ROWS = 100_000
 _RANK = re.compile(r"rank(\d+)")
+
+# The most each reader takes (no reader takes more memory than its input's checked size). Far
+# above what a real run writes: config.json is a few KiB; metrics.jsonl about 1.5 KiB a logged
+# step (a million steps logged every 10: 150 MiB); memory.log a few hundred KiB; a trace of a
+# few steps tens of MiB (gzipped).
+CONFIG_LIMIT = 1 << 20
+JSONL_LIMIT = 256 << 20
+MEMORY_LOG_LIMIT = 64 << 20
+TRACE_LIMIT = 1 << 30
+MAX_DEPTH = 8  # nesting a run's files never exceed (metrics: a record, its memory_breakdown, ...)
+
+
+def _value_problem(value, depth: int = 0) -> str | None:
+    """JSON as a run writes it: finite numbers, strings, booleans, null, and lists and objects
+    nested at most MAX_DEPTH deep. NaN and Infinity parse (json allows them) but no run writes them."""
+    if depth > MAX_DEPTH:
+        return f"is nested deeper than {MAX_DEPTH} levels"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"is {value}, not a finite number"
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if problem := _value_problem(v, depth + 1):
+                return f"{k!r} {problem}" if depth else problem
+    elif isinstance(value, list):
+        for v in value:
+            if problem := _value_problem(v, depth + 1):
+                return problem
+    return None
+
+
+def _type_problem(value, hint) -> str | None:
+    """Whether `value` has the type of a dataclass field's annotation (int, float, str, dict,
+    their `| None`): a string where a number belongs is named, not met in an f-string later."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    args = typing.get_args(hint) if union else (hint,)
+    if value is None:
+        return None if type(None) in args else "is null"
+    kinds = [a for a in args if a is not type(None)]
+    for kind in kinds:
+        origin = typing.get_origin(kind) or kind
+        if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return None
+        if origin is int and isinstance(value, int) and not isinstance(value, bool):
+            return None
+        if origin in (str, dict, list) and isinstance(value, origin):
+            if origin is dict and typing.get_args(kind)[1:] == (float,):
+                bad = [k for k, v in value.items() if not isinstance(v, (int, float)) or isinstance(v, bool)]
+                if bad:
+                    return f"holds a non-number under {bad[0]!r}"
+            return None
+    names = " or ".join(getattr(typing.get_origin(k) or k, "__name__", str(k)) for k in kinds)
+    return f"holds {type(value).__name__}, expected {names}"
+
+
+_METRIC_TYPES = typing.get_type_hints(StepRecord)
+_METRIC_FIELDS = [f.name for f in fields(StepRecord)]
+
+
+def metrics_problem(row: dict) -> str | None:
+    """What keeps a metrics.jsonl record from being read as a StepRecord, or None. Keys a newer
+    trainer adds are let through; the ones StepRecord names must have its types."""
+    if "step" not in row:
+        return "has no 'step'"
+    for name in _METRIC_FIELDS:
+        if name in row and (problem := _type_problem(row[name], _METRIC_TYPES[name])):
+            return f"field {name!r} {problem}"
+    if row["step"] < 0:
+        return "field 'step' is negative"
+    return _value_problem(row)
+
+
+def straggler_problem(row: dict) -> str | None:
+    step = row.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        return "has no integer 'step'"
+    return _value_problem(row)
+
+
+def _read_text(path: Path, limit: int) -> str:
+    return read_bounded(path, limit).decode("utf-8", errors="replace")
 
 
 class RunError(Exception):
@@ -52,7 +139,7 @@ class Run:
 
     @property
     def world_size(self) -> int:
-        return int(self.config.get("world_size") or 1)
+        return int(self.config.get("world_size") or 1)  # checked by load_run: a positive int
 
     def breakdown(self) -> dict | None:
         """The measured memory breakdown (metrics.jsonl's memory_breakdown), if a step was measured."""
@@ -68,22 +155,69 @@ def rank_of(path: Path) -> int:
     return int(m.group(1)) if m else 0
 
 
-def _jsonl(path: Path, problems: list[str]) -> list[dict]:
-    if not path.exists():
+def _jsonl(path: Path, problems: list[str], check=metrics_problem) -> list[dict]:
+    """The records of a JSON-lines file; a line that is not a well-typed record is named in
+    `problems` and skipped (at most a few named, then a count), so one bad line does not hide the rest."""
+    if not (path.exists() or path.is_symlink()):
         return []
-    rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+    try:
+        text = _read_text(path, JSONL_LIMIT)
+    except UnreadableFile as e:
+        problems.append(f"{e}; skipped")
+        return []
+    rows, skipped = [], 0
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             # A run killed mid-write leaves a cut last line: keep what precedes it.
-            problems.append(f"{path.name} line {n} is not JSON (a run stopped mid-write?); skipped")
-            continue
-        if isinstance(obj, dict):
+            problem = "is not JSON (a run stopped mid-write?)"
+        else:
+            problem = "is not a JSON object" if not isinstance(obj, dict) else check(obj)
+        if problem is None:
             rows.append(obj)
+            continue
+        skipped += 1
+        if skipped <= 3:
+            problems.append(f"{path.name} line {n} {problem}; skipped")
+    if skipped > 3:
+        problems.append(f"{path.name}: {skipped - 3} more bad lines skipped")
     return rows
+
+
+def config_problem(config: dict) -> str | None:
+    """The first field of config.json that cannot be what the trainer wrote, as 'field X ...'."""
+    expected = {
+        "config": dict,
+        "model": dict,
+        "versions": dict,
+        "device": str,
+        "device_name": str,
+        "amp": str,
+        "ddp_backend": (str, type(None)),
+        "peak_flops_source": (str, type(None)),
+        "peak_flops_spread": (list, type(None)),
+        "params": (int, float),
+        "flops_per_token": (int, float),
+        "peak_flops": (int, float, type(None)),
+    }
+    for key, kinds in expected.items():
+        if key in config and (
+            not isinstance(config[key], kinds) or isinstance(config[key], bool) and kinds is not bool
+        ):
+            return f"field {key!r} holds {type(config[key]).__name__}"
+    ws = config.get("world_size")
+    if ws is not None and not (isinstance(ws, int) and not isinstance(ws, bool) and ws >= 1):
+        return f"field 'world_size' holds {ws!r}, expected a positive integer"
+    for section in ("config", "model"):
+        for k, v in config.get(section, {}).items():
+            if isinstance(v, (dict, list)) and not (section == "config" and isinstance(v, list)):
+                return f"field '{section}.{k}' holds {type(v).__name__}, expected a number, string or null"
+    if problem := _value_problem(config):
+        return f"field {problem}"
+    return None
 
 
 def summarize_trace(path: Path) -> dict:
@@ -102,41 +236,76 @@ def load_run(path: Path, with_traces: bool = True) -> Run:
     if not path.is_dir():
         raise RunError(f"{path} is not a folder; give a run directory (the trainer's --out-dir)")
     config_path = path / CONFIG_FILE
-    if not config_path.exists():
+    if not (config_path.exists() or config_path.is_symlink()):
         raise RunError(
             f"{path} is not a run directory: it has no {CONFIG_FILE} "
             "(give the folder a training run wrote, e.g. runs/<date-time>)"
         )
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        config = json.loads(read_bounded(config_path, CONFIG_LIMIT).decode("utf-8"))
+    except UnreadableFile as e:
+        raise RunError(str(e)) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RunError(f"{config_path} cannot be read as JSON ({type(e).__name__}: {e})") from None
+    except RecursionError:
+        raise RunError(f"{config_path} is nested too deeply to be a run's config") from None
     if not isinstance(config, dict):
         raise RunError(f"{config_path} is not a JSON object")
+    if problem := config_problem(config):
+        raise RunError(f"{config_path} is not a config the trainer wrote: {problem}")
+    if isinstance(config.get("config"), dict):  # the run's identity, not a setting to compare
+        config["run_id"] = config["config"].pop("run_id", None)
     run = Run(path=path, config=config)
     run.metrics = _jsonl(path / METRICS_FILE, run.problems)
-    run.stragglers = _jsonl(path / STRAGGLERS_FILE, run.problems)
+    run.stragglers = _jsonl(path / STRAGGLERS_FILE, run.problems, check=straggler_problem)
     if with_traces and (path / TRACES_DIR).is_dir():
         try:
             files = traces.trace_files(path / TRACES_DIR)
         except traces.TraceError:
             files = []
         for f in files:
+            if problem := _file_problem(f, TRACE_LIMIT):
+                run.problems.append(f"{problem}; skipped")
+                continue
             try:
                 run.traces.append({**summarize_trace(f), "rank": rank_of(f)})
             except traces.TraceError as e:
                 run.problems.append(str(e))
+            except (ValueError, TypeError, KeyError, RecursionError, MemoryError) as e:
+                run.problems.append(f"{f} is not a trace the profiler wrote ({type(e).__name__}); skipped")
         run.traces.sort(key=lambda s: s["rank"])
     for folder in sorted(path.glob(MEMORY_TRACE_GLOB), key=rank_of):
         log = folder / MEMORY_LOG
-        if not log.exists():
+        if not (log.exists() or log.is_symlink()):
             continue
-        states = parse_memory_log(log.read_text(encoding="utf-8", errors="replace"))
-        if states:
-            run.memory.append({**states[-1], "rank": rank_of(folder), "folder": folder})
-        else:
+        try:
+            states = parse_memory_log(_read_text(log, MEMORY_LOG_LIMIT))
+        except UnreadableFile as e:
+            run.problems.append(f"{e}; skipped")
+            continue
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            run.problems.append(f"{log} is not a memory.log the trainer wrote ({type(e).__name__}); skipped")
+            continue
+        if not states:
             run.problems.append(f"{log} holds no 'Memory State:' block")
+        elif problem := _value_problem(states[-1]):
+            run.problems.append(f"{log}: the last state's {problem}; skipped")
+        else:
+            run.memory.append({**states[-1], "rank": rank_of(folder), "folder": folder})
     return run
+
+
+def _file_problem(path: Path, limit: int) -> str | None:
+    """Why a file must not be handed to a reader (not a regular file, or over `limit`), or None."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return f"{path} cannot be read ({e.strerror or type(e).__name__})"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path} is {file_kind(st.st_mode)}, not a regular file"
+    if st.st_size > limit:
+        return f"{path} is {format_bytes(st.st_size)}, above the {format_bytes(limit)} this reader takes"
+    return None
 
 
 # ---------------------------------------------------------------------------- trace timeline
@@ -149,11 +318,13 @@ def timeline_events(path: Path, stages: tuple[str, ...]) -> dict:
     """The raw intervals a timeline draws, in ms from the first profiled step's start:
     {"steps": [(name, start, dur)], "stages": [(name, start, dur)], "kernels": [(name, start, dur)]}.
     Stages are the main process's record_function ranges; kernels are every device event."""
+    if problem := _file_problem(path, TRACE_LIMIT):
+        raise traces.TraceError(problem)
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rt", encoding="utf-8") as f:
             data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, EOFError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, EOFError, RecursionError) as e:
         raise traces.TraceError(f"{path} is not a JSON trace ({type(e).__name__}: {e})") from None
     events = data.get("traceEvents", []) if isinstance(data, dict) else data
     xs = [

@@ -89,23 +89,27 @@ def check_out_dir(path: str | Path, what: str = "--out-dir") -> None:
     probe_writable(path / LOCK_FILE, what)
 
 
-class RunLock:
-    """One trainer per run directory: an exclusive flock on <out_dir>/.lock, with the holder's PID
-    written inside for the message a second trainer gets.
+def checkpoint_lock_path(checkpoint: str | Path) -> Path:
+    """The lock file of a checkpoint (a file, or a folder of shards): beside it, hidden."""
+    checkpoint = Path(checkpoint)
+    return checkpoint.with_name(f".{checkpoint.name}.lock")
 
-    The kernel drops a flock when its holder exits, however it exits (SIGKILL included), so a
-    .lock file left by a crash is not a lock: the next trainer takes it. Folders the lock had to
-    create are removed at exit if the run left them empty (a refused run leaves nothing)."""
 
-    def __init__(self, out_dir: str | Path):
-        self.out_dir = Path(out_dir)
-        self.path = self.out_dir / LOCK_FILE
+class _Flock:
+    """An exclusive flock on one lock file, with the holder's PID written inside for the message
+    a second trainer gets. The kernel drops a flock when its holder exits, however it exits
+    (SIGKILL included), so a lock file left by a crash is not a lock: the next trainer takes it.
+    Folders the lock had to create are removed again if they are left empty."""
+
+    def __init__(self, path: Path, busy: str):
+        self.path, self.busy = path, busy  # busy: the message, with {holder} for the PID
         self.fd: int | None = None
         self.made: list[Path] = []
 
-    def acquire(self) -> RunLock:
-        self.made = [p for p in [*reversed(self.out_dir.parents), self.out_dir] if not p.exists()]
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+    def acquire(self) -> None:
+        folder = self.path.parent
+        self.made = [p for p in [*reversed(folder.parents), folder] if not p.exists()]
+        folder.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -113,11 +117,8 @@ class RunLock:
             except BlockingIOError:
                 holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
                 os.close(fd)
-                self._remove_made()
-                raise UsageError(
-                    f"another trainer (PID {holder}) is using {self.out_dir}; wait for it to "
-                    "finish, or choose another --out-dir"
-                ) from None
+                self.remove_made()
+                raise UsageError(self.busy.format(holder=holder)) from None
             # The holder before us may have removed the file between our open and our flock:
             # then we hold a lock on a deleted file, which guards nothing. Try again.
             try:
@@ -130,7 +131,6 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self.fd = fd
-        return self
 
     def release(self) -> None:
         if self.fd is None:
@@ -139,15 +139,57 @@ class RunLock:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
         self.fd = None
-        self._remove_made()
+        self.remove_made()
 
-    def _remove_made(self) -> None:
+    def remove_made(self) -> None:
         for p in reversed(self.made):  # innermost first, only if the run left them empty
             try:
                 p.rmdir()
             except OSError:
                 break
         self.made = []
+
+
+class RunLock:
+    """One trainer per run directory, and one per checkpoint: an exclusive flock on
+    <out_dir>/.lock and, when the run writes a checkpoint, on .<name>.lock beside it. Two runs
+    with different --out-dir but one --checkpoint-path would otherwise both exit 0 while the
+    second overwrote the first's weights. Held until the run returns; a crash drops both."""
+
+    def __init__(self, out_dir: str | Path, checkpoint: str | Path | None = None):
+        self.out_dir = Path(out_dir)
+        self.path = self.out_dir / LOCK_FILE
+        self.locks = [
+            _Flock(
+                self.path,
+                f"another trainer (PID {{holder}}) is using {self.out_dir}; wait for it to "
+                "finish, or choose another --out-dir",
+            )
+        ]
+        if checkpoint is not None:
+            self.locks.append(
+                _Flock(
+                    checkpoint_lock_path(checkpoint),
+                    f"another trainer (PID {{holder}}) writes its checkpoint to {checkpoint}; wait "
+                    "for it to finish, or choose another --checkpoint-path",
+                )
+            )
+
+    def acquire(self) -> RunLock:
+        taken: list[_Flock] = []
+        try:
+            for lock in self.locks:
+                lock.acquire()
+                taken.append(lock)
+        except BaseException:
+            for lock in reversed(taken):
+                lock.release()
+            raise
+        return self
+
+    def release(self) -> None:
+        for lock in reversed(self.locks):
+            lock.release()
 
     def __enter__(self) -> RunLock:
         return self.acquire()

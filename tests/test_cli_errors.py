@@ -243,7 +243,7 @@ def test_minigpt_args_are_appended_and_win(tmp_path, monkeypatch):
         (["--data-seed", "123456789012345678901234567890"], "--data-seed must be in [0, 2**32)"),
         (["--vocab-size", "10000000000000"], "this configuration needs about"),
         (["--vocab-size", "1e13"], "PiB"),
-        (["--eval-iters", str(2**64)], "--eval-iters is out of range"),
+        (["--eval-iters", str(2**64)], "--eval-iters must be at most 65536"),
         (["--num-step", "5"], "unrecognized arguments: --num-step 5"),
     ],
 )

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 import train_minimal
 from minigpt import config
-from minigpt.config import TrainConfig
+from minigpt.config import TrainConfig, UsageError
 from minigpt.paths import RUNS_ROOT
 
 OUT = "run"  # the run directory, relative to each example's working directory
@@ -176,8 +176,11 @@ def workspace(tmp_path_factory):
     return root
 
 
+RUN_EXAMPLES = int(os.environ.get("MINIGPT_PROPERTY_EXAMPLES", 60))
+
+
 @settings(
-    max_examples=int(os.environ.get("MINIGPT_PROPERTY_EXAMPLES", 60)),
+    max_examples=RUN_EXAMPLES,
     deadline=None,
     database=None,
     derandomize=not os.environ.get("MINIGPT_PROPERTY_RANDOM"),
@@ -219,3 +222,153 @@ def test_any_flag_values_end_cleanly(capsys, workspace, args):
     # The token cache may gain a file (it is a cache); what it held stays as it was.
     assert {k: cache_after.get(k) for k in cache_before} == cache_before, args
     shutil.rmtree(cwd, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- every trainer flag, parse only
+
+QUICK = dict(  # the hypothesis settings of the parse-only and the tools' tests
+    deadline=None,
+    database=None,
+    derandomize=not os.environ.get("MINIGPT_PROPERTY_RANDOM"),
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+# Values a hostile user types: edges, non-numbers, huge, NUL, empty, whitespace.
+HOSTILE_TEXT = st.sampled_from(
+    ["", " ", "\0", "nan", "-nan", "inf", "-inf", "1e99", "-1e99", "1e308", "1e-320", "0", "-0", "-1",
+     "2**63", "9" * 30, "0x10", "1_000", "None", "null", "all", "0,,1", "a:b", "0:1e99", "../..", "/dev/zero",
+     "\u00e9", "1e18", "1e9", "65537", "-9223372036854775809", "1.5", "true"]
+)  # fmt: skip
+ANY_TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\n\r"), max_size=20)
+
+
+def hostile_values(f) -> st.SearchStrategy[list[str]]:
+    name, meta = config.flag_name(f), f.metadata
+    if meta["action"] in ("store_true", "store_false"):
+        return st.sampled_from([[name], [f"{name}=x"]])
+    if meta["action"] not in (None, "extend"):  # BooleanOptionalAction
+        return st.sampled_from([[name], ["--no-" + name[2:]], [f"{name}=1"]])
+    return st.one_of(HOSTILE_TEXT, ANY_TEXT, st.integers().map(str), st.floats().map(repr)).map(
+        lambda v: [f"{name}={v}"]
+    )
+
+
+HOSTILE_FLAGS = {f.name: hostile_values(f) for f in config.fields(TrainConfig)}
+PARSE_EXAMPLES = int(os.environ.get("MINIGPT_HOSTILE_EXAMPLES", 400))
+
+
+@settings(max_examples=PARSE_EXAMPLES, **QUICK)
+@given(
+    chosen=st.lists(st.sampled_from(sorted(HOSTILE_FLAGS)), min_size=1, max_size=3, unique=True),
+    data_=st.data(),
+)
+def test_every_trainer_flag_with_hostile_values_parses_or_is_one_line(capsys, chosen, data_):
+    """Parse only, in-process: a valid TrainConfig, or exit 2 with one line. What a parsed value
+    does in a run is test_property_cli's (slow) business; here every flag meets every kind of
+    hostile value quickly."""
+    args = [a for name in chosen for a in data_.draw(HOSTILE_FLAGS[name])]
+    try:
+        cfg = config.parse_args(args)
+    except UsageError as e:
+        assert "\n" not in str(e) and str(e), (args, e)
+        return
+    except SystemExit as e:
+        err = capsys.readouterr().err.strip()
+        assert e.code in (0, 2), (args, e.code)
+        assert e.code == 0 or len(err.splitlines()) == 1, (args, err)
+        return
+    # Accepted: then within the bounds a run can survive.
+    assert cfg.grad_accum_steps <= config.MAX_INNER_LOOP and cfg.eval_iters <= config.MAX_INNER_LOOP
+    assert cfg.out_dir is None or cfg.out_dir.strip()
+    assert cfg.checkpoint_path is None or cfg.checkpoint_path.strip()
+
+
+# ---------------------------------------------------------------------------- the tools and sample.py
+# Their flags are read off their own --help, so a new flag is covered the day it is added. Values:
+# the hostile strings above; positional arguments: a real run, a run with a damaged config.json,
+# a FIFO, /dev/zero, a missing path, a plain file, a folder that is not a run.
+
+# sample.py findings in code this file's author does not own (issue 23; for sample.py's owner):
+# --num-samples 100000000000 ends in a MemoryError traceback, and --max-new-tokens 99999999999
+# or --temperature 1e308 run for minutes with no output. Until they are bounded, these two flags
+# get hostile values that are not huge counts.
+SAMPLE_SMALL = {"--max-new-tokens", "--num-samples"}
+SMALL_TEXT = st.sampled_from(["", " ", "0", "-1", "x", "nan", "1.5", "1", "2", "\0", "1e3"])
+TOOL_EXAMPLES = int(os.environ.get("MINIGPT_TOOL_EXAMPLES", 100))
+
+
+def tool_flags(main) -> list[str]:
+    import contextlib
+    import io
+    import re
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        try:
+            main(["--help"])
+        except SystemExit:
+            pass
+    return sorted(set(re.findall(r"(?<![\w-])--[a-z][a-z-]+", text.getvalue())) - {"--help"})
+
+
+@pytest.fixture(scope="module")
+def tool_places(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tools")
+    run = root / "run"
+    assert train_minimal.cli([*TOY_BASE, "--num-steps", "2", "--no-report", "--out-dir", str(run)]) == 0
+    bad = root / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"world_size": NaN, "model": "x"}')
+    os.mkfifo(root / "fifo")
+    (root / "file.txt").write_text("hello")
+    (root / "folder").mkdir()
+    places = {"run": run, "bad": bad, "fifo": root / "fifo", "zero": "/dev/zero", "missing": root / "nope"}
+    places |= {"file": root / "file.txt", "folder": root / "folder"}
+    return {k: str(v) for k, v in places.items()}
+
+
+def tool_command(draw, places: dict[str, str]) -> tuple[str, list[str]]:
+    import sample
+    from minigpt import compare, report, traces
+
+    tools = {
+        "report": (report.main, 1),
+        "compare": (compare.main, 2),
+        "traces": (traces.main, 1),
+        "sample": (sample.cli, 0),
+    }
+    name = draw(st.sampled_from(sorted(tools)))
+    main, positionals = tools[name]
+    place = st.sampled_from(sorted(places.values()))
+    args = [draw(place) for _ in range(positionals)]
+    if name == "sample":
+        args += ["--out-dir", draw(place)]
+    flags = tool_flags(sample.parse_args if name == "sample" else main)
+    for flag in draw(st.lists(st.sampled_from(flags), max_size=3, unique=True)):
+        value = SMALL_TEXT if name == "sample" and flag in SAMPLE_SMALL else st.one_of(HOSTILE_TEXT, place)
+        args.append(f"{flag}={draw(value)}")
+    return name, args
+
+
+@settings(max_examples=TOOL_EXAMPLES, **QUICK)
+@given(data_=st.data())
+def test_tools_and_sample_with_hostile_arguments_end_cleanly(capsys, tmp_path_factory, tool_places, data_):
+    """Every flag of report, compare, traces and sample.py, in-process, in a scratch folder (their
+    outputs may be written to generated names): exit 0, or 2 with one line; never a traceback."""
+    import sample
+    from minigpt import compare, report, traces
+
+    mains = {"report": report.main, "compare": compare.main, "traces": traces.main, "sample": sample.cli}
+    name, args = tool_command(data_.draw, tool_places)
+    old = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("scratch"))
+    try:
+        try:
+            status = mains[name](args)
+        except SystemExit as e:
+            status = e.code
+    finally:
+        os.chdir(old)
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err, (name, args, err)
+    assert status in (0, 2), (name, args, status, err)
+    assert status == 0 or len(err.splitlines()) == 1, (name, args, err)
