@@ -65,7 +65,10 @@ PEAK_CACHE_FILE = "peak_flops.json"  # under minigpt.data.cache_dir(): one entry
 # call is kept: on a busy machine a short call often fits in a slice where the process had the
 # cores, a long one rarely does. 0.25 s for each of ~8 units keeps a new user's first run ~3 s longer.
 UNIT_BUDGET_S = 0.25
-MAX_CALLS = 1000  # a tiny unit would otherwise run tens of thousands of calls in its budget
+# ...but at least MIN_CALLS, unless they pass UNIT_LIMIT_S: under a load of 16 on 2 cores a tiny
+# unit's first two calls took 0.25 s, and a figure that low made the skip rule below drop the
+# square products, so the denominator fell 4000-fold. MAX_CALLS bounds the calls of a tiny unit.
+MIN_CALLS, UNIT_LIMIT_S, MAX_CALLS = 10, 2.0, 1000
 SQUARE_SIZES = (1024, 2048)  # machine-wide reference products, beside the model's own units
 # A unit whose warm-up and one timed call would take longer than this at the best rate measured so
 # far is skipped (and named in the source): emulated bf16 on a CPU without native bf16 runs a 2048^3
@@ -329,7 +332,7 @@ def measure(device: str, dtype: str, unit: Workload, budget_s: float | None = No
     rates: list[float] = []
     spent = 0.0
     for i in range(MAX_CALLS + 1):
-        if len(rates) >= 1 and spent > budget_s:
+        if rates and spent > budget_s and (len(rates) >= MIN_CALLS or spent > UNIT_LIMIT_S):
             break
         for t in leaves:  # as after the loop's zero_grad(set_to_none=True): no accumulation to time
             t.grad = None
