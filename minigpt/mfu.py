@@ -63,7 +63,8 @@ from minigpt.fileio import atomic_write
 PEAK_CACHE_FILE = "peak_flops.json"  # under minigpt.data.cache_dir(): one entry per machine, dtype, torch
 # Each unit is timed in many short calls for this long (wall clock) after a warm-up, and its best
 # call is kept: on a busy machine a short call often fits in a slice where the process had the
-# cores, a long one rarely does. 0.25 s for each of ~8 units keeps a new user's first run ~3 s longer.
+# cores, a long one rarely does. 0.25 s for each of ~8 units (0.5 s for the square products) keeps
+# a new user's first run ~3 s longer on a quiet machine.
 UNIT_BUDGET_S = 0.25
 # ...but at least MIN_CALLS, unless they pass UNIT_LIMIT_S: under a load of 16 on 2 cores a tiny
 # unit's first two calls took 0.25 s, and a figure that low made the skip rule below drop the
@@ -293,7 +294,8 @@ def measure(device: str, dtype: str, unit: Workload, budget_s: float | None = No
     thread is timed right even when no such slice comes. Dividing the CPU time by the threads
     would be right only when all of them did equal work: a product that runs on one of two
     threads (bf16 on AMX here) would then count at twice its rate."""
-    budget_s = UNIT_BUDGET_S if budget_s is None else budget_s
+    if budget_s is None:  # the square products are the machine's reference, often the best: twice as long
+        budget_s = UNIT_BUDGET_S * (2 if unit.kind == "matmul" else 1)
     gen = torch.Generator(device).manual_seed(0)  # its own generator: the training RNG stays untouched
     amp = dtype != "fp32"
     param_dtype = torch.float32 if unit.kind != "matmul" else TORCH_DTYPES[dtype]
