@@ -67,14 +67,17 @@ PEAK_CACHE_FILE = "peak_flops.json"  # under minigpt.data.cache_dir(): one entry
 # a new user's first run ~3 s longer on a quiet machine.
 UNIT_BUDGET_S = 0.25
 # ...but at least MIN_CALLS, unless they pass UNIT_LIMIT_S: under a load of 16 on 2 cores a tiny
-# unit's first two calls took 0.25 s, and a figure that low made the skip rule below drop the
-# square products, so the denominator fell 4000-fold. MAX_CALLS bounds the calls of a tiny unit.
+# unit's first two calls took 0.25 s. MAX_CALLS bounds the calls of a tiny unit.
 MIN_CALLS, UNIT_LIMIT_S, MAX_CALLS = 5, 2.0, 1000
 SQUARE_SIZES = (1024, 2048)  # machine-wide reference products, beside the model's own units
 # A unit whose warm-up and one timed call would take longer than this at the best rate measured so
 # far is skipped (and named in the source): emulated bf16 on a CPU without native bf16 runs a 2048^3
 # product in about a minute (63 s on the AVX2 machine of benchmarks/results), the LM head longer.
 SKIP_PREDICTED_S = 10.0
+# ...predicted only from a unit at least 1/PREDICT_WITHIN of its size: a tiny model's units (a few
+# MFLOP) are all overhead and, under load, spin-waiting; at 0.3 GFLOP/s they once "predicted" 14 s
+# for the 1024^3 product (2 ms here), which was skipped and the denominator fell 4000-fold.
+PREDICT_WITHIN = 64
 
 # Dense peak FLOP/s per GPU from the vendors' data sheets (no 2:4 sparsity), by AMP dtype.
 # fp32 means plain fp32 (TF32 off, PyTorch's default for matmuls).
@@ -227,7 +230,8 @@ def peak_flops(
         # rates a big product never reaches (emulated bf16), so the best rate would be optimistic.
         timed = [r for r in (*known.values(), *fresh.values()) if r["flops"] <= u.flops]
         nearest = max(timed, key=lambda r: r["flops"], default=None)
-        if nearest and 2 * u.flops / nearest["best"] > SKIP_PREDICTED_S:
+        near = nearest and nearest["flops"] * PREDICT_WITHIN >= u.flops
+        if near and 2 * u.flops / nearest["best"] > SKIP_PREDICTED_S:
             skipped.append(u.name)
             continue
         fresh[u.name] = measure(device, dtype, u)

@@ -223,3 +223,21 @@ def test_a_call_is_timed_by_the_smaller_of_wall_clock_and_cpu_time(monkeypatch):
     assert got["calls"] == 3
     assert got["best"] == pytest.approx(unit.flops / 0.1)  # both the descheduled call and the 2-thread one
     assert got["median"] == pytest.approx(unit.flops / 0.1)
+
+
+def test_a_slow_tiny_unit_does_not_skip_the_square_products(monkeypatch):
+    """A unit too slow to time (emulated bf16) is skipped, predicted from a timed unit near its size;
+    a tiny model's units (overhead, and under load spin-waiting) predict nothing for a 1024^3
+    product, which is the machine's reference: skipping it once made the denominator 4000x low."""
+    monkeypatch.setattr(M, "SQUARE_SIZES", (1024, 2048))
+    measured = []
+
+    def slow(device, dtype, unit):  # 1 MFLOP/s: every prediction says minutes
+        measured.append(unit.name)
+        return {**fake_figure(1e6), "flops": unit.flops}
+
+    monkeypatch.setattr(M, "measure", slow)
+    peak = M.peak_flops("cpu", "bf16", units())
+    assert "matmul 1024x1024x1024" in measured  # the nearest timed unit is 2600x smaller: timed
+    assert "matmul 2048x2048x2048" not in measured  # predicted from the 1024^3 one, 8x smaller
+    assert "skipped: matmul 2048x2048x2048" in peak.source
