@@ -9,7 +9,9 @@ shaped as the trainer's (stages named, autocast, loss / accumulation steps, clip
 AdamW, the caller holding the last step's output), measured with minigpt.memory.capture_memory;
 beside it minigpt.estimate.estimate_gpt's prediction from the same numbers. The matrix: presets
 small and gpt2 x batch 1-2 x seq 256-1024 x fp32/bf16 x activation checkpointing x gradient
-accumulation 1/2. Writes benchmarks/results/<device>-estimate.json and .md.
+accumulation 1/2 x the plain or the chunked loss (--chunked-loss; `--losses chunked` measures only
+those cells, `--shapes small:8:256` adds the trainer's default shape). Writes
+benchmarks/results/<device>-estimate.json and .md.
 
 --shape-only-matmuls: on a CPU without native bf16 (AVX2 only) a bf16 matrix product is emulated,
 80x slower than fp32, and a gpt2 cell would take hours. The memory a step allocates depends on
@@ -128,11 +130,22 @@ def measure(
     return cap.breakdown
 
 
-def cell(preset: str, batch: int, seq: int, amp: str, ckpt: bool, accum: int, shape_only: bool) -> dict:
+def cell(
+    preset: str,
+    batch: int,
+    seq: int,
+    amp: str,
+    ckpt: bool,
+    accum: int,
+    shape_only: bool,
+    chunked: bool = False,
+) -> dict:
     shape = shape_of(preset, batch, seq)
     t0 = time.perf_counter()
-    b = measure(shape, amp, ckpt, accum, shape_only_matmuls=shape_only)
-    e = estimate_gpt(**shape, amp_dtype=amp, activation_checkpoint=ckpt, grad_accum_steps=accum)
+    b = measure(shape, amp, ckpt, accum, chunked_loss=chunked, shape_only_matmuls=shape_only)
+    e = estimate_gpt(
+        **shape, amp_dtype=amp, activation_checkpoint=ckpt, grad_accum_steps=accum, chunked_loss=chunked
+    )
     predicted = e.peak_parts()
     measured = {p: b.peak_part(p) for p in PEAK_PARTS}
     return {
@@ -142,6 +155,7 @@ def cell(preset: str, batch: int, seq: int, amp: str, ckpt: bool, accum: int, sh
         "amp": amp,
         "ckpt": ckpt,
         "accum": accum,
+        "loss": "chunked" if chunked else "plain",
         "matmuls": "shape only" if shape_only else "computed",
         "measured_peak": b.peak,
         "predicted_peak": e.peak,
@@ -159,13 +173,24 @@ SHAPE_ONLY = " (shape-only matmuls)"
 
 
 def key(r: dict) -> tuple:
-    """A cell's identity: its shape, dtype, checkpointing, accumulation and matmul mode."""
-    return (r["preset"], r["batch"], r["seq"], r["amp"], r["ckpt"], r["accum"], r.get("matmuls", "computed"))
+    """A cell's identity: its shape, dtype, checkpointing, accumulation, loss and matmul mode."""
+    return (
+        r["preset"],
+        r["batch"],
+        r["seq"],
+        r["amp"],
+        r["ckpt"],
+        r["accum"],
+        r.get("loss", "plain"),
+        r.get("matmuls", "computed"),
+    )
 
 
 def name(r: dict) -> str:
+    chunked = " chunked loss" if r.get("loss") == "chunked" else ""
     return (
         f"{r['preset']} b{r['batch']} s{r['seq']} {r['amp']}{' ckpt' if r['ckpt'] else ''} accum {r['accum']}"
+        f"{chunked}"
     )
 
 
@@ -211,9 +236,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f'within {100 * TOLERANCE:.0f}%. Matmuls "shape only": measured with `--shape-only-matmuls` (the '
         "allocations of every op, aten::mm's arithmetic skipped; see the check below the table).",
         "",
-        "| preset | batch | seq | dtype | ckpt | accum | matmuls | measured MiB | predicted MiB | error | "
-        "peak in (measured / predicted) | " + " | ".join(PEAK_PARTS) + " |",
-        "|---" * (11 + len(PEAK_PARTS)) + "|",
+        "| preset | batch | seq | dtype | ckpt | accum | loss | matmuls | measured MiB | predicted MiB "
+        "| error | peak in (measured / predicted) | " + " | ".join(PEAK_PARTS) + " |",
+        "|---" * (12 + len(PEAK_PARTS)) + "|",
     ]
     for r in rows:
         parts = " | ".join(
@@ -221,7 +246,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         )
         lines.append(
             f"| {r['preset']} | {r['batch']} | {r['seq']} | {r['amp']} | {'yes' if r['ckpt'] else 'no'} | "
-            f"{r['accum']} | {r.get('matmuls', 'computed')} | {r['measured_peak'] / MIB:,.1f} | "
+            f"{r['accum']} | {r.get('loss', 'plain')} | {r.get('matmuls', 'computed')} | "
+            f"{r['measured_peak'] / MIB:,.1f} | "
             f"{r['predicted_peak'] / MIB:,.1f} | {100 * r['error']:+.1f}% | "
             f"{r['measured_stage']} / {r['predicted_stage']} | {parts} |"
         )
@@ -243,6 +269,13 @@ def main() -> int:
         help="instead of the matrix's shapes, e.g. small:1:256 gpt2:2:1024",
     )
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    p.add_argument(
+        "--losses",
+        nargs="+",
+        default=["plain", "chunked"],
+        choices=["plain", "chunked"],
+        help="the plain cross-entropy, the chunked one (--chunked-loss), or both (default)",
+    )
     p.add_argument(
         "--keep",
         action="store_true",
@@ -274,15 +307,15 @@ def main() -> int:
         rows, meta = earlier["results"], keeping(meta, earlier["meta"])
     done = {key(r) for r in rows}
     mode = "shape only" if args.shape_only_matmuls else "computed"
-    for (preset, batch, seq), amp, ckpt, accum in itertools.product(
-        shapes, args.dtypes, [False, True], [1, 2]
+    for (preset, batch, seq), loss, amp, ckpt, accum in itertools.product(
+        shapes, args.losses, args.dtypes, [False, True], [1, 2]
     ):
-        if (preset, batch, seq, amp, ckpt, accum, mode) in done:
+        if (preset, batch, seq, amp, ckpt, accum, loss, mode) in done:
             continue
-        rows.append(cell(preset, batch, seq, amp, ckpt, accum, args.shape_only_matmuls))
+        rows.append(cell(preset, batch, seq, amp, ckpt, accum, args.shape_only_matmuls, loss == "chunked"))
         r = rows[-1]
         print(
-            f"{preset} b{batch} s{seq} {amp} ckpt={ckpt} accum={accum}: "
+            f"{preset} b{batch} s{seq} {amp} ckpt={ckpt} accum={accum} {loss} loss: "
             f"measured {r['measured_peak'] / MIB:,.1f} MiB ({r['measured_stage']}), "
             f"predicted {r['predicted_peak'] / MIB:,.1f} MiB ({r['predicted_stage']}), "
             f"{100 * r['error']:+.1f}%, {r['seconds']:.0f} s",

@@ -121,7 +121,8 @@ def estimate_gpt(
     log-probabilities 4bsV. The peak is the largest of a few moments: the loss's backward (the
     logits, the log-probabilities, and two fp32 bsV gradients at once), the end of backward (the
     tied embedding's three V x h gradients), a checkpointed block rebuilt, the optimizer step, and
-    with chunked_loss a chunk of the loss in the forward.
+    with chunked_loss a chunk of the loss in the forward (the fp32 gradient accumulators, one chunk's
+    fp32 logits twice over, and the chunk weight gradients in the matmuls' dtype: bf16 under AMP).
     """
     L, h, a, f, s, b, V, P = (
         n_layers,
@@ -198,14 +199,21 @@ def estimate_gpt(
 
     moments = {}
     if chunked_loss:
-        rows = min(bs, max(1, loss_chunk_elements // V))
-        # Inside a chunk the previous chunk's weight gradient (E) is still held (by the loop's
-        # variables) beside the accumulator. Two moments: logsumexp, with the fp32 logits and its
-        # own shifted copy of them (2 x 4.rows.V); and the weight-gradient matmul, with the
-        # probabilities (in the logits' memory), the new chunk gradient (E) and, under autocast,
-        # the low-precision copies of the weight and of the probabilities.
-        chunk = max(8 * rows * V + E, 4 * rows * V + 2 * E + (p * V * h + p * rows * V if amp else 0))
-        moments["loss forward (a chunk)"] = moment(activations=acts, temporaries=chunk)
+        rows = max(1, loss_chunk_elements // V)  # as ChunkedCrossEntropy: 2^24 logits a chunk
+        G = p * V * h  # a chunk's weight gradient: its matmul runs in autocast's dtype (fp32 without)
+
+        def in_chunk(r: int, previous: int) -> int:
+            """A chunk of r rows: logsumexp, with the fp32 logits and its own shifted copy of them;
+            or the weight-gradient matmul, with the probabilities (in the logits' memory), their
+            low-precision copy under autocast and the new gradient. `previous`: the last chunk's
+            weight gradient, which the loop's variable holds until this chunk returns."""
+            return max(8 * r * V + previous, 4 * r * V + (p * r * V if amp else 0) + G + previous)
+
+        # The gradients for x (4sbh) and the weight (fp32, E) fill during the forward and are saved
+        # only at its end: inside a chunk they are the op's temporaries, not saved activations yet.
+        filling = 4 * sbh + E
+        chunk = max(in_chunk(min(bs, rows), 0), in_chunk(min(rows, bs - rows), G) if bs > rows else 0)
+        moments["loss forward (a chunk)"] = moment(activations=acts - filling, temporaries=filling + chunk)
     else:
         # LogSoftmaxBackward: the logits the caller holds, the saved log-probabilities (in acts), the
         # gradient NllLossBackward made (fp32 bsV) and its own output (fp32 bsV)

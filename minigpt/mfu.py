@@ -13,10 +13,17 @@ The denominator now comes from, in order:
 The measurement times every unit of work that `minigpt.model.flops_per_token` counts, at the
 model's own shapes (`model_workloads`), each forward and backward together: every Linear layer
 (fc, proj, qkv, the tied LM head) and causal attention, plus two square products (1024^3 and
-2048^3) as machine-wide reference points. Each unit gets a warm-up call, then ROUNDS timed calls
-(fewer when they pass UNIT_BUDGET_S); each unit's rate is its counted FLOPs over its fastest call,
-and the denominator is the best rate of all. The spread (lowest and highest round of the winning
-unit) goes beside it.
+2048^3) as machine-wide reference points. Each unit gets a warm-up call, then as many short timed
+calls as fit in UNIT_BUDGET_S; each call's time is the smaller of its wall clock and the process's
+CPU time (see `measure`), its rate is the unit's counted FLOPs over that, and the unit's figure is
+its best call. The denominator is the best unit's figure. The log line says which unit, when, under
+what load (os.getloadavg) and the median call beside the best.
+
+Why not a few long rounds, first come first kept (as before): on a 2-core machine shared with other
+jobs, five fresh processes measured bf16 at 1.08 to 1.42 TFLOP/s, and the cache kept whichever came
+first, so a run printed "mfu 1.9%" against a figure taken under load. Many short calls catch the
+slices where the process had the cores; the CPU time leaves out the slices it did not; and the
+cache keeps, per unit, the best figure any process measured: a lower one never replaces it.
 
 Why MFU cannot pass 100% (no clamp anywhere): a training step's counted FLOPs F are the sum of
 the units' counted FLOPs F_u (6 per weight and bias per token for every Linear, including the tied
@@ -24,13 +31,14 @@ LM head; 12*L*d*T per token for attention, counted at full T as flops_per_token 
 the causal kernel skips half). The step runs those units one after another on the device and other
 work besides, so its time T >= sum of t_u. Hence F / T <= sum F_u / sum t_u <= max_u (F_u / t_u),
 and each F_u / t_u is at most that unit's best isolated rate, which the denominator is at least.
-Two things are measured apart from the model and are therefore the residual risk, stated here
-rather than hidden: a unit inside training would have to run faster than the best of ROUNDS
-isolated calls of the same shape, dtype and thread count on the same machine, which happens only
-when the cache was filled while a neighbour loaded the machine. The cache keeps the first
-measurement; delete its file (PEAK_CACHE_FILE under minigpt.data.cache_dir()) to measure again on
-a quiet machine. The LayerNorm parameters' share (12*d per layer per token of ~6N) is counted FLOPs
-of a memory-bound op that runs far below any GEMM's rate, so it cannot lift the step above D.
+What is measured apart from the model is the residual risk, stated here rather than hidden: a
+unit inside training would have to run faster than its best isolated call of the same shape,
+dtype and thread count on the same machine. Neither clock can make a call look faster than it
+runs on a quiet machine (see `measure`), and the cache only ever rises, so the figure errs low only
+while every call of every unit was slowed; delete the cache file (PEAK_CACHE_FILE under
+minigpt.data.cache_dir()) to measure again. The LayerNorm parameters' share (12*d per layer per
+token of ~6N) is counted FLOPs of a memory-bound op that runs far below any GEMM's rate, so it
+cannot lift the step above D.
 For GPUs in the table the data sheet bounds every unit by construction. An `--peak-tflops` figure
 is the user's word and is not checked.
 """
@@ -41,6 +49,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -52,15 +61,23 @@ from minigpt.data import cache_dir
 from minigpt.fileio import atomic_write
 
 PEAK_CACHE_FILE = "peak_flops.json"  # under minigpt.data.cache_dir(): one entry per machine, dtype, torch
-ROUNDS = 3  # timed calls per unit after its warm-up: the best is kept, the rounds give the spread
-# A unit whose timed calls already took this long stops early (one timed call at least): bf16 on a
-# CPU without native bf16 runs a 50k-vocabulary LM head at ~1 GFLOP/s, a minute per call.
-UNIT_BUDGET_S = 2.0
+# Each unit is timed in many short calls for this long (wall clock) after a warm-up, and its best
+# call is kept: on a busy machine a short call often fits in a slice where the process had the
+# cores, a long one rarely does. 0.25 s for each of ~8 units (0.5 s for the square products) keeps
+# a new user's first run ~3 s longer on a quiet machine.
+UNIT_BUDGET_S = 0.25
+# ...but at least MIN_CALLS, unless they pass UNIT_LIMIT_S: under a load of 16 on 2 cores a tiny
+# unit's first two calls took 0.25 s. MAX_CALLS bounds the calls of a tiny unit.
+MIN_CALLS, UNIT_LIMIT_S, MAX_CALLS = 5, 2.0, 1000
 SQUARE_SIZES = (1024, 2048)  # machine-wide reference products, beside the model's own units
 # A unit whose warm-up and one timed call would take longer than this at the best rate measured so
 # far is skipped (and named in the source): emulated bf16 on a CPU without native bf16 runs a 2048^3
 # product in about a minute (63 s on the AVX2 machine of benchmarks/results), the LM head longer.
 SKIP_PREDICTED_S = 10.0
+# ...predicted only from a unit at least 1/PREDICT_WITHIN of its size: a tiny model's units (a few
+# MFLOP) are all overhead and, under load, spin-waiting; at 0.3 GFLOP/s they once "predicted" 14 s
+# for the 1024^3 product (2 ms here), which was skipped and the denominator fell 4000-fold.
+PREDICT_WITHIN = 64
 
 # Dense peak FLOP/s per GPU from the vendors' data sheets (no 2:4 sparsity), by AMP dtype.
 # fp32 means plain fp32 (TF32 off, PyTorch's default for matmuls).
@@ -121,13 +138,16 @@ def model_workloads(
 
 @dataclass
 class PeakFlops:
-    """The MFU denominator of one device: FLOP/s, where it comes from, the (lowest, highest) round
-    of the winning unit when measured, and each unit's best rate."""
+    """The MFU denominator of one device: FLOP/s, where it comes from and, when measured, the
+    winning unit's median and best call, when and under what load it was timed, and each unit's
+    best rate."""
 
     value: float
     source: str
-    spread: tuple[float, float] | None = None
+    spread: tuple[float, float] | None = None  # measured: the winning unit's (median call, best call)
     shapes: list[dict] = field(default_factory=list)
+    measured_at: str | None = None  # measured: when the winning unit was timed (UTC)
+    load: float | None = None  # measured: the 1-minute load average then (os.getloadavg)
 
     def config(self) -> dict:
         """The keys config.json carries."""
@@ -135,6 +155,8 @@ class PeakFlops:
             "peak_flops": self.value,
             "peak_flops_source": self.source,
             "peak_flops_spread": list(self.spread) if self.spread else None,
+            "peak_flops_measured_at": self.measured_at,
+            "peak_flops_load": self.load,
         }
 
 
@@ -200,7 +222,7 @@ def peak_flops(
         return PeakFlops(*from_table)
     units = [Workload("matmul", (n, n, n)) for n in SQUARE_SIZES] + list(dict.fromkeys(workloads or []))
     key, path = machine_key(device, dtype), cache_dir() / PEAK_CACHE_FILE
-    known = read_cache(path).get(key, {}) if cache else {}
+    known = current(read_cache(path).get(key, {})) if cache else {}
     missing = sorted((u for u in units if u.name not in known), key=lambda u: u.flops)  # smallest first
     fresh, skipped = {}, []
     for u in missing:
@@ -208,23 +230,24 @@ def peak_flops(
         # rates a big product never reaches (emulated bf16), so the best rate would be optimistic.
         timed = [r for r in (*known.values(), *fresh.values()) if r["flops"] <= u.flops]
         nearest = max(timed, key=lambda r: r["flops"], default=None)
-        if nearest and 2 * u.flops / max(nearest["rounds"]) > SKIP_PREDICTED_S:
+        near = nearest and nearest["flops"] * PREDICT_WITHIN >= u.flops
+        if near and 2 * u.flops / nearest["best"] > SKIP_PREDICTED_S:
             skipped.append(u.name)
             continue
-        fresh[u.name] = {
-            "rounds": measure(device, dtype, u),
-            "flops": u.flops,
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        }
+        fresh[u.name] = measure(device, dtype, u)
+    rates = {**known, **fresh}
     if cache and fresh:
-        entries = read_cache(path)  # again, just before writing: another process may have added units
-        entries[key] = {**entries.get(key, {}), **fresh}
+        # Read again just before writing (another process may have measured meanwhile) and keep, per
+        # unit, the best the machine has shown: a figure taken in a busier moment never replaces it.
+        entries = read_cache(path)
+        mine = current(entries.get(key, {}))
+        for name, r in fresh.items():
+            if name not in mine or r["best"] > mine[name]["best"]:
+                mine[name] = r
+        entries[key] = mine
         atomic_write(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
-    rates = {u.name: {**known, **fresh}[u.name] for u in units if u.name not in skipped}
-    shapes = [
-        {"name": n, "flops": r["flops"], "best": max(r["rounds"]), "rounds": r["rounds"]}
-        for n, r in rates.items()
-    ]
+        rates = {**rates, **{n: mine[n] for n in rates if n in mine}}
+    shapes = [{"name": u.name, **rates[u.name]} for u in units if u.name not in skipped]
     best = max(shapes, key=lambda s: s["best"])
     how = (
         "cache"
@@ -234,13 +257,22 @@ def peak_flops(
         else "measured now, partly cached"
     )
     where = f"{path}" if cache else "not cached"
+    load = best.get("load")
+    under = f"at load {load:.2f} on {best['cores']} cores" if load is not None else "(load unknown)"
     source = (
-        f"{how}: best of {len(shapes)} units ({best['name']}) in {dtype} on {device}, "
-        f"up to {ROUNDS} rounds each after a warm-up [{where}]"
+        f"{how}: {best['name']} in {dtype} on {device}, the best of {len(shapes)} units, "
+        f"measured {best['date']} {under} "
+        f"(best of {best['calls']} calls; median {best['median'] / 1e12:.3g}) [{where}]"
     )
     if skipped:  # not measured, so MFU's bound holds for the measured units only: said, not hidden
         source += f"; {len(skipped)} unit(s) too slow to time here skipped: {', '.join(skipped)}"
-    return PeakFlops(best["best"], source, (min(best["rounds"]), max(best["rounds"])), shapes)
+    return PeakFlops(best["best"], source, (best["median"], best["best"]), shapes, best["date"], load)
+
+
+def current(entries: dict) -> dict:
+    """The cached units measured the current way (best of many short calls, with the time and load
+    recorded); older entries count as not measured, so they are measured once more."""
+    return {n: r for n, r in entries.items() if isinstance(r, dict) and {"best", "median", "calls"} <= set(r)}
 
 
 def read_cache(path: Path) -> dict:
@@ -252,9 +284,22 @@ def read_cache(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def measure(device: str, dtype: str, unit: Workload, rounds: int = ROUNDS) -> list[float]:
-    """FLOP/s of `unit` in each of `rounds` timed calls after one warm-up call. Under bf16/fp16
-    the linear and attention units run as the model does, fp32 weights under autocast."""
+def measure(device: str, dtype: str, unit: Workload, budget_s: float | None = None) -> dict:
+    """The best rate of `unit` over many short timed calls after one warm-up call, with the time,
+    the load and the call count. Under bf16/fp16 the linear and attention units run as the model
+    does, fp32 weights under autocast.
+
+    Each call is timed by the wall clock and, on the CPU, by the process's CPU time (every
+    thread's); the call's time is the smaller. Both are at least the call's time on a quiet machine:
+    the wall clock counts the slices another process took, and the CPU time counts every thread's
+    work, the longest share and the others' (and their spin-waiting at barriers) besides. On a
+    busy machine the wall clock of a short call still often fits in a slice where the process had
+    the cores; the CPU time leaves out the slices it was descheduled, so a unit that runs on one
+    thread is timed right even when no such slice comes. Dividing the CPU time by the threads
+    would be right only when all of them did equal work: a product that runs on one of two
+    threads (bf16 on AMX here) would then count at twice its rate."""
+    if budget_s is None:  # the square products are the machine's reference, often the best: twice as long
+        budget_s = UNIT_BUDGET_S * (2 if unit.kind == "matmul" else 1)
     gen = torch.Generator(device).manual_seed(0)  # its own generator: the training RNG stays untouched
     amp = dtype != "fp32"
     param_dtype = torch.float32 if unit.kind != "matmul" else TORCH_DTYPES[dtype]
@@ -288,27 +333,38 @@ def measure(device: str, dtype: str, unit: Workload, rounds: int = ROUNDS) -> li
         def call():
             a @ b_
 
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     rates: list[float] = []
     spent = 0.0
-    for i in range(rounds + 1):
-        if len(rates) >= 1 and spent > UNIT_BUDGET_S:
+    for i in range(MAX_CALLS + 1):
+        if rates and spent > budget_s and (len(rates) >= MIN_CALLS or spent > UNIT_LIMIT_S):
             break
         for t in leaves:  # as after the loop's zero_grad(set_to_none=True): no accumulation to time
             t.grad = None
         if device == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         call()
         if device == "cuda":
             torch.cuda.synchronize()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         if i:  # the first call pays for warm-up: allocation, thread pool, kernel selection
-            elapsed = time.perf_counter() - t0
-            rates.append(unit.flops / elapsed)
-            spent += elapsed
-    return rates
+            # The CPU time says nothing of a GPU's kernels, which run while the host waits.
+            rates.append(unit.flops / (min(wall, cpu) if device == "cpu" and cpu > 0 else wall))
+            spent += wall
+    return {
+        "flops": unit.flops,
+        "best": max(rates),
+        "median": statistics.median(rates),
+        "calls": len(rates),
+        "date": date,
+        "load": load,
+        "cores": os.cpu_count(),
+    }
 
 
 def describe(peak: PeakFlops) -> str:
-    """One line for the log: the denominator, its source and spread."""
-    spread = f" (rounds {peak.spread[0] / 1e12:.3g}-{peak.spread[1] / 1e12:.3g})" if peak.spread else ""
-    return f"MFU peak {peak.value / 1e12:.3g} TFLOP/s{spread}; {peak.source}"
+    """One line for the log: the denominator and its source (for a measured one: the unit, when,
+    under what load, and the median call beside the best)."""
+    return f"MFU peak {peak.value / 1e12:.3g} TFLOP/s; {peak.source}"

@@ -2,6 +2,7 @@
 the model reaches. (No timing is asserted: only which figures are used and how they relate.)"""
 
 import json
+import re
 import time
 
 import pytest
@@ -127,6 +128,8 @@ def test_override_and_gpu_table(monkeypatch):
         "peak_flops": 2.5e12,
         "peak_flops_source": "override: --peak-tflops",
         "peak_flops_spread": None,
+        "peak_flops_measured_at": None,
+        "peak_flops_load": None,
     }
     with pytest.raises(ValueError, match="positive"):
         M.peak_flops("cpu", "fp32", override_tflops=0)
@@ -140,3 +143,101 @@ def test_override_and_gpu_table(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, n=name: n)
         peak = M.peak_flops("cuda", "bf16", units())
         assert peak.value == M.PEAK_FLOPS[gpu]["bf16"] and peak.source == f"table: {gpu} bf16 dense"
+
+
+def fake_figure(best: float, load: float = 0.5) -> dict:
+    return {
+        "best": best,
+        "median": best / 2,
+        "calls": 9,
+        "date": "2026-01-01 00:00 UTC",
+        "load": load,
+        "cores": 2,
+    }
+
+
+def test_a_lower_figure_never_replaces_a_higher_one(monkeypatch, tmp_path):
+    """Two processes measure at once; the one that writes last measured in a busier moment. The
+    cache keeps each unit's best, and the run uses it: a figure taken under load replaces nothing."""
+    path, key = tmp_path / "cache" / M.PEAK_CACHE_FILE, M.machine_key("cpu", "fp32")
+
+    def measured_while_another_process_wrote(high: float, mine: float):
+        def measure(device, dtype, unit):
+            entries = M.read_cache(path)
+            entries.setdefault(key, {})[unit.name] = {**fake_figure(high, load=0.1), "flops": unit.flops}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(entries))
+            return {**fake_figure(mine, load=7.5), "flops": unit.flops}
+
+        return measure
+
+    monkeypatch.setattr(M, "measure", measured_while_another_process_wrote(high=3e12, mine=1e12))
+    peak = M.peak_flops("cpu", "fp32", units())
+    assert peak.value == 3e12 and peak.load == 0.1  # the other process's better figure, and its load
+    assert {r["best"] for r in json.loads(path.read_text())[key].values()} == {3e12}
+    path.unlink()
+    monkeypatch.setattr(M, "measure", measured_while_another_process_wrote(high=1e12, mine=2e12))
+    peak = M.peak_flops("cpu", "fp32", units())  # now this process's figure is the better one
+    assert peak.value == 2e12 and peak.load == 7.5
+    assert {r["best"] for r in json.loads(path.read_text())[key].values()} == {2e12}
+
+
+def test_entries_of_the_old_format_are_measured_again(tmp_path):
+    """A figure cached before the time and load were recorded (first come, first kept) may have been
+    taken under load: it is measured once more instead of being trusted."""
+    path, key = tmp_path / "cache" / M.PEAK_CACHE_FILE, M.machine_key("cpu", "fp32")
+    path.parent.mkdir(parents=True)
+    old = {u.name: {"rounds": [1.0, 2.0], "flops": u.flops, "date": "2026-01-01 00:00 UTC"} for u in units()}
+    path.write_text(json.dumps({key: old}))
+    peak = M.peak_flops("cpu", "fp32", units())
+    assert peak.source.startswith("measured now") and peak.value > 2.0
+    assert all("best" in r for r in json.loads(path.read_text())[key].values())
+
+
+def test_the_log_line_says_when_and_under_what_load(monkeypatch):
+    monkeypatch.setattr(M.os, "getloadavg", lambda: (3.25, 2.0, 1.0))
+    peak = M.peak_flops("cpu", "fp32", units())
+    line = M.describe(peak)
+    assert line.startswith(f"MFU peak {peak.value / 1e12:.3g} TFLOP/s; measured now: ")
+    assert f"measured {peak.measured_at} at load 3.25 on {M.os.cpu_count()} cores" in line
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", peak.measured_at)
+    assert (
+        peak.config()["peak_flops_load"] == 3.25
+        and peak.config()["peak_flops_measured_at"] == peak.measured_at
+    )
+    assert "(best of " in line and " calls; median " in line
+
+
+def test_a_call_is_timed_by_the_smaller_of_wall_clock_and_cpu_time(monkeypatch):
+    """Descheduled (wall > CPU time): the CPU time counts, so a busy machine does not lower the
+    figure. On two threads (CPU time > wall): the wall clock counts, so the CPU time of threads that
+    ran side by side never raises it above the call's real rate."""
+    unit = M.Workload("matmul", (8, 8, 8))
+    script = [(0.01, 0.01), (0.2, 0.1), (0.1, 0.2), (0.5, 0.25)]  # (wall, cpu): warm-up, 3 timed calls
+    walls = iter(v for w, _ in script for v in (0.0, w))  # each call reads its clocks before and after
+    cpus = iter(v for _, c in script for v in (0.0, c))
+    clock = type("Clock", (), {"perf_counter": lambda: next(walls), "process_time": lambda: next(cpus)})
+    monkeypatch.setattr(M, "time", clock)
+    monkeypatch.setattr(M, "MIN_CALLS", 3)
+    got = M.measure("cpu", "fp32", unit, budget_s=0.15)  # past the budget after one call: 3 even so
+    assert got["calls"] == 3
+    assert got["best"] == pytest.approx(unit.flops / 0.1)  # both the descheduled call and the 2-thread one
+    assert got["median"] == pytest.approx(unit.flops / 0.1)
+
+
+def test_a_slow_tiny_unit_does_not_skip_the_square_products(monkeypatch):
+    """A unit too slow to time (emulated bf16) is skipped, predicted from a timed unit near its size;
+    a tiny model's units (overhead, and under load spin-waiting) predict nothing for a 1024^3
+    product, which is the machine's reference: skipping it once made the denominator 4000x low."""
+    monkeypatch.setattr(M, "SQUARE_SIZES", (1024, 2048))
+    measured = []
+
+    def slow(device, dtype, unit):  # 1 MFLOP/s: every prediction says minutes
+        measured.append(unit.name)
+        return {**fake_figure(1e6), "flops": unit.flops}
+
+    monkeypatch.setattr(M, "measure", slow)
+    peak = M.peak_flops("cpu", "bf16", units())
+    assert "matmul 1024x1024x1024" in measured  # the nearest timed unit is 2600x smaller: timed
+    assert "matmul 2048x2048x2048" not in measured  # predicted from the 1024^3 one, 8x smaller
+    assert "skipped: matmul 2048x2048x2048" in peak.source
