@@ -138,7 +138,7 @@ def tflops(x: float) -> str:
 
 
 def flops_spread(spread) -> str | None:
-    """config.json's peak_flops_spread, [lowest, highest] FLOP/s over the measuring rounds, as
+    """config.json's peak_flops_spread, the winning unit's [median call, best call] in FLOP/s, as
     "1.04-1.36 TFLOP/s"; None when the run has none (a table's figure, or --peak-tflops)."""
     if not isinstance(spread, (list, tuple)) or len(spread) != 2:
         return None
@@ -287,7 +287,7 @@ def summary_section(run: Run) -> str:
         else "n/a"
     )
     if spread := flops_spread(t["peak_flops_spread"]):
-        peak += f"; the measuring rounds gave {spread}"
+        peak += f"; the winning unit's timed calls, median to best: {spread}"
     rows = [
         ("run", str(run.path)),
         (

@@ -385,7 +385,7 @@ def test_measured_flops_spread_is_in_tflops(tmp_path):
     config.update(peak_flops=2330541570715.065, peak_flops_spread=[1215599041154.5454, 2330541570715.065])
     (run / "config.json").write_text(json.dumps(config))
     page = write_report(run).read_text()
-    assert "2.33 TFLOP/s per device" in page and "the measuring rounds gave 1.22-2.33 TFLOP/s" in page
+    assert "2.33 TFLOP/s per device" in page and "median to best: 1.22-2.33 TFLOP/s" in page
     assert "1215599041154" not in page
 
 
