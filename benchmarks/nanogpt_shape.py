@@ -38,8 +38,11 @@ nanoGPT runs as it comes, with glibc's default malloc, while minigpt sets mallop
 (minigpt/cpu.py). So nanoGPT also runs a second time with the same setting through glibc's
 environment variables (--no-malloc-variant leaves it out): the gap between the two nanoGPT rows is
 the allocator's, not the trainer's. Each run is a fresh process; the rounds interleave every
-variant, so a drift of the machine spreads over all of them. Writes
-benchmarks/results/<device>-nanogpt.json and .md (-nanogpt-tiny for --shape tiny).
+variant, so a drift of the machine spreads over all of them; the table gives each round's figure
+(the spread) and the load average at the start and the end. Writes
+benchmarks/results/<device>-nanogpt.json and .md (-nanogpt-tiny for --shape tiny), and refuses to
+write there when the load at the start is above half the cores: --busy writes anyway, and the
+table then says the machine was busy.
 """
 
 from __future__ import annotations
@@ -54,7 +57,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import RESULTS, ROOT, device_slug, header, load_results, run_variant, save_json, stamp
+from common import (
+    RESULTS,
+    ROOT,
+    device_slug,
+    header,
+    load_average,
+    load_lines,
+    load_results,
+    refuse_if_busy,
+    run_variant,
+    save_json,
+    stamp,
+)
 
 from minigpt.fileio import atomic_write
 
@@ -184,6 +199,12 @@ def main() -> int:
     p.add_argument(
         "--nanogpt-dir", type=Path, help="a folder with nanoGPT's train.py, model.py, configurator.py"
     )
+    p.add_argument(
+        "--busy",
+        action="store_true",
+        help="write benchmarks/results even when the load at the start is above half the cores "
+        "(the table then says the machine was busy)",
+    )
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--render", type=Path, metavar="RESULTS_JSON", help="measure nothing: rewrite the .md")
     args = p.parse_args()
@@ -206,6 +227,7 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
+    load = refuse_if_busy(args.out_dir, args.busy)
 
     with tempfile.TemporaryDirectory(prefix="minigpt-nanogpt-") as tmp:
         work = Path(tmp)
@@ -241,6 +263,8 @@ def main() -> int:
         }
     meta = {
         **stamp(sys.argv),
+        **load,
+        "load_end": load_average(),
         "shape": args.shape,
         "steps": args.steps,
         "warmup": args.warmup,
@@ -266,13 +290,13 @@ def markdown(data: dict) -> str:
     layers, heads, width, block, batch = SHAPES[meta["shape"]]
     lines = [
         *header("minigpt beside nanoGPT's own train.py", meta),
+        *load_lines(meta),
         f"Shape: {layers} layers, {heads} heads, {width} wide, block {block}, batch {batch}, "
         "vocabulary 50304, "
         "tied embeddings, biases, no dropout, no gradient accumulation, no torch.compile. Each round runs "
         f"every variant in a fresh process; a run's figure is the median of {meta['steps']} steps after "
         f"{meta['warmup']} (nanoGPT's iteration 0, which evaluates, is always a warm-up). nanoGPT's files: "
-        f"`{meta['nanogpt_dir']}`, copied to a temporary folder at run time. The machine was shared with "
-        "other developers' jobs.",
+        f"`{meta['nanogpt_dir']}`, copied to a temporary folder at run time.",
         "",
         "| variant | tokens/s (median of rounds) | step ms | each round (tokens/s) | params (M) |",
         "|---|---|---|---|---|",

@@ -36,24 +36,54 @@ MMAP_THRESHOLD = 2**30
 TRIM_THRESHOLD = 256 * 2**20
 LIBDIR = "/usr/lib/x86_64-linux-gnu"
 PRELOADS = {"jemalloc": f"{LIBDIR}/libjemalloc.so.2", "tcmalloc": f"{LIBDIR}/libtcmalloc_minimal.so.4"}
+MIMALLOC_DIST = "cmeel-mimalloc"  # the PyPI package (requirements.txt) that ships libmimalloc.so
+
+
+def mimalloc_library() -> str | None:
+    """The libmimalloc.so that pip installed with cmeel-mimalloc, or None. Found through the
+    package's own file list, so it works in any venv or prefix."""
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution(MIMALLOC_DIST).files or []
+    except metadata.PackageNotFoundError:
+        return None
+    lib = next((f for f in files if f.name == "libmimalloc.so"), None)
+    return None if lib is None else str(lib.locate())
 
 
 def preloaded_allocator() -> str | None:
-    """ "jemalloc" or "tcmalloc" when one was loaded through LD_PRELOAD, else None."""
+    """ "jemalloc", "tcmalloc" or "mimalloc" when one was loaded through LD_PRELOAD, else None."""
     try:
         with open("/proc/self/maps") as f:
             maps = f.read()
     except OSError:
         return None
-    return next((name for name in PRELOADS if f"lib{name}" in maps), None)
+    return next((name for name in (*PRELOADS, "mimalloc") if f"lib{name}" in maps), None)
 
 
-# The preference, by benchmarks/results/cpu-allocator.md (the trainer itself, evaluations included):
-# tcmalloc and jemalloc kept peak RSS within 1.5x of the allocator's true peak, no glibc setting that
-# ran as fast did (glibc's defaults did, at ~0.75x the tokens/s). Re-executing under one of them is
-# what torch's own CPU launcher (torch.backends.xeon.run_cpu) does with LD_PRELOAD.
-PREFERRED = ("tcmalloc", "jemalloc")
+# The preference, by benchmarks/results/cpu-allocator.md (the trainer itself, evaluations included;
+# page faults and CPU seconds per step, peak RSS against the allocator's true peak): mimalloc first,
+# because requirements.txt installs it (cmeel-mimalloc), so a fresh machine, every developer's and the
+# README's first command all take the same path; tcmalloc and jemalloc where mimalloc is missing.
+# Re-executing under one of them is what torch's own CPU launcher (torch.backends.xeon.run_cpu) does
+# with LD_PRELOAD.
+PREFERRED = ("mimalloc", "tcmalloc", "jemalloc")
+# mimalloc's options for the trainer, where the user set none: MIMALLOC_PURGE_DELAY is how long (ms)
+# a freed page stays committed before mimalloc gives it back to the system. Its default (10 ms) is
+# shorter than a step, so the step's big tensors fault in again every step; a delay longer than
+# a step keeps them for the next one and still gives back what an evaluation left behind.
+MIMALLOC_ENV = {"MIMALLOC_PURGE_DELAY": "1000"}
 NO_PRELOAD_ENV = "MINIGPT_MALLOC"  # =glibc: stay on glibc's malloc (the allocator benchmark sets it)
+
+
+def installed_allocators(exists=None) -> dict[str, str]:
+    """Each preloadable malloc found on this machine -> its library, in PREFERRED order."""
+    import os
+
+    exists = exists or os.path.exists
+    found = {**PRELOADS, "mimalloc": mimalloc_library()}
+    return {n: found[n] for n in PREFERRED if found[n] and exists(found[n])}
 
 
 def preload_command(argv: list[str], env: dict, exists=None) -> tuple[list[str], dict] | None:
@@ -61,7 +91,7 @@ def preload_command(argv: list[str], env: dict, exists=None) -> tuple[list[str],
     when it should run as it is: not Linux, a GPU's driver present (the choice is for CPU runs), one
     already preloaded, none installed, glibc asked for ($MINIGPT_MALLOC=glibc, or
     --no-keep-freed-memory on the command line or in $MINIGPT_ARGS), or this is the re-executed
-    process."""
+    process. `exists` (os.path.exists) is there for tests."""
     import os
     import sys
 
@@ -73,10 +103,13 @@ def preload_command(argv: list[str], env: dict, exists=None) -> tuple[list[str],
         return None
     if preloaded_allocator() or env.get("LD_PRELOAD"):
         return None
-    lib = next((PRELOADS[n] for n in PREFERRED if exists(PRELOADS[n])), None)
-    if lib is None:
+    installed = installed_allocators(exists)
+    if not installed:
         return None
-    return [sys.executable, *sys.orig_argv[1:]], {**env, "LD_PRELOAD": lib, NO_PRELOAD_ENV: "preloaded"}
+    name, lib = next(iter(installed.items()))
+    options = MIMALLOC_ENV if name == "mimalloc" else {}
+    child_env = {**options, **env, "LD_PRELOAD": lib, NO_PRELOAD_ENV: "preloaded"}  # the user's options win
+    return [sys.executable, *sys.orig_argv[1:]], child_env
 
 
 def run_under_preferred_allocator(argv: list[str]) -> None:
@@ -90,37 +123,44 @@ def run_under_preferred_allocator(argv: list[str]) -> None:
 
 def preload_hint() -> str | None:
     """What to install when no preferred allocator is there (the trainer then keeps glibc's heap)."""
-    import os
-
-    if preloaded_allocator() or any(os.path.exists(PRELOADS[n]) for n in PREFERRED):
+    if preloaded_allocator() or installed_allocators():
         return None
     return (
-        "tcmalloc kept peak RSS within 1.5x of the allocator's peak at glibc's best speed "
-        "(benchmarks/results/cpu-allocator.md); apt-get install libtcmalloc-minimal4 and the trainer "
-        "uses it"
+        "mimalloc faults the step's big tensors in once, not every step, within 1.6x of the allocator's "
+        f"peak (benchmarks/results/cpu-allocator.md); pip install {MIMALLOC_DIST} (requirements.txt) "
+        "and the trainer uses it"
     )
 
 
 def keep_freed_memory() -> str:
     """Apply the setting; return a line for the log saying what was done."""
+    import os
+
     preloaded = preloaded_allocator()
     if preloaded:
-        return f"CPU allocator: {preloaded} (LD_PRELOAD); glibc's settings left alone"
+        prefix = f"{preloaded.upper()}_"  # its options in the environment: MIMALLOC_PURGE_DELAY=...
+        options = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(prefix)]
+        named = ", ".join([f"{preloaded} (LD_PRELOAD)", *options])
+        return f"CPU allocator: {named}; glibc's settings left alone"
     return bounded_freed_memory(MMAP_THRESHOLD, TRIM_THRESHOLD, give_back_at_evaluations=True)
 
 
-def never_return_memory() -> str:
-    """The older setting: glibc never maps a block afresh and never trims its heap (fastest on
-    a quiet machine, and the process keeps its peak resident for good)."""
+def never_return_memory(give_back_at_evaluations: bool = False) -> str:
+    """glibc never maps a block afresh and never trims its heap's top (minigpt's first setting:
+    no page faults in a step, and the heap keeps what an evaluation's shapes split off it); with
+    `give_back_at_evaluations`, release_freed_memory() gives its free blocks back there."""
+    global _release_at_evaluation
     libc = _glibc()
     if libc is None:
         return "CPU allocator: left as is (not glibc)"
     ok = libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
     if not ok:
         return "CPU allocator: mallopt refused the setting; left as is"
+    _release_at_evaluation = give_back_at_evaluations
     return (
-        "CPU allocator: glibc malloc keeps freed blocks (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB): "
-        "no page faults on each step's big tensors; --no-keep-freed-memory to compare"
+        "CPU allocator: glibc malloc keeps freed blocks (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB"
+        + ("; given back around evaluations" if give_back_at_evaluations else "")
+        + "): no page faults on each step's big tensors; --no-keep-freed-memory to compare"
     )
 
 
