@@ -98,8 +98,15 @@ VARIANTS = {
     "mimalloc, never purges": Variant(
         "preload", "the same, MIMALLOC_PURGE_DELAY=-1", "mimalloc", {"MIMALLOC_PURGE_DELAY": "-1"}
     ),
-    "mimalloc, purges after 10 s": Variant(
-        "preload", "the same, MIMALLOC_PURGE_DELAY=10000", "mimalloc", {"MIMALLOC_PURGE_DELAY": "10000"}
+    "mimalloc, purges after 30 s": Variant(
+        "preload", "the same, MIMALLOC_PURGE_DELAY=30000", "mimalloc", {"MIMALLOC_PURGE_DELAY": "30000"}
+    ),
+    "mimalloc, purges after 30 s, given back at evaluations": Variant(
+        "mimalloc-evals",
+        "the same, and mi_collect(true) around evaluations (the trainer's choice when cmeel-mimalloc is "
+        "installed)",
+        "mimalloc",
+        {"MIMALLOC_PURGE_DELAY": "30000"},
     ),
     "tcmalloc": Variant("preload", "LD_PRELOAD=libtcmalloc_minimal.so.4", "tcmalloc"),
     "jemalloc": Variant("preload", "LD_PRELOAD=libjemalloc.so.2", "jemalloc"),
@@ -124,6 +131,8 @@ def child(setting: str, argv: list[str]) -> None:
         cpu.bounded_freed_memory(2**30, 256 * MIB, give_back_at_evaluations=True)
     elif setting == "bounded-1g":
         cpu.bounded_freed_memory(2**30, 2**30, give_back_at_evaluations=True)
+    elif setting == "mimalloc-evals":
+        cpu.keep_freed_memory()  # under mimalloc: mi_collect around evaluations
     sys.argv = [str(ROOT / "train_minimal.py"), *argv, "--no-keep-freed-memory"]
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
@@ -181,10 +190,11 @@ def run(name: str, paths: dict, steps: int, eval_interval: int, amp: list[str]) 
                 raise RuntimeError(f"{name} failed:\n{text[-2000:]}")
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     chose = next((line.split("] ", 1)[-1] for line in text.splitlines() if "CPU allocator:" in line), "")
-    # per step: the counts' increase between two log lines (every step is logged)
-    steps_seen = sorted(marks)
-    faults = [marks[b][0] - marks[a][0] for a, b in zip(steps_seen, steps_seen[1:]) if a >= SKIP_STEPS]
-    cpu_s = [marks[b][1] - marks[a][1] for a, b in zip(steps_seen, steps_seen[1:]) if a >= SKIP_STEPS]
+    # per step: the counts' increase between two log lines (every step is logged); a step that ends
+    # on an evaluation (step % eval_interval == 0) is counted apart, with its evaluation
+    pairs = [(a, b) for a, b in zip(sorted(marks), sorted(marks)[1:]) if a >= SKIP_STEPS]
+    evals = [(a, b) for a, b in pairs if b % eval_interval == 0 or b == steps]  # and one at the end
+    plain = [pair for pair in pairs if pair not in evals]
     last = records[-1]
     tokens_per_step = last["tokens_per_s"] * last["step_time_s"]
     return {
@@ -192,8 +202,10 @@ def run(name: str, paths: dict, steps: int, eval_interval: int, amp: list[str]) 
         "amp": last["amp"],
         "tokens_per_s": [r["tokens_per_s"] for r in records[SKIP_STEPS:]],
         "tokens_per_s_e2e": last["step"] * tokens_per_step / last["elapsed_s"],
-        "faults_per_step": faults,
-        "cpu_s_per_step": cpu_s,
+        "faults_per_step": [marks[b][0] - marks[a][0] for a, b in plain],
+        "cpu_s_per_step": [marks[b][1] - marks[a][1] for a, b in plain],
+        "faults_per_eval_step": [marks[b][0] - marks[a][0] for a, b in evals],
+        "cpu_s_per_eval_step": [marks[b][1] - marks[a][1] for a, b in evals],
         "rss_peak_bytes": usage.ru_maxrss * 1024,  # the kernel's count (KiB on Linux)
         "cpu_user_s": usage.ru_utime,
         "cpu_system_s": usage.ru_stime,
@@ -234,6 +246,8 @@ def summarise(runs: list[dict]) -> dict:
             "median": statistics.median(c for r in runs for c in r["cpu_s_per_step"]),
             "repeats": [statistics.median(r["cpu_s_per_step"]) for r in runs],
         },
+        "faults_per_eval_step": statistics.median(f for r in runs for f in r["faults_per_eval_step"]),
+        "cpu_s_per_eval_step": statistics.median(c for r in runs for c in r["cpu_s_per_eval_step"]),
         "rss_peak_bytes": max(r["rss_peak_bytes"] for r in runs),
         **{k: statistics.median(r[k] for r in runs) for k in ("cpu_user_s", "cpu_system_s", "minor_faults")},
         "rss_bytes": max(r["rss_bytes"] for r in runs),
@@ -252,17 +266,19 @@ def markdown(meta: dict, results: dict, peak: int) -> str:
         f"rounds. Per step: the median over the steps after the first {SKIP_STEPS} of every round, of the "
         "minor page faults and the CPU seconds (user + system) the kernel charged the process between "
         "two logged steps (`/proc/PID/stat`): counts of the work done, which other jobs on the machine "
-        "move far less than wall-clock time. tokens/s: the median of the same steps (spread: the rounds' "
-        "medians); end to end: steps x tokens over the trainer's elapsed time, evaluations included. "
+        "move far less than wall-clock time; a step followed by an evaluation is counted apart, with it. "
+        "tokens/s: the median of the steps after the warm-up (spread: the rounds' medians); end to end: "
+        "steps x tokens over the trainer's elapsed time, evaluations included. "
         "Peak RSS: the largest over the rounds, as the kernel counted it (`os.wait4`), evaluations "
         "included.",
         "",
         f"The allocator's true peak in a training step (torch's own figure, `estimate_table.measure`, "
         f"{amp}): {peak / MIB:,.0f} MiB. Budget: peak RSS within {RSS_BUDGET}x of it.",
         "",
-        "| variant | how | page faults per step | CPU s per step | spread (rounds) | tokens/s (steps) | "
-        "spread (rounds) | end to end | peak RSS MiB | x true peak | RSS at end MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | how | page faults per step | CPU s per step | spread (rounds) | page faults, step + "
+        "evaluation | CPU s, step + evaluation | tokens/s (steps) | spread (rounds) | end to end | "
+        "peak RSS MiB | x true peak | RSS at end MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         how = VARIANTS[name].how if name in VARIANTS else ""
@@ -271,7 +287,8 @@ def markdown(meta: dict, results: dict, peak: int) -> str:
         t, c = r["tokens_per_s"], r["cpu_s_per_step"]
         lines.append(
             f"| {name} | {how} | {r['faults_per_step']:,.0f} | {c['median']:.2f} | "
-            f"{min(c['repeats']):.2f}-{max(c['repeats']):.2f} | {t['median']:,.0f} | "
+            f"{min(c['repeats']):.2f}-{max(c['repeats']):.2f} | {r['faults_per_eval_step']:,.0f} | "
+            f"{r['cpu_s_per_eval_step']:.2f} | {t['median']:,.0f} | "
             f"{min(t['repeats']):,.0f}-{max(t['repeats']):,.0f} | {r['tokens_per_s_e2e']:,.0f} | "
             f"{r['rss_peak_bytes'] / MIB:,.0f} | {r['rss_peak_bytes'] / peak:.2f} | "
             f"{r['rss_bytes'] / MIB:,.0f} |"
@@ -318,8 +335,9 @@ def main() -> int:
             args.render.with_suffix(".md"), markdown(data["meta"], data["results"], data["true_peak"])
         )
         return 0
-    if args.steps <= SKIP_STEPS + 1 or not 0 < args.eval_interval <= args.steps:
-        p.error(f"--steps must be above {SKIP_STEPS + 1} and --eval-interval within 1..--steps")
+    if args.steps < SKIP_STEPS + 3 or not 2 <= args.eval_interval < args.steps:
+        # a step with an evaluation and one without, after the warm-up
+        p.error(f"--steps must be at least {SKIP_STEPS + 3} and --eval-interval within 2..--steps - 1")
     paths = preload_paths()
     absent = [n for n, v in VARIANTS.items() if v.preload and paths[v.preload] is None]
     if args.variants and (missing := [n for n in args.variants if n in absent]):

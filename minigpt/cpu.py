@@ -1,19 +1,24 @@
 """CPU-only set-up: which malloc serves the step's big tensors, and how much it keeps.
 
 A training step allocates and frees the same large tensors every step (at the default preset the
-logits and their gradient are 8 x 256 x 50304 floats, 412 MB each). glibc serves blocks above its
-mmap threshold (at most 32 MB) with a fresh mmap and hands them back with munmap when freed: every
-step touches hundreds of MB of new pages the kernel zero-fills, and page faults become a large part
-of the step. benchmarks/results/cpu-allocator.md measures the trainer itself under each choice,
-evaluations included, as peak RSS against the allocator's true peak and tokens/s:
+logits and their gradient are 8 x 256 x 50304 floats, 412 MB each). An allocator that gives them
+back to the system between steps makes the kernel zero-fill every page again on its first touch:
+page faults, not arithmetic, become a large part of the step. benchmarks/results/cpu-allocator.md
+measures the trainer itself under each choice, evaluations included, as page faults and CPU seconds
+per step and peak RSS against the allocator's true peak (the main job, bf16, on a 2-core Xeon):
 
-- tcmalloc (LD_PRELOAD) was the fastest and kept 1.35x the true peak; jemalloc 1.21x, a little
-  slower. run_under_preferred_allocator() re-executes the trainer under the first installed.
-- Without them, keep_freed_memory(): glibc serves blocks up to 1 GiB from its heap, where a freed
-  block is reused without page faults, trims the heap's top above 256 MiB, and
-  release_freed_memory() gives its free blocks back around evaluations, whose other shapes split
-  the kept blocks (the heap grew to 3.6x the true peak at the first evaluation without it; 2x with).
-- glibc's defaults (--no-keep-freed-memory) kept 1.24x at ~0.75x the speed.
+- mimalloc, the libmimalloc.so of pip's cmeel-mimalloc (requirements.txt), preloaded by
+  run_under_preferred_allocator(), with MIMALLOC_ENV (freed pages kept across steps) and its freed
+  pages given back around evaluations: about no page faults in a step. Its defaults (a freed page
+  purged after 1 s) faulted ~15k pages a step, mostly huge ones; never purging held 1.66x the
+  true peak after the evaluations.
+- glibc can't do both: with its heap trimmed above 256 MiB (main's setting until mimalloc) it still
+  faulted 100k-400k pages a step and held 1.9x the true peak; never trimming (minigpt's first
+  setting) faulted none in a step and held 3.5x. Its defaults fault 530k pages a step. When no
+  preloadable malloc is installed, keep_freed_memory() applies the 256 MiB setting, which faults
+  the least of the glibc settings that stay under 2x.
+- tcmalloc and jemalloc (Debian packages, not installed by the README) are used when mimalloc is
+  missing: on an AVX2 machine they kept 1.35x and 1.21x the true peak at glibc's best speed.
 
 Only glibc has mallopt and malloc_trim: elsewhere they are no-ops, said so.
 """
@@ -70,10 +75,12 @@ def preloaded_allocator() -> str | None:
 # with LD_PRELOAD.
 PREFERRED = ("mimalloc", "tcmalloc", "jemalloc")
 # mimalloc's options for the trainer, where the user set none: MIMALLOC_PURGE_DELAY is how long (ms)
-# a freed page stays committed before mimalloc gives it back to the system. Its default (10 ms) is
-# shorter than a step, so the step's big tensors fault in again every step; a delay longer than
-# a step keeps them for the next one and still gives back what an evaluation left behind.
-MIMALLOC_ENV = {"MIMALLOC_PURGE_DELAY": "1000"}
+# a freed page stays committed before mimalloc gives it back to the system. Its default (1 s in
+# mimalloc 3.4) is shorter than a step on a busy 2-core machine, so the step's big tensors fault in
+# again (15k faults a step, mostly 2 MiB pages); 30 s keeps them for the next step, and
+# release_freed_memory() gives them back around evaluations at once (never purging held 1.66x the
+# allocator's true peak after an evaluation).
+MIMALLOC_ENV = {"MIMALLOC_PURGE_DELAY": "30000"}
 NO_PRELOAD_ENV = "MINIGPT_MALLOC"  # =glibc: stay on glibc's malloc (the allocator benchmark sets it)
 
 
@@ -141,6 +148,8 @@ def keep_freed_memory() -> str:
         prefix = f"{preloaded.upper()}_"  # its options in the environment: MIMALLOC_PURGE_DELAY=...
         options = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(prefix)]
         named = ", ".join([f"{preloaded} (LD_PRELOAD)", *options])
+        if preloaded == "mimalloc" and _collect_mimalloc_at_evaluations():
+            named += "; its freed pages given back around evaluations"
         return f"CPU allocator: {named}; glibc's settings left alone"
     return bounded_freed_memory(MMAP_THRESHOLD, TRIM_THRESHOLD, give_back_at_evaluations=True)
 
@@ -166,14 +175,31 @@ def never_return_memory(give_back_at_evaluations: bool = False) -> str:
 
 # Set by keep_freed_memory(): the kept heap is given back around evaluations (release_freed_memory).
 _release_at_evaluation = False
+# Set by keep_freed_memory() under mimalloc: its mi_collect(force), which purges at once what
+# MIMALLOC_PURGE_DELAY would purge later.
+_mi_collect = None
+
+
+def _collect_mimalloc_at_evaluations() -> bool:
+    """Find the preloaded mimalloc's mi_collect for release_freed_memory(); False if it is not there."""
+    global _mi_collect
+    try:
+        _mi_collect = ctypes.CDLL(None).mi_collect
+    except (AttributeError, OSError):
+        return False
+    _mi_collect.argtypes, _mi_collect.restype = [ctypes.c_bool], None
+    return True
 
 
 def release_freed_memory() -> bool:
-    """Under keep_freed_memory(), give the pages of every free block in glibc's heap back to the
-    system (malloc_trim(0)); True when some were. The kept heap serves a training step's regular
-    pattern well, but an evaluation's other shapes split its big free blocks for small ones, so
-    their big tensors land on fresh pages: without this, the main job's RSS grew to 3.6x the
-    allocator's true peak at its first evaluation (benchmarks/results/cpu-allocator.md)."""
+    """Under keep_freed_memory(), give the pages of every free block back to the system: mimalloc's
+    mi_collect(true), or glibc's malloc_trim(0); True when it was asked. The kept memory serves a
+    training step's regular pattern well, but an evaluation's other shapes take fresh pages beside
+    it: without this, glibc's heap grew to 3.5x the allocator's true peak at the main job's first
+    evaluation and mimalloc's to 1.66x (benchmarks/results/cpu-allocator.md)."""
+    if _mi_collect is not None:
+        _mi_collect(True)
+        return True
     libc = _glibc() if _release_at_evaluation else None
     return bool(libc is not None and libc.malloc_trim(0))
 

@@ -246,7 +246,7 @@ def test_allocator_puts_the_fresh_machine_first_with_counts_and_load(tmp_path):
         [
             sys.executable,
             str(ROOT / "benchmarks" / "allocator.py"),
-            *("--steps", "4", "--eval-interval", "2", "--repeats", "1", "--out-dir", str(tmp_path)),
+            *("--steps", "5", "--eval-interval", "2", "--repeats", "1", "--out-dir", str(tmp_path)),
             *("--variants", "glibc defaults", "README's first command"),
         ],
         cwd=ROOT,
@@ -262,6 +262,7 @@ def test_allocator_puts_the_fresh_machine_first_with_counts_and_load(tmp_path):
     assert "CPU allocator:" in first["allocator_line"]
     for r in data["results"].values():
         assert r["faults_per_step"] >= 0 and r["cpu_s_per_step"]["median"] > 0
+        assert r["faults_per_eval_step"] >= 0 and r["cpu_s_per_eval_step"] > 0
         assert len(r["cpu_s_per_step"]["repeats"]) == 1 and r["rss_peak_bytes"] > 0
     assert {"load_start", "load_end", "cores"} <= set(data["meta"])
     table = (tmp_path / "cpu-allocator.md").read_text()

@@ -38,8 +38,22 @@ def test_the_kept_heap_is_given_back_on_request():
     assert r["held"] - r["after"] > 512 * 2**20, r  # the holes under the kept blocks went back
 
 
+@pytest.mark.skipif(cpu.mimalloc_library() is None, reason=f"{cpu.MIMALLOC_DIST} not installed")
+def test_mimalloc_keeps_freed_pages_across_steps_and_gives_them_back_on_request():
+    """Under the trainer's mimalloc options a freed block stays resident (the next step reuses it
+    without page faults) until release_freed_memory(), which the trainer calls around evaluations."""
+    env = {**os.environ, "LD_PRELOAD": cpu.mimalloc_library(), **cpu.MIMALLOC_ENV}
+    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, check=True, env=env)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["line"].startswith("CPU allocator: mimalloc (LD_PRELOAD)") and "given back" in r["line"]
+    assert r["released"] is True
+    assert r["held"] > 900 * 2**20, r  # the freed 1 GiB was still resident ...
+    assert r["held"] - r["after"] > 900 * 2**20, r  # ... until it was asked for
+
+
 def test_nothing_is_given_back_unless_the_heap_is_kept(monkeypatch):
     monkeypatch.setattr(cpu, "_release_at_evaluation", False)
+    monkeypatch.setattr(cpu, "_mi_collect", None)
     assert cpu.release_freed_memory() is False
 
 
