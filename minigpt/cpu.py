@@ -8,10 +8,9 @@ measures the trainer itself under each choice, evaluations included, as page fau
 per step and peak RSS against the allocator's true peak (the main job, bf16, on a 2-core Xeon):
 
 - mimalloc, the libmimalloc.so of pip's cmeel-mimalloc (requirements.txt), preloaded by
-  run_under_preferred_allocator(), with MIMALLOC_ENV (freed pages kept across steps) and its freed
-  pages given back around evaluations: about no page faults in a step. Its defaults (a freed page
-  purged after 1 s) faulted ~15k pages a step, mostly huge ones; never purging held 1.66x the
-  true peak after the evaluations.
+  run_under_preferred_allocator() with MIMALLOC_ENV (a freed page kept 10 s, across steps): ~2k
+  page faults a step, 1.6x the true peak. Its defaults (a freed page given back after 1 s)
+  faulted ~15k a step, mostly 2 MiB pages, at 1.39x; never giving back held 1.66x.
 - glibc can't do both: with its heap trimmed above 256 MiB (main's setting until mimalloc) it still
   faulted 100k-400k pages a step and held 1.9x the true peak; never trimming (minigpt's first
   setting) faulted none in a step and held 3.5x. Its defaults fault 530k pages a step. When no
@@ -77,10 +76,9 @@ PREFERRED = ("mimalloc", "tcmalloc", "jemalloc")
 # mimalloc's options for the trainer, where the user set none: MIMALLOC_PURGE_DELAY is how long (ms)
 # a freed page stays committed before mimalloc gives it back to the system. Its default (1 s in
 # mimalloc 3.4) is shorter than a step on a busy 2-core machine, so the step's big tensors fault in
-# again (15k faults a step, mostly 2 MiB pages); 30 s keeps them for the next step, and
-# release_freed_memory() gives them back around evaluations at once (never purging held 1.66x the
-# allocator's true peak after an evaluation).
-MIMALLOC_ENV = {"MIMALLOC_PURGE_DELAY": "30000"}
+# again (15k faults a step, most of them 2 MiB pages); 3 s, 10 s and 30 s all left ~2k a step, at
+# 1.60x-1.62x the allocator's true peak (never purging: 1.66x). 10 s: a step on a busy machine.
+MIMALLOC_ENV = {"MIMALLOC_PURGE_DELAY": "10000"}
 NO_PRELOAD_ENV = "MINIGPT_MALLOC"  # =glibc: stay on glibc's malloc (the allocator benchmark sets it)
 
 
@@ -148,8 +146,6 @@ def keep_freed_memory() -> str:
         prefix = f"{preloaded.upper()}_"  # its options in the environment: MIMALLOC_PURGE_DELAY=...
         options = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(prefix)]
         named = ", ".join([f"{preloaded} (LD_PRELOAD)", *options])
-        if preloaded == "mimalloc" and _collect_mimalloc_at_evaluations():
-            named += "; its freed pages given back around evaluations"
         return f"CPU allocator: {named}; glibc's settings left alone"
     return bounded_freed_memory(MMAP_THRESHOLD, TRIM_THRESHOLD, give_back_at_evaluations=True)
 
@@ -175,31 +171,17 @@ def never_return_memory(give_back_at_evaluations: bool = False) -> str:
 
 # Set by keep_freed_memory(): the kept heap is given back around evaluations (release_freed_memory).
 _release_at_evaluation = False
-# Set by keep_freed_memory() under mimalloc: its mi_collect(force), which purges at once what
-# MIMALLOC_PURGE_DELAY would purge later.
-_mi_collect = None
-
-
-def _collect_mimalloc_at_evaluations() -> bool:
-    """Find the preloaded mimalloc's mi_collect for release_freed_memory(); False if it is not there."""
-    global _mi_collect
-    try:
-        _mi_collect = ctypes.CDLL(None).mi_collect
-    except (AttributeError, OSError):
-        return False
-    _mi_collect.argtypes, _mi_collect.restype = [ctypes.c_bool], None
-    return True
 
 
 def release_freed_memory() -> bool:
-    """Under keep_freed_memory(), give the pages of every free block back to the system: mimalloc's
-    mi_collect(true), or glibc's malloc_trim(0); True when it was asked. The kept memory serves a
-    training step's regular pattern well, but an evaluation's other shapes take fresh pages beside
-    it: without this, glibc's heap grew to 3.5x the allocator's true peak at the main job's first
-    evaluation and mimalloc's to 1.66x (benchmarks/results/cpu-allocator.md)."""
-    if _mi_collect is not None:
-        _mi_collect(True)
-        return True
+    """Under keep_freed_memory()'s glibc setting, give the pages of every free block in glibc's heap
+    back to the system (malloc_trim(0)); True when some were. The kept heap serves a training step's
+    regular pattern well, but an evaluation's other shapes split its big free blocks for small ones,
+    so their big tensors land on fresh pages: without this, the main job's RSS grew to 3.5x the
+    allocator's true peak by its first evaluation (benchmarks/results/cpu-allocator.md). mimalloc
+    needs no such call (a no-op there): it keeps big blocks apart from small ones, and gives back
+    what stayed free for MIMALLOC_PURGE_DELAY (asking it at evaluations, with mi_collect, cost
+    40k page faults an evaluation and lowered no peak)."""
     libc = _glibc() if _release_at_evaluation else None
     return bool(libc is not None and libc.malloc_trim(0))
 
