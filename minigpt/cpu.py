@@ -11,11 +11,13 @@ per step and peak RSS against the allocator's true peak (the main job, bf16, on 
   run_under_preferred_allocator() with MIMALLOC_ENV (a freed page kept 10 s, across steps): ~2k
   page faults a step, 1.6x the true peak. Its defaults (a freed page given back after 1 s)
   faulted ~15k a step, mostly 2 MiB pages, at 1.39x; never giving back held 1.66x.
-- glibc can't do both: with its heap trimmed above 256 MiB (main's setting until mimalloc) it still
-  faulted 100k-400k pages a step and held 1.9x the true peak; never trimming (minigpt's first
-  setting) faulted none in a step and held 3.5x. Its defaults fault 530k pages a step. When no
-  preloadable malloc is installed, keep_freed_memory() applies the 256 MiB setting, which faults
-  the least of the glibc settings that stay under 2x.
+- glibc can't do both. Its heap is one region that grows at the top: a big block freed under a
+  live small one is either kept as a hole (no faults, but the holes add up: never trimming,
+  minigpt's first setting, faulted none once grown and held 3.5x) or its pages are given back (and
+  fault in again). Every setting that gives back at evaluations held 1.87x and faulted 100k-440k
+  pages a step (its top trimmed above 256 MiB, main's setting until mimalloc; above 1 GiB; never,
+  with malloc_trim at evaluations); its defaults 530k, at 1.28x. keep_freed_memory() keeps the
+  256 MiB setting for a machine without a preloadable malloc; preload_hint() says what to install.
 - tcmalloc and jemalloc (Debian packages, not installed by the README) are used when mimalloc is
   missing: on an AVX2 machine they kept 1.35x and 1.21x the true peak at glibc's best speed.
 
@@ -33,7 +35,7 @@ M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
 
 
-# What keep_freed_memory() applies without tcmalloc or jemalloc: big blocks from glibc's heap, where
+# What keep_freed_memory() applies without a preloadable malloc: big blocks from glibc's heap, where
 # a freed block is reused without page faults, and the heap's free top given back above 256 MiB
 # (benchmarks/results/cpu-allocator.md: 1.28x glibc's defaults' tokens/s, 2x the true peak resident).
 MMAP_THRESHOLD = 2**30
