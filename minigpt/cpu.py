@@ -8,9 +8,10 @@ measures the trainer itself under each choice, evaluations included, as page fau
 per step and peak RSS against the allocator's true peak (the main job, bf16, on a 2-core Xeon):
 
 - mimalloc, the libmimalloc.so of pip's cmeel-mimalloc (requirements.txt), preloaded by
-  run_under_preferred_allocator() with MIMALLOC_ENV (a freed page kept 10 s, across steps): ~2k
-  page faults a step, 1.6x the true peak. Its defaults (a freed page given back after 1 s)
-  faulted ~15k a step, mostly 2 MiB pages, at 1.39x; never giving back held 1.66x.
+  run_under_preferred_allocator() with MIMALLOC_ENV (a freed page kept 10 s, across steps): 0-2k
+  page faults a step, 1.61x-1.67x the true peak (two runs): a little over the 1.6x budget. Its
+  defaults (a freed page given back after 1 s) stay within it (1.39x-1.41x) but fault 6k-15k
+  pages a step, mostly 2 MiB ones, at 2-3x the CPU seconds a step; never giving back held 1.66x.
 - glibc can't do both. Its heap is one region that grows at the top: a big block freed under a
   live small one is either kept as a hole (no faults, but the holes add up: never trimming,
   minigpt's first setting, faulted none once grown and held 3.5x) or its pages are given back (and
@@ -78,8 +79,8 @@ PREFERRED = ("mimalloc", "tcmalloc", "jemalloc")
 # mimalloc's options for the trainer, where the user set none: MIMALLOC_PURGE_DELAY is how long (ms)
 # a freed page stays committed before mimalloc gives it back to the system. Its default (1 s in
 # mimalloc 3.4) is shorter than a step on a busy 2-core machine, so the step's big tensors fault in
-# again (15k faults a step, most of them 2 MiB pages); 3 s, 10 s and 30 s all left ~2k a step, at
-# 1.60x-1.62x the allocator's true peak (never purging: 1.66x). 10 s: a step on a busy machine.
+# again (6k-15k faults a step, most of them 2 MiB pages); 3 s, 10 s and 30 s all left 0-3k a step,
+# at 1.60x-1.67x the allocator's true peak (never purging: 1.66x). 10 s: a step on a busy machine.
 MIMALLOC_ENV = {"MIMALLOC_PURGE_DELAY": "10000"}
 NO_PRELOAD_ENV = "MINIGPT_MALLOC"  # =glibc: stay on glibc's malloc (the allocator benchmark sets it)
 
@@ -133,7 +134,7 @@ def preload_hint() -> str | None:
     if preloaded_allocator() or installed_allocators():
         return None
     return (
-        "mimalloc faults the step's big tensors in once, not every step, within 1.6x of the allocator's "
+        "mimalloc faults the step's big tensors in once, not every step, at ~1.65x the allocator's "
         f"peak (benchmarks/results/cpu-allocator.md); pip install {MIMALLOC_DIST} (requirements.txt) "
         "and the trainer uses it"
     )
