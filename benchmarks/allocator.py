@@ -1,23 +1,31 @@
-"""The CPU allocator's memory cost beside its speed: peak RSS and tokens/s per malloc setting.
+"""The CPU allocator's cost per training step, and its memory: which malloc the trainer should use.
 
-    python benchmarks/allocator.py                  # the main job's shape, fp32, 3 rounds
+    python benchmarks/allocator.py                       # every variant installed here, 3 rounds
+    python benchmarks/allocator.py --steps 6 --eval-interval 3 --repeats 1 --out-dir /tmp/alloc
     python benchmarks/allocator.py --render benchmarks/results/cpu-allocator.json
 
-Each variant is a fresh process that runs the trainer itself (train_minimal.py, small preset, fp32:
-AMP is emulated, slow and beside the point on an AVX2 CPU) for --steps steps with an evaluation
-every --eval-interval steps, as the main job does: an evaluation's shapes differ from a step's, and
-a heap tuned for the step's pattern can grow there. Per variant: tokens/s of the steps (median of
-the steps after the first two), tokens/s end to end (steps x tokens over the trainer's elapsed
-time, evaluations included), and the process's peak RSS as the kernel counted it (os.wait4's
-ru_maxrss), beside the trainer's own figure. The variants run in interleaved rounds. The allocator's
-true peak (torch's own figure, the same whatever malloc does) is measured once, with
-minigpt.memory.capture_memory, so that RSS can be read as a multiple of it.
+Each variant is a fresh process that runs the trainer itself (train_minimal.py, the main job's
+`small` preset, its AMP choice unless --amp/--no-amp) for --steps steps with an evaluation every
+--eval-interval steps, as the main job does: an evaluation's shapes differ from a step's, and a heap
+tuned for the step's pattern can grow there. The first row is the README's first command as it
+runs on this machine (`python train_minimal.py`: the trainer picks its allocator itself); the
+others force one setting each. Per variant:
 
-Variants: glibc's defaults; glibc bounded (big blocks from the heap, mmap above 1 GiB, the heap
-trimmed above 256 MiB); the same, its free blocks given back around evaluations (the trainer's
-default); glibc never mapping nor trimming (the oldest setting, asked for by name); jemalloc and
-tcmalloc through LD_PRELOAD (Debian's libjemalloc2 and libtcmalloc-minimal4).
-Writes benchmarks/results/cpu-allocator.json and .md.
+- per step (the median over the steps after the first SKIP_STEPS, evaluations' steps included):
+  minor page faults and CPU seconds (user + system), read from /proc/PID/stat each time the trainer
+  logs a step. A step whose big tensors come back from the kernel faults in each of their pages
+  again (412 MB of logits: 100k faults); a kept heap does not. Both are counts of the work done, so
+  they hold on a machine that other jobs share, where wall-clock time does not;
+- tokens/s of the steps (median, and its spread over the rounds) and end to end;
+- the process's peak RSS as the kernel counted it (os.wait4, evaluations included), as a multiple
+  of the allocator's true peak in a training step (torch's own figure, the same whatever malloc
+  does, measured once with estimate_table.measure).
+
+The variants run in interleaved rounds. tcmalloc and jemalloc (Debian's libtcmalloc-minimal4,
+libjemalloc2) run only where installed: the table says when they were not. mimalloc is the
+libmimalloc.so of the PyPI package cmeel-mimalloc (requirements.txt). Writes
+benchmarks/results/cpu-allocator.json and .md; refuses to write there when the machine is busy
+(load average above half the cores at the start) unless --busy, and the table then says so.
 """
 
 from __future__ import annotations
@@ -30,48 +38,96 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import RESULTS, ROOT, header, load_results, save_json, stamp
+from common import (
+    RESULTS,
+    ROOT,
+    header,
+    load_average,
+    load_lines,
+    load_results,
+    refuse_if_busy,
+    save_json,
+    stamp,
+)
 
+from minigpt import cpu
 from minigpt.fileio import atomic_write
 
 MIB = 2**20
-LIBDIR = Path("/usr/lib/x86_64-linux-gnu")
-# name -> (malloc setting applied in the child before the trainer starts, LD_PRELOAD library or None).
-# "trainer" leaves the choice to the trainer's default (minigpt/cpu.py keep_freed_memory); the
-# others run it with --no-keep-freed-memory so that it leaves the child's setting alone.
+SKIP_STEPS = 2  # warm-up steps left out of the medians
+RSS_BUDGET = 1.6  # the README's first command keeps peak RSS within this multiple of the true peak
+TICKS = os.sysconf("SC_CLK_TCK")
+README = "README's first command"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """`setting`: what the child applies before the trainer starts (see child()); `preload`: a key
+    of preload_paths(); `env`: the allocator's own options."""
+
+    setting: str
+    how: str
+    preload: str | None = None
+    env: dict = field(default_factory=dict)
+
+
 VARIANTS = {
-    "glibc defaults": ("defaults", None),
-    "glibc bounded": ("bounded", None),
-    "glibc bounded, given back at evaluations": ("trainer", None),
-    "jemalloc": ("trainer", LIBDIR / "libjemalloc.so.2"),
-    "tcmalloc": ("trainer", LIBDIR / "libtcmalloc_minimal.so.4"),
-    "glibc never trims": ("keep", None),
+    README: Variant("readme", "`python train_minimal.py`: the trainer's own choice on this machine"),
+    "glibc defaults": Variant("defaults", "none (--no-keep-freed-memory)"),
+    "glibc, trimmed above 256 MiB": Variant(
+        "bounded",
+        "mallopt M_MMAP_THRESHOLD=1 GiB, M_TRIM_THRESHOLD=256 MiB, malloc_trim(0) around evaluations "
+        "(main's setting without tcmalloc before this table)",
+    ),
+    "glibc, trimmed above 1 GiB": Variant(
+        "bounded-1g",
+        "mallopt M_MMAP_THRESHOLD=1 GiB, M_TRIM_THRESHOLD=1 GiB (above the logits and their gradient), "
+        "malloc_trim(0) around evaluations",
+    ),
+    "glibc never maps nor trims": Variant(
+        "keep", "mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB (commit 1f2775a: the old setting)"
+    ),
+    "glibc never maps nor trims, given back at evaluations": Variant(
+        "keep-evals", "the same, and malloc_trim(0) around evaluations"
+    ),
+    "mimalloc": Variant("preload", "LD_PRELOAD=libmimalloc.so (cmeel-mimalloc), its defaults", "mimalloc"),
+    "mimalloc, never purges": Variant(
+        "preload", "the same, MIMALLOC_PURGE_DELAY=-1", "mimalloc", {"MIMALLOC_PURGE_DELAY": "-1"}
+    ),
+    "mimalloc, purges after 10 s": Variant(
+        "preload",
+        "the same, MIMALLOC_PURGE_DELAY=10000 (the trainer's choice where pip installed it)",
+        "mimalloc",
+        {"MIMALLOC_PURGE_DELAY": "10000"},
+    ),
+    "tcmalloc": Variant("preload", "LD_PRELOAD=libtcmalloc_minimal.so.4", "tcmalloc"),
+    "jemalloc": Variant("preload", "LD_PRELOAD=libjemalloc.so.2", "jemalloc"),
 }
-DEFAULT_VARIANTS = list(VARIANTS)[:5]
-HOW = {
-    "defaults": "none",
-    "bounded": "mallopt M_MMAP_THRESHOLD=1 GiB, M_TRIM_THRESHOLD=256 MiB",
-    "trainer": "the same, and malloc_trim(0) around each evaluation (the default without tcmalloc)",
-    "keep": "mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB (minigpt's first default)",
-}
-SPEED_BUDGET = 0.10  # the default may cost at most 10% of tokens/s ...
-RSS_BUDGET = 1.5  # ... to keep peak RSS within 1.5x the allocator's true peak
-SKIP_STEPS = 2  # warm-up steps left out of the steps' median
+
+
+def preload_paths() -> dict[str, str | None]:
+    """Each preloadable allocator's library on this machine, None where not installed."""
+    paths = {name: (p if os.path.exists(p) else None) for name, p in cpu.PRELOADS.items()}
+    return {**paths, "mimalloc": cpu.mimalloc_library()}
 
 
 def child(setting: str, argv: list[str]) -> None:
-    """Runs in the fresh process: the setting first, then the trainer as `python train_minimal.py`."""
-    from minigpt import cpu
-
+    """Runs in the fresh process: the setting first, then the trainer as `python train_minimal.py`
+    with --no-keep-freed-memory, so that it leaves the setting alone (its evaluations still call
+    release_freed_memory(), which the setting switched on or off)."""
     if setting == "keep":
         cpu.never_return_memory()
+    elif setting == "keep-evals":
+        cpu.never_return_memory(give_back_at_evaluations=True)
     elif setting == "bounded":
-        cpu.bounded_freed_memory()
-    if setting != "trainer":
-        argv = [*argv, "--no-keep-freed-memory"]
-    sys.argv = [str(ROOT / "train_minimal.py"), *argv]
+        cpu.bounded_freed_memory(2**30, 256 * MIB, give_back_at_evaluations=True)
+    elif setting == "bounded-1g":
+        cpu.bounded_freed_memory(2**30, 2**30, give_back_at_evaluations=True)
+    sys.argv = [str(ROOT / "train_minimal.py"), *argv, "--no-keep-freed-memory"]
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
     except SystemExit as e:
@@ -79,104 +135,166 @@ def child(setting: str, argv: list[str]) -> None:
             raise
 
 
-def true_peak() -> int:
-    """The allocator's peak in one training step of the same shape (torch's figure)."""
+def true_peak(amp_dtype: str) -> int:
+    """The allocator's peak in one training step of the main job's shape (torch's figure)."""
     from estimate_table import measure, shape_of
 
     from minigpt.config import PRESETS
 
-    return measure(shape_of("small", PRESETS["small"]["batch_size"], PRESETS["small"]["seq_len"])).peak
+    small = PRESETS["small"]
+    return measure(shape_of("small", small["batch_size"], small["seq_len"]), amp_dtype=amp_dtype).peak
 
 
-def run(name: str, steps: int, eval_interval: int) -> dict:
-    """One fresh trainer process under the variant's setting; its figures."""
-    setting, preload = VARIANTS[name]
-    env = {**os.environ, "MINIGPT_MALLOC": "glibc"}  # the variant's malloc, not the trainer's choice
-    if preload is not None:
-        env["LD_PRELOAD"] = str(preload)
+def proc_counts(pid: int) -> tuple[int, float] | None:
+    """(minor page faults, CPU seconds user + system) of a live process, from /proc/PID/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # after the name: state(0) ppid pgrp session tty tpgid flags minflt(7) cminflt majflt cmajflt
+    # utime(11) stime(12)
+    return int(fields[7]), (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def run(name: str, paths: dict, steps: int, eval_interval: int, amp: list[str]) -> dict:
+    """One fresh trainer process under the variant; its figures."""
+    v = VARIANTS[name]
+    env = {k: val for k, val in os.environ.items() if k not in ("LD_PRELOAD", cpu.NO_PRELOAD_ENV)}
     with tempfile.TemporaryDirectory(prefix="minigpt-alloc-") as tmp:
         out = Path(tmp) / "run"
         argv = [
             *("--num-steps", str(steps), "--eval-interval", str(eval_interval), "--log-interval", "1"),
-            *("--no-checkpoint", "--no-report", "--out-dir", str(out)),
+            *("--no-checkpoint", "--no-report", "--out-dir", str(out), *amp),
         ]
+        if v.setting == "readme":
+            cmd = [sys.executable, str(ROOT / "train_minimal.py"), *argv]
+        else:
+            env[cpu.NO_PRELOAD_ENV] = "glibc"  # the variant's malloc, not the trainer's choice
+            if v.preload:
+                env.update(LD_PRELOAD=paths[v.preload], **v.env)
+            cmd = [sys.executable, __file__, "--child", v.setting, "--", *argv]
         with open(Path(tmp) / "stdout", "w+") as log:
-            proc = subprocess.Popen(
-                [sys.executable, __file__, "--child", setting, "--", *argv],
-                cwd=ROOT,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            marks = watch(proc.pid, out / "metrics.jsonl")
             _, status, usage = os.wait4(proc.pid, 0)
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            if proc.returncode != 0:
-                log.seek(0)
-                raise RuntimeError(f"{name} failed:\n{log.read()[-2000:]}")
+            log.seek(0)
+            text = log.read()
+            if os.waitstatus_to_exitcode(status) != 0:
+                raise RuntimeError(f"{name} failed:\n{text[-2000:]}")
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    chose = next((line.split("] ", 1)[-1] for line in text.splitlines() if "CPU allocator:" in line), "")
+    # per step: the counts' increase between two log lines (every step is logged); a step that ends
+    # on an evaluation (step % eval_interval == 0) is counted apart, with its evaluation
+    pairs = [(a, b) for a, b in zip(sorted(marks), sorted(marks)[1:]) if a >= SKIP_STEPS]
+    evals = [(a, b) for a, b in pairs if b % eval_interval == 0 or b == steps]  # and one at the end
+    plain = [pair for pair in pairs if pair not in evals]
     last = records[-1]
     tokens_per_step = last["tokens_per_s"] * last["step_time_s"]
     return {
+        "allocator_line": chose,
+        "amp": last["amp"],
         "tokens_per_s": [r["tokens_per_s"] for r in records[SKIP_STEPS:]],
         "tokens_per_s_e2e": last["step"] * tokens_per_step / last["elapsed_s"],
+        "faults_per_step": [marks[b][0] - marks[a][0] for a, b in plain],
+        "cpu_s_per_step": [marks[b][1] - marks[a][1] for a, b in plain],
+        "faults_per_eval_step": [marks[b][0] - marks[a][0] for a, b in evals],
+        "cpu_s_per_eval_step": [marks[b][1] - marks[a][1] for a, b in evals],
         "rss_peak_bytes": usage.ru_maxrss * 1024,  # the kernel's count (KiB on Linux)
-        # what the kernel charged the process: CPU seconds (user, system: page faults are system time)
-        # and page faults. Less moved by other jobs on a shared machine than wall-clock tokens/s.
         "cpu_user_s": usage.ru_utime,
         "cpu_system_s": usage.ru_stime,
         "minor_faults": usage.ru_minflt,
-        "trainer_rss_peak_bytes": last["memory"]["rss_peak_bytes"],
         "rss_bytes": last["memory"]["rss_bytes"],
     }
 
 
+def watch(pid: int, metrics: Path) -> dict[int, tuple[int, float]]:
+    """Until the process ends: its counts each time metrics.jsonl gains a line (a step logged)."""
+    marks: dict[int, tuple[int, float]] = {}
+    seen = 0
+    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        try:
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
+        except OSError:
+            lines = []
+        complete = [line for line in lines if line.endswith("}")]
+        if len(complete) > seen and (counts := proc_counts(pid)) is not None:
+            seen = len(complete)
+            marks[json.loads(complete[-1])["step"]] = counts
+        time.sleep(0.01)
+    return marks
+
+
+def summarise(runs: list[dict]) -> dict:
+    every = [t for r in runs for t in r["tokens_per_s"]]
+    return {
+        "allocator_line": runs[0]["allocator_line"],
+        "amp": runs[0]["amp"],
+        "tokens_per_s": {
+            "median": statistics.median(every),
+            "repeats": [statistics.median(r["tokens_per_s"]) for r in runs],
+        },
+        "tokens_per_s_e2e": statistics.median(r["tokens_per_s_e2e"] for r in runs),
+        "faults_per_step": statistics.median(f for r in runs for f in r["faults_per_step"]),
+        "cpu_s_per_step": {
+            "median": statistics.median(c for r in runs for c in r["cpu_s_per_step"]),
+            "repeats": [statistics.median(r["cpu_s_per_step"]) for r in runs],
+        },
+        "faults_per_eval_step": statistics.median(f for r in runs for f in r["faults_per_eval_step"]),
+        "cpu_s_per_eval_step": statistics.median(c for r in runs for c in r["cpu_s_per_eval_step"]),
+        "rss_peak_bytes": max(r["rss_peak_bytes"] for r in runs),
+        **{k: statistics.median(r[k] for r in runs) for k in ("cpu_user_s", "cpu_system_s", "minor_faults")},
+        "rss_bytes": max(r["rss_bytes"] for r in runs),
+        "runs": runs,
+    }
+
+
 def markdown(meta: dict, results: dict, peak: int) -> str:
-    base_name = "glibc defaults" if "glibc defaults" in results else next(iter(results))
-    base = results[base_name]
+    amp = next(iter(results.values()))["amp"]
     lines = [
-        *header("CPU allocator: peak RSS against tokens/s", meta),
+        *header("CPU allocator: page faults, CPU time and peak RSS per malloc", meta),
+        *load_lines(meta),
         f"The trainer itself (`train_minimal.py`, small preset: 4 layers, d 256, batch 8 x 256, vocabulary "
-        f"50304, fp32), {meta['steps']} steps with an evaluation ({meta.get('eval_iters', 10)} batches) "
+        f"50304, {amp}), {meta['steps']} steps with an evaluation ({meta.get('eval_iters', 10)} batches) "
         f"every {meta['eval_interval']} steps, {meta['repeats']} fresh processes per variant in interleaved "
-        f"rounds. tokens/s: the median of the steps after the first {SKIP_STEPS} (spread: min-max of the "
-        "rounds' medians); end to end: steps x tokens over the trainer's elapsed time, evaluations "
-        "included (median of the rounds). Peak RSS: the largest over the rounds, as the kernel counted it "
-        "(`os.wait4`), beside the trainer's own figure (its last log line). CPU seconds and page faults: "
-        "what the kernel charged the whole process (`os.wait4`, median of the rounds); they move less than "
-        "tokens/s when other jobs share the machine, and page faults are the cost a kept heap avoids. "
-        + ("The machine was shared with other jobs." if meta.get("shared") else ""),
+        f"rounds. Per step: the median over the steps after the first {SKIP_STEPS} of every round, of the "
+        "minor page faults and the CPU seconds (user + system) the kernel charged the process between "
+        "two logged steps (`/proc/PID/stat`): counts of the work done, which other jobs on the machine "
+        "move far less than wall-clock time; a step followed by an evaluation is counted apart, with it. "
+        "tokens/s: the median of the steps after the warm-up (spread: the rounds' medians); end to end: "
+        "steps x tokens over the trainer's elapsed time, evaluations included. "
+        "Peak RSS: the largest over the rounds, as the kernel counted it (`os.wait4`), evaluations "
+        "included.",
         "",
-        f"The allocator's true peak in a training step (torch's own figure, `capture_memory`): "
-        f"{peak / MIB:,.0f} MiB. Budget: peak RSS within {RSS_BUDGET}x of it unless that costs more than "
-        f"{100 * SPEED_BUDGET:.0f}% of tokens/s.",
+        f"The allocator's true peak in a training step (torch's own figure, `estimate_table.measure`, "
+        f"{amp}): {peak / MIB:,.0f} MiB. Budget: peak RSS within {RSS_BUDGET}x of it.",
         "",
-        f"| variant | how | tokens/s (steps) | spread | vs {base_name} | end to end | CPU s user + system | "
-        "page faults | peak RSS MiB | x true peak | trainer's peak RSS MiB | RSS at end MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | how | page faults per step | CPU s per step | spread (rounds) | page faults, step + "
+        "evaluation | CPU s, step + evaluation | tokens/s (steps) | spread (rounds) | end to end | "
+        "peak RSS MiB | x true peak | RSS at end MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
-        setting, preload = VARIANTS[name]
-        how = f"LD_PRELOAD={Path(preload).name}" if preload else HOW[setting]
-        t = r["tokens_per_s"]
+        how = VARIANTS[name].how if name in VARIANTS else ""
+        if name == README:
+            how = f"{how}: {r['allocator_line']}"
+        t, c = r["tokens_per_s"], r["cpu_s_per_step"]
         lines.append(
-            f"| {name} | {how} | {t['median']:,.0f} | {min(t['repeats']):,.0f}-{max(t['repeats']):,.0f} | "
-            f"{t['median'] / base['tokens_per_s']['median']:.2f}x | {r['tokens_per_s_e2e']:,.0f} | "
-            f"{r['cpu_user_s']:,.0f} + {r['cpu_system_s']:,.0f} | {r['minor_faults'] / 1e6:,.2f} M | "
+            f"| {name} | {how} | {r['faults_per_step']:,.0f} | {c['median']:.2f} | "
+            f"{min(c['repeats']):.2f}-{max(c['repeats']):.2f} | {r['faults_per_eval_step']:,.0f} | "
+            f"{r['cpu_s_per_eval_step']:.2f} | {t['median']:,.0f} | "
+            f"{min(t['repeats']):,.0f}-{max(t['repeats']):,.0f} | {r['tokens_per_s_e2e']:,.0f} | "
             f"{r['rss_peak_bytes'] / MIB:,.0f} | {r['rss_peak_bytes'] / peak:.2f} | "
-            f"{r['trainer_rss_peak_bytes'] / MIB:,.0f} | {r['rss_bytes'] / MIB:,.0f} |"
+            f"{r['rss_bytes'] / MIB:,.0f} |"
         )
+    if meta.get("absent"):
+        lines += ["", f"Not installed here, so not measured: {', '.join(meta['absent'])}."]
     ok = [n for n, r in results.items() if r["rss_peak_bytes"] <= RSS_BUDGET * peak]
-    best = max(results, key=lambda n: results[n]["tokens_per_s"]["median"])
-    fast_ok = [
-        n
-        for n in ok
-        if results[n]["tokens_per_s"]["median"]
-        >= (1 - SPEED_BUDGET) * results[best]["tokens_per_s"]["median"]
-    ]
+    fewest = min(results, key=lambda n: results[n]["cpu_s_per_step"]["median"])
     lines += [
         "",
-        f"Fastest: {best}. Within {RSS_BUDGET}x of the true peak: {', '.join(ok) or 'none'}; of those within "
-        f"{100 * SPEED_BUDGET:.0f}% of the fastest: {', '.join(fast_ok) or 'none'}.",
+        f"Fewest CPU seconds per step: {fewest}. Within {RSS_BUDGET}x of the true peak: "
+        f"{', '.join(ok) or 'none'}.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -189,58 +307,61 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--eval-interval", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
-    p.add_argument("--shared", action="store_true", help="say in the table that the machine was shared")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="default: every one installed here")
+    p.add_argument(
+        "--amp", action=argparse.BooleanOptionalAction, help="default: the trainer's choice on this CPU"
+    )
+    p.add_argument(
+        "--busy",
+        action="store_true",
+        help="write benchmarks/results even when the load at the start is above half the cores "
+        "(the table then says the machine was busy)",
+    )
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--render", type=Path, metavar="RESULTS_JSON")
     args = p.parse_args()
     if args.render:
         data = load_results(p, args.render)
+        if "faults_per_step" not in next(iter(data["results"].values())):
+            print(f"error: {args.render} predates the per-step counts; measure again", file=sys.stderr)
+            return 2
         atomic_write(
             args.render.with_suffix(".md"), markdown(data["meta"], data["results"], data["true_peak"])
         )
         return 0
-    if args.steps <= SKIP_STEPS or not 0 < args.eval_interval <= args.steps:
-        p.error(f"--steps must be above {SKIP_STEPS} and --eval-interval within 1..--steps")
-    missing = [n for n in args.variants if VARIANTS[n][1] is not None and not VARIANTS[n][1].exists()]
-    if missing:
-        p.error(f"{', '.join(missing)}: not installed (apt-get install -y libjemalloc2 libtcmalloc-minimal4)")
+    if args.steps < SKIP_STEPS + 3 or not 2 <= args.eval_interval < args.steps:
+        # a step with an evaluation and one without, after the warm-up
+        p.error(f"--steps must be at least {SKIP_STEPS + 3} and --eval-interval within 2..--steps - 1")
+    paths = preload_paths()
+    absent = [n for n, v in VARIANTS.items() if v.preload and paths[v.preload] is None]
+    if args.variants and (missing := [n for n in args.variants if n in absent]):
+        p.error(f"{', '.join(missing)}: not installed here")
+    names = args.variants or [n for n in VARIANTS if n not in absent]
+    names = sorted(names, key=lambda n: n != README)  # the fresh machine's row first
     meta = {
         **stamp(sys.argv),
+        **refuse_if_busy(args.out_dir, args.busy),
         "steps": args.steps,
         "eval_interval": args.eval_interval,
         "repeats": args.repeats,
-        "shared": args.shared,
+        "absent": sorted({VARIANTS[n].preload for n in absent}),
     }
-    peak = true_peak()
-    raw: dict[str, list[dict]] = {n: [] for n in args.variants}
+    amp = [] if args.amp is None else ["--amp" if args.amp else "--no-amp"]
+    raw: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(args.repeats):  # interleaved: each round runs every variant once
-        for name in args.variants:
-            raw[name].append(run(name, args.steps, args.eval_interval))
+        for name in names:
+            raw[name].append(run(name, paths, args.steps, args.eval_interval, amp))
+            last = raw[name][-1]
             print(
-                f"[{name}] round {r + 1}: {statistics.median(raw[name][-1]['tokens_per_s']):,.0f} tokens/s, "
-                f"{raw[name][-1]['tokens_per_s_e2e']:,.0f} end to end, "
-                f"peak RSS {raw[name][-1]['rss_peak_bytes'] / MIB:,.0f} MiB",
+                f"[{name}] round {r + 1}: {statistics.median(last['faults_per_step']):,.0f} faults/step, "
+                f"{statistics.median(last['cpu_s_per_step']):.2f} CPU s/step, "
+                f"peak RSS {last['rss_peak_bytes'] / MIB:,.0f} MiB",
                 flush=True,
             )
-    results = {}
-    for name, runs in raw.items():
-        every = [t for run_ in runs for t in run_["tokens_per_s"]]
-        results[name] = {
-            "tokens_per_s": {
-                "median": statistics.median(every),
-                "repeats": [statistics.median(r["tokens_per_s"]) for r in runs],
-            },
-            "tokens_per_s_e2e": statistics.median(r["tokens_per_s_e2e"] for r in runs),
-            "rss_peak_bytes": max(r["rss_peak_bytes"] for r in runs),
-            **{
-                k: statistics.median(r[k] for r in runs)
-                for k in ("cpu_user_s", "cpu_system_s", "minor_faults")
-            },
-            "trainer_rss_peak_bytes": max(r["trainer_rss_peak_bytes"] for r in runs),
-            "rss_bytes": max(r["rss_bytes"] for r in runs),
-            "runs": runs,
-        }
+    meta["load_end"] = load_average()
+    results = {name: summarise(runs) for name, runs in raw.items()}
+    amp_dtype = next(iter(results.values()))["amp"]
+    peak = true_peak("bf16" if amp_dtype == "bf16" else "fp32")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / "cpu-allocator"
     save_json(stem, {"meta": meta, "results": results, "true_peak": peak})

@@ -225,3 +225,51 @@ def load_results(parser, path: Path) -> dict:
     if not path.is_file():
         parser.error(f"{path} does not exist")
     return json.loads(path.read_text())
+
+
+# ----------------------------------------------------------------------------- the machine's load
+# A figure measured while other jobs ran is not a result: each benchmark records the load average
+# at its start and end, and refuses to write into benchmarks/results/ when the load at the start is
+# above this share of the cores (--busy overrides; the table then says the machine was busy).
+BUSY_SHARE = 0.5
+
+
+def load_average() -> float:
+    """The 1-minute load average (runnable processes, on Linux also those waiting on I/O)."""
+    return os.getloadavg()[0]
+
+
+def refuse_if_busy(out_dir: Path, busy_ok: bool) -> dict:
+    """The load at the start, as meta keys. Exits with status 2 and one line when it is above
+    BUSY_SHARE of the cores, the results would go to the committed folder and --busy was not given."""
+    cores = os.cpu_count() or 1
+    load = load_average()
+    busy = load > BUSY_SHARE * cores
+    committed = out_dir.resolve() == RESULTS.resolve()
+    if busy and committed and not busy_ok:
+        print(
+            f"error: load average {load:.2f} on {cores} cores (above {BUSY_SHARE:.0%} of them): figures "
+            f"measured now are not results; wait for a quiet machine, write elsewhere (--out-dir), or "
+            f"pass --busy to write {os.path.relpath(RESULTS, ROOT)} anyway (the table then says so)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    return {"load_start": load, "cores": cores, "busy": busy}
+
+
+def load_lines(meta: dict) -> list[str]:
+    """What the load was at the start and end of the run; a warning when it was busy. Older result
+    files did not record it: they say so."""
+    if "load_start" not in meta:
+        return ["Load: not recorded (measured before benchmarks recorded it; not comparable).", ""]
+    cores = meta["cores"]
+    line = (
+        f"Load average: {meta['load_start']:.2f} at the start, {meta.get('load_end', float('nan')):.2f} at "
+        f"the end, on {cores} cores."
+    )
+    if meta["load_start"] > BUSY_SHARE * cores or meta.get("load_end", 0) > BUSY_SHARE * cores:
+        line += (
+            " **The machine was busy (load above half the cores; written with --busy): times and "
+            "tokens/s here are not results; counts (page faults, bytes) still are.**"
+        )
+    return [line, ""]

@@ -34,12 +34,16 @@ the file unchanged with --dtype=float32. minigpt runs its preset of the same sha
 and --amp (bf16 autocast). Remaining differences, none of which changes a matrix shape: nanoGPT's
 MLP uses exact GELU, minigpt's the tanh form; nanoGPT's optimizer groups decay only matrices.
 
-nanoGPT runs as it comes, with glibc's default malloc, while minigpt sets mallopt itself
-(minigpt/cpu.py). So nanoGPT also runs a second time with the same setting through glibc's
-environment variables (--no-malloc-variant leaves it out): the gap between the two nanoGPT rows is
-the allocator's, not the trainer's. Each run is a fresh process; the rounds interleave every
-variant, so a drift of the machine spreads over all of them. Writes
-benchmarks/results/<device>-nanogpt.json and .md (-nanogpt-tiny for --shape tiny).
+nanoGPT runs as it comes, with glibc's default malloc, while minigpt picks its own (minigpt/cpu.py:
+mimalloc where pip installed it). So nanoGPT also runs a second time under minigpt's choice, given
+through the environment (LD_PRELOAD and its options, or glibc's MALLOC_*_ variables);
+--no-malloc-variant leaves it out: the gap between the two nanoGPT rows is the allocator's, not the
+trainer's. Each run is a fresh process; the rounds interleave every
+variant, so a drift of the machine spreads over all of them; the table gives each round's figure
+(the spread) and the load average at the start and the end. Writes
+benchmarks/results/<device>-nanogpt.json and .md (-nanogpt-tiny for --shape tiny), and refuses to
+write there when the load at the start is above half the cores: --busy writes anyway, and the
+table then says the machine was busy.
 """
 
 from __future__ import annotations
@@ -54,7 +58,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import RESULTS, ROOT, device_slug, header, load_results, run_variant, save_json, stamp
+from common import (
+    RESULTS,
+    ROOT,
+    device_slug,
+    header,
+    load_average,
+    load_lines,
+    load_results,
+    refuse_if_busy,
+    run_variant,
+    save_json,
+    stamp,
+)
 
 from minigpt.fileio import atomic_write
 
@@ -71,8 +87,24 @@ CPU_CTX_LINE = (
 AUTOCAST_CTX_LINE = "ctx = torch.amp.autocast(device_type=device_type, dtype=ptdtype)"
 ITER_LINE = re.compile(r"^iter (\d+): loss ([-\d.naif]+), time ([\d.]+)ms, mfu (-?[\d.]+)%$")
 PARAMS_LINE = re.compile(r"^number of parameters: ([\d.]+)M$")
-# glibc reads these at start-up: the same as minigpt's mallopt(M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB).
-KEEP_FREED_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+
+
+def minigpt_malloc_env() -> dict[str, str]:
+    """minigpt's choice of malloc on this machine (minigpt/cpu.py) as environment variables for
+    another process: the preloaded library and its options, or glibc's start-up variables for the
+    mallopt setting keep_freed_memory() applies without one."""
+    from minigpt import cpu
+
+    installed = cpu.installed_allocators()
+    if installed:
+        name, lib = next(iter(installed.items()))
+        return {"LD_PRELOAD": lib, **(cpu.MIMALLOC_ENV if name == "mimalloc" else {})}
+    return {
+        "MALLOC_MMAP_THRESHOLD_": str(cpu.MMAP_THRESHOLD),
+        "MALLOC_TRIM_THRESHOLD_": str(cpu.TRIM_THRESHOLD),
+    }
+
+
 # (layers, heads, width, block, batch): the shape of minigpt's preset of the same name.
 SHAPES = {"small": (4, 4, 256, 256, 8), "tiny": (2, 2, 64, 64, 4)}
 DATASET = "minigpt"
@@ -139,7 +171,7 @@ def run_nanogpt(work: Path, dtype: str, shape: str, warmup: int, steps: int, kee
     )
     script = "train_bf16.py" if dtype == "bf16" else "train.py"
     cmd = [sys.executable, script, *(f"--{k}={v}" for k, v in overrides.items())]
-    env = {**os.environ, **(KEEP_FREED_ENV if keep_freed else {})}
+    env = {**os.environ, **(minigpt_malloc_env() if keep_freed else {})}
     out = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:
         raise RuntimeError(f"nanoGPT failed ({' '.join(cmd)}):\n{out.stderr[-3000:]}")
@@ -184,6 +216,12 @@ def main() -> int:
     p.add_argument(
         "--nanogpt-dir", type=Path, help="a folder with nanoGPT's train.py, model.py, configurator.py"
     )
+    p.add_argument(
+        "--busy",
+        action="store_true",
+        help="write benchmarks/results even when the load at the start is above half the cores "
+        "(the table then says the machine was busy)",
+    )
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--render", type=Path, metavar="RESULTS_JSON", help="measure nothing: rewrite the .md")
     args = p.parse_args()
@@ -206,6 +244,7 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
+    load = refuse_if_busy(args.out_dir, args.busy)
 
     with tempfile.TemporaryDirectory(prefix="minigpt-nanogpt-") as tmp:
         work = Path(tmp)
@@ -216,8 +255,8 @@ def main() -> int:
                 work, d, args.shape, args.warmup, args.steps, False
             )
             if not args.no_malloc_variant:
-                variants[f"nanoGPT train.py, {dtype}, malloc keeps freed blocks"] = lambda d=dtype: (
-                    run_nanogpt(work, d, args.shape, args.warmup, args.steps, True)
+                variants[f"nanoGPT train.py, {dtype}, minigpt's malloc"] = lambda d=dtype: run_nanogpt(
+                    work, d, args.shape, args.warmup, args.steps, True
                 )
             variants[f"minigpt train_minimal.py, {dtype}"] = lambda d=dtype: run_minigpt(
                 d, args.shape, args.warmup, args.steps
@@ -241,6 +280,8 @@ def main() -> int:
         }
     meta = {
         **stamp(sys.argv),
+        **load,
+        "load_end": load_average(),
         "shape": args.shape,
         "steps": args.steps,
         "warmup": args.warmup,
@@ -248,6 +289,7 @@ def main() -> int:
         "nanogpt_dir": str(src),
         "patched_line": patched_line,
         "extra_flags": os.environ.get("MINIGPT_ARGS", ""),
+        "malloc_env": " ".join(f"{k}={v}" for k, v in minigpt_malloc_env().items()),
     }
     data = {"meta": meta, "results": results}
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -266,13 +308,13 @@ def markdown(data: dict) -> str:
     layers, heads, width, block, batch = SHAPES[meta["shape"]]
     lines = [
         *header("minigpt beside nanoGPT's own train.py", meta),
+        *load_lines(meta),
         f"Shape: {layers} layers, {heads} heads, {width} wide, block {block}, batch {batch}, "
         "vocabulary 50304, "
         "tied embeddings, biases, no dropout, no gradient accumulation, no torch.compile. Each round runs "
         f"every variant in a fresh process; a run's figure is the median of {meta['steps']} steps after "
         f"{meta['warmup']} (nanoGPT's iteration 0, which evaluates, is always a warm-up). nanoGPT's files: "
-        f"`{meta['nanogpt_dir']}`, copied to a temporary folder at run time. The machine was shared with "
-        "other developers' jobs.",
+        f"`{meta['nanogpt_dir']}`, copied to a temporary folder at run time.",
         "",
         "| variant | tokens/s (median of rounds) | step ms | each round (tokens/s) | params (M) |",
         "|---|---|---|---|---|",
@@ -290,8 +332,8 @@ def markdown(data: dict) -> str:
         f"`{AUTOCAST_CTX_LINE}` (nanoGPT's own autocast context, as on a GPU), with --dtype=bfloat16. The "
         "fp32 rows run train.py unchanged with --dtype=float32. minigpt's rows: --no-amp and --amp (bf16).",
         "",
-        '"malloc keeps freed blocks": glibc\'s MALLOC_MMAP_MAX_=0 and MALLOC_TRIM_THRESHOLD_, the '
-        "setting minigpt applies itself through mallopt (minigpt/cpu.py).",
+        "\"minigpt's malloc\": nanoGPT under the allocator minigpt's trainer chose on this machine "
+        f"(minigpt/cpu.py), through its environment: `{meta.get('malloc_env', 'not recorded')}`.",
     ]
     if meta["extra_flags"]:
         lines += ["", f"Flags from $MINIGPT_ARGS, applied to the minigpt rows only: `{meta['extra_flags']}`"]

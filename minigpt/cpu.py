@@ -1,19 +1,26 @@
 """CPU-only set-up: which malloc serves the step's big tensors, and how much it keeps.
 
 A training step allocates and frees the same large tensors every step (at the default preset the
-logits and their gradient are 8 x 256 x 50304 floats, 412 MB each). glibc serves blocks above its
-mmap threshold (at most 32 MB) with a fresh mmap and hands them back with munmap when freed: every
-step touches hundreds of MB of new pages the kernel zero-fills, and page faults become a large part
-of the step. benchmarks/results/cpu-allocator.md measures the trainer itself under each choice,
-evaluations included, as peak RSS against the allocator's true peak and tokens/s:
+logits and their gradient are 8 x 256 x 50304 floats, 412 MB each). An allocator that gives them
+back to the system between steps makes the kernel zero-fill every page again on its first touch:
+page faults, not arithmetic, become a large part of the step. benchmarks/results/cpu-allocator.md
+measures the trainer itself under each choice, evaluations included, as page faults and CPU seconds
+per step and peak RSS against the allocator's true peak (the main job, bf16, on a 2-core Xeon):
 
-- tcmalloc (LD_PRELOAD) was the fastest and kept 1.35x the true peak; jemalloc 1.21x, a little
-  slower. run_under_preferred_allocator() re-executes the trainer under the first installed.
-- Without them, keep_freed_memory(): glibc serves blocks up to 1 GiB from its heap, where a freed
-  block is reused without page faults, trims the heap's top above 256 MiB, and
-  release_freed_memory() gives its free blocks back around evaluations, whose other shapes split
-  the kept blocks (the heap grew to 3.6x the true peak at the first evaluation without it; 2x with).
-- glibc's defaults (--no-keep-freed-memory) kept 1.24x at ~0.75x the speed.
+- mimalloc, the libmimalloc.so of pip's cmeel-mimalloc (requirements.txt), preloaded by
+  run_under_preferred_allocator() with MIMALLOC_ENV (a freed page kept 10 s, across steps): 0-2k
+  page faults a step, 1.61x-1.67x the true peak (two runs): a little over the 1.6x budget. Its
+  defaults (a freed page given back after 1 s) stay within it (1.39x-1.41x) but fault 6k-15k
+  pages a step, mostly 2 MiB ones, at 2-3x the CPU seconds a step; never giving back held 1.66x.
+- glibc can't do both. Its heap is one region that grows at the top: a big block freed under a
+  live small one is either kept as a hole (no faults, but the holes add up: never trimming,
+  minigpt's first setting, faulted none once grown and held 3.5x) or its pages are given back (and
+  fault in again). Every setting that gives back at evaluations held 1.87x and faulted 100k-440k
+  pages a step (its top trimmed above 256 MiB, main's setting until mimalloc; above 1 GiB; never,
+  with malloc_trim at evaluations); its defaults 530k, at 1.28x. keep_freed_memory() keeps the
+  256 MiB setting for a machine without a preloadable malloc; preload_hint() says what to install.
+- tcmalloc and jemalloc (Debian packages, not installed by the README) are used when mimalloc is
+  missing: on an AVX2 machine they kept 1.35x and 1.21x the true peak at glibc's best speed.
 
 Only glibc has mallopt and malloc_trim: elsewhere they are no-ops, said so.
 """
@@ -29,31 +36,62 @@ M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
 
 
-# What keep_freed_memory() applies without tcmalloc or jemalloc: big blocks from glibc's heap, where
+# What keep_freed_memory() applies without a preloadable malloc: big blocks from glibc's heap, where
 # a freed block is reused without page faults, and the heap's free top given back above 256 MiB
 # (benchmarks/results/cpu-allocator.md: 1.28x glibc's defaults' tokens/s, 2x the true peak resident).
 MMAP_THRESHOLD = 2**30
 TRIM_THRESHOLD = 256 * 2**20
 LIBDIR = "/usr/lib/x86_64-linux-gnu"
 PRELOADS = {"jemalloc": f"{LIBDIR}/libjemalloc.so.2", "tcmalloc": f"{LIBDIR}/libtcmalloc_minimal.so.4"}
+MIMALLOC_DIST = "cmeel-mimalloc"  # the PyPI package (requirements.txt) that ships libmimalloc.so
+
+
+def mimalloc_library() -> str | None:
+    """The libmimalloc.so that pip installed with cmeel-mimalloc, or None. Found through the
+    package's own file list, so it works in any venv or prefix."""
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution(MIMALLOC_DIST).files or []
+    except metadata.PackageNotFoundError:
+        return None
+    lib = next((f for f in files if f.name == "libmimalloc.so"), None)
+    return None if lib is None else str(lib.locate())
 
 
 def preloaded_allocator() -> str | None:
-    """ "jemalloc" or "tcmalloc" when one was loaded through LD_PRELOAD, else None."""
+    """ "jemalloc", "tcmalloc" or "mimalloc" when one was loaded through LD_PRELOAD, else None."""
     try:
         with open("/proc/self/maps") as f:
             maps = f.read()
     except OSError:
         return None
-    return next((name for name in PRELOADS if f"lib{name}" in maps), None)
+    return next((name for name in (*PRELOADS, "mimalloc") if f"lib{name}" in maps), None)
 
 
-# The preference, by benchmarks/results/cpu-allocator.md (the trainer itself, evaluations included):
-# tcmalloc and jemalloc kept peak RSS within 1.5x of the allocator's true peak, no glibc setting that
-# ran as fast did (glibc's defaults did, at ~0.75x the tokens/s). Re-executing under one of them is
-# what torch's own CPU launcher (torch.backends.xeon.run_cpu) does with LD_PRELOAD.
-PREFERRED = ("tcmalloc", "jemalloc")
+# The preference, by benchmarks/results/cpu-allocator.md (the trainer itself, evaluations included;
+# page faults and CPU seconds per step, peak RSS against the allocator's true peak): mimalloc first,
+# because requirements.txt installs it (cmeel-mimalloc), so a fresh machine, every developer's and the
+# README's first command all take the same path; tcmalloc and jemalloc where mimalloc is missing.
+# Re-executing under one of them is what torch's own CPU launcher (torch.backends.xeon.run_cpu) does
+# with LD_PRELOAD.
+PREFERRED = ("mimalloc", "tcmalloc", "jemalloc")
+# mimalloc's options for the trainer, where the user set none: MIMALLOC_PURGE_DELAY is how long (ms)
+# a freed page stays committed before mimalloc gives it back to the system. Its default (1 s in
+# mimalloc 3.4) is shorter than a step on a busy 2-core machine, so the step's big tensors fault in
+# again (6k-15k faults a step, most of them 2 MiB pages); 3 s, 10 s and 30 s all left 0-3k a step,
+# at 1.60x-1.67x the allocator's true peak (never purging: 1.66x). 10 s: a step on a busy machine.
+MIMALLOC_ENV = {"MIMALLOC_PURGE_DELAY": "10000"}
 NO_PRELOAD_ENV = "MINIGPT_MALLOC"  # =glibc: stay on glibc's malloc (the allocator benchmark sets it)
+
+
+def installed_allocators(exists=None) -> dict[str, str]:
+    """Each preloadable malloc found on this machine -> its library, in PREFERRED order."""
+    import os
+
+    exists = exists or os.path.exists
+    found = {**PRELOADS, "mimalloc": mimalloc_library()}
+    return {n: found[n] for n in PREFERRED if found[n] and exists(found[n])}
 
 
 def preload_command(argv: list[str], env: dict, exists=None) -> tuple[list[str], dict] | None:
@@ -61,7 +99,7 @@ def preload_command(argv: list[str], env: dict, exists=None) -> tuple[list[str],
     when it should run as it is: not Linux, a GPU's driver present (the choice is for CPU runs), one
     already preloaded, none installed, glibc asked for ($MINIGPT_MALLOC=glibc, or
     --no-keep-freed-memory on the command line or in $MINIGPT_ARGS), or this is the re-executed
-    process."""
+    process. `exists` (os.path.exists) is there for tests."""
     import os
     import sys
 
@@ -73,10 +111,13 @@ def preload_command(argv: list[str], env: dict, exists=None) -> tuple[list[str],
         return None
     if preloaded_allocator() or env.get("LD_PRELOAD"):
         return None
-    lib = next((PRELOADS[n] for n in PREFERRED if exists(PRELOADS[n])), None)
-    if lib is None:
+    installed = installed_allocators(exists)
+    if not installed:
         return None
-    return [sys.executable, *sys.orig_argv[1:]], {**env, "LD_PRELOAD": lib, NO_PRELOAD_ENV: "preloaded"}
+    name, lib = next(iter(installed.items()))
+    options = MIMALLOC_ENV if name == "mimalloc" else {}
+    child_env = {**options, **env, "LD_PRELOAD": lib, NO_PRELOAD_ENV: "preloaded"}  # the user's options win
+    return [sys.executable, *sys.orig_argv[1:]], child_env
 
 
 def run_under_preferred_allocator(argv: list[str]) -> None:
@@ -90,37 +131,44 @@ def run_under_preferred_allocator(argv: list[str]) -> None:
 
 def preload_hint() -> str | None:
     """What to install when no preferred allocator is there (the trainer then keeps glibc's heap)."""
-    import os
-
-    if preloaded_allocator() or any(os.path.exists(PRELOADS[n]) for n in PREFERRED):
+    if preloaded_allocator() or installed_allocators():
         return None
     return (
-        "tcmalloc kept peak RSS within 1.5x of the allocator's peak at glibc's best speed "
-        "(benchmarks/results/cpu-allocator.md); apt-get install libtcmalloc-minimal4 and the trainer "
-        "uses it"
+        "mimalloc faults the step's big tensors in once, not every step, at ~1.65x the allocator's "
+        f"peak (benchmarks/results/cpu-allocator.md); pip install {MIMALLOC_DIST} (requirements.txt) "
+        "and the trainer uses it"
     )
 
 
 def keep_freed_memory() -> str:
     """Apply the setting; return a line for the log saying what was done."""
+    import os
+
     preloaded = preloaded_allocator()
     if preloaded:
-        return f"CPU allocator: {preloaded} (LD_PRELOAD); glibc's settings left alone"
+        prefix = f"{preloaded.upper()}_"  # its options in the environment: MIMALLOC_PURGE_DELAY=...
+        options = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(prefix)]
+        named = ", ".join([f"{preloaded} (LD_PRELOAD)", *options])
+        return f"CPU allocator: {named}; glibc's settings left alone"
     return bounded_freed_memory(MMAP_THRESHOLD, TRIM_THRESHOLD, give_back_at_evaluations=True)
 
 
-def never_return_memory() -> str:
-    """The older setting: glibc never maps a block afresh and never trims its heap (fastest on
-    a quiet machine, and the process keeps its peak resident for good)."""
+def never_return_memory(give_back_at_evaluations: bool = False) -> str:
+    """glibc never maps a block afresh and never trims its heap's top (minigpt's first setting:
+    no page faults in a step, and the heap keeps what an evaluation's shapes split off it); with
+    `give_back_at_evaluations`, release_freed_memory() gives its free blocks back there."""
+    global _release_at_evaluation
     libc = _glibc()
     if libc is None:
         return "CPU allocator: left as is (not glibc)"
     ok = libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
     if not ok:
         return "CPU allocator: mallopt refused the setting; left as is"
+    _release_at_evaluation = give_back_at_evaluations
     return (
-        "CPU allocator: glibc malloc keeps freed blocks (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB): "
-        "no page faults on each step's big tensors; --no-keep-freed-memory to compare"
+        "CPU allocator: glibc malloc keeps freed blocks (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB"
+        + ("; given back around evaluations" if give_back_at_evaluations else "")
+        + "): no page faults on each step's big tensors; --no-keep-freed-memory to compare"
     )
 
 
@@ -129,11 +177,14 @@ _release_at_evaluation = False
 
 
 def release_freed_memory() -> bool:
-    """Under keep_freed_memory(), give the pages of every free block in glibc's heap back to the
-    system (malloc_trim(0)); True when some were. The kept heap serves a training step's regular
-    pattern well, but an evaluation's other shapes split its big free blocks for small ones, so
-    their big tensors land on fresh pages: without this, the main job's RSS grew to 3.6x the
-    allocator's true peak at its first evaluation (benchmarks/results/cpu-allocator.md)."""
+    """Under keep_freed_memory()'s glibc setting, give the pages of every free block in glibc's heap
+    back to the system (malloc_trim(0)); True when some were. The kept heap serves a training step's
+    regular pattern well, but an evaluation's other shapes split its big free blocks for small ones,
+    so their big tensors land on fresh pages: without this, the main job's RSS grew to 3.5x the
+    allocator's true peak by its first evaluation (benchmarks/results/cpu-allocator.md). mimalloc
+    needs no such call (a no-op there): it keeps big blocks apart from small ones, and gives back
+    what stayed free for MIMALLOC_PURGE_DELAY (asking it at evaluations, with mi_collect, cost
+    40k page faults an evaluation and lowered no peak)."""
     libc = _glibc() if _release_at_evaluation else None
     return bool(libc is not None and libc.malloc_trim(0))
 

@@ -3,6 +3,7 @@ process and write results that name their machine. (Their figures are not assert
 claims live in benchmarks/results/, never in tests.)"""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -299,3 +300,67 @@ def test_make_figures_renders_the_same_bytes_twice(tmp_path):
         png = (tmp_path / "a" / name).read_bytes()
         assert png == (tmp_path / "b" / name).read_bytes(), name
         assert b"Matplotlib version" not in png
+
+
+def common_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import common
+    finally:
+        sys.path.pop(0)
+    return common
+
+
+def test_a_busy_machine_writes_no_committed_results(monkeypatch, tmp_path, capsys):
+    """Load above half the cores at the start: nothing goes to benchmarks/results without --busy
+    (one line, status 2); elsewhere, or with --busy, the run goes on and its table says so."""
+    common = common_module()
+    cores = 4
+    monkeypatch.setattr(common.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(common, "load_average", lambda: 0.75 * cores)
+    with pytest.raises(SystemExit) as stop:
+        common.refuse_if_busy(common.RESULTS, busy_ok=False)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--busy" in err and "3.00 on 4 cores" in err
+    meta = common.refuse_if_busy(tmp_path, busy_ok=False)
+    assert meta == {"load_start": 3.0, "cores": 4, "busy": True}
+    assert common.refuse_if_busy(common.RESULTS, busy_ok=True)["busy"]
+    busy = " ".join(common.load_lines({**meta, "load_end": 1.0}))
+    assert "3.00 at the start, 1.00 at the end, on 4 cores" in busy and "busy" in busy
+    monkeypatch.setattr(common, "load_average", lambda: 0.25 * cores)
+    quiet = common.refuse_if_busy(common.RESULTS, busy_ok=False)
+    assert not quiet["busy"] and "busy" not in " ".join(common.load_lines({**quiet, "load_end": 1.0}))
+    assert "not recorded" in common.load_lines({})[0]  # results from before the load was recorded
+
+
+@pytest.mark.slow
+def test_allocator_puts_the_fresh_machine_first_with_counts_and_load(tmp_path):
+    """The README's first command's row comes first; every row has its per-step page faults and
+    CPU seconds, its peak RSS against the true peak, and the table the load at start and end."""
+    env = {**os.environ, "MINIGPT_ARGS": "--preset tiny --use-toy-data"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "allocator.py"),
+            *("--steps", "5", "--eval-interval", "2", "--repeats", "1", "--out-dir", str(tmp_path)),
+            *("--variants", "glibc defaults", "README's first command"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads((tmp_path / "cpu-allocator.json").read_text())
+    assert list(data["results"]) == ["README's first command", "glibc defaults"]
+    first = data["results"]["README's first command"]
+    assert "CPU allocator:" in first["allocator_line"]
+    for r in data["results"].values():
+        assert r["faults_per_step"] >= 0 and r["cpu_s_per_step"]["median"] > 0
+        assert r["faults_per_eval_step"] >= 0 and r["cpu_s_per_eval_step"] > 0
+        assert len(r["cpu_s_per_step"]["repeats"]) == 1 and r["rss_peak_bytes"] > 0
+    assert {"load_start", "load_end", "cores"} <= set(data["meta"])
+    table = (tmp_path / "cpu-allocator.md").read_text()
+    assert "at the start" in table and "page faults per step" in table

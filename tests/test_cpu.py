@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -37,14 +38,44 @@ def test_the_kept_heap_is_given_back_on_request():
     assert r["held"] - r["after"] > 512 * 2**20, r  # the holes under the kept blocks went back
 
 
+MIMALLOC_CHILD = r"""
+import json, torch
+from minigpt import cpu
+from minigpt.memory import process_memory
+
+line = cpu.keep_freed_memory()
+logits = torch.ones(100 * 2**20)  # 400 MiB: a step's logits
+before = process_memory()["rss_bytes"]
+del logits
+kept = process_memory()["rss_bytes"]
+logits = torch.ones(100 * 2**20)  # the next step's
+print(json.dumps({"line": line, "before": before, "kept": kept, "released": cpu.release_freed_memory()}))
+"""
+
+
+@pytest.mark.skipif(cpu.mimalloc_library() is None, reason=f"{cpu.MIMALLOC_DIST} not installed")
+def test_mimalloc_keeps_a_freed_step_tensor_for_the_next_step():
+    """Under the trainer's mimalloc options a freed 400 MiB tensor stays resident, so the next
+    step's reuses its pages instead of faulting in new ones; glibc's give-back is not asked for."""
+    env = {**os.environ, "LD_PRELOAD": cpu.mimalloc_library(), **cpu.MIMALLOC_ENV}
+    out = subprocess.run(
+        [sys.executable, "-c", MIMALLOC_CHILD], capture_output=True, text=True, check=True, env=env
+    )
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    options = ", ".join(f"{k}={v}" for k, v in sorted(cpu.MIMALLOC_ENV.items()))
+    assert r["line"] == f"CPU allocator: mimalloc (LD_PRELOAD), {options}; glibc's settings left alone"
+    assert r["kept"] > r["before"] - 50 * 2**20, r  # freed, still resident
+    assert r["released"] is False
+
+
 def test_nothing_is_given_back_unless_the_heap_is_kept(monkeypatch):
     monkeypatch.setattr(cpu, "_release_at_evaluation", False)
     assert cpu.release_freed_memory() is False
 
 
 def test_the_trainer_reexecutes_under_the_preferred_allocator_only_when_it_should(monkeypatch):
-    """benchmarks/results/cpu-allocator.md chose tcmalloc (then jemalloc) where installed: the same
-    command, LD_PRELOAD added, never twice, and never when glibc is asked for."""
+    """Where tcmalloc or jemalloc is all there is: the same command, LD_PRELOAD added, never twice,
+    and never when glibc is asked for."""
     monkeypatch.setattr(cpu, "preloaded_allocator", lambda: None)
     tcmalloc = cpu.PRELOADS["tcmalloc"]
     installed = {tcmalloc}.__contains__
@@ -63,6 +94,60 @@ def test_the_trainer_reexecutes_under_the_preferred_allocator_only_when_it_shoul
     assert cpu.preload_command([], {}, only_jemalloc)[1]["LD_PRELOAD"] == cpu.PRELOADS["jemalloc"]
 
 
+MIMALLOC = "/venv/site-packages/cmeel.prefix/lib/libmimalloc.so"
+
+
+@pytest.mark.parametrize("pip_installed_mimalloc", [True, False])
+def test_a_fresh_machine_takes_mimalloc_when_pip_installed_it(monkeypatch, pip_installed_mimalloc):
+    """A fresh machine has no tcmalloc nor jemalloc, only what `pip install -r requirements.txt`
+    brought: the trainer re-executes under cmeel-mimalloc's library with MIMALLOC_ENV (a user's own
+    MIMALLOC_ options win); without it, it stays on glibc (keep_freed_memory's setting)."""
+    monkeypatch.setattr(cpu, "preloaded_allocator", lambda: None)
+    monkeypatch.setattr(cpu, "mimalloc_library", lambda: MIMALLOC if pip_installed_mimalloc else None)
+    fresh = {MIMALLOC}.__contains__  # no /usr/lib/.../libtcmalloc*, libjemalloc*, no /dev/nvidiactl
+    chosen = cpu.preload_command(["--num-steps", "3"], {"PATH": "/bin"}, fresh)
+    if not pip_installed_mimalloc:
+        assert chosen is None and cpu.installed_allocators(fresh) == {}
+        return
+    cmd, env = chosen
+    assert cmd[0] == sys.executable and env["LD_PRELOAD"] == MIMALLOC and env["PATH"] == "/bin"
+    assert all(env[k] == v for k, v in cpu.MIMALLOC_ENV.items())
+    mine = {k: "7" for k in cpu.MIMALLOC_ENV}
+    assert cpu.preload_command([], mine, fresh)[1].items() >= mine.items()
+    # mimalloc comes first even beside tcmalloc: every machine then runs what requirements.txt installs
+    with_tcmalloc = {MIMALLOC, cpu.PRELOADS["tcmalloc"]}.__contains__
+    assert cpu.preload_command([], {}, with_tcmalloc)[1]["LD_PRELOAD"] == MIMALLOC
+
+
+def test_the_mimalloc_library_is_found_inside_its_pip_package():
+    """requirements.txt names cmeel-mimalloc; its libmimalloc.so is what the trainer preloads."""
+    requirements = (Path(__file__).resolve().parents[1] / "requirements.txt").read_text().split()
+    assert any(line.startswith(cpu.MIMALLOC_DIST) for line in requirements)
+    lib = cpu.mimalloc_library()
+    if lib is None:
+        pytest.skip(f"{cpu.MIMALLOC_DIST} not installed in this environment")
+    assert os.path.isfile(lib) and os.path.basename(lib) == "libmimalloc.so"
+
+
+@pytest.mark.skipif(cpu.mimalloc_library() is None, reason=f"{cpu.MIMALLOC_DIST} not installed")
+def test_the_main_job_runs_under_mimalloc_without_tcmalloc(tmp_path, monkeypatch):
+    """The README's first command on a fresh machine: the log says mimalloc, with its options."""
+    from conftest import ROOT, TINY
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", cpu.NO_PRELOAD_ENV)}
+    env = {k: v for k, v in env.items() if not k.startswith("MIMALLOC_")}
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "train_minimal.py"), *TINY, "--out-dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    options = ", ".join(f"{k}={v}" for k, v in sorted(cpu.MIMALLOC_ENV.items()))
+    assert f"CPU allocator: mimalloc (LD_PRELOAD), {options}" in out.stdout + out.stderr
+
+
 @pytest.mark.skipif(not os.path.exists(cpu.PRELOADS["tcmalloc"]), reason="libtcmalloc-minimal4 not installed")
 def test_the_main_job_runs_under_tcmalloc_when_installed(tmp_path):
     from conftest import ROOT, TINY
@@ -76,4 +161,5 @@ def test_the_main_job_runs_under_tcmalloc_when_installed(tmp_path):
         cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "CPU allocator: tcmalloc (LD_PRELOAD)" in out.stdout + out.stderr
+    first = next(iter(cpu.installed_allocators()))  # mimalloc where pip installed it, else tcmalloc
+    assert f"CPU allocator: {first} (LD_PRELOAD)" in out.stdout + out.stderr
