@@ -86,7 +86,9 @@ class MemoryEstimate:
 # The moments the estimator compares, and the stage each falls in (minigpt.stages' names).
 MOMENT_STAGES = {
     "loss forward (a chunk)": "forward",
+    "loss forward": "forward",
     "loss backward": "backward",
+    "lm head backward": "backward",
     "block recompute": "backward",
     "tied embedding backward": "backward",
     "optimizer step": "optimizer_step",
@@ -110,6 +112,7 @@ def estimate_gpt(
     grad_accum_steps: int = 1,
     chunked_loss: bool = False,
     loss_chunk_elements: int = 2**24,
+    loss_rows: int = 8,
 ) -> MemoryEstimate:
     """Bytes of one training step of minigpt's GPT (plain numbers in, no model built), with fused
     AdamW, the step shaped as train_minimal.py runs it (the caller holds the last output until the
@@ -117,12 +120,15 @@ def estimate_gpt(
 
     What persists: parameters, fp32 gradients, AdamW's two fp32 moments and a step per tensor.
     What the forward saves: Korthikanti et al.'s per-layer count redone for this model (fp32
-    LayerNorm inputs, flash attention, no dropout masks), and the cross-entropy's fp32
-    log-probabilities 4bsV. The peak is the largest of a few moments: the loss's backward (the
-    logits, the log-probabilities, and two fp32 bsV gradients at once), the end of backward (the
-    tied embedding's three V x h gradients), a checkpointed block rebuilt, the optimizer step, and
-    with chunked_loss a chunk of the loss in the forward (the fp32 gradient accumulators, one chunk's
-    fp32 logits twice over, and the chunk weight gradients in the matmuls' dtype: bf16 under AMP).
+    LayerNorm inputs, flash attention, no dropout masks), and what the cross-entropy saves, chosen
+    as model.cross_entropy() chooses: on the CPU (not fp16) CrossEntropy's gradient in the logits'
+    dtype, p*bsV; elsewhere F.cross_entropy's fp32 log-probabilities 4bsV. The peak is the largest of
+    a few moments: the loss itself (CrossEntropy's forward: the logits, the gradient it fills and
+    fp32 blocks of loss_rows rows; F.cross_entropy's backward: the logits, the log-probabilities and
+    two fp32 bsV gradients at once), the end of backward (the tied embedding's three V x h
+    gradients), a checkpointed block rebuilt, the optimizer step, and with chunked_loss a chunk of
+    the loss in the forward (the fp32 gradient accumulators, one chunk's fp32 logits twice over, and
+    the chunk weight gradients in the matmuls' dtype: bf16 under AMP).
     """
     L, h, a, f, s, b, V, P = (
         n_layers,
@@ -138,6 +144,8 @@ def estimate_gpt(
     p = 2 if amp else 4
     sbh, bs = s * b * h, b * s
     cuda = device == "cuda"
+    # model.cross_entropy(): CrossEntropy on the CPU unless the logits are fp16, F.cross_entropy else
+    fused_loss = device == "cpu" and amp_dtype != "fp16"
 
     n_block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
     params = 4 * (V * h + P * h + L * n_block + 2 * h)
@@ -163,7 +171,9 @@ def estimate_gpt(
     else:
         head_copy = p * V * h if amp else 0
         head = layer_norm + p * sbh + head_copy
-        loss = 4 * bs * V + 8 * bs + 4
+        # CrossEntropy saves its gradient in the logits' dtype; F.cross_entropy the fp32
+        # log-probabilities and the targets (with the weight total)
+        loss = p * bs * V if fused_loss else 4 * bs * V + 8 * bs + 4
         logits = p * bs * V
     est = MemoryEstimate(
         amp_dtype=amp_dtype,
@@ -214,19 +224,52 @@ def estimate_gpt(
         filling = 4 * sbh + E
         chunk = max(in_chunk(min(bs, rows), 0), in_chunk(min(rows, bs - rows), G) if bs > rows else 0)
         moments["loss forward (a chunk)"] = moment(activations=acts - filling, temporaries=filling + chunk)
+    elif fused_loss:
+        # CrossEntropy's forward, at its second block: the logits, the gradient it fills (saved only
+        # at its end: a temporary until then), the last block of fp32 rows (held by its variable) and
+        # the new one, and per row: log-sum-exp, scale (fp32), targets clamped (int64), mask (bool).
+        first, second = min(bs, loss_rows), min(loss_rows, max(0, bs - loss_rows))
+        in_loss = loss + 4 * V * (first + second) + 17 * bs
+        # Until the forward returns: under autocast the fp32 output of ln_f (lm_head saved its copy)
+        # and, with checkpointing, autocast's cached weight copies (saved by no block).
+        in_forward = (4 * sbh + (L * weight_copies if activation_checkpoint else 0)) if amp else 0
+        loss_forward = moment(activations=acts - loss, temporaries=logits + in_loss + in_forward)
+        # The caller's last logits live until this forward returns: the last step's (held from
+        # before the step), or under accumulation the step's previous micro-batch's.
+        loss_forward["held" if grad_accum_steps == 1 else "temporaries"] += logits
+        moments["loss forward"] = loss_forward
+        # Its backward returns the saved gradient itself, or, when the loss was scaled (accumulation),
+        # a scaled copy of it.
+        moments["loss backward"] = moment(
+            activations=acts, temporaries=logits + (loss if grad_accum_steps > 1 else 0)
+        )
     else:
         # LogSoftmaxBackward: the logits the caller holds, the saved log-probabilities (in acts), the
         # gradient NllLossBackward made (fp32 bsV) and its own output (fp32 bsV)
         moments["loss backward"] = moment(activations=acts, temporaries=logits + 2 * 4 * bs * V)
+    if not chunked_loss:
+        # The LM head's backward: the loss's gradient arrives (the bytes of what the loss saved:
+        # CrossEntropy's own gradient, or its scaled copy), the weight's gradient and the input's
+        # are made in the matmul's dtype. A low-precision matmul on the CPU (oneDNN) also packs the
+        # V x h weight copy into a scratch buffer of its size while it makes the input's gradient.
+        pack = p * V * h if amp and device == "cpu" else 0
+        moments["lm head backward"] = moment(
+            activations=acts, temporaries=logits + p * V * h + p * sbh + pack
+        )
     if activation_checkpoint:
-        # the last block rebuilt, with the LM head's weight gradient kept for the tied weight's sum
+        # the last block rebuilt, with the LM head's weight gradient kept for the tied weight's sum;
+        # what the loss, ln_f and the LM head saved is freed by then
         moments["block recompute"] = moment(
-            activations=acts + full_block, temporaries=logits + (0 if chunked_loss else E)
+            activations=acts + full_block - (0 if chunked_loss else loss + head),
+            temporaries=logits + (0 if chunked_loss else E),
         )
     # The tied weight's gradient: the LM head's (held since the start of backward), the
-    # embedding's (dense V x h), and their sum, with every other gradient made by then.
+    # embedding's (dense V x h), and their sum, with every other gradient made by then. Under
+    # autocast the LM head's is a fresh fp32 copy of its low-precision gradient, which autograd
+    # adds the embedding's into in place: no third V x h tensor.
+    tied = 2 * E if amp and not chunked_loss else 3 * E
     moments["tied embedding backward"] = moment(
-        grads=params - E if grad_accum_steps == 1 else 0, temporaries=logits + 3 * E
+        grads=params - E if grad_accum_steps == 1 else 0, temporaries=logits + tied
     )
     moments["optimizer step"] = moment(grads=params if grad_accum_steps == 1 else 0, temporaries=logits)
     est.moments = moments
@@ -286,7 +329,7 @@ def format_estimate(
         (f"  x {shape['n_layers']} blocks", lambda e: e.n_layers * e.block),
         ("embeddings (ids, dropout mask)", lambda e: e.embeddings),
         ("ln_f + lm_head (input, weight copy)", lambda e: e.head),
-        ("cross-entropy (fp32 log-probs, targets)", lambda e: e.loss),
+        ("cross-entropy (saved gradient or log-probs)", lambda e: e.loss),
         ("activations saved for backward", lambda e: e.activations),
         ("  of which autocast weight copies", lambda e: e.weight_copies),
         ("total: params+grads+optimizer+activations", lambda e: e.total),

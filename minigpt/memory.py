@@ -742,11 +742,12 @@ def _where(ctx: dict) -> _Where:
 
 
 def _saved_name(where: _Where) -> str:
-    """The name of tensors saved by an op that ran in no submodule: the loss's log-probabilities
-    and targets, or the op itself."""
+    """The name of tensors saved by an op that ran in no submodule: the loss's gradient
+    (CrossEntropy, on the CPU) or log-probabilities and targets (F.cross_entropy), or the op itself."""
     op = where.inner.removeprefix("aten::")
     if where.is_loss():
         what = {
+            "CrossEntropy": "gradient",
             "_log_softmax": "log-probs",
             "log_softmax": "log-probs",
             "nll_loss_forward": "targets",

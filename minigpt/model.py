@@ -108,6 +108,63 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return grad_x * grad_loss.to(grad_x.dtype), (grad_w * grad_loss).to(grad_w.dtype), None
 
 
+# Rows of logits per pass of the CPU's loss: 8 rows of a 50304-token vocabulary are 1.6 MiB in
+# fp32, so the passes over them (max, exp, sum, scale) stay in a core's L2 cache. Wider blocks spill
+# to memory; narrower ones add Python calls.
+LOSS_ROWS = 8
+
+
+class CrossEntropy(torch.autograd.Function):
+    """F.cross_entropy(logits, targets): the mean over targets that are not -100 (ignore_index),
+    with the softmax in fp32 as under autocast, and less memory traffic.
+
+    F.cross_entropy under autocast makes an fp32 copy of all N x V logits, saves fp32
+    log-probabilities for backward, and in backward writes a dense fp32 gradient, exponentiates the
+    log-probabilities again and copies the result into the logits' dtype: on a CPU these passes over
+    memory cost more than the LM head's matmul. Here LOSS_ROWS rows at a time are made fp32, in
+    cache, and the forward computes both the loss and its gradient, softmax - one-hot (a loss ends
+    the graph: only its scalar gradient is left for backward). The gradient is kept in the logits'
+    dtype (bf16 under autocast), rounded once, as F.cross_entropy's is."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        valid = targets != -100
+        safe = targets.clamp(min=0).unsqueeze(1)
+        n_valid = valid.sum().clamp(min=1).float()  # a tensor: no device sync
+        row_scale = (valid / n_valid).unsqueeze(1)  # d(mean loss) / d(row loss)
+        lse = torch.empty(logits.size(0), 1, dtype=torch.float32, device=logits.device)
+        grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
+        for i in range(0, logits.size(0), LOSS_ROWS):
+            rows = slice(i, i + LOSS_ROWS)
+            x = logits[rows].to(torch.float32, copy=True)  # a copy even of fp32 logits: changed in place
+            top = x.amax(dim=1, keepdim=True)
+            total = x.sub_(top).exp_().sum(dim=1, keepdim=True)  # x = exp(logit - top)
+            lse[rows] = total.log() + top
+            if grad is not None:
+                x.mul_(row_scale[rows] / total)  # the softmax, times the row's share of the mean
+                x.scatter_add_(1, safe[rows], -row_scale[rows])  # minus the one-hot target
+                grad[rows] = x
+        ctx.save_for_backward(grad)
+        target_logits = logits.gather(1, safe).float()
+        return ((lse - target_logits) * row_scale).sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        if grad_loss.item() == 1.0:  # the usual case (no accumulation): spare a pass over N x V
+            return grad, None  # (.item() syncs nothing: cross_entropy() uses this on the CPU only)
+        return grad * grad_loss, None  # the scalar is applied in fp32
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy: CrossEntropy on the CPU; F.cross_entropy elsewhere, where one fused
+    kernel already reads the logits once, and for fp16, whose gradient needs the loss scale applied
+    before it is rounded (CrossEntropy rounds it in forward)."""
+    if logits.device.type == "cpu" and logits.dtype != torch.float16:
+        return CrossEntropy.apply(logits, targets)
+    return F.cross_entropy(logits, targets)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -208,7 +265,7 @@ class GPT(nn.Module):
         logits = self.lm_head(x)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+            loss = cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
     def num_params(self, non_embedding: bool = True) -> int:

@@ -482,14 +482,18 @@ def test_the_peak_parts_add_up_to_the_allocators_peak(amp, checkpoint):
         assert all(name.strip() for name in b.peak_parts[part])  # every byte has a name
 
 
-def test_the_peak_is_in_the_loss_backward_and_names_the_cross_entropy():
-    model, optimizer, _, s = tiny_gpt(**PEAK_SHAPE)
+def test_the_peak_is_in_the_loss_forward_and_names_the_cross_entropy():
+    """Rows outnumber the model's width 4 to 1: the CPU's CrossEntropy, filling its gradient next
+    to the logits, sets the peak (in the forward: its backward only passes that gradient on)."""
+    s = {**PEAK_SHAPE, "batch_size": 8}
+    model, optimizer, _, s = tiny_gpt(**s)
     b = trainer_steps(model, optimizer, s)
-    assert b.peak_stage == "backward" and "loss (cross_entropy)" in b.peak_where
-    # the saved log-probabilities are named by their op, not left blank under the root module
-    assert "" not in b.activations and b.activations["loss (cross_entropy log-probs)"] == 4 * 2 * 32 * 2048
+    assert b.peak_stage == "forward" and "loss (cross_entropy) / CrossEntropy" in b.peak_where
+    assert estimate_gpt(**s).peak_moment == "loss forward"
+    # the saved gradient (fp32 here) is named by its op, not left blank under the root module
+    assert "" not in b.activations and b.activations["loss (cross_entropy gradient)"] == 4 * 8 * 32 * 2048
     temps = b.peak_parts["temporaries"]
-    assert any("NllLossBackward0" in k for k in temps) and any("lm_head" in k for k in temps)
+    assert any("CrossEntropy" in k for k in temps) and any("lm_head" in k for k in temps)
 
 
 def test_a_profiler_already_running_leaves_the_peak_unmeasured_and_says_so():
