@@ -72,7 +72,11 @@ def shape_of(preset: str, batch: int, seq: int) -> dict:
 
 class ShapeOnlyMatmuls(TorchDispatchMode):
     """aten::mm's output without its arithmetic: a zero-filled tensor of the same shape and dtype,
-    allocated where the op would allocate it (the profiler still names aten::mm around it)."""
+    allocated where the op would allocate it (the profiler still names aten::mm around it). What the
+    arithmetic itself allocates is skipped with it: a bf16 product's backward on the CPU makes a
+    short-lived oneDNN scratch about the weight's size, so a cell whose peak falls inside such a
+    backward reads low by that much (tests/test_memory.py holds every other part equal, and the gap
+    within one fp32 copy of the weight)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.mm.default:
