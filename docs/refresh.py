@@ -45,18 +45,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "docs/walkthrough.md", "docs/memory.md", "docs/parallel.md")
 
-# The images, drawn after the excerpts (the report screenshot needs the walkthrough's runs/main),
-# each (command, files it writes relative to the copy); copied back into this repository.
+# The images, drawn after the excerpts (the report and TensorBoard screenshots need the main job's
+# run and runs/prof), each (command, files it writes in the copy); copied back into this repository.
+LATEST_RUN = "$(ls -d runs/2*/ | tail -n 1)"  # the main job's run directory (runs/<date-time>)
 IMAGES = (
-    ("python benchmarks/make_figures.py", ("docs/img/tokens_per_s.png", "docs/img/stage_times.png")),
     (
-        "python benchmarks/make_figures.py --results benchmarks/results/cpu-small-fp32.json --only memory",
-        ("docs/img/memory_breakdown.png",),
+        "python benchmarks/make_figures.py",
+        ("docs/img/tokens_per_s.png", "docs/img/stage_times.png", "docs/img/memory_breakdown.png"),
     ),
     (
-        "python -m minigpt.report runs/main && python docs/report_screenshots.py runs/main/report.html "
-        "--out docs/img/report_main.png",
+        f"python -m minigpt.report {LATEST_RUN} && python docs/report_screenshots.py "
+        f"{LATEST_RUN}report.html --out docs/img/report_main.png",
         ("docs/img/report_main.png",),
+    ),
+    (
+        f"python docs/tensorboard_screenshots.py runs/prof --out docs/img --scalars-dir {LATEST_RUN}",
+        ("docs/img/tb_profiler.png", "docs/img/tb_scalars.png"),
     ),
 )
 
@@ -112,9 +116,14 @@ def copy_repo(dest: Path) -> Path:
     return dest
 
 
+class CommandFailed(Exception):
+    """An excerpt's or an image's command exited non-zero: its output is not an excerpt."""
+
+
 def run(command: str, cwd: Path, extra_args: str = "", timeout: float = 1800) -> str:
     """What the command prints (stdout and stderr, as a terminal shows them), trailing spaces cut.
-    `extra_args` go to every trainer run through $MINIGPT_ARGS (the tests' scaled-down runs)."""
+    `extra_args` go to every trainer run through $MINIGPT_ARGS (the tests' scaled-down runs).
+    A command whose refusal is the excerpt pipes it through `tail`, which exits 0."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     env.pop("MINIGPT_ARGS", None)
     env["MINIGPT_CACHE_DIR"] = str(cwd / ".cache")  # a new user's: no token cache, no peak FLOP/s
@@ -130,6 +139,8 @@ def run(command: str, cwd: Path, extra_args: str = "", timeout: float = 1800) ->
         text=True,
         timeout=timeout,
     )
+    if r.returncode != 0:
+        raise CommandFailed(f"exit {r.returncode}: {command}\n{r.stdout[-3000:]}")
     return "".join(line.rstrip() + "\n" for line in r.stdout.splitlines())
 
 
@@ -182,6 +193,7 @@ def machine_free(text: str) -> str:
 
 
 def refresh(check: bool, only: str | None) -> int:
+    """Run the commands in a copy, then rewrite: a failed command leaves every document as it was."""
     with tempfile.TemporaryDirectory() as tmp:
         copy = copy_repo(Path(tmp) / "repo")
         fresh: dict[tuple[str, str], str] = {}
@@ -189,6 +201,10 @@ def refresh(check: bool, only: str | None) -> int:
             if only is None or only in e.command:
                 print(f"$ {e.command}", flush=True)
                 fresh[e.doc, e.command] = run(e.command, copy)
+        images = not check and only is None
+        for command, _ in IMAGES if images else ():
+            print(f"$ {command}", flush=True)
+            run(command, copy)
         stale = 0
         for doc in DOCS:
             path = ROOT / doc
@@ -206,13 +222,10 @@ def refresh(check: bool, only: str | None) -> int:
                 print(f"{'differs' if check else 'rewrote'}: {doc}")
                 if not check:
                     path.write_text(new)
-        if not check and only is None:
-            for command, files in IMAGES:
-                print(f"$ {command}", flush=True)
-                run(command, copy)
-                for f in files:
-                    shutil.copy2(copy / f, ROOT / f)
-                    print(f"wrote {f}")
+        for _, files in IMAGES if images else ():
+            for f in files:
+                shutil.copy2(copy / f, ROOT / f)
+                print(f"wrote {f}")
     return 1 if check and stale else 0
 
 
@@ -224,7 +237,11 @@ def main() -> int:
     if bad := unmarked_text_blocks():
         print(f"error: text blocks with no excerpt marker: {', '.join(bad)}", file=sys.stderr)
         return 2
-    return refresh(args.check, args.only)
+    try:
+        return refresh(args.check, args.only)
+    except CommandFailed as e:  # nothing was rewritten: the documents change only after every run
+        print(f"error: a command failed, no document rewritten: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
