@@ -1,0 +1,663 @@
+"""Predicting a step's time: each stage of one training step from this machine's measured rates.
+
+    python -m minigpt.estimate --time                      # the default job's stage times, predicted
+    python -m minigpt.estimate --time --json --no-amp      # the same in fp32, as JSON
+    python -m minigpt.estimate --time --use-activation-checkpoint --chunked-loss
+
+The model is a roofline over the step's own ops. `step_ops` lists every op one training step of
+minigpt/model.py runs, from the shape alone: its FLOPs (matrix products and attention, counted as
+`minigpt.model.flops_per_token` counts them), the bytes it reads and writes (dtype-aware: autocast
+casts weights and inputs to bf16, LayerNorm and the log-softmax stay fp32), its transcendental
+evaluations (exp, tanh) and its launches. An op takes
+
+    max(flops / matmul rate at its own shape, bytes / bandwidth at its size, evaluations / exp rate)
+      + launches x per-op overhead
+
+and a stage is "compute", "memory" or "overhead" bound by whichever of those terms sums largest.
+
+The rates are measured on this machine, once per machine and dtype, and cached beside the MFU
+units (minigpt/mfu.py) in $MINIGPT_CACHE_DIR/STEP_RATES_FILE:
+  - every distinct matrix product (m, n, k) of the step in its dtype, and causal attention's
+    forward and backward at the model's shape: FLOPs over the median of a few timed calls;
+  - bandwidth: an element-wise add at working sets from 256 KiB to 256 MiB (a 2 MB activation
+    stays in cache, a 400 MB logits tensor does not), interpolated at each op's own size;
+  - the exp rate (evaluations per second of a large fp32 exp);
+  - the per-op overhead: a chain of one-element ops, forward (an eager op) and backward (an
+    autograd node), per op.
+Nothing is fitted to the stage times it predicts. The median, not the best call, is kept: on a
+shared machine the prediction then describes the machine as it was when measured, like the stage
+times measured beside it; delete the cache file to measure again.
+
+On CUDA the same model runs from the device's data sheet (minigpt.mfu.PEAK_FLOPS and BANDWIDTH
+below, every product at the dense peak) with the per-op overhead measured on the GPU, and is
+marked untested: no GPU has checked it yet. A GPU in neither table has no rates: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import re
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+
+import torch
+
+from minigpt.config import UsageError
+from minigpt.data import cache_dir
+from minigpt.fileio import atomic_write
+from minigpt.mfu import PEAK_FLOPS, TORCH_DTYPES, machine_key, read_cache
+
+STEP_RATES_FILE = "step_rates.json"  # under minigpt.data.cache_dir(): one entry per machine and dtype
+PREDICTED_STAGES = ("forward", "backward", "optimizer_step")
+BOUNDS = ("compute", "memory", "overhead")
+ROUNDS = 3  # timed calls per rate after a warm-up; the median is kept
+RATE_BUDGET_S = 1.0  # a rate whose timed calls already took this long stops early (one call at least)
+# Working sets (bytes read + written) at which the bandwidth is measured: from inside L2 to well
+# past the caches a 2-core share of a server gets.
+BANDWIDTH_SIZES = tuple(2**e for e in range(18, 29, 2))
+EXP_ELEMENTS = 2**22  # a 16 MiB fp32 tensor: big enough that the launch does not count
+OVERHEAD_OPS = 200  # one-element ops per overhead measurement
+
+# Memory bandwidth per GPU from the vendors' data sheets (bytes/s), keyed as mfu.PEAK_FLOPS.
+# A100: the 40 GB part's figure (the 80 GB part's 2.0 TB/s would only lower the prediction).
+BANDWIDTH: dict[str, float] = {
+    "H200": 4.8e12,
+    "H100 PCIe": 2.0e12,
+    "H100": 3.35e12,  # SXM
+    "A100": 1.555e12,
+    "L40S": 864e9,
+    "L4": 300e9,
+    "A10": 600e9,
+    "V100": 900e9,
+}
+
+
+# ------------------------------------------------------------------------------------- the ops
+@dataclass(frozen=True)
+class Op:
+    """One op of a training step. `kernel` names the measured rate its FLOPs run at ("matmul
+    MxNxK" or "attention forward BxHxSxD"); `flops` are counted as flops_per_token counts them
+    (attention at full T, though the causal kernel skips half); `count`: how many times it runs."""
+
+    stage: str
+    name: str
+    flops: int = 0
+    bytes: int = 0
+    exps: int = 0  # transcendental evaluations: exp, tanh, log
+    launches: int = 1
+    kernel: str | None = None
+    count: int = 1
+
+
+def matmul_kernel(m: int, n: int, k: int) -> str:
+    """The rate name of an (m x k) @ (k x n) product."""
+    return f"matmul {m}x{n}x{k}"
+
+
+def attention_kernel(direction: str, b: int, heads: int, s: int, hd: int) -> str:
+    return f"attention {direction} {b}x{heads}x{s}x{hd}"
+
+
+def step_ops(
+    *,
+    n_layers: int,
+    d_model: int,
+    n_heads: int,
+    d_ff: int,
+    seq_len: int,
+    batch_size: int,
+    vocab_size: int,
+    max_position_embeddings: int,
+    amp_dtype: str = "fp32",
+    activation_checkpoint: bool = False,
+    chunked_loss: bool = False,
+    loss_chunk_elements: int = 2**24,
+    dropout: float = 0.0,
+) -> list[Op]:
+    """Every op of one micro-batch's forward and backward and of the optimizer step, as
+    train_minimal.py runs them (fused AdamW, clip_grad_norm_, zero_grad(set_to_none=True)).
+    `vocab_size` is the padded one. Dropout is not modelled (0 in every preset)."""
+    L, h, a, f, s, b, V = n_layers, d_model, n_heads, d_ff, seq_len, batch_size, vocab_size
+    N, hd = b * s, d_model // n_heads
+    amp = amp_dtype != "fp32"
+    p = 2 if amp else 4  # bytes of an autocast activation or weight copy
+    ops: list[Op] = []
+
+    def add(stage: str, name: str, **kw) -> None:
+        ops.append(Op(stage, name, **kw))
+
+    def cast(stage: str, name: str, elements: int, count: int = 1) -> None:
+        """fp32 -> autocast dtype (or back): nothing in fp32."""
+        if amp:
+            add(stage, f"cast {name}", bytes=(4 + p) * elements, count=count)
+
+    def gemm(stage: str, name: str, m: int, n: int, k: int, count: int = 1, out_bytes: int | None = None):
+        out = p if out_bytes is None else out_bytes
+        add(
+            stage,
+            name,
+            flops=2 * m * n * k,
+            bytes=p * (m * k + k * n) + out * m * n,
+            kernel=matmul_kernel(m, n, k),
+            count=count,
+        )
+
+    def linear_forward(stage: str, name: str, k: int, n: int, bias: bool, cast_input: bool, count: int):
+        if cast_input:
+            cast(stage, f"{name} input", N * k, count)
+        cast(stage, f"{name} weight", k * n + (n if bias else 0), count)
+        gemm(stage, name, N, n, k, count)
+
+    def linear_backward(name: str, k: int, n: int, bias: bool, cast_input: bool, count: int):
+        gemm("backward", f"{name} grad input", N, k, n, count)
+        gemm("backward", f"{name} grad weight", n, k, N, count)
+        if bias:
+            add("backward", f"{name} grad bias", bytes=p * N * n + 4 * n, count=count)
+        cast("backward", f"{name} grad weight to fp32", k * n + (n if bias else 0), count)
+        if cast_input:
+            cast("backward", f"{name} grad input to fp32", N * k, count)
+
+    def block_forward(stage: str, count: int) -> None:
+        """One block's forward, `count` times: pre-LN attention and MLP with fp32 residuals."""
+        add(stage, "ln_1", bytes=8 * N * h + 8 * N, exps=N, count=count)
+        linear_forward(stage, "qkv", h, 3 * h, True, True, count)
+        add(
+            stage,
+            "attention",
+            flops=4 * N * s * h,
+            bytes=3 * p * N * h + p * N * h + 4 * b * a * s,
+            exps=b * a * s * s // 2,
+            kernel=attention_kernel("forward", b, a, s, hd),
+            count=count,
+        )
+        add(stage, "attention output contiguous", bytes=2 * p * N * h, count=count)
+        linear_forward(stage, "attn proj", h, h, True, False, count)
+        add(stage, "residual add", bytes=(8 + p) * N * h, count=count)
+        add(stage, "ln_2", bytes=8 * N * h + 8 * N, exps=N, count=count)
+        linear_forward(stage, "fc", h, f, True, True, count)
+        add(stage, "gelu", bytes=2 * p * N * f, exps=N * f, count=count)
+        linear_forward(stage, "mlp proj", f, h, True, False, count)
+        add(stage, "residual add", bytes=(8 + p) * N * h, count=count)
+
+    def layer_norm_backward(name: str, count: int = 1) -> None:
+        # reads the gradient and the input twice (the input's and the affine's gradients), writes one
+        add("backward", f"{name} backward", bytes=20 * N * h + 8 * N, count=count)
+
+    # ---- forward
+    fwd = "forward"
+    add(fwd, "embeddings (wte, wpe gathers and add)", bytes=4 * N * h * 4 + 4 * s * h + 8 * N, launches=4)
+    block_forward(fwd, L)
+    add(fwd, "ln_f", bytes=8 * N * h + 8 * N, exps=N)
+    if not chunked_loss:
+        linear_forward(fwd, "lm_head", h, V, False, True, 1)
+        cast(fwd, "logits to fp32", N * V)
+        add(fwd, "log_softmax", bytes=8 * N * V, exps=N * V + N, launches=1)
+        add(fwd, "nll_loss", bytes=4 * N + 8 * N)
+    else:
+        # ChunkedCrossEntropy: the loss and both gradients, chunk by chunk, inside the forward
+        rows = max(1, loss_chunk_elements // V)
+        add(fwd, "chunked loss: zero the weight gradient", bytes=4 * V * h)
+        rows = min(rows, N)
+        chunks = [(rows, N // rows)] + ([(N % rows, 1)] if N % rows else [])
+        for r, n_chunks in chunks:
+            c = dict(count=n_chunks)
+            cast(fwd, "chunk: x", r * h, 2 * n_chunks)
+            cast(fwd, "chunk: weight", V * h, 2 * n_chunks)
+            gemm(fwd, "chunk: logits", r, V, h, n_chunks)
+            cast(fwd, "chunk: logits to fp32", r * V, n_chunks)
+            # logsumexp: max, the shifted copy, its exp, the sum
+            add(fwd, "chunk: logsumexp", bytes=24 * r * V, exps=r * V, launches=4, **c)
+            add(fwd, "chunk: softmax in place (sub_, exp_)", bytes=16 * r * V, exps=r * V, launches=2, **c)
+            add(fwd, "chunk: scatter_add_, mul_", bytes=8 * r * V + 16 * r, launches=2, **c)
+            cast(fwd, "chunk: probabilities", r * V, n_chunks)
+            gemm(fwd, "chunk: grad x", r, h, V, n_chunks)
+            gemm(fwd, "chunk: grad weight", V, h, r, n_chunks)
+            add(
+                fwd,
+                "chunk: grad x rows, grad weight +=",
+                bytes=(4 + p) * r * h + (8 + p) * V * h,
+                launches=2,
+                **c,
+            )
+    # ---- backward
+    if not chunked_loss:
+        add("backward", "nll_loss backward (dense fp32 gradient)", bytes=4 * N * V + 12 * N)
+        add("backward", "log_softmax backward", bytes=12 * N * V, exps=N * V)
+        cast("backward", "logits gradient", N * V)
+        linear_backward("lm_head", h, V, False, True, 1)
+    else:
+        add(
+            "backward",
+            "chunked loss backward (scale both gradients)",
+            bytes=8 * N * h + 8 * V * h,
+            launches=2,
+        )
+    layer_norm_backward("ln_f")
+    if activation_checkpoint:  # each block's forward again, just before its backward
+        block_forward("backward", L)
+    add("backward", "residual gradient add", bytes=12 * N * h, count=2 * L)
+    cast("backward", "mlp proj output gradient", N * h, L)
+    linear_backward("mlp proj", f, h, True, False, L)
+    add("backward", "gelu backward", bytes=3 * p * N * f, exps=N * f, count=L)
+    linear_backward("fc", h, f, True, True, L)
+    layer_norm_backward("ln_2", L)
+    cast("backward", "attn proj output gradient", N * h, L)
+    linear_backward("attn proj", h, h, True, False, L)
+    add("backward", "attention output gradient contiguous", bytes=2 * p * N * h, count=L)
+    add(
+        "backward",
+        "attention backward",
+        flops=8 * N * s * h,
+        bytes=4 * p * N * h + 3 * p * N * h + 4 * b * a * s,
+        exps=b * a * s * s // 2,
+        kernel=attention_kernel("backward", b, a, s, hd),
+        count=L,
+    )
+    add("backward", "q, k, v gradients into one", bytes=6 * p * N * h, count=L)
+    linear_backward("qkv", h, 3 * h, True, True, L)
+    layer_norm_backward("ln_1", L)
+    add("backward", "wpe gradient (sum over the batch)", bytes=4 * N * h + 4 * s * h)
+    # the embedding's dense V x h gradient, then the tied weight's two gradients summed
+    add("backward", "wte gradient (zeros, index_add)", bytes=4 * V * h + 8 * N * h + 8 * N, launches=2)
+    add("backward", "tied weight: sum of two gradients", bytes=12 * V * h)
+    # ---- optimizer step
+    P = (
+        V * h
+        + max_position_embeddings * h
+        + L * (4 * h + 3 * h * h + 3 * h + h * h + h + 2 * h * f + f + h)
+        + 2 * h
+    )
+    tensors = 2 + 12 * L + 2
+    opt = "optimizer_step"
+    add(opt, "clip: per-tensor norms", bytes=4 * P, launches=tensors + 2)
+    add(opt, "clip: scale the gradients", bytes=8 * P, launches=tensors + 2)
+    # fused AdamW: reads param, grad, two moments; writes param and the moments (two groups)
+    add(opt, "fused AdamW", bytes=28 * P, exps=P, launches=2 + 2 * tensors)
+    add(opt, "zero_grad (set to None)", launches=tensors)
+    return ops
+
+
+def matmul_flops(ops: list[Op]) -> int:
+    """FLOPs of the ops that run at a matmul or attention rate (what flops_per_token counts)."""
+    return sum(o.flops * o.count for o in ops if o.kernel)
+
+
+# ------------------------------------------------------------------------------------ the rates
+@dataclass
+class Rates:
+    """What one device does per second: FLOP/s per kernel (matmul shape, attention direction),
+    bytes/s at each working-set size (ascending), exp evaluations/s, and seconds per op."""
+
+    device: str
+    dtype: str
+    matmul: dict[str, float]
+    bandwidth: list[tuple[int, float]]
+    exps_per_s: float
+    overhead_s: dict[str, float]  # "op" (forward, optimizer) and "autograd" (a backward node)
+    source: str
+    tested: bool = True  # False: from a data sheet, not yet checked against a measured step
+    measured: int = 0  # rates measured by this call (0: everything came from the cache or a table)
+
+    def flop_rate(self, kernel: str) -> float:
+        return self.matmul.get(kernel, self.matmul.get("*", 0.0))
+
+    def bytes_per_s(self, size: int) -> float:
+        """Bandwidth at a working set of `size` bytes: log-linear between the measured sizes."""
+        sizes = [s for s, _ in self.bandwidth]
+        i = bisect.bisect_left(sizes, size)
+        if i == 0:
+            return self.bandwidth[0][1]
+        if i == len(sizes):
+            return self.bandwidth[-1][1]
+        (s0, r0), (s1, r1) = self.bandwidth[i - 1], self.bandwidth[i]
+        t = (math.log(size) - math.log(s0)) / (math.log(s1) - math.log(s0))
+        return r0 + t * (r1 - r0)
+
+
+def kernels(ops: list[Op]) -> list[str]:
+    return sorted({o.kernel for o in ops if o.kernel})
+
+
+def _timed(call, rounds: int = ROUNDS, sync=None) -> list[float]:
+    """Seconds of each of `rounds` calls after one warm-up call (fewer past RATE_BUDGET_S)."""
+    call()
+    times: list[float] = []
+    while len(times) < rounds and (not times or sum(times) < RATE_BUDGET_S):
+        if sync:
+            sync()
+        t0 = time.perf_counter()
+        call()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure_kernel(device: str, dtype: str, kernel: str) -> dict:
+    """FLOP/s of one matmul shape or attention direction: its counted FLOPs over each timed call."""
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    gen = torch.Generator(device).manual_seed(0)  # its own generator: the training RNG stays untouched
+    dt = TORCH_DTYPES[dtype]
+    kind, *rest = kernel.split(" ")
+    dims = [int(x) for x in rest[-1].split("x")]
+    if kind == "matmul":
+        m, n, k = dims
+        x, w = (torch.randn(*sh, device=device, dtype=dt, generator=gen) for sh in ((m, k), (k, n)))
+        out = torch.empty(m, n, device=device, dtype=dt)
+        flops = 2 * m * n * k
+        times = _timed(lambda: torch.mm(x, w, out=out), sync=sync)
+    else:
+        b, heads, s, hd = dims
+        q, k_, v = (
+            torch.randn(b, heads, s, hd, device=device, dtype=dt, generator=gen).requires_grad_()
+            for _ in range(3)
+        )
+        grad = torch.randn(b, heads, s, hd, device=device, dtype=dt, generator=gen)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        if rest[0] == "forward":
+            flops = 4 * b * s * s * heads * hd
+            times = _timed(lambda: sdpa(q, k_, v, is_causal=True), sync=sync)
+        else:
+            flops = 8 * b * s * s * heads * hd
+            y = sdpa(q, k_, v, is_causal=True)
+
+            def backward():
+                for t in (q, k_, v):
+                    t.grad = None
+                torch.autograd.grad(y, (q, k_, v), grad, retain_graph=True)
+
+            times = _timed(backward, sync=sync)
+    return {"rounds": [flops / t for t in times], "flops": flops}
+
+
+def measure_bandwidth(device: str) -> dict:
+    """Bytes/s of an fp32 add (two read, one written) at each working set of BANDWIDTH_SIZES."""
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    result = {}
+    for size in BANDWIDTH_SIZES:
+        n = size // 12
+        x, y, out = (torch.ones(n, device=device) for _ in range(3))
+        times = _timed(lambda x=x, y=y, out=out: torch.add(x, y, out=out), rounds=5, sync=sync)
+        result[str(size)] = [12 * n / t for t in times]
+    return result
+
+
+def measure_exp(device: str) -> list[float]:
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    x = torch.linspace(-4, 4, EXP_ELEMENTS, device=device)
+    out = torch.empty_like(x)
+    return [EXP_ELEMENTS / t for t in _timed(lambda: torch.exp(x, out=out), rounds=5, sync=sync)]
+
+
+def measure_overhead(device: str) -> dict[str, list[float]]:
+    """Seconds per op of a chain of one-element ops: eager in the forward, and per autograd node
+    in its backward. What a launch costs beyond its work, measured, not chosen."""
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    x = torch.ones(1, device=device, requires_grad=True)
+    one = torch.ones(1, device=device)
+
+    def chain():
+        y = x
+        for _ in range(OVERHEAD_OPS):
+            y = y + one
+        return y
+
+    forward = _timed(chain, rounds=5, sync=sync)
+    ys = []
+
+    def backward():
+        torch.autograd.grad(ys[-1], x)
+
+    def fresh():
+        ys.append(chain())
+
+    rounds = []
+    for _ in range(5):
+        fresh()
+        rounds.extend(_timed(backward, rounds=1, sync=sync)[:1])
+        ys.clear()
+    return {"op": [t / OVERHEAD_OPS for t in forward], "autograd": [t / OVERHEAD_OPS for t in rounds]}
+
+
+def cuda_table(device_name: str) -> tuple[str, float] | None:
+    """(the GPU's name in the tables, bandwidth) when both tables know it."""
+    for gpu in sorted(BANDWIDTH, key=len, reverse=True):
+        if re.search(rf"\b{re.escape(gpu)}\b", device_name):
+            return gpu, BANDWIDTH[gpu]
+    return None
+
+
+def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True) -> Rates:
+    """This device's rates for the kernels in `needed`: on the CPU measured once and cached (what
+    the cache lacks is measured and added); on CUDA a known GPU's data sheet. Raises UsageError
+    for a GPU in no table (its rates are unknown) and for a dtype the device's table lacks."""
+    if device == "cuda":
+        return _table_rates(dtype)
+    key, path = machine_key(device, dtype), cache_dir() / STEP_RATES_FILE
+    known = read_cache(path).get(key, {}) if cache else {}
+    wanted = ["bandwidth", "exp", "overhead", *needed]
+    fresh: dict[str, dict] = {}
+    for name in wanted:
+        if name in known:
+            continue
+        if name == "bandwidth":
+            entry = {"rounds": measure_bandwidth(device)}
+        elif name == "exp":
+            entry = {"rounds": measure_exp(device)}
+        elif name == "overhead":
+            entry = {"rounds": measure_overhead(device)}
+        else:
+            entry = measure_kernel(device, dtype, name)
+        fresh[name] = {**entry, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    if cache and fresh:
+        entries = read_cache(path)  # again, just before writing: another process may have added rates
+        entries[key] = {**entries.get(key, {}), **fresh}
+        atomic_write(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
+    got = {**known, **fresh}
+    med = statistics.median
+    how = (
+        "cache"
+        if not fresh
+        else "measured now"
+        if len(fresh) == len(wanted)
+        else "measured now, partly cached"
+    )
+    return Rates(
+        device=device,
+        dtype=dtype,
+        matmul={k: med(got[k]["rounds"]) for k in needed},
+        bandwidth=sorted((int(s), med(r)) for s, r in got["bandwidth"]["rounds"].items()),
+        exps_per_s=med(got["exp"]["rounds"]),
+        overhead_s={k: med(v) for k, v in got["overhead"]["rounds"].items()},
+        source=f"{how}: {len(needed)} kernels, bandwidth at {len(BANDWIDTH_SIZES)} sizes, exp, "
+        f"per-op overhead (medians of up to {ROUNDS} timed calls) [{path if cache else 'not cached'}]",
+        measured=len(fresh),
+    )
+
+
+def _table_rates(dtype: str) -> Rates:
+    name = torch.cuda.get_device_name()
+    known = cuda_table(name)
+    peak = PEAK_FLOPS.get(known[0], {}).get(dtype) if known else None
+    if known is None or peak is None:
+        raise UsageError(
+            f"no rates for {name} in {dtype}: it is in neither minigpt.mfu.PEAK_FLOPS nor "
+            "minigpt.predict.BANDWIDTH; add its data-sheet peak FLOP/s and bandwidth there"
+        )
+    overhead = {k: statistics.median(v) for k, v in measure_overhead("cuda").items()}
+    return Rates(
+        device="cuda",
+        dtype=dtype,
+        matmul={"*": peak},
+        bandwidth=[(1, known[1])],
+        exps_per_s=math.inf,
+        overhead_s=overhead,
+        source=f"table: {known[0]} {dtype} dense peak {peak / 1e12:.0f} TFLOP/s, {known[1] / 1e12:.2f} TB/s; "
+        "per-op overhead measured",
+        tested=False,
+    )
+
+
+# ------------------------------------------------------------------------------- the prediction
+@dataclass
+class StageTime:
+    """A stage's predicted time and its parts: each op's larger of compute and memory time goes to
+    that bound, its launches to overhead."""
+
+    compute_ms: float = 0.0
+    memory_ms: float = 0.0
+    overhead_ms: float = 0.0
+
+    @property
+    def ms(self) -> float:
+        return self.compute_ms + self.memory_ms + self.overhead_ms
+
+    @property
+    def bound(self) -> str:
+        parts = dict(zip(BOUNDS, (self.compute_ms, self.memory_ms, self.overhead_ms)))
+        return max(parts, key=parts.get)
+
+
+@dataclass
+class TimePrediction:
+    stages: dict[str, StageTime]
+    tokens_per_step: int
+    grad_accum_steps: int
+    rates: Rates
+    config: dict = field(default_factory=dict)
+
+    @property
+    def step_ms(self) -> float:
+        return sum(s.ms for s in self.stages.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / (self.step_ms / 1000)
+
+    def to_record(self) -> dict:
+        """What --json prints: stage_ms, tokens_per_s, each stage's bound and parts, the rates' source."""
+        return {
+            "stage_ms": {k: s.ms for k, s in self.stages.items()},
+            "tokens_per_s": self.tokens_per_s,
+            "step_ms": self.step_ms,
+            "bound": {k: s.bound for k, s in self.stages.items()},
+            "parts_ms": {k: asdict(s) for k, s in self.stages.items()},
+            "device": self.rates.device,
+            "dtype": self.rates.dtype,
+            "tested": self.rates.tested,
+            "rates_source": self.rates.source,
+            "config": self.config,
+        }
+
+
+def predict_ops(ops: list[Op], rates: Rates, grad_accum_steps: int = 1) -> dict[str, StageTime]:
+    """Each stage's time: per op max(compute, memory) + launches x overhead, times its count.
+    Forward and backward run once per micro-batch."""
+    stages = {name: StageTime() for name in PREDICTED_STAGES}
+    for o in ops:
+        reps = o.count * (grad_accum_steps if o.stage != "optimizer_step" else 1)
+        compute = 0.0
+        if o.kernel:
+            compute = o.flops / rates.flop_rate(o.kernel)
+        if o.exps:
+            compute = max(compute, o.exps / rates.exps_per_s)
+        memory = o.bytes / rates.bytes_per_s(o.bytes) if o.bytes else 0.0
+        overhead = o.launches * rates.overhead_s["autograd" if o.stage == "backward" else "op"]
+        st = stages[o.stage]
+        if compute >= memory:
+            st.compute_ms += 1000 * reps * compute
+        else:
+            st.memory_ms += 1000 * reps * memory
+        st.overhead_ms += 1000 * reps * overhead
+    return stages
+
+
+def predict_step(shape: dict, amp_dtype: str, device: str, cache: bool = True, **options) -> TimePrediction:
+    """The predicted stage times of one optimizer step of this shape (estimate.gpt_shape's keys;
+    `options`: activation_checkpoint, chunked_loss, grad_accum_steps)."""
+    accum = options.pop("grad_accum_steps", 1)
+    ops = step_ops(**shape, amp_dtype=amp_dtype, **options)
+    rates = step_rates(device, amp_dtype, kernels(ops), cache=cache)
+    stages = predict_ops(ops, rates, accum)
+    if accum > 1:  # the later micro-batches add their gradients into the held ones
+        params = sum(o.bytes for o in ops if o.name == "fused AdamW") // 28
+        extra = Op("backward", "gradient accumulation", bytes=12 * params, launches=1)
+        stages["backward"].memory_ms += 1000 * (accum - 1) * extra.bytes / rates.bytes_per_s(extra.bytes)
+    config = {"amp_dtype": amp_dtype, "grad_accum_steps": accum, **options, **shape}
+    return TimePrediction(stages, shape["batch_size"] * shape["seq_len"] * accum, accum, rates, config)
+
+
+def format_prediction(pred: TimePrediction) -> str:
+    c, r = pred.config, pred.rates
+    mark = "" if r.tested else " (UNTESTED: from the data sheet; no GPU has checked this model yet)"
+    lines = [
+        f"Step time prediction: {c['n_layers']} layers, d_model {c['d_model']}, {c['n_heads']} heads, "
+        f"d_ff {c['d_ff']}, vocab {c['vocab_size']}; batch {c['batch_size']} x seq {c['seq_len']}"
+        + (f" x {pred.grad_accum_steps} accumulation" if pred.grad_accum_steps > 1 else "")
+        + f"; {c['amp_dtype']}"
+        + (", activation checkpointing" if c.get("activation_checkpoint") else "")
+        + (", chunked loss" if c.get("chunked_loss") else ""),
+        f"Device {r.device}{mark}; rates: {r.source}",
+        f"  {'stage':16s}{'predicted ms':>14s}  {'bound':9s}  compute / memory / overhead ms",
+    ]
+    for name, st in pred.stages.items():
+        lines.append(
+            f"  {name:16s}{st.ms:14.1f}  {st.bound:9s}  "
+            f"{st.compute_ms:.1f} / {st.memory_ms:.1f} / {st.overhead_ms:.1f}"
+        )
+    lines.append(f"  {'step':16s}{pred.step_ms:14.1f}  -> {pred.tokens_per_s:,.0f} tokens/s")
+    return "\n".join(lines)
+
+
+def time_report(cfg, device: str, amp_dtype: str, as_json: bool) -> str:
+    """What `python -m minigpt.estimate --time [--json]` prints for a TrainConfig."""
+    from minigpt.estimate import gpt_shape
+    from minigpt.model import pad_vocab
+
+    if (
+        device == "cuda" and not torch.cuda.is_available()
+    ):  # resolve_device refuses it first; kept for callers
+        raise UsageError("--time --device cuda, but no CUDA GPU is visible to PyTorch; use --device cpu")
+    vocab = cfg.vocab_size
+    if vocab is None:
+        from minigpt.data import get_tokenizer
+
+        vocab = get_tokenizer(cfg.tokenizer_name).n_vocab
+    pred = predict_step(
+        gpt_shape(cfg, pad_vocab(vocab)),
+        amp_dtype,
+        device,
+        activation_checkpoint=cfg.use_activation_checkpoint,
+        chunked_loss=cfg.chunked_loss,
+        grad_accum_steps=cfg.grad_accum_steps,
+    )
+    return json.dumps(pred.to_record(), indent=1) if as_json else format_prediction(pred)
+
+
+def split_flags(argv: list[str] | None) -> tuple[list[str], bool, bool]:
+    """(the trainer's flags, --time, --json): the two flags belong to the estimator alone."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    rest = [a for a in args if a not in ("--time", "--json")]
+    timing, as_json = "--time" in args, "--json" in args
+    if as_json and not timing:
+        raise UsageError("--json goes with --time (the memory estimate prints a table); add --time")
+    return rest, timing, as_json
+
+
+def compare(predicted: dict[str, float], measured: dict[str, float]) -> dict[str, dict]:
+    """Predicted beside measured per stage, with the error (predicted / measured - 1): what a table
+    or a report shows next to a run's stage_host_ms."""
+    out = {}
+    for name in PREDICTED_STAGES:
+        if name in predicted and measured.get(name):
+            out[name] = {
+                "predicted_ms": predicted[name],
+                "measured_ms": measured[name],
+                "error": predicted[name] / measured[name] - 1,
+            }
+    return out
