@@ -42,6 +42,7 @@ import re
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 
@@ -57,9 +58,13 @@ PREDICTED_STAGES = ("forward", "backward", "optimizer_step")
 BOUNDS = ("compute", "memory", "overhead")
 ROUNDS = 3  # timed calls per rate after a warm-up; the median is kept
 RATE_BUDGET_S = 1.0  # a rate whose timed calls already took this long stops early (one call at least)
-# Working sets (bytes read + written) at which the bandwidth is measured: from inside L2 to well
-# past the caches a 2-core share of a server gets.
-BANDWIDTH_SIZES = tuple(2**e for e in range(18, 29, 2))
+# ATen's grain: an element-wise op over fewer elements runs on one thread, over more in a parallel
+# region, which on a loaded machine waits for a descheduled thread (milliseconds, not microseconds).
+GRAIN = 32768
+# Working sets (bytes read + written) at which the bandwidth of an fp32 add is measured: just below
+# and at the grain, then up to well past the caches a 2-core share of a server gets. The time per
+# byte at an op's own size then includes what a parallel region of that size costs.
+BANDWIDTH_SIZES = (12 * (GRAIN - 2048), 12 * GRAIN, *(12 * 2**e for e in range(17, 26, 2)))
 EXP_ELEMENTS = 2**22  # a 16 MiB fp32 tensor: big enough that the launch does not count
 OVERHEAD_OPS = 200  # one-element ops per overhead measurement
 
@@ -265,21 +270,26 @@ def step_ops(
     # the embedding's dense V x h gradient, then the tied weight's two gradients summed
     add("backward", "wte gradient (zeros, index_add)", bytes=4 * V * h + 8 * N * h + 8 * N, launches=2)
     add("backward", "tied weight: sum of two gradients", bytes=12 * V * h)
-    # ---- optimizer step
-    P = (
-        V * h
-        + max_position_embeddings * h
-        + L * (4 * h + 3 * h * h + 3 * h + h * h + h + 2 * h * f + f + h)
-        + 2 * h
-    )
-    tensors = 2 + 12 * L + 2
+    # ---- optimizer step: clip_grad_norm_ and fused AdamW work a tensor at a time, and each tensor
+    # of GRAIN elements or more is one parallel region (the CPU's cost per op under load)
+    sizes = param_sizes(L, h, f, V, max_position_embeddings)
     opt = "optimizer_step"
-    add(opt, "clip: per-tensor norms", bytes=4 * P, launches=tensors + 2)
-    add(opt, "clip: scale the gradients", bytes=8 * P, launches=tensors + 2)
-    # fused AdamW: reads param, grad, two moments; writes param and the moments (two groups)
-    add(opt, "fused AdamW", bytes=28 * P, exps=P, launches=2 + 2 * tensors)
-    add(opt, "zero_grad (set to None)", launches=tensors)
+    for n, k in sorted(Counter(sizes).items()):
+        add(opt, f"clip: norm of {n}-element gradients", bytes=4 * n, count=k)
+        add(opt, f"clip: scale {n}-element gradients", bytes=8 * n, count=k)
+        # reads param, grad and the two moments; writes param and the moments
+        add(opt, f"fused AdamW on {n}-element parameters", bytes=28 * n, count=k)
+    add(opt, "clip: total norm and coefficient", bytes=8 * len(sizes), launches=4)
+    add(opt, "zero_grad (set to None)", launches=len(sizes))
     return ops
+
+
+def param_sizes(n_layers: int, d_model: int, d_ff: int, vocab_size: int, positions: int) -> list[int]:
+    """Elements of each parameter tensor (the tied head is the embedding's): what the optimizer
+    and the clipping loop over."""
+    h, f = d_model, d_ff
+    block = [h, h, 3 * h * h, 3 * h, h * h, h, h, h, f * h, f, h * f, h]
+    return [vocab_size * h, positions * h, *block * n_layers, h, h]
 
 
 def matmul_flops(ops: list[Op]) -> int:
@@ -432,15 +442,25 @@ def cuda_table(device_name: str) -> tuple[str, float] | None:
     return None
 
 
-def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True) -> Rates:
+class NoRates(UsageError):
+    """The device has no rates: a GPU in neither table, or (measure=False) a cache without them."""
+
+
+def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True, measure: bool = True) -> Rates:
     """This device's rates for the kernels in `needed`: on the CPU measured once and cached (what
-    the cache lacks is measured and added); on CUDA a known GPU's data sheet. Raises UsageError
-    for a GPU in no table (its rates are unknown) and for a dtype the device's table lacks."""
+    the cache lacks is measured and added; with measure=False it raises NoRates instead, for
+    readers that must not load the machine); on CUDA a known GPU's data sheet. Raises NoRates
+    for a GPU in no table."""
     if device == "cuda":
         return _table_rates(dtype)
     key, path = machine_key(device, dtype), cache_dir() / STEP_RATES_FILE
     known = read_cache(path).get(key, {}) if cache else {}
     wanted = ["bandwidth", "exp", "overhead", *needed]
+    if not measure and (missing := [n for n in wanted if n not in known]):
+        raise NoRates(
+            f"no measured rates for {len(missing)} of this step's kernels on this machine in {dtype} "
+            f"({path}); measure them with python -m minigpt.estimate --time and the run's flags"
+        )
     fresh: dict[str, dict] = {}
     for name in wanted:
         if name in known:
@@ -485,7 +505,7 @@ def _table_rates(dtype: str) -> Rates:
     known = cuda_table(name)
     peak = PEAK_FLOPS.get(known[0], {}).get(dtype) if known else None
     if known is None or peak is None:
-        raise UsageError(
+        raise NoRates(
             f"no rates for {name} in {dtype}: it is in neither minigpt.mfu.PEAK_FLOPS nor "
             "minigpt.predict.BANDWIDTH; add its data-sheet peak FLOP/s and bandwidth there"
         )
@@ -577,12 +597,14 @@ def predict_ops(ops: list[Op], rates: Rates, grad_accum_steps: int = 1) -> dict[
     return stages
 
 
-def predict_step(shape: dict, amp_dtype: str, device: str, cache: bool = True, **options) -> TimePrediction:
+def predict_step(
+    shape: dict, amp_dtype: str, device: str, cache: bool = True, measure: bool = True, **options
+) -> TimePrediction:
     """The predicted stage times of one optimizer step of this shape (estimate.gpt_shape's keys;
     `options`: activation_checkpoint, chunked_loss, grad_accum_steps)."""
     accum = options.pop("grad_accum_steps", 1)
     ops = step_ops(**shape, amp_dtype=amp_dtype, **options)
-    rates = step_rates(device, amp_dtype, kernels(ops), cache=cache)
+    rates = step_rates(device, amp_dtype, kernels(ops), cache=cache, measure=measure)
     stages = predict_ops(ops, rates, accum)
     if accum > 1:  # the later micro-batches add their gradients into the held ones
         params = sum(o.bytes for o in ops if o.name == "fused AdamW") // 28
@@ -661,3 +683,50 @@ def compare(predicted: dict[str, float], measured: dict[str, float]) -> dict[str
                 "error": predicted[name] / measured[name] - 1,
             }
     return out
+
+
+def run_prediction(run_dir, measure: bool = False) -> dict:
+    """A finished run's stage times, predicted beside measured: what an ablation table or the
+    report shows. Reads the run's config.json (its shape and flags) and the last record of its
+    metrics.jsonl (stage_host_ms: the mean over the last log interval, after warm-up when the run
+    logged twice or more), and predicts from this machine's cached rates: a run from another
+    machine is compared with this one's rates, so call it where the run ran. measure=False (the
+    default, for readers): NoRates when the cache lacks a rate. Returns compare()'s dict per stage,
+    plus "bound", "tokens_per_s" (predicted and measured) and "tested"."""
+    from pathlib import Path
+
+    from minigpt import paths
+
+    run_dir = Path(run_dir)
+    conf = json.loads((run_dir / paths.CONFIG_FILE).read_text())
+    lines = (run_dir / paths.METRICS_FILE).read_text().splitlines()
+    record = json.loads(next(line for line in reversed(lines) if line.strip()))
+    m, c = conf["model"], conf["config"]
+    shape = dict(
+        n_layers=m["n_layers"],
+        d_model=m["d_model"],
+        n_heads=m["n_heads"],
+        d_ff=m["d_ff"],
+        seq_len=c["seq_len"],
+        batch_size=c["batch_size"],
+        vocab_size=m["vocab_size"],
+        max_position_embeddings=m["max_position_embeddings"],
+        dropout=m["dropout"],
+    )
+    pred = predict_step(
+        shape,
+        conf["amp"],
+        conf["device"],
+        measure=measure,
+        activation_checkpoint=m["activation_checkpoint"],
+        chunked_loss=m.get("chunked_loss", False),
+        grad_accum_steps=c.get("grad_accum_steps", 1),
+    )
+    rec = pred.to_record()
+    return {
+        "stages": compare(rec["stage_ms"], record.get("stage_host_ms") or {}),
+        "bound": rec["bound"],
+        "tokens_per_s": {"predicted": rec["tokens_per_s"], "measured": record.get("tokens_per_s_per_rank")},
+        "tested": rec["tested"],
+        "rates_source": rec["rates_source"],
+    }
