@@ -494,7 +494,7 @@ def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True, m
         bandwidth=sorted((int(s), med(r)) for s, r in got["bandwidth"]["rounds"].items()),
         exps_per_s=med(got["exp"]["rounds"]),
         overhead_s={k: med(v) for k, v in got["overhead"]["rounds"].items()},
-        source=f"{how}: {len(needed)} kernels, bandwidth at {len(BANDWIDTH_SIZES)} sizes, exp, "
+        source=f"{how}: {len(needed)} kernels, bandwidth at {len(got['bandwidth']['rounds'])} sizes, exp, "
         f"per-op overhead (medians of up to {ROUNDS} timed calls) [{path if cache else 'not cached'}]",
         measured=len(fresh),
     )
@@ -623,7 +623,12 @@ def format_prediction(pred: TimePrediction) -> str:
         + (f" x {pred.grad_accum_steps} accumulation" if pred.grad_accum_steps > 1 else "")
         + f"; {c['amp_dtype']}"
         + (", activation checkpointing" if c.get("activation_checkpoint") else "")
-        + (", chunked loss" if c.get("chunked_loss") else ""),
+        + (", chunked loss" if c.get("chunked_loss") else "")
+        + (
+            "; dropout is not modelled (its masks and the math attention it needs on the CPU)"
+            if c.get("dropout")
+            else ""
+        ),
         f"Device {r.device}{mark}; rates: {r.source}",
         f"  {'stage':16s}{'predicted ms':>14s}  {'bound':9s}  compute / memory / overhead ms",
     ]
