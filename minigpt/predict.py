@@ -18,15 +18,16 @@ and a stage is "compute", "memory" or "overhead" bound by whichever of those ter
 The rates are measured on this machine, once per machine and dtype, and cached beside the MFU
 units (minigpt/mfu.py) in $MINIGPT_CACHE_DIR/STEP_RATES_FILE:
   - every distinct matrix product (m, n, k) of the step in its dtype, and causal attention's
-    forward and backward at the model's shape: FLOPs over the median of a few timed calls;
+    forward and backward at the model's shape: FLOPs over the mean time of a few timed calls;
   - bandwidth: an element-wise add at working sets from 256 KiB to 256 MiB (a 2 MB activation
     stays in cache, a 400 MB logits tensor does not), interpolated at each op's own size;
   - the exp rate (evaluations per second of a large fp32 exp);
   - the per-op overhead: a chain of one-element ops, forward (an eager op) and backward (an
     autograd node), per op.
-Nothing is fitted to the stage times it predicts. The median, not the best call, is kept: on a
-shared machine the prediction then describes the machine as it was when measured, like the stage
-times measured beside it; delete the cache file to measure again.
+Nothing is fitted to the stage times it predicts. A rate is its work over the mean time of its
+calls, not the best call: the trainer's stage times are means over a log interval, and on a shared
+machine the prediction then describes the machine as it was when measured, like the stage times
+measured beside it; delete the cache file to measure again.
 
 On CUDA the same model runs from the device's data sheet (minigpt.mfu.PEAK_FLOPS and BANDWIDTH
 below, every product at the dense peak) with the per-op overhead measured on the GPU, and is
@@ -56,7 +57,7 @@ from minigpt.mfu import PEAK_FLOPS, TORCH_DTYPES, machine_key, read_cache
 STEP_RATES_FILE = "step_rates.json"  # under minigpt.data.cache_dir(): one entry per machine and dtype
 PREDICTED_STAGES = ("forward", "backward", "optimizer_step")
 BOUNDS = ("compute", "memory", "overhead")
-ROUNDS = 3  # timed calls per rate after a warm-up; the median is kept
+ROUNDS = 3  # timed calls per rate after a warm-up; their mean time is kept
 RATE_BUDGET_S = 1.0  # a rate whose timed calls already took this long stops early (one call at least)
 # ATen's grain: an element-wise op over fewer elements runs on one thread, over more in a parallel
 # region, which on a loaded machine waits for a descheduled thread (milliseconds, not microseconds).
@@ -67,6 +68,10 @@ GRAIN = 32768
 BANDWIDTH_SIZES = (12 * (GRAIN - 2048), 12 * GRAIN, *(12 * 2**e for e in range(17, 26, 2)))
 EXP_ELEMENTS = 2**22  # a 16 MiB fp32 tensor: big enough that the launch does not count
 OVERHEAD_OPS = 200  # one-element ops per overhead measurement
+# Bytes an op moves count its passes over memory: LayerNorm reads its input twice (the statistics,
+# then the normalised output) and writes once; log_softmax and its backward read three times
+# (max, sum of exps, the output; or the gradient's sum, then the gradient and the output) and write once.
+LN_PASSES = 3
 
 # Memory bandwidth per GPU from the vendors' data sheets (bytes/s), keyed as mfu.PEAK_FLOPS.
 # A100: the 40 GB part's figure (the 80 GB part's 2.0 TB/s would only lower the prediction).
@@ -169,7 +174,7 @@ def step_ops(
 
     def block_forward(stage: str, count: int) -> None:
         """One block's forward, `count` times: pre-LN attention and MLP with fp32 residuals."""
-        add(stage, "ln_1", bytes=8 * N * h + 8 * N, exps=N, count=count)
+        add(stage, "ln_1", bytes=LN_PASSES * 4 * N * h + 8 * N, exps=N, count=count)
         linear_forward(stage, "qkv", h, 3 * h, True, True, count)
         add(
             stage,
@@ -183,25 +188,26 @@ def step_ops(
         add(stage, "attention output contiguous", bytes=2 * p * N * h, count=count)
         linear_forward(stage, "attn proj", h, h, True, False, count)
         add(stage, "residual add", bytes=(8 + p) * N * h, count=count)
-        add(stage, "ln_2", bytes=8 * N * h + 8 * N, exps=N, count=count)
+        add(stage, "ln_2", bytes=LN_PASSES * 4 * N * h + 8 * N, exps=N, count=count)
         linear_forward(stage, "fc", h, f, True, True, count)
         add(stage, "gelu", bytes=2 * p * N * f, exps=N * f, count=count)
         linear_forward(stage, "mlp proj", f, h, True, False, count)
         add(stage, "residual add", bytes=(8 + p) * N * h, count=count)
 
     def layer_norm_backward(name: str, count: int = 1) -> None:
-        # reads the gradient and the input twice (the input's and the affine's gradients), writes one
-        add("backward", f"{name} backward", bytes=20 * N * h + 8 * N, count=count)
+        # the row sums (gradient, input), the input's gradient (both again, one written) and the
+        # affine's gradients (column sums of both): six reads and a write of N x h fp32
+        add("backward", f"{name} backward", bytes=28 * N * h + 8 * N, count=count)
 
     # ---- forward
     fwd = "forward"
     add(fwd, "embeddings (wte, wpe gathers and add)", bytes=4 * N * h * 4 + 4 * s * h + 8 * N, launches=4)
     block_forward(fwd, L)
-    add(fwd, "ln_f", bytes=8 * N * h + 8 * N, exps=N)
+    add(fwd, "ln_f", bytes=LN_PASSES * 4 * N * h + 8 * N, exps=N)
     if not chunked_loss:
         linear_forward(fwd, "lm_head", h, V, False, True, 1)
         cast(fwd, "logits to fp32", N * V)
-        add(fwd, "log_softmax", bytes=8 * N * V, exps=N * V + N, launches=1)
+        add(fwd, "log_softmax", bytes=16 * N * V, exps=N * V + N, launches=1)
         add(fwd, "nll_loss", bytes=4 * N + 8 * N)
     else:
         # ChunkedCrossEntropy: the loss and both gradients, chunk by chunk, inside the forward
@@ -232,7 +238,7 @@ def step_ops(
     # ---- backward
     if not chunked_loss:
         add("backward", "nll_loss backward (dense fp32 gradient)", bytes=4 * N * V + 12 * N)
-        add("backward", "log_softmax backward", bytes=12 * N * V, exps=N * V)
+        add("backward", "log_softmax backward", bytes=16 * N * V, exps=N * V)
         cast("backward", "logits gradient", N * V)
         linear_backward("lm_head", h, V, False, True, 1)
     else:
@@ -479,7 +485,7 @@ def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True, m
         entries[key] = {**entries.get(key, {}), **fresh}
         atomic_write(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
     got = {**known, **fresh}
-    med = statistics.median
+    rate = statistics.harmonic_mean  # of rates: the work over the calls' mean time
     how = (
         "cache"
         if not fresh
@@ -490,12 +496,12 @@ def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True, m
     return Rates(
         device=device,
         dtype=dtype,
-        matmul={k: med(got[k]["rounds"]) for k in needed},
-        bandwidth=sorted((int(s), med(r)) for s, r in got["bandwidth"]["rounds"].items()),
-        exps_per_s=med(got["exp"]["rounds"]),
-        overhead_s={k: med(v) for k, v in got["overhead"]["rounds"].items()},
+        matmul={k: rate(got[k]["rounds"]) for k in needed},
+        bandwidth=sorted((int(s), rate(r)) for s, r in got["bandwidth"]["rounds"].items()),
+        exps_per_s=rate(got["exp"]["rounds"]),
+        overhead_s={k: statistics.fmean(v) for k, v in got["overhead"]["rounds"].items()},
         source=f"{how}: {len(needed)} kernels, bandwidth at {len(got['bandwidth']['rounds'])} sizes, exp, "
-        f"per-op overhead (medians of up to {ROUNDS} timed calls) [{path if cache else 'not cached'}]",
+        f"per-op overhead (mean times of up to {ROUNDS} timed calls) [{path if cache else 'not cached'}]",
         measured=len(fresh),
     )
 
@@ -509,7 +515,7 @@ def _table_rates(dtype: str) -> Rates:
             f"no rates for {name} in {dtype}: it is in neither minigpt.mfu.PEAK_FLOPS nor "
             "minigpt.predict.BANDWIDTH; add its data-sheet peak FLOP/s and bandwidth there"
         )
-    overhead = {k: statistics.median(v) for k, v in measure_overhead("cuda").items()}
+    overhead = {k: statistics.fmean(v) for k, v in measure_overhead("cuda").items()}
     return Rates(
         device="cuda",
         dtype=dtype,
