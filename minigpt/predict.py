@@ -18,9 +18,11 @@ and a stage is "compute", "memory" or "overhead" bound by whichever of those ter
 The rates are measured on this machine, once per machine and dtype, and cached beside the MFU
 units (minigpt/mfu.py) in $MINIGPT_CACHE_DIR/STEP_RATES_FILE:
   - every distinct matrix product (m, n, k) of the step in its dtype, and causal attention's
-    forward and backward at the model's shape: FLOPs over the mean time of a few timed calls;
-  - bandwidth: an element-wise add at working sets from 256 KiB to 256 MiB (a 2 MB activation
-    stays in cache, a 400 MB logits tensor does not), interpolated at each op's own size;
+    forward and backward at the model's shape: FLOPs over the mean time of its timed calls (at
+    least three, and SAMPLE_S of them);
+  - bandwidth: an element-wise add at working sets either side of ATen's grain (one thread, or a
+    parallel region) and up to 400 MB (a 2 MB activation stays in cache, a 400 MB logits tensor
+    does not), interpolated at each op's own size;
   - the exp rate (evaluations per second of a large fp32 exp);
   - the per-op overhead: a chain of one-element ops, forward (an eager op) and backward (an
     autograd node), per op.
@@ -59,6 +61,8 @@ PREDICTED_STAGES = ("forward", "backward", "optimizer_step")
 BOUNDS = ("compute", "memory", "overhead")
 ROUNDS = 3  # timed calls per rate after a warm-up; their mean time is kept
 RATE_BUDGET_S = 1.0  # a rate whose timed calls already took this long stops early (one call at least)
+SAMPLE_S = 0.5  # ...and short ones are timed until they have taken this long
+MAX_ROUNDS = 200
 # ATen's grain: an element-wise op over fewer elements runs on one thread, over more in a parallel
 # region, which on a loaded machine waits for a descheduled thread (milliseconds, not microseconds).
 GRAIN = 32768
@@ -339,11 +343,16 @@ def kernels(ops: list[Op]) -> list[str]:
     return sorted({o.kernel for o in ops if o.kernel})
 
 
-def _timed(call, rounds: int = ROUNDS, sync=None) -> list[float]:
-    """Seconds of each of `rounds` calls after one warm-up call (fewer past RATE_BUDGET_S)."""
+def _timed(call, rounds: int = ROUNDS, sync=None, most: int = MAX_ROUNDS) -> list[float]:
+    """Seconds of each timed call after one warm-up call: at least `rounds` calls and SAMPLE_S of
+    them (a short op is timed many times: on a loaded machine one call may or may not meet a
+    descheduled thread), at most `most`, and a long one stops past RATE_BUDGET_S."""
     call()
     times: list[float] = []
-    while len(times) < rounds and (not times or sum(times) < RATE_BUDGET_S):
+    while len(times) < most:
+        spent = sum(times)
+        if times and (spent > RATE_BUDGET_S or len(times) >= rounds and spent >= SAMPLE_S):
+            break
         if sync:
             sync()
         t0 = time.perf_counter()
@@ -435,7 +444,7 @@ def measure_overhead(device: str) -> dict[str, list[float]]:
     rounds = []
     for _ in range(5):
         fresh()
-        rounds.extend(_timed(backward, rounds=1, sync=sync)[:1])
+        rounds.extend(_timed(backward, rounds=1, sync=sync, most=1))
         ys.clear()
     return {"op": [t / OVERHEAD_OPS for t in forward], "autograd": [t / OVERHEAD_OPS for t in rounds]}
 
@@ -501,7 +510,8 @@ def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True, m
         exps_per_s=rate(got["exp"]["rounds"]),
         overhead_s={k: statistics.fmean(v) for k, v in got["overhead"]["rounds"].items()},
         source=f"{how}: {len(needed)} kernels, bandwidth at {len(got['bandwidth']['rounds'])} sizes, exp, "
-        f"per-op overhead (mean times of up to {ROUNDS} timed calls) [{path if cache else 'not cached'}]",
+        f"per-op overhead (mean times of at least {ROUNDS} calls and {SAMPLE_S} s) "
+        f"[{path if cache else 'not cached'}]",
         measured=len(fresh),
     )
 
