@@ -622,10 +622,19 @@ def predict_step(
     ops = step_ops(**shape, amp_dtype=amp_dtype, **options)
     rates = step_rates(device, amp_dtype, kernels(ops), cache=cache, measure=measure)
     stages = predict_ops(ops, rates, accum)
-    if accum > 1:  # the later micro-batches add their gradients into the held ones
-        params = sum(o.bytes for o in ops if o.name == "fused AdamW") // 28
-        extra = Op("backward", "gradient accumulation", bytes=12 * params, launches=1)
-        stages["backward"].memory_ms += 1000 * (accum - 1) * extra.bytes / rates.bytes_per_s(extra.bytes)
+    if accum > 1:  # the later micro-batches add each gradient into the held one, a tensor at a time
+        sizes = param_sizes(
+            shape["n_layers"],
+            shape["d_model"],
+            shape["d_ff"],
+            shape["vocab_size"],
+            shape["max_position_embeddings"],
+        )
+        adds = [Op("backward", "gradient accumulation", bytes=12 * n, count=accum - 1) for n in sizes]
+        for name, st in predict_ops(adds, rates).items():
+            stages[name].memory_ms += st.memory_ms
+            stages[name].compute_ms += st.compute_ms
+            stages[name].overhead_ms += st.overhead_ms
     config = {"amp_dtype": amp_dtype, "grad_accum_steps": accum, **options, **shape}
     return TimePrediction(stages, shape["batch_size"] * shape["seq_len"] * accum, accum, rates, config)
 

@@ -245,3 +245,13 @@ def test_run_prediction_puts_predicted_beside_the_runs_last_record(tmp_path, mon
     fwd = again["stages"]["forward"]
     assert fwd["measured_ms"] == 10.0 and fwd["error"] == pytest.approx(fwd["predicted_ms"] / 10.0 - 1)
     assert again["tokens_per_s"]["measured"] == 9.0
+
+
+def test_accumulation_runs_forward_and_backward_per_micro_batch(tmp_path, monkeypatch, counted):
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
+    one = predict.predict_step(SHAPE, "fp32", "cpu").stages
+    two = predict.predict_step(SHAPE, "fp32", "cpu", grad_accum_steps=2)
+    assert two.stages["forward"].ms == pytest.approx(2 * one["forward"].ms)
+    assert two.stages["backward"].ms > 2 * one["backward"].ms  # and the gradients added into the held ones
+    assert two.stages["optimizer_step"].ms == pytest.approx(one["optimizer_step"].ms)
+    assert two.tokens_per_step == 2 * SHAPE["batch_size"] * SHAPE["seq_len"]
