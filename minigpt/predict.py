@@ -51,6 +51,7 @@ from datetime import datetime, timezone
 
 import torch
 
+from minigpt import model as model_module
 from minigpt.config import UsageError
 from minigpt.data import cache_dir
 from minigpt.fileio import atomic_write
@@ -132,6 +133,7 @@ def step_ops(
     chunked_loss: bool = False,
     loss_chunk_elements: int = 2**24,
     dropout: float = 0.0,
+    device: str = "cpu",
 ) -> list[Op]:
     """Every op of one micro-batch's forward and backward and of the optimizer step, as
     train_minimal.py runs them (fused AdamW, clip_grad_norm_, zero_grad(set_to_none=True)).
@@ -208,8 +210,16 @@ def step_ops(
     add(fwd, "embeddings (wte, wpe gathers and add)", bytes=4 * N * h * 4 + 4 * s * h + 8 * N, launches=4)
     block_forward(fwd, L)
     add(fwd, "ln_f", bytes=LN_PASSES * 4 * N * h + 8 * N, exps=N)
+    # minigpt.model's own cross-entropy on the CPU, where the model has one (LOSS_ROWS rows of
+    # logits at a time, made fp32 in cache, the gradient made in the forward): else F.cross_entropy
+    loss_rows = getattr(model_module, "LOSS_ROWS", None) if device == "cpu" and amp_dtype != "fp16" else None
     if not chunked_loss:
         linear_forward(fwd, "lm_head", h, V, False, True, 1)
+    if not chunked_loss and loss_rows:
+        blocks = -(-N // loss_rows)
+        # per block: the fp32 copy, max, sub_ + exp_, sum, mul_, the gradient rows written back
+        add(fwd, "cross-entropy by rows", bytes=(28 + 2 * p) * N * V, exps=N * V, launches=9 * blocks)
+    elif not chunked_loss:
         cast(fwd, "logits to fp32", N * V)
         add(fwd, "log_softmax", bytes=16 * N * V, exps=N * V + N, launches=1)
         add(fwd, "nll_loss", bytes=4 * N + 8 * N)
@@ -241,9 +251,10 @@ def step_ops(
             )
     # ---- backward
     if not chunked_loss:
-        add("backward", "nll_loss backward (dense fp32 gradient)", bytes=4 * N * V + 12 * N)
-        add("backward", "log_softmax backward", bytes=16 * N * V, exps=N * V)
-        cast("backward", "logits gradient", N * V)
+        if not loss_rows:  # the row-wise loss made its gradient, in the logits' dtype, in the forward
+            add("backward", "nll_loss backward (dense fp32 gradient)", bytes=4 * N * V + 12 * N)
+            add("backward", "log_softmax backward", bytes=16 * N * V, exps=N * V)
+            cast("backward", "logits gradient", N * V)
         linear_backward("lm_head", h, V, False, True, 1)
     else:
         add(
@@ -619,7 +630,7 @@ def predict_step(
     """The predicted stage times of one optimizer step of this shape (estimate.gpt_shape's keys;
     `options`: activation_checkpoint, chunked_loss, grad_accum_steps)."""
     accum = options.pop("grad_accum_steps", 1)
-    ops = step_ops(**shape, amp_dtype=amp_dtype, **options)
+    ops = step_ops(**shape, amp_dtype=amp_dtype, device=device, **options)
     rates = step_rates(device, amp_dtype, kernels(ops), cache=cache, measure=measure)
     stages = predict_ops(ops, rates, accum)
     if accum > 1:  # the later micro-batches add each gradient into the held one, a tensor at a time

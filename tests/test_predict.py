@@ -255,3 +255,21 @@ def test_accumulation_runs_forward_and_backward_per_micro_batch(tmp_path, monkey
     assert two.stages["backward"].ms > 2 * one["backward"].ms  # and the gradients added into the held ones
     assert two.stages["optimizer_step"].ms == pytest.approx(one["optimizer_step"].ms)
     assert two.tokens_per_step == 2 * SHAPE["batch_size"] * SHAPE["seq_len"]
+
+
+def test_the_models_row_wise_cpu_loss_when_it_has_one(monkeypatch):
+    """Where minigpt.model computes the CPU's cross-entropy by rows (LOSS_ROWS), the op list follows
+    it: no log_softmax passes and no backward of the loss, the same products."""
+    plain = predict.step_ops(**SHAPE, amp_dtype="bf16")
+    monkeypatch.setattr(predict.model_module, "LOSS_ROWS", 8, raising=False)
+    rows = predict.step_ops(**SHAPE, amp_dtype="bf16")
+    names = {o.name for o in rows}
+    assert (
+        "cross-entropy by rows" in names
+        and "log_softmax" not in names
+        and "log_softmax backward" not in names
+    )
+    assert predict.matmul_flops(rows) == predict.matmul_flops(plain)
+    assert "log_softmax" in {
+        o.name for o in predict.step_ops(**SHAPE, device="cuda")
+    }  # F.cross_entropy there
