@@ -5,6 +5,7 @@ derives the formulas.
     python -m minigpt.estimate                                # the default job (the trainer's flags)
     python -m minigpt.estimate --preset gpt2 --batch-size 4 --device-memory-gb 24
     python train_minimal.py --estimate-memory --preset gpt2   # the same, from the trainer
+    python -m minigpt.estimate --time [--json]                # the step's stage times (minigpt/predict.py)
 """
 
 from __future__ import annotations
@@ -422,11 +423,16 @@ def estimate_report(
 def main(argv: list[str] | None = None) -> int:
     """The estimator's command line: the trainer's flags (minigpt.config), nothing allocated."""
     from minigpt.config import UsageError, parse_args, resolve_amp, resolve_device
+    from minigpt.predict import split_flags, time_report
 
     try:
+        argv, timing, as_json = split_flags(argv)
         cfg = parse_args(argv, prog="python -m minigpt.estimate")
         device = resolve_device(cfg.device)
         _, amp_dtype, amp_note = resolve_amp(cfg, device)
+        if timing:  # --time [--json]: the step's stage times, predicted (minigpt/predict.py)
+            print(time_report(cfg, device, amp_dtype, as_json))
+            return 0
         print(estimate_report(cfg, device, amp_dtype, amp_note))
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)

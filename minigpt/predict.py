@@ -1,0 +1,773 @@
+"""Predicting a step's time: each stage of one training step from this machine's measured rates.
+
+    python -m minigpt.estimate --time                      # the default job's stage times, predicted
+    python -m minigpt.estimate --time --json --no-amp      # the same in fp32, as JSON
+    python -m minigpt.estimate --time --use-activation-checkpoint --chunked-loss
+
+The model is a roofline over the step's own ops. `step_ops` lists every op one training step of
+minigpt/model.py runs, from the shape alone: its FLOPs (matrix products and attention, counted as
+`minigpt.model.flops_per_token` counts them), the bytes it reads and writes (dtype-aware: autocast
+casts weights and inputs to bf16, LayerNorm and the log-softmax stay fp32), its transcendental
+evaluations (exp, tanh) and its launches. An op takes
+
+    max(flops / matmul rate at its own shape, bytes / bandwidth at its size, evaluations / exp rate)
+      + launches x per-op overhead
+
+and a stage is "compute", "memory" or "overhead" bound by whichever of those terms sums largest.
+
+The rates are measured on this machine, once per machine and dtype, and cached beside the MFU
+units (minigpt/mfu.py) in $MINIGPT_CACHE_DIR/STEP_RATES_FILE:
+  - every distinct matrix product (m, n, k) of the step in its dtype, and causal attention's
+    forward and backward at the model's shape: FLOPs over the mean time of its timed calls (at
+    least three, and SAMPLE_S of them);
+  - bandwidth: an element-wise add at working sets either side of ATen's grain (one thread, or a
+    parallel region) and up to 400 MB (a 2 MB activation stays in cache, a 400 MB logits tensor
+    does not), interpolated at each op's own size;
+  - the exp rate (evaluations per second of a large fp32 exp);
+  - the per-op overhead: a chain of one-element ops, forward (an eager op) and backward (an
+    autograd node), per op.
+Nothing is fitted to the stage times it predicts. A rate is its work over the mean time of its
+calls, not the best call: the trainer's stage times are means over a log interval, and on a shared
+machine the prediction then describes the machine as it was when measured, like the stage times
+measured beside it; delete the cache file to measure again.
+
+On CUDA the same model runs from the device's data sheet (minigpt.mfu.PEAK_FLOPS and BANDWIDTH
+below, every product at the dense peak) with the per-op overhead measured on the GPU, and is
+marked untested: no GPU has checked it yet. A GPU in neither table has no rates: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import re
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+
+import torch
+
+from minigpt import model as model_module
+from minigpt.config import UsageError
+from minigpt.data import cache_dir
+from minigpt.fileio import atomic_write
+from minigpt.mfu import PEAK_FLOPS, TORCH_DTYPES, machine_key, read_cache
+
+STEP_RATES_FILE = "step_rates.json"  # under minigpt.data.cache_dir(): one entry per machine and dtype
+PREDICTED_STAGES = ("forward", "backward", "optimizer_step")
+BOUNDS = ("compute", "memory", "overhead")
+ROUNDS = 3  # timed calls per rate after a warm-up; their mean time is kept
+RATE_BUDGET_S = 1.0  # a rate whose timed calls already took this long stops early (one call at least)
+SAMPLE_S = 0.5  # ...and short ones are timed until they have taken this long
+MAX_ROUNDS = 200
+# ATen's grain: an element-wise op over fewer elements runs on one thread, over more in a parallel
+# region, which on a loaded machine waits for a descheduled thread (milliseconds, not microseconds).
+GRAIN = 32768
+# Working sets (bytes read + written) at which the bandwidth of an fp32 add is measured: just below
+# and at the grain, then up to well past the caches a 2-core share of a server gets. The time per
+# byte at an op's own size then includes what a parallel region of that size costs.
+BANDWIDTH_SIZES = (12 * (GRAIN - 2048), 12 * GRAIN, *(12 * 2**e for e in range(17, 26, 2)))
+EXP_ELEMENTS = 2**22  # a 16 MiB fp32 tensor: big enough that the launch does not count
+OVERHEAD_OPS = 200  # one-element ops per overhead measurement
+# Bytes an op moves count its passes over memory: LayerNorm reads its input twice (the statistics,
+# then the normalised output) and writes once; log_softmax and its backward read three times
+# (max, sum of exps, the output; or the gradient's sum, then the gradient and the output) and write once.
+LN_PASSES = 3
+
+# Memory bandwidth per GPU from the vendors' data sheets (bytes/s), keyed as mfu.PEAK_FLOPS.
+# A100: the 40 GB part's figure (the 80 GB part's 2.0 TB/s would only lower the prediction).
+BANDWIDTH: dict[str, float] = {
+    "H200": 4.8e12,
+    "H100 PCIe": 2.0e12,
+    "H100": 3.35e12,  # SXM
+    "A100": 1.555e12,
+    "L40S": 864e9,
+    "L4": 300e9,
+    "A10": 600e9,
+    "V100": 900e9,
+}
+
+
+# ------------------------------------------------------------------------------------- the ops
+@dataclass(frozen=True)
+class Op:
+    """One op of a training step. `kernel` names the measured rate its FLOPs run at ("matmul
+    MxNxK" or "attention forward BxHxSxD"); `flops` are counted as flops_per_token counts them
+    (attention at full T, though the causal kernel skips half); `count`: how many times it runs."""
+
+    stage: str
+    name: str
+    flops: int = 0
+    bytes: int = 0
+    exps: int = 0  # transcendental evaluations: exp, tanh, log
+    launches: int = 1
+    kernel: str | None = None
+    count: int = 1
+
+
+def matmul_kernel(m: int, n: int, k: int) -> str:
+    """The rate name of an (m x k) @ (k x n) product."""
+    return f"matmul {m}x{n}x{k}"
+
+
+def attention_kernel(direction: str, b: int, heads: int, s: int, hd: int) -> str:
+    return f"attention {direction} {b}x{heads}x{s}x{hd}"
+
+
+def step_ops(
+    *,
+    n_layers: int,
+    d_model: int,
+    n_heads: int,
+    d_ff: int,
+    seq_len: int,
+    batch_size: int,
+    vocab_size: int,
+    max_position_embeddings: int,
+    amp_dtype: str = "fp32",
+    activation_checkpoint: bool = False,
+    chunked_loss: bool = False,
+    loss_chunk_elements: int = 2**24,
+    dropout: float = 0.0,
+    device: str = "cpu",
+) -> list[Op]:
+    """Every op of one micro-batch's forward and backward and of the optimizer step, as
+    train_minimal.py runs them (fused AdamW, clip_grad_norm_, zero_grad(set_to_none=True)).
+    `vocab_size` is the padded one. Dropout is not modelled (0 in every preset)."""
+    L, h, a, f, s, b, V = n_layers, d_model, n_heads, d_ff, seq_len, batch_size, vocab_size
+    N, hd = b * s, d_model // n_heads
+    amp = amp_dtype != "fp32"
+    p = 2 if amp else 4  # bytes of an autocast activation or weight copy
+    ops: list[Op] = []
+
+    def add(stage: str, name: str, **kw) -> None:
+        ops.append(Op(stage, name, **kw))
+
+    def cast(stage: str, name: str, elements: int, count: int = 1) -> None:
+        """fp32 -> autocast dtype (or back): nothing in fp32."""
+        if amp:
+            add(stage, f"cast {name}", bytes=(4 + p) * elements, count=count)
+
+    def gemm(stage: str, name: str, m: int, n: int, k: int, count: int = 1, out_bytes: int | None = None):
+        out = p if out_bytes is None else out_bytes
+        add(
+            stage,
+            name,
+            flops=2 * m * n * k,
+            bytes=p * (m * k + k * n) + out * m * n,
+            kernel=matmul_kernel(m, n, k),
+            count=count,
+        )
+
+    def linear_forward(stage: str, name: str, k: int, n: int, bias: bool, cast_input: bool, count: int):
+        if cast_input:
+            cast(stage, f"{name} input", N * k, count)
+        cast(stage, f"{name} weight", k * n + (n if bias else 0), count)
+        gemm(stage, name, N, n, k, count)
+
+    def linear_backward(name: str, k: int, n: int, bias: bool, cast_input: bool, count: int):
+        gemm("backward", f"{name} grad input", N, k, n, count)
+        gemm("backward", f"{name} grad weight", n, k, N, count)
+        if bias:
+            add("backward", f"{name} grad bias", bytes=p * N * n + 4 * n, count=count)
+        cast("backward", f"{name} grad weight to fp32", k * n + (n if bias else 0), count)
+        if cast_input:
+            cast("backward", f"{name} grad input to fp32", N * k, count)
+
+    def block_forward(stage: str, count: int) -> None:
+        """One block's forward, `count` times: pre-LN attention and MLP with fp32 residuals."""
+        add(stage, "ln_1", bytes=LN_PASSES * 4 * N * h + 8 * N, exps=N, count=count)
+        linear_forward(stage, "qkv", h, 3 * h, True, True, count)
+        add(
+            stage,
+            "attention",
+            flops=4 * N * s * h,
+            bytes=3 * p * N * h + p * N * h + 4 * b * a * s,
+            exps=b * a * s * s // 2,
+            kernel=attention_kernel("forward", b, a, s, hd),
+            count=count,
+        )
+        add(stage, "attention output contiguous", bytes=2 * p * N * h, count=count)
+        linear_forward(stage, "attn proj", h, h, True, False, count)
+        add(stage, "residual add", bytes=(8 + p) * N * h, count=count)
+        add(stage, "ln_2", bytes=LN_PASSES * 4 * N * h + 8 * N, exps=N, count=count)
+        linear_forward(stage, "fc", h, f, True, True, count)
+        add(stage, "gelu", bytes=2 * p * N * f, exps=N * f, count=count)
+        linear_forward(stage, "mlp proj", f, h, True, False, count)
+        add(stage, "residual add", bytes=(8 + p) * N * h, count=count)
+
+    def layer_norm_backward(name: str, count: int = 1) -> None:
+        # the row sums (gradient, input), the input's gradient (both again, one written) and the
+        # affine's gradients (column sums of both): six reads and a write of N x h fp32
+        add("backward", f"{name} backward", bytes=28 * N * h + 8 * N, count=count)
+
+    # ---- forward
+    fwd = "forward"
+    add(fwd, "embeddings (wte, wpe gathers and add)", bytes=4 * N * h * 4 + 4 * s * h + 8 * N, launches=4)
+    block_forward(fwd, L)
+    add(fwd, "ln_f", bytes=LN_PASSES * 4 * N * h + 8 * N, exps=N)
+    # minigpt.model's own cross-entropy on the CPU, where the model has one (LOSS_ROWS rows of
+    # logits at a time, made fp32 in cache, the gradient made in the forward): else F.cross_entropy
+    loss_rows = getattr(model_module, "LOSS_ROWS", None) if device == "cpu" and amp_dtype != "fp16" else None
+    if not chunked_loss:
+        linear_forward(fwd, "lm_head", h, V, False, True, 1)
+    if not chunked_loss and loss_rows:
+        blocks = -(-N // loss_rows)
+        # per block: the fp32 copy, max, sub_ + exp_, sum, mul_, the gradient rows written back
+        add(fwd, "cross-entropy by rows", bytes=(28 + 2 * p) * N * V, exps=N * V, launches=9 * blocks)
+    elif not chunked_loss:
+        cast(fwd, "logits to fp32", N * V)
+        add(fwd, "log_softmax", bytes=16 * N * V, exps=N * V + N, launches=1)
+        add(fwd, "nll_loss", bytes=4 * N + 8 * N)
+    else:
+        # ChunkedCrossEntropy: the loss and both gradients, chunk by chunk, inside the forward
+        rows = max(1, loss_chunk_elements // V)
+        add(fwd, "chunked loss: zero the weight gradient", bytes=4 * V * h)
+        rows = min(rows, N)
+        chunks = [(rows, N // rows)] + ([(N % rows, 1)] if N % rows else [])
+        for r, n_chunks in chunks:
+            c = dict(count=n_chunks)
+            cast(fwd, "chunk: x", r * h, 2 * n_chunks)
+            cast(fwd, "chunk: weight", V * h, 2 * n_chunks)
+            gemm(fwd, "chunk: logits", r, V, h, n_chunks)
+            cast(fwd, "chunk: logits to fp32", r * V, n_chunks)
+            # logsumexp: max, the shifted copy, its exp, the sum
+            add(fwd, "chunk: logsumexp", bytes=24 * r * V, exps=r * V, launches=4, **c)
+            add(fwd, "chunk: softmax in place (sub_, exp_)", bytes=16 * r * V, exps=r * V, launches=2, **c)
+            add(fwd, "chunk: scatter_add_, mul_", bytes=8 * r * V + 16 * r, launches=2, **c)
+            cast(fwd, "chunk: probabilities", r * V, n_chunks)
+            gemm(fwd, "chunk: grad x", r, h, V, n_chunks)
+            gemm(fwd, "chunk: grad weight", V, h, r, n_chunks)
+            add(
+                fwd,
+                "chunk: grad x rows, grad weight +=",
+                bytes=(4 + p) * r * h + (8 + p) * V * h,
+                launches=2,
+                **c,
+            )
+    # ---- backward
+    if not chunked_loss:
+        if not loss_rows:  # the row-wise loss made its gradient, in the logits' dtype, in the forward
+            add("backward", "nll_loss backward (dense fp32 gradient)", bytes=4 * N * V + 12 * N)
+            add("backward", "log_softmax backward", bytes=16 * N * V, exps=N * V)
+            cast("backward", "logits gradient", N * V)
+        linear_backward("lm_head", h, V, False, True, 1)
+    else:
+        add(
+            "backward",
+            "chunked loss backward (scale both gradients)",
+            bytes=8 * N * h + 8 * V * h,
+            launches=2,
+        )
+    layer_norm_backward("ln_f")
+    if activation_checkpoint:  # each block's forward again, just before its backward
+        block_forward("backward", L)
+    add("backward", "residual gradient add", bytes=12 * N * h, count=2 * L)
+    cast("backward", "mlp proj output gradient", N * h, L)
+    linear_backward("mlp proj", f, h, True, False, L)
+    add("backward", "gelu backward", bytes=3 * p * N * f, exps=N * f, count=L)
+    linear_backward("fc", h, f, True, True, L)
+    layer_norm_backward("ln_2", L)
+    cast("backward", "attn proj output gradient", N * h, L)
+    linear_backward("attn proj", h, h, True, False, L)
+    add("backward", "attention output gradient contiguous", bytes=2 * p * N * h, count=L)
+    add(
+        "backward",
+        "attention backward",
+        flops=8 * N * s * h,
+        bytes=4 * p * N * h + 3 * p * N * h + 4 * b * a * s,
+        exps=b * a * s * s // 2,
+        kernel=attention_kernel("backward", b, a, s, hd),
+        count=L,
+    )
+    add("backward", "q, k, v gradients into one", bytes=6 * p * N * h, count=L)
+    linear_backward("qkv", h, 3 * h, True, True, L)
+    layer_norm_backward("ln_1", L)
+    add("backward", "wpe gradient (sum over the batch)", bytes=4 * N * h + 4 * s * h)
+    # the embedding's dense V x h gradient, then the tied weight's two gradients summed
+    add("backward", "wte gradient (zeros, index_add)", bytes=4 * V * h + 8 * N * h + 8 * N, launches=2)
+    add("backward", "tied weight: sum of two gradients", bytes=12 * V * h)
+    # ---- optimizer step: clip_grad_norm_ and fused AdamW work a tensor at a time, and each tensor
+    # of GRAIN elements or more is one parallel region (the CPU's cost per op under load)
+    sizes = param_sizes(L, h, f, V, max_position_embeddings)
+    opt = "optimizer_step"
+    for n, k in sorted(Counter(sizes).items()):
+        add(opt, f"clip: norm of {n}-element gradients", bytes=4 * n, count=k)
+        add(opt, f"clip: scale {n}-element gradients", bytes=8 * n, count=k)
+        # reads param, grad and the two moments; writes param and the moments
+        add(opt, f"fused AdamW on {n}-element parameters", bytes=28 * n, count=k)
+    add(opt, "clip: total norm and coefficient", bytes=8 * len(sizes), launches=4)
+    add(opt, "zero_grad (set to None)", launches=len(sizes))
+    return ops
+
+
+def param_sizes(n_layers: int, d_model: int, d_ff: int, vocab_size: int, positions: int) -> list[int]:
+    """Elements of each parameter tensor (the tied head is the embedding's): what the optimizer
+    and the clipping loop over."""
+    h, f = d_model, d_ff
+    block = [h, h, 3 * h * h, 3 * h, h * h, h, h, h, f * h, f, h * f, h]
+    return [vocab_size * h, positions * h, *block * n_layers, h, h]
+
+
+def matmul_flops(ops: list[Op]) -> int:
+    """FLOPs of the ops that run at a matmul or attention rate (what flops_per_token counts)."""
+    return sum(o.flops * o.count for o in ops if o.kernel)
+
+
+# ------------------------------------------------------------------------------------ the rates
+@dataclass
+class Rates:
+    """What one device does per second: FLOP/s per kernel (matmul shape, attention direction),
+    bytes/s at each working-set size (ascending), exp evaluations/s, and seconds per op."""
+
+    device: str
+    dtype: str
+    matmul: dict[str, float]
+    bandwidth: list[tuple[int, float]]
+    exps_per_s: float
+    overhead_s: dict[str, float]  # "op" (forward, optimizer) and "autograd" (a backward node)
+    source: str
+    tested: bool = True  # False: from a data sheet, not yet checked against a measured step
+    measured: int = 0  # rates measured by this call (0: everything came from the cache or a table)
+
+    def flop_rate(self, kernel: str) -> float:
+        return self.matmul.get(kernel, self.matmul.get("*", 0.0))
+
+    def bytes_per_s(self, size: int) -> float:
+        """Bandwidth at a working set of `size` bytes: log-linear between the measured sizes."""
+        sizes = [s for s, _ in self.bandwidth]
+        i = bisect.bisect_left(sizes, size)
+        if i == 0:
+            return self.bandwidth[0][1]
+        if i == len(sizes):
+            return self.bandwidth[-1][1]
+        (s0, r0), (s1, r1) = self.bandwidth[i - 1], self.bandwidth[i]
+        t = (math.log(size) - math.log(s0)) / (math.log(s1) - math.log(s0))
+        return r0 + t * (r1 - r0)
+
+
+def kernels(ops: list[Op]) -> list[str]:
+    return sorted({o.kernel for o in ops if o.kernel})
+
+
+def _timed(call, rounds: int = ROUNDS, sync=None, most: int = MAX_ROUNDS) -> list[float]:
+    """Seconds of each timed call after one warm-up call: at least `rounds` calls and SAMPLE_S of
+    them (a short op is timed many times: on a loaded machine one call may or may not meet a
+    descheduled thread), at most `most`, and a long one stops past RATE_BUDGET_S."""
+    call()
+    times: list[float] = []
+    while len(times) < most:
+        spent = sum(times)
+        if times and (spent > RATE_BUDGET_S or len(times) >= rounds and spent >= SAMPLE_S):
+            break
+        if sync:
+            sync()
+        t0 = time.perf_counter()
+        call()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure_kernel(device: str, dtype: str, kernel: str) -> dict:
+    """FLOP/s of one matmul shape or attention direction: its counted FLOPs over each timed call."""
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    gen = torch.Generator(device).manual_seed(0)  # its own generator: the training RNG stays untouched
+    dt = TORCH_DTYPES[dtype]
+    kind, *rest = kernel.split(" ")
+    dims = [int(x) for x in rest[-1].split("x")]
+    if kind == "matmul":
+        m, n, k = dims
+        x, w = (torch.randn(*sh, device=device, dtype=dt, generator=gen) for sh in ((m, k), (k, n)))
+        out = torch.empty(m, n, device=device, dtype=dt)
+        flops = 2 * m * n * k
+        times = _timed(lambda: torch.mm(x, w, out=out), sync=sync)
+    else:
+        b, heads, s, hd = dims
+        q, k_, v = (
+            torch.randn(b, heads, s, hd, device=device, dtype=dt, generator=gen).requires_grad_()
+            for _ in range(3)
+        )
+        grad = torch.randn(b, heads, s, hd, device=device, dtype=dt, generator=gen)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        if rest[0] == "forward":
+            flops = 4 * b * s * s * heads * hd
+            times = _timed(lambda: sdpa(q, k_, v, is_causal=True), sync=sync)
+        else:
+            flops = 8 * b * s * s * heads * hd
+            y = sdpa(q, k_, v, is_causal=True)
+
+            def backward():
+                for t in (q, k_, v):
+                    t.grad = None
+                torch.autograd.grad(y, (q, k_, v), grad, retain_graph=True)
+
+            times = _timed(backward, sync=sync)
+    return {"rounds": [flops / t for t in times], "flops": flops}
+
+
+def measure_bandwidth(device: str) -> dict:
+    """Bytes/s of an fp32 add (two read, one written) at each working set of BANDWIDTH_SIZES."""
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    result = {}
+    for size in BANDWIDTH_SIZES:
+        n = size // 12
+        x, y, out = (torch.ones(n, device=device) for _ in range(3))
+        times = _timed(lambda x=x, y=y, out=out: torch.add(x, y, out=out), rounds=5, sync=sync)
+        result[str(size)] = [12 * n / t for t in times]
+    return result
+
+
+def measure_exp(device: str) -> list[float]:
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    x = torch.linspace(-4, 4, EXP_ELEMENTS, device=device)
+    out = torch.empty_like(x)
+    return [EXP_ELEMENTS / t for t in _timed(lambda: torch.exp(x, out=out), rounds=5, sync=sync)]
+
+
+def measure_overhead(device: str) -> dict[str, list[float]]:
+    """Seconds per op of a chain of one-element ops: eager in the forward, and per autograd node
+    in its backward. What a launch costs beyond its work, measured, not chosen."""
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    x = torch.ones(1, device=device, requires_grad=True)
+    one = torch.ones(1, device=device)
+
+    def chain():
+        y = x
+        for _ in range(OVERHEAD_OPS):
+            y = y + one
+        return y
+
+    forward = _timed(chain, rounds=5, sync=sync)
+    ys = []
+
+    def backward():
+        torch.autograd.grad(ys[-1], x)
+
+    def fresh():
+        ys.append(chain())
+
+    rounds = []
+    for _ in range(5):
+        fresh()
+        rounds.extend(_timed(backward, rounds=1, sync=sync, most=1))
+        ys.clear()
+    return {"op": [t / OVERHEAD_OPS for t in forward], "autograd": [t / OVERHEAD_OPS for t in rounds]}
+
+
+def cuda_table(device_name: str) -> tuple[str, float] | None:
+    """(the GPU's name in the tables, bandwidth) when both tables know it."""
+    for gpu in sorted(BANDWIDTH, key=len, reverse=True):
+        if re.search(rf"\b{re.escape(gpu)}\b", device_name):
+            return gpu, BANDWIDTH[gpu]
+    return None
+
+
+class NoRates(UsageError):
+    """The device has no rates: a GPU in neither table, or (measure=False) a cache without them."""
+
+
+def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True, measure: bool = True) -> Rates:
+    """This device's rates for the kernels in `needed`: on the CPU measured once and cached (what
+    the cache lacks is measured and added; with measure=False it raises NoRates instead, for
+    readers that must not load the machine); on CUDA a known GPU's data sheet. Raises NoRates
+    for a GPU in no table."""
+    if device == "cuda":
+        return _table_rates(dtype)
+    key, path = machine_key(device, dtype), cache_dir() / STEP_RATES_FILE
+    known = read_cache(path).get(key, {}) if cache else {}
+    wanted = ["bandwidth", "exp", "overhead", *needed]
+    if not measure and (missing := [n for n in wanted if n not in known]):
+        raise NoRates(
+            f"no measured rates for {len(missing)} of this step's kernels on this machine in {dtype} "
+            f"({path}); measure them with python -m minigpt.estimate --time and the run's flags"
+        )
+    fresh: dict[str, dict] = {}
+    for name in wanted:
+        if name in known:
+            continue
+        if name == "bandwidth":
+            entry = {"rounds": measure_bandwidth(device)}
+        elif name == "exp":
+            entry = {"rounds": measure_exp(device)}
+        elif name == "overhead":
+            entry = {"rounds": measure_overhead(device)}
+        else:
+            entry = measure_kernel(device, dtype, name)
+        fresh[name] = {**entry, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    if cache and fresh:
+        entries = read_cache(path)  # again, just before writing: another process may have added rates
+        entries[key] = {**entries.get(key, {}), **fresh}
+        atomic_write(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
+    got = {**known, **fresh}
+    rate = statistics.harmonic_mean  # of rates: the work over the calls' mean time
+    how = (
+        "cache"
+        if not fresh
+        else "measured now"
+        if len(fresh) == len(wanted)
+        else "measured now, partly cached"
+    )
+    return Rates(
+        device=device,
+        dtype=dtype,
+        matmul={k: rate(got[k]["rounds"]) for k in needed},
+        bandwidth=sorted((int(s), rate(r)) for s, r in got["bandwidth"]["rounds"].items()),
+        exps_per_s=rate(got["exp"]["rounds"]),
+        overhead_s={k: statistics.fmean(v) for k, v in got["overhead"]["rounds"].items()},
+        source=f"{how}: {len(needed)} kernels, bandwidth at {len(got['bandwidth']['rounds'])} sizes, exp, "
+        f"per-op overhead (mean times of at least {ROUNDS} calls and {SAMPLE_S} s) "
+        f"[{path if cache else 'not cached'}]",
+        measured=len(fresh),
+    )
+
+
+def _table_rates(dtype: str) -> Rates:
+    name = torch.cuda.get_device_name()
+    known = cuda_table(name)
+    peak = PEAK_FLOPS.get(known[0], {}).get(dtype) if known else None
+    if known is None or peak is None:
+        raise NoRates(
+            f"no rates for {name} in {dtype}: it is in neither minigpt.mfu.PEAK_FLOPS nor "
+            "minigpt.predict.BANDWIDTH; add its data-sheet peak FLOP/s and bandwidth there"
+        )
+    overhead = {k: statistics.fmean(v) for k, v in measure_overhead("cuda").items()}
+    return Rates(
+        device="cuda",
+        dtype=dtype,
+        matmul={"*": peak},
+        bandwidth=[(1, known[1])],
+        exps_per_s=math.inf,
+        overhead_s=overhead,
+        source=f"table: {known[0]} {dtype} dense peak {peak / 1e12:.0f} TFLOP/s, {known[1] / 1e12:.2f} TB/s; "
+        "per-op overhead measured",
+        tested=False,
+    )
+
+
+# ------------------------------------------------------------------------------- the prediction
+@dataclass
+class StageTime:
+    """A stage's predicted time and its parts: each op's larger of compute and memory time goes to
+    that bound, its launches to overhead."""
+
+    compute_ms: float = 0.0
+    memory_ms: float = 0.0
+    overhead_ms: float = 0.0
+
+    @property
+    def ms(self) -> float:
+        return self.compute_ms + self.memory_ms + self.overhead_ms
+
+    @property
+    def bound(self) -> str:
+        parts = dict(zip(BOUNDS, (self.compute_ms, self.memory_ms, self.overhead_ms)))
+        return max(parts, key=parts.get)
+
+
+@dataclass
+class TimePrediction:
+    stages: dict[str, StageTime]
+    tokens_per_step: int
+    grad_accum_steps: int
+    rates: Rates
+    config: dict = field(default_factory=dict)
+
+    @property
+    def step_ms(self) -> float:
+        return sum(s.ms for s in self.stages.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / (self.step_ms / 1000)
+
+    def to_record(self) -> dict:
+        """What --json prints: stage_ms, tokens_per_s, each stage's bound and parts, the rates' source."""
+        return {
+            "stage_ms": {k: s.ms for k, s in self.stages.items()},
+            "tokens_per_s": self.tokens_per_s,
+            "step_ms": self.step_ms,
+            "bound": {k: s.bound for k, s in self.stages.items()},
+            "parts_ms": {k: asdict(s) for k, s in self.stages.items()},
+            "device": self.rates.device,
+            "dtype": self.rates.dtype,
+            "tested": self.rates.tested,
+            "rates_source": self.rates.source,
+            "config": self.config,
+        }
+
+
+def predict_ops(ops: list[Op], rates: Rates, grad_accum_steps: int = 1) -> dict[str, StageTime]:
+    """Each stage's time: per op max(compute, memory) + launches x overhead, times its count.
+    Forward and backward run once per micro-batch."""
+    stages = {name: StageTime() for name in PREDICTED_STAGES}
+    for o in ops:
+        reps = o.count * (grad_accum_steps if o.stage != "optimizer_step" else 1)
+        compute = 0.0
+        if o.kernel:
+            compute = o.flops / rates.flop_rate(o.kernel)
+        if o.exps:
+            compute = max(compute, o.exps / rates.exps_per_s)
+        memory = o.bytes / rates.bytes_per_s(o.bytes) if o.bytes else 0.0
+        overhead = o.launches * rates.overhead_s["autograd" if o.stage == "backward" else "op"]
+        st = stages[o.stage]
+        if compute >= memory:
+            st.compute_ms += 1000 * reps * compute
+        else:
+            st.memory_ms += 1000 * reps * memory
+        st.overhead_ms += 1000 * reps * overhead
+    return stages
+
+
+def predict_step(
+    shape: dict, amp_dtype: str, device: str, cache: bool = True, measure: bool = True, **options
+) -> TimePrediction:
+    """The predicted stage times of one optimizer step of this shape (estimate.gpt_shape's keys;
+    `options`: activation_checkpoint, chunked_loss, grad_accum_steps)."""
+    accum = options.pop("grad_accum_steps", 1)
+    ops = step_ops(**shape, amp_dtype=amp_dtype, device=device, **options)
+    rates = step_rates(device, amp_dtype, kernels(ops), cache=cache, measure=measure)
+    stages = predict_ops(ops, rates, accum)
+    if accum > 1:  # the later micro-batches add each gradient into the held one, a tensor at a time
+        sizes = param_sizes(
+            shape["n_layers"],
+            shape["d_model"],
+            shape["d_ff"],
+            shape["vocab_size"],
+            shape["max_position_embeddings"],
+        )
+        adds = [Op("backward", "gradient accumulation", bytes=12 * n, count=accum - 1) for n in sizes]
+        for name, st in predict_ops(adds, rates).items():
+            stages[name].memory_ms += st.memory_ms
+            stages[name].compute_ms += st.compute_ms
+            stages[name].overhead_ms += st.overhead_ms
+    config = {"amp_dtype": amp_dtype, "grad_accum_steps": accum, **options, **shape}
+    return TimePrediction(stages, shape["batch_size"] * shape["seq_len"] * accum, accum, rates, config)
+
+
+def format_prediction(pred: TimePrediction) -> str:
+    c, r = pred.config, pred.rates
+    mark = "" if r.tested else " (UNTESTED: from the data sheet; no GPU has checked this model yet)"
+    lines = [
+        f"Step time prediction: {c['n_layers']} layers, d_model {c['d_model']}, {c['n_heads']} heads, "
+        f"d_ff {c['d_ff']}, vocab {c['vocab_size']}; batch {c['batch_size']} x seq {c['seq_len']}"
+        + (f" x {pred.grad_accum_steps} accumulation" if pred.grad_accum_steps > 1 else "")
+        + f"; {c['amp_dtype']}"
+        + (", activation checkpointing" if c.get("activation_checkpoint") else "")
+        + (", chunked loss" if c.get("chunked_loss") else "")
+        + (
+            "; dropout is not modelled (its masks and the math attention it needs on the CPU)"
+            if c.get("dropout")
+            else ""
+        ),
+        f"Device {r.device}{mark}; rates: {r.source}",
+        f"  {'stage':16s}{'predicted ms':>14s}  {'bound':9s}  compute / memory / overhead ms",
+    ]
+    for name, st in pred.stages.items():
+        lines.append(
+            f"  {name:16s}{st.ms:14.1f}  {st.bound:9s}  "
+            f"{st.compute_ms:.1f} / {st.memory_ms:.1f} / {st.overhead_ms:.1f}"
+        )
+    lines.append(f"  {'step':16s}{pred.step_ms:14.1f}  -> {pred.tokens_per_s:,.0f} tokens/s")
+    return "\n".join(lines)
+
+
+def time_report(cfg, device: str, amp_dtype: str, as_json: bool) -> str:
+    """What `python -m minigpt.estimate --time [--json]` prints for a TrainConfig."""
+    from minigpt.estimate import gpt_shape
+    from minigpt.model import pad_vocab
+
+    if (
+        device == "cuda" and not torch.cuda.is_available()
+    ):  # resolve_device refuses it first; kept for callers
+        raise UsageError("--time --device cuda, but no CUDA GPU is visible to PyTorch; use --device cpu")
+    vocab = cfg.vocab_size
+    if vocab is None:
+        from minigpt.data import get_tokenizer
+
+        vocab = get_tokenizer(cfg.tokenizer_name).n_vocab
+    pred = predict_step(
+        gpt_shape(cfg, pad_vocab(vocab)),
+        amp_dtype,
+        device,
+        activation_checkpoint=cfg.use_activation_checkpoint,
+        chunked_loss=cfg.chunked_loss,
+        grad_accum_steps=cfg.grad_accum_steps,
+    )
+    return json.dumps(pred.to_record(), indent=1) if as_json else format_prediction(pred)
+
+
+def split_flags(argv: list[str] | None) -> tuple[list[str], bool, bool]:
+    """(the trainer's flags, --time, --json): the two flags belong to the estimator alone."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    rest = [a for a in args if a not in ("--time", "--json")]
+    timing, as_json = "--time" in args, "--json" in args
+    if as_json and not timing:
+        raise UsageError("--json goes with --time (the memory estimate prints a table); add --time")
+    return rest, timing, as_json
+
+
+def compare(predicted: dict[str, float], measured: dict[str, float]) -> dict[str, dict]:
+    """Predicted beside measured per stage, with the error (predicted / measured - 1): what a table
+    or a report shows next to a run's stage_host_ms."""
+    out = {}
+    for name in PREDICTED_STAGES:
+        if name in predicted and measured.get(name):
+            out[name] = {
+                "predicted_ms": predicted[name],
+                "measured_ms": measured[name],
+                "error": predicted[name] / measured[name] - 1,
+            }
+    return out
+
+
+def run_prediction(run_dir, measure: bool = False) -> dict:
+    """A finished run's stage times, predicted beside measured: what an ablation table or the
+    report shows. Reads the run's config.json (its shape and flags) and the last record of its
+    metrics.jsonl (stage_host_ms: the mean over the last log interval, after warm-up when the run
+    logged twice or more), and predicts from this machine's cached rates: a run from another
+    machine is compared with this one's rates, so call it where the run ran. measure=False (the
+    default, for readers): NoRates when the cache lacks a rate. Returns compare()'s dict per stage,
+    plus "bound", "tokens_per_s" (predicted and measured) and "tested"."""
+    from pathlib import Path
+
+    from minigpt import paths
+
+    run_dir = Path(run_dir)
+    conf = json.loads((run_dir / paths.CONFIG_FILE).read_text())
+    lines = (run_dir / paths.METRICS_FILE).read_text().splitlines()
+    record = json.loads(next(line for line in reversed(lines) if line.strip()))
+    m, c = conf["model"], conf["config"]
+    shape = dict(
+        n_layers=m["n_layers"],
+        d_model=m["d_model"],
+        n_heads=m["n_heads"],
+        d_ff=m["d_ff"],
+        seq_len=c["seq_len"],
+        batch_size=c["batch_size"],
+        vocab_size=m["vocab_size"],
+        max_position_embeddings=m["max_position_embeddings"],
+        dropout=m["dropout"],
+    )
+    pred = predict_step(
+        shape,
+        conf["amp"],
+        conf["device"],
+        measure=measure,
+        activation_checkpoint=m["activation_checkpoint"],
+        chunked_loss=m.get("chunked_loss", False),
+        grad_accum_steps=c.get("grad_accum_steps", 1),
+    )
+    rec = pred.to_record()
+    return {
+        "stages": compare(rec["stage_ms"], record.get("stage_host_ms") or {}),
+        "bound": rec["bound"],
+        "tokens_per_s": {"predicted": rec["tokens_per_s"], "measured": record.get("tokens_per_s_per_rank")},
+        "tested": rec["tested"],
+        "rates_source": rec["rates_source"],
+    }

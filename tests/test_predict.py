@@ -1,0 +1,275 @@
+"""The step-time prediction (minigpt/predict.py): its op list against the model's FLOP count, its
+stage sums and bound labels under given rates, the rate cache, and the command line. No test
+asserts a timing: the rates a test needs are given, or only checked to be positive."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from minigpt import estimate, predict
+from minigpt.config import UsageError
+from minigpt.model import GPT, GPTConfig, flops_per_token
+
+SHAPE = dict(
+    n_layers=2,
+    d_model=64,
+    n_heads=2,
+    d_ff=256,
+    seq_len=32,
+    batch_size=2,
+    vocab_size=128,
+    max_position_embeddings=32,
+)
+
+
+def rates(
+    flops: float = 1e9, bandwidth: float = 1e9, exps: float = 1e9, overhead: float = 1e-6
+) -> predict.Rates:
+    """Rates given, not measured: every kernel at `flops`, one bandwidth at every size."""
+    return predict.Rates(
+        device="cpu",
+        dtype="fp32",
+        matmul={"*": flops},
+        bandwidth=[(1, bandwidth)],
+        exps_per_s=exps,
+        overhead_s={"op": overhead, "autograd": overhead},
+        source="given",
+    )
+
+
+def test_matmul_flops_are_flops_per_token_less_the_vector_parameters():
+    """The ops that run at a matmul or attention rate count exactly what flops_per_token counts,
+    except 6 FLOPs per token for each bias and LayerNorm parameter (element-wise work, no product)."""
+    model = GPT(
+        GPTConfig(
+            **{k: SHAPE[k] for k in ("n_layers", "d_model", "n_heads", "d_ff")},
+            vocab_size=SHAPE["vocab_size"],
+            max_position_embeddings=SHAPE["max_position_embeddings"],
+        )
+    )
+    tokens = SHAPE["batch_size"] * SHAPE["seq_len"]
+    vector_params = sum(p.numel() for p in model.parameters() if p.dim() == 1)
+    expected = tokens * (flops_per_token(model, SHAPE["seq_len"]) - 6 * vector_params)
+    assert predict.matmul_flops(predict.step_ops(**SHAPE)) == expected
+    # the chunked loss runs the same three products of the LM head, a chunk of rows at a time
+    chunked = predict.step_ops(**SHAPE, chunked_loss=True, loss_chunk_elements=SHAPE["vocab_size"] * 20)
+    assert predict.matmul_flops(chunked) == expected
+
+
+def test_checkpointing_adds_one_forward_of_every_block_to_the_backward():
+    plain = predict.step_ops(**SHAPE)
+    ckpt = predict.step_ops(**SHAPE, activation_checkpoint=True)
+    h, f, s = SHAPE["d_model"], SHAPE["d_ff"], SHAPE["seq_len"]
+    tokens = SHAPE["batch_size"] * s
+    block_forward = 2 * tokens * (3 * h * h + h * h + 2 * h * f) + 4 * tokens * s * h
+    assert predict.matmul_flops(ckpt) - predict.matmul_flops(plain) == SHAPE["n_layers"] * block_forward
+    recomputed = [o for o in ckpt if o.stage == "backward" and o.kernel and "grad" not in o.name]
+    assert {o.name for o in recomputed} >= {"qkv", "attn proj", "fc", "mlp proj"}
+
+
+def test_chunk_rows_cover_every_token_once():
+    ops = predict.step_ops(**SHAPE, chunked_loss=True, loss_chunk_elements=SHAPE["vocab_size"] * 20)
+    logits = [o for o in ops if o.name == "chunk: logits"]
+    rows = sum(int(o.kernel.split()[1].split("x")[0]) * o.count for o in logits)
+    assert rows == SHAPE["batch_size"] * SHAPE["seq_len"]
+    assert sorted(o.count for o in logits) == [1, 3]  # 64 tokens in chunks of 20: three full, one of 4
+
+
+def test_amp_moves_fewer_bytes_in_the_products_and_casts_the_weights():
+    fp32, bf16 = predict.step_ops(**SHAPE), predict.step_ops(**SHAPE, amp_dtype="bf16")
+    assert not [o for o in fp32 if o.name.startswith("cast")]
+    assert any(o.name == "cast qkv weight" for o in bf16)
+    gemm = lambda ops: sum(o.bytes * o.count for o in ops if (o.kernel or "").startswith("matmul"))  # noqa: E731
+    assert gemm(bf16) * 2 == gemm(fp32)
+
+
+def test_twice_the_layers_predicts_a_longer_forward_and_backward():
+    one = predict.predict_ops(predict.step_ops(**SHAPE), rates())
+    two = predict.predict_ops(predict.step_ops(**{**SHAPE, "n_layers": 2 * SHAPE["n_layers"]}), rates())
+    for stage in ("forward", "backward", "optimizer_step"):
+        assert two[stage].ms > one[stage].ms > 0
+
+
+def test_bound_labels_follow_the_slowest_term():
+    ops = predict.step_ops(**SHAPE)
+    compute = predict.predict_ops(ops, rates(flops=1e3, exps=1e3))
+    memory = predict.predict_ops(ops, rates(bandwidth=1e3))
+    overhead = predict.predict_ops(ops, rates(overhead=10.0))
+    assert {s.bound for s in compute.values() if s.compute_ms} == {"compute"}
+    assert compute["forward"].bound == compute["backward"].bound == "compute"
+    assert {s.bound for s in memory.values()} == {"memory"}
+    assert {s.bound for s in overhead.values()} == {"overhead"}
+    for st in compute.values():
+        assert math.isclose(st.ms, st.compute_ms + st.memory_ms + st.overhead_ms)
+
+
+def test_bandwidth_is_interpolated_between_measured_sizes():
+    r = rates()
+    r.bandwidth = [(2**20, 4e10), (2**24, 1e10)]
+    assert r.bytes_per_s(2**10) == 4e10 and r.bytes_per_s(2**30) == 1e10
+    assert r.bytes_per_s(2**22) == pytest.approx(2.5e10)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """The measurements replaced by counters: what was measured, by name."""
+    calls: list[str] = []
+
+    def kernel(device, dtype, name):
+        calls.append(name)
+        return {"rounds": [1e9, 2e9, 3e9], "flops": 1}
+
+    monkeypatch.setattr(predict, "measure_kernel", kernel)
+    monkeypatch.setattr(predict, "measure_bandwidth", lambda d: calls.append("bandwidth") or {"1024": [1e9]})
+    monkeypatch.setattr(predict, "measure_exp", lambda d: calls.append("exp") or [1e9])
+    monkeypatch.setattr(
+        predict, "measure_overhead", lambda d: calls.append("overhead") or {"op": [1e-6], "autograd": [2e-6]}
+    )
+    return calls
+
+
+def test_cached_rates_are_reused_without_measuring_again(tmp_path, monkeypatch, counted):
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
+    needed = predict.kernels(predict.step_ops(**SHAPE))
+    first = predict.step_rates("cpu", "fp32", needed)
+    assert first.measured == len(needed) + 3 and sorted(counted) == sorted(
+        needed + ["bandwidth", "exp", "overhead"]
+    )
+    assert first.flop_rate(needed[0]) == pytest.approx(3 / (1 / 1e9 + 1 / 2e9 + 1 / 3e9))  # work / mean time
+    counted.clear()
+    again = predict.step_rates("cpu", "fp32", needed)
+    assert counted == [] and again.measured == 0 and again.source.startswith("cache")
+    assert again.matmul == first.matmul
+    # a new shape measures only what the cache lacks; another dtype is another entry
+    predict.step_rates("cpu", "fp32", [*needed, "matmul 3x5x7"])
+    assert counted == ["matmul 3x5x7"]
+    entries = json.loads((tmp_path / predict.STEP_RATES_FILE).read_text())
+    assert len(entries) == 1 and "matmul 3x5x7" in next(iter(entries.values()))
+
+
+def test_measured_rates_are_positive(tmp_path, monkeypatch):
+    """The real measurements, at shapes small enough for a test: every rate a positive number."""
+    monkeypatch.setattr(predict, "BANDWIDTH_SIZES", (2**18, 2**20))
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
+    r = predict.step_rates(
+        "cpu", "fp32", ["matmul 16x8x4", "attention forward 1x2x16x8", "attention backward 1x2x16x8"]
+    )
+    values = [*r.matmul.values(), *(b for _, b in r.bandwidth), r.exps_per_s, *r.overhead_s.values()]
+    assert all(v > 0 and math.isfinite(v) for v in values) and len(r.bandwidth) == 2
+
+
+def test_cli_json_keys(tmp_path, monkeypatch, capsys, counted):
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MINIGPT_ARGS", raising=False)
+    assert estimate.main(["--time", "--json", "--preset", "tiny", "--vocab-size", "64", "--no-amp"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert set(record["stage_ms"]) == {"forward", "backward", "optimizer_step"}
+    assert record["tokens_per_s"] > 0 and record["dtype"] == "fp32" and record["tested"] is True
+    assert set(record["bound"].values()) <= set(predict.BOUNDS)
+    assert (tmp_path / predict.STEP_RATES_FILE).is_file()
+    # the table names the stages and their bounds
+    assert estimate.main(["--time", "--preset", "tiny", "--vocab-size", "64", "--no-amp"]) == 0
+    text = capsys.readouterr().out
+    assert all(stage in text for stage in record["stage_ms"]) and "tokens/s" in text
+
+
+def test_no_rates_for_the_device_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MINIGPT_ARGS", raising=False)
+    if not torch.cuda.is_available():
+        assert estimate.main(["--time", "--json", "--device", "cuda"]) == 2
+        err = capsys.readouterr()
+        assert err.out == "" and len(err.err.strip().splitlines()) == 1 and "cuda" in err.err
+    # a GPU that neither data-sheet table knows has no rates either
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA Mystery 9000")
+    with pytest.raises(UsageError, match="no rates for NVIDIA Mystery 9000") as e:
+        predict.step_rates("cuda", "bf16", [])
+    assert "\n" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_json_without_time_is_a_usage_error(capsys):
+    assert estimate.main(["--json"]) == 2
+    assert "--json goes with --time" in capsys.readouterr().err
+
+
+def test_compare_gives_the_error_per_stage():
+    out = predict.compare({"forward": 12.0, "backward": 30.0}, {"forward": 10.0, "backward": 0.0})
+    assert out == {"forward": {"predicted_ms": 12.0, "measured_ms": 10.0, "error": pytest.approx(0.2)}}
+
+
+def test_param_sizes_are_the_models_tensors():
+    """What the optimizer and the clipping loop over, one op per tensor."""
+    model = GPT(
+        GPTConfig(n_layers=3, d_model=32, n_heads=2, d_ff=64, vocab_size=128, max_position_embeddings=16)
+    )
+    assert sorted(p.numel() for p in model.parameters()) == sorted(predict.param_sizes(3, 32, 64, 128, 16))
+    ops = [o for o in predict.step_ops(**SHAPE) if o.name.startswith("fused AdamW")]
+    assert sum(o.count for o in ops) == 2 + 12 * SHAPE["n_layers"] + 2
+
+
+def write_run(folder, shape: dict, stage_ms: dict) -> None:
+    """A run directory as train_minimal.py leaves it, reduced to what run_prediction reads."""
+    model = {
+        k: shape[k]
+        for k in ("n_layers", "n_heads", "d_model", "d_ff", "vocab_size", "max_position_embeddings")
+    }
+    model.update(dropout=0.0, activation_checkpoint=False, chunked_loss=True)
+    config = {"seq_len": shape["seq_len"], "batch_size": shape["batch_size"], "grad_accum_steps": 1}
+    (folder / "config.json").write_text(
+        json.dumps({"config": config, "model": model, "device": "cpu", "amp": "bf16"})
+    )
+    records = [
+        {"step": 1, "stage_host_ms": {}},
+        {"step": 2, "stage_host_ms": stage_ms, "tokens_per_s_per_rank": 9.0},
+    ]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_run_prediction_puts_predicted_beside_the_runs_last_record(tmp_path, monkeypatch, counted):
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path / "cache"))
+    write_run(tmp_path, SHAPE, {"forward": 10.0, "backward": 20.0, "optimizer_step": 5.0})
+    with pytest.raises(predict.NoRates, match="python -m minigpt.estimate --time"):
+        predict.run_prediction(tmp_path)  # a reader does not measure
+    assert counted == [] and not (tmp_path / "cache").exists()
+    fresh = predict.run_prediction(tmp_path, measure=True)
+    again = predict.run_prediction(tmp_path)
+    assert again == {**fresh, "rates_source": again["rates_source"]} and again["rates_source"].startswith(
+        "cache"
+    )
+    assert set(again["stages"]) == set(predict.PREDICTED_STAGES)
+    fwd = again["stages"]["forward"]
+    assert fwd["measured_ms"] == 10.0 and fwd["error"] == pytest.approx(fwd["predicted_ms"] / 10.0 - 1)
+    assert again["tokens_per_s"]["measured"] == 9.0
+
+
+def test_accumulation_runs_forward_and_backward_per_micro_batch(tmp_path, monkeypatch, counted):
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
+    one = predict.predict_step(SHAPE, "fp32", "cpu").stages
+    two = predict.predict_step(SHAPE, "fp32", "cpu", grad_accum_steps=2)
+    assert two.stages["forward"].ms == pytest.approx(2 * one["forward"].ms)
+    assert two.stages["backward"].ms > 2 * one["backward"].ms  # and the gradients added into the held ones
+    assert two.stages["optimizer_step"].ms == pytest.approx(one["optimizer_step"].ms)
+    assert two.tokens_per_step == 2 * SHAPE["batch_size"] * SHAPE["seq_len"]
+
+
+def test_the_models_row_wise_cpu_loss_when_it_has_one(monkeypatch):
+    """Where minigpt.model computes the CPU's cross-entropy by rows (LOSS_ROWS), the op list follows
+    it: no log_softmax passes and no backward of the loss, the same products."""
+    plain = predict.step_ops(**SHAPE, amp_dtype="bf16")
+    monkeypatch.setattr(predict.model_module, "LOSS_ROWS", 8, raising=False)
+    rows = predict.step_ops(**SHAPE, amp_dtype="bf16")
+    names = {o.name for o in rows}
+    assert (
+        "cross-entropy by rows" in names
+        and "log_softmax" not in names
+        and "log_softmax backward" not in names
+    )
+    assert predict.matmul_flops(rows) == predict.matmul_flops(plain)
+    assert "log_softmax" in {
+        o.name for o in predict.step_ops(**SHAPE, device="cuda")
+    }  # F.cross_entropy there
