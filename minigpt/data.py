@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from minigpt.config import UsageError
-from minigpt.fileio import atomic_write
+from minigpt.fileio import atomic_write, file_kind
 from minigpt.progress import Progress, progress_enabled
 
 EOT = 50256  # GPT-2's <|endoftext|>, placed between documents
@@ -198,18 +198,7 @@ def check_regular_file(path: Path) -> None:
     if stat.S_ISDIR(mode):
         raise UsageError(f"data file {path} is a directory; pass the text files inside it")
     if not stat.S_ISREG(mode):
-        kind = (
-            "a character device"
-            if stat.S_ISCHR(mode)
-            else "a block device"
-            if stat.S_ISBLK(mode)
-            else "a FIFO"
-            if stat.S_ISFIFO(mode)
-            else "a socket"
-            if stat.S_ISSOCK(mode)
-            else "not a file"
-        )
-        raise UsageError(f"data file {path} is {kind}, not a regular file; pass a text file")
+        raise UsageError(f"data file {path} is {file_kind(mode)}, not a regular file; pass a text file")
 
 
 def tokenize_file(

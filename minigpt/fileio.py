@@ -112,6 +112,7 @@ class UnreadableFile(UsageError):
 
 
 def file_kind(mode: int) -> str:
+    """What a path that is not a regular file is, for a one-line refusal."""
     return (
         "a directory"
         if stat.S_ISDIR(mode)
