@@ -166,8 +166,11 @@ def skeleton(line: str) -> str:
     line = re.sub(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\]", "[T]", line)
     line = re.sub(r"runs/\d{8}-\d{6}(-\d+)?", "runs/RUN", line)
     line = re.sub(r"[0-9a-f]{12,}", "ID", line)
+    line = re.sub(r"\[/[^\]]*\]", "[PATH]", line)  # a cache or temporary folder's absolute path
+    line = re.sub(r"\bwhen: .*", "when: WHERE", line)  # where a peak falls moves with the model's size
     while (new := re.sub(r"\([^()]*\)", "", line)) != line:
         line = new
+    line = re.sub(r"\(.*$", "", line)  # a list cut short by the excerpt's line width
     line = re.sub(r"[-+]?\d[\d,]*(\.\d+)?(e[-+]?\d+)?", "#", line)
     return " ".join(line.split())
 
