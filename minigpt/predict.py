@@ -737,10 +737,12 @@ def run_prediction(run_dir, measure: bool = False) -> dict:
     from pathlib import Path
 
     from minigpt import paths
+    from minigpt.fileio import read_bounded
+    from minigpt.runfiles import CONFIG_LIMIT, JSONL_LIMIT
 
-    run_dir = Path(run_dir)
-    conf = json.loads((run_dir / paths.CONFIG_FILE).read_text())
-    lines = (run_dir / paths.METRICS_FILE).read_text().splitlines()
+    run_dir = Path(run_dir)  # read as the report reads it: regular files only, sizes checked first
+    conf = json.loads(read_bounded(run_dir / paths.CONFIG_FILE, CONFIG_LIMIT))
+    lines = read_bounded(run_dir / paths.METRICS_FILE, JSONL_LIMIT).decode().splitlines()
     record = json.loads(next(line for line in reversed(lines) if line.strip()))
     m, c = conf["model"], conf["config"]
     shape = dict(
