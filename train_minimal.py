@@ -829,8 +829,9 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
                     # DDP all-reduces the gradients in the last micro-batch's backward only.
                     with distributed.no_grad_sync(ddp_model, sync=micro == cfg.grad_accum_steps - 1):
                         with inst.stage("forward"), autocast:
-                            _, loss = train_model(x, y)
-                            loss = loss / cfg.grad_accum_steps  # the mean over the micro-batches
+                            # Only the loss is kept: held logits (b x s x vocab) would live
+                            # on through the next forward and add to its peak.
+                            loss = train_model(x, y)[1] / cfg.grad_accum_steps  # mean of micro-batches
                         with inst.stage("backward"):
                             scaler.scale(loss).backward()
                     step_loss += loss.detach()

@@ -38,7 +38,7 @@ class MemoryEstimate:
     head: int  # saved by ln_f and lm_head
     loss: int  # saved by the cross-entropy
     weight_copies: int  # of the above: autocast's low-precision weight copies that matmuls save
-    logits: int  # the logits the model returns: held by the caller until its next forward ends
+    logits: int  # the logits the model returns: live until the loss's forward returns (the loop keeps only the loss)
     recompute: int  # checkpointing: one block's activations, rebuilt during backward
     grad_accum_steps: int = 1
     chunked_loss: bool = False
@@ -116,8 +116,7 @@ def estimate_gpt(
     loss_rows: int = 8,
 ) -> MemoryEstimate:
     """Bytes of one training step of minigpt's GPT (plain numbers in, no model built), with fused
-    AdamW, the step shaped as train_minimal.py runs it (the caller holds the last output until the
-    next forward ends). docs/memory.md derives every term and checks it against the measurement.
+    AdamW, the step shaped as train_minimal.py runs it (the loop keeps the loss, not the logits). docs/memory.md derives every term and checks it against the measurement.
 
     What persists: parameters, fp32 gradients, AdamW's two fp32 moments and a step per tensor.
     What the forward saves: Korthikanti et al.'s per-layer count redone for this model (fp32
@@ -235,19 +234,16 @@ def estimate_gpt(
         # and, with checkpointing, autocast's cached weight copies (saved by no block).
         in_forward = (4 * sbh + (L * weight_copies if activation_checkpoint else 0)) if amp else 0
         loss_forward = moment(activations=acts - loss, temporaries=logits + in_loss + in_forward)
-        # The caller's last logits live until this forward returns: the last step's (held from
-        # before the step), or under accumulation the step's previous micro-batch's.
-        loss_forward["held" if grad_accum_steps == 1 else "temporaries"] += logits
         moments["loss forward"] = loss_forward
         # Its backward returns the saved gradient itself, or, when the loss was scaled (accumulation),
         # a scaled copy of it.
         moments["loss backward"] = moment(
-            activations=acts, temporaries=logits + (loss if grad_accum_steps > 1 else 0)
+            activations=acts, temporaries=loss if grad_accum_steps > 1 else 0
         )
     else:
-        # LogSoftmaxBackward: the logits the caller holds, the saved log-probabilities (in acts), the
-        # gradient NllLossBackward made (fp32 bsV) and its own output (fp32 bsV)
-        moments["loss backward"] = moment(activations=acts, temporaries=logits + 2 * 4 * bs * V)
+        # LogSoftmaxBackward: the saved log-probabilities (in acts), the gradient NllLossBackward
+        # made (fp32 bsV) and its own output (fp32 bsV); the logits died with the forward
+        moments["loss backward"] = moment(activations=acts, temporaries=2 * 4 * bs * V)
     if not chunked_loss:
         # The LM head's backward: the loss's gradient arrives (the bytes of what the loss saved:
         # CrossEntropy's own gradient, or its scaled copy), the weight's gradient and the input's
@@ -255,14 +251,14 @@ def estimate_gpt(
         # V x h weight copy into a scratch buffer of its size while it makes the input's gradient.
         pack = p * V * h if amp and device == "cpu" else 0
         moments["lm head backward"] = moment(
-            activations=acts, temporaries=logits + p * V * h + p * sbh + pack
+            activations=acts, temporaries=p * V * h + p * sbh + pack
         )
     if activation_checkpoint:
         # the last block rebuilt, with the LM head's weight gradient kept for the tied weight's sum;
         # what the loss, ln_f and the LM head saved is freed by then
         moments["block recompute"] = moment(
             activations=acts + full_block - (0 if chunked_loss else loss + head),
-            temporaries=logits + (0 if chunked_loss else E),
+            temporaries=0 if chunked_loss else E,
         )
     # The tied weight's gradient: the LM head's (held since the start of backward), the
     # embedding's (dense V x h), and their sum, with every other gradient made by then. Under
@@ -270,9 +266,9 @@ def estimate_gpt(
     # adds the embedding's into in place: no third V x h tensor.
     tied = 2 * E if amp and not chunked_loss else 3 * E
     moments["tied embedding backward"] = moment(
-        grads=params - E if grad_accum_steps == 1 else 0, temporaries=logits + tied
+        grads=params - E if grad_accum_steps == 1 else 0, temporaries=tied
     )
-    moments["optimizer step"] = moment(grads=params if grad_accum_steps == 1 else 0, temporaries=logits)
+    moments["optimizer step"] = moment(grads=params if grad_accum_steps == 1 else 0)
     est.moments = moments
     return est
 
@@ -334,7 +330,7 @@ def format_estimate(
         ("activations saved for backward", lambda e: e.activations),
         ("  of which autocast weight copies", lambda e: e.weight_copies),
         ("total: params+grads+optimizer+activations", lambda e: e.total),
-        ("logits returned (held by the caller)", lambda e: e.logits),
+        ("logits (live until the loss returns)", lambda e: e.logits),
         *((f"at the {m}", _moment_total(m)) for m in MOMENT_STAGES),
         ("peak estimate (the largest moment)", lambda e: e.peak),
     ]
