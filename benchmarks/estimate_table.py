@@ -6,7 +6,7 @@
 
 Each cell builds minigpt's GPT in this process, runs one warm-up step and one measured step
 shaped as the trainer's (stages named, autocast, loss / accumulation steps, clipping, fused
-AdamW, the caller holding the last step's output), measured with minigpt.memory.capture_memory;
+AdamW, the loop keeping only the loss), measured with minigpt.memory.capture_memory;
 beside it minigpt.estimate.estimate_gpt's prediction from the same numbers. The matrix: presets
 small and gpt2 x batch 1-2 x seq 256-1024 x fp32/bf16 x activation checkpointing x gradient
 accumulation 1/2 x the plain or the chunked loss (--chunked-loss; `--losses chunked` measures only
@@ -46,7 +46,7 @@ MIB = 2**20
 VOCAB = 50304  # GPT-2's vocabulary padded to a multiple of 64, as the trainer pads it
 TOLERANCE = 0.10  # the estimator's promise: the measured peak within 10%
 # (preset, batch, seq): the shapes of the matrix; each runs x fp32/bf16 x ckpt x accumulation 1/2.
-SHAPES = [("small", 1, 256), ("small", 2, 1024), ("gpt2", 1, 256), ("gpt2", 2, 1024)]
+SHAPES = [("small", 1, 256), ("small", 8, 256), ("small", 2, 1024), ("gpt2", 1, 256), ("gpt2", 2, 1024)]
 
 
 def model_of(shape: dict, **options) -> GPT:
@@ -122,8 +122,7 @@ def measure(
                     y = torch.roll(x, -1, 1)
                 # the mode inside the stage's range: entered outside, it hides the range from the profiler
                 with record_function("forward"), autocast, matmuls():
-                    _, loss = model(x, y)  # the caller holds the output until the next forward ends
-                    loss = loss / accum
+                    loss = model(x, y)[1] / accum  # as the trainer: the logits are not kept
                 with record_function("backward"), matmuls():
                     loss.backward()
                 step_loss += loss.detach()
@@ -233,7 +232,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "from the profiler's memory events); predicted by `estimate_gpt` from the same numbers. Parts in "
         "MiB as measured / predicted: parameters, gradients, optimizer state, saved activations, "
         "temporaries of the ops (the logits and their gradient among them), and tensors held from before "
-        "the step (the caller's last output).",
+        "the step (none: the loop keeps only the loss).",
         "",
         f"Worst cell: {name(worst)}{SHAPE_ONLY if worst.get('matmuls') == 'shape only' else ''}: "
         f"{100 * worst['error']:+.1f}%; {within} of {len(rows)} cells "
