@@ -8,7 +8,7 @@ Each cell builds minigpt's GPT in this process, runs one warm-up step and one me
 shaped as the trainer's (stages named, autocast, loss / accumulation steps, clipping, fused
 AdamW, the loop keeping only the loss), measured with minigpt.memory.capture_memory;
 beside it minigpt.estimate.estimate_gpt's prediction from the same numbers. The matrix: presets
-small and gpt2 x batch 1-2 x seq 256-1024 x fp32/bf16 x activation checkpointing x gradient
+small and gpt2 x batch 1-8 x seq 256-1024 x fp32/bf16 x activation checkpointing x gradient
 accumulation 1/2 x the plain or the chunked loss (--chunked-loss; `--losses chunked` measures only
 those cells, `--shapes small:8:256` adds the trainer's default shape). Writes
 benchmarks/results/<device>-estimate.json and .md.
