@@ -75,9 +75,9 @@ from minigpt.data import (
     ToyBatches,
     builtin_corpus,
     check_enough_tokens,
-    get_tokenizer,
     load_tokens,
     split_train_val,
+    tokenizer_vocab,
 )
 from minigpt.estimate import estimate_gpt, estimate_report, gpt_shape
 from minigpt.fileio import atomic_write
@@ -234,7 +234,7 @@ def load_data(cfg: TrainConfig, rank: int, pin: bool) -> Data:
         train_tokens, val_tokens = split_train_val(tokens)
     check_enough_tokens(train_tokens, cfg.seq_len, "the training data")
     check_enough_tokens(val_tokens, cfg.seq_len, "the validation data")
-    n_vocab = get_tokenizer(cfg.tokenizer_name).n_vocab
+    n_vocab = tokenizer_vocab(cfg.tokenizer_name)
     if cfg.vocab_size is not None and cfg.vocab_size < n_vocab:
         raise UsageError(
             f"--vocab-size {cfg.vocab_size} is smaller than the {cfg.tokenizer_name} "

@@ -31,6 +31,7 @@ from minigpt.fileio import atomic_write, file_kind
 from minigpt.progress import Progress, progress_enabled
 
 EOT = 50256  # GPT-2's <|endoftext|>, placed between documents
+GPT2_N_VOCAB = 50257  # GPT-2's ids: its 50,256 BPE tokens and <|endoftext|>
 CACHE_ENV = "MINIGPT_CACHE_DIR"  # where token files live; default ~/.cache/minigpt
 # SHA-256 of GPT-2's BPE files, as tiktoken itself pins them: a changed file is refused.
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
@@ -83,8 +84,15 @@ def get_tokenizer(name: str = "gpt2"):
         pat_str=r50k_pat_str,
         mergeable_ranks=ranks,
         special_tokens={"<|endoftext|>": EOT},
-        explicit_n_vocab=50257,
+        explicit_n_vocab=GPT2_N_VOCAB,
     )
+
+
+def tokenizer_vocab(name: str = "gpt2") -> int:
+    """How many ids a tokenizer has. GPT-2's is known without building its encoder, which takes
+    about 50 MiB of memory for the whole run and time at start-up: a run that reads its tokens from
+    the cache never needs it."""
+    return GPT2_N_VOCAB if name == "gpt2" else get_tokenizer(name).n_vocab
 
 
 def cache_dir() -> Path:
@@ -220,7 +228,7 @@ def tokenize_file(
         raise UsageError(f"cannot read data file {path} ({e.strerror}); check its permissions") from None
     digest = hashlib.sha256(raw + tokenizer_name.encode()).hexdigest()[:20]
     cached = cache_dir() / "tokens" / f"{path.stem}-{digest}.{tokenizer_name}.{TOKEN_SUFFIX}"
-    n_vocab = get_tokenizer(tokenizer_name).n_vocab
+    n_vocab = tokenizer_vocab(tokenizer_name)
     ids = read_token_file(cached, n_vocab)
     if ids is not None:
         return ids
