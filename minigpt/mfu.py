@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 
 from minigpt.data import cache_dir
-from minigpt.fileio import atomic_write
+from minigpt.fileio import UnreadableFile, atomic_write, read_bounded
 
 PEAK_CACHE_FILE = "peak_flops.json"  # under minigpt.data.cache_dir(): one entry per machine, dtype, torch
 # Each unit is timed in many short calls for this long (wall clock) after a warm-up, and its best
@@ -78,6 +78,8 @@ SKIP_PREDICTED_S = 10.0
 # MFLOP) are all overhead and, under load, spin-waiting; at 0.3 GFLOP/s they once "predicted" 14 s
 # for the 1024^3 product (2 ms here), which was skipped and the denominator fell 4000-fold.
 PREDICT_WITHIN = 64
+# The MFU and step-rate caches hold a few dozen entries (a few KiB); a larger file is not ours.
+CACHE_LIMIT = 4 * 2**20
 
 # Dense peak FLOP/s per GPU from the vendors' data sheets (no 2:4 sparsity), by AMP dtype.
 # fp32 means plain fp32 (TF32 off, PyTorch's default for matmuls).
@@ -276,10 +278,12 @@ def current(entries: dict) -> dict:
 
 
 def read_cache(path: Path) -> dict:
-    """The cache file, or {} when it is absent or unreadable (then it is measured and rewritten)."""
+    """The cache file, or {} when it is absent, unreadable, not a regular file, larger than any
+    cache this code writes, or not JSON (hand-edited: nested too deep to parse, say); then it is
+    measured and rewritten."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = json.loads(read_bounded(path, CACHE_LIMIT))
+    except (UnreadableFile, ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
 
