@@ -26,6 +26,16 @@ class DiskFull(UsageError):
     """No space left (or over quota) while writing a file; the previous file, if any, is whole."""
 
 
+def display_path(path: str | Path) -> str:
+    """A path as a log line shows it: under the home folder as ~/..., so that a log reads the same
+    for every user and on every machine."""
+    path = Path(path)
+    try:
+        return f"~/{path.relative_to(Path.home())}"
+    except (ValueError, RuntimeError):  # RuntimeError: no home folder known
+        return str(path)
+
+
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024:

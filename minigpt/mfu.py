@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 
 from minigpt.data import cache_dir
-from minigpt.fileio import UnreadableFile, atomic_write, read_bounded
+from minigpt.fileio import UnreadableFile, atomic_write, display_path, read_bounded
 
 PEAK_CACHE_FILE = "peak_flops.json"  # under minigpt.data.cache_dir(): one entry per machine, dtype, torch
 # Each unit is timed in many short calls for this long (wall clock) after a warm-up, and its best
@@ -258,7 +258,7 @@ def peak_flops(
         if len(fresh) == len(units) - len(skipped)  # every unit timed here, none read from the cache
         else "measured now, partly cached"
     )
-    where = f"{path}" if cache else "not cached"
+    where = display_path(path) if cache else "not cached"
     load = best.get("load")
     under = f"at load {load:.2f} on {best['cores']} cores" if load is not None else "(load unknown)"
     source = (

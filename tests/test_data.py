@@ -122,3 +122,11 @@ def test_cached_tokens_never_build_the_tokenizer(tmp_path, monkeypatch):
     again = tokenize_file(text)
     assert get_tokenizer.cache_info().currsize == 0
     assert np.array_equal(np.asarray(again), np.asarray(first))
+
+
+def test_a_path_under_home_reads_the_same_for_every_user(monkeypatch, tmp_path):
+    from minigpt.fileio import display_path
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert display_path(tmp_path / ".cache" / "minigpt" / "x.json") == "~/.cache/minigpt/x.json"
+    assert display_path("/elsewhere/x.json") == "/elsewhere/x.json"
