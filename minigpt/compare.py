@@ -30,13 +30,12 @@ benchmarks/ablation.py uses compare_runs() and headline() to explain its finding
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from minigpt.errors import ArgParser
 from minigpt.fileio import atomic_write
-from minigpt.metrics import OLDER_RUN, RUN_KEYS
 from minigpt.report import (
     MB,
     esc,
@@ -55,6 +54,7 @@ from minigpt.report import (
 from minigpt.runfiles import Run, RunError, load_run
 from minigpt.stages import split_parent
 from minigpt.stats import MIN_SAMPLES, RatioInterval, needed_samples, ratio_interval, verdict
+from minigpt.step_record import OLDER_RUN, RUN_KEYS
 
 TOP_COMPARE = 15  # operator / kernel rows shown: the largest differences per profiled step
 CHANGED = 0.10  # a matched operator whose time moved by more than 10% is "changed", else "same":
@@ -747,14 +747,8 @@ def compare_html(d: dict, a: Run, b: Run) -> str:
     return page(f"minigpt: {a.name} vs {b.name}", "\n".join(parts))
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line on stderr, exit 2, as for every other mistake
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(prog="python -m minigpt.compare", description="Compare two training runs.")
+    p = ArgParser(prog="python -m minigpt.compare", description="Compare two training runs.")
     p.add_argument("run_a", type=Path, help="run directory A (the baseline)")
     p.add_argument("run_b", type=Path, help="run directory B (ratios are B / A)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")

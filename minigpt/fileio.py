@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-from minigpt.config import UsageError
+from minigpt.errors import UsageError
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 

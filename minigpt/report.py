@@ -14,27 +14,29 @@ The trainer calls write_report() at the end of a run (--no-report turns it off).
 
 from __future__ import annotations
 
-import argparse
 import html
 import math
 import statistics
 import sys
 from pathlib import Path
 
+from minigpt.errors import ArgParser
 from minigpt.fileio import atomic_write
-from minigpt.memory import (
+from minigpt.memory_log import (
     CATEGORIES,
     PEAK_PART_NAMES,
     PEAK_PARTS,
+    SUMMARY_DEPTH,
     category_leaves,
     category_rows,
     peak_of_state,
     peak_rows,
+    sunburst,
 )
-from minigpt.metrics import MEMORY_BREAKDOWN_KEYS, OLDER_RUN, run_figures
 from minigpt.paths import METRICS_FILE, REPORT_FILE
 from minigpt.runfiles import Run, RunError, load_run, timeline_events
 from minigpt.stages import STAGE_NAMES, color, label, split_parent
+from minigpt.step_record import MEMORY_BREAKDOWN_KEYS, OLDER_RUN, run_figures
 
 MB = 1024 * 1024
 TOP_ROWS = 15  # operators and kernels drawn and listed per trace
@@ -172,7 +174,7 @@ def steady(metrics: list[dict]) -> list[dict]:
 
 
 def throughput(run: Run) -> dict:
-    """The run's own figures, as metrics.jsonl's last record holds them (minigpt.metrics.RUN_KEYS:
+    """The run's own figures, as metrics.jsonl's last record holds them (minigpt.step_record.RUN_KEYS:
     tokens/s over the steps alone and end to end, start-up; None for an older run that did not
     write them), and the per-interval figures' medians over the steady steps: tokens/s per step,
     MFU, and what MFU is measured against."""
@@ -640,13 +642,8 @@ def _sunburst_figure(rows: list[tuple[str, str, str, int]], title: str):
     import plotly.graph_objects as go
 
     fig = go.Figure(
-        go.Sunburst(
-            ids=[r[0] for r in rows],
-            labels=[r[1] for r in rows],
-            parents=[r[2] for r in rows],
-            values=[r[3] for r in rows],
-            branchvalues="total",
-            customdata=[r[3] / MB for r in rows],
+        sunburst(
+            rows,
             texttemplate="%{label}<br>%{customdata:.1f} MiB",
             hovertemplate="%{label}<br>%{customdata:.2f} MiB, %{percentRoot:.1%} of the chart<extra></extra>",
         )
@@ -801,7 +798,7 @@ def memory_section(run: Run) -> str:
             leaves = category_leaves(state)
             rows = [("total", SUM_OF_PARTS, "", sum(sum(v.values()) for v in leaves.values()))]
             for category in CATEGORIES:
-                rows += category_rows(leaves[category], category, max_depth=3, parent="total")
+                rows += category_rows(leaves[category], category, max_depth=SUMMARY_DEPTH, parent="total")
             title = (
                 f"step {state['step']} by category: {_mib(rows[0][3])}, a sum of parts never all live at once"
             )
@@ -975,14 +972,8 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
     return out
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line on stderr, exit 2, as for every other mistake
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(prog="python -m minigpt.report", description="Write a run's offline HTML report.")
+    p = ArgParser(prog="python -m minigpt.report", description="Write a run's offline HTML report.")
     p.add_argument("run", type=Path, help="a run directory (the trainer's --out-dir)")
     p.add_argument("--out", type=Path, help=f"where to write it (default RUN/{REPORT_FILE})")
     args = p.parse_args(argv)

@@ -25,9 +25,9 @@ from pathlib import Path
 
 from minigpt import traces
 from minigpt.fileio import UnreadableFile, file_kind, format_bytes, read_bounded
-from minigpt.memory import MEMORY_LOG, parse_memory_log
-from minigpt.metrics import StepRecord
+from minigpt.memory_log import MEMORY_LOG, parse_memory_log
 from minigpt.paths import CONFIG_FILE, MEMORY_TRACE_DIR, METRICS_FILE, STRAGGLERS_FILE, TRACE_DIR
+from minigpt.step_record import StepRecord
 
 # The run directory's names are minigpt/paths.py's; the memory folders of every rank match this.
 MEMORY_TRACE_GLOB = MEMORY_TRACE_DIR.format(worker="rank*_dp*")

@@ -94,6 +94,11 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+try:  # the project's one-line refusal of a bad flag; a copy of this file run alone has argparse's own
+    from minigpt.errors import ArgParser
+except ImportError:
+    ArgParser = argparse.ArgumentParser
+
 # The ranges of one training step, in order: a standard-library copy of minigpt.stages.STAGE_NAMES
 # for a copy of this file run alone, wherever a trace was copied to (a test holds the two equal).
 # Inside the project the registry itself is read (minigpt.stages imports no torch): a stage added
@@ -197,12 +202,6 @@ TC_DTYPE = re.compile(r"bf16|fp16|f16|half|tf32|fp8|e4m3|e5m2|int8", re.I)
 
 class TraceError(Exception):
     """A trace that cannot be read: the message is the one line the user sees."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line on stderr, exit 2, as for every other mistake
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
 
 
 def tensor_cores(name: str) -> str:
@@ -886,7 +885,7 @@ def summarize_all(target: Path, stages: tuple[str, ...], top: int) -> tuple[list
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(
+    parser = ArgParser(
         prog="python -m minigpt.traces",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

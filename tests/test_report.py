@@ -14,15 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TINY
 
-from minigpt.memory import (
-    MEMORY_LOG,
-    PEAK_PARTS,
-    MemoryBreakdown,
-    parse_memory_log,
-    peak_of_state,
-    peak_rows,
-    write_memory_trace,
-)
+from minigpt.memory import MemoryBreakdown, write_memory_trace
+from minigpt.memory_log import MEMORY_LOG, PEAK_PARTS, parse_memory_log, peak_of_state, peak_rows
 from minigpt.report import SECTIONS, fitted_range, main, write_report
 from minigpt.runfiles import RunError, load_run
 
