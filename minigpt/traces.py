@@ -295,11 +295,6 @@ def load_trace(path: Path) -> Trace:
     return Trace(path, events, malformed, rank)
 
 
-def load_events(path: Path) -> list[dict]:
-    """The checked complete ('X') events of a trace file."""
-    return load_trace(path).events
-
-
 def is_trace_file(path: Path) -> bool:
     return path.is_file() and path.name.endswith(TRACE_SUFFIXES)
 
@@ -553,11 +548,6 @@ class _Index:
             stage["comm_kind"] = comm_kind(comm_names) if comm_names else None
             row["stages"][name] = stage
         return row, work, stage_work
-
-
-def step_table(events: list[dict], stages: tuple[str, ...], gpu: bool) -> list[dict]:
-    """Per ProfilerStep: its host time, and each stage's host, communication and device time."""
-    return _steps(_Index(events, stages), gpu)[0]
 
 
 def _steps(index: _Index, gpu: bool):
