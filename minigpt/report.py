@@ -430,9 +430,23 @@ def stages_section(run: Run) -> str:
     )
 
 
-def timeline_section(run: Run) -> str:
-    if not run.traces:
-        return nodata("no trace: run with --use-profiler")
+def _bars(lane: str, rows: list[tuple[str, float, float]], **style):
+    """One timeline lane's bars: a horizontal bar per (name, start ms, duration ms) row."""
+    import plotly.graph_objects as go
+
+    return go.Bar(
+        y=[lane] * len(rows),
+        x=[d for _, _, d in rows],
+        base=[t for _, t, _ in rows],
+        orientation="h",
+        **style,
+    )
+
+
+def _timeline_figure(run: Run):
+    """Each rank's profiled window as lanes of bars: its steps, its stages, and (on a GPU) its
+    device work. Returns the figure, its lanes top to bottom, and a note per rank whose device
+    events were cut to MAX_KERNEL_BARS."""
     import plotly.graph_objects as go
 
     fig = go.Figure()
@@ -445,11 +459,9 @@ def timeline_section(run: Run) -> str:
         lane_step, lane_stage, lane_dev = f"rank {r} steps", f"rank {r} stages", f"rank {r} device"
         lanes += [lane_step, lane_stage] + ([lane_dev] if ev["kernels"] else [])
         fig.add_trace(
-            go.Bar(
-                y=[lane_step] * len(ev["steps"]),
-                x=[d for _, _, d in ev["steps"]],
-                base=[t for _, t, _ in ev["steps"]],
-                orientation="h",
+            _bars(
+                lane_step,
+                ev["steps"],
                 name="ProfilerStep",
                 marker_color="lightgrey",
                 text=[n for n, _, _ in ev["steps"]],
@@ -460,13 +472,10 @@ def timeline_section(run: Run) -> str:
         )
         shown.add("step")
         for name in dict.fromkeys(n for n, _, _ in ev["stages"]):
-            rows = [e for e in ev["stages"] if e[0] == name]
             fig.add_trace(
-                go.Bar(
-                    y=[lane_stage] * len(rows),
-                    x=[d for _, _, d in rows],
-                    base=[t for _, t, _ in rows],
-                    orientation="h",
+                _bars(
+                    lane_stage,
+                    [e for e in ev["stages"] if e[0] == name],
                     name=name,
                     marker_color=color(name),
                     legendgroup=name,
@@ -481,11 +490,9 @@ def timeline_section(run: Run) -> str:
             kernels = sorted(kernels, key=lambda k: -k[2])[:MAX_KERNEL_BARS]
         if kernels:
             fig.add_trace(
-                go.Bar(
-                    y=[lane_dev] * len(kernels),
-                    x=[d for _, _, d in kernels],
-                    base=[t for _, t, _ in kernels],
-                    orientation="h",
+                _bars(
+                    lane_dev,
+                    kernels,
                     name="kernels",
                     marker_color=KERNEL_COLOR,
                     text=[n[:120] for n, _, _ in kernels],
@@ -501,6 +508,13 @@ def timeline_section(run: Run) -> str:
         xaxis_title="ms from the rank's first profiled step",
         yaxis=dict(categoryorder="array", categoryarray=list(reversed(lanes))),
     )
+    return fig, lanes, notes
+
+
+def timeline_section(run: Run) -> str:
+    if not run.traces:
+        return nodata("no trace: run with --use-profiler")
+    fig, lanes, notes = _timeline_figure(run)
     cpu = all(s.get("cpu_only") for s in run.traces)
     unrecorded = any(s.get("device_not_recorded") for s in run.traces)
     if cpu:
@@ -518,8 +532,11 @@ def timeline_section(run: Run) -> str:
     )
     body += figure(fig, "timeline-plot", 120 + 60 * len(lanes))
     body += "".join(nodata(n) for n in notes)
-    # Per step and stage, from the trace summary: host ms (and device busy ms on a GPU).
-    s = run.traces[0]
+    return body + _window_table(run.traces[0], cpu)
+
+
+def _window_table(s: dict, cpu: bool) -> str:
+    """Per profiled step and stage of one trace summary: host ms, and device busy ms on a GPU."""
     names = list(s.get("stages") or STAGE_NAMES)
     # Time in collectives is shown where the trace has collectives (DDP, FSDP), not as "(comm 0.00)".
     comm = any(
@@ -538,9 +555,9 @@ def timeline_section(run: Run) -> str:
         cells.append(fmt(row.get("host_ms")) + ("" if cpu else f" / {fmt(row.get('device_busy_ms'))}"))
         rows.append(cells)
     unit = "host ms" if cpu else "host / device busy ms"
-    body += f"<p>Rank {s['rank']}, from the trace ({unit}):</p>"
-    body += table(["step"] + names + ["whole step"], rows)
-    return body
+    return f"<p>Rank {s['rank']}, from the trace ({unit}):</p>" + table(
+        ["step"] + names + ["whole step"], rows
+    )
 
 
 def operators_section(run: Run) -> str:
@@ -774,7 +791,6 @@ SUM_OF_PARTS = "sum of the categories"
 
 
 def memory_section(run: Run) -> str:
-    import plotly.graph_objects as go
 
     body = ""
     b = run.breakdown()
@@ -815,41 +831,7 @@ def memory_section(run: Run) -> str:
             )
     if b:
         body += _categories_body(b, est)
-    series = [
-        (k, t)
-        for k, t in (("rss_bytes", "RSS"), ("rss_peak_bytes", "peak RSS"))
-        if any(isinstance((r.get("memory") or {}).get(k), (int, float)) for r in run.metrics)
-    ]
-    gib = [
-        (k, t)
-        for k, t in (("peak_allocated_gib", "peak allocated"), ("peak_reserved_gib", "peak reserved"))
-        if any(isinstance((r.get("memory") or {}).get(k), (int, float)) for r in run.metrics)
-    ]
-    if series or gib:
-        fig = go.Figure()
-        steps = [r.get("step") for r in run.metrics]
-        for k, t in series:
-            fig.add_trace(
-                go.Scatter(
-                    x=steps,
-                    y=[((r.get("memory") or {}).get(k) or 0) / MB for r in run.metrics],
-                    name=t,
-                    mode="lines+markers",
-                )
-            )
-        for k, t in gib:
-            fig.add_trace(
-                go.Scatter(
-                    x=steps,
-                    y=[((r.get("memory") or {}).get(k) or 0) * 1024 for r in run.metrics],
-                    name=t,
-                    mode="lines+markers",
-                )
-            )
-        fig.update_layout(
-            yaxis_title="MiB", xaxis_title="logged step", title="process memory per log interval"
-        )
-        body += figure(fig, "memory-process", 320)
+    body += _process_memory_chart(run)
     if not body:
         return nodata("no memory breakdown: run with --memory-profiler")
     if not (run.memory or b):
@@ -857,46 +839,105 @@ def memory_section(run: Run) -> str:
     return body
 
 
+def _process_memory_chart(run: Run) -> str:
+    """The process's memory per log interval, in MiB, from metrics.jsonl: RSS on the CPU, the
+    allocator's peaks on CUDA; "" when no record holds either."""
+    import plotly.graph_objects as go
+
+    lines = [
+        (k, t, to_mib)
+        for k, t, to_mib in (
+            ("rss_bytes", "RSS", lambda v: v / MB),
+            ("rss_peak_bytes", "peak RSS", lambda v: v / MB),
+            ("peak_allocated_gib", "peak allocated", lambda v: v * 1024),
+            ("peak_reserved_gib", "peak reserved", lambda v: v * 1024),
+        )
+        if any(isinstance((r.get("memory") or {}).get(k), (int, float)) for r in run.metrics)
+    ]
+    if not lines:
+        return ""
+    fig = go.Figure()
+    steps = [r.get("step") for r in run.metrics]
+    for k, t, to_mib in lines:
+        fig.add_trace(
+            go.Scatter(
+                x=steps,
+                y=[to_mib((r.get("memory") or {}).get(k) or 0) for r in run.metrics],
+                name=t,
+                mode="lines+markers",
+            )
+        )
+    fig.update_layout(yaxis_title="MiB", xaxis_title="logged step", title="process memory per log interval")
+    return figure(fig, "memory-process", 320)
+
+
 def stragglers_section(run: Run) -> str:
     if run.world_size <= 1:
         return nodata("one process: stragglers are scored under DDP (torchrun --nproc_per_node N)")
-    import plotly.graph_objects as go
-
     threshold = run.config.get("config", {}).get("straggler_threshold")
-    body = ""
     if len(run.traces) > 1:
-        fig = go.Figure()
-        names = list(run.traces[0].get("stages") or STAGE_NAMES)
-        for n in names:
-            fig.add_trace(
-                go.Bar(
-                    x=[f"rank {s['rank']}" for s in run.traces],
-                    y=[
-                        s["totals"]["stages"].get(n, {}).get("host_ms", 0.0) / max(len(s["steps"]), 1)
-                        for s in run.traces
-                    ],
-                    name=n,
-                    marker_color=color(n),
-                )
-            )
-        fig.update_layout(
-            barmode="stack",
-            yaxis_title="host ms per profiled step",
-            title="each rank's stages in the profiled window (from its trace)",
-        )
-        body += (
+        body = (
             "<p>Under DDP the fast ranks wait for the slow one inside the backward's all-reduce: a slow "
             "rank shows a long stage of its own, the others a long backward.</p>"
-        )
-        body += figure(fig, "stragglers-ranks", 360)
+        ) + figure(_rank_stages_figure(run), "stragglers-ranks", 360)
     else:
-        body += nodata("per-rank stage times need a trace of every rank: --use-profiler --profile-ranks all")
+        body = nodata("per-rank stage times need a trace of every rank: --use-profiler --profile-ranks all")
     if not run.stragglers:
         body += f"<p>No straggler reported: every rank scored at or above the threshold {fmt(threshold)}.</p>"
         return body
+    body += figure(_scores_figure(run.stragglers, threshold), "stragglers-scores", 320)
+    body += table(
+        ["step", "rank", "host", "relative", "individual", "stage that grew", "ms", "reference ms"],
+        [
+            [
+                x.get("step"),
+                x.get("rank"),
+                x.get("host"),
+                fmt(x.get("relative_score"), 3),
+                fmt(x.get("individual_score"), 3),
+                x.get("stage"),
+                fmt(x.get("stage_ms"), 1),
+                fmt(x.get("reference_stage_ms"), 1),
+            ]
+            for x in run.stragglers
+        ],
+    )
+    return body
+
+
+def _rank_stages_figure(run: Run):
+    """Each rank's stages, host ms per profiled step from its own trace, stacked side by side."""
+    import plotly.graph_objects as go
+
     fig = go.Figure()
-    for r in sorted({x["rank"] for x in run.stragglers}):
-        mine = [x for x in run.stragglers if x["rank"] == r]
+    names = list(run.traces[0].get("stages") or STAGE_NAMES)
+    for n in names:
+        fig.add_trace(
+            go.Bar(
+                x=[f"rank {s['rank']}" for s in run.traces],
+                y=[
+                    s["totals"]["stages"].get(n, {}).get("host_ms", 0.0) / max(len(s["steps"]), 1)
+                    for s in run.traces
+                ],
+                name=n,
+                marker_color=color(n),
+            )
+        )
+    fig.update_layout(
+        barmode="stack",
+        yaxis_title="host ms per profiled step",
+        title="each rank's stages in the profiled window (from its trace)",
+    )
+    return fig
+
+
+def _scores_figure(stragglers: list[dict], threshold):
+    """The scores of every rank reported slow (stragglers.jsonl), against the threshold."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for r in sorted({x["rank"] for x in stragglers}):
+        mine = [x for x in stragglers if x["rank"] == r]
         fig.add_trace(
             go.Scatter(
                 x=[x["step"] for x in mine],
@@ -921,24 +962,7 @@ def stragglers_section(run: Run) -> str:
         xaxis_title="step",
         title="scores of the ranks reported slow",
     )
-    body += figure(fig, "stragglers-scores", 320)
-    body += table(
-        ["step", "rank", "host", "relative", "individual", "stage that grew", "ms", "reference ms"],
-        [
-            [
-                x.get("step"),
-                x.get("rank"),
-                x.get("host"),
-                fmt(x.get("relative_score"), 3),
-                fmt(x.get("individual_score"), 3),
-                x.get("stage"),
-                fmt(x.get("stage_ms"), 1),
-                fmt(x.get("reference_stage_ms"), 1),
-            ]
-            for x in run.stragglers
-        ],
-    )
-    return body
+    return fig
 
 
 BUILDERS = {

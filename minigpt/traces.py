@@ -173,6 +173,13 @@ COMM_OP = re.compile(
     r"|^FSDP::(?:all_gather|post_backward_reduce|post_backward_rs_wait)"
     r"|record_param_comms|ProcessGroup"
 )
+
+
+def is_collective(name: str) -> bool:
+    """A host range or operator that is a collective, or FSDP2's range around one (COMM_OP)."""
+    return bool(COMM_OP.search(name))
+
+
 COMM_KERNEL = re.compile(r"(?:nccl|msccl)\w*kernel|rccl", re.I)
 COMM_KINDS = (
     ("all-reduce", re.compile(r"all_?reduce", re.I)),
@@ -342,17 +349,7 @@ def is_comm_kernel(e: dict) -> bool:
 
 def union_us(intervals) -> float:
     """Total length of the union of [start, end] intervals: overlapping parts count once."""
-    total, cur_start, cur_end = 0.0, None, None
-    for start, end in sorted(intervals):
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total
+    return sum(end - start for start, end in merged(intervals))
 
 
 def merged(intervals) -> list[tuple[float, float]]:
@@ -479,7 +476,7 @@ class _Index:
                 (_key(e.get("pid")), _key(e.get("tid"))),
                 (e["ts"], e["ts"] + e["dur"]),
             )
-            if (cat in RANGE_CATS or cat in OP_CATS or cat in COMM_CATS) and COMM_OP.search(name):
+            if (cat in RANGE_CATS or cat in OP_CATS or cat in COMM_CATS) and is_collective(name):
                 self.comm[pid].append((*span, name))
                 thread_comm[thread].append(span)
             elif cat in OP_CATS and not STEP_NAME.match(name) and name not in wanted:
@@ -760,7 +757,30 @@ def comm_lines(s: dict) -> list[str]:
 
 
 def render(s: dict) -> str:
+    """One trace summary as the tables the command line prints."""
     gpu = not s["cpu_only"] and not s.get("device_not_recorded")
+    out = _heading(s, gpu) + ["", *_step_table(s, gpu)]
+    comm = comm_lines(s)
+    if comm:
+        out += ["", "communication (host: a collective in flight on any thread, no other operator running)"]
+        out += comm
+    if gpu:
+        out += ["", *_kernel_table(s)]
+    for key, title in (("by_self", "self"), ("by_total", "total")):
+        rows = s["operators"][key]
+        out += [
+            "",
+            f"top {len(rows)} host operators by {title} time",
+            f"{'self ms':>10}{'total ms':>10}{'calls':>7}  name",
+        ]
+        out += [
+            f"{r['self_ms']:>10.2f}{r['total_ms']:>10.2f}{r['calls']:>7}  {short(r['name'])}" for r in rows
+        ]
+    return "\n".join(out)
+
+
+def _heading(s: dict, gpu: bool) -> list[str]:
+    """The file, its rank and steps, and what the device side of the trace holds."""
     steps = [r["step"] for r in s["steps"]]
     rank = f" (rank {s['rank']})" if s.get("rank") is not None else ""
     out = [f"trace: {s['file']}{rank}"]
@@ -792,16 +812,22 @@ def render(s: dict) -> str:
         )
     else:
         out.append("no device events in this trace (CPU only): host times only")
+    return out
+
+
+def _step_table(s: dict, gpu: bool) -> list[str]:
+    """Each step's stages and the whole step, then the totals: host ms, the collectives' ms where
+    the trace has any, and on a GPU the device's busy and span ms and kernel count."""
+    steps = [r["step"] for r in s["steps"]]
     has_comm = any(
         st["comm_host_ms"] > 0 or st.get("comm_device_ms", 0) > 0 for st in s["totals"]["stages"].values()
     )
-
     head = f"{'step':>6}  {'stage':<16}{'host ms':>10}"
     if has_comm:
         head += f"{'comm ms':>10}"
     if gpu:
         head += f"{'dev busy ms':>13}{'dev span ms':>13}{'kernels':>9}"
-    out += ["", head]
+    out = [head]
 
     def line(label: str, name: str, r: dict, stage: bool) -> str:
         text = f"{label:>6}  {name:<16}{r['host_ms']:>10.2f}"
@@ -818,36 +844,21 @@ def render(s: dict) -> str:
             out.append(line(label, name, stage, True))
             label = ""
         out.append(line(label, "(whole step)" if steps else "(whole trace)", row, False))
+    return out
 
-    comm = comm_lines(s)
-    if comm:
-        out += ["", "communication (host: a collective in flight on any thread, no other operator running)"]
-        out += comm
 
-    if gpu:
-        out += [
-            "",
-            f"top {len(s['kernels'])} kernels of {s['kernel_total_ms']:.2f} ms device time summed "
-            "over streams (TC: tensor/matrix cores, judged by name; '-' = not a GEMM or convolution)",
-            f"{'total ms':>10}{'share':>8}{'calls':>7}{'avg us':>9}  {'TC':<4}name",
-        ]
-        for k in s["kernels"]:
-            out.append(
-                f"{k['total_ms']:>10.2f}{100 * k['share']:>7.1f}%{k['calls']:>7}"
-                f"{1000 * k['total_ms'] / k['calls']:>9.1f}  {k['tensor_cores']:<4}{short(k['name'])}"
-            )
-
-    for key, title in (("by_self", "self"), ("by_total", "total")):
-        rows = s["operators"][key]
-        out += [
-            "",
-            f"top {len(rows)} host operators by {title} time",
-            f"{'self ms':>10}{'total ms':>10}{'calls':>7}  name",
-        ]
-        out += [
-            f"{r['self_ms']:>10.2f}{r['total_ms']:>10.2f}{r['calls']:>7}  {short(r['name'])}" for r in rows
-        ]
-    return "\n".join(out)
+def _kernel_table(s: dict) -> list[str]:
+    out = [
+        f"top {len(s['kernels'])} kernels of {s['kernel_total_ms']:.2f} ms device time summed "
+        "over streams (TC: tensor/matrix cores, judged by name; '-' = not a GEMM or convolution)",
+        f"{'total ms':>10}{'share':>8}{'calls':>7}{'avg us':>9}  {'TC':<4}name",
+    ]
+    for k in s["kernels"]:
+        out.append(
+            f"{k['total_ms']:>10.2f}{100 * k['share']:>7.1f}%{k['calls']:>7}"
+            f"{1000 * k['total_ms'] / k['calls']:>9.1f}  {k['tensor_cores']:<4}{short(k['name'])}"
+        )
+    return out
 
 
 # ---------------------------------------------------------------------------- command line
