@@ -938,23 +938,16 @@ def _scores_figure(stragglers: list[dict], threshold):
     fig = go.Figure()
     for r in sorted({x["rank"] for x in stragglers}):
         mine = [x for x in stragglers if x["rank"] == r]
-        fig.add_trace(
-            go.Scatter(
-                x=[x["step"] for x in mine],
-                y=[x.get("relative_score") for x in mine],
-                name=f"rank {r} relative",
-                mode="lines+markers",
+        for score, line in (("relative", None), ("individual", dict(dash="dot"))):
+            fig.add_trace(
+                go.Scatter(
+                    x=[x["step"] for x in mine],
+                    y=[x.get(f"{score}_score") for x in mine],
+                    name=f"rank {r} {score}",
+                    mode="lines+markers",
+                    line=line,
+                )
             )
-        )
-        fig.add_trace(
-            go.Scatter(
-                x=[x["step"] for x in mine],
-                y=[x.get("individual_score") for x in mine],
-                name=f"rank {r} individual",
-                mode="lines+markers",
-                line=dict(dash="dot"),
-            )
-        )
     if isinstance(threshold, (int, float)):
         fig.add_hline(y=threshold, line_dash="dash", line_color="grey", annotation_text="threshold")
     fig.update_layout(
