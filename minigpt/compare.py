@@ -34,8 +34,7 @@ import json
 import sys
 from pathlib import Path
 
-from minigpt.errors import ArgParser
-from minigpt.fileio import atomic_write
+from minigpt.errors import ArgParser, UsageError
 from minigpt.report import (
     MB,
     esc,
@@ -50,6 +49,7 @@ from minigpt.report import (
     summary_section,
     table,
     throughput,
+    write_page,
 )
 from minigpt.runfiles import Run, RunError, load_run
 from minigpt.stages import split_parent
@@ -792,8 +792,8 @@ def main(argv: list[str] | None = None) -> int:
         a, b = load_run(args.run_a), load_run(args.run_b)
         d = compare_loaded(a, b, args.allow_different)
         if args.html is not None:
-            atomic_write(args.html, compare_html(d, a, b))
-    except (RunError, OSError) as e:
+            write_page(args.html, compare_html(d, a, b), "--html")
+    except (RunError, UsageError, OSError) as e:  # UsageError: a full disk (fileio.DiskFull)
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

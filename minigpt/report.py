@@ -20,8 +20,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from minigpt.errors import ArgParser
-from minigpt.fileio import atomic_write
+from minigpt.errors import ArgParser, UsageError
+from minigpt.fileio import ELSEWHERE, atomic_write
 from minigpt.memory_log import (
     CATEGORIES,
     PEAK_PART_NAMES,
@@ -980,12 +980,24 @@ def render_report(run: Run) -> str:
     return page(f"minigpt run {run.name}", report_body(run))
 
 
-def write_report(run_dir: Path, out: Path | None = None) -> Path:
+def write_page(out: Path, text: str, elsewhere: str) -> None:
+    """Write a page atomically. A full disk is DiskFull's one line, naming `elsewhere` (the flags
+    that write it elsewhere); a path that cannot be written (no such folder, no permission, a
+    read-only file system) is RunError's one line naming the page, not its temporary file."""
+    try:
+        atomic_write(out, text, elsewhere)
+    except OSError as e:
+        raise RunError(
+            f"cannot write {out} ({e.strerror or type(e).__name__}); write elsewhere ({elsewhere})"
+        ) from None
+
+
+def write_report(run_dir: Path, out: Path | None = None, elsewhere: str = ELSEWHERE) -> Path:
     """Write the run's report (default RUN/report.html) atomically; return its path. Raises RunError
-    when run_dir is not a run directory."""
+    when run_dir is not a run directory or the page cannot be written, DiskFull when the disk is full."""
     run = load_run(Path(run_dir))
     out = Path(out) if out is not None else run.path / REPORT_FILE
-    atomic_write(out, render_report(run))
+    write_page(out, render_report(run), elsewhere)
     return out
 
 
@@ -997,8 +1009,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.out is not None and args.out.is_dir():
             raise RunError(f"--out {args.out} is a folder; give a file name such as {args.out / REPORT_FILE}")
-        path = write_report(args.run, args.out)
-    except (RunError, OSError) as e:
+        path = write_report(args.run, args.out, "--out")
+    except (RunError, UsageError, OSError) as e:  # UsageError: a full disk (fileio.DiskFull)
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"report: {path}")

@@ -117,6 +117,10 @@ def default_stages() -> tuple[str, ...]:
 TRACE_SUFFIXES = (".json", ".json.gz")  # torch writes .pt.trace.json(.gz); other tools other names
 TRACE_SUBDIR = "traces"  # where a minigpt run folder keeps them
 DEFAULT_TOP = 10
+# The most trace text a reader takes, decompressed: a gzip's size says nothing of what it holds (a
+# few MiB can inflate to gigabytes). Far above a real window: a few profiled steps of a GPU run are
+# tens to hundreds of MiB of JSON.
+TRACE_LIMIT = 1 << 30
 WHOLE_TRACE = "whole trace"  # the window when a trace has no ProfilerStep#N ranges
 
 STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
@@ -270,12 +274,7 @@ def load_trace(path: Path) -> Trace:
         raise TraceError(f"{path} does not exist")
     if not path.is_file():
         raise TraceError(f"{path} is not a regular file")
-    try:
-        opener = gzip.open if path.name.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, EOFError, RecursionError, ValueError) as e:
-        raise TraceError(f"{path} is not a JSON trace ({type(e).__name__}: {e})") from None
+    data = read_trace_json(path)
     # The Chrome trace format is either {"traceEvents": [...], ...} or a bare list of events.
     raw = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(raw, list):
@@ -300,6 +299,24 @@ def load_trace(path: Path) -> Trace:
     rank = info.get("rank") if isinstance(info, dict) else None
     rank = rank if isinstance(rank, int) and not isinstance(rank, bool) else None
     return Trace(path, events, malformed, rank)
+
+
+def read_trace_json(path: Path, limit: int | None = None):
+    """The parsed JSON of a .json or .json.gz file, read through at most `limit` bytes of text
+    (default TRACE_LIMIT) however small the file: more is one line (TraceError), not a MemoryError."""
+    limit = TRACE_LIMIT if limit is None else limit
+    try:
+        with (gzip.open if path.name.endswith(".gz") else open)(path, "rb") as f:
+            text = f.read(limit + 1)
+        if len(text) > limit:
+            raise TraceError(
+                f"{path} holds more than {limit / 2**20:,.0f} MiB of trace text"
+                + (" once decompressed" if path.name.endswith(".gz") else "")
+                + ", above what this reader takes: profile fewer steps"
+            )
+        return json.loads(text.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, EOFError, RecursionError, ValueError) as e:
+        raise TraceError(f"{path} is not a JSON trace ({type(e).__name__}: {e})") from None
 
 
 def is_trace_file(path: Path) -> bool:

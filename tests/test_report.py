@@ -4,6 +4,7 @@ file:// and no console error."""
 
 from __future__ import annotations
 
+import errno
 import gzip
 import html
 import json
@@ -276,6 +277,40 @@ def test_out_flag_and_existing_report_replaced(tmp_path, capsys):
     assert main([str(run), "--out", str(out)]) == 0
     assert out.exists() and not (run / "report.html").exists()
     assert str(out) in capsys.readouterr().out
+
+
+def test_a_gzip_bomb_in_the_traces_is_named_and_the_report_written(tmp_path, monkeypatch, capsys):
+    from test_traces import gzip_bomb
+
+    from minigpt import traces
+
+    run = make_run(tmp_path / "r", trace=gpu_trace_events())
+    gzip_bomb(next((run / "traces").iterdir()))  # the run's own trace file, 6 GiB once inflated
+    monkeypatch.setattr(traces, "TRACE_LIMIT", 16 << 20)  # above the file, far below its text
+    assert main([str(run)]) == 0
+    assert "of trace text once decompressed" in (run / "report.html").read_text()
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("how", ["full disk", "no such folder"])
+def test_out_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, how):
+    """--out on a full disk or where no file can be created: one line naming the page and --out,
+    the previous page intact, no temporary file left."""
+    run = make_run(tmp_path / "r")
+    out = tmp_path / "page.html"
+    out.write_text("previous")
+    if how == "full disk":
+        monkeypatch.setattr(
+            "minigpt.fileio.os.fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space"))
+        )
+    else:
+        out = Path("/proc/page.html")  # /proc takes no new file, even for root
+    assert main([str(run), "--out", str(out)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: ") and str(out) in line and "(--out)" in line
+    assert "no space left" in line if how == "full disk" else "cannot write" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["page.html", "r"]
+    assert (tmp_path / "page.html").read_text() == "previous"
 
 
 def memory_html(page: str) -> str:
