@@ -427,7 +427,48 @@ def stages_section(run: Run) -> str:
         note
         + figure(fig, "stages-plot", 360)
         + table(["stage, median of steady steps"] + [t for _, t in keys], rows)
+        + prediction_table(run)
     )
+
+
+def _number(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def prediction_table(run: Run) -> str:
+    """The stage times minigpt.predict gave for this run's configuration (config.json's
+    predicted_step, written as the run started) beside the measured medians, with the error
+    (predicted / measured - 1): how far this machine's measured rates explain the step. Measured
+    is the device time (on the CPU the host's). "" for a run without a prediction."""
+    pred = run.config.get("predicted_step")
+    stage_ms = pred.get("stage_ms") if isinstance(pred, dict) else None
+    if not isinstance(stage_ms, dict):
+        return ""
+    measured = stage_medians(run, "stage_device_ms") or stage_medians(run, "stage_host_ms")
+    bound = pred.get("bound") if isinstance(pred.get("bound"), dict) else {}
+    rows = [
+        [name, *_predicted_cells(_number(stage_ms[name]), measured.get(name)), fmt(bound.get(name))]
+        for name in stage_ms
+    ]
+    tps = median([r.get("tokens_per_s_per_rank") for r in steady(run.metrics)])
+    rows.append(["tokens/s per rank", *_predicted_cells(_number(pred.get("tokens_per_s")), tps, 0), ""])
+    untested = (
+        " The device's rates come from its data sheet, not from a measurement here: untested."
+        if pred.get("tested") is False
+        else ""
+    )
+    return (
+        "<p>Predicted when the run started (<code>python -m minigpt.estimate --time</code>: each op's "
+        "FLOPs, bytes and launches at this machine's measured rates) beside the measured median, "
+        f"with the error, predicted / measured - 1.{untested}</p>"
+        + table(["stage", "measured ms", "predicted ms", "error", "bound by"], rows)
+    )
+
+
+def _predicted_cells(predicted: float | None, measured: float | None, digits: int = 2) -> list[str]:
+    """measured, predicted and the error in percent, each "n/a" where it cannot be told."""
+    error = f"{100 * (predicted / measured - 1):+.1f}%" if predicted is not None and measured else "n/a"
+    return [fmt(measured, digits), fmt(predicted, digits), error]
 
 
 def _bars(lane: str, rows: list[tuple[str, float, float]], **style):
