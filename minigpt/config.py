@@ -19,10 +19,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from decimal import Decimal, InvalidOperation
 
-
-class UsageError(Exception):
-    """A mistake the user can fix. The trainer prints it as one line and exits with status 2."""
-
+from minigpt.errors import ArgParser, UsageError
 
 # Named model and batch shapes. Explicit flags override them; they override the field defaults.
 PRESETS: dict[str, dict] = {
@@ -551,12 +548,6 @@ def field_default(f: Field):
 
 
 # ------------------------------------------------------------------------------------------ parser
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not a usage block
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def _show(value) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
@@ -598,8 +589,9 @@ def build_parser(prog: str = "train_minimal.py") -> argparse.ArgumentParser:
         "flags given there: a way to scale every command of a script down to a quick run, e.g.\n"
         f'  {EXTRA_ARGS_ENV}="--preset tiny --num-steps 8" python train_minimal.py'
     )
-    p = _Parser(
+    p = ArgParser(
         prog=prog,
+        name_prog=True,
         description="Train a GPT and see where the time and memory go.",
         epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,

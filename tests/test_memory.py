@@ -12,17 +12,8 @@ import train_minimal
 from minigpt import estimate
 from minigpt.config import parse_args
 from minigpt.estimate import estimate_gpt
-from minigpt.memory import (
-    LAYOUT,
-    MEMORY_LOG,
-    PEAK_PARTS,
-    SUNBURST_FILES,
-    capture_memory,
-    format_breakdown,
-    format_memory_log,
-    parse_memory_log,
-    write_memory_trace,
-)
+from minigpt.memory import capture_memory, format_breakdown, format_memory_log, write_memory_trace
+from minigpt.memory_log import LAYOUT, MEMORY_LOG, PEAK_PARTS, SUNBURST_FILES, parse_memory_log
 from minigpt.model import GPT, GPTConfig
 
 SHAPE = dict(
@@ -579,12 +570,12 @@ def test_memory_log_writes_mib_and_reads_internevos_mb(tmp_path):
 def test_no_chart_has_an_unnamed_slice(tmp_path):
     """Every sector of every sunburst has a label, and a node's value is its children's sum: no
     blank gap (a parent's own bytes are drawn as a named "(itself)" child)."""
-    from minigpt import memory
+    from minigpt import memory_log
 
     model, optimizer, _, s = tiny_gpt(**PEAK_SHAPE)
     b = trainer_steps(model, optimizer, s)
-    charts = {c: memory.category_rows(getattr(b, c), c) for c in memory.CATEGORIES}
-    charts["peak"] = memory.peak_rows(b.peak_parts)
+    charts = {c: memory_log.category_rows(getattr(b, c), c) for c in memory_log.CATEGORIES}
+    charts["peak"] = memory_log.peak_rows(b.peak_parts)
     for name, rows in charts.items():
         children: dict = {}
         ids = {r[0] for r in rows}
@@ -602,14 +593,14 @@ def test_the_peak_chart_draws_when_cuda_corrects_the_profiler_downwards():
     """On CUDA the peak is max_memory_allocated and "(not seen by the profiler)" the difference,
     which may be negative: plotly refuses a negative sector or a parent smaller than its children,
     so the chart draws the positive bytes, each parent the sum of its children."""
-    from minigpt import memory
+    from minigpt import memory_log
 
     parts = {
         "params": {"wte.weight": 4096},
         "grads": {},
         "temporaries": {"forward / lm_head / aten::mm": 8192, "(not seen by the profiler)": -512},
     }
-    rows = memory.peak_rows(parts)
+    rows = memory_log.peak_rows(parts)
     ids = {r[0] for r in rows}
     assert all(value > 0 and (parent == "" or parent in ids) for _, _, parent, value in rows)
     assert {r[0]: r[3] for r in rows} == {
@@ -624,22 +615,22 @@ def test_the_peak_chart_draws_when_cuda_corrects_the_profiler_downwards():
 def test_the_peak_reads_back_from_memory_log_with_parts_that_add_up_to_it():
     """What the report reads: memory.log's peak, when and where, and its parts, exactly; a name
     with commas (a held tensor's shape) does not cut its row."""
-    from minigpt import memory
+    from minigpt import memory_log
 
     model, optimizer, _, s = tiny_gpt(**PEAK_SHAPE)
     b = trainer_steps(model, optimizer, s)
     b.peak_parts["held"]["held before the step: int64[4, 64]"] = 2048
     b.peak += 2048
-    p = memory.peak_of_state(parse_memory_log(format_memory_log(b))[0])
+    p = memory_log.peak_of_state(parse_memory_log(format_memory_log(b))[0])
     assert p["peak"] == b.peak and p["stage"] == b.peak_stage and p["where"] == b.peak_where
     assert p["parts"] == {part: {n: v for n, v in b.peak_parts.get(part, {}).items()} for part in PEAK_PARTS}
     assert sum(v for names in p["parts"].values() for v in names.values()) == b.peak
-    leaves = memory.category_leaves(parse_memory_log(format_memory_log(b))[0])
+    leaves = memory_log.category_leaves(parse_memory_log(format_memory_log(b))[0])
     assert {c: sum(v.values()) for c, v in leaves.items()} == {
-        c: b.category_total(c) for c in memory.CATEGORIES
+        c: b.category_total(c) for c in memory_log.CATEGORIES
     }
     b.peak, b.peak_note = None, "not measured: another profiler was running"
-    assert memory.peak_of_state(parse_memory_log(format_memory_log(b))[0]) is None
+    assert memory_log.peak_of_state(parse_memory_log(format_memory_log(b))[0]) is None
 
 
 @pytest.mark.parametrize("amp", ["fp32", "bf16"])
