@@ -1,0 +1,178 @@
+"""The model's shape from a config (minigpt/shape.py) and what is computed from it: the estimator's
+bytes, the step-time predictor's op list, the per-rank plans. The pinned figures in
+tests/shape_pins.json were written by the code before the shape module existed; every caller of
+the shape must reproduce them exactly. Rewrite them on purpose only, when a formula changes:
+`python tests/test_shape.py --write`."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PINS = Path(__file__).with_name("shape_pins.json")
+
+BASE = dict(
+    n_layers=2,
+    d_model=64,
+    n_heads=4,
+    d_ff=256,
+    seq_len=32,
+    batch_size=4,
+    vocab_size=128,
+    max_position_embeddings=48,
+)
+WIDE = {**BASE, "vocab_size": 4096, "seq_len": 192, "max_position_embeddings": 192}
+GPT2 = dict(
+    n_layers=12,
+    d_model=768,
+    n_heads=12,
+    d_ff=3072,
+    seq_len=1024,
+    batch_size=8,
+    vocab_size=50304,
+    max_position_embeddings=1024,
+)
+# (name, shape, options): the estimator's and the predictor's corners
+CASES = [
+    ("fp32", BASE, {}),
+    ("bf16", BASE, dict(amp_dtype="bf16")),
+    ("bf16 ckpt", BASE, dict(amp_dtype="bf16", activation_checkpoint=True)),
+    ("fp32 ckpt accum", BASE, dict(activation_checkpoint=True, grad_accum_steps=2)),
+    ("bf16 accum", BASE, dict(amp_dtype="bf16", grad_accum_steps=3)),
+    ("dropout", BASE, dict(dropout=0.1)),
+    ("cuda bf16 dropout", BASE, dict(amp_dtype="bf16", device="cuda", dropout=0.1)),
+    ("cuda fp16", BASE, dict(amp_dtype="fp16", device="cuda")),
+    ("chunked", WIDE, dict(chunked_loss=True, loss_chunk_elements=256 * 4096)),
+    ("chunked bf16 ckpt", WIDE, dict(amp_dtype="bf16", chunked_loss=True, activation_checkpoint=True)),
+    ("chunked one chunk", BASE, dict(chunked_loss=True)),
+    ("chunked accum", WIDE, dict(chunked_loss=True, grad_accum_steps=2, loss_chunk_elements=100 * 4096)),
+    ("loss rows 3", BASE, dict(amp_dtype="bf16", loss_rows=3)),
+    ("gpt2 bf16", GPT2, dict(amp_dtype="bf16")),
+    ("gpt2 bf16 ckpt chunked", GPT2, dict(amp_dtype="bf16", activation_checkpoint=True, chunked_loss=True)),
+]
+PREDICT_KEYS = (
+    "amp_dtype",
+    "activation_checkpoint",
+    "chunked_loss",
+    "loss_chunk_elements",
+    "dropout",
+    "device",
+)
+PLANS = [(2, 1, False), (2, 1, True), (1, 2, False), (2, 2, True), (4, 1, True)]
+TRAINER_FLAGS = [
+    ["--preset", "tiny", "--vocab-size", "100"],
+    ["--preset", "gpt2", "--batch-size", "4", "--use-activation-checkpoint", "--chunked-loss"],
+    ["--preset", "small", "--grad-accum-steps", "2", "--vocab-size", "50257", "--dropout", "0.1"],
+]
+
+
+def ops_digest(ops) -> dict:
+    """The op list as a digest of every field of every op, with its totals (readable on a failure)."""
+    rows = [asdict(o) for o in ops]
+    return {
+        "n": len(rows),
+        "flops": sum(o.flops * o.count for o in ops),
+        "bytes": sum(o.bytes * o.count for o in ops),
+        "exps": sum(o.exps * o.count for o in ops),
+        "launches": sum(o.launches * o.count for o in ops),
+        "sha256": hashlib.sha256(json.dumps(rows).encode()).hexdigest(),
+    }
+
+
+def given_rates(device: str, dtype: str, needed, cache=True, measure=True):
+    """Rates for the prediction, given: the same for every kernel, the bandwidth by working set."""
+    from minigpt import predict
+
+    return predict.Rates(
+        device=device,
+        dtype=dtype,
+        matmul={k: 1e9 * (1 + i) for i, k in enumerate(needed)},
+        bandwidth=[(1000, 1e9), (10**6, 4e9), (10**9, 2e9)],
+        exps_per_s=5e8,
+        overhead_s={"op": 2e-6, "autograd": 5e-6},
+        source="given",
+    )
+
+
+def outputs(monkeypatch) -> dict:
+    """Everything the pins hold, computed by the code under test."""
+    from minigpt import estimate, parallel, predict
+    from minigpt.checkpoint import model_bytes
+    from minigpt.config import parse_args, quick_bytes, quick_param_count
+
+    out: dict = {"estimate": {}, "ops": {}, "predict": {}, "per_rank": {}, "comm": {}, "report": {}}
+    for name, shape, options in CASES:
+        e = estimate.estimate_gpt(**shape, **options)
+        out["estimate"][name] = e.to_record()
+        op_options = {k: v for k, v in options.items() if k in PREDICT_KEYS}
+        out["ops"][name] = ops_digest(predict.step_ops(**shape, **op_options))
+        for dp, tp, fsdp in PLANS:
+            if shape["n_heads"] % tp == 0:
+                key = f"{name} dp{dp} tp{tp}{' fsdp' if fsdp else ''}"
+                out["per_rank"][key] = parallel.per_rank_estimate(e, dp, tp, fsdp, shape)
+                as_estimate = parallel.per_rank_memory_estimate(e, dp, tp, fsdp, shape)
+                rec = as_estimate.to_record()
+                out["per_rank"][key]["as_estimate"] = {
+                    k: rec[k] for k in ("params", "block", "total", "peak")
+                }
+    for dp, tp, fsdp in PLANS:
+        for bytes_ in ((4, 4, 4), (2, 4, 2)):
+            c = parallel.comm_model(GPT2, dp, tp, fsdp, *bytes_)
+            out["comm"][f"dp{dp} tp{tp} fsdp{fsdp} {bytes_}"] = c
+    monkeypatch.setattr(predict, "step_rates", given_rates)
+    for name, shape, options in CASES[:5]:
+        accum = options.get("grad_accum_steps", 1)
+        kw = {k: v for k, v in options.items() if k in ("activation_checkpoint", "chunked_loss")}
+        pred = predict.predict_step(
+            shape, options.get("amp_dtype", "fp32"), "cpu", grad_accum_steps=accum, **kw
+        )
+        out["predict"][name] = {"json": json.dumps(pred.to_record()), "text": predict.format_prediction(pred)}
+    for flags in TRAINER_FLAGS:
+        cfg = parse_args([*flags, "--device-memory-gb", "24"])
+        key = " ".join(flags)
+        out["report"][key] = {
+            "fp32": estimate.estimate_report(cfg, "cpu", "fp32"),
+            "bf16": estimate.estimate_report(cfg, "cuda", "bf16", "a note"),
+            "time": predict.time_report(cfg, "cpu", "fp32", True),
+            "quick_bytes": quick_bytes(cfg),
+        }
+    out["params"] = {
+        name: [
+            quick_param_count(*v),
+            model_bytes(
+                dict(zip(("vocab_size", "max_position_embeddings", "d_model", "d_ff", "n_layers"), v))
+            ),
+        ]
+        for name, v in {"base": (128, 48, 64, 256, 2), "gpt2": (50304, 1024, 768, 3072, 12)}.items()
+    }
+    for preset, gpus in (("gpt2", "8"), ("small", "4")):
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            parallel._main(["--preset", preset, "--gpus", gpus])
+        out["report"][f"parallel {preset} {gpus}"] = text.getvalue()
+    return json.loads(json.dumps(out))  # tuples as lists, as the file holds them
+
+
+def test_every_estimate_and_prediction_is_as_pinned(monkeypatch):
+    pins = json.loads(PINS.read_text())
+    got = outputs(monkeypatch)
+    assert set(got) == set(pins)
+    for section in pins:
+        assert set(got[section]) == set(pins[section]), section
+        for key in pins[section]:
+            assert got[section][key] == pins[section][key], (section, key)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
+    sys.path.insert(0, str(ROOT))
+    with pytest.MonkeyPatch.context() as mp:
+        PINS.write_text(json.dumps(outputs(mp), indent=1, sort_keys=True) + "\n")
+    print(f"wrote {PINS}")
