@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from minigpt.config import UsageError
+from minigpt.shape import GPT2_VOCAB, Shape, shape_of
 
 # Tensor parallelism inside each block: the first matrix of each pair split by its output columns,
 # the second by its input rows, so each pair costs one all-reduce forward and one backward
@@ -254,7 +255,9 @@ def split_by_mesh(groups: list[dict]) -> list[dict]:
     mesh. AdamW's fused and foreach kernels take one list of tensors per group, and a list that mixes
     plain tensors and DTensors, or DTensors of two meshes, fails ("got mixed torch.Tensor and
     DTensor"). Under TP alone the LayerNorms and embeddings stay plain; under FSDP x TP the blocks'
-    matrices live on the 2-D mesh and everything else on "dp". Each group keeps its settings."""
+    matrices live on the 2-D mesh and everything else on "dp". Each group keeps its settings. So
+    split, the fused AdamW runs on DTensor parameters too (on the CPU as well: _fused_adamw_ on
+    each local shard, checked in tests/test_parallel.py)."""
     from torch.distributed.tensor import DTensor
 
     out = []
@@ -265,19 +268,6 @@ def split_by_mesh(groups: list[dict]) -> list[dict]:
             kinds.setdefault(key, []).append(q)
         out += [{**group, "params": qs} for qs in kinds.values()]
     return out
-
-
-def optimizer_kwargs(model: nn.Module) -> dict:
-    """AdamW's implementation flag: fused, the trainer's default, also on DTensor parameters (FSDP
-    and TP) on the CPU in torch 2.13, once each group holds one kind of tensor (split_by_mesh):
-    DTensor runs _fused_adamw_ on each local shard (checked in tests/test_parallel.py)."""
-    return {"fused": True}
-
-
-def _has_dtensor(model: nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(q, DTensor) for q in model.parameters())
 
 
 @torch.no_grad()
@@ -361,20 +351,27 @@ def local_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
 # ---------------------------------------------------------------------------- per-rank predictions
 
 
-def per_rank_estimate(estimate, dp: int, tp: int, fsdp: bool, shape: dict | None = None) -> dict:
+def tp_replicated_params(shape: Shape) -> int:
+    """Parameters tensor parallelism leaves whole on every tp rank (TP_PLAN splits the rest): the
+    embeddings with the tied head, ln_f, and per block the two LayerNorms and the biases of the
+    row-parallel attn.proj and mlp.proj."""
+    h = shape.d_model
+    return shape.vocab_size * h + shape.max_position_embeddings * h + shape.n_layers * 6 * h + 2 * h
+
+
+def per_rank_estimate(estimate, dp: int, tp: int, fsdp: bool, shape: Shape | None = None) -> dict:
     """Scale a minigpt.estimate.MemoryEstimate (the whole model in one process) to one rank.
 
     Parameters, gradients and AdamW state: the blocks' matrices are split by tp; the parts TP
-    replicates (embeddings with the tied head, LayerNorms, the RowwiseParallel biases) are whole
-    on every tp rank; FSDP then shards everything along dp (so the matrices by dp*tp; padding to
-    equal shards is ignored). Under DDP nothing is sharded. AdamW's scalar `step` counters are
-    never sharded (4 bytes per tensor).
+    replicates (tp_replicated_params) are whole on every tp rank; FSDP then shards everything
+    along dp (so the matrices by dp*tp; padding to equal shards is ignored). Under DDP nothing is
+    sharded. AdamW's scalar `step` counters are never sharded (4 bytes per tensor).
 
     Activations under TP: a block's saved tensors inside the TP region are split by tp (the qkv
     output, the attention output and its logsumexp, the MLP's two hidden activations, autocast's
     weight copies); the LayerNorm inputs, the replicated inputs of qkv and mlp.fc, the head and
     the loss are whole on every rank. FSDP does not change activations (each rank has its own
-    batch). TP needs `shape` (minigpt.estimate.gpt_shape's dict) for these splits.
+    batch). TP needs the `shape` for these splits.
 
     Returns bytes: params, grads, optimizer, activations, block, total and peak (the same
     definitions as MemoryEstimate's), with dp, tp and fsdp."""
@@ -382,10 +379,7 @@ def per_rank_estimate(estimate, dp: int, tp: int, fsdp: bool, shape: dict | None
     step_counters = e.optimizer - 2 * e.params  # the scalar `step` tensors
     if tp > 1 and shape is None:
         raise ValueError("per_rank_estimate needs the model shape under tensor parallelism")
-    replicated = 0
-    if tp > 1:
-        h, L = shape["d_model"], shape["n_layers"]
-        replicated = 4 * (shape["vocab_size"] * h + shape["max_position_embeddings"] * h + L * 6 * h + 2 * h)
+    replicated = 4 * tp_replicated_params(shape) if tp > 1 else 0
     if fsdp:  # FSDP shards along "dp" what TP split along "tp"; the replicated parts only along "dp"
         params = -(-replicated // dp) + -(-(e.params - replicated) // (dp * tp))
     else:
@@ -395,8 +389,7 @@ def per_rank_estimate(estimate, dp: int, tp: int, fsdp: bool, shape: dict | None
     block = e.block
     if tp > 1 and not e.activation_checkpoint:
         p = 2 if e.amp_dtype != "fp32" else 4
-        s, b, h = shape["seq_len"], shape["batch_size"], shape["d_model"]
-        sbh, bs = s * b * h, b * s
+        sbh, bs = shape.tokens * shape.d_model, shape.tokens
         whole = 2 * (4 * sbh + 8 * bs) + 2 * p * sbh  # LayerNorm inputs; qkv's and mlp.fc's inputs
         block = whole + (e.block - whole) // tp
     activations = e.n_layers * block + e.embeddings + e.head + e.loss
@@ -421,42 +414,42 @@ H100_NVLINK_BYTES_PER_S = 450e9  # assumed: NVLink 4, 900 GB/s both ways = 450 G
 
 
 def comm_model(
-    shape: dict,
+    shape: Shape,
     dp: int,
     tp: int,
     fsdp: bool,
-    param_bytes: int = 4,
-    reduce_bytes: int = 4,
-    act_bytes: int = 4,
+    amp: bool = False,
     link_bytes_per_s: float = H100_NVLINK_BYTES_PER_S,
 ) -> dict:
     """Bytes each GPU sends per optimizer step, per kind of collective, and the seconds they take
     at `link_bytes_per_s` (ring algorithms, bandwidth term only: no latency, no overlap with
-    compute, so an upper bound on what is exposed). P = parameters, b s h = tokens x width.
+    compute, so an upper bound on what is exposed). P = parameters, b s h = tokens x width. Under
+    bf16 AMP (`amp`), as parallelize() sets it up, FSDP gathers bf16 parameters and TP's
+    activations are bf16; gradients are reduced in fp32 either way.
 
-    DDP:  all-reduce of the gradients, 2 (n-1)/n x P x reduce_bytes.
+    DDP:  all-reduce of the gradients, 2 (n-1)/n x P x 4 bytes.
     FSDP: all-gather of the parameters in the forward and again in the backward (each block is
-          resharded after its forward), 2 x (n-1)/n x P x param_bytes, and a reduce-scatter of the
-          gradients, (n-1)/n x P x reduce_bytes. With tp, P is each tp rank's share.
+          resharded after its forward), 2 x (n-1)/n x P x param bytes, and a reduce-scatter of the
+          gradients, (n-1)/n x P x 4 bytes. With tp, P is each tp rank's share.
     TP:   per block 2 all-reduces of the activations forward (after attn.proj and mlp.proj) and 2
           backward (the gradients of the two column-parallel inputs), each 2 (t-1)/t x b s h x
-          act_bytes, for the data-parallel rank's batch."""
-    L, h, f = shape["n_layers"], shape["d_model"], shape["d_ff"]
-    V, P_pos = shape["vocab_size"], shape["max_position_embeddings"]
-    s, b = shape["seq_len"], shape["batch_size"]
-    block = 4 * h + 3 * h * h + 3 * h + h * h + h + h * f + f + f * h + h
-    replicated = V * h + P_pos * h + L * 6 * h + 2 * h  # not split by TP
-    per_tp_rank = replicated + (L * block + 2 * h + V * h + P_pos * h - replicated) // tp
+          activation bytes, for the data-parallel rank's batch."""
+    half, reduce_bytes = (2 if amp else 4), 4
+    replicated = tp_replicated_params(shape)
+    per_tp_rank = replicated + (shape.params - replicated) // tp
     out = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce_grads": 0.0, "all_reduce_tp": 0.0}
     if dp > 1:
         ring = (dp - 1) / dp
         if fsdp:
-            out["all_gather"] = 2 * ring * per_tp_rank * param_bytes
+            out["all_gather"] = 2 * ring * per_tp_rank * half
             out["reduce_scatter"] = ring * per_tp_rank * reduce_bytes
         else:
             out["all_reduce_grads"] = 2 * ring * per_tp_rank * reduce_bytes
     if tp > 1:
-        out["all_reduce_tp"] = L * 4 * 2 * (tp - 1) / tp * b * s * h * act_bytes
+        s = shape  # b, s and h one at a time, in this order: tests/shape_pins.json pins the float
+        out["all_reduce_tp"] = (
+            s.n_layers * 4 * 2 * (tp - 1) / tp * s.batch_size * s.seq_len * s.d_model * half
+        )
     total = sum(out.values())
     return {"bytes": out, "total_bytes": total, "seconds": total / link_bytes_per_s}
 
@@ -467,7 +460,6 @@ def _main(argv: list[str] | None = None) -> int:
     import argparse
 
     from minigpt.config import PRESETS
-    from minigpt.estimate import estimate_gpt
 
     p = argparse.ArgumentParser(prog="python -m minigpt.parallel", description=_main.__doc__)
     p.add_argument("--preset", default="gpt2", choices=sorted(PRESETS))
@@ -478,25 +470,23 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--link-gb-s", type=float, default=H100_NVLINK_BYTES_PER_S / 1e9)
     a = p.parse_args(argv)
     pre = PRESETS[a.preset]
-    shape = dict(
-        n_layers=pre["n_layers"],
-        n_heads=pre["n_heads"],
-        d_model=pre["d_model"],
-        d_ff=pre["d_ff"],
-        seq_len=pre["seq_len"],
-        batch_size=a.batch_size or pre["batch_size"],
-        vocab_size=50304,
-        max_position_embeddings=pre.get("max_position_embeddings", pre["seq_len"]),
-    )
+    shape = shape_of(pre, GPT2_VOCAB, batch_size=a.batch_size or pre["batch_size"])
     n = a.gpus
     plans = [("DDP", n, 1, False), ("FSDP", n, 1, True), (f"TP {n}", 1, n, False)]
     plans += [(f"FSDP {n // t} x TP {t}", n // t, t, True) for t in (2, 4) if n % t == 0 and n > t]
-    L, h, s = shape["n_layers"], shape["d_model"], shape["seq_len"]
-    n_params = estimate_gpt(**shape).params // 4 - shape["max_position_embeddings"] * h  # as model.num_params
-    flops_per_token = 6 * n_params + 12 * L * h * s
+    shown = (
+        "n_layers",
+        "n_heads",
+        "d_model",
+        "d_ff",
+        "seq_len",
+        "batch_size",
+        "vocab_size",
+        "max_position_embeddings",
+    )
     print(
-        f"{a.preset}: {shape}; {n} GPUs; bf16 AMP (fp32 master weights, AdamW), "
-        f"link {a.link_gb_s:.0f} GB/s per direction"
+        f"{a.preset}: { {k: getattr(shape, k) for k in shown} }; {n} GPUs; bf16 AMP (fp32 master weights, "
+        f"AdamW), link {a.link_gb_s:.0f} GB/s per direction"
     )
     print(
         f"compute per GPU at {100 * a.mfu:.0f}% of {a.peak_tflops:.0f} TFLOP/s; communication time "
@@ -507,29 +497,27 @@ def _main(argv: list[str] | None = None) -> int:
         f"{'comm/step':>10s} {'comm time':>10s} {'compute':>9s}"
     )
     for name, dp, tp, fsdp in plans:
-        if shape["n_heads"] % tp or shape["d_ff"] % tp:
-            print(f"{name:18s} not possible: {shape['n_heads']} heads do not split {tp} ways")
+        if shape.n_heads % tp or shape.d_ff % tp:
+            print(f"{name:18s} not possible: {shape.n_heads} heads do not split {tp} ways")
             continue
-        e = per_rank_estimate(estimate_gpt(**shape, amp_dtype="bf16", device="cuda"), dp, tp, fsdp, shape)
-        c = comm_model(
-            shape,
-            dp,
-            tp,
-            fsdp,
-            param_bytes=2 if fsdp else 4,
-            reduce_bytes=4,
-            act_bytes=2,
-            link_bytes_per_s=a.link_gb_s * 1e9,
-        )
-        gib = 2**30
-        compute = flops_per_token * shape["batch_size"] * s / tp / (a.peak_tflops * 1e12 * a.mfu)
-        print(
-            f"{name:18s} {(e['params'] + e['grads'] + e['optimizer']) / gib:16.2f} GiB "
-            f"{e['activations'] / gib:8.2f} GiB {e['peak'] / gib:5.2f} GiB "
-            f"{c['total_bytes'] / 1e9:6.2f} GB "
-            f"{1000 * c['seconds']:7.2f} ms {1000 * compute:6.1f} ms"
-        )
+        print(f"{name:18s} " + _plan_row(shape, dp, tp, fsdp, a))
     return 0
+
+
+def _plan_row(shape: Shape, dp: int, tp: int, fsdp: bool, a) -> str:
+    """One plan's line of _main's table: per-GPU memory, communication and compute time."""
+    from minigpt.estimate import estimate_gpt
+
+    e = per_rank_estimate(estimate_gpt(shape, "bf16", "cuda"), dp, tp, fsdp, shape)
+    c = comm_model(shape, dp, tp, fsdp, amp=True, link_bytes_per_s=a.link_gb_s * 1e9)
+    gib = 2**30
+    compute = shape.flops_per_token * shape.tokens / tp / (a.peak_tflops * 1e12 * a.mfu)
+    return (
+        f"{(e['params'] + e['grads'] + e['optimizer']) / gib:16.2f} GiB "
+        f"{e['activations'] / gib:8.2f} GiB {e['peak'] / gib:5.2f} GiB "
+        f"{c['total_bytes'] / 1e9:6.2f} GB "
+        f"{1000 * c['seconds']:7.2f} ms {1000 * compute:6.1f} ms"
+    )
 
 
 if __name__ == "__main__":
@@ -590,7 +578,7 @@ def comm_by_stage(spans: list[tuple[str, int, float, float]], stages: tuple[str,
     return out
 
 
-def per_rank_memory_estimate(estimate, dp: int, tp: int, fsdp: bool, shape: dict | None = None):
+def per_rank_memory_estimate(estimate, dp: int, tp: int, fsdp: bool, shape: Shape | None = None):
     """per_rank_estimate as a MemoryEstimate (the same class, its fields scaled to one rank), for
     minigpt.memory's table beside a rank's measured breakdown. `recompute` (activation
     checkpointing's rebuilt block) is left whole."""

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from minigpt.shape import Shape
+
 ROOT = Path(__file__).resolve().parents[1]
 PINS = Path(__file__).with_name("shape_pins.json")
 
@@ -58,14 +60,7 @@ CASES = [
     ("gpt2 bf16", GPT2, dict(amp_dtype="bf16")),
     ("gpt2 bf16 ckpt chunked", GPT2, dict(amp_dtype="bf16", activation_checkpoint=True, chunked_loss=True)),
 ]
-PREDICT_KEYS = (
-    "amp_dtype",
-    "activation_checkpoint",
-    "chunked_loss",
-    "loss_chunk_elements",
-    "dropout",
-    "device",
-)
+SHAPE_KEYS = ("activation_checkpoint", "chunked_loss", "grad_accum_steps", "dropout")  # the rest: the call
 PLANS = [(2, 1, False), (2, 1, True), (1, 2, False), (2, 2, True), (4, 1, True)]
 TRAINER_FLAGS = [
     ["--preset", "tiny", "--vocab-size", "100"],
@@ -110,31 +105,31 @@ def outputs(monkeypatch) -> dict:
 
     out: dict = {"estimate": {}, "ops": {}, "predict": {}, "per_rank": {}, "comm": {}, "report": {}}
     for name, shape, options in CASES:
-        e = estimate.estimate_gpt(**shape, **options)
+        s = Shape(**shape, **{k: v for k, v in options.items() if k in SHAPE_KEYS})
+        call = {k: v for k, v in options.items() if k not in SHAPE_KEYS}
+        e = estimate.estimate_gpt(s, **call)
         out["estimate"][name] = e.to_record()
-        op_options = {k: v for k, v in options.items() if k in PREDICT_KEYS}
-        out["ops"][name] = ops_digest(predict.step_ops(**shape, **op_options))
+        call.pop("loss_rows", None)
+        out["ops"][name] = ops_digest(predict.step_ops(s, **call))
         for dp, tp, fsdp in PLANS:
             if shape["n_heads"] % tp == 0:
                 key = f"{name} dp{dp} tp{tp}{' fsdp' if fsdp else ''}"
-                out["per_rank"][key] = parallel.per_rank_estimate(e, dp, tp, fsdp, shape)
-                as_estimate = parallel.per_rank_memory_estimate(e, dp, tp, fsdp, shape)
+                out["per_rank"][key] = parallel.per_rank_estimate(e, dp, tp, fsdp, s)
+                as_estimate = parallel.per_rank_memory_estimate(e, dp, tp, fsdp, s)
                 rec = as_estimate.to_record()
                 out["per_rank"][key]["as_estimate"] = {
                     k: rec[k] for k in ("params", "block", "total", "peak")
                 }
     for dp, tp, fsdp in PLANS:
-        for bytes_ in ((4, 4, 4), (2, 4, 2)):
-            c = parallel.comm_model(GPT2, dp, tp, fsdp, *bytes_)
+        for amp, bytes_ in ((False, (4, 4, 4)), (True, (2, 4, 2))):
+            c = parallel.comm_model(Shape(**GPT2), dp, tp, fsdp, amp)
             out["comm"][f"dp{dp} tp{tp} fsdp{fsdp} {bytes_}"] = c
     monkeypatch.setattr(predict, "step_rates", given_rates)
     for name, shape, options in CASES[:5]:
-        accum = options.get("grad_accum_steps", 1)
-        kw = {k: v for k, v in options.items() if k in ("activation_checkpoint", "chunked_loss")}
-        pred = predict.predict_step(
-            shape, options.get("amp_dtype", "fp32"), "cpu", grad_accum_steps=accum, **kw
-        )
-        out["predict"][name] = {"json": json.dumps(pred.to_record()), "text": predict.format_prediction(pred)}
+        s = Shape(**shape, **{k: v for k, v in options.items() if k in SHAPE_KEYS})
+        pred = predict.predict_step(s, options.get("amp_dtype", "fp32"), "cpu")
+        record = {k: v for k, v in pred.to_record().items() if k != "config"}  # the CLI's is in "report"
+        out["predict"][name] = {"json": json.dumps(record), "text": predict.format_prediction(pred)}
     for flags in TRAINER_FLAGS:
         cfg = parse_args([*flags, "--device-memory-gb", "24"])
         key = " ".join(flags)
