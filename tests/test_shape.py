@@ -10,13 +10,14 @@ import contextlib
 import hashlib
 import io
 import json
+import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
-from minigpt.shape import Shape
+from minigpt.shape import GPT2_PADDED, GPT2_VOCAB, Shape, pad_vocab, shape_of, shape_of_run
 
 ROOT = Path(__file__).resolve().parents[1]
 PINS = Path(__file__).with_name("shape_pins.json")
@@ -164,6 +165,63 @@ def test_every_estimate_and_prediction_is_as_pinned(monkeypatch):
         assert set(got[section]) == set(pins[section]), section
         for key in pins[section]:
             assert got[section][key] == pins[section][key], (section, key)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        Shape(**BASE),
+        Shape(**{**BASE, "n_layers": 3, "d_ff": 96, "vocab_size": 320, "max_position_embeddings": 32}),
+    ],
+)
+def test_the_parameter_count_and_flops_are_the_built_models(shape):
+    import torch
+
+    from minigpt.model import GPT, GPTConfig, flops_per_token
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**shape.model_kwargs()))
+    assert shape.params == sum(p.numel() for p in model.parameters()) == model.num_params(non_embedding=False)
+    assert sorted(shape.param_sizes()) == sorted(p.numel() for p in model.parameters())
+    assert sum(shape.param_sizes()) == shape.params
+    assert shape.flops_per_token == flops_per_token(model, shape.seq_len)
+
+
+def test_the_shape_module_loads_no_torch():
+    """The estimator's and the size check's arithmetic must not pay torch's import."""
+    code = "import sys, minigpt.shape; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_vocabulary_is_padded_to_a_multiple_of_64():
+    assert (
+        [pad_vocab(n) for n in (1, 64, 65, GPT2_VOCAB)] == [64, 64, 128, 50304] == [64, 64, 128, GPT2_PADDED]
+    )
+
+
+def test_a_preset_and_the_trainers_config_give_the_same_shape():
+    from minigpt.config import PRESETS, parse_args
+
+    for name in PRESETS:
+        cfg = parse_args(["--preset", name])
+        assert shape_of(PRESETS[name], GPT2_VOCAB) == shape_of(cfg, GPT2_VOCAB)
+    cfg = parse_args(["--preset", "tiny", "--d-ff", "96", "--use-activation-checkpoint", "--chunked-loss"])
+    shape = shape_of(cfg, 100)
+    assert (shape.d_ff, shape.vocab_size, shape.max_position_embeddings) == (96, 128, cfg.seq_len)
+    assert shape.activation_checkpoint and shape.chunked_loss and shape.tokens == cfg.batch_size * cfg.seq_len
+    assert shape_of(PRESETS["small"], GPT2_VOCAB, seq_len=512).max_position_embeddings == 512
+
+
+def test_a_runs_config_json_gives_back_the_shape_it_ran(tmp_path):
+    """run_prediction reads a finished run's shape from its config.json, as the trainer wrote it."""
+    from minigpt.config import parse_args
+    from minigpt.model import GPTConfig
+
+    cfg = parse_args(["--preset", "tiny", "--vocab-size", "100", "--grad-accum-steps", "3", "--chunked-loss"])
+    shape = shape_of(cfg, cfg.vocab_size)
+    conf = {"config": cfg.to_dict(), "model": asdict(GPTConfig(**shape.model_kwargs()))}
+    assert shape_of_run(json.loads(json.dumps(conf))) == shape
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
