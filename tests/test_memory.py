@@ -60,17 +60,7 @@ def train_steps(model, optimizer, make_batch, steps=2, amp=False, accum=1, measu
 def tiny_gpt(checkpoint=False, **shape):
     s = {**SHAPE, **shape}
     torch.manual_seed(0)
-    model = GPT(
-        GPTConfig(
-            vocab_size=s["vocab_size"],
-            max_position_embeddings=s["max_position_embeddings"],
-            n_layers=s["n_layers"],
-            n_heads=s["n_heads"],
-            d_model=s["d_model"],
-            d_ff=s["d_ff"],
-            activation_checkpoint=checkpoint,
-        )
-    )
+    model = GPT(GPTConfig(**Shape(**s, activation_checkpoint=checkpoint).model_kwargs()))
     model.train()
     optimizer = train_minimal.configure_optimizer(model, parse_args([]), "cpu")
 
@@ -662,7 +652,7 @@ def test_shape_only_matmuls_allocate_what_computed_ones_do(monkeypatch, amp):
         return dispatch(self, func, types, args, kwargs)
 
     monkeypatch.setattr(table.ShapeOnlyMatmuls, "__torch_dispatch__", counted)
-    shape = {**PEAK_SHAPE, "batch_size": 8}  # at batch 2 in bf16 the scratch moves the peak's moment
+    shape = Shape(**{**PEAK_SHAPE, "batch_size": 8})  # at batch 2 in bf16 the scratch moves the peak's moment
     computed = table.measure(shape, amp)
     assert not calls
     shape_only = table.measure(shape, amp, shape_only_matmuls=True)
@@ -674,7 +664,7 @@ def test_shape_only_matmuls_allocate_what_computed_ones_do(monkeypatch, amp):
     if amp == "fp32":
         assert shape_only.peak == computed.peak
     else:  # a bf16 product's backward allocates a scratch of its own, skipped with the arithmetic
-        lm_head_fp32 = shape["vocab_size"] * shape["d_model"] * 4
+        lm_head_fp32 = shape.vocab_size * shape.d_model * 4
         assert 0 <= computed.peak - shape_only.peak <= lm_head_fp32
 
 
@@ -708,8 +698,7 @@ def test_the_estimate_predicts_the_chunked_loss_peak(monkeypatch, amp, checkpoin
     s = CHUNKED_SHAPE
     monkeypatch.setattr(model_module, "LOSS_CHUNK_ELEMENTS", CHUNK_ROWS * s["vocab_size"])
     torch.manual_seed(0)
-    keys = ("vocab_size", "max_position_embeddings", "n_layers", "n_heads", "d_model", "d_ff")
-    model = GPT(GPTConfig(**{k: s[k] for k in keys}, activation_checkpoint=checkpoint, chunked_loss=True))
+    model = GPT(GPTConfig(**Shape(**s, activation_checkpoint=checkpoint, chunked_loss=True).model_kwargs()))
     model.train()
     optimizer = train_minimal.configure_optimizer(model, parse_args([]), "cpu")
     b = trainer_steps(model, optimizer, s, amp=amp == "bf16")

@@ -45,13 +45,7 @@ def rates(
 def test_matmul_flops_are_flops_per_token_less_the_vector_parameters():
     """The ops that run at a matmul or attention rate count exactly what flops_per_token counts,
     except 6 FLOPs per token for each bias and LayerNorm parameter (element-wise work, no product)."""
-    model = GPT(
-        GPTConfig(
-            **{k: SHAPE[k] for k in ("n_layers", "d_model", "n_heads", "d_ff")},
-            vocab_size=SHAPE["vocab_size"],
-            max_position_embeddings=SHAPE["max_position_embeddings"],
-        )
-    )
+    model = GPT(GPTConfig(**Shape(**SHAPE).model_kwargs()))
     tokens = SHAPE["batch_size"] * SHAPE["seq_len"]
     vector_params = sum(p.numel() for p in model.parameters() if p.dim() == 1)
     expected = tokens * (flops_per_token(model, SHAPE["seq_len"]) - 6 * vector_params)
