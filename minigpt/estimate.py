@@ -40,7 +40,7 @@ class MemoryEstimate:
     head: int  # saved by ln_f and lm_head
     loss: int  # saved by the cross-entropy
     weight_copies: int  # of the above: autocast's low-precision weight copies that matmuls save
-    logits: int  # the logits the model returns: held by the caller until its next forward ends
+    logits: int  # the logits the model returns: live until the loss's forward returns
     recompute: int  # checkpointing: one block's activations, rebuilt during backward
     grad_accum_steps: int = 1
     chunked_loss: bool = False
@@ -168,8 +168,8 @@ def estimate_gpt(
     loss_rows: int = LOSS_ROWS,
 ) -> MemoryEstimate:
     """Bytes of one training step of minigpt's GPT (a shape in, no model built), with fused
-    AdamW, the step shaped as train_minimal.py runs it (the caller holds the last output until the
-    next forward ends). docs/memory.md derives every term and checks it against the measurement.
+    AdamW, the step shaped as train_minimal.py runs it (the loop keeps the loss, not the logits).
+    docs/memory.md derives every term and checks it against the measurement.
 
     What persists: parameters, fp32 gradients, AdamW's two fp32 moments and a step per tensor.
     What the forward saves: Korthikanti et al.'s per-layer count redone for this model (fp32
@@ -274,9 +274,9 @@ def _loss_moments(z: _Sizes, est: MemoryEstimate, moment, loss_rows: int) -> dic
     V, bs, L = z.shape.vocab_size, z.shape.tokens, z.shape.n_layers
     acts, loss, logits, accum = est.activations, est.loss, est.logits, est.grad_accum_steps
     if not z.fused_loss:
-        # LogSoftmaxBackward: the logits the caller holds, the saved log-probabilities (in acts), the
-        # gradient NllLossBackward made (fp32 bsV) and its own output (fp32 bsV)
-        return {"loss backward": moment(activations=acts, temporaries=logits + 2 * 4 * bs * V)}
+        # LogSoftmaxBackward: the saved log-probabilities (in acts), the gradient NllLossBackward
+        # made (fp32 bsV) and its own output (fp32 bsV); the logits died with the forward
+        return {"loss backward": moment(activations=acts, temporaries=2 * 4 * bs * V)}
     # CrossEntropy's forward, at its second block: the logits, the gradient it fills (saved only
     # at its end: a temporary until then), the last block of fp32 rows (held by its variable) and
     # the new one, and per row: log-sum-exp, scale (fp32), targets clamped (int64), mask (bool).
@@ -287,12 +287,9 @@ def _loss_moments(z: _Sizes, est: MemoryEstimate, moment, loss_rows: int) -> dic
     checkpointed = L * z.weight_copies if est.activation_checkpoint else 0
     in_forward = (4 * z.sbh + checkpointed) if z.amp else 0
     loss_forward = moment(activations=acts - loss, temporaries=logits + in_loss + in_forward)
-    # The caller's last logits live until this forward returns: the last step's (held from
-    # before the step), or under accumulation the step's previous micro-batch's.
-    loss_forward["held" if accum == 1 else "temporaries"] += logits
     # Its backward returns the saved gradient itself, or, when the loss was scaled (accumulation),
     # a scaled copy of it.
-    backward = moment(activations=acts, temporaries=logits + (loss if accum > 1 else 0))
+    backward = moment(activations=acts, temporaries=loss if accum > 1 else 0)
     return {"loss forward": loss_forward, "loss backward": backward}
 
 
@@ -300,7 +297,7 @@ def _backward_moments(z: _Sizes, est: MemoryEstimate, moment) -> dict[str, dict]
     """The LM head's backward, a checkpointed block rebuilt, the tied embedding's gradients and
     the optimizer step."""
     V, h, E = z.shape.vocab_size, z.shape.d_model, z.E
-    acts, logits, params, chunked = est.activations, est.logits, est.params, est.chunked_loss
+    acts, params, chunked = est.activations, est.params, est.chunked_loss
     one = est.grad_accum_steps == 1
     moments = {}
     if not chunked:
@@ -309,23 +306,21 @@ def _backward_moments(z: _Sizes, est: MemoryEstimate, moment) -> dict[str, dict]
         # are made in the matmul's dtype. A low-precision matmul on the CPU (oneDNN) also packs the
         # V x h weight copy into a scratch buffer of its size while it makes the input's gradient.
         pack = z.p * V * h if z.amp and z.device == "cpu" else 0
-        moments["lm head backward"] = moment(
-            activations=acts, temporaries=logits + z.p * V * h + z.p * z.sbh + pack
-        )
+        moments["lm head backward"] = moment(activations=acts, temporaries=z.p * V * h + z.p * z.sbh + pack)
     if est.activation_checkpoint:
         # the last block rebuilt, with the LM head's weight gradient kept for the tied weight's sum;
         # what the loss, ln_f and the LM head saved is freed by then
         moments["block recompute"] = moment(
             activations=acts + z.full_block - (0 if chunked else est.loss + est.head),
-            temporaries=logits + (0 if chunked else E),
+            temporaries=0 if chunked else E,
         )
     # The tied weight's gradient: the LM head's (held since the start of backward), the
     # embedding's (dense V x h), and their sum, with every other gradient made by then. Under
     # autocast the LM head's is a fresh fp32 copy of its low-precision gradient, which autograd
     # adds the embedding's into in place: no third V x h tensor.
     tied = 2 * E if z.amp and not chunked else 3 * E
-    moments["tied embedding backward"] = moment(grads=params - E if one else 0, temporaries=logits + tied)
-    moments["optimizer step"] = moment(grads=params if one else 0, temporaries=logits)
+    moments["tied embedding backward"] = moment(grads=params - E if one else 0, temporaries=tied)
+    moments["optimizer step"] = moment(grads=params if one else 0)
     return moments
 
 
@@ -398,7 +393,7 @@ def _rows(n_layers: int) -> list[tuple]:
         ("activations saved for backward", lambda e: e.activations),
         ("  of which autocast weight copies", lambda e: e.weight_copies),
         ("total: params+grads+optimizer+activations", lambda e: e.total),
-        ("logits returned (held by the caller)", lambda e: e.logits),
+        ("logits (live until the loss returns)", lambda e: e.logits),
         *((f"at the {m}", _moment_total(m)) for m in MOMENT_STAGES),
         ("peak estimate (the largest moment)", lambda e: e.peak),
     ]
