@@ -154,7 +154,7 @@ MEMORY_SHARE = 0.5  # a shared machine: a variant may take at most half of the m
 def predicted_bytes(model: str, scheme: str, nproc: int) -> int:
     """The estimator's per-rank peak times the ranks, plus ~0.4 GiB per process for torch itself."""
     from minigpt.estimate import estimate_gpt
-    from minigpt.parallel import per_rank_estimate
+    from minigpt.per_rank import per_rank_estimate
 
     shape = MODELS[model]
     tp = {"ddp": 1, "fsdp": 1, "tp": nproc, "fsdp x tp": 2}[scheme]

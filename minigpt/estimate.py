@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from minigpt.config import machine_ram_bytes
+from minigpt.config import UsageError, machine_ram_bytes, parse_args, resolve_amp, resolve_device
 from minigpt.model import LOSS_CHUNK_ELEMENTS, LOSS_ROWS
 from minigpt.shape import GiB, MiB, Shape, shape_of
 
@@ -437,8 +437,7 @@ def estimate_report(cfg, device: str, amp_dtype: str, amp_note: str = "") -> str
 
 def main(argv: list[str] | None = None) -> int:
     """The estimator's command line: the trainer's flags (minigpt.config), nothing allocated."""
-    from minigpt.config import UsageError, parse_args, resolve_amp, resolve_device
-    from minigpt.predict import split_flags, time_report
+    from minigpt.predict import split_flags, time_report  # torch's timers: only for --time
 
     try:
         argv, timing, as_json = split_flags(argv)
@@ -446,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(cfg.device)
         _, amp_dtype, amp_note = resolve_amp(cfg, device)
         if timing:  # --time [--json]: the step's stage times, predicted (minigpt/predict.py)
-            print(time_report(cfg, device, amp_dtype, as_json))
+            print(time_report(config_shape(cfg), device, amp_dtype, as_json))
             return 0
         print(estimate_report(cfg, device, amp_dtype, amp_note))
     except UsageError as e:

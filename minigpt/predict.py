@@ -691,15 +691,11 @@ def format_prediction(pred: TimePrediction) -> str:
     return "\n".join(lines)
 
 
-def time_report(cfg, device: str, amp_dtype: str, as_json: bool) -> str:
-    """What `python -m minigpt.estimate --time [--json]` prints for a TrainConfig."""
-    from minigpt.estimate import config_shape
-
-    if (
-        device == "cuda" and not torch.cuda.is_available()
-    ):  # resolve_device refuses it first; kept for callers
+def time_report(shape: Shape, device: str, amp_dtype: str, as_json: bool) -> str:
+    """What `python -m minigpt.estimate --time [--json]` prints for a step of this shape."""
+    if device == "cuda" and not torch.cuda.is_available():  # resolve_device refuses it first
         raise UsageError("--time --device cuda, but no CUDA GPU is visible to PyTorch; use --device cpu")
-    pred = predict_step(config_shape(cfg), amp_dtype, device)
+    pred = predict_step(shape, amp_dtype, device)
     return json.dumps(pred.to_record(), indent=1) if as_json else format_prediction(pred)
 
 

@@ -19,7 +19,8 @@ from conftest import ROOT, TINY
 
 from minigpt.config import UsageError
 from minigpt.estimate import estimate_gpt
-from minigpt.parallel import check_plan, per_rank_estimate, worker_name
+from minigpt.parallel import check_plan, worker_name
+from minigpt.per_rank import per_rank_estimate
 from minigpt.shape import Shape
 from minigpt.stages import STAGE_NAMES
 
@@ -123,7 +124,7 @@ def test_per_rank_estimate_shards_state_and_splits_tp_activations():
     assert tp["activations"] < e.activations
     with pytest.raises(ValueError):
         per_rank_estimate(e, 1, 2, False)
-    from minigpt.parallel import per_rank_memory_estimate
+    from minigpt.per_rank import per_rank_memory_estimate
 
     as_estimate = per_rank_memory_estimate(e, 1, 2, False, shape)  # for minigpt.memory's table
     assert (as_estimate.total, as_estimate.params) == (tp["total"], tp["params"])

@@ -100,7 +100,7 @@ def given_rates(device: str, dtype: str, needed, cache=True, measure=True):
 
 def outputs(monkeypatch) -> dict:
     """Everything the pins hold, computed by the code under test."""
-    from minigpt import estimate, parallel, predict
+    from minigpt import estimate, per_rank, predict
     from minigpt.checkpoint import model_bytes
     from minigpt.config import parse_args, quick_bytes, quick_param_count
 
@@ -115,15 +115,15 @@ def outputs(monkeypatch) -> dict:
         for dp, tp, fsdp in PLANS:
             if shape["n_heads"] % tp == 0:
                 key = f"{name} dp{dp} tp{tp}{' fsdp' if fsdp else ''}"
-                out["per_rank"][key] = parallel.per_rank_estimate(e, dp, tp, fsdp, s)
-                as_estimate = parallel.per_rank_memory_estimate(e, dp, tp, fsdp, s)
+                out["per_rank"][key] = per_rank.per_rank_estimate(e, dp, tp, fsdp, s)
+                as_estimate = per_rank.per_rank_memory_estimate(e, dp, tp, fsdp, s)
                 rec = as_estimate.to_record()
                 out["per_rank"][key]["as_estimate"] = {
                     k: rec[k] for k in ("params", "block", "total", "peak")
                 }
     for dp, tp, fsdp in PLANS:
         for amp, bytes_ in ((False, (4, 4, 4)), (True, (2, 4, 2))):
-            c = parallel.comm_model(Shape(**GPT2), dp, tp, fsdp, amp)
+            c = per_rank.comm_model(Shape(**GPT2), dp, tp, fsdp, amp)
             out["comm"][f"dp{dp} tp{tp} fsdp{fsdp} {bytes_}"] = c
     monkeypatch.setattr(predict, "step_rates", given_rates)
     for name, shape, options in CASES[:5]:
@@ -137,7 +137,7 @@ def outputs(monkeypatch) -> dict:
         out["report"][key] = {
             "fp32": estimate.estimate_report(cfg, "cpu", "fp32"),
             "bf16": estimate.estimate_report(cfg, "cuda", "bf16", "a note"),
-            "time": predict.time_report(cfg, "cpu", "fp32", True),
+            "time": predict.time_report(estimate.config_shape(cfg), "cpu", "fp32", True),
             "quick_bytes": quick_bytes(cfg),
         }
     out["params"] = {
@@ -152,7 +152,7 @@ def outputs(monkeypatch) -> dict:
     for preset, gpus in (("gpt2", "8"), ("small", "4")):
         text = io.StringIO()
         with contextlib.redirect_stdout(text):
-            parallel._main(["--preset", preset, "--gpus", gpus])
+            per_rank.main(["--preset", preset, "--gpus", gpus])
         out["report"][f"parallel {preset} {gpus}"] = text.getvalue()
     return json.loads(json.dumps(out))  # tuples as lists, as the file holds them
 
