@@ -5,10 +5,10 @@
     python -m minigpt.estimate --time --use-activation-checkpoint --chunked-loss
 
 The model is a roofline over the step's own ops. `step_ops` lists every op one training step of
-minigpt/model.py runs, from the shape alone: its FLOPs (matrix products and attention, counted as
-`minigpt.model.flops_per_token` counts them), the bytes it reads and writes (dtype-aware: autocast
-casts weights and inputs to bf16, LayerNorm and the log-softmax stay fp32), its transcendental
-evaluations (exp, tanh) and its launches. An op takes
+minigpt/model.py runs, from the shape alone (minigpt/shape.py): its FLOPs (matrix products and
+attention, counted as `Shape.flops_per_token` counts them), the bytes it reads and writes
+(dtype-aware: autocast casts weights and inputs to bf16, LayerNorm and the log-softmax stay fp32),
+its transcendental evaluations (exp, tanh) and its launches. An op takes
 
     max(flops / matmul rate at its own shape, bytes / bandwidth at its size, evaluations / exp rate)
       + launches x per-op overhead

@@ -2,8 +2,9 @@
 it, and the batch that feeds it. The trainer builds its model from it, the memory estimator
 (minigpt/estimate.py), the step-time predictor (minigpt/predict.py), the parallel plan
 (minigpt/parallel.py) and the benchmarks compute from it; vocabulary padding, the parameter count
-and the FLOPs per token are defined here once. Importing this module loads no torch: a command
-that only predicts starts in milliseconds, and the base layer stays below the core."""
+and the FLOPs per token are defined here once. It imports no torch (a test holds it to that): the
+flag checks in minigpt/config.py size a configuration with it before torch is loaded, and it sits
+in the base layer, below the core and the instruments."""
 
 from __future__ import annotations
 
@@ -35,8 +36,7 @@ def param_count(vocab_size: int, positions: int, d_model: int, d_ff: int, n_laye
     """Parameters of a GPT of this shape (embeddings, blocks, final LayerNorm; the head is tied to
     the token embedding and counted once). Closed form in exact integers: it also sizes absurd
     shapes, which config.check_size refuses before anything is built."""
-    d = d_model
-    return (vocab_size + positions) * d + n_layers * (4 * d * d + 2 * d * d_ff + 9 * d + d_ff) + 2 * d
+    return (vocab_size + positions) * d_model + n_layers * sum(block_param_sizes(d_model, d_ff)) + 2 * d_model
 
 
 @dataclass(frozen=True)
