@@ -79,7 +79,7 @@ from minigpt.data import (
     split_train_val,
     tokenizer_vocab,
 )
-from minigpt.estimate import estimate_gpt, estimate_report, gpt_shape
+from minigpt.estimate import estimate_gpt, estimate_report
 from minigpt.fileio import atomic_write
 from minigpt.instrument import Instruments, cuda_memory_report
 from minigpt.memory import process_memory
@@ -95,7 +95,8 @@ from minigpt.metrics import (
     setup_logging,
 )
 from minigpt.mfu import PeakFlops, achieved_tflops, describe, mfu, model_workloads, peak_flops
-from minigpt.model import GPT, GPTConfig, flops_per_token, pad_vocab
+from minigpt.model import GPT, GPTConfig
+from minigpt.per_rank import per_rank_memory_estimate
 from minigpt.report import write_report
 from minigpt.runs import (
     RunLock,
@@ -106,6 +107,7 @@ from minigpt.runs import (
     probe_writable,
     repair_jsonl,
 )
+from minigpt.shape import shape_of
 from minigpt.stages import STAGE_NAMES
 from minigpt.straggler import StragglerDetector, format_report, parse_slow_rank, rank_figures
 
@@ -251,17 +253,7 @@ def load_data(cfg: TrainConfig, rank: int, pin: bool) -> Data:
 
 
 def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
-    return GPTConfig(
-        vocab_size=pad_vocab(vocab_size),
-        max_position_embeddings=cfg.max_position_embeddings,
-        n_layers=cfg.n_layers,
-        n_heads=cfg.n_heads,
-        d_model=cfg.d_model,
-        d_ff=cfg.d_ff,
-        dropout=cfg.dropout,
-        activation_checkpoint=cfg.use_activation_checkpoint,
-        chunked_loss=cfg.chunked_loss,
-    )
+    return GPTConfig(**shape_of(cfg, vocab_size).model_kwargs())
 
 
 def restore(
@@ -348,17 +340,10 @@ def predicted_memory(cfg: TrainConfig, model: GPT, amp_dtype: str, device: str, 
     """The estimate printed beside --memory-profiler's measurement: one rank's share under --fsdp/--tp."""
     if not cfg.memory_profiler:
         return None
-    shape = gpt_shape(cfg, model.cfg.vocab_size)
-    estimate = estimate_gpt(
-        **shape,
-        amp_dtype=amp_dtype,
-        device=device,
-        activation_checkpoint=cfg.use_activation_checkpoint,
-        grad_accum_steps=cfg.grad_accum_steps,
-        chunked_loss=cfg.chunked_loss,
-    )
+    shape = shape_of(cfg, model.cfg.vocab_size)
+    estimate = estimate_gpt(shape, amp_dtype, device)
     if plan.sharded:
-        estimate = parallel.per_rank_memory_estimate(estimate, plan.dp, plan.tp, plan.fsdp, shape)
+        estimate = per_rank_memory_estimate(estimate, plan.dp, plan.tp, plan.fsdp, shape)
     return estimate
 
 
@@ -457,7 +442,7 @@ class Throughput:
         """Tokens per step: each data-parallel rank's batch (the ranks of a tp group share one);
         FLOPs per token per device (a tp group's devices split the model)."""
         tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps
-        fpt = flops_per_token(model, cfg.seq_len) // plan.tp
+        fpt = shape_of(cfg, model.cfg.vocab_size).flops_per_token // plan.tp
         return cls(tokens, plan.dp, device, fpt, peak.value, step, RunTotals(tokens * plan.dp))
 
     def record(
