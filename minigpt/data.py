@@ -56,8 +56,13 @@ SAFE_CUT = re.compile(r"(?<=[!-~]\n)(?=[!-~])")
 
 @functools.cache
 def get_tokenizer(name: str = "gpt2"):
-    """A tiktoken Encoding. 'gpt2' is built offline; other names go through tiktoken's registry,
-    which downloads its files once (and so needs the network the first time)."""
+    """A tiktoken Encoding, built once per process (sample.py encodes and decodes with it)."""
+    return build_tokenizer(name)
+
+
+def build_tokenizer(name: str = "gpt2"):
+    """A new tiktoken Encoding. 'gpt2' is built offline; other names go through tiktoken's
+    registry, which downloads its files once (and so needs the network the first time)."""
     import tiktoken
 
     if name != "gpt2":
@@ -140,8 +145,10 @@ def text_chunks(text: str, size: int = TOKENIZE_CHUNK_CHARS) -> list[str]:
 def encode_text(
     text: str, tokenizer_name: str = "gpt2", show_progress: bool | None = None, desc: str = ""
 ) -> list[int]:
-    """Token ids of a text; a big one piece by piece under a progress bar (on a terminal only)."""
-    enc = get_tokenizer(tokenizer_name)
+    """Token ids of a text; a big one piece by piece under a progress bar (on a terminal only).
+    The encoder is built for this text and let go after it (about 50 MiB the trainer's steps can
+    then reuse), not kept for the process's life."""
+    enc = build_tokenizer(tokenizer_name)
     if len(text) <= TOKENIZE_CHUNK_CHARS:
         return enc.encode_ordinary(text)
     enabled = progress_enabled() if show_progress is None else show_progress

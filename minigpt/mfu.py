@@ -308,28 +308,32 @@ def measure(device: str, dtype: str, unit: Workload, budget_s: float | None = No
     amp = dtype != "fp32"
     param_dtype = torch.float32 if unit.kind != "matmul" else TORCH_DTYPES[dtype]
 
-    def rand(*shape, grad=False):
-        t = torch.randn(*shape, device=device, dtype=param_dtype, generator=gen)
+    def rand(*shape, grad=False, dtype=param_dtype):
+        t = torch.randn(*shape, device=device, dtype=dtype, generator=gen)
         return t.requires_grad_(grad)
 
+    # The gradient arriving at the unit's output comes in the output's dtype, as in the model's
+    # backward, made once: converting it in every call would time a cast that is not the unit's
+    # work, and an fp32 copy of the LM head's output gradient alone is b x s x V x 4 bytes.
+    out_dtype = TORCH_DTYPES[dtype] if amp else torch.float32
     if unit.kind == "linear":
         m, k, n, bias = unit.dims
         x, w, b = rand(m, k, grad=True), rand(n, k, grad=True), rand(n, grad=True) if bias else None
-        out_grad, leaves = rand(m, n), [t for t in (x, w, b) if t is not None]
+        out_grad, leaves = rand(m, n, dtype=out_dtype), [t for t in (x, w, b) if t is not None]
 
         def call():
             with torch.autocast(device, dtype=TORCH_DTYPES[dtype], enabled=amp):
                 y = torch.nn.functional.linear(x, w, b)
-            torch.autograd.backward(y, out_grad.to(y.dtype))
+            torch.autograd.backward(y, out_grad)
     elif unit.kind == "attention":
         bsz, h, s, hd = unit.dims
         q, k_, v = (rand(bsz, h, s, hd, grad=True) for _ in range(3))
-        out_grad, leaves = rand(bsz, h, s, hd), [q, k_, v]
+        out_grad, leaves = rand(bsz, h, s, hd, dtype=out_dtype), [q, k_, v]
 
         def call():
             with torch.autocast(device, dtype=TORCH_DTYPES[dtype], enabled=amp):
                 y = torch.nn.functional.scaled_dot_product_attention(q, k_, v, is_causal=True)
-            torch.autograd.backward(y, out_grad.to(y.dtype))
+            torch.autograd.backward(y, out_grad)
     else:
         m, k, n = unit.dims
         a, b_, leaves = rand(m, k), rand(k, n), []

@@ -224,8 +224,10 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
+        # Weight tying, as in GPT-2: the head reads wte's weight. Made on the meta device, its own
+        # V x d weight is never allocated (a CPU process would keep those pages for the whole run).
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device="meta")
+        self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
