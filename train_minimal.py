@@ -758,7 +758,7 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
     rank, world_size, is_main = dist_info.rank, dist_info.world_size, dist_info.is_main
     distributed.check_same_config(cfg, dist_info)  # ranks started with different flags: one line
     plan = parallel.make_plan(cfg, rank, world_size, device)  # the (dp, tp) mesh under --fsdp / --tp
-    ranks = profile_ranks(cfg.profile_ranks, world_size)
+    profile_ranks(cfg.profile_ranks, world_size)  # a rank outside the world: one line, before any work
     if slow and slow.rank >= world_size:
         raise UsageError(
             f"--simulate-slow-rank {cfg.simulate_slow_rank}: no rank {slow.rank} in a world of {world_size}"
@@ -770,11 +770,7 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
 
     # ------------------------------------------------------------------ data, model, optimizer
     data = load_data(cfg, plan.dp_rank, pin=device == "cuda")  # the ranks of a tp group share batches
-    sleep_ms = {slow.stage: slow.ms} if slow and slow.rank == rank else None  # --simulate-slow-rank
-    profiled = ranks is None or rank in ranks  # this rank takes part in --use-profiler, --nsys, ...
-    inst = Instruments(
-        cfg, device, rank, world_size, profiled, out_dir, plan.worker, sleep_ms=sleep_ms, comm=plan.sharded
-    )
+    inst = Instruments(cfg, device, rank, world_size, out_dir, plan.worker, comm=plan.sharded)
     if cfg.memory_snapshot_path and inst.memory_history:
         probe_writable(inst.snapshot_path, "--memory-snapshot-path")
     model = GPT(model_config(cfg, data.vocab_size)).to(device)
