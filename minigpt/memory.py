@@ -1296,7 +1296,7 @@ def _peak_table(b: MemoryBreakdown, e: dict) -> list[str]:
     return lines
 
 
-if __name__ == "__main__":  # the estimator's old address: python -m minigpt.memory still predicts
+if __name__ == "__main__":  # python -m minigpt.memory answers as minigpt.estimate does: a command users keep
     from minigpt.estimate import main
 
     sys.exit(main())
