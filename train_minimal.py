@@ -812,7 +812,14 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
     losses, val = [], None
     rate.totals.start(IMPORTED_AT)  # start-up ends here: the run-wide figures count from now
     # SIGINT / SIGTERM finish the step in flight, save, and leave; a second Ctrl-C kills at once.
-    with stop_on_signals() as stop_signal, metrics_file, stragglers_file, tensorboard, inst:
+    # A rank lost mid-run (killed, stopped): one line naming it and how to resume, on the others.
+    resume = (
+        f"the last checkpoint, if one was saved, is {ckpt_path}: continue with --resume --out-dir {out_dir}"
+    )
+    lost = distributed.peers_watched(
+        dist_info, "nothing to resume (--no-checkpoint)" if cfg.no_checkpoint else resume
+    )
+    with stop_on_signals() as stop_signal, metrics_file, stragglers_file, tensorboard, inst, lost:
         while step < cfg.num_steps:
             if on_step:
                 on_step(step + 1)
@@ -891,7 +898,7 @@ def cli(argv: list[str] | None = None, on_step: Callable[[int], None] | None = N
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except NonFiniteLoss as e:
+    except (NonFiniteLoss, distributed.LostRank) as e:  # faults: one line, exit status 1
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
