@@ -34,13 +34,13 @@ from pathlib import Path
 import torch
 from common import RESULTS, device_slug, header, keeping, load_results, save_json, stamp
 from torch.autograd.profiler import record_function
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from minigpt.config import PRESETS
 from minigpt.estimate import estimate_gpt
 from minigpt.fileio import atomic_write
 from minigpt.memory import PEAK_PARTS, MemoryBreakdown, capture_memory
 from minigpt.model import GPT, GPTConfig
+from minigpt.torchcompat import dispatch_mode_base
 
 MIB = 2**20
 VOCAB = 50304  # GPT-2's vocabulary padded to a multiple of 64, as the trainer pads it
@@ -70,7 +70,7 @@ def shape_of(preset: str, batch: int, seq: int) -> dict:
     )
 
 
-class ShapeOnlyMatmuls(TorchDispatchMode):
+class ShapeOnlyMatmuls(dispatch_mode_base()):
     """aten::mm's output without its arithmetic: a zero-filled tensor of the same shape and dtype,
     allocated where the op would allocate it (the profiler still names aten::mm around it). What the
     arithmetic itself allocates is skipped with it: a bf16 product's backward on the CPU makes a

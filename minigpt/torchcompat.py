@@ -25,6 +25,14 @@ Why each one, when no public API does it:
   before the error unwinds the stack, so the snapshot shows what filled the device.
 - `torch.cuda.memory._record_memory_history` / `_snapshot`: the allocator's history for
   pytorch.org/memory_viz (documented, but underscored).
+- `torch.cpu._is_avx512_bf16_supported` / `_is_amx_tile_supported`: whether this CPU runs bf16
+  natively (AMP's default on the CPU), which no public call says.
+- `torch.distributed.checkpoint._traverse.set_element`: a sharded checkpoint's loader that refuses
+  pickles (weights-only) must put each loaded object back where DCP's flattening took it from.
+- `torch.utils._python_dispatch.TorchDispatchMode`: the base of a dispatch mode that sees every
+  aten op (the estimate table's shape-only matmuls).
+
+It imports only torch: the core (config, checkpoints) and the instruments both use it.
 """
 
 from __future__ import annotations
@@ -154,3 +162,28 @@ def stop_memory_history() -> None:
 def memory_snapshot() -> dict:
     """The CUDA allocator's segments and recorded history, as pytorch.org/memory_viz reads it."""
     return torch.cuda.memory._snapshot()
+
+
+# ---------------------------------------------------------------------------- the CPU, DCP, dispatch
+
+
+def cpu_bf16_features() -> dict[str, bool]:
+    """{"avx512_bf16": ..., "amx": ...}: the instructions that make bf16 native on this CPU."""
+    return {
+        "avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
+        "amx": bool(torch.cpu._is_amx_tile_supported()),
+    }
+
+
+def dcp_set_element(state_dict: dict, path, value) -> None:
+    """Put `value` at DCP's flattened `path` (a tuple of keys) inside a nested state dict."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    set_element(state_dict, path, value)
+
+
+def dispatch_mode_base() -> type:
+    """The base class of a TorchDispatchMode: every aten op passes through its __torch_dispatch__."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

@@ -100,3 +100,25 @@ def test_cuda_allocator_internals(tmp_path):
     with internal("torch._C._cuda_attach_out_of_memory_observer"):
         torchcompat.attach_oom_observer(lambda *args: None)
     del x
+
+
+def test_cpu_dcp_and_dispatch_internals():
+    with internal("torch.cpu._is_avx512_bf16_supported / _is_amx_tile_supported"):
+        features = torchcompat.cpu_bf16_features()
+    assert set(features) == {"avx512_bf16", "amx"} and all(isinstance(v, bool) for v in features.values())
+    nested = {"optim": {"state": {0: {"exp_avg": None}}}}
+    with internal("torch.distributed.checkpoint._traverse.set_element"):
+        torchcompat.dcp_set_element(nested, ("optim", "state", 0, "exp_avg"), 7)
+    assert nested["optim"]["state"][0]["exp_avg"] == 7
+    with internal("torch.utils._python_dispatch.TorchDispatchMode"):
+        base = torchcompat.dispatch_mode_base()
+    seen = []
+
+    class Ops(base):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        torch.ones(2) + 1
+    assert any("add" in name for name in seen)
