@@ -435,6 +435,45 @@ def _optimizer_bytes(optimizer, names: dict[int, str], order: dict[str, int]):
     return out, ptrs
 
 
+class _PeakSession:
+    """The capture's own profiler session (profile_memory=True: every allocation and free), and
+    what the allocator held as it began: together, the step's peak, when it came, and every byte
+    live then."""
+
+    def __init__(self, device: str, marks: _Marks):
+        self.device, self.marks = device, marks
+        self.baseline = _Baseline(device, marks)
+        self.prof: torch.profiler.profile | None = None
+
+    def start(self, model: nn.Module, optimizer, names: dict[int, str]) -> None:
+        self.baseline.scan(model, optimizer, names)  # before the session: it sees only what comes after
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
+        self.prof = profile(activities=activities, profile_memory=True)
+        self.prof.__enter__()
+        self.marks.on = True
+
+    def stop(self) -> None:
+        if self.marks.on:
+            self.marks.on = False
+            self.prof.__exit__(None, None, None)
+
+    def measure(self, b: MemoryBreakdown, optimizer_ptrs: dict[int, str], root_saves: list) -> None:
+        """Fill in b's peak from the stopped session, every byte live then named; `root_saves`:
+        (marker index, bytes) of tensors saved outside any submodule, named after their op."""
+        timeline = _timeline(self.prof, self.device)
+        _replay(b, timeline, self.baseline.blocks, self.marks.items, optimizer_ptrs)
+        for index, nbytes in root_saves:
+            name = timeline.mark_names.get(index) or NO_MODULE
+            b.activations[name] = b.activations.get(name, 0) + nbytes
+        if b.cuda_max_allocated is not None:  # the CUDA allocator's own figure is the reference
+            b.peak_parts.setdefault("temporaries", {})
+            b.peak_parts["temporaries"]["(not seen by the profiler)"] = b.cuda_max_allocated - b.peak
+            b.peak = b.cuda_max_allocated
+        self.baseline.forget()
+
+
 class MemoryCapture:
     """Context manager around one training step (forward, backward, optimizer step); afterwards
     `.breakdown` holds the figures. Hooks are removed on exit, also when the step fails.
@@ -480,7 +519,8 @@ class MemoryCapture:
         self._ranges: list = []  # the open record_function ranges of those modules
         self._marks = _Marks()
         self._saved = _SavedTensors([n for n, _ in self.model.named_modules()], self._marks)
-        self._prof = self._baseline = self._peak_note = None
+        self._session: _PeakSession | None = None
+        self._peak_note = None
         self.cuda = any(p.is_cuda for p in params.values())
         self._device = "cuda" if self.cuda else "cpu"
         if self.cuda:
@@ -488,30 +528,21 @@ class MemoryCapture:
             torch.cuda.reset_peak_memory_stats()  # the peak of this step only
         self._exit = ExitStack()
         try:
-            if self.want_peak:
-                self._start_profiler()
+            if self.want_peak and torchcompat.profiler_running():
+                self._peak_note = (
+                    "not measured: another profiler was running during this step (measure a step "
+                    "outside the trace window)"
+                )
+            elif self.want_peak:
+                self._session = _PeakSession(self._device, self._marks)
+                self._session.start(self.model, self.optimizer, self._names)
             self._install_hooks(params)
         except BaseException:
             self._exit.close()
-            self._stop_profiler()
+            if self._session is not None:
+                self._session.stop()
             raise
         return self
-
-    def _start_profiler(self) -> None:
-        if torchcompat.profiler_running():
-            self._peak_note = (
-                "not measured: another profiler was running during this step (measure a step "
-                "outside the trace window)"
-            )
-            return
-        self._baseline = _Baseline(self._device, self._marks)
-        self._baseline.scan(self.model, self.optimizer, self._names)
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        self._prof = profile(activities=activities, profile_memory=True)
-        self._prof.__enter__()
-        self._marks.on = True
 
     def _install_hooks(self, params: dict[str, torch.Tensor]) -> None:
         for name, module in self.model.named_modules():
@@ -582,27 +613,19 @@ class MemoryCapture:
             if p.grad is not None and name not in self._grads:
                 self._grad_hook(name)(p)
 
-    def _stop_profiler(self):
-        if self._prof is not None:
-            self._marks.on = False
-            prof, self._prof = self._prof, None
-            prof.__exit__(None, None, None)
-            return prof
-        return None
-
     def __exit__(self, *exc) -> None:
         self._exit.close()
         while self._ranges:  # a module whose forward failed before its post-hook
             torchcompat.range_exit(self._ranges.pop())
         if self.cuda:
             torch.cuda.synchronize()
-        prof = self._stop_profiler()
+        if self._session is not None:
+            self._session.stop()
         if exc[0] is None:
-            self.breakdown = self._breakdown(prof)
-        if self._baseline is not None:
-            self._baseline.forget()
+            self.breakdown = self._breakdown()
+        self._session = None
 
-    def _breakdown(self, prof) -> MemoryBreakdown:
+    def _breakdown(self) -> MemoryBreakdown:
         optimizer, optimizer_ptrs = _optimizer_bytes(self.optimizer, self._names, self._params)
         saved = self._saved
         b = MemoryBreakdown(
@@ -621,21 +644,9 @@ class MemoryCapture:
                 torch.cuda.max_memory_allocated(),
                 torch.cuda.max_memory_reserved(),
             )
-        if prof is not None:
-            self._measure_peak(b, prof, optimizer_ptrs)
+        if self._session is not None:
+            self._session.measure(b, optimizer_ptrs, saved.root_saves)
         return b
-
-    def _measure_peak(self, b: MemoryBreakdown, prof, optimizer_ptrs: dict[int, str]) -> None:
-        """The peak from the capture's profiler session, every byte live then named."""
-        timeline = _timeline(prof, self._device)
-        _replay(b, timeline, self._baseline.blocks, self._marks.items, optimizer_ptrs)
-        for index, nbytes in self._saved.root_saves:  # saved outside any submodule: the op's name
-            name = timeline.mark_names.get(index) or NO_MODULE
-            b.activations[name] = b.activations.get(name, 0) + nbytes
-        if self.cuda and b.cuda_max_allocated is not None:  # the CUDA allocator's own figure is the reference
-            b.peak_parts.setdefault("temporaries", {})
-            b.peak_parts["temporaries"]["(not seen by the profiler)"] = b.cuda_max_allocated - b.peak
-            b.peak = b.cuda_max_allocated
 
 
 def capture_memory(
