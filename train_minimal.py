@@ -771,8 +771,6 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
     # ------------------------------------------------------------------ data, model, optimizer
     data = load_data(cfg, plan.dp_rank, pin=device == "cuda")  # the ranks of a tp group share batches
     inst = Instruments(cfg, device, rank, world_size, out_dir, plan.worker, comm=plan.sharded)
-    if cfg.memory_snapshot_path and inst.memory_history:
-        probe_writable(inst.snapshot_path, "--memory-snapshot-path")
     model = GPT(model_config(cfg, data.vocab_size)).to(device)
     if plan.sharded:  # in place, into DTensors: before the optimizer, which must hold those
         parallel.parallelize(model, cfg, plan.mesh, device, amp_dtype)
@@ -799,12 +797,7 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
     metrics_file = JsonlWriter(out_dir / paths.METRICS_FILE, enabled=is_main)
     stragglers_file = JsonlWriter(out_dir / paths.STRAGGLERS_FILE, enabled=is_main and world_size > 1)
     tensorboard = TensorBoardLogger(out_dir / paths.TENSORBOARD_DIR, enabled=is_main, purge_step=step + 1)
-    inst.attach(model, optimizer, step + 1, predicted_memory(cfg, model, amp_dtype, device, plan))
-    if world_size > 1 and cfg.stage_timing and not plan.sharded:  # the backward's compute, not the all-reduce
-        inst.timer.add_split("backward", "backward_compute")
-        distributed.time_backward_compute(
-            ddp_model, partial(inst.timer.split, "backward", "backward_compute")
-        )
+    inst.attach(model, optimizer, step + 1, predicted_memory(cfg, model, amp_dtype, device, plan), ddp_model)
     stragglers = StragglerDetector(cfg.straggler_threshold)
 
     # ------------------------------------------------------------------ train loop

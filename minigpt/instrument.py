@@ -27,18 +27,22 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import nvtx
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerAction, ProfilerActivity, record_function, tensorboard_trace_handler
 
 from minigpt import paths, stages, torchcompat
 from minigpt.commprobe import CommProbe
 from minigpt.config import profile_ranks
+from minigpt.distributed import time_backward_compute
 from minigpt.fileio import atomic_open, atomic_write
 from minigpt.memory import process_memory
 from minigpt.progress import Progress, progress_enabled
+from minigpt.runs import probe_writable
 from minigpt.stages import STAGE_NAMES, STEP_RANGE, color
 from minigpt.straggler import parse_slow_rank
 
@@ -409,17 +413,17 @@ class Instruments:
         self.timer = StageTimer(device, enabled=cfg.stage_timing, sleep_ms=slow_stage(cfg, rank))
         self.step_times: dict[int, float] = {}  # host seconds of every step, to price the profiler
         self._interval: list[float] = []
-        self.memory_history = None
-        if (
-            cfg.record_memory_history and self.profiled
-        ):  # before the model exists, so its allocations are in it
-            self.memory_history = MemoryHistory(cfg.memory_history_entries)
-            self.memory_history.start()
-            self.memory_history.dump_on_oom(out_dir / paths.OOM_SNAPSHOT_FILE.format(rank=rank))
         snapshot = Path(cfg.memory_snapshot_path or out_dir / paths.SNAPSHOT_FILE.format(rank=rank))
         if cfg.memory_snapshot_path and world_size > 1:  # one file per rank, never overwritten by another
             snapshot = snapshot.with_name(f"rank{rank}_{snapshot.name}")
         self.snapshot_path, self._snapshot_dumped = snapshot, False
+        self.memory_history = None
+        if cfg.record_memory_history and self.profiled:  # before the model exists: its allocations are in it
+            if cfg.memory_snapshot_path:  # a path of the user's: refused now, not when the window ends
+                probe_writable(snapshot, "--memory-snapshot-path")
+            self.memory_history = MemoryHistory(cfg.memory_history_entries)
+            self.memory_history.start()
+            self.memory_history.dump_on_oom(out_dir / paths.OOM_SNAPSHOT_FILE.format(rank=rank))
         self.profiler = self.nsys = None
         self.memory_step: int | None = None
         self.memory_breakdown: dict | None = None  # the measured step's record, for the next log line
@@ -429,13 +433,23 @@ class Instruments:
         self._exit = ExitStack()
 
     def attach(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, first_step: int, memory_estimate=None
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        first_step: int,
+        memory_estimate=None,
+        ddp_model: torch.nn.Module | None = None,
     ) -> None:
         """The model and optimizer the step trains; `first_step` is the step the loop runs next
-        (1-based; later after --resume). Sets up the profiler window and the memory capture."""
+        (1-based; later after --resume). Sets up the profiler window and the memory capture. Under
+        DDP (`ddp_model`, the wrapper), the backward's compute is timed apart from its all-reduce
+        (backward_compute): the straggler scores use the compute, which a slow peer does not stretch."""
         cfg, window = self.cfg, self.window
         self.model, self.optimizer, self.first_step = model, optimizer, first_step
         self.memory_estimate = memory_estimate
+        if isinstance(ddp_model, DistributedDataParallel) and cfg.stage_timing:
+            self.timer.add_split("backward", "backward_compute")
+            time_backward_compute(ddp_model, partial(self.timer.split, "backward", "backward_compute"))
         if cfg.use_profiler and self.profiled and first_step <= window.start:
             self.profiler = make_profiler(
                 self.out_dir / paths.TRACE_DIR,
