@@ -59,7 +59,7 @@ from collections import defaultdict
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn as nn
@@ -69,8 +69,11 @@ from minigpt.fileio import atomic_write
 from minigpt.stages import STAGE_NAMES
 from minigpt.torchcompat import TreeEvent
 
-if TYPE_CHECKING:
-    from minigpt.estimate import MemoryEstimate
+if TYPE_CHECKING:  # what this module reads of minigpt.estimate.MemoryEstimate, which imports this module
+
+    class MemoryEstimate(Protocol):
+        def to_record(self) -> dict: ...
+
 
 MiB = MB = 2**20  # memory.log writes "MiB"; InternEvo's logs say "MB" for the same 2^20 bytes
 GiB = 2**30
@@ -1308,6 +1311,6 @@ def _peak_table(b: MemoryBreakdown, e: dict) -> list[str]:
 
 
 if __name__ == "__main__":  # python -m minigpt.memory answers as minigpt.estimate does: a command users keep
-    from minigpt.estimate import main
+    import runpy
 
-    sys.exit(main())
+    runpy.run_module("minigpt.estimate", run_name="__main__", alter_sys=True)
