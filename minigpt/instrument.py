@@ -241,7 +241,7 @@ def make_profiler(
     worker (and its Distributed view by rank). `first_step` is the training step the loop runs
     next (1-based; later than 1 after --resume): the trace's ProfilerStep#N markers then carry the
     training step numbers of the log."""
-    # gzip: LLM traces reach hundreds of MB and compress about 16x; torch-tb-profiler, Perfetto
+    # gzip: LLM traces reach hundreds of MB of repetitive JSON; torch-tb-profiler, Perfetto
     # and chrome://tracing all read .json.gz.
     write_trace = tensorboard_trace_handler(str(trace_dir), worker_name=worker, use_gzip=True)
 
