@@ -666,9 +666,7 @@ def capture_memory(
 
 # Ranges that are not ops: the profiler's step, the loop's step range (stages are matched apart).
 _RANGES = ("ProfilerStep", "train_step", "backward_compute", "##")
-# FSDP2's record_function ranges (torch.distributed.fsdp._fully_shard) around its all-gather (with
-# its copy-out into the full parameters) and around its gradient reduction (the reduce-scatter).
-_FSDP_RANGES = ("FSDP::all_gather", "FSDP::post_backward_reduce")
+_FSDP_RANGES = (torchcompat.FSDP_GATHER_RANGE, torchcompat.FSDP_REDUCE_RANGE)
 
 
 @dataclass
@@ -766,7 +764,7 @@ def _op_context(e: TreeEvent, ctx: dict, seq_module: dict[int, str]) -> dict:
     elif name.startswith(_FSDP_RANGES):  # "FSDP::all_gather (blocks.1)": FSDP2's own memory
         ctx["fsdp"] = "gather" if name.startswith(_FSDP_RANGES[0]) else "reduce"
         ctx["fsdp_unit"] = name.partition(" (")[2].removesuffix(")")
-    elif name.startswith("autograd::engine::evaluate_function: "):
+    elif name.startswith(torchcompat.AUTOGRAD_NODE_RANGE):
         ctx["node"] = name.split(": ", 1)[1]
         ctx["module"] = seq_module.get(e.sequence, "")
         ctx.pop("outer", None)

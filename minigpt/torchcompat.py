@@ -95,6 +95,14 @@ def mark(name: str) -> None:
 
 # ---------------------------------------------------------------------------- a stopped profiler's results
 
+# Names torch gives its own record_function ranges, which the memory capture places allocations by:
+# the range around each autograd node's backward ("...: MmBackward0"), and FSDP2's ranges
+# (torch.distributed.fsdp._fully_shard) around its all-gather (with its copy-out into the full
+# parameters) and around its gradient reduction (the reduce-scatter), "FSDP::all_gather (blocks.1)".
+AUTOGRAD_NODE_RANGE = "autograd::engine::evaluate_function: "
+FSDP_GATHER_RANGE = "FSDP::all_gather"
+FSDP_REDUCE_RANGE = "FSDP::post_backward_reduce"
+
 
 def kineto_spans(prof: torch.profiler.profile) -> list[tuple[str, int, float, float]]:
     """(name, thread, start us, end us) of every range a stopped profiler recorded."""

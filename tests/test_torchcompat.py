@@ -19,6 +19,8 @@ def internal(name: str):
         yield
     except (AttributeError, ImportError, RuntimeError, TypeError) as e:
         pytest.fail(f"{torchcompat.moved(name)}: {type(e).__name__}: {e}", pytrace=False)
+    except StopIteration:
+        pytest.fail(torchcompat.moved(name), pytrace=False)
 
 
 def test_the_message_names_the_version_the_internals_were_read_from():
@@ -86,6 +88,9 @@ def test_the_event_tree_holds_allocations_under_their_ops():
     assert all(parent is None or parent.kind in ("op", "other") for _, parent in allocs)
     mul = next(e for e, _ in nodes if e.kind == "op" and e.name == "aten::mul")
     assert mul.sequence >= 0 and mul.start_ns > 0  # made an autograd node: backward finds its module
+    with internal(f"the autograd node's range name {torchcompat.AUTOGRAD_NODE_RANGE!r}"):
+        node = next(e for e, _ in nodes if e.name.startswith(torchcompat.AUTOGRAD_NODE_RANGE + "MulBackward"))
+    assert node.kind == "op" and node.sequence == mul.sequence  # the backward node names its forward op
 
 
 @pytest.mark.cuda
