@@ -743,7 +743,7 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
     rank, world_size, is_main = dist_info.rank, dist_info.world_size, dist_info.is_main
     distributed.check_same_config(cfg, dist_info)  # ranks started with different flags: one line
     plan = parallel.make_plan(cfg, rank, world_size, device)  # the (dp, tp) mesh under --fsdp / --tp
-    ranks = profile_ranks(cfg.profile_ranks, world_size)
+    profile_ranks(cfg.profile_ranks, world_size)  # a rank outside the world: one line, before any work
     if slow and slow.rank >= world_size:
         raise UsageError(
             f"--simulate-slow-rank {cfg.simulate_slow_rank}: no rank {slow.rank} in a world of {world_size}"
@@ -755,13 +755,7 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
 
     # ------------------------------------------------------------------ data, model, optimizer
     data = load_data(cfg, plan.dp_rank, pin=device == "cuda")  # the ranks of a tp group share batches
-    sleep_ms = {slow.stage: slow.ms} if slow and slow.rank == rank else None  # --simulate-slow-rank
-    profiled = ranks is None or rank in ranks  # this rank takes part in --use-profiler, --nsys, ...
-    inst = Instruments(
-        cfg, device, rank, world_size, profiled, out_dir, plan.worker, sleep_ms=sleep_ms, comm=plan.sharded
-    )
-    if cfg.memory_snapshot_path and inst.memory_history:
-        probe_writable(inst.snapshot_path, "--memory-snapshot-path")
+    inst = Instruments(cfg, device, rank, world_size, out_dir, plan.worker, comm=plan.sharded)
     model = GPT(model_config(cfg, data.vocab_size)).to(device)
     if plan.sharded:  # in place, into DTensors: before the optimizer, which must hold those
         parallel.parallelize(model, cfg, plan.mesh, device, amp_dtype)
@@ -788,12 +782,7 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
     metrics_file = JsonlWriter(out_dir / paths.METRICS_FILE, enabled=is_main)
     stragglers_file = JsonlWriter(out_dir / paths.STRAGGLERS_FILE, enabled=is_main and world_size > 1)
     tensorboard = TensorBoardLogger(out_dir / paths.TENSORBOARD_DIR, enabled=is_main, purge_step=step + 1)
-    inst.attach(model, optimizer, step + 1, predicted_memory(cfg, model, amp_dtype, device, plan))
-    if world_size > 1 and cfg.stage_timing and not plan.sharded:  # the backward's compute, not the all-reduce
-        inst.timer.add_split("backward", "backward_compute")
-        distributed.time_backward_compute(
-            ddp_model, partial(inst.timer.split, "backward", "backward_compute")
-        )
+    inst.attach(model, optimizer, step + 1, predicted_memory(cfg, model, amp_dtype, device, plan), ddp_model)
     stragglers = StragglerDetector(cfg.straggler_threshold)
 
     # ------------------------------------------------------------------ train loop
@@ -801,7 +790,14 @@ def train(argv: list[str] | None, on_step: Callable[[int], None] | None, held: E
     losses, val = [], None
     rate.totals.start(IMPORTED_AT)  # start-up ends here: the run-wide figures count from now
     # SIGINT / SIGTERM finish the step in flight, save, and leave; a second Ctrl-C kills at once.
-    with stop_on_signals() as stop_signal, metrics_file, stragglers_file, tensorboard, inst:
+    # A rank lost mid-run (killed, stopped): one line naming it and how to resume, on the others.
+    resume = (
+        f"the last checkpoint, if one was saved, is {ckpt_path}: continue with --resume --out-dir {out_dir}"
+    )
+    lost = distributed.peers_watched(
+        dist_info, "nothing to resume (--no-checkpoint)" if cfg.no_checkpoint else resume
+    )
+    with stop_on_signals() as stop_signal, metrics_file, stragglers_file, tensorboard, inst, lost:
         while step < cfg.num_steps:
             if on_step:
                 on_step(step + 1)
@@ -881,7 +877,7 @@ def cli(argv: list[str] | None = None, on_step: Callable[[int], None] | None = N
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except NonFiniteLoss as e:
+    except (NonFiniteLoss, distributed.LostRank) as e:  # faults: one line, exit status 1
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

@@ -41,6 +41,8 @@ def machine() -> dict:
     """The device and the versions, as every result file records them."""
     import torch
 
+    from minigpt.torchcompat import cpu_bf16_features
+
     info = {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -54,8 +56,7 @@ def machine() -> dict:
             device="cpu",
             device_name=cpu_name(),
             cores=os.cpu_count(),
-            avx512_bf16=bool(torch.cpu._is_avx512_bf16_supported()),
-            amx=bool(torch.cpu._is_amx_tile_supported()),
+            **cpu_bf16_features(),
         )
     return info
 

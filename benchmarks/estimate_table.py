@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 from common import RESULTS, device_slug, header, keeping, load_results, save_json, stamp
 from torch.autograd.profiler import record_function
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from minigpt.config import PRESETS
 from minigpt.estimate import estimate_gpt
@@ -43,6 +42,7 @@ from minigpt.memory import PEAK_PARTS, MemoryBreakdown, capture_memory
 from minigpt.model import GPT, GPTConfig
 from minigpt.shape import GPT2_VOCAB, Shape
 from minigpt.shape import shape_of as config_shape
+from minigpt.torchcompat import dispatch_mode_base
 
 MIB = 2**20
 TOLERANCE = 0.10  # the estimator's promise: the measured peak within 10%
@@ -66,7 +66,7 @@ def shape_of(preset: str, batch: int, seq: int, **flags) -> Shape:
     )
 
 
-class ShapeOnlyMatmuls(TorchDispatchMode):
+class ShapeOnlyMatmuls(dispatch_mode_base()):
     """aten::mm's output without its arithmetic: a zero-filled tensor of the same shape and dtype,
     allocated where the op would allocate it (the profiler still names aten::mm around it). What the
     arithmetic itself allocates is skipped with it: a bf16 product's backward on the CPU makes a

@@ -10,7 +10,7 @@ that measures the exposed communication. Results: benchmarks/results/cpu-paralle
 
 Exposed communication: the time the training thread spends inside communication, i.e. not
 computing: the union of the profiler's ranges on that thread whose names are collectives or
-FSDP2's gather/reduce ranges (minigpt.parallel.stage_comm_ms), plus, under DDP, the wait at the end
+FSDP2's gather/reduce ranges (minigpt.commprobe.stage_comm_ms), plus, under DDP, the wait at the end
 of the backward for the last all-reduce (the time from the last gradient bucket being ready to the
 backward's end, from a communication hook). Collectives that run while the thread computes are
 hidden, not counted.
@@ -57,7 +57,7 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from minigpt import distributed, parallel
+    from minigpt import commprobe, distributed, parallel
     from minigpt.model import GPT, GPTConfig
 
     torch.set_num_threads(1)  # more ranks than cores: one thread each, or they fight over the cores
@@ -128,7 +128,7 @@ def worker(args) -> None:
             t0 = time.perf_counter()
             step()
             profiled_s = time.perf_counter() - t0
-    exposed_s = parallel.stage_comm_ms(prof.events(), ("bench_step",))["step"] / 1000 + sum(tail_waits)
+    exposed_s = commprobe.stage_comm_ms(prof.events(), ("bench_step",))["step"] / 1000 + sum(tail_waits)
     record = {
         "rank": rank,
         "worker": parallel.worker_name(rank, mesh),

@@ -13,6 +13,7 @@ import torch
 from minigpt.config import UsageError, format_bytes, machine_ram_bytes
 from minigpt.fileio import UnreadableFile, atomic_open, read_bounded
 from minigpt.shape import param_count
+from minigpt.torchcompat import dcp_set_element
 
 # The fields that fix the model's shape: a checkpoint whose values differ cannot be loaded.
 SHAPE_FIELDS = ("vocab_size", "max_position_embeddings", "n_layers", "n_heads", "d_model", "d_ff")
@@ -525,9 +526,7 @@ def _safe_reader_and_planner(folder: Path):
         def load_bytes(self, read_item, value) -> None:
             obj = torch.load(value, weights_only=True)
             if self.flatten_state_dict:
-                from torch.distributed.checkpoint._traverse import set_element
-
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+                dcp_set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
             else:
                 self.state_dict[read_item.dest_index.fqn] = obj
 

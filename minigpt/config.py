@@ -914,7 +914,9 @@ def resolve_amp(cfg: TrainConfig, device: str) -> tuple[bool, str, str]:
     if device == "cpu":
         if cfg.amp_dtype == "fp16":
             raise UsageError("--amp-dtype fp16 needs CUDA (its GradScaler); use bf16 on the CPU")
-        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        from minigpt.torchcompat import cpu_bf16_features
+
+        native = any(cpu_bf16_features().values())
         if native:
             return True, "bf16", "AMP on: bf16 autocast (this CPU has native bf16)"
         if cfg.amp:

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import socket
-from contextlib import nullcontext
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -161,3 +164,66 @@ def check_same_config(cfg, info: DistInfo) -> None:
                     "every rank with the same flags (and the same $MINIGPT_ARGS)"
                 )
     cfg.run_id = first.get("run_id")
+
+
+# ---------------------------------------------------------------------------- a lost rank
+
+CHECK_IN_S = 5.0  # how long survivors wait for each other's word before naming a rank lost
+_CHECK_IN = "minigpt/alive/{attempt}/{rank}"  # a key per rank (and per torchrun restart) in its store
+# What a collective says when its peer is gone: gloo's "Connection closed by peer" (wrapped in a
+# RuntimeError when DDP's hook runs it), a reset or broken connection, NCCL's and c10d's own errors,
+# or --ddp-timeout running out on a stopped peer. A user's own RuntimeError says none of these.
+BACKEND_ERROR = re.compile(
+    r"gloo|nccl|c10d|connection (closed|reset|refused)|broken pipe|timed out", re.IGNORECASE
+)
+
+
+class LostRank(Exception):
+    """A peer process ended or stopped answering mid-run: a fault, not a user's mistake (exit 1)."""
+
+
+def lost_ranks(info: DistInfo, wait_s: float = CHECK_IN_S) -> list[int] | None:
+    """The ranks that did not answer, after a collective failed. Every survivor writes a key of its
+    own in torchrun's store (its agent hosts it, so it outlives any rank) and waits
+    up to `wait_s` for the others' keys: a rank whose key never comes is gone or stopped. None when
+    the store cannot be reached either (its host is gone: then nothing can be said of the others)."""
+    try:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=wait_s),
+            wait_for_workers=False,
+        )
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store.set(_CHECK_IN.format(attempt=attempt, rank=info.rank), "1")
+        others = [r for r in range(info.world_size) if r != info.rank]
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [r for r in others if not store.check([_CHECK_IN.format(attempt=attempt, rank=r)])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.1)
+    except (KeyError, ValueError, RuntimeError, OSError):  # no torchrun environment, or no store
+        return None
+
+
+@contextmanager
+def peers_watched(info: DistInfo, resume: str) -> Iterator[None]:
+    """Around the training loop: a collective that fails because another rank is gone (killed, out
+    of memory, stopped) raises LostRank, whose one line names that rank and says `resume` (how to
+    continue from the last checkpoint), instead of the backend's traceback. A failure with every
+    rank still answering is not about a lost rank: it propagates as it is."""
+    try:
+        yield
+    except RuntimeError as e:  # dist.DistError is one
+        if not info.enabled or not (isinstance(e, dist.DistError) or BACKEND_ERROR.search(str(e))):
+            raise
+        lost = lost_ranks(info)
+        if not lost:
+            raise
+        names = ", ".join(str(r) for r in lost)
+        raise LostRank(
+            f"rank {info.rank}: lost rank{'s' if len(lost) > 1 else ''} {names} (the process ended or "
+            f"stopped answering; its own output, above, or the launcher's summary says why); {resume}"
+        ) from e

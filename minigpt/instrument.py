@@ -12,6 +12,7 @@ any training step.
   device. It never synchronises: CUDA events are read back at the log interval, when the loop
   syncs anyway. On the CPU the device time is the stage's host time.
 - `make_profiler` builds a torch.profiler window with Megatron's semantics (steps S..E-1).
+- `CommProbe` (minigpt/commprobe.py) times the collectives of FSDP and TP, one step per interval.
 - `NsysCaptureRange` calls cudaProfilerStart/Stop around the same window for `nsys --capture-range`.
 - `MemoryHistory` records CUDA allocations and dumps snapshots for pytorch.org/memory_viz.
 """
@@ -19,26 +20,31 @@ any training step.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import statistics
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import nvtx
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerAction, ProfilerActivity, record_function, tensorboard_trace_handler
 
-from minigpt import paths, stages
+from minigpt import paths, stages, torchcompat
+from minigpt.commprobe import CommProbe
+from minigpt.config import profile_ranks
+from minigpt.distributed import time_backward_compute
 from minigpt.fileio import atomic_open, atomic_write
 from minigpt.memory import process_memory
 from minigpt.progress import Progress, progress_enabled
-from minigpt.stages import STEP_RANGE, color
+from minigpt.runs import probe_writable
+from minigpt.stages import STAGE_NAMES, STEP_RANGE, color
+from minigpt.straggler import parse_slow_rank
 
 NVTX_DOMAIN = "minigpt"  # one domain: Nsight can filter the project's ranges from PyTorch's own
 
@@ -225,18 +231,17 @@ def make_profiler(
     trace_dir: Path,
     worker: str,
     first_step: int,
-    start: int,
-    end: int,
+    window: range,
     device: str,
     options: dict[str, bool] | None = None,
     on_window_end: Callable | None = None,
 ) -> torch.profiler.profile:
-    """A torch.profiler window over training steps start..end-1, whose trace lands in trace_dir as
+    """A torch.profiler window over training steps `window` (start..end-1), whose trace lands in trace_dir as
     {worker}.*.pt.trace.json.gz (worker: rank{R}_dp{d}), the naming torch-tb-profiler groups by
     worker (and its Distributed view by rank). `first_step` is the training step the loop runs
     next (1-based; later than 1 after --resume): the trace's ProfilerStep#N markers then carry the
     training step numbers of the log."""
-    # gzip: LLM traces reach hundreds of MB and compress about 16x; torch-tb-profiler, Perfetto
+    # gzip: LLM traces reach hundreds of MB of repetitive JSON; torch-tb-profiler, Perfetto
     # and chrome://tracing all read .json.gz.
     write_trace = tensorboard_trace_handler(str(trace_dir), worker_name=worker, use_gzip=True)
 
@@ -246,7 +251,7 @@ def make_profiler(
             on_window_end(prof)
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    schedule = profiler_schedule(start, end)
+    schedule = profiler_schedule(window.start, window.stop)
     prof = torch.profiler.profile(
         activities=activities,
         schedule=schedule,
@@ -255,10 +260,7 @@ def make_profiler(
     )
     # The profiler counts its steps from 0; start its count at the training step instead, before
     # it is entered (its action for the current step is derived from the count).
-    prof.step_num = first_step
-    prof.current_action = schedule(first_step)
-    if hasattr(prof, "_prev_schedule_action"):
-        prof._prev_schedule_action = prof.current_action
+    torchcompat.start_profiler_count(prof, first_step, schedule(first_step))
     return prof
 
 
@@ -271,81 +273,6 @@ def top_operators(prof: torch.profiler.profile, device: str, rows: int = 20) -> 
 def has_device_kernels(prof: torch.profiler.profile) -> bool:
     """False on a GPU run means CUPTI recorded nothing: a broken set-up that otherwise goes unseen."""
     return any(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
-
-
-# ---------------------------------------------------------------------------- time in collectives
-
-
-@contextmanager
-def quiet_stderr() -> Iterator[None]:
-    """File descriptor 2 to /dev/null: Kineto prints "USDT: ... profiler_start" and "profiler_stop"
-    from C++ each time a profiler starts and stops (torch 2.13, no setting turns it off), which
-    would put two lines per rank into the log at every interval. Only around the start and stop."""
-    sys.stderr.flush()
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
-
-
-class CommProbe:
-    """Each stage's time in collectives under FSDP and TP, from one profiled step per log interval.
-
-    Why a profiled step: under DDP the all-reduce sits at the end of the backward, and a mark where
-    the last gradient bucket is ready splits it off (StageTimer.add_split). FSDP2's all-gathers,
-    reduce-scatters and waits, and DTensor's all-reduces, are spread through every block of the
-    forward and the backward, issued from inside torch; their record_function ranges ("FSDP::
-    all_gather (blocks.0)", "_c10d_functional::wait_tensor", ...) are the one place they can be seen
-    without patching torch. A CPU-only torch.profiler (no shapes, memory, stacks or device activity)
-    is the cheapest reader of those ranges; minigpt.parallel.comm_by_stage takes, per stage, the
-    union of the collective ranges on the training thread inside it. On a GPU that is the host's
-    time issuing and waiting for collectives; the device's overlap is in the trace (minigpt.traces).
-
-    The cost is kept small: one step of each interval (the first eligible one), the profiler started
-    and stopped outside that step's clock, its events read after it. Eligible: not the run's first
-    step (one-time costs: lazy initialisation, first allocations), and no other profiler in the step
-    (two cannot record at once): not in --use-profiler's window or its warm-up step, not the
-    --memory-profiler step. Every rank profiles the same step, so no rank waits on another's
-    profiler. The log line says which step the figure is from."""
-
-    def __init__(self, cfg):
-        self.window = (
-            range(cfg.profile_step_start - 1, cfg.profile_step_end) if cfg.use_profiler else range(0)
-        )
-        self.memory_step = cfg.memory_profile_step if cfg.memory_profiler else None
-        self.due = True  # no step of this interval profiled yet
-        self.figure: tuple[int, dict[str, float]] | None = None
-        self.prof: torch.profiler.profile | None = None
-
-    def start(self, n: int, first_step: int) -> bool:
-        """Start profiling step `n` if it is the interval's profiled step; say whether it is."""
-        busy = n in self.window or n == self.memory_step or torch.autograd.profiler._is_profiler_enabled
-        if not self.due or n == first_step or busy:
-            return False
-        self.due = False
-        self.prof = torch.profiler.profile(activities=[ProfilerActivity.CPU])
-        with quiet_stderr():
-            self.prof.__enter__()
-        return True
-
-    def stop(self, n: int) -> None:
-        """Stop the profiler and keep step `n`'s figure."""
-        from minigpt.parallel import comm_by_stage, kineto_spans
-
-        prof, self.prof = self.prof, None
-        with quiet_stderr():
-            prof.__exit__(None, None, None)
-        ms = comm_by_stage(kineto_spans(prof), stages.STAGE_NAMES)
-        self.figure = (n, {s: ms[s] for s in stages.STAGE_NAMES if s in ms})
-
-    def take(self) -> tuple[int, dict[str, float]] | None:
-        """The interval's figure, once; the next interval profiles a step of its own."""
-        figure, self.figure, self.due = self.figure, None, True
-        return figure
 
 
 # ---------------------------------------------------------------------------- Nsight Systems
@@ -381,27 +308,25 @@ class NsysCaptureRange:
 
 
 class MemoryHistory:
-    """torch.cuda.memory._record_memory_history, bounded, with Python stacks only: C++ frames make
-    a dump take minutes. Snapshots open at pytorch.org/memory_viz; beside each pickle a text file
+    """CUDA memory history (torchcompat.start_memory_history), bounded, with Python stacks only: C++
+    frames make a dump take minutes. Snapshots open at pytorch.org/memory_viz; beside each pickle a text file
     lists the largest live allocations with their Python frames."""
 
     def __init__(self, max_entries: int):
         self.max_entries = max_entries
 
     def start(self) -> None:
-        torch.cuda.memory._record_memory_history(
-            enabled="all", context="all", stacks="python", max_entries=self.max_entries
-        )
+        torchcompat.start_memory_history(self.max_entries)
 
     def dump(self, path: Path) -> Path:
-        snapshot = torch.cuda.memory._snapshot()
+        snapshot = torchcompat.memory_snapshot()
         with atomic_open(path) as f:
             pickle.dump(snapshot, f)
         atomic_write(path.with_suffix(".txt"), largest_allocations(snapshot))
         return path
 
     def stop(self) -> None:
-        torch.cuda.memory._record_memory_history(enabled=None)
+        torchcompat.stop_memory_history()
 
     def dump_on_oom(self, path: Path) -> None:
         """Write `path` when the allocator runs out of memory, before the error propagates."""
@@ -409,7 +334,7 @@ class MemoryHistory:
         def observer(device, alloc, device_alloc, device_free):
             self.dump(path)
 
-        torch._C._cuda_attach_out_of_memory_observer(observer)
+        torchcompat.attach_oom_observer(observer)
 
 
 def largest_allocations(snapshot: dict, rows: int = 20) -> str:
@@ -454,6 +379,12 @@ def cuda_memory_report(reset: bool = True) -> dict[str, float]:
 # ---------------------------------------------------------------------------- the loop's instruments
 
 
+def slow_stage(cfg, rank: int) -> dict[str, float] | None:
+    """--simulate-slow-rank R:MS:STAGE on rank R: {STAGE: MS}, the sleep StageTimer adds; else None."""
+    slow = parse_slow_rank(cfg.simulate_slow_rank, STAGE_NAMES) if cfg.simulate_slow_rank else None
+    return {slow.stage: slow.ms} if slow and slow.rank == rank else None
+
+
 class Instruments:
     """Everything the training loop measures, held in one object beside the loop.
 
@@ -469,36 +400,30 @@ class Instruments:
     `cfg` is a TrainConfig (minigpt/config.py); only its instrumentation flags are read."""
 
     def __init__(
-        self,
-        cfg,
-        device: str,
-        rank: int,
-        world_size: int,
-        profiled: bool,
-        out_dir: Path,
-        worker: str,
-        log: logging.Logger | None = None,
-        sleep_ms: dict[str, float] | None = None,
-        comm: bool = False,
+        self, cfg, device: str, rank: int, world_size: int, out_dir: Path, worker: str, comm: bool = False
     ):
-        """`comm`: the step's collectives are issued by the model itself (FSDP, TP), not by a DDP
-        wrapper whose backward can be split: profile one step per log interval for them (CommProbe)."""
+        """`worker` names this rank's trace and memory files (rank{R}_dp{d}). `comm`: the step's
+        collectives are issued by the model itself (FSDP, TP), not by a DDP wrapper whose backward
+        can be split: profile one step per log interval for them (CommProbe)."""
         self.cfg, self.device, self.rank, self.world_size = cfg, device, rank, world_size
-        self.out_dir, self.worker, self.log = out_dir, worker, log or logging.getLogger("minigpt")
-        self.profiled = profiled  # this rank takes part in --use-profiler / --nsys / memory history
+        self.out_dir, self.worker, self.log = out_dir, worker, logging.getLogger("minigpt")
+        ranks = profile_ranks(cfg.profile_ranks, world_size)
+        self.profiled = ranks is None or rank in ranks  # takes part in --use-profiler, --nsys, memory history
         self.window = range(cfg.profile_step_start, cfg.profile_step_end)
-        self.timer = StageTimer(device, enabled=cfg.stage_timing, sleep_ms=sleep_ms)
+        self.timer = StageTimer(device, enabled=cfg.stage_timing, sleep_ms=slow_stage(cfg, rank))
         self.step_times: dict[int, float] = {}  # host seconds of every step, to price the profiler
         self._interval: list[float] = []
-        self.memory_history = None
-        if cfg.record_memory_history and profiled:  # before the model exists, so its allocations are in it
-            self.memory_history = MemoryHistory(cfg.memory_history_entries)
-            self.memory_history.start()
-            self.memory_history.dump_on_oom(out_dir / paths.OOM_SNAPSHOT_FILE.format(rank=rank))
         snapshot = Path(cfg.memory_snapshot_path or out_dir / paths.SNAPSHOT_FILE.format(rank=rank))
         if cfg.memory_snapshot_path and world_size > 1:  # one file per rank, never overwritten by another
             snapshot = snapshot.with_name(f"rank{rank}_{snapshot.name}")
         self.snapshot_path, self._snapshot_dumped = snapshot, False
+        self.memory_history = None
+        if cfg.record_memory_history and self.profiled:  # before the model exists: its allocations are in it
+            if cfg.memory_snapshot_path:  # a path of the user's: refused now, not when the window ends
+                probe_writable(snapshot, "--memory-snapshot-path")
+            self.memory_history = MemoryHistory(cfg.memory_history_entries)
+            self.memory_history.start()
+            self.memory_history.dump_on_oom(out_dir / paths.OOM_SNAPSHOT_FILE.format(rank=rank))
         self.profiler = self.nsys = None
         self.memory_step: int | None = None
         self.memory_breakdown: dict | None = None  # the measured step's record, for the next log line
@@ -508,20 +433,29 @@ class Instruments:
         self._exit = ExitStack()
 
     def attach(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, first_step: int, memory_estimate=None
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        first_step: int,
+        memory_estimate=None,
+        ddp_model: torch.nn.Module | None = None,
     ) -> None:
         """The model and optimizer the step trains; `first_step` is the step the loop runs next
-        (1-based; later after --resume). Sets up the profiler window and the memory capture."""
+        (1-based; later after --resume). Sets up the profiler window and the memory capture. Under
+        DDP (`ddp_model`, the wrapper), the backward's compute is timed apart from its all-reduce
+        (backward_compute): the straggler scores use the compute, which a slow peer does not stretch."""
         cfg, window = self.cfg, self.window
         self.model, self.optimizer, self.first_step = model, optimizer, first_step
         self.memory_estimate = memory_estimate
+        if isinstance(ddp_model, DistributedDataParallel) and cfg.stage_timing:
+            self.timer.add_split("backward", "backward_compute")
+            time_backward_compute(ddp_model, partial(self.timer.split, "backward", "backward_compute"))
         if cfg.use_profiler and self.profiled and first_step <= window.start:
             self.profiler = make_profiler(
                 self.out_dir / paths.TRACE_DIR,
                 self.worker,
                 first_step,
-                window.start,
-                window.stop,
+                window,
                 self.device,
                 profiler_options(cfg),
                 self._window_done,
@@ -593,12 +527,9 @@ class Instruments:
     def _end_profiler_step(self) -> None:
         """Close ProfilerStep#n as soon as the training step ends, so that what runs between steps
         (evaluation, logging, checkpoints) stays outside every step's range: the profiler itself
-        would keep the range open until its next step() call. `step_rec_fn` is the profiler's
-        handle on that range; step() skips closing it again when it is None."""
-        prof = self.profiler
-        if prof is not None and getattr(prof, "step_rec_fn", None) is not None:
-            prof.step_rec_fn.__exit__(None, None, None)
-            prof.step_rec_fn = None
+        would keep the range open until its next step() call."""
+        if self.profiler is not None:
+            torchcompat.close_profiler_step(self.profiler)
 
     def _window_done(self, prof: torch.profiler.profile) -> None:
         ops = top_operators(prof, self.device)

@@ -58,11 +58,12 @@ from collections import defaultdict
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn as nn
 
+from minigpt import torchcompat
 from minigpt.fileio import atomic_write
 from minigpt.memory_log import (
     CATEGORIES,
@@ -83,9 +84,13 @@ from minigpt.memory_log import (
     tree_rows,
 )
 from minigpt.stages import STAGE_NAMES
+from minigpt.torchcompat import TreeEvent
 
-if TYPE_CHECKING:
-    from minigpt.estimate import MemoryEstimate
+if TYPE_CHECKING:  # what this module reads of minigpt.estimate.MemoryEstimate, which imports this module
+
+    class MemoryEstimate(Protocol):
+        def to_record(self) -> dict: ...
+
 
 GiB = 2**30
 
@@ -231,27 +236,232 @@ class MemoryBreakdown:
         return record
 
 
+class _Marks:
+    """The capture's markers in its own profiler session: instants ordered with the allocator's
+    events, each index naming what happened then (kind, data pointer, bytes, module, dtype): a saved
+    tensor packed or released, a gradient made, a block from before the step freed."""
+
+    def __init__(self):
+        self.items: list[tuple] = []
+        self.on = False  # only while the capture's profiler records
+
+    def note(self, kind: str, ptr: int, nbytes: int = 0, module: str = "", dtype: str = "") -> None:
+        if self.on:
+            self.items.append((kind, ptr, nbytes, module, dtype))
+            torchcompat.mark(f"{_MARK}{len(self.items) - 1}")
+
+
 class _Saved:
     """What autograd keeps instead of a saved tensor while we watch: the tensor, and a note to the
-    capture when autograd lets go of it (after the backward of its node, or with the graph)."""
+    count when autograd lets go of it (after the backward of its node, or with the graph)."""
 
-    __slots__ = ("tensor", "key", "capture")
+    __slots__ = ("tensor", "key", "count")
 
-    def __init__(self, tensor: torch.Tensor, key: tuple, capture: MemoryCapture):
-        self.tensor, self.key, self.capture = tensor, key, capture
+    def __init__(self, tensor: torch.Tensor, key: tuple, count: _SavedTensors):
+        self.tensor, self.key, self.count = tensor, key, count
 
     def __del__(self):
-        self.capture._release(self.key)
+        self.count.release(self.key)
 
 
-def _mark(name: str) -> None:
-    """An instant in the capture's profiler session, ordered with the allocator's events."""
-    handle = torch.ops.profiler._record_function_enter_new(name, None)
-    torch.ops.profiler._record_function_exit._RecordFunction(handle)
+class _SavedTensors:
+    """The tensors autograd saves for backward, by storage: the live total and its highest value
+    (the activation peak), and the bytes each module saved in the first forward (the layout).
+    Safe from autograd's thread."""
+
+    def __init__(self, modules: list[str], marks: _Marks):
+        self.marks = marks
+        self.lock = threading.Lock()
+        self.refs: dict[tuple, int] = defaultdict(int)
+        self.live_bytes: dict[tuple, int] = {}
+        self.live = self.peak = 0
+        self.seen: set = set()
+        self.by_module: dict[str, int] = defaultdict(int, {n: 0 for n in modules})
+        self.dtypes: dict[str, int] = defaultdict(int)
+        self.root_saves: list[tuple[int, int]] = []  # (marker index, bytes): named by their op, later
+        self.forward_done = False  # later micro-batches add to the peak, not to the layout
+
+    def pack(self, t: torch.Tensor, key: tuple, nbytes: int, module: str) -> _Saved:
+        with self.lock:
+            if self.refs[key] == 0:
+                self.live += nbytes
+                self.live_bytes[key] = nbytes
+                self.peak = max(self.peak, self.live)
+                self.marks.note("pack", key[2], nbytes, module, _dtype_name(t.dtype))
+            self.refs[key] += 1
+            if not self.forward_done and key not in self.seen:  # attribute the first forward only
+                self.seen.add(key)
+                if module == "" and self.marks.on:
+                    self.root_saves.append((len(self.marks.items) - 1, nbytes))
+                else:
+                    self.by_module[module or NO_MODULE] += nbytes
+                self.dtypes[_dtype_name(t.dtype)] += nbytes
+        return _Saved(t, key, self)
+
+    def release(self, key: tuple) -> None:
+        with self.lock:
+            self.refs[key] -= 1
+            if self.refs[key] == 0:
+                self.live -= self.live_bytes.pop(key)
+                del self.refs[key]
+                self.marks.note("release", key[2])
 
 
-def _profiler_busy() -> bool:
-    return torch.autograd.profiler._is_profiler_enabled
+class _Baseline:
+    """What the allocator holds as the step begins, {data pointer: [bytes, part, name]}: the
+    parameters, the optimizer state, gradients kept from before, and every other tensor that
+    Python can reach (the caller's last logits, batches). The profiler sees only allocations
+    made after it starts; frees of these are noted by a marker when their last tensor dies."""
+
+    def __init__(self, device: str, marks: _Marks):
+        self.device, self.marks = device, marks
+        self.blocks: dict[int, list] = {}
+        self._owners: dict[int, int] = defaultdict(int)
+        self._watched: list = []
+
+    def add(self, t: torch.Tensor, part: str, name: str) -> None:
+        t = _local(t)
+        if t.device.type != self.device or t.is_meta:
+            return
+        try:
+            storage = t.untyped_storage()
+            if not storage.resizable() or storage.nbytes() == 0:  # not the allocator's (numpy, mmap)
+                return
+        except (RuntimeError, NotImplementedError):
+            return
+        self.blocks.setdefault(storage.data_ptr(), [storage.nbytes(), part, name])
+
+    def scan(self, model: nn.Module, optimizer, names: dict[int, str]) -> None:
+        params = dict(model.named_parameters())
+        for name, p in params.items():
+            self.add(p, "params", name)
+        for name, p in params.items():
+            if p.grad is not None:
+                self.add(p.grad, "grads", name)
+        if optimizer is not None:
+            for i, (p, state) in enumerate(optimizer.state.items()):
+                for k, v in state.items():
+                    if torch.is_tensor(v):
+                        self.add(v, "optimizer", f"{names.get(id(p), f'param{i}')}.{k}")
+        for buf_name, buf in model.named_buffers():
+            self.add(buf, "held", f"buffer {buf_name}")
+        self._scan_held()
+
+    def _scan_held(self) -> None:
+        # Garbage in reference cycles not yet collected would count as held tensors (and hold
+        # allocator memory until the collector happens to run): collect it before the scan, so the
+        # measured step starts from what is really live.
+        gc.collect()
+        for obj in gc.get_objects():
+            # not isinstance: it reads __class__, which warns on deprecated module objects. Parameters
+            # of this model are already in `blocks`; another model's are held like any tensor.
+            if not issubclass(type(obj), torch.Tensor):
+                continue
+            try:
+                t = _local(obj)
+                if t.device.type != self.device:
+                    continue
+                ptr = t.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue
+            fn = type(obj.grad_fn).__name__ if obj.grad_fn is not None else ""
+            self.add(obj, "held", f"{_dtype_name(obj.dtype)}{list(obj.shape)}" + (f" ({fn})" if fn else ""))
+            if ptr in self.blocks and self.blocks[ptr][1] == "held":
+                self._owners[ptr] += 1
+                self._watched.append(weakref.ref(obj, self._gone(ptr)))
+
+    def _gone(self, ptr: int):
+        def callback(_ref) -> None:
+            self._owners[ptr] -= 1
+            if self._owners[ptr] == 0:
+                self.marks.note("free", ptr)
+
+        return callback
+
+    def forget(self) -> None:
+        self._watched = []
+
+
+def _param_bytes(params: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Each parameter's bytes in the model's order; a storage shared by several (a tied weight) once."""
+    out, seen = {}, set()
+    for name, p in params.items():
+        key, nbytes = _storage_key_and_bytes(p)
+        out[name] = 0 if key in seen else nbytes
+        seen.add(key)
+    return out
+
+
+def _grad_bytes(order: dict[str, int], grads: dict[str, tuple[tuple, int]]) -> dict[str, int]:
+    """The gradients seen, in the model's order; a storage shared by several gradients once."""
+    out, seen = {}, set()
+    for name in [n for n in order if n in grads]:
+        key, nbytes = grads[name]
+        out[name] = 0 if key in seen else nbytes
+        seen.add(key)
+    return out
+
+
+def _optimizer_bytes(optimizer, names: dict[int, str], order: dict[str, int]):
+    """({param.state_key: bytes}, {data pointer: param.state_key}) of the optimizer's state tensors,
+    in the model's parameter order."""
+    out: dict[str, int] = {}
+    ptrs: dict[int, str] = {}
+    if optimizer is None:
+        return out, ptrs
+    index = {name: i for i, name in enumerate(order)}
+    states = sorted(
+        ((names.get(id(p), f"param{i}"), state) for i, (p, state) in enumerate(optimizer.state.items())),
+        key=lambda item: index.get(item[0], len(index)),
+    )
+    seen: set = set()
+    for name, state in states:
+        for k, v in state.items():
+            if torch.is_tensor(v):
+                key, nbytes = _storage_key_and_bytes(v)
+                out[f"{name}.{k}"] = 0 if key in seen else nbytes
+                ptrs[key[2]] = f"{name}.{k}"
+                seen.add(key)
+    return out, ptrs
+
+
+class _PeakSession:
+    """The capture's own profiler session (profile_memory=True: every allocation and free), and
+    what the allocator held as it began: together, the step's peak, when it came, and every byte
+    live then."""
+
+    def __init__(self, device: str, marks: _Marks):
+        self.device, self.marks = device, marks
+        self.baseline = _Baseline(device, marks)
+        self.prof: torch.profiler.profile | None = None
+
+    def start(self, model: nn.Module, optimizer, names: dict[int, str]) -> None:
+        self.baseline.scan(model, optimizer, names)  # before the session: it sees only what comes after
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
+        self.prof = profile(activities=activities, profile_memory=True)
+        self.prof.__enter__()
+        self.marks.on = True
+
+    def stop(self) -> None:
+        if self.marks.on:
+            self.marks.on = False
+            self.prof.__exit__(None, None, None)
+
+    def measure(self, b: MemoryBreakdown, optimizer_ptrs: dict[int, str], root_saves: list) -> None:
+        """Fill in b's peak from the stopped session, every byte live then named; `root_saves`:
+        (marker index, bytes) of tensors saved outside any submodule, named after their op."""
+        timeline = _timeline(self.prof, self.device)
+        _replay(b, timeline, self.baseline.blocks, self.marks.items, optimizer_ptrs)
+        for index, nbytes in root_saves:
+            name = timeline.mark_names.get(index) or NO_MODULE
+            b.activations[name] = b.activations.get(name, 0) + nbytes
+        if b.cuda_max_allocated is not None:  # the CUDA allocator's own figure is the reference
+            b.peak_parts.setdefault("temporaries", {})
+            b.peak_parts["temporaries"]["(not seen by the profiler)"] = b.cuda_max_allocated - b.peak
+            b.peak = b.cuda_max_allocated
+        self.baseline.forget()
 
 
 class MemoryCapture:
@@ -273,7 +483,6 @@ class MemoryCapture:
         self.model, self.optimizer, self.step, self.want_peak = model, optimizer, step, peak
         self.breakdown: MemoryBreakdown | None = None
         self._names = {id(p): n for n, p in model.named_parameters()}
-        self._lock = threading.Lock()
 
     # -- saved tensors
     def _pack(self, t: torch.Tensor):
@@ -282,179 +491,67 @@ class MemoryCapture:
             # a parameter saved for backward (the weights of a matmul), or the copy FSDP2 gathered of
             # one for the running module's forward: counted as a parameter, not an activation
             return t
-        with self._lock:
-            if self._refs[key] == 0:
-                self._live += nbytes
-                self._live_bytes[key] = nbytes
-                self._peak = max(self._peak, self._live)
-                if self._profiling:
-                    self._marks.append(("pack", key[2], nbytes, self._stack[-1], _dtype_name(t.dtype)))
-                    _mark(f"{_MARK}{len(self._marks) - 1}")
-            self._refs[key] += 1
-            if not self._forward_done and key not in self._seen:  # attribute the first forward only
-                self._seen.add(key)
-                if self._stack[-1] == "" and self._profiling:
-                    self._root_saves.append((len(self._marks) - 1, nbytes))  # named by its op, later
-                elif self._stack[-1] == "":
-                    self._activations[NO_MODULE] += nbytes
-                else:
-                    self._activations[self._stack[-1]] += nbytes
-                self._dtypes[_dtype_name(t.dtype)] += nbytes
-        return _Saved(t, key, self)
+        return self._saved.pack(t, key, nbytes, self._stack[-1])
 
     @staticmethod
     def _unpack(saved):
         return saved.tensor if isinstance(saved, _Saved) else saved
 
-    def _release(self, key: tuple) -> None:
-        with self._lock:
-            self._refs[key] -= 1
-            if self._refs[key] == 0:
-                self._live -= self._live_bytes.pop(key)
-                del self._refs[key]
-                if self._profiling:
-                    self._marks.append(("release", key[2], 0, "", ""))
-                    _mark(f"{_MARK}{len(self._marks) - 1}")
-
     # -- context manager
     def __enter__(self) -> MemoryCapture:
         params = dict(self.model.named_parameters())
         self._param_keys = {_storage_key_and_bytes(p)[0] for p in params.values()}
-        self._params = {}
-        seen: set = set()
-        for name, p in params.items():
-            key, nbytes = _storage_key_and_bytes(p)
-            self._params[name] = 0 if key in seen else nbytes
-            seen.add(key)
+        self._params = _param_bytes(params)
         self._grads: dict[str, tuple[tuple, int]] = {}
         self._own_keys: dict[str, set] = {}  # module -> the storages of its own parameters as it runs
         self._hooked: set[int] = set()  # gathered (unsharded) parameters whose gradient is watched
-        self._refs: dict[tuple, int] = defaultdict(int)
-        self._live_bytes: dict[tuple, int] = {}
-        self._live = self._peak = 0
-        self._seen: set = set()
-        self._activations: dict[str, int] = defaultdict(int, {n: 0 for n, _ in self.model.named_modules()})
-        self._dtypes: dict[str, int] = defaultdict(int)
-        self._stack = [""]
-        self._ranges: list = []
-        self._forward_done = False
-        self._marks: list[tuple] = []  # (kind, data pointer, bytes, module, dtype): what each marker means
-        self._root_saves: list[tuple[int, int]] = []
-        self._profiling = False
-        self._prof = None
+        self._stack = [""]  # the module paths running now (forward pre/post hooks)
+        self._ranges: list = []  # the open record_function ranges of those modules
+        self._marks = _Marks()
+        self._saved = _SavedTensors([n for n, _ in self.model.named_modules()], self._marks)
+        self._session: _PeakSession | None = None
         self._peak_note = None
         self.cuda = any(p.is_cuda for p in params.values())
         self._device = "cuda" if self.cuda else "cpu"
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()  # the peak of this step only
-
         self._exit = ExitStack()
         try:
-            if self.want_peak:
-                if _profiler_busy():
-                    self._peak_note = (
-                        "not measured: another profiler was running during this step (measure "
-                        "a "
-                        "step outside the trace window)"
-                    )
-                else:
-                    self._baseline = self._scan_baseline(params)
-                    from torch.profiler import ProfilerActivity, profile
-
-                    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-                    self._prof = profile(activities=activities, profile_memory=True)
-                    self._prof.__enter__()
-                    self._profiling = True
-            for name, module in self.model.named_modules():
-                self._exit.callback(module.register_forward_pre_hook(self._enter_module(name)).remove)
-                hook = self._leave_module(name, root=module is self.model)
-                self._exit.callback(module.register_forward_hook(hook, always_call=True).remove)
-            for name, p in params.items():
-                if p.requires_grad:
-                    self._exit.callback(p.register_post_accumulate_grad_hook(self._grad_hook(name)).remove)
-            if self.optimizer is not None:  # gradients that came without AccumulateGrad (see _before_step)
-                self._exit.callback(self.optimizer.register_step_pre_hook(self._before_step).remove)
-            self._exit.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+            if self.want_peak and torchcompat.profiler_running():
+                self._peak_note = (
+                    "not measured: another profiler was running during this step (measure a step "
+                    "outside the trace window)"
+                )
+            elif self.want_peak:
+                self._session = _PeakSession(self._device, self._marks)
+                self._session.start(self.model, self.optimizer, self._names)
+            self._install_hooks(params)
         except BaseException:
             self._exit.close()
-            self._stop_profiler()
+            if self._session is not None:
+                self._session.stop()
             raise
         return self
 
-    def _scan_baseline(self, params: dict[str, torch.Tensor]) -> dict[int, list]:
-        """What the allocator holds as the step begins, {data pointer: [bytes, part, name]}: the
-        parameters, the optimizer state, gradients kept from before, and every other tensor that
-        Python can reach (the caller's last logits, batches). The profiler sees only allocations
-        made after it starts; frees of these are noted by a marker when their last tensor dies."""
-        base: dict[int, list] = {}
-        device = self._device
-
-        def add(t: torch.Tensor, part: str, name: str) -> None:
-            t = _local(t)
-            if t.device.type != device or t.is_meta:
-                return
-            try:
-                storage = t.untyped_storage()
-                if not storage.resizable() or storage.nbytes() == 0:  # not the allocator's (numpy, mmap)
-                    return
-            except (RuntimeError, NotImplementedError):
-                return
-            base.setdefault(storage.data_ptr(), [storage.nbytes(), part, name])
-
+    def _install_hooks(self, params: dict[str, torch.Tensor]) -> None:
+        for name, module in self.model.named_modules():
+            self._exit.callback(module.register_forward_pre_hook(self._enter_module(name)).remove)
+            hook = self._leave_module(name, root=module is self.model)
+            self._exit.callback(module.register_forward_hook(hook, always_call=True).remove)
         for name, p in params.items():
-            add(p, "params", name)
-        for name, p in params.items():
-            if p.grad is not None:
-                add(p.grad, "grads", name)
-        if self.optimizer is not None:
-            for i, (p, state) in enumerate(self.optimizer.state.items()):
-                for k, v in state.items():
-                    if torch.is_tensor(v):
-                        add(v, "optimizer", f"{self._names.get(id(p), f'param{i}')}.{k}")
-        for buf_name, buf in self.model.named_buffers():
-            add(buf, "held", f"buffer {buf_name}")
-        self._watched = []
-        owners: dict[int, int] = defaultdict(int)
-        # Garbage in reference cycles not yet collected would count as held tensors (and hold
-        # allocator memory until the collector happens to run): collect it before the scan, so the
-        # measured step starts from what is really live.
-        gc.collect()
-        for obj in gc.get_objects():
-            # not isinstance: it reads __class__, which warns on deprecated module objects. Parameters
-            # of this model are already in `base`; another model's are held like any tensor.
-            if not issubclass(type(obj), torch.Tensor):
-                continue
-            try:
-                t = _local(obj)
-                if t.device.type != device:
-                    continue
-                ptr = t.untyped_storage().data_ptr()
-            except (RuntimeError, NotImplementedError, TypeError):
-                continue
-            fn = type(obj.grad_fn).__name__ if obj.grad_fn is not None else ""
-            add(obj, "held", f"{_dtype_name(obj.dtype)}{list(obj.shape)}" + (f" ({fn})" if fn else ""))
-            if ptr in base and base[ptr][1] == "held":
-                owners[ptr] += 1
-                self._watched.append(weakref.ref(obj, self._baseline_gone(ptr, owners)))
-        return base
-
-    def _baseline_gone(self, ptr: int, owners: dict[int, int]):
-        def callback(_ref) -> None:
-            owners[ptr] -= 1
-            if owners[ptr] == 0 and self._profiling:
-                self._marks.append(("free", ptr, 0, "", ""))
-                _mark(f"{_MARK}{len(self._marks) - 1}")
-
-        return callback
+            if p.requires_grad:
+                self._exit.callback(p.register_post_accumulate_grad_hook(self._grad_hook(name)).remove)
+        if self.optimizer is not None:  # gradients that came without AccumulateGrad (see _before_step)
+            self._exit.callback(self.optimizer.register_step_pre_hook(self._before_step).remove)
+        self._exit.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
 
     def _enter_module(self, name: str):
         def hook(module, args):
             self._stack.append(name)
             self._own_keys[name] = self._gathered(name, module)
-            if self._profiling and name:
-                enter = torch.ops.profiler._record_function_enter_new
-                self._ranges.append(enter(f"{_MARK}module:{name}", None))
+            if self._marks.on and name:
+                self._ranges.append(torchcompat.range_enter(f"{_MARK}module:{name}"))
 
         return hook
 
@@ -462,10 +559,10 @@ class MemoryCapture:
         def hook(module, args, output):
             if len(self._stack) > 1:
                 self._stack.pop()
-            if self._profiling and name and self._ranges:
-                torch.ops.profiler._record_function_exit._RecordFunction(self._ranges.pop())
+            if self._marks.on and name and self._ranges:
+                torchcompat.range_exit(self._ranges.pop())
             if root:
-                self._forward_done = True  # later micro-batches add to the peak, not to the layout
+                self._saved.forward_done = True
 
         return hook
 
@@ -493,10 +590,8 @@ class MemoryCapture:
             key_bytes = _storage_key_and_bytes(p.grad)
             if not unsharded:
                 self._grads[name] = key_bytes
-            if self._profiling:
-                label = f"{name} (unsharded before the reduce-scatter)" if unsharded else name
-                self._marks.append(("grad", key_bytes[0][2], 0, label, ""))
-                _mark(f"{_MARK}{len(self._marks) - 1}")
+            label = f"{name} (unsharded before the reduce-scatter)" if unsharded else name
+            self._marks.note("grad", key_bytes[0][2], 0, label)
 
         return hook
 
@@ -508,76 +603,40 @@ class MemoryCapture:
             if p.grad is not None and name not in self._grads:
                 self._grad_hook(name)(p)
 
-    def _stop_profiler(self):
-        if self._prof is not None:
-            self._profiling = False
-            prof, self._prof = self._prof, None
-            prof.__exit__(None, None, None)
-            return prof
-        return None
-
     def __exit__(self, *exc) -> None:
         self._exit.close()
         while self._ranges:  # a module whose forward failed before its post-hook
-            torch.ops.profiler._record_function_exit._RecordFunction(self._ranges.pop())
+            torchcompat.range_exit(self._ranges.pop())
         if self.cuda:
             torch.cuda.synchronize()
-        prof = self._stop_profiler()
-        if exc[0] is not None:
-            return
-        grads, seen = {}, set()
-        for name in [n for n in self._params if n in self._grads]:  # in the model's order
-            key, nbytes = self._grads[name]
-            grads[name] = 0 if key in seen else nbytes  # a storage shared by several grads: once
-            seen.add(key)
-        optimizer: dict[str, int] = {}
-        optimizer_ptrs: dict[int, str] = {}
-        seen = set()
-        if self.optimizer is not None:
-            order = {name: i for i, name in enumerate(self._params)}
-            states = sorted(
-                (
-                    (self._names.get(id(p), f"param{i}"), state)
-                    for i, (p, state) in enumerate(self.optimizer.state.items())
-                ),
-                key=lambda item: order.get(item[0], len(order)),
-            )
-            for name, state in states:
-                for k, v in state.items():
-                    if torch.is_tensor(v):
-                        key, nbytes = _storage_key_and_bytes(v)
-                        optimizer[f"{name}.{k}"] = 0 if key in seen else nbytes
-                        optimizer_ptrs[key[2]] = f"{name}.{k}"
-                        seen.add(key)
-        max_alloc = max_reserved = None
-        if self.cuda:
-            max_alloc, max_reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
-        activations = {k: v for k, v in self._activations.items() if v}
+        if self._session is not None:
+            self._session.stop()
+        if exc[0] is None:
+            self.breakdown = self._breakdown()
+        self._session = None
+
+    def _breakdown(self) -> MemoryBreakdown:
+        optimizer, optimizer_ptrs = _optimizer_bytes(self.optimizer, self._names, self._params)
+        saved = self._saved
         b = MemoryBreakdown(
-            step=self.step,
-            params=self._params,
-            grads=grads,
-            optimizer=optimizer,
-            activations=activations,
-            activations_peak=self._peak,
-            activation_dtypes=dict(sorted(self._dtypes.items())),
+            self.step,
+            self._params,
+            _grad_bytes(self._params, self._grads),
+            optimizer,
+            {k: v for k, v in saved.by_module.items() if v},
+            saved.peak,
+            dict(sorted(saved.dtypes.items())),
             device=self._device,
-            cuda_max_allocated=max_alloc,
-            cuda_max_reserved=max_reserved,
             peak_note=self._peak_note,
         )
-        if prof is not None:
-            timeline = _timeline(prof, self._device)
-            _replay(b, timeline, self._baseline, self._marks, optimizer_ptrs)
-            for index, nbytes in self._root_saves:  # saved outside any submodule: the op's name
-                name = timeline.mark_names.get(index) or NO_MODULE
-                b.activations[name] = b.activations.get(name, 0) + nbytes
-            if self.cuda and max_alloc is not None:  # the CUDA allocator's own figure is the reference
-                b.peak_parts.setdefault("temporaries", {})
-                b.peak_parts["temporaries"]["(not seen by the profiler)"] = max_alloc - b.peak
-                b.peak = max_alloc
-        self._watched = []
-        self.breakdown = b
+        if self.cuda:
+            b.cuda_max_allocated, b.cuda_max_reserved = (
+                torch.cuda.max_memory_allocated(),
+                torch.cuda.max_memory_reserved(),
+            )
+        if self._session is not None:
+            self._session.measure(b, optimizer_ptrs, saved.root_saves)
+        return b
 
 
 def capture_memory(
@@ -594,9 +653,7 @@ def capture_memory(
 
 # Ranges that are not ops: the profiler's step, the loop's step range (stages are matched apart).
 _RANGES = ("ProfilerStep", "train_step", "backward_compute", "##")
-# FSDP2's record_function ranges (torch.distributed.fsdp._fully_shard) around its all-gather (with
-# its copy-out into the full parameters) and around its gradient reduction (the reduce-scatter).
-_FSDP_RANGES = ("FSDP::all_gather", "FSDP::post_backward_reduce")
+_FSDP_RANGES = (torchcompat.FSDP_GATHER_RANGE, torchcompat.FSDP_REDUCE_RANGE)
 
 
 @dataclass
@@ -648,62 +705,29 @@ class _Where:
 
 
 def _timeline(prof, device: str) -> _Timeline:
-    from torch._C._profiler import _EventType
-
+    """The capture's profiler session in time order (ties in tree order): its allocations on
+    `device`, each with where it happened, and its markers."""
     seq_module: dict[int, str] = {}  # forward op's sequence number -> its module (for backward nodes)
     raw: list[tuple] = []
+    order = 0
 
-    def walk(node, ctx: dict, order: list[int]) -> None:
-        order[0] += 1
-        tag, name = node.tag, node.name
-        if tag == _EventType.Allocation:
-            fields = node.typed[1]
-            if fields.device.type == device and fields.alloc_size != 0:
-                raw.append(
-                    (
-                        node.start_time_ns,
-                        order[0],
-                        "alloc",
-                        fields.ptr,
-                        fields.alloc_size,
-                        fields.total_allocated,
-                        _where(ctx),
-                    )
-                )
+    def walk(e: TreeEvent, ctx: dict) -> None:
+        nonlocal order
+        order += 1
+        if e.kind == "alloc":
+            if e.device == device and e.nbytes != 0:
+                raw.append((e.start_ns, order, "alloc", e.ptr, e.nbytes, e.total, _where(ctx)))
             return
-        if tag != _EventType.TorchOp:
-            for child in node.children:
-                walk(child, ctx, order)
-            return
-        ctx = dict(ctx)
-        seq = node.typed[1].sequence_number
-        if name.startswith(_MARK):
-            rest = name[len(_MARK) :]
-            if rest.startswith("module:"):
-                ctx["module"] = rest[len("module:") :]
-            else:
-                raw.append((node.start_time_ns, order[0], "mark", int(rest), 0, 0, _where(ctx)))
+        if e.kind == "op":
+            if e.name.startswith(_MARK) and not e.name.startswith(f"{_MARK}module:"):
+                raw.append((e.start_ns, order, "mark", int(e.name[len(_MARK) :]), 0, 0, _where(ctx)))
                 return
-        elif name in STAGE_NAMES:
-            ctx["stage"] = name
-        elif name.startswith(_FSDP_RANGES):  # "FSDP::all_gather (blocks.1)": FSDP2's own memory
-            ctx["fsdp"] = "gather" if name.startswith(_FSDP_RANGES[0]) else "reduce"
-            ctx["fsdp_unit"] = name.partition(" (")[2].removesuffix(")")
-        elif name.startswith("autograd::engine::evaluate_function: "):
-            ctx["node"] = name.split(": ", 1)[1]
-            ctx["module"] = seq_module.get(seq, "")
-            ctx.pop("outer", None)
-        elif "::" in name or not name.startswith(_RANGES):  # an op, or an autograd.Function's forward
-            ctx.setdefault("outer", name)
-            if seq >= 0 and not ctx.get("node"):  # the op that made the autograd node (addmm under linear)
-                seq_module.setdefault(seq, ctx.get("module", ""))
-            ctx["inner"] = name
-        for child in node.children:
-            walk(child, ctx, order)
+            ctx = _op_context(e, ctx, seq_module)
+        for child in e.children:
+            walk(child, ctx)
 
-    order = [0]
-    for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root, {}, order)
+    for root in torchcompat.event_tree(prof):
+        walk(root, {})
     raw.sort(key=lambda e: (e[0], e[1]))
     events, names = [], {}
     for _, _, kind, a, nbytes, total, where in raw:
@@ -714,6 +738,29 @@ def _timeline(prof, device: str) -> _Timeline:
             if where.outer:
                 names[a] = _saved_name(where)
     return _Timeline(events, names)
+
+
+def _op_context(e: TreeEvent, ctx: dict, seq_module: dict[int, str]) -> dict:
+    """Where the ops under `e` run: the context of its parent with what `e` says (a module range of
+    the capture's, a stage, FSDP2's gather or reduction, an autograd node, an op)."""
+    ctx, name = dict(ctx), e.name
+    if name.startswith(_MARK):  # "minigpt.memory::module:blocks.0"
+        ctx["module"] = name[len(f"{_MARK}module:") :]
+    elif name in STAGE_NAMES:
+        ctx["stage"] = name
+    elif name.startswith(_FSDP_RANGES):  # "FSDP::all_gather (blocks.1)": FSDP2's own memory
+        ctx["fsdp"] = "gather" if name.startswith(_FSDP_RANGES[0]) else "reduce"
+        ctx["fsdp_unit"] = name.partition(" (")[2].removesuffix(")")
+    elif name.startswith(torchcompat.AUTOGRAD_NODE_RANGE):
+        ctx["node"] = name.split(": ", 1)[1]
+        ctx["module"] = seq_module.get(e.sequence, "")
+        ctx.pop("outer", None)
+    elif "::" in name or not name.startswith(_RANGES):  # an op, or an autograd.Function's forward
+        ctx.setdefault("outer", name)
+        if e.sequence >= 0 and not ctx.get("node"):  # the op that made the autograd node (addmm under linear)
+            seq_module.setdefault(e.sequence, ctx.get("module", ""))
+        ctx["inner"] = name
+    return ctx
 
 
 def _where(ctx: dict) -> _Where:
@@ -755,8 +802,25 @@ def _replay(
     """Walk the allocations in order from what was live at the start; the highest total is the
     peak. Then walk again to that moment and name every byte live there."""
     events = timeline.events
-    # Frees of blocks allocated before the session but known to the allocator (an earlier profiler
-    # session's), which the scan of Python's tensors did not find: they were live at the start too.
+    base = _held_at_start(events, baseline)
+    whole = _walk(events, marks, timeline.mark_names, base, None)
+    b.start_bytes = sum(v[0] for v in base.values())
+    at_peak = _walk(events, marks, timeline.mark_names, base, whole.at + 1)
+    b.peak = whole.peak
+    b.peak_parts = _name_live(at_peak, optimizer_ptrs)
+    if whole.at >= 0:
+        where = events[whole.at][-1]
+        b.peak_stage = where.stage
+        b.peak_where = where.describe()
+    else:
+        b.peak_stage, b.peak_where = "before the step", "at the start of the step"
+    if whole.first_total is not None:
+        b.allocator_peak_delta = max(0, whole.top_total - whole.first_total)
+
+
+def _held_at_start(events: list[tuple], baseline: dict[int, list]) -> dict[int, list]:
+    """The baseline, and the blocks freed in the session that it never allocated and the scan of
+    Python's tensors did not find (an earlier profiler session's): they were live at the start too."""
     allocated: set[int] = set()
     base = {ptr: list(v) for ptr, v in baseline.items()}
     for e in events:
@@ -768,71 +832,78 @@ def _replay(
                 allocated.discard(ptr)
             elif ptr not in base:
                 base[ptr] = [-nbytes, "held", "not reachable from Python"]
+    return base
 
-    def walk(stop: int | None):
-        live: dict[int, tuple[int, _Where]] = {}
-        base_live = dict(base)
-        current = sum(v[0] for v in base_live.values())
-        peak, at = current, -1
-        saved: dict[int, tuple[str, int]] = {}
-        grad_ptrs: dict[int, str] = {}
-        first_total = None
-        top_total = None
-        for i, e in enumerate(events[:stop]):
-            if e[0] == "alloc":
-                _, ptr, nbytes, total, where = e
-                if first_total is None:
-                    first_total = total - nbytes
-                top_total = total if top_total is None else max(top_total, total)
-                if nbytes > 0:
-                    live[ptr] = (nbytes, where)
-                    current += nbytes
-                elif ptr in live:
-                    current -= live.pop(ptr)[0]
-                elif ptr in base_live:
-                    current -= base_live.pop(ptr)[0]
-            else:
-                kind, ptr, nbytes, module, _ = marks[e[1]]
-                if kind == "pack":
-                    name = module or timeline.mark_names.get(e[1]) or NO_MODULE
-                    saved[ptr] = (name, nbytes)
-                elif kind == "release":
-                    saved.pop(ptr, None)
-                elif kind == "grad":
-                    grad_ptrs[ptr] = module
-                elif kind == "free" and ptr in base_live:
-                    current -= base_live.pop(ptr)[0]
-            if current > peak:
-                peak, at = current, i
-        return peak, at, live, base_live, saved, grad_ptrs, first_total, top_total
 
-    peak, at, *_, first_total, top_total = walk(None)
-    b.start_bytes = sum(v[0] for v in base.values())
-    _, _, live, base_live, saved, grad_ptrs, _, _ = walk(at + 1)
+@dataclass
+class _Walk:
+    """The state of a replay after its last event: the highest total and the event it came at."""
+
+    peak: int
+    at: int  # index of the event that reached the peak; -1: the start
+    live: dict[int, tuple[int, _Where]] = field(default_factory=dict)  # allocated in the step
+    base_live: dict[int, list] = field(default_factory=dict)  # held from the start, not yet freed
+    saved: dict[int, tuple[str, int]] = field(default_factory=dict)  # ptr -> (who saved it, bytes)
+    grad_ptrs: dict[int, str] = field(default_factory=dict)  # ptr -> the parameter whose gradient
+    first_total: int | None = None  # the allocator's total before the first event
+    top_total: int | None = None  # the allocator's highest total
+
+
+def _walk(
+    events: list[tuple],
+    marks: list[tuple],
+    mark_names: dict[int, str],
+    base: dict[int, list],
+    stop: int | None,
+) -> _Walk:
+    """Replay events[:stop] from `base`."""
+    w = _Walk(0, -1, base_live=dict(base))
+    current = w.peak = sum(v[0] for v in w.base_live.values())
+    for i, e in enumerate(events[:stop]):
+        if e[0] == "alloc":
+            _, ptr, nbytes, total, where = e
+            if w.first_total is None:
+                w.first_total = total - nbytes
+            w.top_total = total if w.top_total is None else max(w.top_total, total)
+            if nbytes > 0:
+                w.live[ptr] = (nbytes, where)
+                current += nbytes
+            elif ptr in w.live:
+                current -= w.live.pop(ptr)[0]
+            elif ptr in w.base_live:
+                current -= w.base_live.pop(ptr)[0]
+        else:
+            kind, ptr, nbytes, module, _ = marks[e[1]]
+            if kind == "pack":
+                w.saved[ptr] = (module or mark_names.get(e[1]) or NO_MODULE, nbytes)
+            elif kind == "release":
+                w.saved.pop(ptr, None)
+            elif kind == "grad":
+                w.grad_ptrs[ptr] = module
+            elif kind == "free" and ptr in w.base_live:
+                current -= w.base_live.pop(ptr)[0]
+        if current > w.peak:
+            w.peak, w.at = current, i
+    return w
+
+
+def _name_live(w: _Walk, optimizer_ptrs: dict[int, str]) -> dict[str, dict[str, int]]:
+    """Every byte live at the end of a walk, {part: {name: bytes}} (PEAK_PARTS), largest first."""
     parts: dict[str, dict[str, int]] = {p: defaultdict(int) for p in PEAK_PARTS}
-    for nbytes, part, name in base_live.values():
+    for nbytes, part, name in w.base_live.values():
         parts[part][f"held before the step: {name}" if part == "held" else name] += nbytes
-    for ptr, (nbytes, where) in live.items():
-        if ptr in saved:
-            parts["activations"][saved[ptr][0]] += nbytes
-        elif ptr in grad_ptrs:
-            parts["grads"][grad_ptrs[ptr]] += nbytes
+    for ptr, (nbytes, where) in w.live.items():
+        if ptr in w.saved:
+            parts["activations"][w.saved[ptr][0]] += nbytes
+        elif ptr in w.grad_ptrs:
+            parts["grads"][w.grad_ptrs[ptr]] += nbytes
         elif ptr in optimizer_ptrs:
             parts["optimizer"][optimizer_ptrs[ptr]] += nbytes
         elif fsdp := where.fsdp_part():
             parts[fsdp[0]][fsdp[1]] += nbytes
         else:
             parts["temporaries"][where.describe()] += nbytes
-    b.peak = peak
-    b.peak_parts = {p: dict(sorted(v.items(), key=lambda kv: -kv[1])) for p, v in parts.items()}
-    if at >= 0:
-        where = events[at][-1]
-        b.peak_stage = where.stage
-        b.peak_where = where.describe()
-    else:
-        b.peak_stage, b.peak_where = "before the step", "at the start of the step"
-    if first_total is not None:
-        b.allocator_peak_delta = max(0, top_total - first_total)
+    return {p: dict(sorted(v.items(), key=lambda kv: -kv[1])) for p, v in parts.items()}
 
 
 # ---------------------------------------------------------------------------- trees
@@ -1009,20 +1080,7 @@ def format_breakdown(b: MemoryBreakdown, estimate: MemoryEstimate | None = None)
         lines.append(line)
     dtypes = ", ".join(f"{k} {v / MB:.2f} MiB" for k, v in b.activation_dtypes.items())
     lines.append(f"  activations by dtype: {dtypes}")
-    if b.peak is not None:
-        line = f"  {'measured peak (the allocator)':38s}{b.peak / MiB:>8.2f} MiB"
-        if e:
-            line += f"{e['peak'] / MiB:>8.2f} MiB{_pct(b.peak, e['peak']):>9s}"
-        lines.append(line)
-        lines.append(f"    when: {b.peak_where}")
-        for part in PEAK_PARTS:
-            items = [(n, v) for n, v in b.peak_parts.get(part, {}).items() if v]
-            if not items:
-                continue
-            top = "; ".join(f"{n} {v / MiB:.1f}" for n, v in items[:3]) + ("; ..." if len(items) > 3 else "")
-            lines.append(f"    {PEAK_PART_NAMES[part]:28s}{b.peak_part(part) / MiB:>8.2f} MiB  ({top})")
-    elif b.peak_note:
-        lines.append(f"  measured peak: {b.peak_note}")
+    lines += _peak_table(b, e)
     if b.cuda_max_allocated is not None:
         lines.append(
             f"  CUDA max allocated {b.cuda_max_allocated / MB:.2f} MiB (reserved "
@@ -1032,7 +1090,24 @@ def format_breakdown(b: MemoryBreakdown, estimate: MemoryEstimate | None = None)
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # the estimator's old address: python -m minigpt.memory still predicts
-    from minigpt.estimate import main
+def _peak_table(b: MemoryBreakdown, e: dict) -> list[str]:
+    """format_breakdown's lines for the measured peak: the figure, when, and the largest names of
+    each part; or why it was not measured."""
+    if b.peak is None:
+        return [f"  measured peak: {b.peak_note}"] if b.peak_note else []
+    line = f"  {'measured peak (the allocator)':38s}{b.peak / MiB:>8.2f} MiB"
+    if e:
+        line += f"{e['peak'] / MiB:>8.2f} MiB{_pct(b.peak, e['peak']):>9s}"
+    lines = [line, f"    when: {b.peak_where}"]
+    for part in PEAK_PARTS:
+        items = [(n, v) for n, v in b.peak_parts.get(part, {}).items() if v]
+        if items:
+            top = "; ".join(f"{n} {v / MiB:.1f}" for n, v in items[:3]) + ("; ..." if len(items) > 3 else "")
+            lines.append(f"    {PEAK_PART_NAMES[part]:28s}{b.peak_part(part) / MiB:>8.2f} MiB  ({top})")
+    return lines
 
-    sys.exit(main())
+
+if __name__ == "__main__":  # python -m minigpt.memory answers as minigpt.estimate does: a command users keep
+    import runpy
+
+    runpy.run_module("minigpt.estimate", run_name="__main__", alter_sys=True)

@@ -17,7 +17,6 @@ mistake costs one line, not a hung job. Knows minigpt's GPT (the module names in
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 
 import torch
@@ -353,55 +352,3 @@ if __name__ == "__main__":  # the per-GPU table of each plan: minigpt/per_rank.p
     raise SystemExit(main())
 
 
-# ---------------------------------------------------------------------------- exposed communication
-
-# Profiler ranges that are communication: c10d and functional collectives, their waits, gloo's own
-# ranges, and FSDP2's gather / reduce ranges (which include its copy-in and copy-out).
-COMM_PATTERN = re.compile(
-    r"all_gather|allgather|reduce_scatter|post_backward_reduce|rs_wait|all_reduce|allreduce|"
-    r"wait_tensor|broadcast|gloo:",
-    re.IGNORECASE,
-)
-
-
-def _union_us(spans: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(spans):
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total
-
-
-def stage_comm_ms(events, stages: tuple[str, ...]) -> dict[str, float]:
-    """Exposed communication per stage from a torch.profiler's `prof.events()`: on the thread that
-    runs the stages' record_function ranges, the union of the communication ranges (COMM_PATTERN)
-    that fall inside each stage's range, in ms summed over the profiled steps. Communication that
-    overlaps with the thread's compute runs on other threads and is not counted: what is left is
-    the time the training thread waited for, or drove, collectives. "step" covers the whole
-    profile (communication outside any stage too)."""
-    return comm_by_stage([(e.name, e.thread, e.time_range.start, e.time_range.end) for e in events], stages)
-
-
-def kineto_spans(prof) -> list[tuple[str, int, float, float]]:
-    """(name, thread, start us, end us) of every range a stopped torch.profiler recorded, read from
-    its raw Kineto results: prof.events() first builds Python event objects and their tree, about
-    five times slower (40-55 ms against 5-10 ms for a tiny GPT's step on the 2-core machine)."""
-    return [
-        (e.name(), e.start_thread_id(), e.start_ns() / 1000, (e.start_ns() + e.duration_ns()) / 1000)
-        for e in prof.profiler.kineto_results.events()
-    ]
-
-
-def comm_by_stage(spans: list[tuple[str, int, float, float]], stages: tuple[str, ...]) -> dict[str, float]:
-    """stage_comm_ms over (name, thread, start us, end us) spans."""
-    ranges = [sp for sp in spans if sp[0] in stages]
-    if not ranges:
-        return {}
-    thread = ranges[0][1]
-    comm = [(a, b) for name, t, a, b in spans if t == thread and COMM_PATTERN.search(name)]
-    out = {s: 0.0 for s in stages}
-    for name, _, lo, hi in ranges:
-        out[name] += _union_us([(max(a, lo), min(b, hi)) for a, b in comm if a < hi and b > lo]) / 1000
-    out["step"] = _union_us(comm) / 1000
-    return out

@@ -3,11 +3,12 @@
     torchrun --nproc_per_node 2 tests/ddp_probe.py OUT_FILE_PREFIX [trainer flags...]
 
 Writes OUT_FILE_PREFIX.rank{R}.pt with this rank's first gradients (captured where the trainer
-clips them, after the all-reduce) and its final weights. PROBE_FAIL="RANK:STEP:raise|exit" makes
+clips them, after the all-reduce) and its final weights. PROBE_FAIL="RANK:STEP:raise|exit|kill|stop" makes
 that rank fail at that step, to test how the job ends.
 """
 
 import os
+import signal
 import sys
 
 import torch
@@ -46,6 +47,10 @@ if os.environ.get("PROBE_FAIL"):
         if rank == int(fail_rank) and step == int(fail_step):
             if how == "exit":
                 os._exit(13)  # the process dies without a word, as a killed rank would
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer or `kill -9` does
+            if how == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)  # alive but not answering (kill -STOP, a hung host)
             raise RuntimeError(f"probe failure on rank {rank} at step {step}")
 
 

@@ -277,3 +277,29 @@ def test_a_failing_or_dying_rank_ends_the_job_with_a_message(tmp_path, how):
         assert "probe failure on rank 1 at step 3" in text
     else:
         assert "exitcode" in text and "13" in text  # torchrun names the rank and its exit code
+
+
+# kill: the peer's closed connection fails the collective at once (the timeout is never reached);
+# stop: a rank alive but not answering, found when --ddp-timeout runs out.
+@pytest.mark.parametrize("how, timeout", [("kill", "120"), ("stop", "10")])
+def test_a_lost_rank_is_named_in_one_line_by_the_rank_that_survives(tmp_path, how, timeout):
+    """A rank killed mid-run (kill -9, the OOM killer) or stopped: the other rank says which rank
+    was lost and how to resume, in one line, not gloo's traceback."""
+    out = tmp_path / "run"
+    result, _ = probe(
+        tmp_path,
+        *FLAGS,
+        "--num-steps",
+        "50",
+        "--ddp-timeout",
+        timeout,
+        "--out-dir",
+        str(out),
+        env={"PROBE_FAIL": f"1:3:{how}"},
+    )
+    assert result.returncode != 0
+    text = result.stdout + result.stderr
+    lost = [line for line in text.splitlines() if "lost rank" in line]
+    assert len(lost) == 1 and lost[0].startswith("error: rank 0: lost rank 1 (the process ended"), text
+    assert f"continue with --resume --out-dir {out}" in lost[0]
+    assert "[rank0]" not in text and "Connection closed by peer" not in text  # no traceback from rank 0

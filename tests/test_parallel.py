@@ -131,7 +131,7 @@ def test_per_rank_estimate_shards_state_and_splits_tp_activations():
 
 
 def test_exposed_communication_is_the_union_of_comm_ranges_inside_each_stage():
-    from minigpt.parallel import stage_comm_ms
+    from minigpt.commprobe import stage_comm_ms
 
     def ev(name, start, end, thread=1):
         return SimpleNamespace(name=name, thread=thread, time_range=SimpleNamespace(start=start, end=end))
@@ -487,7 +487,7 @@ def test_log_line_and_metrics_carry_each_stages_time_in_collectives(tmp_path, fl
 
 
 def test_one_step_per_interval_is_profiled_for_collectives_and_never_under_another_profiler():
-    from minigpt.instrument import CommProbe
+    from minigpt.commprobe import CommProbe
 
     cfg = SimpleNamespace(
         use_profiler=True,
@@ -516,7 +516,8 @@ def test_the_raw_kineto_reader_agrees_with_the_profilers_events():
 
     from torch.autograd.profiler import record_function
 
-    from minigpt.parallel import comm_by_stage, kineto_spans, stage_comm_ms
+    from minigpt.commprobe import comm_by_stage, stage_comm_ms
+    from minigpt.torchcompat import kineto_spans
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with record_function("forward"):
