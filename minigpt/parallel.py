@@ -350,5 +350,3 @@ if __name__ == "__main__":  # the per-GPU table of each plan: minigpt/per_rank.p
     from minigpt.per_rank import main
 
     raise SystemExit(main())
-
-
