@@ -4,41 +4,14 @@ and MFU. Knows nothing of GPT: figures come in as plain dicts and numbers."""
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from minigpt.fileio import DiskFull, disk_full_message, is_disk_full
 from minigpt.stages import label
-
-LOG_FORMAT = "[%(asctime)s] %(message)s"
-LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
-
-
-def setup_logging(log_file: Path | None = None, rank: int = 0) -> logging.Logger:
-    """The 'minigpt' logger: on rank 0 the console plus log_file when given; on other ranks only
-    warnings and errors, on stderr, marked with the rank."""
-    log = logging.getLogger("minigpt")
-    log.handlers.clear()
-    log.propagate = False
-    if rank == 0:
-        log.setLevel(logging.INFO)
-        handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
-        if log_file is not None:
-            log_file.parent.mkdir(parents=True, exist_ok=True)
-            handlers.append(logging.FileHandler(log_file, encoding="utf-8"))
-        fmt = LOG_FORMAT
-    else:
-        log.setLevel(logging.WARNING)
-        handlers, fmt = [logging.StreamHandler(sys.stderr)], f"[%(asctime)s] [rank {rank}] %(message)s"
-    for h in handlers:
-        h.setFormatter(logging.Formatter(fmt, LOG_DATEFMT))
-        log.addHandler(h)
-    return log
 
 
 def format_duration(seconds: float) -> str:
@@ -190,6 +163,15 @@ def format_finished(r: StepRecord, steps: int, resumed_at: int = 0) -> str:
         f"step's time summed), {r.tokens_per_s_e2e:,.0f} tokens/s end to end ({r.elapsed_s:.2f}s of "
         f"loop to the last log line: evaluations, logging and checkpoints included); {startup}"
     )
+
+
+def forward_ms(stages, step_times: list[float], grad_accum_steps: int) -> float | None:
+    """One batch's forward time in the interval (ms), what an evaluation batch costs: the forward
+    stage per micro-batch (`stages`: the interval's StageTimes), or a third of a step without
+    stage timing."""
+    if "forward" in stages.host_ms:
+        return stages.host_ms["forward"] / grad_accum_steps
+    return 1000 * sum(step_times) / len(step_times) / 3 / grad_accum_steps if step_times else None
 
 
 def evaluation_notice(batches: int, forward_ms: float | None, threshold_s: float = 5.0) -> str | None:
