@@ -221,10 +221,17 @@ class RunLock:
         self.release()
 
 
-def latest_run(root: str | Path, checkpoint_file: str | Path = Path("checkpoints") / "ckpt.pt") -> Path:
+def latest_run(
+    root: str | Path,
+    checkpoint_file: str | Path = Path("checkpoints") / "ckpt.pt",
+    asker: str = "--resume",
+    flag: str = "--checkpoint-path",
+    purpose: str = "to continue",
+) -> Path:
     """The run under `root` whose checkpoint was written last (by its mtime, not its name:
     'runs/long' sorts after 'runs/20261123-...'). Refused when none has one, or when the two
-    newest were written within AMBIGUOUS_S of each other."""
+    newest were written within AMBIGUOUS_S of each other. The messages name who asked (`asker`:
+    the trainer's --resume, sample.py) and the flags that tool takes instead (--out-dir, `flag`)."""
     root, depth = Path(root), len(Path(checkpoint_file).parts)
     found = []
     for ckpt in root.glob(f"*/{checkpoint_file}"):
@@ -234,14 +241,13 @@ def latest_run(root: str | Path, checkpoint_file: str | Path = Path("checkpoints
             continue
     if not found:
         raise UsageError(
-            f"--resume: no run in {root}/ has a checkpoint ({checkpoint_file}); "
-            "pass --out-dir or --checkpoint-path"
+            f"{asker}: no run in {root}/ has a checkpoint ({checkpoint_file}); pass --out-dir or {flag}"
         )
     found.sort(key=lambda t: t[0], reverse=True)
     if len(found) > 1 and found[0][0] - found[1][0] < AMBIGUOUS_S:
         raise UsageError(
-            f"--resume: {found[0][1]} and {found[1][1]} saved their checkpoints within "
-            f"{AMBIGUOUS_S:g}s of each other; pass --out-dir to say which to continue"
+            f"{asker}: {found[0][1]} and {found[1][1]} saved their checkpoints within "
+            f"{AMBIGUOUS_S:g}s of each other; pass --out-dir to say which {purpose}"
         )
     return found[0][1]
 
