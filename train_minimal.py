@@ -83,8 +83,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
 
 def configure_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: str) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices (linear weights, embeddings) only, not on biases and
-    LayerNorm gains. The fused kernel on CUDA and on the CPU too: one pass over every tensor
-    instead of a loop of small per-tensor ops (benchmarks/results/cpu-small.md measures both)."""
+    LayerNorm gains; the fused kernel, on the CPU too (benchmarks/results/cpu-small.md)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
@@ -96,18 +95,19 @@ def configure_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: str) -
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: Batches, iters: int, device: str, autocast) -> float:
-    """Mean loss over the same `iters` validation batches every time, so evaluations compare."""
+def evaluate(model: GPT, batches: Batches, iters: int, device: str, autocast, stop: list) -> float | None:
+    """Mean loss over the same `iters` validation batches every time, so evaluations compare. None
+    once `stop` holds a signal (SIGINT/SIGTERM): the run stops after the next step, not the last batch."""
     model.eval()
     losses = []
-    for _ in range(iters):
+    while len(losses) < iters and not stop:
         release_freed_memory()  # CPU: the kept heap's free blocks back to the system (minigpt/cpu.py)
         x, y = (t.to(device, non_blocking=True) for t in next(batches))
         with autocast:
             losses.append(model(x, y)[1].float())
     release_freed_memory()
     model.train()
-    return torch.stack(losses).mean().item()
+    return torch.stack(losses).mean().item() if len(losses) == iters else None
 
 
 def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
@@ -311,7 +311,8 @@ def train(s: Setup, on_step: Callable[[int], None] | None) -> int:
                     batch_ms = forward_ms(stages, step_times, cfg.grad_accum_steps)  # what one batch costs
                     if notice := evaluation_notice(cfg.eval_iters, batch_ms):
                         log.info(notice)  # a long evaluation is not silence
-                    val = evaluate(model, data.make_val(), cfg.eval_iters, device, autocast)
+                    stop_eval = [] if plan.sharded else stop_signal  # sharded: all ranks, to the end
+                    val = evaluate(model, data.make_val(), cfg.eval_iters, device, autocast, stop_eval)
                 logged = rate.record(step, values, lr, val, step_times, stages, inst.take_comm())
                 logged.memory_breakdown = inst.take_memory_breakdown()
                 log.info(format_log_line(logged))

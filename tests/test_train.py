@@ -172,6 +172,32 @@ def test_sigterm_saves_and_exits_with_a_message(tmp_path):
     assert state["step"] == read_metrics(out)[-1]["step"]
 
 
+def test_sigterm_during_a_long_evaluation_stops_promptly_and_saves(tmp_path):
+    """65,536 validation batches take minutes: a SIGTERM abandons the evaluation, and the run saves
+    and stops after the next step as it does when the signal comes during a step."""
+    out = tmp_path / "run"
+    flags = ["--num-steps", "100", "--log-interval", "1", "--eval-interval", "1", "--eval-iters", "65536"]
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train_minimal.py"), *TINY, *flags, "--out-dir", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 120
+    while not (out / "train.log").exists() or "evaluating (" not in (out / "train.log").read_text():
+        assert proc.poll() is None and time.time() < deadline, (
+            proc.stderr.read() if proc.poll() else "timeout"
+        )
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)  # the whole evaluation would take minutes
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "Stopped by SIGTERM after step 2" in stdout, stdout
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["val_loss"] is None  # no half evaluation
+    assert torch.load(out / "checkpoints" / "ckpt.pt", weights_only=True)["step"] == 2
+
+
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     flags = [*TINY, "--num-steps", "10", "--save-interval", "3", "--log-interval", "5", "--out-dir", str(out)]
