@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -286,15 +287,28 @@ class TensorBoardLogger:
     def __init__(self, log_dir: Path, enabled: bool = True, purge_step: int | None = None):
         """`purge_step`: on resume, the first step trained again; TensorBoard hides what an earlier
         run wrote from there on, so no step is drawn twice."""
-        self.writer = None
+        self.writer, self.log_dir = None, log_dir
         if enabled:  # under DDP only rank 0 writes
             from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
 
+            if threading.excepthook is not _quiet_full_disk:
+                _quiet_full_disk.previous = threading.excepthook
+                threading.excepthook = _quiet_full_disk
             self.writer = SummaryWriter(str(log_dir), purge_step=purge_step)
 
     def log(self, r: StepRecord) -> None:
+        """Write the record's scalars and flush them. A full disk ends as one line (DiskFull):
+        TensorBoard's writer thread fails first, and its error is raised here."""
         if self.writer is None:
             return
+        try:
+            self._log(r)
+        except (OSError, RuntimeError) as e:
+            if is_disk_full(e):
+                raise DiskFull(disk_full_message(self.log_dir, None, True)) from None
+            raise
+
+    def _log(self, r: StepRecord) -> None:
         scalars = {
             "train/loss": r.loss,
             "val/loss": r.val_loss,
@@ -333,12 +347,35 @@ class TensorBoardLogger:
                     )
         self.writer.flush()
 
-    def close(self) -> None:
-        if self.writer is not None:
+    def close(self, error_in_flight: bool = False) -> None:
+        """A full disk met while closing is one line, unless the run is already ending on an error
+        (log() reported it, or another one): then it adds nothing."""
+        if self.writer is None:
+            return
+        try:
             self.writer.close()
+        except (OSError, RuntimeError) as e:
+            if not is_disk_full(e):
+                raise
+            if not error_in_flight:
+                raise DiskFull(disk_full_message(self.log_dir, None, True)) from None
+        finally:
+            self.writer = None
 
     def __enter__(self) -> TensorBoardLogger:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.close(error_in_flight=exc[0] is not None)
+
+
+def _quiet_full_disk(args) -> None:
+    """threading.excepthook: TensorBoard's writer thread dies on a full disk and prints its
+    traceback; TensorBoardLogger.log raises the same error in the loop as one line, so the
+    thread's copy is dropped. Every other thread's error goes to the hook that was there before."""
+    if type(args.thread).__module__.startswith("tensorboard.") and is_disk_full(args.exc_value):
+        return
+    _quiet_full_disk.previous(args)
+
+
+_quiet_full_disk.previous = threading.excepthook
