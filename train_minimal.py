@@ -54,6 +54,7 @@ from minigpt.instrument import Instruments
 from minigpt.metrics import JsonlWriter, TensorBoardLogger, evaluation_notice, format_log_line, forward_ms
 from minigpt.mfu import TORCH_DTYPES, Throughput, mfu_peak
 from minigpt.model import GPT, GPTConfig, pad_vocab
+from minigpt.predict import NoRates, predict_step
 from minigpt.report import write_report
 from minigpt.runs import RunDir, probe_writable, stop_on_signals
 from minigpt.stages import STAGE_NAMES
@@ -66,8 +67,7 @@ def get_lr(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.lr_scheduler == "constant":
         return cfg.lr
-    progress = (step - cfg.warmup_steps) / max(1, cfg.num_steps - cfg.warmup_steps)
-    progress = min(progress, 1.0)
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.num_steps - cfg.warmup_steps))
     if cfg.lr_scheduler == "cosine":
         decay = 0.5 * (1.0 + math.cos(math.pi * progress))
     else:  # linear
@@ -124,22 +124,23 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
     )
 
 
-def predicted_memory(cfg: TrainConfig, model: GPT, amp_dtype: str, device: str, plan):
-    """The estimate printed beside --memory-profiler's measurement: one rank's share under --fsdp/--tp."""
-    if not cfg.memory_profiler:
-        return None
+def predictions(cfg: TrainConfig, model: GPT, amp_dtype: str, device: str, plan) -> tuple:
+    """The predicted memory, shown beside --memory-profiler's measurement (one rank's share under
+    --fsdp/--tp), and the stage times for config.json from cached rates only: measuring would
+    lengthen every start-up (None without them, and under --fsdp/--tp: collectives are not modelled)."""
     shape = gpt_shape(cfg, model.cfg.vocab_size)
-    estimate = estimate_gpt(
-        **shape,
-        amp_dtype=amp_dtype,
-        device=device,
-        activation_checkpoint=cfg.use_activation_checkpoint,
-        grad_accum_steps=cfg.grad_accum_steps,
-        chunked_loss=cfg.chunked_loss,
+    opts = dict(activation_checkpoint=cfg.use_activation_checkpoint, chunked_loss=cfg.chunked_loss)
+    opts["grad_accum_steps"] = cfg.grad_accum_steps
+    memory = (
+        estimate_gpt(**shape, amp_dtype=amp_dtype, device=device, **opts) if cfg.memory_profiler else None
     )
-    if plan.sharded:
-        estimate = parallel.per_rank_memory_estimate(estimate, plan.dp, plan.tp, plan.fsdp, shape)
-    return estimate
+    if memory and plan.sharded:
+        memory = parallel.per_rank_memory_estimate(memory, plan.dp, plan.tp, plan.fsdp, shape)
+    try:
+        step = None if plan.sharded else predict_step(shape, amp_dtype, device, measure=False, **opts)
+    except (NoRates, ValueError, TypeError, KeyError, AttributeError, ArithmeticError):  # a damaged cache
+        step = None
+    return memory, step and {k: v for k, v in step.to_record().items() if k != "config"}
 
 
 def score_stragglers(
@@ -174,7 +175,6 @@ class Setup(NamedTuple):
     optimizer: torch.optim.AdamW
     scaler: torch.amp.GradScaler
     autocast: object
-    amp_dtype: str
     step: int  # the checkpoint's step, 0 for a fresh run
     inst: Instruments
     rate: Throughput
@@ -237,16 +237,17 @@ def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
 
     # ------------------------------------------------------------------ run directory
     run.repair(step)  # a resumed run repeats the steps after its checkpoint: logged once each
+    memory, step_time = predictions(cfg, model, amp_dtype, device, plan)
     notes = [amp_note, malloc_note, plan.describe(amp_dtype) if plan.sharded else None]
-    log = run.open(model, data, rate, notes)
-    inst.attach(model, optimizer, step + 1, predicted_memory(cfg, model, amp_dtype, device, plan))
+    log = run.open(model, data, rate, notes, step_time)
+    inst.attach(model, optimizer, step + 1, memory)
     if world_size > 1 and cfg.stage_timing and not plan.sharded:  # the backward's compute, not the all-reduce
         inst.timer.add_split("backward", "backward_compute")
         distributed.time_backward_compute(
             ddp_model, partial(inst.timer.split, "backward", "backward_compute")
         )
     return Setup(cfg, device, dist_info, plan, data, model, ddp_model, train_model, optimizer, scaler,
-                 autocast, amp_dtype, step, inst, rate, ckpt, run, log)  # fmt: skip
+                 autocast, step, inst, rate, ckpt, run, log)  # fmt: skip
 
 
 def main(argv: list[str] | None = None, on_step: Callable[[int], None] | None = None) -> int:
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None, on_step: Callable[[int], None] | None = 
 def train(s: Setup, on_step: Callable[[int], None] | None) -> int:
     """The loop, with what set_up() built under the names it reads."""
     (cfg, device, dist_info, plan, data, model, ddp_model, train_model, optimizer, scaler,
-     autocast, amp_dtype, step, inst, rate, ckpt, run, log) = s  # fmt: skip
+     autocast, step, inst, rate, ckpt, run, log) = s  # fmt: skip
     is_main = dist_info.is_main
     metrics_file = JsonlWriter(run.path / paths.METRICS_FILE, enabled=is_main)
     stragglers_file = JsonlWriter(run.path / paths.STRAGGLERS_FILE, enabled=is_main and dist_info.enabled)
@@ -304,7 +305,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None) -> int:
             stop = distributed.any_rank(bool(stop_signal), dist_info)  # every rank stops at the same step
 
             if is_log_step(step, cfg) or stop:  # outside the step: not in its clock nor in its ProfilerStep
-                values = ckpt.check_finite(losses, step, amp_dtype)
+                values = ckpt.check_finite(losses, step, rate.amp)
                 step_times, stages = inst.interval()
                 # sharded: every rank takes part (the forward has collectives)
                 if (is_main or plan.sharded) and (step % cfg.eval_interval == 0 or last):
@@ -323,7 +324,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None) -> int:
                     stragglers_file.write(report)
                 losses = []
             if ckpt.enabled and (last or stop or cfg.save_interval and step % cfg.save_interval == 0):
-                ckpt.check_finite(losses, step, amp_dtype, weights=True)
+                ckpt.check_finite(losses, step, rate.amp, weights=True)
                 ckpt.save(step)
             if stop:
                 return run.stopped(stop_signal, step, log)

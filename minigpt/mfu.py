@@ -61,12 +61,13 @@ from minigpt import distributed
 from minigpt.config import TrainConfig
 from minigpt.data import cache_dir
 from minigpt.distributed import DistInfo
-from minigpt.fileio import atomic_write
+from minigpt.fileio import UnreadableFile, atomic_write, read_bounded
 from minigpt.instrument import cuda_memory_report
 from minigpt.memory import process_memory
 from minigpt.metrics import RunTotals, StepRecord, format_finished, perplexity
 from minigpt.model import GPT, flops_per_token
 
+CACHE_LIMIT = 16 << 20  # bytes of a rate cache: a few KiB per machine and dtype
 PEAK_CACHE_FILE = "peak_flops.json"  # under minigpt.data.cache_dir(): one entry per machine, dtype, torch
 # Each unit is timed in many short calls for this long (wall clock) after a warm-up, and its best
 # call is kept: on a busy machine a short call often fits in a slice where the process had the
@@ -286,10 +287,11 @@ def current(entries: dict) -> dict:
 
 
 def read_cache(path: Path) -> dict:
-    """The cache file, or {} when it is absent or unreadable (then it is measured and rewritten)."""
+    """The cache file, or {} when it is absent or unreadable (then it is measured and rewritten):
+    read only if it is a regular file of at most CACHE_LIMIT bytes (a FIFO there would block)."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = json.loads(read_bounded(path, CACHE_LIMIT))
+    except (UnreadableFile, ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
 

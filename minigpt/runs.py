@@ -427,11 +427,14 @@ class RunDir:
             if dropped := repair_jsonl(self.path / name, step):
                 self.cleaned.append(f"dropped {dropped} line(s) of {name} past step {step} or cut short")
 
-    def open(self, model: GPT, data: Data, rate: Throughput, notes: list[str | None]) -> logging.Logger:
+    def open(
+        self, model: GPT, data: Data, rate: Throughput, notes: list[str | None], predicted_step: dict | None
+    ) -> logging.Logger:
         """Create the folder, write config.json (rank 0) and say what this run is: the lines every
         log starts with. `notes`: the AMP decision in words, then the CPU allocator's setting and
-        the parallel plan, when there are. Returns the logger (rank 0 writes the log, metrics,
-        TensorBoard, checkpoints)."""
+        the parallel plan, when there are; `predicted_step`: the step's predicted stage times
+        (minigpt.predict), kept in config.json beside what the run measures. Returns the logger
+        (rank 0 writes the log, metrics, TensorBoard, checkpoints)."""
         cfg, info, device, (amp_note, *notes) = self.cfg, self.dist_info, rate.device, notes
         self.path.mkdir(parents=True, exist_ok=True)
         log = setup_logging(self.path / paths.LOG_FILE, info.rank)
@@ -456,6 +459,8 @@ class RunDir:
                     "python": platform.python_version(),
                 },
             }
+            if predicted_step is not None:
+                config["predicted_step"] = predicted_step
             atomic_write(self.path / paths.CONFIG_FILE, json.dumps(config, indent=2) + "\n")
         log.info(f"Training started; run directory {self.path}")
         if os.environ.get(EXTRA_ARGS_ENV):

@@ -198,6 +198,43 @@ def test_sigterm_during_a_long_evaluation_stops_promptly_and_saves(tmp_path):
     assert torch.load(out / "checkpoints" / "ckpt.pt", weights_only=True)["step"] == 2
 
 
+def write_step_rates(cache, flags: list[str], rounds) -> dict:
+    """A rate cache (minigpt.predict) holding every rate the run's step needs, each `rounds`;
+    returns the run's shape (minigpt.estimate.gpt_shape)."""
+    from minigpt import predict
+    from minigpt.config import parse_args
+    from minigpt.estimate import gpt_shape
+    from minigpt.mfu import machine_key
+    from minigpt.model import pad_vocab
+
+    cfg = parse_args(flags)
+    shape = gpt_shape(cfg, pad_vocab(cfg.vocab_size))
+    needed = predict.kernels(predict.step_ops(**shape, amp_dtype="fp32"))
+    entries = {k: {"rounds": rounds} for k in needed}
+    entries["bandwidth"] = {"rounds": {"4096": rounds, "400000000": rounds}}
+    entries["exp"] = {"rounds": rounds}
+    entries["overhead"] = {"rounds": {"op": [1e-5] * 3, "autograd": [2e-5] * 3}}
+    (cache / predict.STEP_RATES_FILE).write_text(json.dumps({machine_key("cpu", "fp32"): entries}))
+    return shape
+
+
+def test_config_json_keeps_the_predicted_step_when_the_rates_are_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
+    flags = [*TINY, "--no-amp", "--num-steps", "2", "--no-report"]
+    from minigpt.predict import predict_step
+
+    shape = write_step_rates(tmp_path, flags, [1e10] * 3)
+    expected = predict_step(shape, "fp32", "cpu", measure=False).to_record()
+    assert train_minimal.cli([*flags, "--out-dir", str(tmp_path / "run")]) == 0
+    stored = json.loads((tmp_path / "run" / "config.json").read_text())["predicted_step"]
+    assert stored["stage_ms"] == pytest.approx(expected["stage_ms"])
+    assert set(stored["stage_ms"]) == {"forward", "backward", "optimizer_step"} and stored["tested"] is True
+    # no rates cached, or a damaged cache: no prediction, and the run is not harmed
+    write_step_rates(tmp_path, flags, "fast")
+    assert train_minimal.cli([*flags, "--out-dir", str(tmp_path / "damaged")]) == 0
+    assert "predicted_step" not in json.loads((tmp_path / "damaged" / "config.json").read_text())
+
+
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     flags = [*TINY, "--num-steps", "10", "--save-interval", "3", "--log-interval", "5", "--out-dir", str(out)]
