@@ -49,14 +49,16 @@ from minigpt.config import (
 )
 from minigpt.cpu import choose_allocator, release_freed_memory
 from minigpt.data import Batches, Data, load_data
-from minigpt.estimate import estimate_gpt, estimate_report, gpt_shape
+from minigpt.estimate import estimate_gpt, estimate_report
 from minigpt.instrument import Instruments
 from minigpt.metrics import JsonlWriter, TensorBoardLogger, evaluation_notice, format_log_line, forward_ms
 from minigpt.mfu import TORCH_DTYPES, Throughput, mfu_peak
-from minigpt.model import GPT, GPTConfig, pad_vocab
+from minigpt.model import GPT, GPTConfig
+from minigpt.per_rank import per_rank_memory_estimate
 from minigpt.predict import NoRates, predict_step
 from minigpt.report import write_report
 from minigpt.runs import RunDir, probe_writable, stop_on_signals
+from minigpt.shape import shape_of
 from minigpt.stages import STAGE_NAMES
 from minigpt.straggler import StragglerDetector, format_report, parse_slow_rank, rank_figures
 
@@ -111,33 +113,19 @@ def evaluate(model: GPT, batches: Batches, iters: int, device: str, autocast, st
 
 
 def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
-    return GPTConfig(
-        vocab_size=pad_vocab(vocab_size),
-        max_position_embeddings=cfg.max_position_embeddings,
-        n_layers=cfg.n_layers,
-        n_heads=cfg.n_heads,
-        d_model=cfg.d_model,
-        d_ff=cfg.d_ff,
-        dropout=cfg.dropout,
-        activation_checkpoint=cfg.use_activation_checkpoint,
-        chunked_loss=cfg.chunked_loss,
-    )
+    return GPTConfig(**shape_of(cfg, vocab_size).model_kwargs())
 
 
 def predictions(cfg: TrainConfig, model: GPT, amp_dtype: str, device: str, plan) -> tuple:
     """The predicted memory, shown beside --memory-profiler's measurement (one rank's share under
     --fsdp/--tp), and the stage times for config.json from cached rates only: measuring would
     lengthen every start-up (None without them, and under --fsdp/--tp: collectives are not modelled)."""
-    shape = gpt_shape(cfg, model.cfg.vocab_size)
-    opts = dict(activation_checkpoint=cfg.use_activation_checkpoint, chunked_loss=cfg.chunked_loss)
-    opts["grad_accum_steps"] = cfg.grad_accum_steps
-    memory = (
-        estimate_gpt(**shape, amp_dtype=amp_dtype, device=device, **opts) if cfg.memory_profiler else None
-    )
+    shape = shape_of(cfg, model.cfg.vocab_size)
+    memory = estimate_gpt(shape, amp_dtype, device) if cfg.memory_profiler else None
     if memory and plan.sharded:
-        memory = parallel.per_rank_memory_estimate(memory, plan.dp, plan.tp, plan.fsdp, shape)
+        memory = per_rank_memory_estimate(memory, plan.dp, plan.tp, plan.fsdp, shape)
     try:
-        step = None if plan.sharded else predict_step(shape, amp_dtype, device, measure=False, **opts)
+        step = None if plan.sharded else predict_step(shape, amp_dtype, device, measure=False)
     except (NoRates, ValueError, TypeError, KeyError, AttributeError, ArithmeticError):  # a damaged cache
         step = None
     return memory, step and {k: v for k, v in step.to_record().items() if k != "config"}
@@ -286,8 +274,9 @@ def train(s: Setup, on_step: Callable[[int], None] | None) -> int:
                     # DDP all-reduces the gradients in the last micro-batch's backward only.
                     with distributed.no_grad_sync(ddp_model, sync=micro == cfg.grad_accum_steps - 1):
                         with inst.stage("forward"), autocast:
-                            _, loss = train_model(x, y)
-                            loss = loss / cfg.grad_accum_steps  # the mean over the micro-batches
+                            # Only the loss is kept: held logits (b x s x vocab) would live
+                            # on through the next forward and add to its peak.
+                            loss = train_model(x, y)[1] / cfg.grad_accum_steps  # mean of micro-batches
                         with inst.stage("backward"):
                             scaler.scale(loss).backward()
                     step_loss += loss.detach()

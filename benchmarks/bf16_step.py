@@ -43,8 +43,8 @@ from minigpt import model as model_module
 from minigpt.config import PRESETS
 from minigpt.cpu import keep_freed_memory
 from minigpt.model import GPT, GPTConfig
+from minigpt.shape import GPT2_PADDED, GPT2_VOCAB, shape_of
 
-VOCAB = 50304
 # An op run inside one of these (forward or backward) counts as the loss's, whatever it is.
 LOSS_RANGES = ("cross_entropy", "CrossEntropy", "NllLoss", "LogSoftmax")
 # What any other op's self time is counted under (first match wins); the rest is "other". The
@@ -79,15 +79,7 @@ def make_step(dtype: str, seed: int = 0) -> Callable[[], torch.Tensor]:
     """One trainer step of the `small` preset, as train_minimal.py runs it (no instruments)."""
     p = PRESETS["small"]
     torch.manual_seed(seed)
-    cfg = GPTConfig(
-        vocab_size=VOCAB,
-        max_position_embeddings=p["seq_len"],
-        n_layers=p["n_layers"],
-        n_heads=p["n_heads"],
-        d_model=p["d_model"],
-        d_ff=p["d_ff"],
-    )
-    model = GPT(cfg).train()
+    model = GPT(GPTConfig(**shape_of(p, GPT2_VOCAB).model_kwargs())).train()
     params = list(model.parameters())
     groups = [
         {"params": [q for q in params if q.dim() >= 2], "weight_decay": 0.1},
@@ -98,7 +90,7 @@ def make_step(dtype: str, seed: int = 0) -> Callable[[], torch.Tensor]:
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16" else nullcontext()
 
     def step() -> torch.Tensor:
-        x = torch.randint(0, VOCAB, (p["batch_size"], p["seq_len"] + 1), generator=gen)
+        x = torch.randint(0, GPT2_PADDED, (p["batch_size"], p["seq_len"] + 1), generator=gen)
         with autocast:
             _, loss = model(x[:, :-1], x[:, 1:])
         loss.backward()

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 from common import RESULTS, ROOT, header, keeping, load_results, save_json, stamp
@@ -60,14 +61,14 @@ def child(preset: str, batch: int, seq: int, amp: str, steps: int, shape_only: b
         return {
             name: {"tokens_per_s": [], "loss": None, **peak_fields(b)}
             for name, chunked in (("plain", False), ("chunked", True))
-            for b in [measure(shape, amp, chunked_loss=chunked, shape_only_matmuls=True)]
+            for b in [measure(replace(shape, chunked_loss=chunked), amp, shape_only_matmuls=True)]
         }
     models = {}
     for name, chunked in (("plain", False), ("chunked", True)):
-        model = model_of(shape, chunked_loss=chunked)
+        model = model_of(replace(shape, chunked_loss=chunked))
         models[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if amp == "bf16" else nullcontext
-    x = torch.randint(0, shape["vocab_size"], (batch, seq))
+    x = torch.randint(0, shape.vocab_size, (batch, seq))
     y = torch.roll(x, -1, 1)
 
     def step(name: str) -> tuple[float, float]:

@@ -6,9 +6,9 @@
 
 Each cell builds minigpt's GPT in this process, runs one warm-up step and one measured step
 shaped as the trainer's (stages named, autocast, loss / accumulation steps, clipping, fused
-AdamW, the caller holding the last step's output), measured with minigpt.memory.capture_memory;
+AdamW, the loop keeping only the loss), measured with minigpt.memory.capture_memory;
 beside it minigpt.estimate.estimate_gpt's prediction from the same numbers. The matrix: presets
-small and gpt2 x batch 1-2 x seq 256-1024 x fp32/bf16 x activation checkpointing x gradient
+small and gpt2 x batch 1-8 x seq 256-1024 x fp32/bf16 x activation checkpointing x gradient
 accumulation 1/2 x the plain or the chunked loss (--chunked-loss; `--losses chunked` measures only
 those cells, `--shapes small:8:256` adds the trainer's default shape). Writes
 benchmarks/results/<device>-estimate.json and .md.
@@ -41,32 +41,28 @@ from minigpt.estimate import estimate_gpt
 from minigpt.fileio import atomic_write
 from minigpt.memory import PEAK_PARTS, MemoryBreakdown, capture_memory
 from minigpt.model import GPT, GPTConfig
+from minigpt.shape import GPT2_VOCAB, Shape
+from minigpt.shape import shape_of as config_shape
 
 MIB = 2**20
-VOCAB = 50304  # GPT-2's vocabulary padded to a multiple of 64, as the trainer pads it
 TOLERANCE = 0.10  # the estimator's promise: the measured peak within 10%
 # (preset, batch, seq): the shapes of the matrix; each runs x fp32/bf16 x ckpt x accumulation 1/2.
-SHAPES = [("small", 1, 256), ("small", 2, 1024), ("gpt2", 1, 256), ("gpt2", 2, 1024)]
+SHAPES = [("small", 1, 256), ("small", 8, 256), ("small", 2, 1024), ("gpt2", 1, 256), ("gpt2", 2, 1024)]
 
 
-def model_of(shape: dict, **options) -> GPT:
-    """minigpt's GPT of an estimator shape (seeded: every variant starts from the same weights)."""
+def model_of(shape: Shape) -> GPT:
+    """minigpt's GPT of a step shape (seeded: every variant starts from the same weights)."""
     torch.manual_seed(0)
-    keys = ("vocab_size", "max_position_embeddings", "n_layers", "n_heads", "d_model", "d_ff")
-    return GPT(GPTConfig(**{k: shape[k] for k in keys}, **options))
+    return GPT(GPTConfig(**shape.model_kwargs()))
 
 
-def shape_of(preset: str, batch: int, seq: int) -> dict:
+def shape_of(preset: str, batch: int, seq: int, **flags) -> Shape:
+    """A cell's shape: the preset's model (positions for seq at least) at this batch and sequence
+    length, GPT-2's vocabulary; `flags`: activation_checkpoint, grad_accum_steps, chunked_loss."""
     p = PRESETS[preset]
-    return dict(
-        n_layers=p["n_layers"],
-        d_model=p["d_model"],
-        n_heads=p["n_heads"],
-        d_ff=p["d_ff"],
-        seq_len=seq,
-        batch_size=batch,
-        vocab_size=VOCAB,
-        max_position_embeddings=max(seq, p.get("max_position_embeddings", seq)),
+    positions = max(seq, p.get("max_position_embeddings", seq))
+    return config_shape(
+        p, GPT2_VOCAB, batch_size=batch, seq_len=seq, max_position_embeddings=positions, **flags
     )
 
 
@@ -86,17 +82,14 @@ class ShapeOnlyMatmuls(TorchDispatchMode):
 
 
 def measure(
-    shape: dict,
+    shape: Shape,
     amp_dtype: str = "fp32",
-    checkpoint: bool = False,
-    accum: int = 1,
-    chunked_loss: bool = False,
     steps: int = 2,
     grad_clip: float = 1.0,
     shape_only_matmuls: bool = False,
 ) -> MemoryBreakdown:
     """`steps` training steps as the trainer runs them; the last is measured."""
-    model = model_of(shape, activation_checkpoint=checkpoint, chunked_loss=chunked_loss)
+    model = model_of(shape)
     model.train()
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(
@@ -109,7 +102,7 @@ def measure(
         fused=True,
     )  # as train_minimal.configure_optimizer
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if amp_dtype == "bf16" else nullcontext()
-    b, s, V = shape["batch_size"], shape["seq_len"], shape["vocab_size"]
+    b, s, V, accum = shape.batch_size, shape.seq_len, shape.vocab_size, shape.grad_accum_steps
     matmuls = ShapeOnlyMatmuls if shape_only_matmuls else nullcontext
     cap = None
     for step in range(1, steps + 1):
@@ -122,8 +115,7 @@ def measure(
                     y = torch.roll(x, -1, 1)
                 # the mode inside the stage's range: entered outside, it hides the range from the profiler
                 with record_function("forward"), autocast, matmuls():
-                    _, loss = model(x, y)  # the caller holds the output until the next forward ends
-                    loss = loss / accum
+                    loss = model(x, y)[1] / accum  # as the trainer: the logits are not kept
                 with record_function("backward"), matmuls():
                     loss.backward()
                 step_loss += loss.detach()
@@ -134,32 +126,20 @@ def measure(
     return cap.breakdown
 
 
-def cell(
-    preset: str,
-    batch: int,
-    seq: int,
-    amp: str,
-    ckpt: bool,
-    accum: int,
-    shape_only: bool,
-    chunked: bool = False,
-) -> dict:
-    shape = shape_of(preset, batch, seq)
+def cell(preset: str, shape: Shape, amp: str, shape_only: bool) -> dict:
     t0 = time.perf_counter()
-    b = measure(shape, amp, ckpt, accum, chunked_loss=chunked, shape_only_matmuls=shape_only)
-    e = estimate_gpt(
-        **shape, amp_dtype=amp, activation_checkpoint=ckpt, grad_accum_steps=accum, chunked_loss=chunked
-    )
+    b = measure(shape, amp, shape_only_matmuls=shape_only)
+    e = estimate_gpt(shape, amp)
     predicted = e.peak_parts()
     measured = {p: b.peak_part(p) for p in PEAK_PARTS}
     return {
         "preset": preset,
-        "batch": batch,
-        "seq": seq,
+        "batch": shape.batch_size,
+        "seq": shape.seq_len,
         "amp": amp,
-        "ckpt": ckpt,
-        "accum": accum,
-        "loss": "chunked" if chunked else "plain",
+        "ckpt": shape.activation_checkpoint,
+        "accum": shape.grad_accum_steps,
+        "loss": "chunked" if shape.chunked_loss else "plain",
         "matmuls": "shape only" if shape_only else "computed",
         "measured_peak": b.peak,
         "predicted_peak": e.peak,
@@ -233,7 +213,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "from the profiler's memory events); predicted by `estimate_gpt` from the same numbers. Parts in "
         "MiB as measured / predicted: parameters, gradients, optimizer state, saved activations, "
         "temporaries of the ops (the logits and their gradient among them), and tensors held from before "
-        "the step (the caller's last output).",
+        "the step (none: the loop keeps only the loss).",
         "",
         f"Worst cell: {name(worst)}{SHAPE_ONLY if worst.get('matmuls') == 'shape only' else ''}: "
         f"{100 * worst['error']:+.1f}%; {within} of {len(rows)} cells "
@@ -316,7 +296,8 @@ def main() -> int:
     ):
         if (preset, batch, seq, amp, ckpt, accum, loss, mode) in done:
             continue
-        rows.append(cell(preset, batch, seq, amp, ckpt, accum, args.shape_only_matmuls, loss == "chunked"))
+        flags = dict(activation_checkpoint=ckpt, grad_accum_steps=accum, chunked_loss=loss == "chunked")
+        rows.append(cell(preset, shape_of(preset, batch, seq, **flags), amp, args.shape_only_matmuls))
         r = rows[-1]
         print(
             f"{preset} b{batch} s{seq} {amp} ckpt={ckpt} accum={accum} {loss} loss: "

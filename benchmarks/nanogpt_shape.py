@@ -72,6 +72,7 @@ from common import (
     stamp,
 )
 
+from minigpt.config import PRESETS
 from minigpt.fileio import atomic_write
 
 NANOGPT_FILES = ("train.py", "model.py", "configurator.py", "LICENSE")
@@ -106,7 +107,10 @@ def minigpt_malloc_env() -> dict[str, str]:
 
 
 # (layers, heads, width, block, batch): the shape of minigpt's preset of the same name.
-SHAPES = {"small": (4, 4, 256, 256, 8), "tiny": (2, 2, 64, 64, 4)}
+SHAPES = {
+    name: tuple(PRESETS[name][k] for k in ("n_layers", "n_heads", "d_model", "seq_len", "batch_size"))
+    for name in ("small", "tiny")
+}
 DATASET = "minigpt"
 
 

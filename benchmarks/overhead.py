@@ -115,23 +115,15 @@ def option_child(variant: str, preset: str, steps: int, warmup: int, check_views
     from torch.profiler import ProfilerActivity, profile
 
     from minigpt.config import PRESETS as MODEL_PRESETS
-    from minigpt.model import GPT, GPTConfig, pad_vocab
+    from minigpt.model import GPT, GPTConfig
+    from minigpt.shape import GPT2_VOCAB, shape_of
 
     p = MODEL_PRESETS[preset]
     torch.manual_seed(0)
-    model = GPT(
-        GPTConfig(
-            vocab_size=pad_vocab(50257),
-            max_position_embeddings=p["seq_len"],
-            n_layers=p["n_layers"],
-            n_heads=p["n_heads"],
-            d_model=p["d_model"],
-            d_ff=p["d_ff"],
-            dropout=0.0,
-        )
-    )
+    shape = shape_of(p, GPT2_VOCAB, max_position_embeddings=p["seq_len"], dropout=0.0)
+    model = GPT(GPTConfig(**shape.model_kwargs()))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randint(0, 50257, (p["batch_size"], p["seq_len"] + 1))
+    x = torch.randint(0, GPT2_VOCAB, (p["batch_size"], p["seq_len"] + 1))
 
     def step() -> None:
         _, loss = model(x[:, :-1], x[:, 1:])

@@ -36,6 +36,9 @@ from pathlib import Path
 
 from common import RESULTS, header, load_results, save_json, spread, stamp
 
+from minigpt.config import PRESETS
+from minigpt.shape import GPT2_VOCAB, shape_of
+
 STEM = RESULTS / "cpu-parallel"
 SCHEMES = {  # name: (flags of the worker, needs a world size divisible by 2 for tp)
     "ddp": [],
@@ -43,10 +46,8 @@ SCHEMES = {  # name: (flags of the worker, needs a world size divisible by 2 for
     "tp": ["--tp", "ALL"],  # TP over every rank
     "fsdp x tp": ["--fsdp", "--tp", "2"],
 }
-MODELS = {  # the trainer's presets (minigpt/config.py), GPT-2's padded vocabulary
-    "small": dict(n_layers=4, n_heads=4, d_model=256, d_ff=1024, seq_len=256, vocab_size=50304),
-    "gpt2": dict(n_layers=12, n_heads=12, d_model=768, d_ff=3072, seq_len=1024, vocab_size=50304),
-}
+# the trainer's presets, GPT-2's vocabulary, one sequence per data-parallel rank
+MODELS = {name: shape_of(PRESETS[name], GPT2_VOCAB, batch_size=1) for name in ("small", "gpt2")}
 # ---------------------------------------------------------------------------- the worker (one rank)
 
 
@@ -67,8 +68,8 @@ def worker(args) -> None:
         fsdp=args.fsdp,
         tp=tp,
         use_tensor_parallel=False,
-        n_heads=shape["n_heads"],
-        d_ff=shape["d_ff"],
+        n_heads=shape.n_heads,
+        d_ff=shape.d_ff,
         compile=False,
         amp=False,
         amp_dtype="bf16",
@@ -79,23 +80,14 @@ def worker(args) -> None:
     mesh = parallel.build_mesh(world, tp, "cpu")
     dp_rank, dp, _, _ = parallel.mesh_coords(rank, mesh)
     torch.manual_seed(0)
-    model = GPT(
-        GPTConfig(
-            vocab_size=shape["vocab_size"],
-            max_position_embeddings=shape["seq_len"],
-            n_layers=shape["n_layers"],
-            n_heads=shape["n_heads"],
-            d_model=shape["d_model"],
-            d_ff=shape["d_ff"],
-        )
-    )
+    model = GPT(GPTConfig(**shape.model_kwargs()))
     train_model = parallel.parallelize(model, cfg, mesh, "cpu", "fp32")
     params = list(model.parameters())
     groups = [
         {"params": [q for q in params if q.dim() >= 2], "weight_decay": 0.1},
         {"params": [q for q in params if q.dim() < 2], "weight_decay": 0.0},
     ]
-    optimizer = torch.optim.AdamW(parallel.split_by_mesh(groups), lr=1e-4, **parallel.optimizer_kwargs(model))
+    optimizer = torch.optim.AdamW(parallel.split_by_mesh(groups), lr=1e-4, fused=True)
     ready: list[float] = []
     if not (args.fsdp or tp > 1):
         distributed.time_backward_compute(train_model, lambda: ready.append(time.perf_counter()))
@@ -103,7 +95,7 @@ def worker(args) -> None:
     tail_waits: list[float] = []
 
     def step():
-        x = torch.randint(0, shape["vocab_size"], (1, shape["seq_len"]), generator=g)
+        x = torch.randint(0, shape.vocab_size, (1, shape.seq_len), generator=g)
         loss = train_model(x, x)[1]
         ready.clear()
         loss.backward()
@@ -122,7 +114,7 @@ def worker(args) -> None:
         step()
         times.append(time.perf_counter() - t0)
     state = parallel.local_state_bytes(model, optimizer)  # grads are gone: count them from a backward
-    x = torch.randint(0, shape["vocab_size"], (1, shape["seq_len"]), generator=g)
+    x = torch.randint(0, shape.vocab_size, (1, shape.seq_len), generator=g)
     train_model(x, x)[1].backward()
     state["grads"] = parallel.local_state_bytes(model)["grads"]
     optimizer.zero_grad(set_to_none=True)
@@ -147,7 +139,7 @@ def worker(args) -> None:
         "exposed_comm_s": exposed_s,
         "state_bytes": state,
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
-        "tokens_per_step": dp * shape["seq_len"],
+        "tokens_per_step": dp * shape.seq_len,
     }
     Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(record))
     dist.barrier()
@@ -162,22 +154,12 @@ MEMORY_SHARE = 0.5  # a shared machine: a variant may take at most half of the m
 def predicted_bytes(model: str, scheme: str, nproc: int) -> int:
     """The estimator's per-rank peak times the ranks, plus ~0.4 GiB per process for torch itself."""
     from minigpt.estimate import estimate_gpt
-    from minigpt.parallel import per_rank_estimate
+    from minigpt.per_rank import per_rank_estimate
 
-    m = MODELS[model]
+    shape = MODELS[model]
     tp = {"ddp": 1, "fsdp": 1, "tp": nproc, "fsdp x tp": 2}[scheme]
     dp = nproc // tp
-    shape = dict(
-        n_layers=m["n_layers"],
-        n_heads=m["n_heads"],
-        d_model=m["d_model"],
-        d_ff=m["d_ff"],
-        seq_len=m["seq_len"],
-        batch_size=1,
-        vocab_size=m["vocab_size"],
-        max_position_embeddings=m["seq_len"],
-    )
-    e = per_rank_estimate(estimate_gpt(**shape), dp, tp, scheme.startswith("fsdp"), shape)
+    e = per_rank_estimate(estimate_gpt(shape), dp, tp, scheme.startswith("fsdp"), shape)
     ddp_buckets = e["grads"] if scheme == "ddp" else 0  # DDP's gradient buckets: a second copy
     return nproc * (e["peak"] + ddp_buckets + int(0.4 * 2**30))
 

@@ -29,12 +29,10 @@ from minigpt.mfu import UNIT_BUDGET_S
 
 def child(preset: str, dtype: str, cache: bool) -> None:
     from minigpt.mfu import model_workloads, peak_flops
-    from minigpt.model import pad_vocab
+    from minigpt.shape import GPT2_PADDED
 
     p = MODEL_PRESETS[preset]
-    units = model_workloads(
-        p["batch_size"], p["seq_len"], p["d_model"], p["d_ff"], pad_vocab(50257), p["n_heads"]
-    )
+    units = model_workloads(p["batch_size"], p["seq_len"], p["d_model"], p["d_ff"], GPT2_PADDED, p["n_heads"])
     peak = peak_flops("cpu", dtype, units, cache=cache)
     print(
         json.dumps(

@@ -126,7 +126,9 @@ def run(command: str, cwd: Path, extra_args: str = "", timeout: float = 1800) ->
     A command whose refusal is the excerpt pipes it through `tail`, which exits 0."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     env.pop("MINIGPT_ARGS", None)
-    env["MINIGPT_CACHE_DIR"] = str(cwd / ".cache")  # a new user's: no token cache, no peak FLOP/s
+    # A new user's: a home of its own, with no token cache and no peak FLOP/s in ~/.cache/minigpt
+    env.pop("MINIGPT_CACHE_DIR", None)
+    env["HOME"] = str(cwd / ".home")
     if extra_args:
         env["MINIGPT_ARGS"] = extra_args
     r = subprocess.run(
@@ -166,7 +168,7 @@ def skeleton(line: str) -> str:
     line = re.sub(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\]", "[T]", line)
     line = re.sub(r"runs/\d{8}-\d{6}(-\d+)?", "runs/RUN", line)
     line = re.sub(r"[0-9a-f]{12,}", "ID", line)
-    line = re.sub(r"\[/[^\]]*\]", "[PATH]", line)  # a cache or temporary folder's absolute path
+    line = re.sub(r"\[[/~][^\]]*\]", "[PATH]", line)  # a cache or temporary folder's path
     line = re.sub(r"\bwhen: .*", "when: WHERE", line)  # where a peak falls moves with the model's size
     while (new := re.sub(r"\([^()]*\)", "", line)) != line:
         line = new

@@ -30,7 +30,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from minigpt.tbserve import get_json, serve_tensorboard
+from tbserve import get_json, serve_tensorboard  # docs/tbserve.py, beside this script
 
 # --no-sandbox: Chromium refuses to start as root without it (CI and containers run as root).
 # The rest keep an offline machine quiet: without them Chromium keeps dialling Google's services

@@ -12,11 +12,12 @@ from pathlib import Path
 import torch
 
 from minigpt import distributed, parallel, paths
-from minigpt.config import TrainConfig, UsageError, format_bytes, machine_ram_bytes, quick_param_count
+from minigpt.config import TrainConfig, UsageError, format_bytes, machine_ram_bytes
 from minigpt.data import Batches
 from minigpt.distributed import DistInfo
 from minigpt.fileio import UnreadableFile, atomic_open, read_bounded
 from minigpt.model import GPT
+from minigpt.shape import param_count
 
 # The fields that fix the model's shape: a checkpoint whose values differ cannot be loaded.
 SHAPE_FIELDS = ("vocab_size", "max_position_embeddings", "n_layers", "n_heads", "d_model", "d_ff")
@@ -234,9 +235,9 @@ def available_memory_bytes() -> int | None:
 
 def model_bytes(model_config: dict, bytes_per_param: int = WEIGHT_BYTES) -> int:
     """The bytes of a model built from a checkpoint's model_config, torch-free: its parameter
-    count (minigpt.config.quick_param_count) times bytes_per_param."""
+    count (minigpt.shape.param_count) times bytes_per_param."""
     c = model_config
-    params = quick_param_count(
+    params = param_count(
         c["vocab_size"], c["max_position_embeddings"], c["d_model"], c["d_ff"], c["n_layers"]
     )
     return params * bytes_per_param

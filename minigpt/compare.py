@@ -30,13 +30,11 @@ benchmarks/ablation.py uses compare_runs() and headline() to explain its finding
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from minigpt.fileio import atomic_write
-from minigpt.metrics import OLDER_RUN, RUN_KEYS
+from minigpt.errors import ArgParser, UsageError
 from minigpt.report import (
     MB,
     esc,
@@ -51,10 +49,12 @@ from minigpt.report import (
     summary_section,
     table,
     throughput,
+    write_page,
 )
 from minigpt.runfiles import Run, RunError, load_run
 from minigpt.stages import split_parent
 from minigpt.stats import MIN_SAMPLES, RatioInterval, needed_samples, ratio_interval, verdict
+from minigpt.step_record import OLDER_RUN, RUN_KEYS
 
 TOP_COMPARE = 15  # operator / kernel rows shown: the largest differences per profiled step
 CHANGED = 0.10  # a matched operator whose time moved by more than 10% is "changed", else "same":
@@ -281,49 +281,12 @@ def compare_loaded(a: Run, b: Run, allow_different: bool = False) -> dict:
     ma, mb = a.config.get("model", {}), b.config.get("model", {})
     shape_diff = {k: [ma.get(k), mb.get(k)] for k in SHAPE_KEYS if ma.get(k) != mb.get(k)}
     n_a, n_b = len(after_warmup(a)), len(after_warmup(b))
-    shortfall = needed_samples(n_a, n_b, MIN_SAMPLES, INTERVAL_UNIT, "run")
-    if shortfall:
-        every = max(int(x.config.get("config", {}).get("log_interval") or 1) for x in (a, b))
-        shortfall += (
-            f": rerun with --num-steps {(MIN_SAMPLES + 1) * every} or more at --log-interval {every}, "
-            "or a smaller --log-interval"
-        )
+    shortfall = _shortfall(a, b)
     if a.world_size != b.world_size:
         notes.append(
             f"world sizes differ: {a.world_size} vs {b.world_size} (tokens/s is the job's; "
             "compare tokens/s per rank too)"
         )
-    ca, cb = a.config.get("config", {}), b.config.get("config", {})
-    config_diff = {
-        k: [ca.get(k), cb.get(k)]
-        for k in dict.fromkeys([*ca, *cb])
-        if k not in IGNORED_KEYS and ca.get(k) != cb.get(k)
-    }
-    if "amp" in config_diff or a.config.get("amp") != b.config.get("amp"):
-        config_diff["amp"] = [
-            precision(ca.get("amp"), a.config.get("amp")),
-            precision(cb.get("amp"), b.config.get("amp")),
-        ]
-    ta, tb = throughput(a), throughput(b)
-    wa, wb = after_warmup(a), after_warmup(b)
-    thr = []
-    for k in (*RUN_ROWS, *INTERVAL_ROWS):
-        if k in RUN_ROWS or ta.get(k) is not None or tb.get(k) is not None:
-            row = {"metric": k, "a": ta.get(k), "b": tb.get(k), "ratio": ratio(ta.get(k), tb.get(k))}
-            if k in RUN_ROWS:
-                row["interval"], row["verdict"] = None, ONE_FIGURE if row["ratio"] is not None else "-"
-            elif k == "peak_tflops":  # the MFU denominator: a setting or a cached measurement, not a timing
-                row["interval"], row["verdict"] = None, _x(row["ratio"])
-            else:
-                _set_interval(row, samples(wa, k), samples(wb, k), FROM_INTERVALS, short=bool(shortfall))
-            thr.append(row)
-    st = [median([r.get("step_time_s") for r in steady(x.metrics)]) for x in (a, b)]
-    if any(v is not None for v in st):
-        row = {"metric": "step_time_s", "a": st[0], "b": st[1], "ratio": ratio(*st)}
-        _set_interval(
-            row, samples(wa, "step_time_s"), samples(wb, "step_time_s"), FROM_INTERVALS, short=bool(shortfall)
-        )
-        thr.append(row)
     pa, pb = peak_memory(a), peak_memory(b)
     memory = [
         {"category": k, "a": pa.get(k), "b": pb.get(k), "ratio": ratio(pa.get(k), pb.get(k))}
@@ -331,15 +294,7 @@ def compare_loaded(a: Run, b: Run, allow_different: bool = False) -> dict:
     ]
     if not memory:
         notes.append("no memory figures in either run (--memory-profiler measures a step)")
-    ops = kernels = []
-    if a.traces and b.traces:
-        sa, sb = a.traces[0], b.traces[0]
-        na, nb = max(len(sa["steps"]), 1), max(len(sb["steps"]), 1)
-        ops = _matched(sa["operators"]["by_self"], sb["operators"]["by_self"], "self_ms", na, nb)
-        kernels = _matched(sa.get("kernels") or [], sb.get("kernels") or [], "total_ms", na, nb)
-    else:
-        missing = " and ".join(x for x, r in (("A", a), ("B", b)) if not r.traces)
-        notes.append(f"no trace in {missing}: operators and kernels not compared (run with --use-profiler)")
+    ops, kernels = _matched_traces(a, b, notes)
     losses = _losses(a, b, "loss")
     if not losses:
         notes.append("no common logged steps: losses not compared (log at the same steps: --log-interval)")
@@ -351,16 +306,84 @@ def compare_loaded(a: Run, b: Run, allow_different: bool = False) -> dict:
         "samples": {"a": n_a, "b": n_b, "needed": MIN_SAMPLES, "shortfall": shortfall},
         "allowed_different": mismatch,
         "shape_diff": shape_diff,
-        "config_diff": config_diff,
+        "config_diff": _config_diff(a, b),
         "stages": _stage_rows(a, b),
         "trace_stages": _trace_stage_rows(a, b),
-        "throughput": thr,
+        "throughput": _throughput(a, b, bool(shortfall)),
         "memory": memory,
         "operators": ops,
         "kernels": kernels,
         "losses": losses,
         "val_losses": _losses(a, b, "val_loss"),
     }
+
+
+def _shortfall(a: Run, b: Run) -> str | None:
+    """Why no timing ratio is claimed (too few logged intervals after warm-up), with the flags
+    that give enough; None when both runs have MIN_SAMPLES."""
+    shortfall = needed_samples(len(after_warmup(a)), len(after_warmup(b)), MIN_SAMPLES, INTERVAL_UNIT, "run")
+    if shortfall:
+        every = max(int(x.config.get("config", {}).get("log_interval") or 1) for x in (a, b))
+        shortfall += (
+            f": rerun with --num-steps {(MIN_SAMPLES + 1) * every} or more at --log-interval {every}, "
+            "or a smaller --log-interval"
+        )
+    return shortfall
+
+
+def _config_diff(a: Run, b: Run) -> dict[str, list]:
+    """The flags that differ, {flag: [A's, B's]}, and the precision each run trained in."""
+    ca, cb = a.config.get("config", {}), b.config.get("config", {})
+    config_diff = {
+        k: [ca.get(k), cb.get(k)]
+        for k in dict.fromkeys([*ca, *cb])
+        if k not in IGNORED_KEYS and ca.get(k) != cb.get(k)
+    }
+    if "amp" in config_diff or a.config.get("amp") != b.config.get("amp"):
+        config_diff["amp"] = [
+            precision(ca.get("amp"), a.config.get("amp")),
+            precision(cb.get("amp"), b.config.get("amp")),
+        ]
+    return config_diff
+
+
+def _throughput(a: Run, b: Run, short: bool) -> list[dict]:
+    """The throughput rows: the run-wide figures (one per run), the interval medians with their
+    intervals, and the median step time."""
+    ta, tb = throughput(a), throughput(b)
+    wa, wb = after_warmup(a), after_warmup(b)
+    thr = []
+    for k in (*RUN_ROWS, *INTERVAL_ROWS):
+        if k in RUN_ROWS or ta.get(k) is not None or tb.get(k) is not None:
+            row = {"metric": k, "a": ta.get(k), "b": tb.get(k), "ratio": ratio(ta.get(k), tb.get(k))}
+            if k in RUN_ROWS:
+                row["interval"], row["verdict"] = None, ONE_FIGURE if row["ratio"] is not None else "-"
+            elif k == "peak_tflops":  # the MFU denominator: a setting or a cached measurement, not a timing
+                row["interval"], row["verdict"] = None, _x(row["ratio"])
+            else:
+                _set_interval(row, samples(wa, k), samples(wb, k), FROM_INTERVALS, short=short)
+            thr.append(row)
+    st = [median([r.get("step_time_s") for r in steady(x.metrics)]) for x in (a, b)]
+    if any(v is not None for v in st):
+        row = {"metric": "step_time_s", "a": st[0], "b": st[1], "ratio": ratio(*st)}
+        _set_interval(
+            row, samples(wa, "step_time_s"), samples(wb, "step_time_s"), FROM_INTERVALS, short=short
+        )
+        thr.append(row)
+    return thr
+
+
+def _matched_traces(a: Run, b: Run, notes: list[str]) -> tuple[list[dict], list[dict]]:
+    """The operators and the kernels of rank 0's traces matched by name; a note when a run has none."""
+    if not (a.traces and b.traces):
+        missing = " and ".join(x for x, r in (("A", a), ("B", b)) if not r.traces)
+        notes.append(f"no trace in {missing}: operators and kernels not compared (run with --use-profiler)")
+        return [], []
+    sa, sb = a.traces[0], b.traces[0]
+    na, nb = max(len(sa["steps"]), 1), max(len(sb["steps"]), 1)
+    ops = _matched(sa["operators"]["by_self"], sb["operators"]["by_self"], "self_ms", na, nb)
+    kernels = _matched(sa.get("kernels") or [], sb.get("kernels") or [], "total_ms", na, nb)
+    return ops, kernels
 
 
 def precision(flag: bool | None, used: str | None) -> str:
@@ -472,6 +495,52 @@ def headline(d: dict, top: int = 2) -> str:
     return "; ".join(parts) or "nothing to compare"
 
 
+def _throughput_rows(d: dict) -> list[list[str]]:
+    """label, A, B, verdict per throughput row: what the text table and the page show."""
+    rows = []
+    for r in d["throughput"]:
+        lab, scale, dig = THROUGHPUT_LABELS.get(r["metric"], (r["metric"], 1, 2))
+        m = r["metric"]
+        rows.append([lab, _run_v(m, r["a"], scale, dig), _run_v(m, r["b"], scale, dig), r["verdict"]])
+    return rows
+
+
+def _stage_cells(r: dict) -> list[str]:
+    """host A, host B, its verdict, device A, device B, its verdict of one stage row."""
+    h, dv = r.get("host_ms", [None, None]), r.get("device_ms", [None, None])
+    return [
+        _v(h[0]),
+        _v(h[1]),
+        r.get("host_verdict", "-"),
+        _v(dv[0]),
+        _v(dv[1]),
+        r.get("device_verdict", "-"),
+    ]
+
+
+def _memory_rows(d: dict) -> list[list[str]]:
+    return [
+        [
+            MEMORY_LABELS.get(r["category"], r["category"]),
+            _v(r["a"], 1 / MB),
+            _v(r["b"], 1 / MB),
+            _x(r["ratio"]),
+        ]
+        for r in d["memory"]
+    ]
+
+
+def _matched_cells(r: dict) -> list[str]:
+    """A, B, delta and B/A of one matched operator or kernel."""
+    return [_v(r["a_ms"]), _v(r["b_ms"]), f"{r['delta_ms']:+.2f}", _x(r["ratio"])]
+
+
+MATCHED_TABLES = (
+    ("operators", "host operators, self ms per profiled step"),
+    ("kernels", "device kernels, ms per profiled step"),
+)
+
+
 def format_compare(d: dict) -> str:
     """The comparison as text tables (what `python -m minigpt.compare A B` prints)."""
     a, b = d["a"], d["b"]
@@ -492,28 +561,41 @@ def format_compare(d: dict) -> str:
     if d["config_diff"]:
         out += ["", "flags that differ:"] + [f"  {k}: {x} -> {y}" for k, (x, y) in d["config_diff"].items()]
     if d["throughput"]:
-        rows = []
-        for r in d["throughput"]:
-            lab, scale, dig = THROUGHPUT_LABELS.get(r["metric"], (r["metric"], 1, 2))
-            m = r["metric"]
-            rows.append([lab, _run_v(m, r["a"], scale, dig), _run_v(m, r["b"], scale, dig), r["verdict"]])
-        out += [""] + _table(["throughput", "A", "B", "B/A (95% interval)"], rows, left=(0, 3))
-    if d["stages"]:
-        rows = []
-        for r in d["stages"]:
-            h, dv = r.get("host_ms", [None, None]), r.get("device_ms", [None, None])
-            name = r["stage"] + (f" (in {split_parent(r['stage'])})" if split_parent(r["stage"]) else "")
-            rows.append(
-                [
-                    name,
-                    _v(h[0]),
-                    _v(h[1]),
-                    r.get("host_verdict", "-"),
-                    _v(dv[0]),
-                    _v(dv[1]),
-                    r.get("device_verdict", "-"),
-                ]
+        out += [""] + _table(["throughput", "A", "B", "B/A (95% interval)"], _throughput_rows(d), left=(0, 3))
+    out += _stage_lines(d)
+    if d["memory"]:
+        out += ["", "peak memory MiB (counted, not timed: no interval)"] + _table(
+            ["category", "A", "B", "B/A"], _memory_rows(d)
+        )
+    for key, title in MATCHED_TABLES:
+        if d[key]:
+            rows = [[r["status"], *_matched_cells(r), r["name"][:70]] for r in d[key]]
+            out += ["", f"{title}: the {len(rows)} largest differences"] + _table(
+                ["", "A", "B", "delta", "B/A", "name"], rows, left=(0, 5)
             )
+    if d["losses"]:
+        rows = [[str(r["step"]), f"{r['a']:.4f}", f"{r['b']:.4f}", f"{r['delta']:+.4f}"] for r in d["losses"]]
+        vl = {r["step"]: r for r in d["val_losses"]}
+        for row, r in zip(rows, d["losses"]):
+            v = vl.get(r["step"])
+            row += [f"{v['a']:.4f}", f"{v['b']:.4f}"] if v else ["", ""]
+        out += ["", "losses at the steps both runs logged"] + _table(
+            ["step", "train A", "train B", "B-A", "val A", "val B"], rows
+        )
+    return "\n".join(out)
+
+
+def _stage_lines(d: dict) -> list[str]:
+    """The stage tables: per step from metrics.jsonl, and per profiled step from the traces."""
+    out = []
+    if d["stages"]:
+        rows = [
+            [
+                r["stage"] + (f" (in {split_parent(r['stage'])})" if split_parent(r["stage"]) else ""),
+                *_stage_cells(r),
+            ]
+            for r in d["stages"]
+        ]
         out += ["", "stage ms per step (metrics.jsonl; medians; B/A with its 95% interval)"] + _table(
             ["stage", "host A", "host B", "B/A", "device A", "device B", "B/A"], rows, left=(0, 3, 6)
         )
@@ -530,48 +612,7 @@ def format_compare(d: dict) -> str:
         out += ["", "stage ms per profiled step (traces, rank 0; B/A over the profiled steps)"] + _table(
             head, rows, left=(0, 3, 6)
         )
-    if d["memory"]:
-        rows = [
-            [
-                MEMORY_LABELS.get(r["category"], r["category"]),
-                _v(r["a"], 1 / MB),
-                _v(r["b"], 1 / MB),
-                _x(r["ratio"]),
-            ]
-            for r in d["memory"]
-        ]
-        out += ["", "peak memory MiB (counted, not timed: no interval)"] + _table(
-            ["category", "A", "B", "B/A"], rows
-        )
-    for key, title in (
-        ("operators", "host operators, self ms per profiled step"),
-        ("kernels", "device kernels, ms per profiled step"),
-    ):
-        if d[key]:
-            rows = [
-                [
-                    r["status"],
-                    _v(r["a_ms"]),
-                    _v(r["b_ms"]),
-                    f"{r['delta_ms']:+.2f}",
-                    _x(r["ratio"]),
-                    r["name"][:70],
-                ]
-                for r in d[key]
-            ]
-            out += ["", f"{title}: the {len(rows)} largest differences"] + _table(
-                ["", "A", "B", "delta", "B/A", "name"], rows, left=(0, 5)
-            )
-    if d["losses"]:
-        rows = [[str(r["step"]), f"{r['a']:.4f}", f"{r['b']:.4f}", f"{r['delta']:+.4f}"] for r in d["losses"]]
-        vl = {r["step"]: r for r in d["val_losses"]}
-        for row, r in zip(rows, d["losses"]):
-            v = vl.get(r["step"])
-            row += [f"{v['a']:.4f}", f"{v['b']:.4f}"] if v else ["", ""]
-        out += ["", "losses at the steps both runs logged"] + _table(
-            ["step", "train A", "train B", "B-A", "val A", "val B"], rows
-        )
-    return "\n".join(out)
+    return out
 
 
 # ---------------------------------------------------------------------------- HTML
@@ -579,8 +620,6 @@ def format_compare(d: dict) -> str:
 
 def compare_html(d: dict, a: Run, b: Run) -> str:
     """The report of run A with run B beside it: both summaries, and each comparison as a chart."""
-    import plotly.graph_objects as go
-
     parts = [f"<h1>minigpt: {esc(a.name)} (A) against {esc(b.name)} (B)</h1>"]
     if d["samples"]["shortfall"]:
         parts.append(f'<p class="problem">No ratio claimed: {esc(d["samples"]["shortfall"])}.</p>')
@@ -606,20 +645,36 @@ def compare_html(d: dict, a: Run, b: Run) -> str:
             ),
         )
     )
+    parts.append(
+        section(
+            "stages", "Throughput and stage times", _stages_html(d) or nodata("no logged steps in either run")
+        )
+    )
+    parts.append(
+        section(
+            "curves",
+            "Losses",
+            _losses_html(a, b) if d["losses"] else nodata("no common logged steps: losses not compared"),
+        )
+    )
+    parts.append(
+        section(
+            "operators",
+            "Operators and kernels",
+            _matched_html(d) or nodata("no trace in one of the runs: run both with --use-profiler"),
+        )
+    )
+    parts.append(section("memory", "Peak memory", _memory_html(d)))
+    return page(f"minigpt: {a.name} vs {b.name}", "\n".join(parts))
+
+
+def _stages_html(d: dict) -> str:
+    """The throughput table, and each stage's median host and device ms in A and B, drawn and listed."""
+    import plotly.graph_objects as go
+
     body = ""
     if d["throughput"]:
-        body += table(
-            ["", "A", "B", "B/A (95% interval)"],
-            [
-                [
-                    THROUGHPUT_LABELS.get(r["metric"], (r["metric"],))[0],
-                    _run_v(r["metric"], r["a"], *THROUGHPUT_LABELS.get(r["metric"], ("", 1, 2))[1:]),
-                    _run_v(r["metric"], r["b"], *THROUGHPUT_LABELS.get(r["metric"], ("", 1, 2))[1:]),
-                    r["verdict"],
-                ]
-                for r in d["throughput"]
-            ],
-        )
+        body += table(["", "A", "B", "B/A (95% interval)"], _throughput_rows(d))
     if d["stages"]:
         fig = go.Figure()
         for side, i in (("A", 0), ("B", 1)):
@@ -636,53 +691,45 @@ def compare_html(d: dict, a: Run, b: Run) -> str:
         body += figure(fig, "compare-stages", 360)
         body += table(
             ["stage ms per step", "host A", "host B", "B/A (95% interval)", "device A", "device B", "B/A"],
-            [
-                [
-                    r["stage"],
-                    _v(r.get("host_ms", [None, None])[0]),
-                    _v(r.get("host_ms", [None, None])[1]),
-                    r.get("host_verdict", "-"),
-                    _v(r.get("device_ms", [None, None])[0]),
-                    _v(r.get("device_ms", [None, None])[1]),
-                    r.get("device_verdict", "-"),
-                ]
-                for r in d["stages"]
-            ],
+            [[r["stage"], *_stage_cells(r)] for r in d["stages"]],
         )
-    parts.append(
-        section("stages", "Throughput and stage times", body or nodata("no logged steps in either run"))
-    )
-    if d["losses"]:
-        fig = go.Figure()
-        for side, run in (("A", a), ("B", b)):
-            fig.add_trace(
-                go.Scatter(
-                    x=[r["step"] for r in run.metrics],
-                    y=[r.get("loss") for r in run.metrics],
-                    name=f"{side} train",
-                    mode="lines+markers",
-                )
+    return body
+
+
+def _losses_html(a: Run, b: Run) -> str:
+    """Both runs' train and validation losses on one chart."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for side, run in (("A", a), ("B", b)):
+        fig.add_trace(
+            go.Scatter(
+                x=[r["step"] for r in run.metrics],
+                y=[r.get("loss") for r in run.metrics],
+                name=f"{side} train",
+                mode="lines+markers",
             )
-            val = [r for r in run.metrics if r.get("val_loss") is not None]
-            fig.add_trace(
-                go.Scatter(
-                    x=[r["step"] for r in val],
-                    y=[r["val_loss"] for r in val],
-                    name=f"{side} val",
-                    mode="lines+markers",
-                    line=dict(dash="dot"),
-                )
+        )
+        val = [r for r in run.metrics if r.get("val_loss") is not None]
+        fig.add_trace(
+            go.Scatter(
+                x=[r["step"] for r in val],
+                y=[r["val_loss"] for r in val],
+                name=f"{side} val",
+                mode="lines+markers",
+                line=dict(dash="dot"),
             )
-        fig.update_layout(xaxis_title="step", yaxis_title="loss")
-        body = figure(fig, "compare-losses", 340)
-    else:
-        body = nodata("no common logged steps: losses not compared")
-    parts.append(section("curves", "Losses", body))
+        )
+    fig.update_layout(xaxis_title="step", yaxis_title="loss")
+    return figure(fig, "compare-losses", 340)
+
+
+def _matched_html(d: dict) -> str:
+    """The operators and kernels that moved most, B - A per profiled step, drawn and listed."""
+    import plotly.graph_objects as go
+
     body = ""
-    for key, title in (
-        ("operators", "host operators, self ms per profiled step"),
-        ("kernels", "device kernels, ms per profiled step"),
-    ):
+    for key, title in MATCHED_TABLES:
         rows = d[key]
         if not rows:
             continue
@@ -698,63 +745,33 @@ def compare_html(d: dict, a: Run, b: Run) -> str:
         body += figure(fig, f"compare-{key}", 120 + 24 * len(rows))
         body += table(
             ["", "A", "B", "delta", "B/A", "name"],
-            [
-                [
-                    (r["status"], r["status"]),
-                    _v(r["a_ms"]),
-                    _v(r["b_ms"]),
-                    f"{r['delta_ms']:+.2f}",
-                    _x(r["ratio"]),
-                    r["name"],
-                ]
-                for r in rows
-            ],
+            [[(r["status"], r["status"]), *_matched_cells(r), r["name"]] for r in rows],
             name_col=5,
         )
-    parts.append(
-        section(
-            "operators",
-            "Operators and kernels",
-            body or nodata("no trace in one of the runs: run both with --use-profiler"),
-        )
-    )
-    if d["memory"]:
-        fig = go.Figure()
-        for side, key in (("A", "a"), ("B", "b")):
-            fig.add_trace(
-                go.Bar(
-                    x=[MEMORY_LABELS.get(r["category"], r["category"]) for r in d["memory"]],
-                    y=[(r[key] or 0) / MB for r in d["memory"]],
-                    name=side,
-                )
+    return body
+
+
+def _memory_html(d: dict) -> str:
+    """Each memory figure of A and B, in MiB, drawn and listed."""
+    import plotly.graph_objects as go
+
+    if not d["memory"]:
+        return nodata("no memory breakdown: run with --memory-profiler")
+    fig = go.Figure()
+    for side, key in (("A", "a"), ("B", "b")):
+        fig.add_trace(
+            go.Bar(
+                x=[MEMORY_LABELS.get(r["category"], r["category"]) for r in d["memory"]],
+                y=[(r[key] or 0) / MB for r in d["memory"]],
+                name=side,
             )
-        fig.update_layout(barmode="group", yaxis_title="MiB")
-        body = figure(fig, "compare-memory", 340) + table(
-            ["MiB", "A", "B", "B/A"],
-            [
-                [
-                    MEMORY_LABELS.get(r["category"], r["category"]),
-                    _v(r["a"], 1 / MB),
-                    _v(r["b"], 1 / MB),
-                    _x(r["ratio"]),
-                ]
-                for r in d["memory"]
-            ],
         )
-    else:
-        body = nodata("no memory breakdown: run with --memory-profiler")
-    parts.append(section("memory", "Peak memory", body))
-    return page(f"minigpt: {a.name} vs {b.name}", "\n".join(parts))
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line on stderr, exit 2, as for every other mistake
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
+    fig.update_layout(barmode="group", yaxis_title="MiB")
+    return figure(fig, "compare-memory", 340) + table(["MiB", "A", "B", "B/A"], _memory_rows(d))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(prog="python -m minigpt.compare", description="Compare two training runs.")
+    p = ArgParser(prog="python -m minigpt.compare", description="Compare two training runs.")
     p.add_argument("run_a", type=Path, help="run directory A (the baseline)")
     p.add_argument("run_b", type=Path, help="run directory B (ratios are B / A)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -775,8 +792,8 @@ def main(argv: list[str] | None = None) -> int:
         a, b = load_run(args.run_a), load_run(args.run_b)
         d = compare_loaded(a, b, args.allow_different)
         if args.html is not None:
-            atomic_write(args.html, compare_html(d, a, b))
-    except (RunError, OSError) as e:
+            write_page(args.html, compare_html(d, a, b), "--html")
+    except (RunError, UsageError, OSError) as e:  # UsageError: a full disk (fileio.DiskFull)
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

@@ -19,10 +19,8 @@ from collections.abc import Callable
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from decimal import Decimal, InvalidOperation
 
-
-class UsageError(Exception):
-    """A mistake the user can fix. The trainer prints it as one line and exits with status 2."""
-
+from minigpt.errors import ArgParser, UsageError
+from minigpt.shape import GPT2_VOCAB, shape_of
 
 # Named model and batch shapes. Explicit flags override them; they override the field defaults.
 PRESETS: dict[str, dict] = {
@@ -62,7 +60,6 @@ MIN_DEVICE_MEMORY_GB = 1 / 1024  # 1 MiB: a smaller figure is a typo (1e-12 GiB)
 MAX_DDP_TIMEOUT_S = 7 * 24 * 3600.0
 BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW's two moments
 ESTIMATE_CAP_BYTES = 2**50  # --estimate-memory answers for other machines: refuse only above 1 PiB
-QUICK_COUNT_VOCAB = 50304  # the gpt2 tokenizer's 50,257 padded to 64, when --vocab-size is not given
 # Loops that run inside one step before anything is printed (micro-batches, validation batches):
 # beyond this a typo (1e9) hangs the first step with no output, and no real run needs more
 # (nanoGPT's largest: 40 micro-batches, 200 evaluation batches).
@@ -551,12 +548,6 @@ def field_default(f: Field):
 
 
 # ------------------------------------------------------------------------------------------ parser
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not a usage block
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def _show(value) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
@@ -598,8 +589,9 @@ def build_parser(prog: str = "train_minimal.py") -> argparse.ArgumentParser:
         "flags given there: a way to scale every command of a script down to a quick run, e.g.\n"
         f'  {EXTRA_ARGS_ENV}="--preset tiny --num-steps 8" python train_minimal.py'
     )
-    p = _Parser(
+    p = ArgParser(
         prog=prog,
+        name_prog=True,
         description="Train a GPT and see where the time and memory go.",
         epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -818,25 +810,16 @@ def machine_ram_bytes() -> int | None:
         return None
 
 
-def quick_param_count(vocab: int, positions: int, d: int, d_ff: int, layers: int) -> int:
-    """Parameters of a GPT of this shape (embeddings, blocks, final LayerNorm; the head is tied),
-    in exact integer arithmetic so absurd shapes do not overflow."""
-    return (vocab + positions) * d + layers * (4 * d * d + 2 * d * d_ff + 9 * d + d_ff) + 2 * d
-
-
 def quick_bytes(cfg: TrainConfig) -> dict[str, int]:
     """The bytes of a training step, roughly and cheaply, by what needs them: parameters x 16 bytes (fp32
     weights, gradients, AdamW's two moments), the fp32 logits (4 b s V, unless --chunked-loss),
     and the blocks' saved fp32 activations (about 68 b s d per layer; SDPA keeps no s x s
     matrix). Only to refuse absurd sizes before anything is built: minigpt/estimate.py is the
     real estimate."""
-    vocab = -(-(cfg.vocab_size or QUICK_COUNT_VOCAB) // 64) * 64
-    d, d_ff, layers = cfg.d_model, cfg.d_ff or 4 * cfg.d_model, cfg.n_layers
-    positions = cfg.max_position_embeddings or cfg.seq_len
-    params = quick_param_count(vocab, positions, d, d_ff, layers)
-    tokens = cfg.batch_size * cfg.seq_len
-    logits = 0 if cfg.chunked_loss else 4 * tokens * vocab
-    activations = 68 * tokens * d * layers
+    shape = shape_of(cfg, cfg.vocab_size or GPT2_VOCAB)
+    params = shape.params
+    logits = 0 if cfg.chunked_loss else 4 * shape.tokens * shape.vocab_size
+    activations = 68 * shape.tokens * shape.d_model * shape.n_layers
     return {
         f"for {params:.3g} parameters at {BYTES_PER_PARAM} bytes each": params * BYTES_PER_PARAM,
         "of logits": logits,

@@ -33,6 +33,7 @@ from minigpt.fileio import atomic_write, file_kind
 from minigpt.progress import Progress, progress_enabled
 
 EOT = 50256  # GPT-2's <|endoftext|>, placed between documents
+GPT2_N_VOCAB = 50257  # GPT-2's ids: its 50,256 BPE tokens and <|endoftext|>
 CACHE_ENV = "MINIGPT_CACHE_DIR"  # where token files live; default ~/.cache/minigpt
 # SHA-256 of GPT-2's BPE files, as tiktoken itself pins them: a changed file is refused.
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
@@ -85,8 +86,15 @@ def get_tokenizer(name: str = "gpt2"):
         pat_str=r50k_pat_str,
         mergeable_ranks=ranks,
         special_tokens={"<|endoftext|>": EOT},
-        explicit_n_vocab=50257,
+        explicit_n_vocab=GPT2_N_VOCAB,
     )
+
+
+def tokenizer_vocab(name: str = "gpt2") -> int:
+    """How many ids a tokenizer has. GPT-2's is known without building its encoder, which takes
+    about 50 MiB of memory for the whole run and time at start-up: a run that reads its tokens from
+    the cache never needs it."""
+    return GPT2_N_VOCAB if name == "gpt2" else get_tokenizer(name).n_vocab
 
 
 def cache_dir() -> Path:
@@ -222,7 +230,7 @@ def tokenize_file(
         raise UsageError(f"cannot read data file {path} ({e.strerror}); check its permissions") from None
     digest = hashlib.sha256(raw + tokenizer_name.encode()).hexdigest()[:20]
     cached = cache_dir() / "tokens" / f"{path.stem}-{digest}.{tokenizer_name}.{TOKEN_SUFFIX}"
-    n_vocab = get_tokenizer(tokenizer_name).n_vocab
+    n_vocab = tokenizer_vocab(tokenizer_name)
     ids = read_token_file(cached, n_vocab)
     if ids is not None:
         return ids
@@ -373,7 +381,7 @@ def load_data(cfg: TrainConfig, rank: int, pin: bool) -> Data:
         train_tokens, val_tokens = split_train_val(tokens)
     check_enough_tokens(train_tokens, cfg.seq_len, "the training data")
     check_enough_tokens(val_tokens, cfg.seq_len, "the validation data")
-    n_vocab = get_tokenizer(cfg.tokenizer_name).n_vocab
+    n_vocab = tokenizer_vocab(cfg.tokenizer_name)
     if cfg.vocab_size is not None and cfg.vocab_size < n_vocab:
         raise UsageError(
             f"--vocab-size {cfg.vocab_size} is smaller than the {cfg.tokenizer_name} "

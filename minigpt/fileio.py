@@ -17,13 +17,26 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-from minigpt.config import UsageError
+from minigpt.errors import UsageError
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# The flags that send a file elsewhere, named by a full disk's message: the trainer's by default;
+# a tool that writes where its own flag says (report --out, compare --html) names that flag.
+ELSEWHERE = "--out-dir, --checkpoint-path"
 
 
 class DiskFull(UsageError):
     """No space left (or over quota) while writing a file; the previous file, if any, is whole."""
+
+
+def display_path(path: str | Path) -> str:
+    """A path as a log line shows it: under the home folder as ~/..., so that a log reads the same
+    for every user and on every machine."""
+    path = Path(path)
+    try:
+        return f"~/{path.relative_to(Path.home())}"
+    except (ValueError, RuntimeError):  # RuntimeError: no home folder known
+        return str(path)
 
 
 def format_bytes(n: float) -> str:
@@ -61,7 +74,7 @@ def is_disk_full(e: BaseException) -> bool:
     return False
 
 
-def disk_full_message(path: Path, need: int | None, existed: bool) -> str:
+def disk_full_message(path: Path, need: int | None, existed: bool, elsewhere: str = ELSEWHERE) -> str:
     folder = path.parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
@@ -73,14 +86,17 @@ def disk_full_message(path: Path, need: int | None, existed: bool) -> str:
     kept = f"the previous {path.name} was left intact" if existed else "nothing was written"
     return (
         f"no space left on the device while writing {path} ({needs}{free} there); {kept}; "
-        "free some space or write elsewhere (--out-dir, --checkpoint-path)"
+        f"free some space or write elsewhere ({elsewhere})"
     )
 
 
 @contextmanager
-def atomic_open(path: str | Path, mode: str = "wb", size_hint: int | None = None) -> Iterator[IO]:
+def atomic_open(
+    path: str | Path, mode: str = "wb", size_hint: int | None = None, elsewhere: str = ELSEWHERE
+) -> Iterator[IO]:
     """open() for writing, with the rename on success; on an error the target is left untouched.
-    size_hint: the bytes about to be written, for the message when the disk is full."""
+    size_hint: the bytes about to be written, and `elsewhere` the flags that move the file, for
+    the message when the disk is full."""
     path = Path(path)
     existed = path.exists()
     tmp = tmp_path(path)
@@ -95,14 +111,14 @@ def atomic_open(path: str | Path, mode: str = "wb", size_hint: int | None = None
         if not is_disk_full(e):
             raise
         remove(tmp)  # before measuring what is free
-        raise DiskFull(disk_full_message(path, size_hint, existed)) from None
+        raise DiskFull(disk_full_message(path, size_hint, existed, elsewhere)) from None
     finally:
         remove(tmp)
 
 
-def atomic_write(path: str | Path, data: bytes | str) -> None:
+def atomic_write(path: str | Path, data: bytes | str, elsewhere: str = ELSEWHERE) -> None:
     size = len(data) if isinstance(data, bytes) else len(data.encode("utf-8"))
-    with atomic_open(path, "wb" if isinstance(data, bytes) else "w", size_hint=size) as f:
+    with atomic_open(path, "wb" if isinstance(data, bytes) else "w", size, elsewhere) as f:
         f.write(data)
 
 

@@ -61,13 +61,13 @@ from minigpt import distributed
 from minigpt.config import TrainConfig
 from minigpt.data import cache_dir
 from minigpt.distributed import DistInfo
-from minigpt.fileio import UnreadableFile, atomic_write, read_bounded
+from minigpt.fileio import UnreadableFile, atomic_write, display_path, read_bounded
 from minigpt.instrument import cuda_memory_report
 from minigpt.memory import process_memory
 from minigpt.metrics import RunTotals, StepRecord, format_finished, perplexity
-from minigpt.model import GPT, flops_per_token
+from minigpt.model import GPT
+from minigpt.shape import shape_of
 
-CACHE_LIMIT = 16 << 20  # bytes of a rate cache: a few KiB per machine and dtype
 PEAK_CACHE_FILE = "peak_flops.json"  # under minigpt.data.cache_dir(): one entry per machine, dtype, torch
 # Each unit is timed in many short calls for this long (wall clock) after a warm-up, and its best
 # call is kept: on a busy machine a short call often fits in a slice where the process had the
@@ -86,6 +86,8 @@ SKIP_PREDICTED_S = 10.0
 # MFLOP) are all overhead and, under load, spin-waiting; at 0.3 GFLOP/s they once "predicted" 14 s
 # for the 1024^3 product (2 ms here), which was skipped and the denominator fell 4000-fold.
 PREDICT_WITHIN = 64
+# The MFU and step-rate caches hold a few dozen entries (a few KiB); a larger file is not ours.
+CACHE_LIMIT = 4 * 2**20
 
 # Dense peak FLOP/s per GPU from the vendors' data sheets (no 2:4 sparsity), by AMP dtype.
 # fp32 means plain fp32 (TF32 off, PyTorch's default for matmuls).
@@ -266,7 +268,7 @@ def peak_flops(
         if len(fresh) == len(units) - len(skipped)  # every unit timed here, none read from the cache
         else "measured now, partly cached"
     )
-    where = f"{path}" if cache else "not cached"
+    where = display_path(path) if cache else "not cached"
     load = best.get("load")
     under = f"at load {load:.2f} on {best['cores']} cores" if load is not None else "(load unknown)"
     source = (
@@ -287,8 +289,9 @@ def current(entries: dict) -> dict:
 
 
 def read_cache(path: Path) -> dict:
-    """The cache file, or {} when it is absent or unreadable (then it is measured and rewritten):
-    read only if it is a regular file of at most CACHE_LIMIT bytes (a FIFO there would block)."""
+    """The cache file, or {} when it is absent, unreadable, not a regular file, larger than any
+    cache this code writes, or not JSON (hand-edited: nested too deep to parse, say); then it is
+    measured and rewritten."""
     try:
         data = json.loads(read_bounded(path, CACHE_LIMIT))
     except (UnreadableFile, ValueError, RecursionError):
@@ -415,7 +418,7 @@ class Throughput:
     def of(cls, cfg: TrainConfig, plan, model: GPT, peak: PeakFlops, step: int, train_tokens: int | None):
         """`plan`: the parallel plan (minigpt.parallel), for its data- and tensor-parallel degrees."""
         tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps
-        fpt = flops_per_token(model, cfg.seq_len) // plan.tp
+        fpt = shape_of(cfg, model.cfg.vocab_size).flops_per_token // plan.tp
         return cls(tokens, plan.dp, fpt, peak, step, cfg.num_steps, train_tokens, RunTotals(tokens * plan.dp))
 
     @property

@@ -15,10 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-
-def pad_vocab(vocab_size: int, multiple: int = 64) -> int:
-    """Round the vocabulary up: matrix sizes that are multiples of 64 run faster (50257 -> 50304)."""
-    return ((vocab_size + multiple - 1) // multiple) * multiple
+from minigpt.shape import pad_vocab as pad_vocab  # callers pad before they build: vocab_size is padded
 
 
 @dataclass

@@ -254,7 +254,9 @@ def split_by_mesh(groups: list[dict]) -> list[dict]:
     mesh. AdamW's fused and foreach kernels take one list of tensors per group, and a list that mixes
     plain tensors and DTensors, or DTensors of two meshes, fails ("got mixed torch.Tensor and
     DTensor"). Under TP alone the LayerNorms and embeddings stay plain; under FSDP x TP the blocks'
-    matrices live on the 2-D mesh and everything else on "dp". Each group keeps its settings."""
+    matrices live on the 2-D mesh and everything else on "dp". Each group keeps its settings. So
+    split, the fused AdamW runs on DTensor parameters too (on the CPU as well: _fused_adamw_ on
+    each local shard, checked in tests/test_parallel.py)."""
     from torch.distributed.tensor import DTensor
 
     out = []
@@ -265,19 +267,6 @@ def split_by_mesh(groups: list[dict]) -> list[dict]:
             kinds.setdefault(key, []).append(q)
         out += [{**group, "params": qs} for qs in kinds.values()]
     return out
-
-
-def optimizer_kwargs(model: nn.Module) -> dict:
-    """AdamW's implementation flag: fused, the trainer's default, also on DTensor parameters (FSDP
-    and TP) on the CPU in torch 2.13, once each group holds one kind of tensor (split_by_mesh):
-    DTensor runs _fused_adamw_ on each local shard (checked in tests/test_parallel.py)."""
-    return {"fused": True}
-
-
-def _has_dtensor(model: nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(q, DTensor) for q in model.parameters())
 
 
 @torch.no_grad()
@@ -358,182 +347,10 @@ def local_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     return out
 
 
-# ---------------------------------------------------------------------------- per-rank predictions
+if __name__ == "__main__":  # the per-GPU table of each plan: minigpt/per_rank.py
+    from minigpt.per_rank import main
 
-
-def per_rank_estimate(estimate, dp: int, tp: int, fsdp: bool, shape: dict | None = None) -> dict:
-    """Scale a minigpt.estimate.MemoryEstimate (the whole model in one process) to one rank.
-
-    Parameters, gradients and AdamW state: the blocks' matrices are split by tp; the parts TP
-    replicates (embeddings with the tied head, LayerNorms, the RowwiseParallel biases) are whole
-    on every tp rank; FSDP then shards everything along dp (so the matrices by dp*tp; padding to
-    equal shards is ignored). Under DDP nothing is sharded. AdamW's scalar `step` counters are
-    never sharded (4 bytes per tensor).
-
-    Activations under TP: a block's saved tensors inside the TP region are split by tp (the qkv
-    output, the attention output and its logsumexp, the MLP's two hidden activations, autocast's
-    weight copies); the LayerNorm inputs, the replicated inputs of qkv and mlp.fc, the head and
-    the loss are whole on every rank. FSDP does not change activations (each rank has its own
-    batch). TP needs `shape` (minigpt.estimate.gpt_shape's dict) for these splits.
-
-    Returns bytes: params, grads, optimizer, activations, block, total and peak (the same
-    definitions as MemoryEstimate's), with dp, tp and fsdp."""
-    e = estimate
-    step_counters = e.optimizer - 2 * e.params  # the scalar `step` tensors
-    if tp > 1 and shape is None:
-        raise ValueError("per_rank_estimate needs the model shape under tensor parallelism")
-    replicated = 0
-    if tp > 1:
-        h, L = shape["d_model"], shape["n_layers"]
-        replicated = 4 * (shape["vocab_size"] * h + shape["max_position_embeddings"] * h + L * 6 * h + 2 * h)
-    if fsdp:  # FSDP shards along "dp" what TP split along "tp"; the replicated parts only along "dp"
-        params = -(-replicated // dp) + -(-(e.params - replicated) // (dp * tp))
-    else:
-        params = replicated + (e.params - replicated) // tp
-    grads = params
-    optimizer = 2 * params + step_counters
-    block = e.block
-    if tp > 1 and not e.activation_checkpoint:
-        p = 2 if e.amp_dtype != "fp32" else 4
-        s, b, h = shape["seq_len"], shape["batch_size"], shape["d_model"]
-        sbh, bs = s * b * h, b * s
-        whole = 2 * (4 * sbh + 8 * bs) + 2 * p * sbh  # LayerNorm inputs; qkv's and mlp.fc's inputs
-        block = whole + (e.block - whole) // tp
-    activations = e.n_layers * block + e.embeddings + e.head + e.loss
-    total = params + grads + optimizer + activations
-    return {
-        "params": params,
-        "grads": grads,
-        "optimizer": optimizer,
-        "activations": activations,
-        "block": block,
-        "total": total,
-        "peak": total + e.logits + e.recompute,
-        "dp": dp,
-        "tp": tp,
-        "fsdp": fsdp,
-    }
-
-
-# ---------------------------------------------------------------------------- a communication model
-
-H100_NVLINK_BYTES_PER_S = 450e9  # assumed: NVLink 4, 900 GB/s both ways = 450 GB/s per direction per GPU
-
-
-def comm_model(
-    shape: dict,
-    dp: int,
-    tp: int,
-    fsdp: bool,
-    param_bytes: int = 4,
-    reduce_bytes: int = 4,
-    act_bytes: int = 4,
-    link_bytes_per_s: float = H100_NVLINK_BYTES_PER_S,
-) -> dict:
-    """Bytes each GPU sends per optimizer step, per kind of collective, and the seconds they take
-    at `link_bytes_per_s` (ring algorithms, bandwidth term only: no latency, no overlap with
-    compute, so an upper bound on what is exposed). P = parameters, b s h = tokens x width.
-
-    DDP:  all-reduce of the gradients, 2 (n-1)/n x P x reduce_bytes.
-    FSDP: all-gather of the parameters in the forward and again in the backward (each block is
-          resharded after its forward), 2 x (n-1)/n x P x param_bytes, and a reduce-scatter of the
-          gradients, (n-1)/n x P x reduce_bytes. With tp, P is each tp rank's share.
-    TP:   per block 2 all-reduces of the activations forward (after attn.proj and mlp.proj) and 2
-          backward (the gradients of the two column-parallel inputs), each 2 (t-1)/t x b s h x
-          act_bytes, for the data-parallel rank's batch."""
-    L, h, f = shape["n_layers"], shape["d_model"], shape["d_ff"]
-    V, P_pos = shape["vocab_size"], shape["max_position_embeddings"]
-    s, b = shape["seq_len"], shape["batch_size"]
-    block = 4 * h + 3 * h * h + 3 * h + h * h + h + h * f + f + f * h + h
-    replicated = V * h + P_pos * h + L * 6 * h + 2 * h  # not split by TP
-    per_tp_rank = replicated + (L * block + 2 * h + V * h + P_pos * h - replicated) // tp
-    out = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce_grads": 0.0, "all_reduce_tp": 0.0}
-    if dp > 1:
-        ring = (dp - 1) / dp
-        if fsdp:
-            out["all_gather"] = 2 * ring * per_tp_rank * param_bytes
-            out["reduce_scatter"] = ring * per_tp_rank * reduce_bytes
-        else:
-            out["all_reduce_grads"] = 2 * ring * per_tp_rank * reduce_bytes
-    if tp > 1:
-        out["all_reduce_tp"] = L * 4 * 2 * (tp - 1) / tp * b * s * h * act_bytes
-    total = sum(out.values())
-    return {"bytes": out, "total_bytes": total, "seconds": total / link_bytes_per_s}
-
-
-def _main(argv: list[str] | None = None) -> int:
-    """python -m minigpt.parallel [--preset gpt2] [--gpus 8]: the per-GPU memory (the estimator,
-    scaled per rank) and the communication model for DDP, FSDP, TP and FSDP x TP."""
-    import argparse
-
-    from minigpt.config import PRESETS
-    from minigpt.estimate import estimate_gpt
-
-    p = argparse.ArgumentParser(prog="python -m minigpt.parallel", description=_main.__doc__)
-    p.add_argument("--preset", default="gpt2", choices=sorted(PRESETS))
-    p.add_argument("--gpus", type=int, default=8)
-    p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation (compute time)")
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="per GPU (H100 SXM dense bf16)")
-    p.add_argument("--batch-size", type=int, help="per data-parallel rank (default: the preset's)")
-    p.add_argument("--link-gb-s", type=float, default=H100_NVLINK_BYTES_PER_S / 1e9)
-    a = p.parse_args(argv)
-    pre = PRESETS[a.preset]
-    shape = dict(
-        n_layers=pre["n_layers"],
-        n_heads=pre["n_heads"],
-        d_model=pre["d_model"],
-        d_ff=pre["d_ff"],
-        seq_len=pre["seq_len"],
-        batch_size=a.batch_size or pre["batch_size"],
-        vocab_size=50304,
-        max_position_embeddings=pre.get("max_position_embeddings", pre["seq_len"]),
-    )
-    n = a.gpus
-    plans = [("DDP", n, 1, False), ("FSDP", n, 1, True), (f"TP {n}", 1, n, False)]
-    plans += [(f"FSDP {n // t} x TP {t}", n // t, t, True) for t in (2, 4) if n % t == 0 and n > t]
-    L, h, s = shape["n_layers"], shape["d_model"], shape["seq_len"]
-    n_params = estimate_gpt(**shape).params // 4 - shape["max_position_embeddings"] * h  # as model.num_params
-    flops_per_token = 6 * n_params + 12 * L * h * s
-    print(
-        f"{a.preset}: {shape}; {n} GPUs; bf16 AMP (fp32 master weights, AdamW), "
-        f"link {a.link_gb_s:.0f} GB/s per direction"
-    )
-    print(
-        f"compute per GPU at {100 * a.mfu:.0f}% of {a.peak_tflops:.0f} TFLOP/s; communication time "
-        "is the bandwidth term alone, none of it overlapped (an upper bound on what is exposed)"
-    )
-    print(
-        f"{'plan':18s} {'params+grads+AdamW':>19s} {'activations':>12s} {'peak':>9s} "
-        f"{'comm/step':>10s} {'comm time':>10s} {'compute':>9s}"
-    )
-    for name, dp, tp, fsdp in plans:
-        if shape["n_heads"] % tp or shape["d_ff"] % tp:
-            print(f"{name:18s} not possible: {shape['n_heads']} heads do not split {tp} ways")
-            continue
-        e = per_rank_estimate(estimate_gpt(**shape, amp_dtype="bf16", device="cuda"), dp, tp, fsdp, shape)
-        c = comm_model(
-            shape,
-            dp,
-            tp,
-            fsdp,
-            param_bytes=2 if fsdp else 4,
-            reduce_bytes=4,
-            act_bytes=2,
-            link_bytes_per_s=a.link_gb_s * 1e9,
-        )
-        gib = 2**30
-        compute = flops_per_token * shape["batch_size"] * s / tp / (a.peak_tflops * 1e12 * a.mfu)
-        print(
-            f"{name:18s} {(e['params'] + e['grads'] + e['optimizer']) / gib:16.2f} GiB "
-            f"{e['activations'] / gib:8.2f} GiB {e['peak'] / gib:5.2f} GiB "
-            f"{c['total_bytes'] / 1e9:6.2f} GB "
-            f"{1000 * c['seconds']:7.2f} ms {1000 * compute:6.1f} ms"
-        )
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main())
+    raise SystemExit(main())
 
 
 # ---------------------------------------------------------------------------- exposed communication
@@ -588,13 +405,3 @@ def comm_by_stage(spans: list[tuple[str, int, float, float]], stages: tuple[str,
         out[name] += _union_us([(max(a, lo), min(b, hi)) for a, b in comm if a < hi and b > lo]) / 1000
     out["step"] = _union_us(comm) / 1000
     return out
-
-
-def per_rank_memory_estimate(estimate, dp: int, tp: int, fsdp: bool, shape: dict | None = None):
-    """per_rank_estimate as a MemoryEstimate (the same class, its fields scaled to one rank), for
-    minigpt.memory's table beside a rank's measured breakdown. `recompute` (activation
-    checkpointing's rebuilt block) is left whole."""
-    from dataclasses import replace
-
-    r = per_rank_estimate(estimate, dp, tp, fsdp, shape)
-    return replace(estimate, params=r["params"], grads=r["grads"], optimizer=r["optimizer"], block=r["block"])

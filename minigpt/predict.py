@@ -5,10 +5,10 @@
     python -m minigpt.estimate --time --use-activation-checkpoint --chunked-loss
 
 The model is a roofline over the step's own ops. `step_ops` lists every op one training step of
-minigpt/model.py runs, from the shape alone: its FLOPs (matrix products and attention, counted as
-`minigpt.model.flops_per_token` counts them), the bytes it reads and writes (dtype-aware: autocast
-casts weights and inputs to bf16, LayerNorm and the log-softmax stay fp32), its transcendental
-evaluations (exp, tanh) and its launches. An op takes
+minigpt/model.py runs, from the shape alone (minigpt/shape.py): its FLOPs (matrix products and
+attention, counted as `Shape.flops_per_token` counts them), the bytes it reads and writes
+(dtype-aware: autocast casts weights and inputs to bf16, LayerNorm and the log-softmax stay fp32),
+its transcendental evaluations (exp, tanh) and its launches. An op takes
 
     max(flops / matmul rate at its own shape, bytes / bandwidth at its size, evaluations / exp rate)
       + launches x per-op overhead
@@ -56,6 +56,7 @@ from minigpt.config import UsageError
 from minigpt.data import cache_dir
 from minigpt.fileio import atomic_write
 from minigpt.mfu import PEAK_FLOPS, TORCH_DTYPES, machine_key, read_cache
+from minigpt.shape import Shape, shape_of_run
 
 STEP_RATES_FILE = "step_rates.json"  # under minigpt.data.cache_dir(): one entry per machine and dtype
 PREDICTED_STAGES = ("forward", "backward", "optimizer_step")
@@ -118,199 +119,215 @@ def attention_kernel(direction: str, b: int, heads: int, s: int, hd: int) -> str
     return f"attention {direction} {b}x{heads}x{s}x{hd}"
 
 
-def step_ops(
-    *,
-    n_layers: int,
-    d_model: int,
-    n_heads: int,
-    d_ff: int,
-    seq_len: int,
-    batch_size: int,
-    vocab_size: int,
-    max_position_embeddings: int,
-    amp_dtype: str = "fp32",
-    activation_checkpoint: bool = False,
-    chunked_loss: bool = False,
-    loss_chunk_elements: int = 2**24,
-    dropout: float = 0.0,
-    device: str = "cpu",
-) -> list[Op]:
-    """Every op of one micro-batch's forward and backward and of the optimizer step, as
-    train_minimal.py runs them (fused AdamW, clip_grad_norm_, zero_grad(set_to_none=True)).
-    `vocab_size` is the padded one. Dropout is not modelled (0 in every preset)."""
-    L, h, a, f, s, b, V = n_layers, d_model, n_heads, d_ff, seq_len, batch_size, vocab_size
-    N, hd = b * s, d_model // n_heads
-    amp = amp_dtype != "fp32"
-    p = 2 if amp else 4  # bytes of an autocast activation or weight copy
-    ops: list[Op] = []
+class _OpList:
+    """The ops of one step in the order they run: each method appends what one layer runs."""
 
-    def add(stage: str, name: str, **kw) -> None:
-        ops.append(Op(stage, name, **kw))
+    def __init__(self, shape: Shape, amp_dtype: str):
+        self.shape = shape
+        self.amp = amp_dtype != "fp32"
+        self.p = 2 if self.amp else 4  # bytes of an autocast activation or weight copy
+        self.N = shape.tokens
+        self.ops: list[Op] = []
 
-    def cast(stage: str, name: str, elements: int, count: int = 1) -> None:
+    def add(self, stage: str, name: str, **kw) -> None:
+        self.ops.append(Op(stage, name, **kw))
+
+    def cast(self, stage: str, name: str, elements: int, count: int = 1) -> None:
         """fp32 -> autocast dtype (or back): nothing in fp32."""
-        if amp:
-            add(stage, f"cast {name}", bytes=(4 + p) * elements, count=count)
+        if self.amp:
+            self.add(stage, f"cast {name}", bytes=(4 + self.p) * elements, count=count)
 
-    def gemm(stage: str, name: str, m: int, n: int, k: int, count: int = 1, out_bytes: int | None = None):
-        out = p if out_bytes is None else out_bytes
-        add(
+    def gemm(self, stage: str, name: str, m: int, n: int, k: int, count: int = 1) -> None:
+        p = self.p
+        self.add(
             stage,
             name,
             flops=2 * m * n * k,
-            bytes=p * (m * k + k * n) + out * m * n,
+            bytes=p * (m * k + k * n) + p * m * n,
             kernel=matmul_kernel(m, n, k),
             count=count,
         )
 
-    def linear_forward(stage: str, name: str, k: int, n: int, bias: bool, cast_input: bool, count: int):
+    def linear_forward(self, stage: str, name: str, k: int, n: int, bias: bool, cast_input: bool, count: int):
         if cast_input:
-            cast(stage, f"{name} input", N * k, count)
-        cast(stage, f"{name} weight", k * n + (n if bias else 0), count)
-        gemm(stage, name, N, n, k, count)
+            self.cast(stage, f"{name} input", self.N * k, count)
+        self.cast(stage, f"{name} weight", k * n + (n if bias else 0), count)
+        self.gemm(stage, name, self.N, n, k, count)
 
-    def linear_backward(name: str, k: int, n: int, bias: bool, cast_input: bool, count: int):
-        gemm("backward", f"{name} grad input", N, k, n, count)
-        gemm("backward", f"{name} grad weight", n, k, N, count)
+    def linear_backward(self, name: str, k: int, n: int, bias: bool, cast_input: bool, count: int):
+        N = self.N
+        self.gemm("backward", f"{name} grad input", N, k, n, count)
+        self.gemm("backward", f"{name} grad weight", n, k, N, count)
         if bias:
-            add("backward", f"{name} grad bias", bytes=p * N * n + 4 * n, count=count)
-        cast("backward", f"{name} grad weight to fp32", k * n + (n if bias else 0), count)
+            self.add("backward", f"{name} grad bias", bytes=self.p * N * n + 4 * n, count=count)
+        self.cast("backward", f"{name} grad weight to fp32", k * n + (n if bias else 0), count)
         if cast_input:
-            cast("backward", f"{name} grad input to fp32", N * k, count)
+            self.cast("backward", f"{name} grad input to fp32", N * k, count)
 
-    def block_forward(stage: str, count: int) -> None:
-        """One block's forward, `count` times: pre-LN attention and MLP with fp32 residuals."""
-        add(stage, "ln_1", bytes=LN_PASSES * 4 * N * h + 8 * N, exps=N, count=count)
-        linear_forward(stage, "qkv", h, 3 * h, True, True, count)
-        add(
-            stage,
-            "attention",
-            flops=4 * N * s * h,
-            bytes=3 * p * N * h + p * N * h + 4 * b * a * s,
-            exps=b * a * s * s // 2,
-            kernel=attention_kernel("forward", b, a, s, hd),
-            count=count,
-        )
-        add(stage, "attention output contiguous", bytes=2 * p * N * h, count=count)
-        linear_forward(stage, "attn proj", h, h, True, False, count)
-        add(stage, "residual add", bytes=(8 + p) * N * h, count=count)
-        add(stage, "ln_2", bytes=LN_PASSES * 4 * N * h + 8 * N, exps=N, count=count)
-        linear_forward(stage, "fc", h, f, True, True, count)
-        add(stage, "gelu", bytes=2 * p * N * f, exps=N * f, count=count)
-        linear_forward(stage, "mlp proj", f, h, True, False, count)
-        add(stage, "residual add", bytes=(8 + p) * N * h, count=count)
+    def layer_norm(self, stage: str, name: str, count: int = 1) -> None:
+        h, N = self.shape.d_model, self.N
+        self.add(stage, name, bytes=LN_PASSES * 4 * N * h + 8 * N, exps=N, count=count)
 
-    def layer_norm_backward(name: str, count: int = 1) -> None:
+    def layer_norm_backward(self, name: str, count: int = 1) -> None:
         # the row sums (gradient, input), the input's gradient (both again, one written) and the
         # affine's gradients (column sums of both): six reads and a write of N x h fp32
-        add("backward", f"{name} backward", bytes=28 * N * h + 8 * N, count=count)
+        h, N = self.shape.d_model, self.N
+        self.add("backward", f"{name} backward", bytes=28 * N * h + 8 * N, count=count)
 
-    # ---- forward
-    fwd = "forward"
-    add(fwd, "embeddings (wte, wpe gathers and add)", bytes=4 * N * h * 4 + 4 * s * h + 8 * N, launches=4)
-    block_forward(fwd, L)
-    add(fwd, "ln_f", bytes=LN_PASSES * 4 * N * h + 8 * N, exps=N)
+    def block_forward(self, stage: str, count: int) -> None:
+        """One block's forward, `count` times: pre-LN attention and MLP with fp32 residuals."""
+        s, p, N = self.shape, self.p, self.N
+        h, f, b, a = s.d_model, s.d_ff, s.batch_size, s.n_heads
+        self.layer_norm(stage, "ln_1", count)
+        self.linear_forward(stage, "qkv", h, 3 * h, True, True, count)
+        self.add(
+            stage,
+            "attention",
+            flops=4 * N * s.seq_len * h,
+            bytes=3 * p * N * h + p * N * h + 4 * b * a * s.seq_len,
+            exps=b * a * s.seq_len * s.seq_len // 2,
+            kernel=attention_kernel("forward", b, a, s.seq_len, h // a),
+            count=count,
+        )
+        self.add(stage, "attention output contiguous", bytes=2 * p * N * h, count=count)
+        self.linear_forward(stage, "attn proj", h, h, True, False, count)
+        self.add(stage, "residual add", bytes=(8 + p) * N * h, count=count)
+        self.layer_norm(stage, "ln_2", count)
+        self.linear_forward(stage, "fc", h, f, True, True, count)
+        self.add(stage, "gelu", bytes=2 * p * N * f, exps=N * f, count=count)
+        self.linear_forward(stage, "mlp proj", f, h, True, False, count)
+        self.add(stage, "residual add", bytes=(8 + p) * N * h, count=count)
+
+
+def step_ops(
+    shape: Shape,
+    amp_dtype: str = "fp32",
+    device: str = "cpu",
+    loss_chunk_elements: int = model_module.LOSS_CHUNK_ELEMENTS,
+) -> list[Op]:
+    """Every op of one micro-batch's forward and backward and of the optimizer step, as
+    train_minimal.py runs them (fused AdamW, clip_grad_norm_, zero_grad(set_to_none=True)).
+    `shape.vocab_size` is the padded one. Dropout is not modelled (0 in every preset)."""
+    o = _OpList(shape, amp_dtype)
     # minigpt.model's own cross-entropy on the CPU, where the model has one (LOSS_ROWS rows of
     # logits at a time, made fp32 in cache, the gradient made in the forward): else F.cross_entropy
     loss_rows = getattr(model_module, "LOSS_ROWS", None) if device == "cpu" and amp_dtype != "fp16" else None
-    if not chunked_loss:
-        linear_forward(fwd, "lm_head", h, V, False, True, 1)
-    if not chunked_loss and loss_rows:
+    h, N = shape.d_model, shape.tokens
+    o.add(
+        "forward",
+        "embeddings (wte, wpe gathers and add)",
+        bytes=4 * N * h * 4 + 4 * shape.seq_len * h + 8 * N,
+        launches=4,
+    )
+    o.block_forward("forward", shape.n_layers)
+    o.layer_norm("forward", "ln_f")
+    if shape.chunked_loss:
+        _chunked_loss_ops(o, loss_chunk_elements)
+    else:
+        _loss_ops(o, loss_rows)
+    _backward_ops(o)
+    _optimizer_ops(o)
+    return o.ops
+
+
+def _loss_ops(o: _OpList, loss_rows: int | None) -> None:
+    """The LM head and the loss over whole logits, forward, and the backward of both."""
+    h, V, N = o.shape.d_model, o.shape.vocab_size, o.N
+    fwd = "forward"
+    o.linear_forward(fwd, "lm_head", h, V, False, True, 1)
+    if loss_rows:
         blocks = -(-N // loss_rows)
         # per block: the fp32 copy, max, sub_ + exp_, sum, mul_, the gradient rows written back
-        add(fwd, "cross-entropy by rows", bytes=(28 + 2 * p) * N * V, exps=N * V, launches=9 * blocks)
-    elif not chunked_loss:
-        cast(fwd, "logits to fp32", N * V)
-        add(fwd, "log_softmax", bytes=16 * N * V, exps=N * V + N, launches=1)
-        add(fwd, "nll_loss", bytes=4 * N + 8 * N)
+        o.add(fwd, "cross-entropy by rows", bytes=(28 + 2 * o.p) * N * V, exps=N * V, launches=9 * blocks)
     else:
-        # ChunkedCrossEntropy: the loss and both gradients, chunk by chunk, inside the forward
-        rows = max(1, loss_chunk_elements // V)
-        add(fwd, "chunked loss: zero the weight gradient", bytes=4 * V * h)
-        rows = min(rows, N)
-        chunks = [(rows, N // rows)] + ([(N % rows, 1)] if N % rows else [])
-        for r, n_chunks in chunks:
-            c = dict(count=n_chunks)
-            cast(fwd, "chunk: x", r * h, 2 * n_chunks)
-            cast(fwd, "chunk: weight", V * h, 2 * n_chunks)
-            gemm(fwd, "chunk: logits", r, V, h, n_chunks)
-            cast(fwd, "chunk: logits to fp32", r * V, n_chunks)
-            # logsumexp: max, the shifted copy, its exp, the sum
-            add(fwd, "chunk: logsumexp", bytes=24 * r * V, exps=r * V, launches=4, **c)
-            add(fwd, "chunk: softmax in place (sub_, exp_)", bytes=16 * r * V, exps=r * V, launches=2, **c)
-            add(fwd, "chunk: scatter_add_, mul_", bytes=8 * r * V + 16 * r, launches=2, **c)
-            cast(fwd, "chunk: probabilities", r * V, n_chunks)
-            gemm(fwd, "chunk: grad x", r, h, V, n_chunks)
-            gemm(fwd, "chunk: grad weight", V, h, r, n_chunks)
-            add(
-                fwd,
-                "chunk: grad x rows, grad weight +=",
-                bytes=(4 + p) * r * h + (8 + p) * V * h,
-                launches=2,
-                **c,
-            )
-    # ---- backward
-    if not chunked_loss:
-        if not loss_rows:  # the row-wise loss made its gradient, in the logits' dtype, in the forward
-            add("backward", "nll_loss backward (dense fp32 gradient)", bytes=4 * N * V + 12 * N)
-            add("backward", "log_softmax backward", bytes=16 * N * V, exps=N * V)
-            cast("backward", "logits gradient", N * V)
-        linear_backward("lm_head", h, V, False, True, 1)
-    else:
-        add(
-            "backward",
-            "chunked loss backward (scale both gradients)",
-            bytes=8 * N * h + 8 * V * h,
+        o.cast(fwd, "logits to fp32", N * V)
+        o.add(fwd, "log_softmax", bytes=16 * N * V, exps=N * V + N, launches=1)
+        o.add(fwd, "nll_loss", bytes=4 * N + 8 * N)
+        # the row-wise loss made its gradient, in the logits' dtype, in the forward: this one in backward
+        o.add("backward", "nll_loss backward (dense fp32 gradient)", bytes=4 * N * V + 12 * N)
+        o.add("backward", "log_softmax backward", bytes=16 * N * V, exps=N * V)
+        o.cast("backward", "logits gradient", N * V)
+    o.linear_backward("lm_head", h, V, False, True, 1)
+
+
+def _chunked_loss_ops(o: _OpList, loss_chunk_elements: int) -> None:
+    """ChunkedCrossEntropy: the loss and both gradients, chunk by chunk, inside the forward; in
+    backward only the scale."""
+    h, V, N, p, fwd = o.shape.d_model, o.shape.vocab_size, o.N, o.p, "forward"
+    rows = max(1, loss_chunk_elements // V)
+    o.add(fwd, "chunked loss: zero the weight gradient", bytes=4 * V * h)
+    rows = min(rows, N)
+    chunks = [(rows, N // rows)] + ([(N % rows, 1)] if N % rows else [])
+    for r, n_chunks in chunks:
+        c = dict(count=n_chunks)
+        o.cast(fwd, "chunk: x", r * h, 2 * n_chunks)
+        o.cast(fwd, "chunk: weight", V * h, 2 * n_chunks)
+        o.gemm(fwd, "chunk: logits", r, V, h, n_chunks)
+        o.cast(fwd, "chunk: logits to fp32", r * V, n_chunks)
+        # logsumexp: max, the shifted copy, its exp, the sum
+        o.add(fwd, "chunk: logsumexp", bytes=24 * r * V, exps=r * V, launches=4, **c)
+        o.add(fwd, "chunk: softmax in place (sub_, exp_)", bytes=16 * r * V, exps=r * V, launches=2, **c)
+        o.add(fwd, "chunk: scatter_add_, mul_", bytes=8 * r * V + 16 * r, launches=2, **c)
+        o.cast(fwd, "chunk: probabilities", r * V, n_chunks)
+        o.gemm(fwd, "chunk: grad x", r, h, V, n_chunks)
+        o.gemm(fwd, "chunk: grad weight", V, h, r, n_chunks)
+        o.add(
+            fwd,
+            "chunk: grad x rows, grad weight +=",
+            bytes=(4 + p) * r * h + (8 + p) * V * h,
             launches=2,
+            **c,
         )
-    layer_norm_backward("ln_f")
-    if activation_checkpoint:  # each block's forward again, just before its backward
-        block_forward("backward", L)
-    add("backward", "residual gradient add", bytes=12 * N * h, count=2 * L)
-    cast("backward", "mlp proj output gradient", N * h, L)
-    linear_backward("mlp proj", f, h, True, False, L)
-    add("backward", "gelu backward", bytes=3 * p * N * f, exps=N * f, count=L)
-    linear_backward("fc", h, f, True, True, L)
-    layer_norm_backward("ln_2", L)
-    cast("backward", "attn proj output gradient", N * h, L)
-    linear_backward("attn proj", h, h, True, False, L)
-    add("backward", "attention output gradient contiguous", bytes=2 * p * N * h, count=L)
-    add(
-        "backward",
+    o.add("backward", "chunked loss backward (scale both gradients)", bytes=8 * N * h + 8 * V * h, launches=2)
+
+
+def _backward_ops(o: _OpList) -> None:
+    """From ln_f's backward to the tied weight's gradient: the blocks in reverse, each layer's
+    backward `n_layers` times (with checkpointing, each block's forward again first)."""
+    s, p, N, bwd = o.shape, o.p, o.N, "backward"
+    L, h, f, b, a = s.n_layers, s.d_model, s.d_ff, s.batch_size, s.n_heads
+    o.layer_norm_backward("ln_f")
+    if s.activation_checkpoint:  # each block's forward again, just before its backward
+        o.block_forward(bwd, L)
+    o.add(bwd, "residual gradient add", bytes=12 * N * h, count=2 * L)
+    o.cast(bwd, "mlp proj output gradient", N * h, L)
+    o.linear_backward("mlp proj", f, h, True, False, L)
+    o.add(bwd, "gelu backward", bytes=3 * p * N * f, exps=N * f, count=L)
+    o.linear_backward("fc", h, f, True, True, L)
+    o.layer_norm_backward("ln_2", L)
+    o.cast(bwd, "attn proj output gradient", N * h, L)
+    o.linear_backward("attn proj", h, h, True, False, L)
+    o.add(bwd, "attention output gradient contiguous", bytes=2 * p * N * h, count=L)
+    o.add(
+        bwd,
         "attention backward",
-        flops=8 * N * s * h,
-        bytes=4 * p * N * h + 3 * p * N * h + 4 * b * a * s,
-        exps=b * a * s * s // 2,
-        kernel=attention_kernel("backward", b, a, s, hd),
+        flops=8 * N * s.seq_len * h,
+        bytes=4 * p * N * h + 3 * p * N * h + 4 * b * a * s.seq_len,
+        exps=b * a * s.seq_len * s.seq_len // 2,
+        kernel=attention_kernel("backward", b, a, s.seq_len, h // a),
         count=L,
     )
-    add("backward", "q, k, v gradients into one", bytes=6 * p * N * h, count=L)
-    linear_backward("qkv", h, 3 * h, True, True, L)
-    layer_norm_backward("ln_1", L)
-    add("backward", "wpe gradient (sum over the batch)", bytes=4 * N * h + 4 * s * h)
+    o.add(bwd, "q, k, v gradients into one", bytes=6 * p * N * h, count=L)
+    o.linear_backward("qkv", h, 3 * h, True, True, L)
+    o.layer_norm_backward("ln_1", L)
+    o.add(bwd, "wpe gradient (sum over the batch)", bytes=4 * N * h + 4 * s.seq_len * h)
     # the embedding's dense V x h gradient, then the tied weight's two gradients summed
-    add("backward", "wte gradient (zeros, index_add)", bytes=4 * V * h + 8 * N * h + 8 * N, launches=2)
-    add("backward", "tied weight: sum of two gradients", bytes=12 * V * h)
-    # ---- optimizer step: clip_grad_norm_ and fused AdamW work a tensor at a time, and each tensor
-    # of GRAIN elements or more is one parallel region (the CPU's cost per op under load)
-    sizes = param_sizes(L, h, f, V, max_position_embeddings)
-    opt = "optimizer_step"
+    V = s.vocab_size
+    o.add(bwd, "wte gradient (zeros, index_add)", bytes=4 * V * h + 8 * N * h + 8 * N, launches=2)
+    o.add(bwd, "tied weight: sum of two gradients", bytes=12 * V * h)
+
+
+def _optimizer_ops(o: _OpList) -> None:
+    """clip_grad_norm_ and fused AdamW work a tensor at a time, and each tensor of GRAIN elements
+    or more is one parallel region (the CPU's cost per op under load)."""
+    sizes, opt = o.shape.param_sizes(), "optimizer_step"
     for n, k in sorted(Counter(sizes).items()):
-        add(opt, f"clip: norm of {n}-element gradients", bytes=4 * n, count=k)
-        add(opt, f"clip: scale {n}-element gradients", bytes=8 * n, count=k)
+        o.add(opt, f"clip: norm of {n}-element gradients", bytes=4 * n, count=k)
+        o.add(opt, f"clip: scale {n}-element gradients", bytes=8 * n, count=k)
         # reads param, grad and the two moments; writes param and the moments
-        add(opt, f"fused AdamW on {n}-element parameters", bytes=28 * n, count=k)
-    add(opt, "clip: total norm and coefficient", bytes=8 * len(sizes), launches=4)
-    add(opt, "zero_grad (set to None)", launches=len(sizes))
-    return ops
-
-
-def param_sizes(n_layers: int, d_model: int, d_ff: int, vocab_size: int, positions: int) -> list[int]:
-    """Elements of each parameter tensor (the tied head is the embedding's): what the optimizer
-    and the clipping loop over."""
-    h, f = d_model, d_ff
-    block = [h, h, 3 * h * h, 3 * h, h * h, h, h, h, f * h, f, h * f, h]
-    return [vocab_size * h, positions * h, *block * n_layers, h, h]
+        o.add(opt, f"fused AdamW on {n}-element parameters", bytes=28 * n, count=k)
+    o.add(opt, "clip: total norm and coefficient", bytes=8 * len(sizes), launches=4)
+    o.add(opt, "zero_grad (set to None)", launches=len(sizes))
 
 
 def matmul_flops(ops: list[Op]) -> int:
@@ -625,29 +642,26 @@ def predict_ops(ops: list[Op], rates: Rates, grad_accum_steps: int = 1) -> dict[
 
 
 def predict_step(
-    shape: dict, amp_dtype: str, device: str, cache: bool = True, measure: bool = True, **options
+    shape: Shape, amp_dtype: str, device: str, cache: bool = True, measure: bool = True
 ) -> TimePrediction:
-    """The predicted stage times of one optimizer step of this shape (estimate.gpt_shape's keys;
-    `options`: activation_checkpoint, chunked_loss, grad_accum_steps)."""
-    accum = options.pop("grad_accum_steps", 1)
-    ops = step_ops(**shape, amp_dtype=amp_dtype, device=device, **options)
+    """The predicted stage times of one optimizer step of this shape."""
+    accum = shape.grad_accum_steps
+    ops = step_ops(shape, amp_dtype, device)
     rates = step_rates(device, amp_dtype, kernels(ops), cache=cache, measure=measure)
     stages = predict_ops(ops, rates, accum)
     if accum > 1:  # the later micro-batches add each gradient into the held one, a tensor at a time
-        sizes = param_sizes(
-            shape["n_layers"],
-            shape["d_model"],
-            shape["d_ff"],
-            shape["vocab_size"],
-            shape["max_position_embeddings"],
-        )
-        adds = [Op("backward", "gradient accumulation", bytes=12 * n, count=accum - 1) for n in sizes]
+        adds = [
+            Op("backward", "gradient accumulation", bytes=12 * n, count=accum - 1)
+            for n in shape.param_sizes()
+        ]
         for name, st in predict_ops(adds, rates).items():
             stages[name].memory_ms += st.memory_ms
             stages[name].compute_ms += st.compute_ms
             stages[name].overhead_ms += st.overhead_ms
-    config = {"amp_dtype": amp_dtype, "grad_accum_steps": accum, **options, **shape}
-    return TimePrediction(stages, shape["batch_size"] * shape["seq_len"] * accum, accum, rates, config)
+    # the flags first, then the shape: the order --json prints
+    flags = {k: getattr(shape, k) for k in ("grad_accum_steps", "activation_checkpoint", "chunked_loss")}
+    config = {"amp_dtype": amp_dtype, **flags, **asdict(shape)}
+    return TimePrediction(stages, shape.tokens * accum, accum, rates, config)
 
 
 def format_prediction(pred: TimePrediction) -> str:
@@ -677,28 +691,11 @@ def format_prediction(pred: TimePrediction) -> str:
     return "\n".join(lines)
 
 
-def time_report(cfg, device: str, amp_dtype: str, as_json: bool) -> str:
-    """What `python -m minigpt.estimate --time [--json]` prints for a TrainConfig."""
-    from minigpt.estimate import gpt_shape
-    from minigpt.model import pad_vocab
-
-    if (
-        device == "cuda" and not torch.cuda.is_available()
-    ):  # resolve_device refuses it first; kept for callers
+def time_report(shape: Shape, device: str, amp_dtype: str, as_json: bool) -> str:
+    """What `python -m minigpt.estimate --time [--json]` prints for a step of this shape."""
+    if device == "cuda" and not torch.cuda.is_available():  # resolve_device refuses it first
         raise UsageError("--time --device cuda, but no CUDA GPU is visible to PyTorch; use --device cpu")
-    vocab = cfg.vocab_size
-    if vocab is None:
-        from minigpt.data import get_tokenizer
-
-        vocab = get_tokenizer(cfg.tokenizer_name).n_vocab
-    pred = predict_step(
-        gpt_shape(cfg, pad_vocab(vocab)),
-        amp_dtype,
-        device,
-        activation_checkpoint=cfg.use_activation_checkpoint,
-        chunked_loss=cfg.chunked_loss,
-        grad_accum_steps=cfg.grad_accum_steps,
-    )
+    pred = predict_step(shape, amp_dtype, device)
     return json.dumps(pred.to_record(), indent=1) if as_json else format_prediction(pred)
 
 
@@ -744,27 +741,7 @@ def run_prediction(run_dir, measure: bool = False) -> dict:
     conf = json.loads(read_bounded(run_dir / paths.CONFIG_FILE, CONFIG_LIMIT))
     lines = read_bounded(run_dir / paths.METRICS_FILE, JSONL_LIMIT).decode().splitlines()
     record = json.loads(next(line for line in reversed(lines) if line.strip()))
-    m, c = conf["model"], conf["config"]
-    shape = dict(
-        n_layers=m["n_layers"],
-        d_model=m["d_model"],
-        n_heads=m["n_heads"],
-        d_ff=m["d_ff"],
-        seq_len=c["seq_len"],
-        batch_size=c["batch_size"],
-        vocab_size=m["vocab_size"],
-        max_position_embeddings=m["max_position_embeddings"],
-        dropout=m["dropout"],
-    )
-    pred = predict_step(
-        shape,
-        conf["amp"],
-        conf["device"],
-        measure=measure,
-        activation_checkpoint=m["activation_checkpoint"],
-        chunked_loss=m.get("chunked_loss", False),
-        grad_accum_steps=c.get("grad_accum_steps", 1),
-    )
+    pred = predict_step(shape_of_run(conf), conf["amp"], conf["device"], measure=measure)
     rec = pred.to_record()
     return {
         "stages": compare(rec["stage_ms"], record.get("stage_host_ms") or {}),

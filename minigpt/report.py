@@ -14,27 +14,29 @@ The trainer calls write_report() at the end of a run (--no-report turns it off).
 
 from __future__ import annotations
 
-import argparse
 import html
 import math
 import statistics
 import sys
 from pathlib import Path
 
-from minigpt.fileio import atomic_write
-from minigpt.memory import (
+from minigpt.errors import ArgParser, UsageError
+from minigpt.fileio import ELSEWHERE, atomic_write
+from minigpt.memory_log import (
     CATEGORIES,
     PEAK_PART_NAMES,
     PEAK_PARTS,
+    SUMMARY_DEPTH,
     category_leaves,
     category_rows,
     peak_of_state,
     peak_rows,
+    sunburst,
 )
-from minigpt.metrics import MEMORY_BREAKDOWN_KEYS, OLDER_RUN, run_figures
 from minigpt.paths import METRICS_FILE, REPORT_FILE
 from minigpt.runfiles import Run, RunError, load_run, timeline_events
 from minigpt.stages import STAGE_NAMES, color, label, split_parent
+from minigpt.step_record import MEMORY_BREAKDOWN_KEYS, OLDER_RUN, run_figures
 
 MB = 1024 * 1024
 TOP_ROWS = 15  # operators and kernels drawn and listed per trace
@@ -172,7 +174,7 @@ def steady(metrics: list[dict]) -> list[dict]:
 
 
 def throughput(run: Run) -> dict:
-    """The run's own figures, as metrics.jsonl's last record holds them (minigpt.metrics.RUN_KEYS:
+    """The run's own figures, as metrics.jsonl's last record holds them (minigpt.step_record.RUN_KEYS:
     tokens/s over the steps alone and end to end, start-up; None for an older run that did not
     write them), and the per-interval figures' medians over the steady steps: tokens/s per step,
     MFU, and what MFU is measured against."""
@@ -425,12 +427,67 @@ def stages_section(run: Run) -> str:
         note
         + figure(fig, "stages-plot", 360)
         + table(["stage, median of steady steps"] + [t for _, t in keys], rows)
+        + prediction_table(run)
     )
 
 
-def timeline_section(run: Run) -> str:
-    if not run.traces:
-        return nodata("no trace: run with --use-profiler")
+def _number(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def prediction_table(run: Run) -> str:
+    """The stage times minigpt.predict gave for this run's configuration (config.json's
+    predicted_step, written as the run started) beside the measured medians, with the error
+    (predicted / measured - 1): how far this machine's measured rates explain the step. Measured
+    is the device time (on the CPU the host's). "" for a run without a prediction."""
+    pred = run.config.get("predicted_step")
+    stage_ms = pred.get("stage_ms") if isinstance(pred, dict) else None
+    if not isinstance(stage_ms, dict):
+        return ""
+    measured = stage_medians(run, "stage_device_ms") or stage_medians(run, "stage_host_ms")
+    bound = pred.get("bound") if isinstance(pred.get("bound"), dict) else {}
+    rows = [
+        [name, *_predicted_cells(_number(stage_ms[name]), measured.get(name)), fmt(bound.get(name))]
+        for name in stage_ms
+    ]
+    tps = median([r.get("tokens_per_s_per_rank") for r in steady(run.metrics)])
+    rows.append(["tokens/s per rank", *_predicted_cells(_number(pred.get("tokens_per_s")), tps, 0), ""])
+    untested = (
+        " The device's rates come from its data sheet, not from a measurement here: untested."
+        if pred.get("tested") is False
+        else ""
+    )
+    return (
+        "<p>Predicted when the run started (<code>python -m minigpt.estimate --time</code>: each op's "
+        "FLOPs, bytes and launches at this machine's measured rates) beside the measured median, "
+        f"with the error, predicted / measured - 1.{untested}</p>"
+        + table(["stage", "measured ms", "predicted ms", "error", "bound by"], rows)
+    )
+
+
+def _predicted_cells(predicted: float | None, measured: float | None, digits: int = 2) -> list[str]:
+    """measured, predicted and the error in percent, each "n/a" where it cannot be told."""
+    error = f"{100 * (predicted / measured - 1):+.1f}%" if predicted is not None and measured else "n/a"
+    return [fmt(measured, digits), fmt(predicted, digits), error]
+
+
+def _bars(lane: str, rows: list[tuple[str, float, float]], **style):
+    """One timeline lane's bars: a horizontal bar per (name, start ms, duration ms) row."""
+    import plotly.graph_objects as go
+
+    return go.Bar(
+        y=[lane] * len(rows),
+        x=[d for _, _, d in rows],
+        base=[t for _, t, _ in rows],
+        orientation="h",
+        **style,
+    )
+
+
+def _timeline_figure(run: Run):
+    """Each rank's profiled window as lanes of bars: its steps, its stages, and (on a GPU) its
+    device work. Returns the figure, its lanes top to bottom, and a note per rank whose device
+    events were cut to MAX_KERNEL_BARS."""
     import plotly.graph_objects as go
 
     fig = go.Figure()
@@ -443,11 +500,9 @@ def timeline_section(run: Run) -> str:
         lane_step, lane_stage, lane_dev = f"rank {r} steps", f"rank {r} stages", f"rank {r} device"
         lanes += [lane_step, lane_stage] + ([lane_dev] if ev["kernels"] else [])
         fig.add_trace(
-            go.Bar(
-                y=[lane_step] * len(ev["steps"]),
-                x=[d for _, _, d in ev["steps"]],
-                base=[t for _, t, _ in ev["steps"]],
-                orientation="h",
+            _bars(
+                lane_step,
+                ev["steps"],
                 name="ProfilerStep",
                 marker_color="lightgrey",
                 text=[n for n, _, _ in ev["steps"]],
@@ -458,13 +513,10 @@ def timeline_section(run: Run) -> str:
         )
         shown.add("step")
         for name in dict.fromkeys(n for n, _, _ in ev["stages"]):
-            rows = [e for e in ev["stages"] if e[0] == name]
             fig.add_trace(
-                go.Bar(
-                    y=[lane_stage] * len(rows),
-                    x=[d for _, _, d in rows],
-                    base=[t for _, t, _ in rows],
-                    orientation="h",
+                _bars(
+                    lane_stage,
+                    [e for e in ev["stages"] if e[0] == name],
                     name=name,
                     marker_color=color(name),
                     legendgroup=name,
@@ -479,11 +531,9 @@ def timeline_section(run: Run) -> str:
             kernels = sorted(kernels, key=lambda k: -k[2])[:MAX_KERNEL_BARS]
         if kernels:
             fig.add_trace(
-                go.Bar(
-                    y=[lane_dev] * len(kernels),
-                    x=[d for _, _, d in kernels],
-                    base=[t for _, t, _ in kernels],
-                    orientation="h",
+                _bars(
+                    lane_dev,
+                    kernels,
                     name="kernels",
                     marker_color=KERNEL_COLOR,
                     text=[n[:120] for n, _, _ in kernels],
@@ -499,6 +549,13 @@ def timeline_section(run: Run) -> str:
         xaxis_title="ms from the rank's first profiled step",
         yaxis=dict(categoryorder="array", categoryarray=list(reversed(lanes))),
     )
+    return fig, lanes, notes
+
+
+def timeline_section(run: Run) -> str:
+    if not run.traces:
+        return nodata("no trace: run with --use-profiler")
+    fig, lanes, notes = _timeline_figure(run)
     cpu = all(s.get("cpu_only") for s in run.traces)
     unrecorded = any(s.get("device_not_recorded") for s in run.traces)
     if cpu:
@@ -516,8 +573,11 @@ def timeline_section(run: Run) -> str:
     )
     body += figure(fig, "timeline-plot", 120 + 60 * len(lanes))
     body += "".join(nodata(n) for n in notes)
-    # Per step and stage, from the trace summary: host ms (and device busy ms on a GPU).
-    s = run.traces[0]
+    return body + _window_table(run.traces[0], cpu)
+
+
+def _window_table(s: dict, cpu: bool) -> str:
+    """Per profiled step and stage of one trace summary: host ms, and device busy ms on a GPU."""
     names = list(s.get("stages") or STAGE_NAMES)
     # Time in collectives is shown where the trace has collectives (DDP, FSDP), not as "(comm 0.00)".
     comm = any(
@@ -536,9 +596,9 @@ def timeline_section(run: Run) -> str:
         cells.append(fmt(row.get("host_ms")) + ("" if cpu else f" / {fmt(row.get('device_busy_ms'))}"))
         rows.append(cells)
     unit = "host ms" if cpu else "host / device busy ms"
-    body += f"<p>Rank {s['rank']}, from the trace ({unit}):</p>"
-    body += table(["step"] + names + ["whole step"], rows)
-    return body
+    return f"<p>Rank {s['rank']}, from the trace ({unit}):</p>" + table(
+        ["step"] + names + ["whole step"], rows
+    )
 
 
 def operators_section(run: Run) -> str:
@@ -640,13 +700,8 @@ def _sunburst_figure(rows: list[tuple[str, str, str, int]], title: str):
     import plotly.graph_objects as go
 
     fig = go.Figure(
-        go.Sunburst(
-            ids=[r[0] for r in rows],
-            labels=[r[1] for r in rows],
-            parents=[r[2] for r in rows],
-            values=[r[3] for r in rows],
-            branchvalues="total",
-            customdata=[r[3] / MB for r in rows],
+        sunburst(
+            rows,
             texttemplate="%{label}<br>%{customdata:.1f} MiB",
             hovertemplate="%{label}<br>%{customdata:.2f} MiB, %{percentRoot:.1%} of the chart<extra></extra>",
         )
@@ -777,7 +832,6 @@ SUM_OF_PARTS = "sum of the categories"
 
 
 def memory_section(run: Run) -> str:
-    import plotly.graph_objects as go
 
     body = ""
     b = run.breakdown()
@@ -801,7 +855,7 @@ def memory_section(run: Run) -> str:
             leaves = category_leaves(state)
             rows = [("total", SUM_OF_PARTS, "", sum(sum(v.values()) for v in leaves.values()))]
             for category in CATEGORIES:
-                rows += category_rows(leaves[category], category, max_depth=3, parent="total")
+                rows += category_rows(leaves[category], category, max_depth=SUMMARY_DEPTH, parent="total")
             title = (
                 f"step {state['step']} by category: {_mib(rows[0][3])}, a sum of parts never all live at once"
             )
@@ -818,41 +872,7 @@ def memory_section(run: Run) -> str:
             )
     if b:
         body += _categories_body(b, est)
-    series = [
-        (k, t)
-        for k, t in (("rss_bytes", "RSS"), ("rss_peak_bytes", "peak RSS"))
-        if any(isinstance((r.get("memory") or {}).get(k), (int, float)) for r in run.metrics)
-    ]
-    gib = [
-        (k, t)
-        for k, t in (("peak_allocated_gib", "peak allocated"), ("peak_reserved_gib", "peak reserved"))
-        if any(isinstance((r.get("memory") or {}).get(k), (int, float)) for r in run.metrics)
-    ]
-    if series or gib:
-        fig = go.Figure()
-        steps = [r.get("step") for r in run.metrics]
-        for k, t in series:
-            fig.add_trace(
-                go.Scatter(
-                    x=steps,
-                    y=[((r.get("memory") or {}).get(k) or 0) / MB for r in run.metrics],
-                    name=t,
-                    mode="lines+markers",
-                )
-            )
-        for k, t in gib:
-            fig.add_trace(
-                go.Scatter(
-                    x=steps,
-                    y=[((r.get("memory") or {}).get(k) or 0) * 1024 for r in run.metrics],
-                    name=t,
-                    mode="lines+markers",
-                )
-            )
-        fig.update_layout(
-            yaxis_title="MiB", xaxis_title="logged step", title="process memory per log interval"
-        )
-        body += figure(fig, "memory-process", 320)
+    body += _process_memory_chart(run)
     if not body:
         return nodata("no memory breakdown: run with --memory-profiler")
     if not (run.memory or b):
@@ -860,71 +880,53 @@ def memory_section(run: Run) -> str:
     return body
 
 
+def _process_memory_chart(run: Run) -> str:
+    """The process's memory per log interval, in MiB, from metrics.jsonl: RSS on the CPU, the
+    allocator's peaks on CUDA; "" when no record holds either."""
+    import plotly.graph_objects as go
+
+    lines = [
+        (k, t, to_mib)
+        for k, t, to_mib in (
+            ("rss_bytes", "RSS", lambda v: v / MB),
+            ("rss_peak_bytes", "peak RSS", lambda v: v / MB),
+            ("peak_allocated_gib", "peak allocated", lambda v: v * 1024),
+            ("peak_reserved_gib", "peak reserved", lambda v: v * 1024),
+        )
+        if any(isinstance((r.get("memory") or {}).get(k), (int, float)) for r in run.metrics)
+    ]
+    if not lines:
+        return ""
+    fig = go.Figure()
+    steps = [r.get("step") for r in run.metrics]
+    for k, t, to_mib in lines:
+        fig.add_trace(
+            go.Scatter(
+                x=steps,
+                y=[to_mib((r.get("memory") or {}).get(k) or 0) for r in run.metrics],
+                name=t,
+                mode="lines+markers",
+            )
+        )
+    fig.update_layout(yaxis_title="MiB", xaxis_title="logged step", title="process memory per log interval")
+    return figure(fig, "memory-process", 320)
+
+
 def stragglers_section(run: Run) -> str:
     if run.world_size <= 1:
         return nodata("one process: stragglers are scored under DDP (torchrun --nproc_per_node N)")
-    import plotly.graph_objects as go
-
     threshold = run.config.get("config", {}).get("straggler_threshold")
-    body = ""
     if len(run.traces) > 1:
-        fig = go.Figure()
-        names = list(run.traces[0].get("stages") or STAGE_NAMES)
-        for n in names:
-            fig.add_trace(
-                go.Bar(
-                    x=[f"rank {s['rank']}" for s in run.traces],
-                    y=[
-                        s["totals"]["stages"].get(n, {}).get("host_ms", 0.0) / max(len(s["steps"]), 1)
-                        for s in run.traces
-                    ],
-                    name=n,
-                    marker_color=color(n),
-                )
-            )
-        fig.update_layout(
-            barmode="stack",
-            yaxis_title="host ms per profiled step",
-            title="each rank's stages in the profiled window (from its trace)",
-        )
-        body += (
+        body = (
             "<p>Under DDP the fast ranks wait for the slow one inside the backward's all-reduce: a slow "
             "rank shows a long stage of its own, the others a long backward.</p>"
-        )
-        body += figure(fig, "stragglers-ranks", 360)
+        ) + figure(_rank_stages_figure(run), "stragglers-ranks", 360)
     else:
-        body += nodata("per-rank stage times need a trace of every rank: --use-profiler --profile-ranks all")
+        body = nodata("per-rank stage times need a trace of every rank: --use-profiler --profile-ranks all")
     if not run.stragglers:
         body += f"<p>No straggler reported: every rank scored at or above the threshold {fmt(threshold)}.</p>"
         return body
-    fig = go.Figure()
-    for r in sorted({x["rank"] for x in run.stragglers}):
-        mine = [x for x in run.stragglers if x["rank"] == r]
-        fig.add_trace(
-            go.Scatter(
-                x=[x["step"] for x in mine],
-                y=[x.get("relative_score") for x in mine],
-                name=f"rank {r} relative",
-                mode="lines+markers",
-            )
-        )
-        fig.add_trace(
-            go.Scatter(
-                x=[x["step"] for x in mine],
-                y=[x.get("individual_score") for x in mine],
-                name=f"rank {r} individual",
-                mode="lines+markers",
-                line=dict(dash="dot"),
-            )
-        )
-    if isinstance(threshold, (int, float)):
-        fig.add_hline(y=threshold, line_dash="dash", line_color="grey", annotation_text="threshold")
-    fig.update_layout(
-        yaxis_title="score (1 = as fast as the fastest / its own best)",
-        xaxis_title="step",
-        title="scores of the ranks reported slow",
-    )
-    body += figure(fig, "stragglers-scores", 320)
+    body += figure(_scores_figure(run.stragglers, threshold), "stragglers-scores", 320)
     body += table(
         ["step", "rank", "host", "relative", "individual", "stage that grew", "ms", "reference ms"],
         [
@@ -942,6 +944,59 @@ def stragglers_section(run: Run) -> str:
         ],
     )
     return body
+
+
+def _rank_stages_figure(run: Run):
+    """Each rank's stages, host ms per profiled step from its own trace, stacked side by side."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    names = list(run.traces[0].get("stages") or STAGE_NAMES)
+    for n in names:
+        fig.add_trace(
+            go.Bar(
+                x=[f"rank {s['rank']}" for s in run.traces],
+                y=[
+                    s["totals"]["stages"].get(n, {}).get("host_ms", 0.0) / max(len(s["steps"]), 1)
+                    for s in run.traces
+                ],
+                name=n,
+                marker_color=color(n),
+            )
+        )
+    fig.update_layout(
+        barmode="stack",
+        yaxis_title="host ms per profiled step",
+        title="each rank's stages in the profiled window (from its trace)",
+    )
+    return fig
+
+
+def _scores_figure(stragglers: list[dict], threshold):
+    """The scores of every rank reported slow (stragglers.jsonl), against the threshold."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for r in sorted({x["rank"] for x in stragglers}):
+        mine = [x for x in stragglers if x["rank"] == r]
+        for score, line in (("relative", None), ("individual", dict(dash="dot"))):
+            fig.add_trace(
+                go.Scatter(
+                    x=[x["step"] for x in mine],
+                    y=[x.get(f"{score}_score") for x in mine],
+                    name=f"rank {r} {score}",
+                    mode="lines+markers",
+                    line=line,
+                )
+            )
+    if isinstance(threshold, (int, float)):
+        fig.add_hline(y=threshold, line_dash="dash", line_color="grey", annotation_text="threshold")
+    fig.update_layout(
+        yaxis_title="score (1 = as fast as the fastest / its own best)",
+        xaxis_title="step",
+        title="scores of the ranks reported slow",
+    )
+    return fig
 
 
 BUILDERS = {
@@ -966,31 +1021,37 @@ def render_report(run: Run) -> str:
     return page(f"minigpt run {run.name}", report_body(run))
 
 
-def write_report(run_dir: Path, out: Path | None = None) -> Path:
+def write_page(out: Path, text: str, elsewhere: str) -> None:
+    """Write a page atomically. A full disk is DiskFull's one line, naming `elsewhere` (the flags
+    that write it elsewhere); a path that cannot be written (no such folder, no permission, a
+    read-only file system) is RunError's one line naming the page, not its temporary file."""
+    try:
+        atomic_write(out, text, elsewhere)
+    except OSError as e:
+        raise RunError(
+            f"cannot write {out} ({e.strerror or type(e).__name__}); write elsewhere ({elsewhere})"
+        ) from None
+
+
+def write_report(run_dir: Path, out: Path | None = None, elsewhere: str = ELSEWHERE) -> Path:
     """Write the run's report (default RUN/report.html) atomically; return its path. Raises RunError
-    when run_dir is not a run directory."""
+    when run_dir is not a run directory or the page cannot be written, DiskFull when the disk is full."""
     run = load_run(Path(run_dir))
     out = Path(out) if out is not None else run.path / REPORT_FILE
-    atomic_write(out, render_report(run))
+    write_page(out, render_report(run), elsewhere)
     return out
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line on stderr, exit 2, as for every other mistake
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(prog="python -m minigpt.report", description="Write a run's offline HTML report.")
+    p = ArgParser(prog="python -m minigpt.report", description="Write a run's offline HTML report.")
     p.add_argument("run", type=Path, help="a run directory (the trainer's --out-dir)")
     p.add_argument("--out", type=Path, help=f"where to write it (default RUN/{REPORT_FILE})")
     args = p.parse_args(argv)
     try:
         if args.out is not None and args.out.is_dir():
             raise RunError(f"--out {args.out} is a folder; give a file name such as {args.out / REPORT_FILE}")
-        path = write_report(args.run, args.out)
-    except (RunError, OSError) as e:
+        path = write_report(args.run, args.out, "--out")
+    except (RunError, UsageError, OSError) as e:  # UsageError: a full disk (fileio.DiskFull)
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"report: {path}")

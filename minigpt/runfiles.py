@@ -12,7 +12,6 @@ whole report: a half-written trace of a killed run should not hide its loss curv
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import os
@@ -25,9 +24,9 @@ from pathlib import Path
 
 from minigpt import traces
 from minigpt.fileio import UnreadableFile, file_kind, format_bytes, read_bounded
-from minigpt.memory import MEMORY_LOG, parse_memory_log
-from minigpt.metrics import StepRecord
+from minigpt.memory_log import MEMORY_LOG, parse_memory_log
 from minigpt.paths import CONFIG_FILE, MEMORY_TRACE_DIR, METRICS_FILE, STRAGGLERS_FILE, TRACE_DIR
+from minigpt.step_record import StepRecord
 
 # The run directory's names are minigpt/paths.py's; the memory folders of every rank match this.
 MEMORY_TRACE_GLOB = MEMORY_TRACE_DIR.format(worker="rank*_dp*")
@@ -41,11 +40,10 @@ _RANK = re.compile(r"rank(\d+)")
 # The most each reader takes (no reader takes more memory than its input's checked size). Far
 # above what a real run writes: config.json is a few KiB; metrics.jsonl about 1.5 KiB a logged
 # step (a million steps logged every 10: 150 MiB); memory.log a few hundred KiB; a trace of a
-# few steps tens of MiB (gzipped).
+# few steps tens of MiB gzipped (traces.TRACE_LIMIT bounds it, decompressed too).
 CONFIG_LIMIT = 1 << 20
 JSONL_LIMIT = 256 << 20
 MEMORY_LOG_LIMIT = 64 << 20
-TRACE_LIMIT = 1 << 30
 MAX_DEPTH = 8  # nesting a run's files never exceed (metrics: a record, its memory_breakdown, ...)
 
 
@@ -264,7 +262,7 @@ def load_run(path: Path, with_traces: bool = True) -> Run:
         except traces.TraceError:
             files = []
         for f in files:
-            if problem := _file_problem(f, TRACE_LIMIT):
+            if problem := _file_problem(f, traces.TRACE_LIMIT):
                 run.problems.append(f"{problem}; skipped")
                 continue
             try:
@@ -318,14 +316,9 @@ def timeline_events(path: Path, stages: tuple[str, ...]) -> dict:
     """The raw intervals a timeline draws, in ms from the first profiled step's start:
     {"steps": [(name, start, dur)], "stages": [(name, start, dur)], "kernels": [(name, start, dur)]}.
     Stages are the main process's record_function ranges; kernels are every device event."""
-    if problem := _file_problem(path, TRACE_LIMIT):
+    if problem := _file_problem(path, traces.TRACE_LIMIT):
         raise traces.TraceError(problem)
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, EOFError, RecursionError) as e:
-        raise traces.TraceError(f"{path} is not a JSON trace ({type(e).__name__}: {e})") from None
+    data = traces.read_trace_json(path)
     events = data.get("traceEvents", []) if isinstance(data, dict) else data
     xs = [
         e

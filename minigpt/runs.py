@@ -295,7 +295,7 @@ def repair_jsonl(path: str | Path, last_step: int | None) -> int:
             continue
         try:
             rec = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep to parse
             dropped += 1
             continue
         if not isinstance(rec, dict):

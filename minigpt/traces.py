@@ -94,6 +94,11 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+try:  # the project's one-line refusal of a bad flag; a copy of this file run alone has argparse's own
+    from minigpt.errors import ArgParser
+except ImportError:
+    ArgParser = argparse.ArgumentParser
+
 # The ranges of one training step, in order: a standard-library copy of minigpt.stages.STAGE_NAMES
 # for a copy of this file run alone, wherever a trace was copied to (a test holds the two equal).
 # Inside the project the registry itself is read (minigpt.stages imports no torch): a stage added
@@ -112,6 +117,10 @@ def default_stages() -> tuple[str, ...]:
 TRACE_SUFFIXES = (".json", ".json.gz")  # torch writes .pt.trace.json(.gz); other tools other names
 TRACE_SUBDIR = "traces"  # where a minigpt run folder keeps them
 DEFAULT_TOP = 10
+# The most trace text a reader takes, decompressed: a gzip's size says nothing of what it holds (a
+# few MiB can inflate to gigabytes). Far above a real window: a few profiled steps of a GPU run are
+# tens to hundreds of MiB of JSON.
+TRACE_LIMIT = 1 << 30
 WHOLE_TRACE = "whole trace"  # the window when a trace has no ProfilerStep#N ranges
 
 STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
@@ -168,6 +177,13 @@ COMM_OP = re.compile(
     r"|^FSDP::(?:all_gather|post_backward_reduce|post_backward_rs_wait)"
     r"|record_param_comms|ProcessGroup"
 )
+
+
+def is_collective(name: str) -> bool:
+    """A host range or operator that is a collective, or FSDP2's range around one (COMM_OP)."""
+    return bool(COMM_OP.search(name))
+
+
 COMM_KERNEL = re.compile(r"(?:nccl|msccl)\w*kernel|rccl", re.I)
 COMM_KINDS = (
     ("all-reduce", re.compile(r"all_?reduce", re.I)),
@@ -197,12 +213,6 @@ TC_DTYPE = re.compile(r"bf16|fp16|f16|half|tf32|fp8|e4m3|e5m2|int8", re.I)
 
 class TraceError(Exception):
     """A trace that cannot be read: the message is the one line the user sees."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line on stderr, exit 2, as for every other mistake
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
 
 
 def tensor_cores(name: str) -> str:
@@ -264,12 +274,7 @@ def load_trace(path: Path) -> Trace:
         raise TraceError(f"{path} does not exist")
     if not path.is_file():
         raise TraceError(f"{path} is not a regular file")
-    try:
-        opener = gzip.open if path.name.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, EOFError, RecursionError, ValueError) as e:
-        raise TraceError(f"{path} is not a JSON trace ({type(e).__name__}: {e})") from None
+    data = read_trace_json(path)
     # The Chrome trace format is either {"traceEvents": [...], ...} or a bare list of events.
     raw = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(raw, list):
@@ -296,9 +301,22 @@ def load_trace(path: Path) -> Trace:
     return Trace(path, events, malformed, rank)
 
 
-def load_events(path: Path) -> list[dict]:
-    """The checked complete ('X') events of a trace file."""
-    return load_trace(path).events
+def read_trace_json(path: Path, limit: int | None = None):
+    """The parsed JSON of a .json or .json.gz file, read through at most `limit` bytes of text
+    (default TRACE_LIMIT) however small the file: more is one line (TraceError), not a MemoryError."""
+    limit = TRACE_LIMIT if limit is None else limit
+    try:
+        with (gzip.open if path.name.endswith(".gz") else open)(path, "rb") as f:
+            text = f.read(limit + 1)
+        if len(text) > limit:
+            raise TraceError(
+                f"{path} holds more than {limit / 2**20:,.0f} MiB of trace text"
+                + (" once decompressed" if path.name.endswith(".gz") else "")
+                + ", above what this reader takes: profile fewer steps"
+            )
+        return json.loads(text.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, EOFError, RecursionError, ValueError) as e:
+        raise TraceError(f"{path} is not a JSON trace ({type(e).__name__}: {e})") from None
 
 
 def is_trace_file(path: Path) -> bool:
@@ -348,17 +366,7 @@ def is_comm_kernel(e: dict) -> bool:
 
 def union_us(intervals) -> float:
     """Total length of the union of [start, end] intervals: overlapping parts count once."""
-    total, cur_start, cur_end = 0.0, None, None
-    for start, end in sorted(intervals):
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total
+    return sum(end - start for start, end in merged(intervals))
 
 
 def merged(intervals) -> list[tuple[float, float]]:
@@ -485,7 +493,7 @@ class _Index:
                 (_key(e.get("pid")), _key(e.get("tid"))),
                 (e["ts"], e["ts"] + e["dur"]),
             )
-            if (cat in RANGE_CATS or cat in OP_CATS or cat in COMM_CATS) and COMM_OP.search(name):
+            if (cat in RANGE_CATS or cat in OP_CATS or cat in COMM_CATS) and is_collective(name):
                 self.comm[pid].append((*span, name))
                 thread_comm[thread].append(span)
             elif cat in OP_CATS and not STEP_NAME.match(name) and name not in wanted:
@@ -554,11 +562,6 @@ class _Index:
             stage["comm_kind"] = comm_kind(comm_names) if comm_names else None
             row["stages"][name] = stage
         return row, work, stage_work
-
-
-def step_table(events: list[dict], stages: tuple[str, ...], gpu: bool) -> list[dict]:
-    """Per ProfilerStep: its host time, and each stage's host, communication and device time."""
-    return _steps(_Index(events, stages), gpu)[0]
 
 
 def _steps(index: _Index, gpu: bool):
@@ -771,7 +774,30 @@ def comm_lines(s: dict) -> list[str]:
 
 
 def render(s: dict) -> str:
+    """One trace summary as the tables the command line prints."""
     gpu = not s["cpu_only"] and not s.get("device_not_recorded")
+    out = _heading(s, gpu) + ["", *_step_table(s, gpu)]
+    comm = comm_lines(s)
+    if comm:
+        out += ["", "communication (host: a collective in flight on any thread, no other operator running)"]
+        out += comm
+    if gpu:
+        out += ["", *_kernel_table(s)]
+    for key, title in (("by_self", "self"), ("by_total", "total")):
+        rows = s["operators"][key]
+        out += [
+            "",
+            f"top {len(rows)} host operators by {title} time",
+            f"{'self ms':>10}{'total ms':>10}{'calls':>7}  name",
+        ]
+        out += [
+            f"{r['self_ms']:>10.2f}{r['total_ms']:>10.2f}{r['calls']:>7}  {short(r['name'])}" for r in rows
+        ]
+    return "\n".join(out)
+
+
+def _heading(s: dict, gpu: bool) -> list[str]:
+    """The file, its rank and steps, and what the device side of the trace holds."""
     steps = [r["step"] for r in s["steps"]]
     rank = f" (rank {s['rank']})" if s.get("rank") is not None else ""
     out = [f"trace: {s['file']}{rank}"]
@@ -803,16 +829,22 @@ def render(s: dict) -> str:
         )
     else:
         out.append("no device events in this trace (CPU only): host times only")
+    return out
+
+
+def _step_table(s: dict, gpu: bool) -> list[str]:
+    """Each step's stages and the whole step, then the totals: host ms, the collectives' ms where
+    the trace has any, and on a GPU the device's busy and span ms and kernel count."""
+    steps = [r["step"] for r in s["steps"]]
     has_comm = any(
         st["comm_host_ms"] > 0 or st.get("comm_device_ms", 0) > 0 for st in s["totals"]["stages"].values()
     )
-
     head = f"{'step':>6}  {'stage':<16}{'host ms':>10}"
     if has_comm:
         head += f"{'comm ms':>10}"
     if gpu:
         head += f"{'dev busy ms':>13}{'dev span ms':>13}{'kernels':>9}"
-    out += ["", head]
+    out = [head]
 
     def line(label: str, name: str, r: dict, stage: bool) -> str:
         text = f"{label:>6}  {name:<16}{r['host_ms']:>10.2f}"
@@ -829,36 +861,21 @@ def render(s: dict) -> str:
             out.append(line(label, name, stage, True))
             label = ""
         out.append(line(label, "(whole step)" if steps else "(whole trace)", row, False))
+    return out
 
-    comm = comm_lines(s)
-    if comm:
-        out += ["", "communication (host: a collective in flight on any thread, no other operator running)"]
-        out += comm
 
-    if gpu:
-        out += [
-            "",
-            f"top {len(s['kernels'])} kernels of {s['kernel_total_ms']:.2f} ms device time summed "
-            "over streams (TC: tensor/matrix cores, judged by name; '-' = not a GEMM or convolution)",
-            f"{'total ms':>10}{'share':>8}{'calls':>7}{'avg us':>9}  {'TC':<4}name",
-        ]
-        for k in s["kernels"]:
-            out.append(
-                f"{k['total_ms']:>10.2f}{100 * k['share']:>7.1f}%{k['calls']:>7}"
-                f"{1000 * k['total_ms'] / k['calls']:>9.1f}  {k['tensor_cores']:<4}{short(k['name'])}"
-            )
-
-    for key, title in (("by_self", "self"), ("by_total", "total")):
-        rows = s["operators"][key]
-        out += [
-            "",
-            f"top {len(rows)} host operators by {title} time",
-            f"{'self ms':>10}{'total ms':>10}{'calls':>7}  name",
-        ]
-        out += [
-            f"{r['self_ms']:>10.2f}{r['total_ms']:>10.2f}{r['calls']:>7}  {short(r['name'])}" for r in rows
-        ]
-    return "\n".join(out)
+def _kernel_table(s: dict) -> list[str]:
+    out = [
+        f"top {len(s['kernels'])} kernels of {s['kernel_total_ms']:.2f} ms device time summed "
+        "over streams (TC: tensor/matrix cores, judged by name; '-' = not a GEMM or convolution)",
+        f"{'total ms':>10}{'share':>8}{'calls':>7}{'avg us':>9}  {'TC':<4}name",
+    ]
+    for k in s["kernels"]:
+        out.append(
+            f"{k['total_ms']:>10.2f}{100 * k['share']:>7.1f}%{k['calls']:>7}"
+            f"{1000 * k['total_ms'] / k['calls']:>9.1f}  {k['tensor_cores']:<4}{short(k['name'])}"
+        )
+    return out
 
 
 # ---------------------------------------------------------------------------- command line
@@ -886,7 +903,7 @@ def summarize_all(target: Path, stages: tuple[str, ...], top: int) -> tuple[list
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(
+    parser = ArgParser(
         prog="python -m minigpt.traces",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

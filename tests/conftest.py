@@ -7,6 +7,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT / "docs"))  # tbserve: the TensorBoard helper the tests share with docs/ scripts
 
 # Toy data and a tiny model: each training run in the tests takes a few seconds.
 TINY = [

@@ -81,9 +81,7 @@ groups = [
     {"params": [q for q in params if q.dim() >= 2], "weight_decay": 0.1},
     {"params": [q for q in params if q.dim() < 2], "weight_decay": 0.0},
 ]
-optimizer = torch.optim.AdamW(
-    parallel.split_by_mesh(groups), lr=1e-2, betas=(0.9, 0.95), **parallel.optimizer_kwargs(model)
-)
+optimizer = torch.optim.AdamW(parallel.split_by_mesh(groups), lr=1e-2, betas=(0.9, 0.95), fused=True)
 first = args.first_step
 if args.load:
     first = load_sharded(args.load, model, optimizer)["step"]

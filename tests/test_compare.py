@@ -4,6 +4,7 @@ claimed from too few logged intervals; runs of different models or machines refu
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import random
@@ -250,3 +251,19 @@ def test_cli_json_html_and_refusals(pair, tmp_path, capsys):
         assert main([str(a), str(bad)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ")
+
+
+def test_html_on_a_full_disk_is_one_line_and_exit_2(pair, tmp_path, monkeypatch, capsys):
+    a, b = pair
+    html = tmp_path / "cmp.html"
+    monkeypatch.setattr(
+        "minigpt.fileio.os.fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space"))
+    )
+    assert main([str(a), str(b), "--html", str(html)]) == 2
+    out, err = capsys.readouterr()
+    (line,) = err.strip().splitlines()
+    assert out == "" and str(html) in line and "no space left" in line and "(--html)" in line
+    assert not html.exists()
+    assert main([str(a), str(b), "--html", "/proc/cmp.html"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: cannot write /proc/cmp.html") and "(--html)" in line

@@ -3,7 +3,16 @@ import pytest
 import torch
 
 from minigpt.config import UsageError
-from minigpt.data import EOT, Batches, ToyBatches, builtin_corpus, get_tokenizer, load_tokens, tokenize_file
+from minigpt.data import (
+    EOT,
+    Batches,
+    ToyBatches,
+    builtin_corpus,
+    get_tokenizer,
+    load_tokens,
+    tokenize_file,
+    tokenizer_vocab,
+)
 
 
 def test_gpt2_ids_are_exact_and_offline():
@@ -97,3 +106,27 @@ def test_unreadable_file(tmp_path, monkeypatch):
 def test_directory_instead_of_file(tmp_path):
     with pytest.raises(UsageError, match="is a directory"):
         tokenize_file(tmp_path)
+
+
+def test_tokenizer_vocab_is_the_encoders():
+    assert tokenizer_vocab("gpt2") == get_tokenizer("gpt2").n_vocab == EOT + 1
+
+
+def test_cached_tokens_never_build_the_tokenizer(tmp_path, monkeypatch):
+    """The encoder costs about 50 MiB for the whole run: a run whose tokens are cached skips it."""
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path / "cache"))
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    first = tokenize_file(text)  # tokenises and writes the cache
+    get_tokenizer.cache_clear()
+    again = tokenize_file(text)
+    assert get_tokenizer.cache_info().currsize == 0
+    assert np.array_equal(np.asarray(again), np.asarray(first))
+
+
+def test_a_path_under_home_reads_the_same_for_every_user(monkeypatch, tmp_path):
+    from minigpt.fileio import display_path
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert display_path(tmp_path / ".cache" / "minigpt" / "x.json") == "~/.cache/minigpt/x.json"
+    assert display_path("/elsewhere/x.json") == "/elsewhere/x.json"

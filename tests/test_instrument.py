@@ -10,12 +10,12 @@ import urllib.parse
 import pytest
 import torch
 from conftest import TINY
+from tbserve import get_json, serve_tensorboard
 
 import train_minimal
 from minigpt import instrument
 from minigpt.instrument import StageTimer
 from minigpt.stages import STAGE_NAMES as STAGES
-from minigpt.tbserve import get_json, serve_tensorboard
 
 
 def read_metrics(out):

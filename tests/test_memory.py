@@ -12,18 +12,10 @@ import train_minimal
 from minigpt import estimate
 from minigpt.config import parse_args
 from minigpt.estimate import estimate_gpt
-from minigpt.memory import (
-    LAYOUT,
-    MEMORY_LOG,
-    PEAK_PARTS,
-    SUNBURST_FILES,
-    capture_memory,
-    format_breakdown,
-    format_memory_log,
-    parse_memory_log,
-    write_memory_trace,
-)
+from minigpt.memory import capture_memory, format_breakdown, format_memory_log, write_memory_trace
+from minigpt.memory_log import LAYOUT, MEMORY_LOG, PEAK_PARTS, SUNBURST_FILES, parse_memory_log
 from minigpt.model import GPT, GPTConfig
+from minigpt.shape import Shape
 
 SHAPE = dict(
     n_layers=2,
@@ -59,17 +51,7 @@ def train_steps(model, optimizer, make_batch, steps=2, amp=False, accum=1, measu
 def tiny_gpt(checkpoint=False, **shape):
     s = {**SHAPE, **shape}
     torch.manual_seed(0)
-    model = GPT(
-        GPTConfig(
-            vocab_size=s["vocab_size"],
-            max_position_embeddings=s["max_position_embeddings"],
-            n_layers=s["n_layers"],
-            n_heads=s["n_heads"],
-            d_model=s["d_model"],
-            d_ff=s["d_ff"],
-            activation_checkpoint=checkpoint,
-        )
-    )
+    model = GPT(GPTConfig(**Shape(**s, activation_checkpoint=checkpoint).model_kwargs()))
     model.train()
     optimizer = train_minimal.configure_optimizer(model, parse_args([]), "cpu")
 
@@ -184,7 +166,7 @@ def test_the_peak_is_one_micro_batch_under_gradient_accumulation():
 def test_estimate_matches_the_measurement(amp, checkpoint, shape):
     model, optimizer, batch, s = tiny_gpt(checkpoint=checkpoint, **shape)
     b = train_steps(model, optimizer, batch, amp=amp == "bf16")
-    e = estimate_gpt(**s, amp_dtype=amp, activation_checkpoint=checkpoint)
+    e = estimate_gpt(Shape(**s, activation_checkpoint=checkpoint), amp)
     assert (e.params, e.grads, e.optimizer) == (
         b.category_total("params"),
         b.category_total("grads"),
@@ -203,7 +185,7 @@ def test_estimate_with_dropout_is_close():
             m.p = 0.1
     model.blocks[0].attn.dropout = model.blocks[1].attn.dropout = 0.1
     b = train_steps(model, optimizer, batch)
-    e = estimate_gpt(**s, dropout=0.1)
+    e = estimate_gpt(Shape(**s, dropout=0.1))
     assert e.attention == "math"
     assert abs(e.activations - b.category_total("activations")) <= 0.10 * b.category_total("activations")
 
@@ -223,10 +205,10 @@ def test_estimate_formula_per_block():
         max_position_embeddings=s,
     )
     small = 16 * b * s + 4 * a * b * s
-    bf16 = estimate_gpt(**shape, amp_dtype="bf16")
+    bf16 = estimate_gpt(Shape(**shape), "bf16")
     assert bf16.block - 2 * (4 * h * h + 2 * h * 4 * h) == 36 * s * b * h + small  # minus the weight copies
-    assert estimate_gpt(**shape).block == 64 * s * b * h + small
-    assert estimate_gpt(**shape, activation_checkpoint=True).block == 4 * s * b * h
+    assert estimate_gpt(Shape(**shape)).block == 64 * s * b * h + small
+    assert estimate_gpt(Shape(**shape, activation_checkpoint=True)).block == 4 * s * b * h
 
 
 # ---------------------------------------------------------------------------- memory.log and charts
@@ -237,7 +219,7 @@ def written(tmp_path_factory):
     model, optimizer, batch, s = tiny_gpt()
     b = train_steps(model, optimizer, batch, steps=2)
     folder = tmp_path_factory.mktemp("trace") / "rank0_dp0"
-    write_memory_trace(b, folder, estimate_gpt(**s))
+    write_memory_trace(b, folder, estimate_gpt(Shape(**s)))
     return b, folder
 
 
@@ -412,7 +394,7 @@ def test_cuda_breakdown_beside_max_allocated():
             return m(x, torch.roll(x, -1, 1))[1]
 
     b = train_steps(model, optimizer, cuda_batch)
-    e = estimate_gpt(**s, amp_dtype="bf16", device="cuda")
+    e = estimate_gpt(Shape(**s), "bf16", "cuda")
     assert b.device == "cuda" and b.cuda_max_allocated >= b.category_total("params") + b.category_total(
         "optimizer"
     )
@@ -489,7 +471,7 @@ def test_the_peak_is_in_the_loss_forward_and_names_the_cross_entropy():
     model, optimizer, _, s = tiny_gpt(**s)
     b = trainer_steps(model, optimizer, s)
     assert b.peak_stage == "forward" and "loss (cross_entropy) / CrossEntropy" in b.peak_where
-    assert estimate_gpt(**s).peak_moment == "loss forward"
+    assert estimate_gpt(Shape(**s)).peak_moment == "loss forward"
     # the saved gradient (fp32 here) is named by its op, not left blank under the root module
     assert "" not in b.activations and b.activations["loss (cross_entropy gradient)"] == 4 * 8 * 32 * 2048
     temps = b.peak_parts["temporaries"]
@@ -510,6 +492,7 @@ RSS_CHILD = """
 import json, sys, torch
 from minigpt.memory import capture_memory, process_memory
 from minigpt.model import GPT, GPTConfig
+from minigpt.shape import Shape
 torch.manual_seed(0)
 m = GPT(GPTConfig(vocab_size=32768, max_position_embeddings=64, n_layers=1, n_heads=2, d_model=32, d_ff=64))
 opt = torch.optim.AdamW(m.parameters())
@@ -579,12 +562,12 @@ def test_memory_log_writes_mib_and_reads_internevos_mb(tmp_path):
 def test_no_chart_has_an_unnamed_slice(tmp_path):
     """Every sector of every sunburst has a label, and a node's value is its children's sum: no
     blank gap (a parent's own bytes are drawn as a named "(itself)" child)."""
-    from minigpt import memory
+    from minigpt import memory_log
 
     model, optimizer, _, s = tiny_gpt(**PEAK_SHAPE)
     b = trainer_steps(model, optimizer, s)
-    charts = {c: memory.category_rows(getattr(b, c), c) for c in memory.CATEGORIES}
-    charts["peak"] = memory.peak_rows(b.peak_parts)
+    charts = {c: memory_log.category_rows(getattr(b, c), c) for c in memory_log.CATEGORIES}
+    charts["peak"] = memory_log.peak_rows(b.peak_parts)
     for name, rows in charts.items():
         children: dict = {}
         ids = {r[0] for r in rows}
@@ -602,14 +585,14 @@ def test_the_peak_chart_draws_when_cuda_corrects_the_profiler_downwards():
     """On CUDA the peak is max_memory_allocated and "(not seen by the profiler)" the difference,
     which may be negative: plotly refuses a negative sector or a parent smaller than its children,
     so the chart draws the positive bytes, each parent the sum of its children."""
-    from minigpt import memory
+    from minigpt import memory_log
 
     parts = {
         "params": {"wte.weight": 4096},
         "grads": {},
         "temporaries": {"forward / lm_head / aten::mm": 8192, "(not seen by the profiler)": -512},
     }
-    rows = memory.peak_rows(parts)
+    rows = memory_log.peak_rows(parts)
     ids = {r[0] for r in rows}
     assert all(value > 0 and (parent == "" or parent in ids) for _, _, parent, value in rows)
     assert {r[0]: r[3] for r in rows} == {
@@ -624,22 +607,22 @@ def test_the_peak_chart_draws_when_cuda_corrects_the_profiler_downwards():
 def test_the_peak_reads_back_from_memory_log_with_parts_that_add_up_to_it():
     """What the report reads: memory.log's peak, when and where, and its parts, exactly; a name
     with commas (a held tensor's shape) does not cut its row."""
-    from minigpt import memory
+    from minigpt import memory_log
 
     model, optimizer, _, s = tiny_gpt(**PEAK_SHAPE)
     b = trainer_steps(model, optimizer, s)
     b.peak_parts["held"]["held before the step: int64[4, 64]"] = 2048
     b.peak += 2048
-    p = memory.peak_of_state(parse_memory_log(format_memory_log(b))[0])
+    p = memory_log.peak_of_state(parse_memory_log(format_memory_log(b))[0])
     assert p["peak"] == b.peak and p["stage"] == b.peak_stage and p["where"] == b.peak_where
     assert p["parts"] == {part: {n: v for n, v in b.peak_parts.get(part, {}).items()} for part in PEAK_PARTS}
     assert sum(v for names in p["parts"].values() for v in names.values()) == b.peak
-    leaves = memory.category_leaves(parse_memory_log(format_memory_log(b))[0])
+    leaves = memory_log.category_leaves(parse_memory_log(format_memory_log(b))[0])
     assert {c: sum(v.values()) for c, v in leaves.items()} == {
-        c: b.category_total(c) for c in memory.CATEGORIES
+        c: b.category_total(c) for c in memory_log.CATEGORIES
     }
     b.peak, b.peak_note = None, "not measured: another profiler was running"
-    assert memory.peak_of_state(parse_memory_log(format_memory_log(b))[0]) is None
+    assert memory_log.peak_of_state(parse_memory_log(format_memory_log(b))[0]) is None
 
 
 @pytest.mark.parametrize("amp", ["fp32", "bf16"])
@@ -660,7 +643,7 @@ def test_shape_only_matmuls_allocate_what_computed_ones_do(monkeypatch, amp):
         return dispatch(self, func, types, args, kwargs)
 
     monkeypatch.setattr(table.ShapeOnlyMatmuls, "__torch_dispatch__", counted)
-    shape = {**PEAK_SHAPE, "batch_size": 8}  # at batch 2 in bf16 the scratch moves the peak's moment
+    shape = Shape(**{**PEAK_SHAPE, "batch_size": 8})  # at batch 2 in bf16 the scratch moves the peak's moment
     computed = table.measure(shape, amp)
     assert not calls
     shape_only = table.measure(shape, amp, shape_only_matmuls=True)
@@ -672,7 +655,7 @@ def test_shape_only_matmuls_allocate_what_computed_ones_do(monkeypatch, amp):
     if amp == "fp32":
         assert shape_only.peak == computed.peak
     else:  # a bf16 product's backward allocates a scratch of its own, skipped with the arithmetic
-        lm_head_fp32 = shape["vocab_size"] * shape["d_model"] * 4
+        lm_head_fp32 = shape.vocab_size * shape.d_model * 4
         assert 0 <= computed.peak - shape_only.peak <= lm_head_fp32
 
 
@@ -683,7 +666,7 @@ def test_the_estimate_predicts_the_measured_peak(amp, checkpoint, accum):
     """A corner of benchmarks/estimate_table.py's matrix, on tiny shapes."""
     model, optimizer, _, s = tiny_gpt(checkpoint=checkpoint, **PEAK_SHAPE)
     b = trainer_steps(model, optimizer, s, amp=amp == "bf16", accum=accum)
-    e = estimate_gpt(**s, amp_dtype=amp, activation_checkpoint=checkpoint, grad_accum_steps=accum)
+    e = estimate_gpt(Shape(**s, activation_checkpoint=checkpoint, grad_accum_steps=accum), amp)
     assert abs(e.peak - b.peak) <= 0.10 * b.peak, (e.peak_moment, e.peak_parts(), b.peak_where, b.peak_parts)
     assert e.peak_stage == b.peak_stage
 
@@ -706,16 +689,13 @@ def test_the_estimate_predicts_the_chunked_loss_peak(monkeypatch, amp, checkpoin
     s = CHUNKED_SHAPE
     monkeypatch.setattr(model_module, "LOSS_CHUNK_ELEMENTS", CHUNK_ROWS * s["vocab_size"])
     torch.manual_seed(0)
-    keys = ("vocab_size", "max_position_embeddings", "n_layers", "n_heads", "d_model", "d_ff")
-    model = GPT(GPTConfig(**{k: s[k] for k in keys}, activation_checkpoint=checkpoint, chunked_loss=True))
+    model = GPT(GPTConfig(**Shape(**s, activation_checkpoint=checkpoint, chunked_loss=True).model_kwargs()))
     model.train()
     optimizer = train_minimal.configure_optimizer(model, parse_args([]), "cpu")
     b = trainer_steps(model, optimizer, s, amp=amp == "bf16")
     e = estimate_gpt(
-        **s,
-        amp_dtype=amp,
-        activation_checkpoint=checkpoint,
-        chunked_loss=True,
+        Shape(**s, activation_checkpoint=checkpoint, chunked_loss=True),
+        amp,
         loss_chunk_elements=CHUNK_ROWS * s["vocab_size"],
     )
     assert "ChunkedCrossEntropy" in b.peak_where and b.peak_stage == e.peak_stage == "forward"

@@ -81,10 +81,16 @@ def test_uncached_measurement_neither_reads_nor_writes(tmp_path):
     assert "not cached" in peak.source and not (tmp_path / "cache" / M.PEAK_CACHE_FILE).exists()
 
 
-def test_unreadable_cache_is_measured_again(tmp_path):
+@pytest.mark.parametrize(
+    "content",
+    ["{not json", "", "0", '"x"', "[]", "[" * 100_000 + "]" * 100_000, " " * (M.CACHE_LIMIT + 1)],
+    ids=["not json", "empty", "a number", "a string", "a list", "nested too deep", "too large"],
+)
+def test_unreadable_cache_is_measured_again(tmp_path, content):
+    """A hand-edited cache is measured again and rewritten, never a traceback."""
     path = tmp_path / "cache" / M.PEAK_CACHE_FILE
     path.parent.mkdir(parents=True)
-    path.write_text("{not json")
+    path.write_text(content)
     peak = M.peak_flops("cpu", "fp32", units())
     assert peak.source.startswith("measured now")
     assert M.machine_key("cpu", "fp32") in json.loads(path.read_text())

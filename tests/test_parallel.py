@@ -19,7 +19,9 @@ from conftest import ROOT, TINY
 
 from minigpt.config import UsageError
 from minigpt.estimate import estimate_gpt
-from minigpt.parallel import check_plan, per_rank_estimate, worker_name
+from minigpt.parallel import check_plan, worker_name
+from minigpt.per_rank import per_rank_estimate
+from minigpt.shape import Shape
 from minigpt.stages import STAGE_NAMES
 
 PROBE = ROOT / "tests" / "parallel_probe.py"
@@ -112,7 +114,8 @@ def test_per_rank_estimate_shards_state_and_splits_tp_activations():
         vocab_size=128,
         max_position_embeddings=32,
     )
-    e = estimate_gpt(**shape)
+    shape = Shape(**shape)
+    e = estimate_gpt(shape)
     ddp, fsdp = per_rank_estimate(e, 2, 1, False), per_rank_estimate(e, 2, 1, True)
     assert ddp["params"] == e.params and fsdp["params"] == e.params // 2
     assert fsdp["optimizer"] < e.optimizer / 2 + 1000
@@ -121,7 +124,7 @@ def test_per_rank_estimate_shards_state_and_splits_tp_activations():
     assert tp["activations"] < e.activations
     with pytest.raises(ValueError):
         per_rank_estimate(e, 1, 2, False)
-    from minigpt.parallel import per_rank_memory_estimate
+    from minigpt.per_rank import per_rank_memory_estimate
 
     as_estimate = per_rank_memory_estimate(e, 1, 2, False, shape)  # for minigpt.memory's table
     assert (as_estimate.total, as_estimate.params) == (tp["total"], tp["params"])
@@ -262,7 +265,8 @@ def check_estimate(record, dp, tp, fsdp):
         vocab_size=128,
         max_position_embeddings=32,
     )
-    predicted = per_rank_estimate(estimate_gpt(**shape), dp, tp, fsdp, shape)
+    shape = Shape(**shape)
+    predicted = per_rank_estimate(estimate_gpt(shape), dp, tp, fsdp, shape)
     for r in record["ranks"]:
         for category, measured in r["state_bytes"].items():
             assert measured == pytest.approx(predicted[category], rel=0.10), (r["worker"], category)

@@ -13,6 +13,7 @@ import torch
 from minigpt import estimate, predict
 from minigpt.config import UsageError
 from minigpt.model import GPT, GPTConfig, flops_per_token
+from minigpt.shape import Shape
 
 SHAPE = dict(
     n_layers=2,
@@ -44,25 +45,21 @@ def rates(
 def test_matmul_flops_are_flops_per_token_less_the_vector_parameters():
     """The ops that run at a matmul or attention rate count exactly what flops_per_token counts,
     except 6 FLOPs per token for each bias and LayerNorm parameter (element-wise work, no product)."""
-    model = GPT(
-        GPTConfig(
-            **{k: SHAPE[k] for k in ("n_layers", "d_model", "n_heads", "d_ff")},
-            vocab_size=SHAPE["vocab_size"],
-            max_position_embeddings=SHAPE["max_position_embeddings"],
-        )
-    )
+    model = GPT(GPTConfig(**Shape(**SHAPE).model_kwargs()))
     tokens = SHAPE["batch_size"] * SHAPE["seq_len"]
     vector_params = sum(p.numel() for p in model.parameters() if p.dim() == 1)
     expected = tokens * (flops_per_token(model, SHAPE["seq_len"]) - 6 * vector_params)
-    assert predict.matmul_flops(predict.step_ops(**SHAPE)) == expected
+    assert predict.matmul_flops(predict.step_ops(Shape(**SHAPE))) == expected
     # the chunked loss runs the same three products of the LM head, a chunk of rows at a time
-    chunked = predict.step_ops(**SHAPE, chunked_loss=True, loss_chunk_elements=SHAPE["vocab_size"] * 20)
+    chunked = predict.step_ops(
+        Shape(**SHAPE, chunked_loss=True), loss_chunk_elements=SHAPE["vocab_size"] * 20
+    )
     assert predict.matmul_flops(chunked) == expected
 
 
 def test_checkpointing_adds_one_forward_of_every_block_to_the_backward():
-    plain = predict.step_ops(**SHAPE)
-    ckpt = predict.step_ops(**SHAPE, activation_checkpoint=True)
+    plain = predict.step_ops(Shape(**SHAPE))
+    ckpt = predict.step_ops(Shape(**SHAPE, activation_checkpoint=True))
     h, f, s = SHAPE["d_model"], SHAPE["d_ff"], SHAPE["seq_len"]
     tokens = SHAPE["batch_size"] * s
     block_forward = 2 * tokens * (3 * h * h + h * h + 2 * h * f) + 4 * tokens * s * h
@@ -72,7 +69,7 @@ def test_checkpointing_adds_one_forward_of_every_block_to_the_backward():
 
 
 def test_chunk_rows_cover_every_token_once():
-    ops = predict.step_ops(**SHAPE, chunked_loss=True, loss_chunk_elements=SHAPE["vocab_size"] * 20)
+    ops = predict.step_ops(Shape(**SHAPE, chunked_loss=True), loss_chunk_elements=SHAPE["vocab_size"] * 20)
     logits = [o for o in ops if o.name == "chunk: logits"]
     rows = sum(int(o.kernel.split()[1].split("x")[0]) * o.count for o in logits)
     assert rows == SHAPE["batch_size"] * SHAPE["seq_len"]
@@ -80,7 +77,7 @@ def test_chunk_rows_cover_every_token_once():
 
 
 def test_amp_moves_fewer_bytes_in_the_products_and_casts_the_weights():
-    fp32, bf16 = predict.step_ops(**SHAPE), predict.step_ops(**SHAPE, amp_dtype="bf16")
+    fp32, bf16 = predict.step_ops(Shape(**SHAPE)), predict.step_ops(Shape(**SHAPE), "bf16")
     assert not [o for o in fp32 if o.name.startswith("cast")]
     assert any(o.name == "cast qkv weight" for o in bf16)
     gemm = lambda ops: sum(o.bytes * o.count for o in ops if (o.kernel or "").startswith("matmul"))  # noqa: E731
@@ -88,14 +85,16 @@ def test_amp_moves_fewer_bytes_in_the_products_and_casts_the_weights():
 
 
 def test_twice_the_layers_predicts_a_longer_forward_and_backward():
-    one = predict.predict_ops(predict.step_ops(**SHAPE), rates())
-    two = predict.predict_ops(predict.step_ops(**{**SHAPE, "n_layers": 2 * SHAPE["n_layers"]}), rates())
+    one = predict.predict_ops(predict.step_ops(Shape(**SHAPE)), rates())
+    two = predict.predict_ops(
+        predict.step_ops(Shape(**{**SHAPE, "n_layers": 2 * SHAPE["n_layers"]})), rates()
+    )
     for stage in ("forward", "backward", "optimizer_step"):
         assert two[stage].ms > one[stage].ms > 0
 
 
 def test_bound_labels_follow_the_slowest_term():
-    ops = predict.step_ops(**SHAPE)
+    ops = predict.step_ops(Shape(**SHAPE))
     compute = predict.predict_ops(ops, rates(flops=1e3, exps=1e3))
     memory = predict.predict_ops(ops, rates(bandwidth=1e3))
     overhead = predict.predict_ops(ops, rates(overhead=10.0))
@@ -134,7 +133,7 @@ def counted(monkeypatch):
 
 def test_cached_rates_are_reused_without_measuring_again(tmp_path, monkeypatch, counted):
     monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
-    needed = predict.kernels(predict.step_ops(**SHAPE))
+    needed = predict.kernels(predict.step_ops(Shape(**SHAPE)))
     first = predict.step_rates("cpu", "fp32", needed)
     assert first.measured == len(needed) + 3 and sorted(counted) == sorted(
         needed + ["bandwidth", "exp", "overhead"]
@@ -207,8 +206,12 @@ def test_param_sizes_are_the_models_tensors():
     model = GPT(
         GPTConfig(n_layers=3, d_model=32, n_heads=2, d_ff=64, vocab_size=128, max_position_embeddings=16)
     )
-    assert sorted(p.numel() for p in model.parameters()) == sorted(predict.param_sizes(3, 32, 64, 128, 16))
-    ops = [o for o in predict.step_ops(**SHAPE) if o.name.startswith("fused AdamW")]
+    assert sorted(p.numel() for p in model.parameters()) == sorted(
+        Shape(
+            **{**SHAPE, "n_layers": 3, "d_model": 32, "d_ff": 64, "max_position_embeddings": 16}
+        ).param_sizes()
+    )
+    ops = [o for o in predict.step_ops(Shape(**SHAPE)) if o.name.startswith("fused AdamW")]
     assert sum(o.count for o in ops) == 2 + 12 * SHAPE["n_layers"] + 2
 
 
@@ -249,8 +252,8 @@ def test_run_prediction_puts_predicted_beside_the_runs_last_record(tmp_path, mon
 
 def test_accumulation_runs_forward_and_backward_per_micro_batch(tmp_path, monkeypatch, counted):
     monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
-    one = predict.predict_step(SHAPE, "fp32", "cpu").stages
-    two = predict.predict_step(SHAPE, "fp32", "cpu", grad_accum_steps=2)
+    one = predict.predict_step(Shape(**SHAPE), "fp32", "cpu").stages
+    two = predict.predict_step(Shape(**SHAPE, grad_accum_steps=2), "fp32", "cpu")
     assert two.stages["forward"].ms == pytest.approx(2 * one["forward"].ms)
     assert two.stages["backward"].ms > 2 * one["backward"].ms  # and the gradients added into the held ones
     assert two.stages["optimizer_step"].ms == pytest.approx(one["optimizer_step"].ms)
@@ -260,9 +263,9 @@ def test_accumulation_runs_forward_and_backward_per_micro_batch(tmp_path, monkey
 def test_the_models_row_wise_cpu_loss_when_it_has_one(monkeypatch):
     """Where minigpt.model computes the CPU's cross-entropy by rows (LOSS_ROWS), the op list follows
     it: no log_softmax passes and no backward of the loss, the same products."""
-    plain = predict.step_ops(**SHAPE, amp_dtype="bf16")
+    plain = predict.step_ops(Shape(**SHAPE), "bf16")
     monkeypatch.setattr(predict.model_module, "LOSS_ROWS", 8, raising=False)
-    rows = predict.step_ops(**SHAPE, amp_dtype="bf16")
+    rows = predict.step_ops(Shape(**SHAPE), "bf16")
     names = {o.name for o in rows}
     assert (
         "cross-entropy by rows" in names
@@ -271,5 +274,5 @@ def test_the_models_row_wise_cpu_loss_when_it_has_one(monkeypatch):
     )
     assert predict.matmul_flops(rows) == predict.matmul_flops(plain)
     assert "log_softmax" in {
-        o.name for o in predict.step_ops(**SHAPE, device="cuda")
+        o.name for o in predict.step_ops(Shape(**SHAPE), device="cuda")
     }  # F.cross_entropy there

@@ -4,9 +4,11 @@ file:// and no console error."""
 
 from __future__ import annotations
 
+import errno
 import gzip
 import html
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -14,15 +16,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TINY
 
-from minigpt.memory import (
-    MEMORY_LOG,
-    PEAK_PARTS,
-    MemoryBreakdown,
-    parse_memory_log,
-    peak_of_state,
-    peak_rows,
-    write_memory_trace,
-)
+from minigpt.memory import MemoryBreakdown, write_memory_trace
+from minigpt.memory_log import MEMORY_LOG, PEAK_PARTS, parse_memory_log, peak_of_state, peak_rows
 from minigpt.report import SECTIONS, fitted_range, main, write_report
 from minigpt.runfiles import RunError, load_run
 
@@ -283,6 +278,65 @@ def test_out_flag_and_existing_report_replaced(tmp_path, capsys):
     assert main([str(run), "--out", str(out)]) == 0
     assert out.exists() and not (run / "report.html").exists()
     assert str(out) in capsys.readouterr().out
+
+
+def test_a_gzip_bomb_in_the_traces_is_named_and_the_report_written(tmp_path, monkeypatch, capsys):
+    from test_traces import gzip_bomb
+
+    from minigpt import traces
+
+    run = make_run(tmp_path / "r", trace=gpu_trace_events())
+    gzip_bomb(next((run / "traces").iterdir()))  # the run's own trace file, 6 GiB once inflated
+    monkeypatch.setattr(traces, "TRACE_LIMIT", 16 << 20)  # above the file, far below its text
+    assert main([str(run)]) == 0
+    assert "of trace text once decompressed" in (run / "report.html").read_text()
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("how", ["full disk", "no such folder"])
+def test_out_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, how):
+    """--out on a full disk or where no file can be created: one line naming the page and --out,
+    the previous page intact, no temporary file left."""
+    run = make_run(tmp_path / "r")
+    out = tmp_path / "page.html"
+    out.write_text("previous")
+    if how == "full disk":
+        monkeypatch.setattr(
+            "minigpt.fileio.os.fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space"))
+        )
+    else:
+        out = Path("/proc/page.html")  # /proc takes no new file, even for root
+    assert main([str(run), "--out", str(out)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: ") and str(out) in line and "(--out)" in line
+    assert "no space left" in line if how == "full disk" else "cannot write" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["page.html", "r"]
+    assert (tmp_path / "page.html").read_text() == "previous"
+
+
+def test_the_predicted_step_stands_beside_the_measured_stages_with_its_error(tmp_path):
+    """config.json's predicted_step (minigpt.predict's record, written as the run started) is shown
+    beside the measured medians: forward measured 10 ms, predicted 12 ms, is +20.0%."""
+    run = make_run(tmp_path / "r")
+    config = json.loads((run / "config.json").read_text())
+    config["predicted_step"] = {
+        "stage_ms": {"forward": 12.0, "backward": 15.0, "optimizer_step": 2.0},
+        "bound": {"forward": "compute", "backward": "compute", "optimizer_step": "memory"},
+        "tokens_per_s": 1100.0,
+        "tested": True,
+    }
+    (run / "config.json").write_text(json.dumps(config))
+    page = write_report(run).read_text()
+    stages = page[page.index('<section id="stages">') : page.index('<section id="timeline">')]
+    rows = re.findall(
+        r"<tr><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td></tr>", stages
+    )
+    assert ("forward", "10.00", "12.00", "+20.0%", "compute") in rows
+    assert ("backward", "20.00", "15.00", "-25.0%", "compute") in rows
+    assert ("optimizer_step", "2.00", "2.00", "+0.0%", "memory") in rows
+    assert ("tokens/s per rank", "1,000", "1,100", "+10.0%", "") in rows
+    assert "predicted / measured - 1" in stages and "untested" not in stages
+    assert "predicted ms" not in write_report(make_run(tmp_path / "no prediction")).read_text()
 
 
 def memory_html(page: str) -> str:

@@ -16,9 +16,10 @@ from test_train import sigterm_at
 import train_minimal
 from minigpt.compare import compare_runs, format_compare, headline
 from minigpt.instrument import PROFILER_STDERR_NOTE
-from minigpt.metrics import OLDER_RUN, RUN_KEYS, RunTotals, evaluation_notice, process_age_s
+from minigpt.metrics import RunTotals, evaluation_notice, process_age_s
 from minigpt.report import summary_section
 from minigpt.runfiles import load_run
+from minigpt.step_record import OLDER_RUN, RUN_KEYS
 
 
 def read_metrics(out):

@@ -988,3 +988,28 @@ def test_odd_field_types_never_crash(tmp_path, changes, header):
     assert s["malformed_events"] >= 0
     json.dumps(s)
     traces_mod.render(s)
+
+
+# ---------------------------------------------------------------------------- bounded reading
+
+
+def gzip_bomb(path: Path, gib: int = 6) -> Path:
+    """A .json.gz of a few MiB that inflates to `gib` GiB: one 64 MiB gzip member of spaces,
+    repeated (a gzip file may hold several members, read back to back)."""
+    member = gzip.compress(b" " * (64 << 20), compresslevel=9)
+    with open(path, "wb") as f:
+        for _ in range(16 * gib):
+            f.write(member)
+    return path
+
+
+def test_a_gzip_bomb_is_one_line_not_a_memory_error(tmp_path, monkeypatch, capsys):
+    """A 6 GiB trace in a 6 MiB gzip: refused once its text passes TRACE_LIMIT (16 MiB here, so
+    that the test reads no more than that), though the file itself is below the limit."""
+    bomb = gzip_bomb(tmp_path / "rank0_dp0.1.pt.trace.json.gz")
+    assert bomb.stat().st_size < 8 << 20
+    monkeypatch.setattr(traces_mod, "TRACE_LIMIT", 16 << 20)
+    assert traces_mod.main([str(bomb)]) == 2
+    out, err = capsys.readouterr()
+    (line,) = err.strip().splitlines()
+    assert out == "" and str(bomb) in line and "more than 16 MiB of trace text once decompressed" in line

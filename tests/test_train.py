@@ -198,18 +198,17 @@ def test_sigterm_during_a_long_evaluation_stops_promptly_and_saves(tmp_path):
     assert torch.load(out / "checkpoints" / "ckpt.pt", weights_only=True)["step"] == 2
 
 
-def write_step_rates(cache, flags: list[str], rounds) -> dict:
+def write_step_rates(cache, flags: list[str], rounds):
     """A rate cache (minigpt.predict) holding every rate the run's step needs, each `rounds`;
-    returns the run's shape (minigpt.estimate.gpt_shape)."""
+    returns the run's shape (minigpt.shape.shape_of)."""
     from minigpt import predict
     from minigpt.config import parse_args
-    from minigpt.estimate import gpt_shape
     from minigpt.mfu import machine_key
-    from minigpt.model import pad_vocab
+    from minigpt.shape import shape_of
 
     cfg = parse_args(flags)
-    shape = gpt_shape(cfg, pad_vocab(cfg.vocab_size))
-    needed = predict.kernels(predict.step_ops(**shape, amp_dtype="fp32"))
+    shape = shape_of(cfg, cfg.vocab_size)
+    needed = predict.kernels(predict.step_ops(shape, "fp32"))
     entries = {k: {"rounds": rounds} for k in needed}
     entries["bandwidth"] = {"rounds": {"4096": rounds, "400000000": rounds}}
     entries["exp"] = {"rounds": rounds}

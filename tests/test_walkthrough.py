@@ -19,8 +19,7 @@ import sys
 import pytest
 import torch
 from conftest import ROOT
-
-from minigpt.tbserve import serve_tensorboard
+from tbserve import serve_tensorboard
 
 WALKTHROUGH = ROOT / "docs" / "walkthrough.md"
 SCALE = "--preset tiny --seq-len 32 --batch-size 2 --eval-iters 1"  # the walkthrough's own step counts stay

@@ -1,5 +1,5 @@
-"""Start TensorBoard on 127.0.0.1 and a free port, and read its JSON endpoints: what the
-screenshot script (docs/tensorboard_screenshots.py) and the tests that check TensorBoard's views share."""
+"""Start TensorBoard on 127.0.0.1 and a free port, and read its JSON endpoints: what the screenshot
+script beside it (tensorboard_screenshots.py) and the tests that check TensorBoard's views share."""
 
 from __future__ import annotations
 

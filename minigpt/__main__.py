@@ -1,0 +1,54 @@
+"""The tools, under one entry: `python -m minigpt TOOL [ARGS]` runs `python -m minigpt.TOOL [ARGS]`.
+
+    python -m minigpt report runs/RUN               # the run's offline HTML page
+    python -m minigpt compare runs/A runs/B         # two runs side by side, each ratio with its interval
+    python -m minigpt traces runs/RUN               # where the time went, from the profiler traces
+    python -m minigpt estimate --preset gpt2        # a step's memory from the flags (--time: its stage times)
+    python -m minigpt parallel --gpus 8             # memory and communication per GPU of each parallel plan
+    python -m minigpt TOOL --help                   # the tool's own flags
+
+Training and sampling are the scripts at the repository's root: train_minimal.py and sample.py.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+
+# Tool -> what it does. Each is the module minigpt.<tool>, run as its own `python -m` would run it:
+# the same flags, output and exit status at either address.
+TOOLS = {
+    "report": "write a run's offline HTML report",
+    "compare": "compare two runs",
+    "traces": "summarise profiler traces: stages, kernels, operators",
+    "estimate": "predict a step's memory (or, with --time, its stage times) from the trainer's flags",
+    "parallel": "per-GPU memory and communication of DDP, FSDP and TP plans",
+}
+
+
+def usage() -> str:
+    width = max(map(len, TOOLS))
+    return "usage: python -m minigpt TOOL [ARGS]\n\ntools:\n" + "\n".join(
+        f"  {name:{width}s}  {what}" for name, what in TOOLS.items()
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the tool named first in argv with the rest; its own exit status ends the process."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"{usage()}\n\n{__doc__}")
+        return 0
+    if not argv or argv[0] not in TOOLS:
+        given = f"no tool {argv[0]!r}" if argv else "no tool given"
+        print(f"error: {given}; python -m minigpt {'|'.join(TOOLS)} (see --help)", file=sys.stderr)
+        return 2
+    tool = argv[0]
+    sys.argv[1:] = argv[1:]  # runpy sets argv[0] to the tool's file, as `python -m` does
+    # The tool ends with sys.exit(its status): that SystemExit ends this process the same way.
+    runpy.run_module(f"minigpt.{tool}", run_name="__main__", alter_sys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

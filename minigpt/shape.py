@@ -1,0 +1,130 @@
+"""The shape of one training step, torch-free: the GPT of minigpt/model.py as a config describes
+it, and the batch that feeds it. The trainer builds its model from it, the memory estimator
+(minigpt/estimate.py), the step-time predictor (minigpt/predict.py), the parallel plan
+(minigpt/parallel.py) and the benchmarks compute from it; vocabulary padding, the parameter count
+and the FLOPs per token are defined here once. It imports no torch (a test holds it to that): the
+flag checks in minigpt/config.py size a configuration with it before torch is loaded, and it sits
+in the base layer, below the core and the instruments."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+
+MiB = 2**20  # the byte units the estimates are printed in (memory.log's "MiB")
+GiB = 2**30
+VOCAB_MULTIPLE = 64  # matrix sizes that are multiples of 64 run faster
+GPT2_VOCAB = 50257  # the gpt2 tokenizer's ids
+
+
+def pad_vocab(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """Round the vocabulary up: matrix sizes that are multiples of 64 run faster (50257 -> 50304)."""
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+GPT2_PADDED = pad_vocab(GPT2_VOCAB)  # 50304: the vocabulary of every preset trained on gpt2 tokens
+
+
+def block_param_sizes(d_model: int, d_ff: int) -> list[int]:
+    """Elements of each parameter tensor of one block, in the module's order: ln_1, qkv, attn.proj,
+    ln_2, mlp.fc, mlp.proj (weights, then biases)."""
+    h, f = d_model, d_ff
+    return [h, h, 3 * h * h, 3 * h, h * h, h, h, h, f * h, f, h * f, h]
+
+
+def param_count(vocab_size: int, positions: int, d_model: int, d_ff: int, n_layers: int) -> int:
+    """Parameters of a GPT of this shape (embeddings, blocks, final LayerNorm; the head is tied to
+    the token embedding and counted once). Closed form in exact integers: it also sizes absurd
+    shapes, which config.check_size refuses before anything is built."""
+    return (vocab_size + positions) * d_model + n_layers * sum(block_param_sizes(d_model, d_ff)) + 2 * d_model
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One training step's shape: GPTConfig's fields (minigpt/model.py, the vocabulary padded) and
+    the batch: batch_size sequences of seq_len tokens, grad_accum_steps micro-batches a step."""
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    d_ff: int
+    seq_len: int
+    batch_size: int
+    vocab_size: int  # padded (pad_vocab)
+    max_position_embeddings: int
+    dropout: float = 0.0
+    activation_checkpoint: bool = False
+    chunked_loss: bool = False
+    grad_accum_steps: int = 1
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch (b x s): the rows of every activation and of the logits."""
+        return self.batch_size * self.seq_len
+
+    @property
+    def params(self) -> int:
+        """Every parameter, the tied head once: GPT.num_params(non_embedding=False)."""
+        return param_count(
+            self.vocab_size, self.max_position_embeddings, self.d_model, self.d_ff, self.n_layers
+        )
+
+    @property
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6N for the matrix products of forward and backward (N without
+        the position embedding, which costs no FLOPs), plus 12 * L * d * T for the attention
+        scores and their use (PaLM appendix B; nanoGPT's estimate_mfu)."""
+        n = self.params - self.max_position_embeddings * self.d_model
+        return 6 * n + 12 * self.n_layers * self.d_model * self.seq_len
+
+    def param_sizes(self) -> list[int]:
+        """Elements of each parameter tensor (the tied head is the embedding's): what the optimizer
+        and the gradient clipping loop over, a tensor at a time."""
+        blocks = block_param_sizes(self.d_model, self.d_ff) * self.n_layers
+        return [
+            self.vocab_size * self.d_model,
+            self.max_position_embeddings * self.d_model,
+            *blocks,
+            self.d_model,
+            self.d_model,
+        ]
+
+    def model_kwargs(self) -> dict:
+        """GPTConfig's arguments: minigpt.model.GPT(GPTConfig(**shape.model_kwargs()))."""
+        return {k: v for k, v in asdict(self).items() if k not in BATCH_FIELDS}
+
+
+BATCH_FIELDS = ("seq_len", "batch_size", "grad_accum_steps")  # the rest are GPTConfig's
+MODEL_FIELDS = tuple(f.name for f in fields(Shape) if f.name not in BATCH_FIELDS)
+
+
+def shape_of(cfg, vocab_size: int, **changes) -> Shape:
+    """The step shape of a TrainConfig (minigpt.config), or of a preset (a dict of the same names),
+    with the vocabulary padded. What parse_args resolves is resolved the same way here for a
+    preset: d_ff defaults to 4 x d_model, the positions to seq_len. `changes` override the config's
+    values before that (a benchmark's own batch and sequence length)."""
+    get = cfg.get if isinstance(cfg, Mapping) else lambda k, default=None: getattr(cfg, k, default)
+    names = ("n_layers", "d_model", "n_heads", "d_ff", "seq_len", "batch_size", "max_position_embeddings")
+    v = {k: get(k) for k in names}
+    v.update(
+        dropout=get("dropout", 0.0),
+        activation_checkpoint=bool(get("use_activation_checkpoint", False)),
+        chunked_loss=bool(get("chunked_loss", False)),
+        grad_accum_steps=get("grad_accum_steps", 1),
+    )
+    v.update(changes)
+    v["d_ff"] = v["d_ff"] or 4 * v["d_model"]
+    v["max_position_embeddings"] = v["max_position_embeddings"] or v["seq_len"]
+    return Shape(**v, vocab_size=pad_vocab(vocab_size))
+
+
+def shape_of_run(conf: dict) -> Shape:
+    """A finished run's step shape from its config.json: the model as it was built ("model":
+    GPTConfig's fields) and the batch as it was given ("config": the TrainConfig)."""
+    m, c = conf["model"], conf["config"]
+    return Shape(
+        **{k: m[k] for k in MODEL_FIELDS if k in m},
+        seq_len=c["seq_len"],
+        batch_size=c["batch_size"],
+        grad_accum_steps=c.get("grad_accum_steps", 1),
+    )

@@ -1,0 +1,67 @@
+"""The analysis reads run directories and imports nothing of the trainer: each analysis module, and
+each base module it stands on, imports in a fresh interpreter without torch and without any core
+or instrument module of minigpt, so a report is written wherever the run folder was copied to.
+`python -m minigpt TOOL` is the tools' one entry."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+from test_report import gpu_trace_events, make_run
+
+# The layers of minigpt/ (design.md): base is torch-free and shared; analysis imports base only.
+BASE = ("paths", "fileio", "stages", "errors", "memory_log", "step_record", "shape")
+ANALYSIS = ("traces", "report", "compare", "runfiles", "stats", "__main__")
+MODULES = [m for m in BASE + ANALYSIS if (ROOT / "minigpt" / f"{m}.py").exists()]
+
+
+def python(code: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_analysis_and_base_import_no_torch_and_nothing_of_the_trainer(module):
+    result = python(
+        "import json, sys\n"
+        f"import minigpt.{module}\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'minigpt'))))"
+    )
+    assert result.returncode == 0, result.stderr
+    loaded = json.loads(result.stdout)
+    assert "torch" not in loaded, f"minigpt.{module} imports torch"
+    allowed = {"minigpt", *(f"minigpt.{m}" for m in BASE + ANALYSIS)}
+    assert set(loaded) <= allowed, f"minigpt.{module} imports {sorted(set(loaded) - allowed)}"
+
+
+def test_report_compare_and_traces_run_where_torch_is_missing(tmp_path):
+    """Through `python -m minigpt TOOL`, with `import torch` made to fail: each tool does its work."""
+    a = make_run(tmp_path / "a", trace=gpu_trace_events())
+    b = make_run(tmp_path / "b", trace=gpu_trace_events(), tokens_per_s=1500.0)
+    no_torch = (
+        "import sys; sys.modules['torch'] = None\nfrom minigpt.__main__ import main\nmain(sys.argv[1:])"
+    )
+    for args, says in (
+        (["report", str(a)], f"report: {a / 'report.html'}"),
+        (["compare", str(a), str(b)], "tokens/s per step"),
+        (["traces", str(a)], "2 profiled step(s): 5, 6"),
+    ):
+        result = python(no_torch, *args)
+        assert result.returncode == 0 and says in result.stdout, (args, result.stderr)
+    assert "Stage times per step" in (a / "report.html").read_text()
+
+
+@pytest.mark.parametrize("args", [[], ["repot", "RUN"]])
+def test_an_unknown_tool_is_one_line_and_exit_2(args):
+    result = subprocess.run(
+        [sys.executable, "-m", "minigpt", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2 and result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert "report|compare|traces" in line and "Traceback" not in result.stderr
