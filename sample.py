@@ -28,14 +28,21 @@ import torch
 
 from minigpt.config import UsageError, resolve_device
 from minigpt.data import EOT, get_tokenizer
+from minigpt.fileio import UnreadableFile, format_bytes, read_bounded
 from minigpt.paths import CHECKPOINT_FILE, RUNS_ROOT
 from minigpt.progress import Progress, progress_enabled
 from minigpt.runs import latest_run
 from minigpt.sample import generate, load_model, utf8_text, vocab_in_use
 
 FILE_PREFIX = "FILE:"  # --prompt FILE:path reads the prompt from a file
+PROMPT_LIMIT = 1 << 20  # bytes: far more text than any model's context, which crops the prompt anyway
 TOY_PROMPT = "0 2 4 6"  # a toy run's task is arithmetic sequences: the stride is in the prompt
 SEPARATOR = "-" * 40
+# Below this the draw is greedy to float precision, and far below it logits / temperature
+# overflows to inf (softmax then returns NaN): --top-k 1 asks for greedy decoding exactly.
+MIN_TEMPERATURE = 1e-3
+# One command's output: each new token is a forward pass, so 10^14 tokens would never finish.
+MAX_SAMPLES, MAX_NEW_TOKENS = 10_000, 100_000
 
 
 class Parser(argparse.ArgumentParser):
@@ -96,10 +103,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not (args.temperature > 0 and math.isfinite(args.temperature)):
         raise UsageError(f"--temperature {args.temperature}: give a positive finite number, such as 0.8")
+    if args.temperature < MIN_TEMPERATURE:
+        raise UsageError(
+            f"--temperature {args.temperature}: give at least {MIN_TEMPERATURE:g}; "
+            "for the likeliest token every time use --top-k 1"
+        )
     if args.top_k < 1:
         raise UsageError(f"--top-k {args.top_k}: give at least 1 (1 is greedy decoding)")
     if args.num_samples < 1 or args.max_new_tokens < 0:
         raise UsageError("--num-samples must be at least 1 and --max-new-tokens at least 0")
+    if args.num_samples > MAX_SAMPLES or args.max_new_tokens > MAX_NEW_TOKENS:
+        raise UsageError(
+            f"--num-samples {args.num_samples}, --max-new-tokens {args.max_new_tokens}: give at most "
+            f"{MAX_SAMPLES:,} samples of at most {MAX_NEW_TOKENS:,} tokens"
+        )
     if not 0 <= args.seed < 2**32:
         raise UsageError(f"--seed {args.seed}: give a number in [0, 2^32)")
     return args
@@ -118,20 +135,28 @@ def checkpoint_path(args: argparse.Namespace) -> Path:
                 "still before its first save?); pass --checkpoint to name one"
             )
         return path
-    run = latest_run(RUNS_ROOT, CHECKPOINT_FILE)
+    run = latest_run(RUNS_ROOT, CHECKPOINT_FILE, "sample.py", "--checkpoint", "to sample from")
     print(f"sampling from {run}, the run with the newest checkpoint", file=sys.stderr)
     return run / CHECKPOINT_FILE
 
 
 def read_prompt(prompt: str) -> str:
+    """The prompt, or with FILE:path the text of that file: a regular file of at most PROMPT_LIMIT
+    bytes (a FIFO would block, /dev/zero would never end)."""
     if not prompt.startswith(FILE_PREFIX):
         return prompt
     path = Path(prompt[len(FILE_PREFIX) :])
     try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
-        raise UsageError(f"--prompt {prompt}: cannot read {path} ({reason})") from None
+        path.stat()
+        return read_bounded(path, PROMPT_LIMIT).decode("utf-8")
+    except OSError as e:
+        raise UsageError(f"--prompt {prompt}: cannot read {path} ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"--prompt {prompt}: cannot read {path} (not UTF-8 text)") from None
+    except UnreadableFile as e:
+        raise UsageError(
+            f"--prompt {prompt}: {e}; give a regular text file of at most {format_bytes(PROMPT_LIMIT)}"
+        ) from None
 
 
 def encode(prompt: str, toy: bool, vocab: int | None) -> list[int]:
@@ -174,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(
             f"this run used the {train_cfg['tokenizer_name']} tokenizer; sample.py decodes gpt2 only"
         )
-    vocab = vocab_in_use(train_cfg, None if toy else get_tokenizer().n_vocab)
+    vocab = vocab_in_use(train_cfg, None if toy else get_tokenizer().n_vocab, model.cfg.vocab_size, path)
     prompt = read_prompt(args.prompt)
     ids = encode(prompt, toy, vocab)
     generator = torch.Generator(device=device).manual_seed(args.seed)

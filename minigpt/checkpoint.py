@@ -6,12 +6,17 @@ from __future__ import annotations
 import json
 import math
 import random
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from minigpt.config import UsageError, format_bytes, machine_ram_bytes
+from minigpt import distributed, parallel, paths
+from minigpt.config import TrainConfig, UsageError, format_bytes, machine_ram_bytes
+from minigpt.data import Batches
+from minigpt.distributed import DistInfo
 from minigpt.fileio import UnreadableFile, atomic_open, read_bounded
+from minigpt.model import GPT
 from minigpt.shape import param_count
 from minigpt.torchcompat import dcp_set_element
 
@@ -643,3 +648,126 @@ def check_sharded_path(folder: str | Path, resume: bool) -> None:
             f"{folder} already holds a checkpoint; pass --resume to continue that run, "
             "or choose another --out-dir / --checkpoint-path"
         )
+
+
+# ---------------------------------------------------------------------------- the trainer's checkpointer
+
+
+class NonFiniteLoss(Exception):
+    """The loss or the weights became NaN or inf: the run stops (exit status 1) rather than train
+    on garbage, and says that its last good checkpoint was kept."""
+
+
+class Checkpointer:
+    """The checkpoint a run writes and resumes from: one file written by rank 0, or under
+    --fsdp/--tp a folder of shards that every rank writes (DCP). The trainer calls restore() once
+    and save() at each save point, and never asks which of the two it is."""
+
+    def __init__(self, cfg: TrainConfig, out_dir: Path, sharded: bool, dist_info: DistInfo):
+        """The path is checked here, before anything is built or the run directory is touched."""
+        path = Path(cfg.checkpoint_path) if cfg.checkpoint_path else out_dir / paths.CHECKPOINT_FILE
+        self.path = sharded_checkpoint_dir(path) if sharded else path
+        (check_sharded_path if sharded else check_checkpoint_path)(self.path, cfg.resume)
+        self.cfg, self.sharded, self.dist_info = cfg, sharded, dist_info
+        self.enabled = not cfg.no_checkpoint
+        # The first file a save writes, probed before the run starts (minigpt.runs.RunDir.guard).
+        self.probe_path = self.path / SHARDED_META if sharded else self.path
+
+    def restore(self, model: GPT, optimizer: torch.optim.Optimizer, scaler, batches: Batches) -> int:
+        """Hold what save() writes and, with --resume, load the checkpoint into it; return its
+        step (0 for a fresh run). Refuses a checkpoint that does not fit the flags."""
+        self.model, self.optimizer, self.scaler, self.batches = model, optimizer, scaler, batches
+        if not self.cfg.resume:
+            return 0
+        return self._load_shards() if self.sharded else self._load_file()
+
+    def _check_step(self, step: int) -> None:
+        if step >= self.cfg.num_steps:
+            raise UsageError(
+                f"checkpoint {self.path} is at step {step}, already past "
+                f"--num-steps {self.cfg.num_steps}; raise --num-steps to train further"
+            )
+
+    def _load_file(self) -> int:
+        path, cfg, rank = self.path, self.cfg, self.dist_info.rank
+        state = load_checkpoint(path)
+        check_same_shape(state["model_config"], asdict(self.model.cfg), path)
+        check_resume(state, cfg, self.optimizer, path)  # this run's own checkpoint; optimizer state fits
+        self._check_step(state["step"])
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scaler.load_state_dict(state["scaler"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise UsageError(
+                f"checkpoint {path} does not fit this run's flags (model, optimizer or "
+                f"--amp-dtype differ: {str(e).splitlines()[0]}); resume with the flags it was "
+                "trained with"
+            ) from None
+        self.batches.position = state["data_position"]
+        per_rank = state.get("rng_per_rank") or []
+        # last: building the model drew from the generators
+        if len(per_rank) == self.dist_info.world_size:
+            set_rng_state(per_rank[rank])
+        else:  # the world size changed: exact continuation is impossible, keep the ranks' streams apart
+            set_rng_state(state["rng"])
+            torch.manual_seed(cfg.seed + rank + state["step"])
+        return state["step"]
+
+    def _load_shards(self) -> int:
+        """Every rank loads its shards (load_sharded)."""
+        extra = load_sharded(self.path, self.model, self.optimizer)
+        check_sharded_resume(extra, self.cfg, self.path)  # its keys and types; this run's own checkpoint
+        check_same_shape(extra["model_config"], asdict(self.model.cfg), self.path)
+        self._check_step(extra["step"])
+        self.scaler.load_state_dict(extra["scaler"])
+        self.batches.position = extra["data_position"]
+        set_rng_state(extra["rng"])  # this rank's own stream (rank 0's after a change of world size)
+        return extra["step"]
+
+    def check_finite(
+        self, losses: list[torch.Tensor], step: int, amp_dtype: str, weights: bool = False
+    ) -> list[float]:
+        """Read the interval's losses (this syncs) and stop at the first non-finite one, on every
+        rank together (each rank sees only its own loss). Before a save, the weights too (first):
+        a checkpoint of non-finite weights would replace the last good one."""
+        if weights and not all(torch.isfinite(parallel.local(p)).all() for p in self.model.parameters()):
+            raise NonFiniteLoss(
+                f"the weights became non-finite at step {step}; {describe_intact(self.path)}; lower --lr"
+            )
+        if not losses:
+            return []
+        values = torch.stack(losses).tolist()
+        bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+        if distributed.any_rank(bad is not None, self.dist_info):
+            where = (
+                f"loss is {values[bad]} at step {step - len(values) + bad + 1}"
+                if bad is not None
+                else f"another rank's loss became non-finite by step {step}"
+            )
+            hint = " or use --amp-dtype bf16 (fp16's range is narrow)" if amp_dtype == "fp16" else ""
+            raise NonFiniteLoss(f"{where}; {describe_intact(self.path)}; lower --lr{hint}")
+        return values
+
+    def save(self, step: int) -> None:
+        """Everything a resumed run needs to repeat the uninterrupted one. Called on every rank:
+        one file gathers each rank's RNG state (each rank's dropout stream) and rank 0 writes it;
+        shards are written by every rank, each with its own RNG state beside them."""
+        model, optimizer, scaler = self.model, self.optimizer, self.scaler
+        configs = {"config": self.cfg.to_dict(), "model_config": asdict(model.cfg)}
+        if self.sharded:
+            extra = {"scaler": scaler.state_dict(), "step": step, "data_position": self.batches.position}
+            save_sharded(self.path, model, optimizer, {**extra, "rng": rng_state(), **configs})
+            return
+        state = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict(),
+            "step": step,
+            "data_position": self.batches.position,
+            "rng": rng_state(),
+            "rng_per_rank": distributed.gather(rng_state(), self.dist_info),
+            **configs,
+        }
+        if self.dist_info.is_main:
+            save_checkpoint(self.path, state)

@@ -218,3 +218,9 @@ def bounded_freed_memory(
         + ("; given back around evaluations" if give_back_at_evaluations else "")
         + "): no page faults on each step's big tensors; --no-keep-freed-memory to compare"
     )
+
+
+def choose_allocator(keep_freed: bool) -> str:
+    """Set the CPU allocator for the trainer (--keep-freed-memory, the default, or glibc's own
+    settings) before its first big allocation, and say what was done."""
+    return keep_freed_memory() if keep_freed else "CPU allocator: glibc defaults (--no-keep-freed-memory)"

@@ -21,12 +21,14 @@ import stat
 import struct
 import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from minigpt.config import UsageError
+from minigpt.config import TrainConfig, UsageError
 from minigpt.fileio import atomic_write, file_kind
 from minigpt.progress import Progress, progress_enabled
 
@@ -300,6 +302,7 @@ def check_enough_tokens(tokens: np.ndarray, seq_len: int, what: str) -> None:
         )
 
 
+@dataclass(eq=False)
 class Batches:
     """Random windows of seq_len + 1 tokens: x is the first seq_len, y the same shifted by one.
 
@@ -307,21 +310,14 @@ class Batches:
     saving `position` is all a checkpoint needs to continue the same sequence of batches.
     """
 
-    def __init__(
-        self,
-        tokens: np.ndarray,
-        batch_size: int,
-        seq_len: int,
-        seed: int,
-        rank: int = 0,
-        stream: int = 0,
-        pin_memory: bool = False,
-        position: int = 0,
-    ):
-        self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
-        self.seed, self.rank, self.stream = seed, rank, stream
-        self.pin_memory = pin_memory  # page-locked host memory lets the copy to the GPU be async
-        self.position = position
+    tokens: np.ndarray
+    batch_size: int
+    seq_len: int
+    seed: int
+    rank: int = 0
+    stream: int = 0
+    pin_memory: bool = False  # page-locked host memory lets the copy to the GPU be async
+    position: int = 0
 
     def _windows(self, rng: np.random.Generator) -> np.ndarray:
         starts = rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
@@ -353,3 +349,58 @@ class ToyBatches(Batches):
         start = rng.integers(0, self.vocab_size, size=(self.batch_size, 1))
         stride = rng.integers(1, 5, size=(self.batch_size, 1))
         return (start + stride * np.arange(self.seq_len + 1)) % self.vocab_size
+
+
+@dataclass
+class Data:
+    """The batches a run draws, and what the log says of them."""
+
+    train: Batches
+    make_val: Callable[[], Batches]  # a fresh iterator over the same validation batches each time
+    name: str
+    vocab_size: int
+    train_tokens: int | None  # None for toy data, which has no epochs
+    val_tokens: int | None
+
+
+def load_data(cfg: TrainConfig, rank: int, pin: bool) -> Data:
+    """Read and check everything before the run directory is touched: a mistake costs nothing.
+    `rank`: the data-parallel rank (the ranks of a tp group share batches); `pin`: page-locked
+    batches make the host-to-device copy asynchronous (CUDA)."""
+    if cfg.use_toy_data:
+        v = cfg.vocab_size
+        return Data(
+            ToyBatches(v, cfg.batch_size, cfg.seq_len, cfg.data_seed, rank=rank, pin_memory=pin),
+            functools.partial(
+                ToyBatches, v, cfg.batch_size, cfg.seq_len, cfg.data_seed, stream=1, pin_memory=pin
+            ),
+            "toy sequences",
+            v,
+            None,
+            None,
+        )
+    train_files = cfg.train_data or [builtin_corpus()]
+    name = ", ".join(map(str, train_files)) if cfg.train_data else "built-in corpus (pydoc_data topics)"
+    tokens = load_tokens(train_files, cfg.tokenizer_name, cfg.max_tokens)
+    if cfg.val_data:
+        train_tokens, val_tokens = tokens, load_tokens(cfg.val_data, cfg.tokenizer_name)
+    else:
+        train_tokens, val_tokens = split_train_val(tokens)
+    check_enough_tokens(train_tokens, cfg.seq_len, "the training data")
+    check_enough_tokens(val_tokens, cfg.seq_len, "the validation data")
+    n_vocab = tokenizer_vocab(cfg.tokenizer_name)
+    if cfg.vocab_size is not None and cfg.vocab_size < n_vocab:
+        raise UsageError(
+            f"--vocab-size {cfg.vocab_size} is smaller than the {cfg.tokenizer_name} "
+            f"tokenizer's {n_vocab} ids; drop --vocab-size or raise it"
+        )
+    return Data(
+        Batches(train_tokens, cfg.batch_size, cfg.seq_len, cfg.data_seed, rank=rank, pin_memory=pin),
+        functools.partial(
+            Batches, val_tokens, cfg.batch_size, cfg.seq_len, cfg.data_seed, stream=1, pin_memory=pin
+        ),
+        name,
+        cfg.vocab_size or n_vocab,
+        len(train_tokens),
+        len(val_tokens),
+    )

@@ -4,10 +4,9 @@ and MFU. Knows nothing of GPT: figures come in as plain dicts and numbers."""
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
-import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,31 +14,6 @@ from pathlib import Path
 from minigpt.fileio import DiskFull, disk_full_message, is_disk_full
 from minigpt.stages import label
 from minigpt.step_record import MEMORY_BREAKDOWN_KEYS, StepRecord
-
-LOG_FORMAT = "[%(asctime)s] %(message)s"
-LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
-
-
-def setup_logging(log_file: Path | None = None, rank: int = 0) -> logging.Logger:
-    """The 'minigpt' logger: on rank 0 the console plus log_file when given; on other ranks only
-    warnings and errors, on stderr, marked with the rank."""
-    log = logging.getLogger("minigpt")
-    log.handlers.clear()
-    log.propagate = False
-    if rank == 0:
-        log.setLevel(logging.INFO)
-        handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
-        if log_file is not None:
-            log_file.parent.mkdir(parents=True, exist_ok=True)
-            handlers.append(logging.FileHandler(log_file, encoding="utf-8"))
-        fmt = LOG_FORMAT
-    else:
-        log.setLevel(logging.WARNING)
-        handlers, fmt = [logging.StreamHandler(sys.stderr)], f"[%(asctime)s] [rank {rank}] %(message)s"
-    for h in handlers:
-        h.setFormatter(logging.Formatter(fmt, LOG_DATEFMT))
-        log.addHandler(h)
-    return log
 
 
 def format_duration(seconds: float) -> str:
@@ -125,6 +99,15 @@ def format_finished(r: StepRecord, steps: int, resumed_at: int = 0) -> str:
         f"step's time summed), {r.tokens_per_s_e2e:,.0f} tokens/s end to end ({r.elapsed_s:.2f}s of "
         f"loop to the last log line: evaluations, logging and checkpoints included); {startup}"
     )
+
+
+def forward_ms(stages, step_times: list[float], grad_accum_steps: int) -> float | None:
+    """One batch's forward time in the interval (ms), what an evaluation batch costs: the forward
+    stage per micro-batch (`stages`: the interval's StageTimes), or a third of a step without
+    stage timing."""
+    if "forward" in stages.host_ms:
+        return stages.host_ms["forward"] / grad_accum_steps
+    return 1000 * sum(step_times) / len(step_times) / 3 / grad_accum_steps if step_times else None
 
 
 def evaluation_notice(batches: int, forward_ms: float | None, threshold_s: float = 5.0) -> str | None:
@@ -224,15 +207,28 @@ class TensorBoardLogger:
     def __init__(self, log_dir: Path, enabled: bool = True, purge_step: int | None = None):
         """`purge_step`: on resume, the first step trained again; TensorBoard hides what an earlier
         run wrote from there on, so no step is drawn twice."""
-        self.writer = None
+        self.writer, self.log_dir = None, log_dir
         if enabled:  # under DDP only rank 0 writes
             from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
 
+            if threading.excepthook is not _quiet_full_disk:
+                _quiet_full_disk.previous = threading.excepthook
+                threading.excepthook = _quiet_full_disk
             self.writer = SummaryWriter(str(log_dir), purge_step=purge_step)
 
     def log(self, r: StepRecord) -> None:
+        """Write the record's scalars and flush them. A full disk ends as one line (DiskFull):
+        TensorBoard's writer thread fails first, and its error is raised here."""
         if self.writer is None:
             return
+        try:
+            self._log(r)
+        except (OSError, RuntimeError) as e:
+            if is_disk_full(e):
+                raise DiskFull(disk_full_message(self.log_dir, None, True)) from None
+            raise
+
+    def _log(self, r: StepRecord) -> None:
         scalars = {
             "train/loss": r.loss,
             "val/loss": r.val_loss,
@@ -271,12 +267,35 @@ class TensorBoardLogger:
                     )
         self.writer.flush()
 
-    def close(self) -> None:
-        if self.writer is not None:
+    def close(self, error_in_flight: bool = False) -> None:
+        """A full disk met while closing is one line, unless the run is already ending on an error
+        (log() reported it, or another one): then it adds nothing."""
+        if self.writer is None:
+            return
+        try:
             self.writer.close()
+        except (OSError, RuntimeError) as e:
+            if not is_disk_full(e):
+                raise
+            if not error_in_flight:
+                raise DiskFull(disk_full_message(self.log_dir, None, True)) from None
+        finally:
+            self.writer = None
 
     def __enter__(self) -> TensorBoardLogger:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.close(error_in_flight=exc[0] is not None)
+
+
+def _quiet_full_disk(args) -> None:
+    """threading.excepthook: TensorBoard's writer thread dies on a full disk and prints its
+    traceback; TensorBoardLogger.log raises the same error in the loop as one line, so the
+    thread's copy is dropped. Every other thread's error goes to the hook that was there before."""
+    if type(args.thread).__module__.startswith("tensorboard.") and is_disk_full(args.exc_value):
+        return
+    _quiet_full_disk.previous(args)
+
+
+_quiet_full_disk.previous = threading.excepthook

@@ -57,8 +57,16 @@ from pathlib import Path
 
 import torch
 
+from minigpt import distributed
+from minigpt.config import TrainConfig
 from minigpt.data import cache_dir
+from minigpt.distributed import DistInfo
 from minigpt.fileio import UnreadableFile, atomic_write, display_path, read_bounded
+from minigpt.instrument import cuda_memory_report
+from minigpt.memory import process_memory
+from minigpt.metrics import RunTotals, StepRecord, format_finished, perplexity
+from minigpt.model import GPT
+from minigpt.shape import shape_of
 
 PEAK_CACHE_FILE = "peak_flops.json"  # under minigpt.data.cache_dir(): one entry per machine, dtype, torch
 # Each unit is timed in many short calls for this long (wall clock) after a warm-up, and its best
@@ -150,6 +158,8 @@ class PeakFlops:
     shapes: list[dict] = field(default_factory=list)
     measured_at: str | None = None  # measured: when the winning unit was timed (UTC)
     load: float | None = None  # measured: the 1-minute load average then (os.getloadavg)
+    device: str = "cpu"  # what the peak is of: the device and the dtype the model trains in
+    dtype: str = "fp32"
 
     def config(self) -> dict:
         """The keys config.json carries."""
@@ -218,10 +228,10 @@ def peak_flops(
     if override_tflops is not None:
         if not override_tflops > 0:
             raise ValueError(f"--peak-tflops must be positive, got {override_tflops}")
-        return PeakFlops(override_tflops * 1e12, "override: --peak-tflops")
+        return PeakFlops(override_tflops * 1e12, "override: --peak-tflops", device=device, dtype=dtype)
     from_table = table_peak(device, dtype)
     if from_table:
-        return PeakFlops(*from_table)
+        return PeakFlops(*from_table, device=device, dtype=dtype)
     units = [Workload("matmul", (n, n, n)) for n in SQUARE_SIZES] + list(dict.fromkeys(workloads or []))
     key, path = machine_key(device, dtype), cache_dir() / PEAK_CACHE_FILE
     known = current(read_cache(path).get(key, {})) if cache else {}
@@ -268,7 +278,8 @@ def peak_flops(
     )
     if skipped:  # not measured, so MFU's bound holds for the measured units only: said, not hidden
         source += f"; {len(skipped)} unit(s) too slow to time here skipped: {', '.join(skipped)}"
-    return PeakFlops(best["best"], source, (best["median"], best["best"]), shapes, best["date"], load)
+    spread = (best["median"], best["best"])
+    return PeakFlops(best["best"], source, spread, shapes, best["date"], load, device, dtype)
 
 
 def current(entries: dict) -> dict:
@@ -376,3 +387,105 @@ def describe(peak: PeakFlops) -> str:
     """One line for the log: the denominator and its source (for a measured one: the unit, when,
     under what load, and the median call beside the best)."""
     return f"MFU peak {peak.value / 1e12:.3g} TFLOP/s; {peak.source}"
+
+
+def mfu_peak(cfg: TrainConfig, model: GPT, device: str, amp_dtype: str, dist_info: DistInfo) -> PeakFlops:
+    """The trainer's MFU denominator: --peak-tflops, a known GPU's data sheet, or this machine's
+    best rate on the model's own units, measured once and cached. Rank 0 measures alone and the
+    others read its cache: measured together they would share the cores and cache a low figure."""
+    units = model_workloads(
+        cfg.batch_size, cfg.seq_len, cfg.d_model, cfg.d_ff, model.cfg.vocab_size, cfg.n_heads
+    )
+    if not dist_info.is_main:
+        distributed.barrier(dist_info)
+    peak = peak_flops(device, amp_dtype, units, override_tflops=cfg.peak_tflops)
+    if dist_info.is_main:
+        distributed.barrier(dist_info)
+    return peak
+
+
+@dataclass
+class Throughput:
+    """What turns the loop's clocks into a StepRecord (minigpt.metrics): this run's constants,
+    and the run-wide totals (RunTotals) that every record carries."""
+
+    tokens_per_step: int  # per rank: batch x seq_len x accumulation
+    world_size: int  # the data-parallel ranks: a tp group's ranks share one batch
+    flops_per_token: int  # per device: a tp group's devices split the model
+    peak: PeakFlops
+    start_step: int
+    num_steps: int
+    train_tokens: int | None  # the epoch's length; None for toy data, which has no epochs
+    totals: RunTotals
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, plan, model: GPT, peak: PeakFlops, step: int, train_tokens: int | None):
+        """`plan`: the parallel plan (minigpt.parallel), for its data- and tensor-parallel degrees."""
+        tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps
+        fpt = shape_of(cfg, model.cfg.vocab_size).flops_per_token // plan.tp
+        return cls(tokens, plan.dp, fpt, peak, step, cfg.num_steps, train_tokens, RunTotals(tokens * plan.dp))
+
+    @property
+    def device(self) -> str:
+        return self.peak.device
+
+    @property
+    def amp(self) -> str:
+        """The dtype the model trains in: "bf16", "fp16" or "fp32"."""
+        return self.peak.dtype
+
+    def config(self) -> dict:
+        """The keys config.json carries."""
+        return {"flops_per_token": self.flops_per_token, **self.peak.config()}
+
+    def describe_peak(self) -> str:
+        return describe(self.peak)
+
+    def finished(self, last: StepRecord, step: int) -> str:
+        """The run's last line, from its last record: the steps since the start or the resume."""
+        return format_finished(last, step - self.start_step, self.start_step)
+
+    def record(
+        self,
+        step: int,
+        losses: list[float],
+        lr: float,
+        val: float | None,
+        step_times: list[float],
+        stages,
+        comm,
+    ) -> StepRecord:
+        """The interval's record. `stages`: the interval's StageTimes (minigpt.instrument); `comm`:
+        under FSDP/TP, (the profiled step, its ms in collectives per stage) from
+        Instruments.take_comm; under DDP the backward's wait for the all-reduce is split off instead."""
+        step_time = sum(step_times) / len(step_times)
+        per_rank = self.tokens_per_step / step_time
+        self.totals.add(step_times)
+        run = self.totals.figures()  # run_tokens, run_tokens_per_s, tokens_per_s_e2e, elapsed_s, ...
+        comm_step, comm_ms = comm or (None, {})
+        if "backward_compute" in stages.host_ms:  # DDP: every step's wait, averaged like the stages
+            comm_ms = {"backward": stages.host_ms["backward"] - stages.host_ms["backward_compute"]}
+        epoch_tokens = self.train_tokens
+        return StepRecord(
+            step=step,
+            num_steps=self.num_steps,
+            loss=sum(losses) / len(losses),
+            lr=lr,
+            epoch=1 + step * self.tokens_per_step * self.world_size // epoch_tokens if epoch_tokens else 1,
+            step_time_s=step_time,
+            tokens_per_s=self.world_size * per_rank,
+            tokens_per_s_per_rank=per_rank,
+            **run,
+            world_size=self.world_size,
+            val_loss=val,
+            val_ppl=None if val is None else perplexity(val),
+            eta_s=self.totals.tokens_per_step * (self.num_steps - step) / run["tokens_per_s_e2e"],
+            amp=self.amp,
+            mfu=mfu(self.flops_per_token, per_rank, self.peak.value),
+            achieved_tflops=achieved_tflops(self.flops_per_token, per_rank),
+            stage_host_ms=stages.host_ms,
+            stage_device_ms=stages.device_ms,
+            stage_comm_ms=comm_ms,
+            comm_step=comm_step,
+            memory=cuda_memory_report() if self.device == "cuda" else process_memory(),
+        )

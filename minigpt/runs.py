@@ -1,6 +1,7 @@
 """The run directory before the first step and after the last: every output path probed, one
 trainer per directory, the run to resume found by its checkpoint's age, files a killed process
-left behind cleaned or repaired, and the lines every run ends with.
+left behind cleaned or repaired, config.json and the lines every log starts and ends with.
+RunDir holds all of it for the trainer.
 
 All of it runs before a single step is trained: a path that cannot be written costs one line
 (exit 2), not an interval of training followed by a traceback at the first save.
@@ -11,12 +12,32 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
+import platform
 import re
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict
+from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from minigpt.config import UsageError
+import torch
+
+from minigpt import distributed, paths
+from minigpt.config import EXTRA_ARGS_ENV, TrainConfig, UsageError
+from minigpt.cpu import preload_hint
+from minigpt.distributed import DistInfo
 from minigpt.fileio import atomic_write
+
+if TYPE_CHECKING:
+    from minigpt.checkpoint import Checkpointer
+    from minigpt.data import Data
+    from minigpt.mfu import Throughput
+    from minigpt.model import GPT
 
 LOCK_FILE = ".lock"  # in the run directory; holds the PID of the trainer that owns it
 # Pseudo file systems: the kernel's views, never a place for a run's files.
@@ -24,6 +45,8 @@ PSEUDO_FS = (Path("/proc"), Path("/sys"), Path("/dev"))
 # Two runs whose checkpoints were written closer together than this cannot be told apart by age.
 AMBIGUOUS_S = 1.0
 STALE_TMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.tmp$")  # minigpt.fileio.tmp_path's names
+LOG_FORMAT = "[%(asctime)s] %(message)s"
+LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
 
 
 def _reason(e: OSError) -> str:
@@ -198,10 +221,17 @@ class RunLock:
         self.release()
 
 
-def latest_run(root: str | Path, checkpoint_file: str | Path = Path("checkpoints") / "ckpt.pt") -> Path:
+def latest_run(
+    root: str | Path,
+    checkpoint_file: str | Path = Path("checkpoints") / "ckpt.pt",
+    asker: str = "--resume",
+    flag: str = "--checkpoint-path",
+    purpose: str = "to continue",
+) -> Path:
     """The run under `root` whose checkpoint was written last (by its mtime, not its name:
     'runs/long' sorts after 'runs/20261123-...'). Refused when none has one, or when the two
-    newest were written within AMBIGUOUS_S of each other."""
+    newest were written within AMBIGUOUS_S of each other. The messages name who asked (`asker`:
+    the trainer's --resume, sample.py) and the flags that tool takes instead (--out-dir, `flag`)."""
     root, depth = Path(root), len(Path(checkpoint_file).parts)
     found = []
     for ckpt in root.glob(f"*/{checkpoint_file}"):
@@ -211,14 +241,13 @@ def latest_run(root: str | Path, checkpoint_file: str | Path = Path("checkpoints
             continue
     if not found:
         raise UsageError(
-            f"--resume: no run in {root}/ has a checkpoint ({checkpoint_file}); "
-            "pass --out-dir or --checkpoint-path"
+            f"{asker}: no run in {root}/ has a checkpoint ({checkpoint_file}); pass --out-dir or {flag}"
         )
     found.sort(key=lambda t: t[0], reverse=True)
     if len(found) > 1 and found[0][0] - found[1][0] < AMBIGUOUS_S:
         raise UsageError(
-            f"--resume: {found[0][1]} and {found[1][1]} saved their checkpoints within "
-            f"{AMBIGUOUS_S:g}s of each other; pass --out-dir to say which to continue"
+            f"{asker}: {found[0][1]} and {found[1][1]} saved their checkpoints within "
+            f"{AMBIGUOUS_S:g}s of each other; pass --out-dir to say which {purpose}"
         )
     return found[0][1]
 
@@ -304,3 +333,228 @@ def next_steps(
         where = f"--checkpoint {checkpoint}" if checkpoint else f"--out-dir {out_dir}"
         lines.append(f"  text from it:   python sample.py {where}")
     return ["Next steps:", *lines]
+
+
+def resolve_out_dir(cfg: TrainConfig) -> Path:
+    """The run directory. --resume without --out-dir continues the latest run that has a checkpoint."""
+    root = paths.RUNS_ROOT
+    if cfg.out_dir:
+        return Path(cfg.out_dir)
+    if cfg.resume and not cfg.checkpoint_path:
+        return latest_run(root, paths.CHECKPOINT_FILE)  # the newest checkpoint, not the last name
+    out = root / datetime.now().strftime("%Y%m%d-%H%M%S")
+    n = 1
+    while out.exists():  # two runs started in the same second
+        out, n = root / f"{datetime.now():%Y%m%d-%H%M%S}-{n}", n + 1
+    return out
+
+
+def setup_logging(log_file: Path | None = None, rank: int = 0) -> logging.Logger:
+    """The 'minigpt' logger: on rank 0 the console plus log_file when given; on other ranks only
+    warnings and errors, on stderr, marked with the rank."""
+    log = logging.getLogger("minigpt")
+    log.handlers.clear()
+    log.propagate = False
+    if rank == 0:
+        log.setLevel(logging.INFO)
+        handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
+        if log_file is not None:
+            log_file.parent.mkdir(parents=True, exist_ok=True)
+            handlers.append(logging.FileHandler(log_file, encoding="utf-8"))
+        fmt = LOG_FORMAT
+    else:
+        log.setLevel(logging.WARNING)
+        handlers, fmt = [logging.StreamHandler(sys.stderr)], f"[%(asctime)s] [rank {rank}] %(message)s"
+    for h in handlers:
+        h.setFormatter(logging.Formatter(fmt, LOG_DATEFMT))
+        log.addHandler(h)
+    return log
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[list[int]]:
+    """Yield a list that receives the number of the first SIGINT/SIGTERM; restore the handlers after.
+
+    A second Ctrl-C kills at once. A repeated SIGTERM is ignored: launchers and schedulers
+    (torchrun, SLURM) often send it to every process twice, and the save must still happen."""
+    received: list[int] = []
+
+    def handler(signum, frame):
+        if not received:
+            received.append(signum)
+        if signum == signal.SIGINT:
+            signal.signal(signum, signal.SIG_DFL)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+class RunDir:
+    """One training run's folder, from the choice of its name to its last lines: guard() before
+    any work, repair() on resume, open() once the model is built (config.json and the log's first
+    lines), then stopped() or finish(). Rank 0 writes; every rank holds the same path."""
+
+    def __init__(self, cfg: TrainConfig, dist_info: DistInfo):
+        self.cfg, self.dist_info = cfg, dist_info
+        self.path = Path(distributed.gather(str(resolve_out_dir(cfg)), dist_info)[0])  # rank 0's choice
+        self.checkpoint: Path | None = None
+        self.cleaned: list[str] = []  # what a killed earlier run left, and what was done about it
+
+    def guard(self, ckpt: Checkpointer, held: ExitStack) -> None:
+        """Before any work, on rank 0: every output path probed (a bad one costs one line, not an
+        interval of training and a traceback at the first save), the run directory locked for this
+        trainer alone (held until the run returns), and what a killed earlier run left cleaned up."""
+        self.checkpoint = ckpt.path
+        if not self.dist_info.is_main:
+            return
+        check_out_dir(self.path)
+        if ckpt.enabled:
+            probe_writable(ckpt.probe_path, "--checkpoint-path")
+        held.enter_context(RunLock(self.path, ckpt.path if ckpt.enabled else None))
+        stale = clean_stale_tmp(ckpt.path.parent) + clean_stale_tmp(self.path)
+        self.cleaned = [f"removed {p}, a save killed midway" for p in stale]
+
+    def repair(self, step: int) -> None:
+        """On resume, rank 0: drop metrics and straggler lines past the checkpoint's step, or cut
+        short by a crash, so that no step appears twice (the steps after it are trained again)."""
+        if not (self.dist_info.is_main and self.cfg.resume):
+            return
+        for name in (paths.METRICS_FILE, paths.STRAGGLERS_FILE):
+            if dropped := repair_jsonl(self.path / name, step):
+                self.cleaned.append(f"dropped {dropped} line(s) of {name} past step {step} or cut short")
+
+    def open(
+        self, model: GPT, data: Data, rate: Throughput, notes: list[str | None], predicted_step: dict | None
+    ) -> logging.Logger:
+        """Create the folder, write config.json (rank 0) and say what this run is: the lines every
+        log starts with. `notes`: the AMP decision in words, then the CPU allocator's setting and
+        the parallel plan, when there are; `predicted_step`: the step's predicted stage times
+        (minigpt.predict), kept in config.json beside what the run measures. Returns the logger
+        (rank 0 writes the log, metrics, TensorBoard, checkpoints)."""
+        cfg, info, device, (amp_note, *notes) = self.cfg, self.dist_info, rate.device, notes
+        self.path.mkdir(parents=True, exist_ok=True)
+        log = setup_logging(self.path / paths.LOG_FILE, info.rank)
+        device_name = (
+            torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or platform.machine())
+        )
+        n_params = model.num_params(non_embedding=False)
+        if info.is_main:
+            config = {
+                "config": cfg.to_dict(),
+                "model": asdict(model.cfg),
+                "device": device,
+                "device_name": device_name,
+                "amp": rate.amp,
+                "params": n_params,
+                **rate.config(),
+                "world_size": info.world_size,
+                "ddp_backend": info.backend,
+                "versions": {
+                    "torch": torch.__version__,
+                    "cuda": torch.version.cuda,
+                    "python": platform.python_version(),
+                },
+            }
+            if predicted_step is not None:
+                config["predicted_step"] = predicted_step
+            atomic_write(self.path / paths.CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+        log.info(f"Training started; run directory {self.path}")
+        if os.environ.get(EXTRA_ARGS_ENV):
+            log.info(f"Flags appended from ${EXTRA_ARGS_ENV}: {os.environ[EXTRA_ARGS_ENV]}")
+        log.info(f"Device: {device} ({device_name}), torch {torch.__version__}; {amp_note}")
+        for line in self.header(model, data, rate, notes, n_params):
+            log.info(line)
+        return log
+
+    def header(
+        self, model: GPT, data: Data, rate: Throughput, notes: list[str | None], n_params: int
+    ) -> list[str]:
+        """The log's first lines after the device: the CPU allocator, the ranks, the data, the
+        model, the batch, the MFU peak, where the run starts and what was cleaned up."""
+        cfg, info, (malloc_note, plan_note) = self.cfg, self.dist_info, notes
+        lines = []
+        if malloc_note:
+            lines.append(malloc_note)
+            if hint := preload_hint():
+                lines.append(f"CPU allocator: {hint}")
+        if plan_note:  # --fsdp / --tp
+            lines.append(f"{plan_note}; {info.backend} backend")
+        elif info.world_size > 1:
+            lines.append(
+                f"DDP: {info.world_size} ranks, {info.backend} backend; every rank draws its own batches"
+            )
+        tokens = data.train_tokens
+        counts = (
+            "" if tokens is None else f"; {tokens:,} training tokens, {data.val_tokens:,} validation tokens"
+        )
+        return [
+            *lines,
+            f"Data: {data.name}{counts}",
+            f"Model: {cfg.n_layers} layers, {cfg.n_heads} heads, d_model {cfg.d_model}, d_ff {cfg.d_ff}, "
+            f"vocab {model.cfg.vocab_size}, {n_params / 1e6:.2f}M parameters"
+            + (", activation checkpointing" if cfg.use_activation_checkpoint else ""),
+            f"Batch: {cfg.batch_size} x {cfg.seq_len} tokens x {cfg.grad_accum_steps} accumulation = "
+            f"{rate.tokens_per_step:,} tokens per step per rank; {cfg.num_steps} steps",
+            rate.describe_peak(),
+            f"Resumed from {self.checkpoint} at step {rate.start_step}"
+            if cfg.resume
+            else "Starting from scratch",
+            *(f"Cleaned up after an earlier run: {line}" for line in self.cleaned),
+        ]
+
+    def stopped(self, stop_signal: list[int], step: int, log: logging.Logger) -> int:
+        """After a SIGINT/SIGTERM (on any rank) and the save: say how to continue; exit status
+        128 + signal."""
+        distributed.barrier(self.dist_info)  # no rank leaves (and gets torn down) before the save is done
+        signum = stop_signal[0] if stop_signal else signal.SIGTERM  # another rank's signal
+        saved = (
+            "no checkpoint (--no-checkpoint)"
+            if self.cfg.no_checkpoint
+            else f"checkpoint saved to {self.checkpoint}"
+        )
+        log.info(
+            f"Stopped by {signal.Signals(signum).name} after step {step}; {saved}. Continue with: "
+            f"python train_minimal.py --resume --out-dir {self.path} (and the same flags)"
+        )
+        return 128 + signum
+
+    def finish(
+        self, log: logging.Logger, summary: list[str | None], write_report: Callable[[Path], Path]
+    ) -> None:
+        """The run's last lines: `summary` (the profiler's cost, the run's figures), the report,
+        and what to open next."""
+        for line in filter(None, summary):
+            log.info(line)
+        if not self.cfg.no_report:
+            self.report(log, write_report)
+        out_dir, ckpt = self.path, self.checkpoint
+        log.info(f"Checkpoint: {ckpt}" if ckpt.exists() else "Checkpoint: none (--no-checkpoint)")
+        log.info(f"Run directory: {out_dir} ({paths.LOG_FILE}, {paths.METRICS_FILE}, {paths.CONFIG_FILE})")
+        if self.dist_info.is_main:
+            has_traces, has_report = (
+                (out_dir / paths.TRACE_DIR).is_dir(),
+                (out_dir / paths.REPORT_FILE).is_file(),
+            )
+            for line in next_steps(
+                out_dir,
+                has_traces,
+                has_report,
+                has_checkpoint=ckpt.is_file(),
+                checkpoint=self.cfg.checkpoint_path,
+            ):
+                log.info(line)
+
+    def report(self, log: logging.Logger, write_report: Callable[[Path], Path]) -> None:
+        """report.html: the run in one offline page, written by rank 0 once every rank's trace is
+        on disk. A report that cannot be made costs a warning, never the run that trained."""
+        distributed.barrier(self.dist_info)
+        if self.dist_info.is_main:
+            try:
+                page = write_report(self.path)
+                log.info(f"Report: {page} (one offline page; python -m minigpt.report rewrites it)")
+            except Exception as e:  # noqa: BLE001 - the training is done and saved; say what went wrong
+                log.warning(f"report not written: {type(e).__name__}: {e}")

@@ -20,10 +20,17 @@ from minigpt.model import GPT, GPTConfig
 
 def load_model(path: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
     """The GPT of a checkpoint (loaded as data, weights_only) in eval mode, and the run's
-    training config (which tokenizer, toy data or not)."""
+    training config (which tokenizer, toy data or not). A checkpoint edited by hand into a shape
+    no GPT has, or a config of the wrong types, is refused in one line before anything is built."""
     state = load_checkpoint(path)
     known = {f.name for f in fields(GPTConfig)}
     cfg = GPTConfig(**{k: v for k, v in state["model_config"].items() if k in known})
+    if cfg.d_model % cfg.n_heads:
+        raise UsageError(
+            f"checkpoint {path}: its model_config has n_heads {cfg.n_heads}, which does not divide "
+            f"d_model {cfg.d_model}; the file was edited or damaged"
+        )
+    check_train_config(state["config"], path)
     cfg.dropout, cfg.activation_checkpoint = 0.0, False  # sampling: no dropout, no backward to save for
     model = GPT(cfg)
     try:
@@ -36,12 +43,37 @@ def load_model(path: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
     return model.to(device).eval(), state["config"]
 
 
-def vocab_in_use(train_config: dict, n_vocab: int | None) -> int | None:
+def check_train_config(train_config: dict, path: str | Path) -> None:
+    """The training config's fields that sampling reads, of the types the trainer wrote them."""
+    toy, vocab = train_config.get("use_toy_data", False), train_config.get("vocab_size")
+    tokenizer = train_config.get("tokenizer_name", "gpt2")
+    problem = (
+        f"use_toy_data holds {toy!r}, not true or false"
+        if not isinstance(toy, bool)
+        else f"vocab_size holds {vocab!r}, not a positive int"
+        if vocab is not None and not (isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0)
+        else f"tokenizer_name holds {tokenizer!r}, not a name"
+        if not isinstance(tokenizer, str)
+        else None
+    )
+    if problem:
+        raise UsageError(f"checkpoint {path}: its config's {problem}; the file was edited or damaged")
+
+
+def vocab_in_use(train_config: dict, n_vocab: int | None, model_vocab: int, path: str | Path) -> int | None:
     """The ids the model was trained to produce: the tokenizer's (the embedding is padded past
-    them to a multiple of 64) or the toy task's vocabulary. Ids beyond it are never sampled."""
-    if train_config.get("use_toy_data"):
-        return train_config.get("vocab_size")
-    return n_vocab
+    them to a multiple of 64) or the toy task's vocabulary. Ids beyond it are never sampled; a
+    vocabulary larger than the model's embedding (a config edited by hand, a toy run's flag
+    flipped) is refused."""
+    toy = train_config.get("use_toy_data")
+    vocab = train_config.get("vocab_size") if toy else n_vocab
+    if vocab is not None and vocab > model_vocab:
+        what = f"the toy task's vocabulary of {vocab} does" if toy else f"the tokenizer's {vocab} ids do"
+        raise UsageError(
+            f"checkpoint {path}: {what} not fit its model's embedding of {model_vocab} rows; "
+            "the file was edited or damaged"
+        )
+    return vocab
 
 
 @torch.no_grad()

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY
 
+import train_minimal
 from minigpt import data
 from minigpt.checkpoint import (
     check_checkpoint_path,
@@ -256,6 +258,28 @@ def test_full_disk_during_a_checkpoint_save(tmp_path, monkeypatch):
         save_checkpoint(path, {"w": torch.zeros(1 << 20)})  # 4 MiB of float32
     assert "needs about 4.0 MiB" in one_line(e)
     assert torch.load(path, weights_only=True)["w"].shape == (10,)
+
+
+def test_full_disk_under_tensorboard_ends_the_run_in_one_line(tmp_path, monkeypatch, capfd):
+    """TensorBoard writes from its own thread: its failure must not print that thread's traceback
+    beside the trainer's one line."""
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    written, real = [], RecordWriter.write
+
+    def write(self, data):
+        written.append(data)
+        if len(written) > 3:  # the file header and a few scalars fit; then the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, data)
+
+    monkeypatch.setattr(RecordWriter, "write", write)
+    out = tmp_path / "run"
+    status = train_minimal.cli([*TINY, "--num-steps", "4", "--log-interval", "1", "--out-dir", str(out)])
+    err = capfd.readouterr().err
+    assert status == 2, err
+    assert err.startswith("error: no space left") and len(err.strip().splitlines()) == 1, err
+    assert str(out / "tb") in err and "Traceback" not in err and "Exception in thread" not in err
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="mounting a tmpfs needs root")

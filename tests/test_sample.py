@@ -1,5 +1,6 @@
 """sample.py: text (or a toy run's token ids) from a tiny trained checkpoint."""
 
+import os
 import runpy
 from pathlib import Path
 
@@ -83,11 +84,53 @@ def test_context_is_cropped_to_the_position_table(toy_run):
         (["--prompt", "hello"], "token ids"),
         (["--seed", "-1"], "--seed"),
         (["--prompt", "FILE:/nonexistent/prompt.txt"], "cannot read"),
+        (["--prompt", "FILE:/dev/zero"], "not a regular file"),
+        (["--temperature", "1e-300"], "--top-k 1"),
+        (["--num-samples", "100000000000"], "at most 10,000 samples"),
+        (["--max-new-tokens", "99999999999999"], "at most 100,000 tokens"),
     ],
 )
 def test_bad_inputs_exit_2_with_one_line(toy_run, capsys, flags, expect):
     status, _, err = sample(capsys, "--out-dir", str(toy_run), *flags)
     assert status == 2 and len(err.strip().splitlines()) == 1 and expect in err, err
+
+
+def test_a_fifo_prompt_is_refused_not_waited_on(toy_run, tmp_path, capsys):
+    fifo = tmp_path / "prompt"
+    os.mkfifo(fifo)  # nothing ever writes to it: reading it would block for ever
+    status, _, err = sample(capsys, "--out-dir", str(toy_run), "--prompt", f"FILE:{fifo}")
+    assert status == 2 and len(err.strip().splitlines()) == 1 and "is a FIFO" in err, err
+
+
+def edited(toy_run: Path, tmp_path: Path, edit) -> Path:
+    state = torch.load(toy_run / "checkpoints" / "ckpt.pt", weights_only=True)
+    edit(state)
+    path = tmp_path / "edited.pt"
+    torch.save(state, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "edit, expect",
+    [
+        (lambda s: s["model_config"].update(n_heads=3), "n_heads 3, which does not divide d_model"),
+        (lambda s: s["config"].update(vocab_size="64"), "vocab_size holds '64'"),
+        (lambda s: s["config"].update(use_toy_data="yes"), "use_toy_data holds 'yes'"),
+        (lambda s: s["config"].update(use_toy_data=False), "tokenizer's 50257 ids do not fit"),
+        (lambda s: s["config"].update(vocab_size=10**12), "does not fit its model's embedding"),
+    ],
+)
+def test_a_hand_edited_checkpoint_config_is_one_line(toy_run, tmp_path, capsys, edit, expect):
+    path = edited(toy_run, tmp_path, edit)
+    status, _, err = sample(capsys, "--checkpoint", str(path), "--max-new-tokens", "2")
+    assert status == 2 and len(err.strip().splitlines()) == 1 and expect in err, err
+
+
+def test_no_runs_names_sample_flags_not_the_trainers(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # runs/ is relative: here there is none
+    (tmp_path / "runs").mkdir()
+    status, _, err = sample(capsys)
+    assert status == 2 and "pass --out-dir or --checkpoint" in err and "--checkpoint-path" not in err, err
 
 
 def test_missing_or_wrong_checkpoints_exit_2(tmp_path, toy_run, capsys):

@@ -172,6 +172,68 @@ def test_sigterm_saves_and_exits_with_a_message(tmp_path):
     assert state["step"] == read_metrics(out)[-1]["step"]
 
 
+def test_sigterm_during_a_long_evaluation_stops_promptly_and_saves(tmp_path):
+    """65,536 validation batches take minutes: a SIGTERM abandons the evaluation, and the run saves
+    and stops after the next step as it does when the signal comes during a step."""
+    out = tmp_path / "run"
+    flags = ["--num-steps", "100", "--log-interval", "1", "--eval-interval", "1", "--eval-iters", "65536"]
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train_minimal.py"), *TINY, *flags, "--out-dir", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 120
+    while not (out / "train.log").exists() or "evaluating (" not in (out / "train.log").read_text():
+        assert proc.poll() is None and time.time() < deadline, (
+            proc.stderr.read() if proc.poll() else "timeout"
+        )
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)  # the whole evaluation would take minutes
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "Stopped by SIGTERM after step 2" in stdout, stdout
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["val_loss"] is None  # no half evaluation
+    assert torch.load(out / "checkpoints" / "ckpt.pt", weights_only=True)["step"] == 2
+
+
+def write_step_rates(cache, flags: list[str], rounds):
+    """A rate cache (minigpt.predict) holding every rate the run's step needs, each `rounds`;
+    returns the run's shape (minigpt.shape.shape_of)."""
+    from minigpt import predict
+    from minigpt.config import parse_args
+    from minigpt.mfu import machine_key
+    from minigpt.shape import shape_of
+
+    cfg = parse_args(flags)
+    shape = shape_of(cfg, cfg.vocab_size)
+    needed = predict.kernels(predict.step_ops(shape, "fp32"))
+    entries = {k: {"rounds": rounds} for k in needed}
+    entries["bandwidth"] = {"rounds": {"4096": rounds, "400000000": rounds}}
+    entries["exp"] = {"rounds": rounds}
+    entries["overhead"] = {"rounds": {"op": [1e-5] * 3, "autograd": [2e-5] * 3}}
+    (cache / predict.STEP_RATES_FILE).write_text(json.dumps({machine_key("cpu", "fp32"): entries}))
+    return shape
+
+
+def test_config_json_keeps_the_predicted_step_when_the_rates_are_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
+    flags = [*TINY, "--no-amp", "--num-steps", "2", "--no-report"]
+    from minigpt.predict import predict_step
+
+    shape = write_step_rates(tmp_path, flags, [1e10] * 3)
+    expected = predict_step(shape, "fp32", "cpu", measure=False).to_record()
+    assert train_minimal.cli([*flags, "--out-dir", str(tmp_path / "run")]) == 0
+    stored = json.loads((tmp_path / "run" / "config.json").read_text())["predicted_step"]
+    assert stored["stage_ms"] == pytest.approx(expected["stage_ms"])
+    assert set(stored["stage_ms"]) == {"forward", "backward", "optimizer_step"} and stored["tested"] is True
+    # no rates cached, or a damaged cache: no prediction, and the run is not harmed
+    write_step_rates(tmp_path, flags, "fast")
+    assert train_minimal.cli([*flags, "--out-dir", str(tmp_path / "damaged")]) == 0
+    assert "predicted_step" not in json.loads((tmp_path / "damaged" / "config.json").read_text())
+
+
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     flags = [*TINY, "--num-steps", "10", "--save-interval", "3", "--log-interval", "5", "--out-dir", str(out)]
