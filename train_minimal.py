@@ -250,12 +250,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None) -> int:
     rate.totals.start(IMPORTED_AT)  # start-up ends here: the run-wide figures count from now
     # SIGINT / SIGTERM finish the step in flight, save, and leave; a second Ctrl-C kills at once.
     # A rank lost mid-run (killed, stopped): one line naming it and how to resume, on the others.
-    resume = (
-        f"the last checkpoint, if one was saved, is {ckpt.path}: continue with --resume --out-dir {run.path}"
-    )
-    lost = distributed.peers_watched(
-        dist_info, "nothing to resume (--no-checkpoint)" if ckpt.enabled is False else resume
-    )
+    lost = distributed.peers_watched(dist_info, ckpt.resume_hint(run.path))
     with stop_on_signals() as stop_signal, metrics_file, stragglers_file, tensorboard, inst, lost:
         while step < cfg.num_steps:
             if on_step:

@@ -673,6 +673,12 @@ class Checkpointer:
         # The first file a save writes, probed before the run starts (minigpt.runs.RunDir.guard).
         self.probe_path = self.path / SHARDED_META if sharded else self.path
 
+    def resume_hint(self, out_dir: Path) -> str:
+        """What to do after a run ended abruptly (a lost rank): where its last save is, how to go on."""
+        if not self.enabled:
+            return "nothing to resume (--no-checkpoint)"
+        return f"the last checkpoint, if one was saved, is {self.path}: continue with --resume --out-dir {out_dir}"
+
     def restore(self, model: GPT, optimizer: torch.optim.Optimizer, scaler, batches: Batches) -> int:
         """Hold what save() writes and, with --resume, load the checkpoint into it; return its
         step (0 for a fresh run). Refuses a checkpoint that does not fit the flags."""
