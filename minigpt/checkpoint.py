@@ -677,7 +677,8 @@ class Checkpointer:
         """What to do after a run ended abruptly (a lost rank): where its last save is, how to go on."""
         if not self.enabled:
             return "nothing to resume (--no-checkpoint)"
-        return f"the last checkpoint, if one was saved, is {self.path}: continue with --resume --out-dir {out_dir}"
+        where = f"the last checkpoint, if one was saved, is {self.path}"
+        return f"{where}: continue with --resume --out-dir {out_dir}"
 
     def restore(self, model: GPT, optimizer: torch.optim.Optimizer, scaler, batches: Batches) -> int:
         """Hold what save() writes and, with --resume, load the checkpoint into it; return its
