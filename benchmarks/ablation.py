@@ -75,7 +75,7 @@ MATRIX = [
 
 def variants(args) -> list[tuple[str, list[str], int]]:
     """(name, flags, processes) of each variant. Without the AMP rows (--amp-rows), the variants
-    asked for on top run in fp32 (a CPU without native bf16 emulates it, ~80x slower)."""
+    asked for on top run in fp32 (a CPU without native bf16 emulates it, many times slower than fp32)."""
     base, flag = ("fp32", "--no-amp") if args.fp32_only else ("amp", "--amp")
     out = [v for v in MATRIX if not (args.fp32_only and "--amp" in v[1])]
     if args.malloc:
@@ -93,8 +93,9 @@ def variants(args) -> list[tuple[str, list[str], int]]:
 
 def peak_mib(s: dict) -> float | None:
     """The allocator's measured peak of one step (--memory-profiler: max_memory_allocated on CUDA,
-    the profiler's memory events on the CPU). Results measured before that existed carry only the
-    breakdown's sum (params, grads, optimizer state, saved activations at their peak)."""
+    the profiler's memory events on the CPU); for a results file without it, the breakdown's sum
+    (params, grads, optimizer state, saved activations at their peak), which the table then names
+    as a sum, not a peak."""
     b = s.get("breakdown_bytes") or {}
     if b.get("peak"):
         return b["peak"] / MIB
@@ -115,7 +116,7 @@ def stage_ms(s: dict, kind: str, stage: str) -> float:
 
 def measured_peak(results: dict) -> bool:
     """Whether the results carry the allocator's measured peak (or CUDA's max_memory_allocated),
-    not only the older breakdown sum."""
+    not only the breakdown's sum."""
     return any(
         (r.get("breakdown_bytes") or {}).get("peak") or "peak_allocated_gib" in r for r in results.values()
     )
@@ -131,7 +132,7 @@ def activations_mib(s: dict) -> float | None:
 
 
 def findings(results: dict) -> list[str]:
-    """The ratios a reader looks for, e.g. 'AMP 1.7x tokens/s'."""
+    """The ratios a reader looks for: each variant's tokens/s against its base, and what it did to memory."""
 
     def tps(name):
         return tokens_median(results[name])
@@ -177,7 +178,7 @@ def markdown(meta: dict, results: dict) -> str:
         "repeats' medians."
         + (
             " No AMP rows (`--amp-rows` off, the default on a CPU without native bf16, where bf16 is "
-            "emulated and its matmuls run ~80x slower than fp32)."
+            "emulated and its matmuls run many times slower than fp32)."
             if meta.get("fp32_only")
             else ""
         ),
@@ -261,7 +262,7 @@ PNG_METADATA = {"Software": None}
 
 
 def legend_outside(ax) -> None:
-    """The legend right of the axes, where it cannot cover a bar (inside, it hid the last one)."""
+    """The legend right of the axes, where it cannot cover a bar whatever the bars' heights."""
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 
 
@@ -319,7 +320,7 @@ def plot_stages(ax, results: dict) -> None:
 
 def plot_memory(ax, results: dict) -> None:
     """Per variant, the table's memory column as an outlined bar (the allocator's measured peak, or
-    for older results the breakdown's sum), and inside it the breakdown's parts stacked. Where the
+    for results without it the breakdown's sum), and inside it the breakdown's parts stacked. Where the
     peak was measured, the space above the parts is what the breakdown does not hold (temporaries
     of the backward, the allocator's cached blocks)."""
     names = list(results)
@@ -383,7 +384,7 @@ def chart_figure(meta: dict, results: dict):
     return fig
 
 
-def main() -> int:
+def parser() -> Parser:
     p = Parser(description=__doc__.split("\n\n")[0], epilog="Other flags go to train_minimal.py unchanged.")
     p.add_argument("--preset", default="small", choices=sorted(PRESETS))
     p.add_argument("--steps", type=int, default=10, help="measured steps per run (default 10)")
@@ -394,7 +395,7 @@ def main() -> int:
         choices=["auto", "on", "off"],
         default="auto",
         help="the AMP rows; off: none, and the variants on top run in fp32 (auto: off on a CPU without "
-        "native bf16, where bf16 is emulated and its matmuls run ~80x slower)",
+        "native bf16, where bf16 is emulated and its matmuls run many times slower)",
     )
     p.add_argument("--compile", action="store_true", help="add an AMP + torch.compile variant")
     p.add_argument(
@@ -419,6 +420,11 @@ def main() -> int:
         metavar="RESULTS_JSON",
         help="measure nothing: write the .md and .png again from a results .json",
     )
+    return p
+
+
+def main() -> int:
+    p = parser()
     args, trainer_flags = p.parse_known_args()
     if min(args.steps, args.repeats) < 1 or args.warmup < 0:
         p.error("--steps and --repeats must be at least 1, --warmup at least 0")
@@ -451,8 +457,18 @@ def main() -> int:
         p.error(
             f"{there[0]} is already there; pass --name NAME to write new results, or --force to overwrite"
         )
-    # Rounds interleave the variants (fp32, fp32 + ckpt, amp, ..., fp32, ...): run back to back, the
-    # first variant alone met the machine as the previous job left it, and came out 5-20% slow.
+    results = measure(p, args, trainer_flags)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    save_json(stem, {"meta": meta, "results": results})
+    write_results(meta, results, stem)
+    return 0
+
+
+def measure(p: Parser, args, trainer_flags: list[str]) -> dict:
+    """Every variant `--repeats` times, in interleaved rounds, each run a fresh process: run back to
+    back, the first variant alone would meet the machine as the previous job left it (caches,
+    clocks, a neighbour's burst), and its figures would carry that. A failing variant ends the
+    benchmark with the trainer's own last line (p.error)."""
     runs: dict[str, list] = {name: [] for name, _, _ in variants(args)}
     kept = Path(tempfile.mkdtemp(prefix="minigpt-ablation-"))  # the first round's run directories
     for r in range(args.repeats):
@@ -481,11 +497,7 @@ def main() -> int:
         }
         print(f"[{name}] {results[name]['tokens_per_s']['median']:,.0f} tokens/s", flush=True)
     explain(results, kept)
-
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    save_json(stem, {"meta": meta, "results": results})
-    write_results(meta, results, stem)
-    return 0
+    return results
 
 
 def explain(results: dict, kept: Path) -> None:

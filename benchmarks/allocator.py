@@ -43,15 +43,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import (
-    RESULTS,
     ROOT,
     header,
     load_average,
     load_lines,
     load_results,
+    output_flags,
     refuse_if_busy,
-    save_json,
     stamp,
+    write_table,
 )
 
 from minigpt import cpu
@@ -81,7 +81,7 @@ VARIANTS = {
     "glibc, trimmed above 256 MiB": Variant(
         "bounded",
         "mallopt M_MMAP_THRESHOLD=1 GiB, M_TRIM_THRESHOLD=256 MiB, malloc_trim(0) around evaluations "
-        "(main's setting without tcmalloc before this table)",
+        "(a bound on what the heap keeps, given back when an evaluation changes the shapes)",
     ),
     "glibc, trimmed above 1 GiB": Variant(
         "bounded-1g",
@@ -89,7 +89,7 @@ VARIANTS = {
         "malloc_trim(0) around evaluations",
     ),
     "glibc never maps nor trims": Variant(
-        "keep", "mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB (commit 1f2775a: the old setting)"
+        "keep", "mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB (every freed page kept for the next step)"
     ),
     "glibc never maps nor trims, given back at evaluations": Variant(
         "keep-evals", "the same, and malloc_trim(0) around evaluations"
@@ -311,14 +311,7 @@ def main() -> int:
     p.add_argument(
         "--amp", action=argparse.BooleanOptionalAction, help="default: the trainer's choice on this CPU"
     )
-    p.add_argument(
-        "--busy",
-        action="store_true",
-        help="write benchmarks/results even when the load at the start is above half the cores "
-        "(the table then says the machine was busy)",
-    )
-    p.add_argument("--out-dir", type=Path, default=RESULTS)
-    p.add_argument("--render", type=Path, metavar="RESULTS_JSON")
+    output_flags(p, "measure nothing: rewrite the .md")
     args = p.parse_args()
     if args.render:
         data = load_results(p, args.render)
@@ -364,10 +357,7 @@ def main() -> int:
     peak = true_peak("bf16" if amp_dtype == "bf16" else "fp32")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / "cpu-allocator"
-    save_json(stem, {"meta": meta, "results": results, "true_peak": peak})
-    table = markdown(meta, results, peak)
-    atomic_write(stem.with_suffix(".md"), table)
-    print(table)
+    write_table(stem, {"meta": meta, "results": results, "true_peak": peak}, markdown(meta, results, peak))
     return 0
 
 

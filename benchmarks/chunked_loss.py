@@ -7,11 +7,11 @@ One process per (shape, dtype) builds both models from the same seed and alterna
 (plain, chunked, plain, ...) after a warm-up step each, so that a shared machine's slow moments
 fall on both alike; tokens/s is the median over the measured steps. Then one step of each is
 measured with minigpt.memory.capture_memory: the allocator's peak, where it happened, and its
-biggest parts. (train_minimal.py's own ablation runs it as `benchmarks/ablation.py --chunked-loss`
-once the trainer passes --chunked-loss to the model.) Writes benchmarks/results/cpu-chunked-loss.*.
+biggest parts (`benchmarks/ablation.py --chunked-loss` runs the trainer's own --chunked-loss
+beside its plain loss). Writes benchmarks/results/cpu-chunked-loss.*.
 
 --shape-only-matmuls measures the peaks only, aten::mm's arithmetic skipped (estimate_table.py's
-ShapeOnlyMatmuls: the same allocations, tested): a CPU without native bf16 emulates it ~80x slower
+ShapeOnlyMatmuls: the same allocations, tested): a CPU without native bf16 emulates it many times slower
 than fp32, so its bf16 tokens/s say nothing of a bf16 machine and a gpt2 step takes many minutes.
 --keep keeps the rows of the results file that this run does not measure again.
 """
@@ -152,7 +152,7 @@ def main() -> int:
     p.add_argument(
         "--shape-only-matmuls",
         action="store_true",
-        help="peaks only, aten::mm's arithmetic skipped (emulated bf16 on an AVX2 CPU is ~80x slower)",
+        help="peaks only, aten::mm's arithmetic skipped (emulated bf16 on an AVX2 CPU is many times slower)",
     )
     p.add_argument("--keep", action="store_true", help="keep the rows this run does not measure again")
     p.add_argument("--child", nargs=4, metavar=("PRESET", "BATCH", "SEQ", "AMP"), help=argparse.SUPPRESS)

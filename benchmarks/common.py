@@ -8,6 +8,7 @@ measured (its hooks would slow a measured step). Every step is logged, so every 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -21,6 +22,7 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
+from minigpt.metrics import MEMORY_BREAKDOWN_KEYS
 from minigpt.stages import STAGE_NAMES as STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +43,8 @@ def machine() -> dict:
     """The device and the versions, as every result file records them."""
     import torch
 
+    from minigpt.mfu import cpu_model
+
     info = {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -52,7 +56,7 @@ def machine() -> dict:
     else:
         info.update(
             device="cpu",
-            device_name=cpu_name(),
+            device_name=cpu_model(),
             cores=os.cpu_count(),
             avx512_bf16=bool(torch.cpu._is_avx512_bf16_supported()),
             amx=bool(torch.cpu._is_amx_tile_supported()),
@@ -63,16 +67,6 @@ def machine() -> dict:
 def native_bf16(m: dict) -> bool:
     """Whether the machine of a results file runs bf16 natively (a GPU, AVX512-BF16 or AMX)."""
     return m["device"] != "cpu" or bool(m.get("avx512_bf16") or m.get("amx"))
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def device_slug(info: dict) -> str:
@@ -164,18 +158,9 @@ def summarise(runs: list[dict]) -> dict:
         summary["peak_allocated_gib"] = max(cuda_peaks)
     breakdown = runs[0]["breakdown"]
     if breakdown:
-        # "peak": the allocator's measured peak of the step (--memory-profiler); "total" is the older
-        # sum of the parts, kept for results measured before the peak was.
-        keys = (
-            "params",
-            "grads",
-            "optimizer",
-            "activations",
-            "activations_peak",
-            "total",
-            "peak",
-            "peak_stage",
-        )
+        # the byte figures the trainer logs, and where the peak fell; "peak" is the allocator's
+        # measured peak of the step (--memory-profiler), "total" the sum of the parts beside it
+        keys = (*MEMORY_BREAKDOWN_KEYS, "peak_stage")
         summary["breakdown_bytes"] = {k: breakdown[k] for k in keys if k in breakdown}
     return summary
 
@@ -220,6 +205,31 @@ def save_json(stem: Path, data: dict) -> None:
     atomic_write(stem.with_suffix(".json"), json.dumps(data, indent=2) + "\n")
 
 
+def write_table(stem: Path, data: dict, table: str) -> None:
+    """The results .json and its table (.md) beside it, each written whole or not at all; the
+    table is printed too, for the console."""
+    from minigpt.fileio import atomic_write
+
+    save_json(stem, data)
+    atomic_write(stem.with_suffix(".md"), table)
+    print(table)
+    print(f"wrote {stem}.json, .md")
+
+
+def output_flags(p: argparse.ArgumentParser, render_help: str, busy: bool = True) -> None:
+    """The flags the measuring benchmarks share: where the results go, --render, and (where the
+    benchmark times anything) --busy."""
+    if busy:
+        p.add_argument(
+            "--busy",
+            action="store_true",
+            help="write benchmarks/results even when the load at the start is above half the cores "
+            "(the table then says the machine was busy)",
+        )
+    p.add_argument("--out-dir", type=Path, default=RESULTS)
+    p.add_argument("--render", type=Path, metavar="RESULTS_JSON", help=render_help)
+
+
 def load_results(parser, path: Path) -> dict:
     """A results .json for --render, or the parser's one-line error."""
     if not path.is_file():
@@ -258,8 +268,8 @@ def refuse_if_busy(out_dir: Path, busy_ok: bool) -> dict:
 
 
 def load_lines(meta: dict) -> list[str]:
-    """What the load was at the start and end of the run; a warning when it was busy. Older result
-    files did not record it: they say so."""
+    """What the load was at the start and end of the run; a warning when it was busy. A results
+    file without the load says so: its figures cannot be weighed against the machine's state."""
     if "load_start" not in meta:
         return ["Load: not recorded (measured before benchmarks recorded it; not comparable).", ""]
     cores = meta["cores"]

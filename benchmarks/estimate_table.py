@@ -14,7 +14,7 @@ those cells, `--shapes small:8:256` adds the trainer's default shape). Writes
 benchmarks/results/<device>-estimate.json and .md.
 
 --shape-only-matmuls: on a CPU without native bf16 (AVX2 only) a bf16 matrix product is emulated,
-80x slower than fp32, and a gpt2 cell would take hours. The memory a step allocates depends on
+many times slower than fp32, and a gpt2 cell would take hours. The memory a step allocates depends on
 shapes, not values, so this mode still runs every op through the allocator but gives aten::mm an
 output of its exact shape and dtype, zero-filled, instead of its arithmetic (ShapeOnlyMatmuls). Its
 rows say so, and --shape-only-matmuls on cells also measured for real shows the two peaks side by
@@ -29,10 +29,9 @@ import json
 import sys
 import time
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
-from common import RESULTS, device_slug, header, keeping, load_results, save_json, stamp
+from common import device_slug, header, keeping, load_results, output_flags, save_json, stamp
 from torch.autograd.profiler import record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -41,10 +40,15 @@ from minigpt.estimate import estimate_gpt
 from minigpt.fileio import atomic_write
 from minigpt.memory import PEAK_PARTS, MemoryBreakdown, capture_memory
 from minigpt.model import GPT, GPTConfig
+from minigpt.stages import STAGE_NAMES
+
+DATA_TO_DEVICE, FORWARD, BACKWARD, OPTIMIZER_STEP = STAGE_NAMES  # the trainer's ranges, by its names
 
 MIB = 2**20
 VOCAB = 50304  # GPT-2's vocabulary padded to a multiple of 64, as the trainer pads it
 TOLERANCE = 0.10  # the estimator's promise: the measured peak within 10%
+STEPS = 2  # one warm-up step (the optimizer's state and the allocator's pools appear), one measured
+GRAD_CLIP = 1.0  # the trainer's default --grad-clip
 # (preset, batch, seq): the shapes of the matrix; each runs x fp32/bf16 x ckpt x accumulation 1/2.
 SHAPES = [("small", 1, 256), ("small", 2, 1024), ("gpt2", 1, 256), ("gpt2", 2, 1024)]
 
@@ -91,11 +95,9 @@ def measure(
     checkpoint: bool = False,
     accum: int = 1,
     chunked_loss: bool = False,
-    steps: int = 2,
-    grad_clip: float = 1.0,
     shape_only_matmuls: bool = False,
 ) -> MemoryBreakdown:
-    """`steps` training steps as the trainer runs them; the last is measured."""
+    """STEPS training steps as the trainer runs them; the last is measured."""
     model = model_of(shape, activation_checkpoint=checkpoint, chunked_loss=chunked_loss)
     model.train()
     params = list(model.parameters())
@@ -112,38 +114,33 @@ def measure(
     b, s, V = shape["batch_size"], shape["seq_len"], shape["vocab_size"]
     matmuls = ShapeOnlyMatmuls if shape_only_matmuls else nullcontext
     cap = None
-    for step in range(1, steps + 1):
-        cap = capture_memory(model, optimizer, step) if step == steps else nullcontext()
+    for step in range(1, STEPS + 1):
+        cap = capture_memory(model, optimizer, step) if step == STEPS else nullcontext()
         with cap:
             step_loss = torch.zeros(())
             for _ in range(accum):
-                with record_function("data_to_device"):
+                with record_function(DATA_TO_DEVICE):
                     x = torch.randint(0, V, (b, s))
                     y = torch.roll(x, -1, 1)
                 # the mode inside the stage's range: entered outside, it hides the range from the profiler
-                with record_function("forward"), autocast, matmuls():
+                with record_function(FORWARD), autocast, matmuls():
                     _, loss = model(x, y)  # the caller holds the output until the next forward ends
                     loss = loss / accum
-                with record_function("backward"), matmuls():
+                with record_function(BACKWARD), matmuls():
                     loss.backward()
                 step_loss += loss.detach()
-            with record_function("optimizer_step"):
-                torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            with record_function(OPTIMIZER_STEP):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
     return cap.breakdown
 
 
 def cell(
-    preset: str,
-    batch: int,
-    seq: int,
-    amp: str,
-    ckpt: bool,
-    accum: int,
-    shape_only: bool,
-    chunked: bool = False,
+    where: tuple[str, int, int], amp: str, ckpt: bool, accum: int, shape_only: bool, chunked: bool
 ) -> dict:
+    """One cell of the matrix: `where` is (preset, batch, seq); measured and predicted peaks, part by part."""
+    preset, batch, seq = where
     shape = shape_of(preset, batch, seq)
     t0 = time.perf_counter()
     b = measure(shape, amp, ckpt, accum, chunked_loss=chunked, shape_only_matmuls=shape_only)
@@ -288,10 +285,10 @@ def main() -> int:
     p.add_argument(
         "--shape-only-matmuls",
         action="store_true",
-        help="skip aten::mm's arithmetic, keep its allocation (emulated bf16 on an AVX2 CPU is 80x slower)",
+        help="skip aten::mm's arithmetic, keep its allocation (emulated bf16 on an AVX2 CPU is many "
+        "times slower)",
     )
-    p.add_argument("--out-dir", type=Path, default=RESULTS)
-    p.add_argument("--render", type=Path, metavar="RESULTS_JSON", help="measure nothing: write the .md again")
+    output_flags(p, "measure nothing: write the .md again", busy=False)
     args = p.parse_args()
     if args.render:
         data = load_results(p, args.render)
@@ -316,7 +313,7 @@ def main() -> int:
     ):
         if (preset, batch, seq, amp, ckpt, accum, loss, mode) in done:
             continue
-        rows.append(cell(preset, batch, seq, amp, ckpt, accum, args.shape_only_matmuls, loss == "chunked"))
+        rows.append(cell((preset, batch, seq), amp, ckpt, accum, args.shape_only_matmuls, loss == "chunked"))
         r = rows[-1]
         print(
             f"{preset} b{batch} s{seq} {amp} ckpt={ckpt} accum={accum} {loss} loss: "

@@ -59,17 +59,17 @@ import tempfile
 from pathlib import Path
 
 from common import (
-    RESULTS,
     ROOT,
     device_slug,
     header,
     load_average,
     load_lines,
     load_results,
+    output_flags,
     refuse_if_busy,
     run_variant,
-    save_json,
     stamp,
+    write_table,
 )
 
 from minigpt.fileio import atomic_write
@@ -201,7 +201,7 @@ def run_minigpt(dtype: str, shape: str, warmup: int, steps: int) -> dict:
     }
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--shape", default="small", choices=sorted(SHAPES), help="minigpt preset and nanoGPT shape"
@@ -216,14 +216,12 @@ def main() -> int:
     p.add_argument(
         "--nanogpt-dir", type=Path, help="a folder with nanoGPT's train.py, model.py, configurator.py"
     )
-    p.add_argument(
-        "--busy",
-        action="store_true",
-        help="write benchmarks/results even when the load at the start is above half the cores "
-        "(the table then says the machine was busy)",
-    )
-    p.add_argument("--out-dir", type=Path, default=RESULTS)
-    p.add_argument("--render", type=Path, metavar="RESULTS_JSON", help="measure nothing: rewrite the .md")
+    output_flags(p, "measure nothing: rewrite the .md")
+    return p
+
+
+def main() -> int:
+    p = parser()
     args = p.parse_args()
     if args.render:
         data = load_results(p, args.render)
@@ -245,39 +243,10 @@ def main() -> int:
         )
         return 2
     load = refuse_if_busy(args.out_dir, args.busy)
-
     with tempfile.TemporaryDirectory(prefix="minigpt-nanogpt-") as tmp:
         work = Path(tmp)
         patched_line = prepare(src, work)
-        variants = {}
-        for dtype in dtypes:
-            variants[f"nanoGPT train.py, {dtype}"] = lambda d=dtype: run_nanogpt(
-                work, d, args.shape, args.warmup, args.steps, False
-            )
-            if not args.no_malloc_variant:
-                variants[f"nanoGPT train.py, {dtype}, minigpt's malloc"] = lambda d=dtype: run_nanogpt(
-                    work, d, args.shape, args.warmup, args.steps, True
-                )
-            variants[f"minigpt train_minimal.py, {dtype}"] = lambda d=dtype: run_minigpt(
-                d, args.shape, args.warmup, args.steps
-            )
-        runs: dict[str, list[dict]] = {name: [] for name in variants}
-        for r in range(args.repeats):  # interleaved rounds
-            for name, run in variants.items():
-                print(f"[{name}] round {r + 1}/{args.repeats}", flush=True)
-                runs[name].append(run())
-    layers, heads, width, block, batch = SHAPES[args.shape]
-    results = {}
-    for name, rs in runs.items():
-        medians = [statistics.median(row["time_ms"] for row in run["rows"]) for run in rs]
-        results[name] = {
-            "step_ms": statistics.median(medians),
-            "step_ms_rounds": medians,
-            "tokens_per_s": batch * block * 1000 / statistics.median(medians),
-            "tokens_per_s_rounds": [batch * block * 1000 / m for m in medians],
-            "params_m": rs[0]["params_m"],
-            "rounds": rs,
-        }
+        runs = measure(variants(work, args, dtypes), args.repeats)
     meta = {
         **stamp(sys.argv),
         **load,
@@ -291,16 +260,55 @@ def main() -> int:
         "extra_flags": os.environ.get("MINIGPT_ARGS", ""),
         "malloc_env": " ".join(f"{k}={v}" for k, v in minigpt_malloc_env().items()),
     }
-    data = {"meta": meta, "results": results}
+    data = {"meta": meta, "results": summarise(runs, args.shape)}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     suffix = "" if args.shape == "small" else f"-{args.shape}"
-    stem = args.out_dir / f"{device_slug(meta['machine'])}-nanogpt{suffix}"
-    save_json(stem, data)
-    table = markdown(data)
-    atomic_write(stem.with_suffix(".md"), table)
-    print(table)
-    print(f"wrote {stem}.json, .md")
+    write_table(args.out_dir / f"{device_slug(meta['machine'])}-nanogpt{suffix}", data, markdown(data))
     return 0
+
+
+def variants(work: Path, args, dtypes: list[str]) -> dict:
+    """Each variant's name and the call that runs it once, in a fresh process."""
+    out = {}
+    for dtype in dtypes:
+        out[f"nanoGPT train.py, {dtype}"] = lambda d=dtype: run_nanogpt(
+            work, d, args.shape, args.warmup, args.steps, False
+        )
+        if not args.no_malloc_variant:
+            out[f"nanoGPT train.py, {dtype}, minigpt's malloc"] = lambda d=dtype: run_nanogpt(
+                work, d, args.shape, args.warmup, args.steps, True
+            )
+        out[f"minigpt train_minimal.py, {dtype}"] = lambda d=dtype: run_minigpt(
+            d, args.shape, args.warmup, args.steps
+        )
+    return out
+
+
+def measure(variants: dict, repeats: int) -> dict[str, list[dict]]:
+    """Every variant once per round, the rounds interleaved: a drift of the machine spreads over all."""
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
+    for r in range(repeats):
+        for name, run in variants.items():
+            print(f"[{name}] round {r + 1}/{repeats}", flush=True)
+            runs[name].append(run())
+    return runs
+
+
+def summarise(runs: dict[str, list[dict]], shape: str) -> dict:
+    """Per variant: each round's median step time, and tokens/s from it."""
+    _, _, _, block, batch = SHAPES[shape]
+    results = {}
+    for name, rs in runs.items():
+        medians = [statistics.median(row["time_ms"] for row in run["rows"]) for run in rs]
+        results[name] = {
+            "step_ms": statistics.median(medians),
+            "step_ms_rounds": medians,
+            "tokens_per_s": batch * block * 1000 / statistics.median(medians),
+            "tokens_per_s_rounds": [batch * block * 1000 / m for m in medians],
+            "params_m": rs[0]["params_m"],
+            "rounds": rs,
+        }
+    return results
 
 
 def markdown(data: dict) -> str:

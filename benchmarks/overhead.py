@@ -43,9 +43,9 @@ from common import (
     load_results,
     machine_line,
     run_variant,
-    save_json,
     stamp,
     summarise,
+    write_table,
 )
 
 from minigpt.fileio import atomic_write
@@ -112,24 +112,13 @@ def option_child(variant: str, preset: str, steps: int, warmup: int, check_views
     import time
 
     import torch
+    from estimate_table import model_of, shape_of
     from torch.profiler import ProfilerActivity, profile
 
     from minigpt.config import PRESETS as MODEL_PRESETS
-    from minigpt.model import GPT, GPTConfig, pad_vocab
 
     p = MODEL_PRESETS[preset]
-    torch.manual_seed(0)
-    model = GPT(
-        GPTConfig(
-            vocab_size=pad_vocab(50257),
-            max_position_embeddings=p["seq_len"],
-            n_layers=p["n_layers"],
-            n_heads=p["n_heads"],
-            d_model=p["d_model"],
-            d_ff=p["d_ff"],
-            dropout=0.0,
-        )
-    )
+    model = model_of(shape_of(preset, p["batch_size"], p["seq_len"]), dropout=0.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, 50257, (p["batch_size"], p["seq_len"] + 1))
 
@@ -259,7 +248,7 @@ def default_options(results: dict) -> tuple[list[str], str]:
     return needed, why
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], epilog="Other flags go to train_minimal.py unchanged."
     )
@@ -292,6 +281,11 @@ def main() -> int:
     )
     p.add_argument("--option-child", choices=list(OPTION_VARIANTS), help=argparse.SUPPRESS)
     p.add_argument("--check-views", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main() -> int:
+    p = parser()
     args, trainer_flags = p.parse_known_args()
     if args.option_child:
         print(
@@ -343,11 +337,7 @@ def main() -> int:
                 stage_timing_meta=old.get("stage_timing_meta", old["meta"]),
                 instrumentation_us_per_step=old["instrumentation_us_per_step"],
             )
-    save_json(stem, data)
-    table = markdown(data)
-    atomic_write(stem.with_suffix(".md"), table)
-    print(table)
-    print(f"wrote {stem}.json, .md")
+    write_table(stem, data, markdown(data))
     return 0
 
 
