@@ -20,7 +20,6 @@ through (small-seq-len-128); results already there are never overwritten without
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
@@ -33,11 +32,13 @@ from common import (
     PRESETS,
     RESULTS,
     STAGES,
+    Parser,
+    check_out_dir,
     device_slug,
     header,
-    load_results,
     machine_line,
     native_bf16,
+    render,
     run_variant,
     save_json,
     stamp,
@@ -49,12 +50,6 @@ from minigpt.fileio import atomic_write
 from minigpt.stages import color as stage_color
 
 MIB = 2**20
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not a usage block
-        print(f"ablation.py: error: {message}", file=sys.stderr)
-        sys.exit(2)
 
 
 def results_name(preset: str, trainer_flags: list[str]) -> str:
@@ -428,13 +423,13 @@ def main() -> int:
     args, trainer_flags = p.parse_known_args()
     if min(args.steps, args.repeats) < 1 or args.warmup < 0:
         p.error("--steps and --repeats must be at least 1, --warmup at least 0")
+    if args.nproc < 1:
+        p.error(f"--nproc {args.nproc}: the DDP variant needs at least 1 process (1 leaves it out)")
     if args.render:
-        try:
-            data = load_results(p, args.render)
-            write_results(data["meta"], data["results"], args.render.with_suffix(""))
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            p.error(f"{args.render} is not an ablation results file ({type(e).__name__}: {e})")
-        return 0
+        return render(
+            p, args.render, lambda d: write_results(d["meta"], d["results"], args.render.with_suffix(""))
+        )
+    check_out_dir(p, args.out_dir)
 
     meta = stamp(sys.argv)
     args.fp32_only = args.amp_rows == "off" or (args.amp_rows == "auto" and not native_bf16(meta["machine"]))

@@ -44,18 +44,20 @@ from pathlib import Path
 
 from common import (
     ROOT,
+    Parser,
+    check_out_dir,
     header,
     load_average,
     load_lines,
-    load_results,
     output_flags,
     refuse_if_busy,
+    render,
     stamp,
+    write_md,
     write_table,
 )
 
 from minigpt import cpu
-from minigpt.fileio import atomic_write
 
 MIB = 2**20
 SKIP_STEPS = 2  # warm-up steps left out of the medians
@@ -299,11 +301,19 @@ def markdown(meta: dict, results: dict, peak: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_table(data: dict, md: Path) -> None:
+    """--render: the .md again from a results .json; a file without the per-step counts cannot
+    fill the table (KeyError: render() says which file)."""
+    if "faults_per_step" not in next(iter(data["results"].values())):
+        raise KeyError("faults_per_step: a results file without the per-step counts; measure again")
+    write_md(md, markdown(data["meta"], data["results"], data["true_peak"]))
+
+
 def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":  # --child SETTING -- TRAINER ARGS
         child(sys.argv[2], sys.argv[4:])
         return 0
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--eval-interval", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
@@ -314,14 +324,8 @@ def main() -> int:
     output_flags(p, "measure nothing: rewrite the .md")
     args = p.parse_args()
     if args.render:
-        data = load_results(p, args.render)
-        if "faults_per_step" not in next(iter(data["results"].values())):
-            print(f"error: {args.render} predates the per-step counts; measure again", file=sys.stderr)
-            return 2
-        atomic_write(
-            args.render.with_suffix(".md"), markdown(data["meta"], data["results"], data["true_peak"])
-        )
-        return 0
+        return render(p, args.render, lambda d: render_table(d, args.render.with_suffix(".md")))
+    check_out_dir(p, args.out_dir)
     if args.steps < SKIP_STEPS + 3 or not 2 <= args.eval_interval < args.steps:
         # a step with an evaluation and one without, after the warm-up
         p.error(f"--steps must be at least {SKIP_STEPS + 3} and --eval-interval within 2..--steps - 1")

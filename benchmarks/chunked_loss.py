@@ -26,7 +26,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from common import RESULTS, ROOT, header, keeping, load_results, save_json, stamp
+from common import RESULTS, ROOT, Parser, check_out_dir, header, keeping, render, save_json, stamp, write_md
 
 from minigpt.fileio import atomic_write
 
@@ -146,7 +146,7 @@ def markdown(meta: dict, results: list[dict]) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     p.add_argument(
@@ -166,9 +166,14 @@ def main() -> int:
         print(json.dumps(child(preset, int(batch), int(seq), amp, args.steps, args.shape_only_matmuls)))
         return 0
     if args.render:
-        data = load_results(p, args.render)
-        atomic_write(args.render.with_suffix(".md"), markdown(data["meta"], data["results"]))
-        return 0
+        return render(
+            p,
+            args.render,
+            lambda d: write_md(args.render.with_suffix(".md"), markdown(d["meta"], d["results"])),
+        )
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
+    check_out_dir(p, args.out_dir)
     import json
 
     meta = {**stamp(sys.argv), "steps": args.steps}

@@ -19,8 +19,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NoReturn
 
 from minigpt.metrics import MEMORY_BREAKDOWN_KEYS
 from minigpt.stages import STAGE_NAMES as STAGES
@@ -205,6 +207,14 @@ def save_json(stem: Path, data: dict) -> None:
     atomic_write(stem.with_suffix(".json"), json.dumps(data, indent=2) + "\n")
 
 
+def write_md(path: Path, table: str) -> None:
+    """A table, written whole or not at all, and printed for the console."""
+    from minigpt.fileio import atomic_write
+
+    atomic_write(path, table)
+    print(table)
+
+
 def write_table(stem: Path, data: dict, table: str) -> None:
     """The results .json and its table (.md) beside it, each written whole or not at all; the
     table is printed too, for the console."""
@@ -230,11 +240,70 @@ def output_flags(p: argparse.ArgumentParser, render_help: str, busy: bool = True
     p.add_argument("--render", type=Path, metavar="RESULTS_JSON", help=render_help)
 
 
-def load_results(parser, path: Path) -> dict:
-    """A results .json for --render, or the parser's one-line error."""
-    if not path.is_file():
-        parser.error(f"{path} does not exist")
-    return json.loads(path.read_text())
+class Parser(argparse.ArgumentParser):
+    """argparse whose error is one line, the mistake and its fix, not a usage block: a benchmark is
+    often started from a script or a notebook cell, where six lines of usage bury the one that
+    matters."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+# A results .json is a few hundred KiB at most; the bound keeps --render of a wrong path (a log, a
+# device) from reading without end.
+RESULTS_LIMIT = 64 * 2**20
+# What a results file of the wrong kind or of an older layout raises in a table's code: a missing
+# key, a value of the wrong type, an empty list.
+NOT_RESULTS = (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError, StopIteration)
+
+
+def load_results(parser: argparse.ArgumentParser, path: Path) -> dict:
+    """A results .json for --render, or the parser's one-line error (missing, not a regular file,
+    not JSON, not a results file)."""
+    from minigpt.fileio import UnreadableFile, read_bounded
+
+    if not path.exists():
+        parser.error(f"{path} does not exist; pass a results .json (benchmarks/results/*.json)")
+    try:
+        data = json.loads(read_bounded(path, RESULTS_LIMIT))
+    except UnreadableFile as e:
+        parser.error(str(e))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        parser.error(f"{path} is not JSON ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+    if not isinstance(data, dict) or not isinstance(data.get("meta"), dict):
+        parser.error(f'{path} is not a benchmark results file (no "meta" object); pass one this tool wrote')
+    return data
+
+
+def render(parser: argparse.ArgumentParser, path: Path, write: Callable[[dict], object]) -> int:
+    """--render: `write` makes the table (and chart) again from the results file at `path`, beside
+    it. A file of another tool or layout, or a folder that cannot be written, is one line."""
+    data = load_results(parser, path)
+    try:
+        write(data)
+    except NOT_RESULTS as e:
+        parser.error(f"{path} is not a results file of {parser.prog} ({type(e).__name__}: {e})")
+    except OSError as e:
+        parser.error(f"cannot write beside {path} ({e.strerror or e}); copy the .json to a writable folder")
+    return 0
+
+
+def check_out_dir(parser: argparse.ArgumentParser, out_dir: Path, flag: str = "--out-dir") -> None:
+    """Before anything is measured: the results can be written in `out_dir` (made later if missing),
+    so that a long run does not end in a traceback with its figures lost. Probed by creating a file,
+    which answers for root and read-only file systems alike, where permission bits do not."""
+    probe = out_dir
+    while not probe.exists() and probe.parent != probe:  # the nearest folder that is there
+        probe = probe.parent
+    if not probe.is_dir():
+        parser.error(f"{flag} {out_dir}: {probe} is a file, not a folder; name a folder for the results")
+    try:
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".minigpt-probe-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        parser.error(f"{flag} {out_dir}: {probe} is not writable ({e.strerror}); name a folder you can write")
 
 
 # ----------------------------------------------------------------------------- the machine's load

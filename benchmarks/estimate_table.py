@@ -31,7 +31,18 @@ import time
 from contextlib import nullcontext
 
 import torch
-from common import device_slug, header, keeping, load_results, output_flags, save_json, stamp
+from common import (
+    Parser,
+    check_out_dir,
+    device_slug,
+    header,
+    keeping,
+    output_flags,
+    render,
+    save_json,
+    stamp,
+    write_md,
+)
 from torch.autograd.profiler import record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -260,13 +271,33 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def shape_arg(text: str) -> tuple[str, int, int]:
+    """--shapes' PRESET:BATCH:SEQ, checked before anything is measured: a cell of batch or sequence 0
+    would measure nothing and write a row of it."""
+    parts = text.split(":")
+    if len(parts) != 3 or parts[0] not in PRESETS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not PRESET:BATCH:SEQ (e.g. small:1:256; presets {', '.join(sorted(PRESETS))})"
+        )
+    try:
+        batch, seq = int(parts[1]), int(parts[2])
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: BATCH and SEQ are whole numbers (e.g. small:1:256)"
+        ) from None
+    if batch < 1 or seq < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: BATCH and SEQ must be at least 1 (e.g. small:1:256)")
+    return parts[0], batch, seq
+
+
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", nargs="+", default=["small", "gpt2"], choices=["small", "gpt2"])
     p.add_argument(
         "--shapes",
         nargs="+",
         metavar="PRESET:BATCH:SEQ",
+        type=shape_arg,
         help="instead of the matrix's shapes, e.g. small:1:256 gpt2:2:1024",
     )
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
@@ -291,15 +322,14 @@ def main() -> int:
     output_flags(p, "measure nothing: write the .md again", busy=False)
     args = p.parse_args()
     if args.render:
-        data = load_results(p, args.render)
-        atomic_write(args.render.with_suffix(".md"), markdown(data["meta"], data["results"]))
-        return 0
+        return render(
+            p,
+            args.render,
+            lambda d: write_md(args.render.with_suffix(".md"), markdown(d["meta"], d["results"])),
+        )
+    check_out_dir(p, args.out_dir)
     meta = {**stamp(sys.argv), "name": "estimate"}
-    shapes = (
-        [(x.split(":")[0], int(x.split(":")[1]), int(x.split(":")[2])) for x in args.shapes]
-        if args.shapes
-        else [s for s in SHAPES if s[0] in args.presets]
-    )
+    shapes = args.shapes or [s for s in SHAPES if s[0] in args.presets]
     rows = []
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"{device_slug(meta['machine'])}-estimate"

@@ -60,19 +60,20 @@ from pathlib import Path
 
 from common import (
     ROOT,
+    Parser,
+    check_out_dir,
     device_slug,
     header,
     load_average,
     load_lines,
-    load_results,
     output_flags,
     refuse_if_busy,
+    render,
     run_variant,
     stamp,
+    write_md,
     write_table,
 )
-
-from minigpt.fileio import atomic_write
 
 NANOGPT_FILES = ("train.py", "model.py", "configurator.py", "LICENSE")
 # Where ../shared sits: beside the repository (main checkout) or beside the worktrees' folder.
@@ -202,7 +203,7 @@ def run_minigpt(dtype: str, shape: str, warmup: int, steps: int) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--shape", default="small", choices=sorted(SHAPES), help="minigpt preset and nanoGPT shape"
     )
@@ -224,10 +225,7 @@ def main() -> int:
     p = parser()
     args = p.parse_args()
     if args.render:
-        data = load_results(p, args.render)
-        atomic_write(args.render.with_suffix(".md"), markdown(data))
-        print(markdown(data))
-        return 0
+        return render(p, args.render, lambda d: write_md(args.render.with_suffix(".md"), markdown(d)))
     dtypes = args.dtypes.split(",")
     if min(args.steps, args.repeats, args.warmup) < 1:
         p.error("--steps, --repeats and --warmup must be at least 1")
@@ -242,6 +240,7 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
+    check_out_dir(p, args.out_dir)
     load = refuse_if_busy(args.out_dir, args.busy)
     with tempfile.TemporaryDirectory(prefix="minigpt-nanogpt-") as tmp:
         work = Path(tmp)

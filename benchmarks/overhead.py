@@ -38,17 +38,19 @@ from common import (
     PRESETS,
     RESULTS,
     STAGES,
+    Parser,
+    check_out_dir,
     device_slug,
     header,
-    load_results,
     machine_line,
+    render,
     run_variant,
     stamp,
     summarise,
+    write_md,
     write_table,
 )
 
-from minigpt.fileio import atomic_write
 from minigpt.instrument import StageTimer
 
 
@@ -249,9 +251,7 @@ def default_options(results: dict) -> tuple[list[str], str]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], epilog="Other flags go to train_minimal.py unchanged."
-    )
+    p = Parser(description=__doc__.split("\n\n")[0], epilog="Other flags go to train_minimal.py unchanged.")
     p.add_argument("--preset", default="small", choices=sorted(PRESETS))
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -296,14 +296,13 @@ def main() -> int:
             )
         )
         return 0
-    if min(args.steps, args.repeats, args.option_steps) < 1 or args.warmup < 1 or args.option_warmup < 0:
-        p.error("--steps, --repeats and --warmup must be at least 1")
+    if min(args.steps, args.repeats, args.warmup, args.option_steps, args.micro_steps) < 1:
+        p.error("--steps, --repeats, --warmup, --option-steps and --micro-steps must be at least 1")
+    if args.option_warmup < 0:
+        p.error("--option-warmup must be at least 0")
     if args.render:
-        data = load_results(p, args.render)
-        table = markdown(data)
-        atomic_write(args.render.with_suffix(".md"), table)
-        print(table)
-        return 0
+        return render(p, args.render, lambda d: write_md(args.render.with_suffix(".md"), markdown(d)))
+    check_out_dir(p, args.out_dir)
 
     meta = {
         **stamp(sys.argv),

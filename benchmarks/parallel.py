@@ -35,7 +35,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import RESULTS, header, load_results, save_json, spread, stamp
+from common import RESULTS, Parser, header, save_json, spread, stamp, write_md
+from common import render as render_results
 
 STEM = RESULTS / "cpu-parallel"
 SCHEMES = {  # name: (flags of the worker, needs a world size divisible by 2 for tp)
@@ -299,7 +300,7 @@ def render(data: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
@@ -319,9 +320,11 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     if args.render:
-        data = load_results(p, STEM.with_suffix(".json"))
-        STEM.with_suffix(".md").write_text(render(data))
-        return 0
+        return render_results(
+            p, STEM.with_suffix(".json"), lambda d: write_md(STEM.with_suffix(".md"), render(d))
+        )
+    if min(args.steps, args.repeats, *args.ranks) < 1 or args.warmup < 0:
+        p.error("--steps, --repeats and --ranks must be at least 1, --warmup at least 0")
     variants, skipped = [], []
     for m in args.models:
         for n in args.ranks:

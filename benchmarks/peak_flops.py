@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import RESULTS, device_slug, header, save_json, stamp
+from common import RESULTS, Parser, check_out_dir, device_slug, header, save_json, stamp
 
 from minigpt.config import PRESETS as MODEL_PRESETS
 from minigpt.fileio import atomic_write
@@ -95,7 +95,7 @@ def summarise(rs: list[dict]) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="small", choices=sorted(MODEL_PRESETS))
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--processes", type=int, default=5)
@@ -113,6 +113,7 @@ def main() -> int:
         return 0
     if args.processes < 2:
         ap.error("--processes must be at least 2")
+    check_out_dir(ap, args.out_dir)
     runs = measure(args.processes, args.preset, args.dtype)
     meta = {**stamp(sys.argv), "preset": args.preset, "dtype": args.dtype, "processes": args.processes}
     results = {mode: summarise(rs) for mode, rs in runs.items()}

@@ -365,3 +365,63 @@ def test_allocator_puts_the_fresh_machine_first_with_counts_and_load(tmp_path):
     assert {"load_start", "load_end", "cores"} <= set(data["meta"])
     table = (tmp_path / "cpu-allocator.md").read_text()
     assert "at the start" in table and "page faults per step" in table
+
+
+# ---------------------------------------------------------------------------- a user's mistakes
+# Each refused in one line with status 2 before anything is measured, and nothing on disk touched.
+# {dir}: the test's own folder, holding `afile` (a file), `bad.json` (not JSON), `list.json` (JSON,
+# not a results file) and `other.json` (a results file of another layout).
+MISTAKES = [
+    ("ablation.py", "--out-dir {dir}/afile", "a file, not a folder"),
+    ("ablation.py", "--out-dir {dir}/afile/sub", "a file, not a folder"),
+    ("ablation.py", "--out-dir /proc/minigpt-results", "not writable"),
+    ("ablation.py", "--nproc 0 --out-dir {dir}", "--nproc 0"),
+    ("ablation.py", "--render {dir}/bad.json", "not JSON"),
+    ("ablation.py", "--render {dir}/list.json", "not a benchmark results file"),
+    ("ablation.py", "--render {dir}/other.json", "not a results file of ablation.py"),
+    ("ablation.py", "--render /dev/zero", "not a regular file"),
+    ("ablation.py", "--render {dir}/missing.json", "does not exist"),
+    ("overhead.py", "--micro-steps 0 --out-dir {dir}", "--micro-steps must be at least 1"),
+    ("overhead.py", "--out-dir {dir}/afile", "a file, not a folder"),
+    ("overhead.py", "--render {dir}/bad.json", "not JSON"),
+    ("overhead.py", "--render {dir}/other.json", "not a results file of overhead.py"),
+    ("overhead.py", "--parts everything", "invalid choice"),
+    ("nanogpt_shape.py", "--render {dir}/bad.json", "not JSON"),
+    ("nanogpt_shape.py", "--render {dir}/other.json", "not a results file of nanogpt_shape.py"),
+    ("nanogpt_shape.py", "--steps x", "invalid int value"),
+    ("allocator.py", "--out-dir {dir}/afile", "a file, not a folder"),
+    ("allocator.py", "--render {dir}/other.json", "not a results file of allocator.py"),
+    ("make_figures.py", "--results {dir}/bad.json --out {dir}/img", "not JSON"),
+    ("make_figures.py", "--results {dir}/other.json --out {dir}/img", "not an ablation results file"),
+    ("make_figures.py", "--results {dir}/missing.json --out {dir}/img", "does not exist"),
+    ("make_figures.py", "--out {dir}/afile", "a file, not a folder"),
+    ("make_figures.py", "--out /proc/minigpt-img", "not writable"),
+    ("estimate_table.py", "--shapes bad --out-dir {dir}", "is not PRESET:BATCH:SEQ"),
+    ("estimate_table.py", "--shapes small:1:x --out-dir {dir}", "whole numbers"),
+    ("estimate_table.py", "--shapes small:0:256 --out-dir {dir}", "must be at least 1"),
+    ("estimate_table.py", "--shapes small:1:256 --out-dir {dir}/afile", "a file, not a folder"),
+    ("estimate_table.py", "--render {dir}/other.json", "not a results file of estimate_table.py"),
+    ("peak_flops.py", "--out-dir {dir}/afile", "a file, not a folder"),
+    ("chunked_loss.py", "--render {dir}/bad.json", "not JSON"),
+    ("parallel.py", "--steps 0", "--steps, --repeats and --ranks must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("script, args, says", MISTAKES, ids=[f"{s} {a}" for s, a, _ in MISTAKES])
+def test_a_mistake_is_one_line_before_any_measuring_and_touches_nothing(tmp_path, script, args, says):
+    files = {
+        "afile": "a file where a folder belongs\n",
+        "bad.json": '{"meta": {"name": ',
+        "list.json": "[1, 2]\n",
+        "other.json": json.dumps({"meta": {"kind": "another tool's"}, "results": [1, 2]}),
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    result = run(script, *args.format(dir=tmp_path).split())
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert len(err) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert says in err[0] and err[0].startswith(f"{script}: error: ")
+    assert "round" not in result.stdout  # refused before the first variant ran
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(files)  # nothing written beside them
+    assert {name: (tmp_path / name).read_text() for name in files} == files  # nor changed
