@@ -12,6 +12,12 @@ fresh process, `--repeats` times in interleaved rounds, for `--steps` measured s
 `--warmup`. Trainer flags not known here (--seq-len, --batch-size, --n-layers, ...) are passed
 through to every variant.
 
+Each round ends with the baseline (fp32) again: the A/A check. Every ratio comes with its 95%
+interval over the repeats (benchmarks/common.py, minigpt.stats); when the baseline's two copies
+differ beyond theirs, the machine was too noisy to tell, and the results go to a folder outside the
+repository instead of benchmarks/results unless --noisy (the table then says so). The load at the
+start and the end is recorded; a busy start refuses benchmarks/results unless --busy.
+
 Writes benchmarks/results/<device>-<name>.json, .md (the table, with ratios to the fp32
 baseline) and .png (tokens/s, stage times host vs device, peak memory). Each names the device,
 the versions, the date and the command. <name> is --name, else the preset and the flags passed
@@ -23,6 +29,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,14 +37,23 @@ from pathlib import Path
 
 from common import (
     PRESETS,
-    RESULTS,
     STAGES,
     Parser,
+    aa_check,
+    aa_lines,
+    aa_name,
     check_out_dir,
+    destination,
     device_slug,
     header,
+    load_average,
+    load_lines,
     machine_line,
     native_bf16,
+    output_flags,
+    ratio,
+    ratio_text,
+    refuse_if_busy,
     render,
     run_variant,
     save_json,
@@ -129,18 +145,18 @@ def activations_mib(s: dict) -> float | None:
 def findings(results: dict) -> list[str]:
     """The ratios a reader looks for: each variant's tokens/s against its base, and what it did to memory."""
 
-    def tps(name):
-        return tokens_median(results[name])
+    def tps(name: str, base: str) -> str:
+        return ratio_text(ratio(results[base]["tokens_per_s_repeats"], results[name]["tokens_per_s_repeats"]))
 
     lines = []
     if "amp" in results and "fp32" in results:
-        lines.append(f"AMP: {tps('amp') / tps('fp32'):.2f}x tokens/s against fp32")
+        lines.append(f"AMP: tokens/s {tps('amp', 'fp32')} against fp32")
     for base in ("fp32", "amp"):
         ck = f"{base} + ckpt"
         if ck in results and base in results:
             act0, act1 = activations_mib(results[base]), activations_mib(results[ck])
             pk0, pk1 = peak_mib(results[base]), peak_mib(results[ck])
-            text = f"activation checkpointing ({base}): {100 * (tps(ck) / tps(base) - 1):+.0f}% tokens/s"
+            text = f"activation checkpointing ({base}): tokens/s {tps(ck, base)}"
             if act0 and act1:
                 text += f", {100 * (act1 / act0 - 1):+.0f}% activations"
             if pk0 and pk1:
@@ -150,7 +166,7 @@ def findings(results: dict) -> list[str]:
     for name in [n for n in results if n not in matrix]:  # the variants added to the matrix on request
         base = "fp32" if name.startswith("fp32") else "amp"  # "fp32 + chunked loss" against fp32
         if base in results:
-            text = f"{name}: {tps(name) / tps(base):.2f}x tokens/s against {base}"
+            text = f"{name}: tokens/s {tps(name, base)} against {base}"
             pk0, pk1 = peak_mib(results[base]), peak_mib(results[name])
             memory = f", {memory_label(results)} {pk0:,.0f} -> {pk1:,.0f} MiB" if pk0 and pk1 else ""
             lines.append(text + memory)
@@ -167,10 +183,14 @@ def markdown(meta: dict, results: dict) -> str:
     base = next(iter(results))
     lines = [
         *header(f"Ablation: {meta['name']}", meta),
+        *load_lines(meta),
+        *aa_lines(meta),
         f"{meta['steps']} measured steps after {meta['warmup']} warm-up steps, {meta['repeats']} fresh "
         "process(es) per variant in interleaved rounds; medians over every "
         "measured step, spread as min-max of the "
-        "repeats' medians."
+        "repeats' medians. Ratios: tokens/s against the baseline from the repeats' medians, with "
+        "the 95% interval (minigpt.stats: Welch's t on the logarithms); an interval that holds 1.0 "
+        'reads "no difference within noise".'
         + (
             " No AMP rows (`--amp-rows` off, the default on a CPU without native bf16, where bf16 is "
             "emulated and its matmuls run many times slower than fp32)."
@@ -189,17 +209,25 @@ def markdown(meta: dict, results: dict) -> str:
     ]
     for name, s in results.items():
         reps = s["tokens_per_s_repeats"]
+        vs = "baseline" if name == base else ratio_text(ratio(results[base]["tokens_per_s_repeats"], reps))
         pk, act = peak_mib(s), activations_mib(s)
         lines.append(
             f"| {name} | {s['amp']} | {tokens_median(s):,.0f} | "
             f"{min(reps):,.0f}-{max(reps):,.0f} | "
-            f"{tokens_median(s) / tokens_median(results[base]):.2f}x | "
+            f"{vs} | "
             f"{100 * s['mfu']:.1f}% | {s['step_ms']['median']:.0f} | "
             + " | ".join(f"{stage_ms(s, 'host', st):.1f} / {stage_ms(s, 'device', st):.1f}" for st in STAGES)
             + f" | {'n/a' if pk is None else f'{pk:,.1f}'} | "
             + ("n/a |" if act is None else f"{act:,.1f} ({100 * act / pk:.0f}%) |" if pk else f"{act:,.1f} |")
         )
     lines += ["", "Findings:", ""] + [f"- {f}" for f in findings(results)]
+    lines += notes(meta, results)
+    return "\n".join(lines) + "\n"
+
+
+def notes(meta: dict, results: dict) -> list[str]:
+    """What the table's figures mean on this device, for these rows: under the findings."""
+    lines: list[str] = []
     if meta["machine"]["device"] == "cpu":
         lines += [
             "",
@@ -241,7 +269,7 @@ def markdown(meta: dict, results: dict) -> str:
             "activations at their peak); these results predate the allocator's measured peak."
         ),
     ]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 MEMORY_PARTS = (
@@ -408,13 +436,7 @@ def parser() -> Parser:
         "--name", help="results file name after the device (default: the preset and the flags passed through)"
     )
     p.add_argument("--force", action="store_true", help="overwrite results that are already there")
-    p.add_argument("--out-dir", type=Path, default=RESULTS)
-    p.add_argument(
-        "--render",
-        type=Path,
-        metavar="RESULTS_JSON",
-        help="measure nothing: write the .md and .png again from a results .json",
-    )
+    output_flags(p, "measure nothing: write the .md and .png again from a results .json")
     return p
 
 
@@ -452,22 +474,32 @@ def main() -> int:
         p.error(
             f"{there[0]} is already there; pass --name NAME to write new results, or --force to overwrite"
         )
-    results = measure(p, args, trainer_flags)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    meta.update(refuse_if_busy(args.out_dir, args.busy), noisy=args.noisy)
+    results, meta["aa"] = measure(p, args, trainer_flags)
+    meta["load_end"] = load_average()
+    out_dir, noisy = destination(args.out_dir, meta, args.noisy)
+    stem = out_dir / stem.name
+    out_dir.mkdir(parents=True, exist_ok=True)
     save_json(stem, {"meta": meta, "results": results})
     write_results(meta, results, stem)
+    if noisy:
+        print(f"ablation.py: {noisy}", file=sys.stderr)
+        return 1
     return 0
 
 
-def measure(p: Parser, args, trainer_flags: list[str]) -> dict:
+def measure(p: Parser, args, trainer_flags: list[str]) -> tuple[dict, list[dict]]:
     """Every variant `--repeats` times, in interleaved rounds, each run a fresh process: run back to
     back, the first variant alone would meet the machine as the previous job left it (caches,
-    clocks, a neighbour's burst), and its figures would carry that. A failing variant ends the
+    clocks, a neighbour's burst), and its figures would carry that. Each round ends with the
+    baseline's copy, for the A/A check (returned beside the results). A failing variant ends the
     benchmark with the trainer's own last line (p.error)."""
-    runs: dict[str, list] = {name: [] for name, _, _ in variants(args)}
+    listed = variants(args)
+    rounds = [*listed, (aa_name(listed[0][0]), *listed[0][1:])]
+    runs: dict[str, list] = {name: [] for name, _, _ in rounds}
     kept = Path(tempfile.mkdtemp(prefix="minigpt-ablation-"))  # the first round's run directories
     for r in range(args.repeats):
-        for i, (name, flags, nproc) in enumerate(variants(args)):
+        for i, (name, flags, nproc) in enumerate(rounds):
             print(f"[{name}] round {r + 1}/{args.repeats}", flush=True)
             try:
                 runs[name].append(
@@ -476,7 +508,7 @@ def measure(p: Parser, args, trainer_flags: list[str]) -> dict:
                         args.warmup,
                         args.steps,
                         nproc,
-                        keep=kept / str(i) if r == 0 else None,
+                        keep=kept / str(i) if r == 0 and i < len(listed) else None,
                     )
                 )
             except (RuntimeError, subprocess.TimeoutExpired) as e:  # the trainer's last line says why
@@ -492,7 +524,11 @@ def measure(p: Parser, args, trainer_flags: list[str]) -> dict:
         }
         print(f"[{name}] {results[name]['tokens_per_s']['median']:,.0f} tokens/s", flush=True)
     explain(results, kept)
-    return results
+    base = listed[0][0]
+    copy = [statistics.median(x["tokens_per_s"] for x in run["rows"]) for run in runs[aa_name(base)]]
+    check = aa_check(base, results[base]["tokens_per_s_repeats"], copy, "tokens/s of each repeat")
+    print(f"[A/A] {base} against itself: {ratio_text(check)}", flush=True)
+    return results, [check]
 
 
 def explain(results: dict, kept: Path) -> None:

@@ -1,5 +1,7 @@
-"""What ablation.py and overhead.py share: run a trainer variant in a fresh process, read back its
-per-step figures, summarise them as medians with their spread, and describe the machine.
+"""What the benchmarks share: run a trainer variant in a fresh process, read back its per-step
+figures, summarise them as medians with their spread, describe the machine and its load, give each
+ratio its interval and check the baseline against itself (A/A), and refuse a user's mistake in one
+line before anything is measured.
 
 Each run of a variant is `train_minimal.py <flags> --num-steps W+N+1 --log-interval 1`: W warm-up
 steps (not counted), N measured steps, then one more step on which the memory breakdown is
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -26,6 +29,7 @@ from typing import NoReturn
 
 from minigpt.metrics import MEMORY_BREAKDOWN_KEYS
 from minigpt.stages import STAGE_NAMES as STAGES
+from minigpt.stats import MIN_SAMPLES
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -236,6 +240,12 @@ def output_flags(p: argparse.ArgumentParser, render_help: str, busy: bool = True
             help="write benchmarks/results even when the load at the start is above half the cores "
             "(the table then says the machine was busy)",
         )
+        p.add_argument(
+            "--noisy",
+            action="store_true",
+            help="write benchmarks/results even when the A/A check (the baseline against its own copy) "
+            "fails: the machine was too noisy to tell (the table then says so)",
+        )
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--render", type=Path, metavar="RESULTS_JSON", help=render_help)
 
@@ -306,6 +316,17 @@ def check_out_dir(parser: argparse.ArgumentParser, out_dir: Path, flag: str = "-
         parser.error(f"{flag} {out_dir}: {probe} is not writable ({e.strerror}); name a folder you can write")
 
 
+def available_bytes() -> int | None:
+    """The memory the kernel says a new process can take now (MemAvailable), None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 # ----------------------------------------------------------------------------- the machine's load
 # A figure measured while other jobs ran is not a result: each benchmark records the load average
 # at its start and end, and refuses to write into benchmarks/results/ when the load at the start is
@@ -356,3 +377,110 @@ def load_lines(meta: dict) -> list[str]:
             "(page faults, bytes) still are.**"
         )
     return [line, ""]
+
+
+# ----------------------------------------------------------------------------- ratios and their noise
+# Every ratio a benchmark prints is B / A of per-repeat figures (each repeat a fresh process), with
+# its 95% interval from minigpt.stats; one whose interval holds 1.0 reads "no difference within
+# noise". Each run also measures its baseline twice in the same interleaved rounds (the A/A check):
+# two copies of one configuration differ only by the machine's noise, so when their interval leaves
+# out 1.0, the machine moved more than the intervals allow for and no ratio of the run is a finding.
+FRESH = "repeats in fresh processes"
+AA = " (A/A)"  # the name of the baseline's second copy
+
+
+def aa_name(baseline: str) -> str:
+    return baseline + AA
+
+
+def with_aa(names: list[str]) -> list[str]:
+    """The variants of one round, the baseline's copy last: as far as a round allows from the
+    baseline itself, so a drift within the round shows in the check."""
+    return [*names, aa_name(names[0])]
+
+
+def ratio(a: list[float], b: list[float]) -> dict:
+    """B / A as a results file keeps it: minigpt.stats' interval and verdict, or with fewer than
+    MIN_SAMPLES repeats a side, the ratio of geometric means and the line that says what an
+    interval needs (`short`)."""
+    from minigpt.stats import StatsError, ratio_interval
+
+    try:
+        return ratio_interval(a, b, method=FRESH).to_json()
+    except StatsError as e:
+        a, b = [x for x in a if x and x > 0], [x for x in b if x and x > 0]
+        point = (
+            math.exp(statistics.fmean(map(math.log, b)) - statistics.fmean(map(math.log, a)))
+            if a and b
+            else None
+        )
+        return {"ratio": point, "n_a": len(a), "n_b": len(b), "verdict": None, "short": str(e)}
+
+
+def ratio_text(r: dict | None) -> str:
+    """A ratio for a table cell or a finding: the verdict ("1.23x (1.10-1.38)", or "no difference
+    within noise"), or with too few repeats the bare ratio marked as such."""
+    if not r:
+        return "-"
+    if r.get("verdict"):
+        return r["verdict"]
+    n = min(r["n_a"], r["n_b"])
+    why = f"{n} repeat{'' if n == 1 else 's'}, an interval needs {MIN_SAMPLES}"
+    return f"n/a ({why})" if r.get("ratio") is None else f"{r['ratio']:.2f}x (no interval: {why})"
+
+
+def aa_check(baseline: str, a: list[float], b: list[float], what: str) -> dict:
+    """The A/A check of one run: the baseline's figures `a` against its copy's `b` (`what` they
+    are). `passed` is True when the interval holds 1.0, False when it leaves 1.0 out (the machine
+    too noisy to tell), None with too few repeats for an interval."""
+    r = ratio(a, b)
+    passed = None if not r.get("verdict") else r["low"] <= 1.0 <= r["high"]
+    return {"baseline": baseline, "what": what, "a": a, "b": b, **r, "passed": passed}
+
+
+def aa_failed(meta: dict) -> bool:
+    return any(c.get("passed") is False for c in meta.get("aa", []))
+
+
+def aa_lines(meta: dict) -> list[str]:
+    """What the A/A check found, for the table's head: each check's ratio and interval, and when one
+    failed, that the ratios of the run are not findings (naming --noisy where it let them into the
+    committed results)."""
+    checks = meta.get("aa")
+    if checks is None:
+        return ["A/A check: not recorded (the run did not measure its baseline twice).", ""]
+    lines = []
+    for c in checks:
+        line = f"A/A check: {c['baseline']} against a second copy of itself in the same rounds, {c['what']}: "
+        line += ratio_text(c)
+        if c["passed"] is None:
+            line += ". Too few repeats to weigh the machine's noise: the ratios here are not findings."
+        elif c["passed"]:
+            line += " (the copies agree: the intervals here hold this run's noise)."
+        else:
+            line += (
+                ". **The baseline differs from itself: the machine was too noisy to tell, and the ratios "
+                "here are not findings.**"
+            )
+        lines += [line, ""]
+    if aa_failed(meta) and meta.get("noisy"):
+        lines += [
+            f"Written to `{os.path.relpath(RESULTS, ROOT)}` with `--noisy` despite the failed A/A check.",
+            "",
+        ]
+    return lines
+
+
+def destination(out_dir: Path, meta: dict, noisy_ok: bool) -> tuple[Path, str | None]:
+    """Where a run's results go: `out_dir`, unless the A/A check failed, `out_dir` is the committed
+    folder and --noisy was not given; then a fresh folder outside the repository (nothing measured
+    is lost), and the one line that says so."""
+    if not aa_failed(meta) or noisy_ok or out_dir.resolve() != RESULTS.resolve():
+        return out_dir, None
+    elsewhere = Path(tempfile.mkdtemp(prefix="minigpt-noisy-"))
+    check = next(c for c in meta["aa"] if c["passed"] is False)
+    return elsewhere, (
+        f"A/A check failed ({check['baseline']} against itself: {ratio_text(check)}): the machine was too "
+        f"noisy to tell; results written to {elsewhere}, not {os.path.relpath(RESULTS, ROOT)}: measure "
+        "again on a quiet machine, or pass --noisy to write there (the table then says so)"
+    )

@@ -33,6 +33,7 @@ from contextlib import nullcontext
 import torch
 from common import (
     Parser,
+    available_bytes,
     check_out_dir,
     device_slug,
     header,
@@ -290,6 +291,19 @@ def shape_arg(text: str) -> tuple[str, int, int]:
     return parts[0], batch, seq
 
 
+def refuse_too_big(p: argparse.ArgumentParser, shapes: list[tuple[str, int, int]]) -> None:
+    """Before any cell runs: a shape whose step the estimator puts above the memory available now
+    would take the machine with it (the kernel's OOM killer picks among every process)."""
+    free = available_bytes()
+    for preset, batch, seq in shapes:
+        need = estimate_gpt(**shape_of(preset, batch, seq)).peak
+        if free is not None and need > free:
+            p.error(
+                f"--shapes {preset}:{batch}:{seq}: one step needs about {need / 2**30:,.1f} GiB by the "
+                f"estimate, above the {free / 2**30:,.1f} GiB available; pick a smaller batch or sequence"
+            )
+
+
 def main() -> int:
     p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", nargs="+", default=["small", "gpt2"], choices=["small", "gpt2"])
@@ -330,6 +344,7 @@ def main() -> int:
     check_out_dir(p, args.out_dir)
     meta = {**stamp(sys.argv), "name": "estimate"}
     shapes = args.shapes or [s for s in SHAPES if s[0] in args.presets]
+    refuse_too_big(p, shapes)
     rows = []
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"{device_slug(meta['machine'])}-estimate"

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import RESULTS, Parser, header, save_json, spread, stamp, write_md
+from common import RESULTS, Parser, available_bytes, header, save_json, spread, stamp, write_md
 from common import render as render_results
 
 STEM = RESULTS / "cpu-parallel"
@@ -202,16 +202,6 @@ def predicted_bytes(model: str, scheme: str, nproc: int) -> int:
     e = per_rank_estimate(estimate_gpt(**shape), dp, tp, scheme.startswith("fsdp"), shape)
     ddp_buckets = e["grads"] if scheme == "ddp" else 0  # DDP's gradient buckets: a second copy
     return nproc * (e["peak"] + ddp_buckets + int(0.4 * 2**30))
-
-
-def available_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def run(model: str, scheme: str, nproc: int, warmup: int, steps: int) -> dict:
