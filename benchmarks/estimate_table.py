@@ -59,8 +59,6 @@ DATA_TO_DEVICE, FORWARD, BACKWARD, OPTIMIZER_STEP = STAGE_NAMES  # the trainer's
 MIB = 2**20
 VOCAB = 50304  # GPT-2's vocabulary padded to a multiple of 64, as the trainer pads it
 TOLERANCE = 0.10  # the estimator's promise: the measured peak within 10%
-STEPS = 2  # one warm-up step (the optimizer's state and the allocator's pools appear), one measured
-GRAD_CLIP = 1.0  # the trainer's default --grad-clip
 # (preset, batch, seq): the shapes of the matrix; each runs x fp32/bf16 x ckpt x accumulation 1/2.
 SHAPES = [("small", 1, 256), ("small", 2, 1024), ("gpt2", 1, 256), ("gpt2", 2, 1024)]
 
@@ -107,9 +105,11 @@ def measure(
     checkpoint: bool = False,
     accum: int = 1,
     chunked_loss: bool = False,
+    steps: int = 2,
+    grad_clip: float = 1.0,
     shape_only_matmuls: bool = False,
 ) -> MemoryBreakdown:
-    """STEPS training steps as the trainer runs them; the last is measured."""
+    """`steps` training steps as the trainer runs them; the last is measured."""
     model = model_of(shape, activation_checkpoint=checkpoint, chunked_loss=chunked_loss)
     model.train()
     params = list(model.parameters())
@@ -126,8 +126,8 @@ def measure(
     b, s, V = shape["batch_size"], shape["seq_len"], shape["vocab_size"]
     matmuls = ShapeOnlyMatmuls if shape_only_matmuls else nullcontext
     cap = None
-    for step in range(1, STEPS + 1):
-        cap = capture_memory(model, optimizer, step) if step == STEPS else nullcontext()
+    for step in range(1, steps + 1):
+        cap = capture_memory(model, optimizer, step) if step == steps else nullcontext()
         with cap:
             step_loss = torch.zeros(())
             for _ in range(accum):
@@ -142,17 +142,22 @@ def measure(
                     loss.backward()
                 step_loss += loss.detach()
             with record_function(OPTIMIZER_STEP):
-                torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
     return cap.breakdown
 
 
 def cell(
-    where: tuple[str, int, int], amp: str, ckpt: bool, accum: int, shape_only: bool, chunked: bool
+    preset: str,
+    batch: int,
+    seq: int,
+    amp: str,
+    ckpt: bool,
+    accum: int,
+    shape_only: bool,
+    chunked: bool = False,
 ) -> dict:
-    """One cell of the matrix: `where` is (preset, batch, seq); measured and predicted peaks, part by part."""
-    preset, batch, seq = where
     shape = shape_of(preset, batch, seq)
     t0 = time.perf_counter()
     b = measure(shape, amp, ckpt, accum, chunked_loss=chunked, shape_only_matmuls=shape_only)
@@ -358,7 +363,7 @@ def main() -> int:
     ):
         if (preset, batch, seq, amp, ckpt, accum, loss, mode) in done:
             continue
-        rows.append(cell((preset, batch, seq), amp, ckpt, accum, args.shape_only_matmuls, loss == "chunked"))
+        rows.append(cell(preset, batch, seq, amp, ckpt, accum, args.shape_only_matmuls, loss == "chunked"))
         r = rows[-1]
         print(
             f"{preset} b{batch} s{seq} {amp} ckpt={ckpt} accum={accum} {loss} loss: "

@@ -101,13 +101,24 @@ def option_child(variant: str, preset: str, steps: int, warmup: int, check_views
     import time
 
     import torch
-    from estimate_table import model_of, shape_of
     from torch.profiler import ProfilerActivity, profile
 
     from minigpt.config import PRESETS as MODEL_PRESETS
+    from minigpt.model import GPT, GPTConfig, pad_vocab
 
     p = MODEL_PRESETS[preset]
-    model = model_of(shape_of(preset, p["batch_size"], p["seq_len"]), dropout=0.0)
+    torch.manual_seed(0)
+    model = GPT(
+        GPTConfig(
+            vocab_size=pad_vocab(50257),
+            max_position_embeddings=p["seq_len"],
+            n_layers=p["n_layers"],
+            n_heads=p["n_heads"],
+            d_model=p["d_model"],
+            d_ff=p["d_ff"],
+            dropout=0.0,
+        )
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, 50257, (p["batch_size"], p["seq_len"] + 1))
 
