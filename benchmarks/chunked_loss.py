@@ -26,7 +26,20 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from common import RESULTS, ROOT, Parser, check_out_dir, header, keeping, render, save_json, stamp, write_md
+from common import (
+    RESULTS,
+    ROOT,
+    Parser,
+    check_out_dir,
+    header,
+    keeping,
+    ratio,
+    ratio_text,
+    render,
+    save_json,
+    stamp,
+    write_md,
+)
 
 from minigpt.fileio import atomic_write
 
@@ -137,8 +150,8 @@ def markdown(meta: dict, results: list[dict]) -> str:
             f"{own(c) / MIB:,.0f} MiB ({100 * (own(c) / own(p) - 1):+.0f}%)"
         )
         if p["tokens_per_s"] and c["tokens_per_s"]:
-            speed = statistics.median(c["tokens_per_s"]) / statistics.median(p["tokens_per_s"])
-            text += f", tokens/s {speed:.2f}x, loss {p['loss']:.4f} vs {c['loss']:.4f}"
+            speed = ratio_text(ratio(p["tokens_per_s"], c["tokens_per_s"], "steps of one process each"))
+            text += f", tokens/s {speed} (steps of one process each), loss {p['loss']:.4f} vs {c['loss']:.4f}"
         else:
             text += " (peaks with shape-only matmuls; tokens/s not measured: emulated bf16)"
         lines.append(text)

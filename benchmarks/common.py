@@ -399,14 +399,14 @@ def with_aa(names: list[str]) -> list[str]:
     return [*names, aa_name(names[0])]
 
 
-def ratio(a: list[float], b: list[float]) -> dict:
+def ratio(a: list[float], b: list[float], method: str = FRESH) -> dict:
     """B / A as a results file keeps it: minigpt.stats' interval and verdict, or with fewer than
     MIN_SAMPLES repeats a side, the ratio of geometric means and the line that says what an
-    interval needs (`short`)."""
+    interval needs (`short`). `method`: what the samples are, when not repeats in fresh processes."""
     from minigpt.stats import StatsError, ratio_interval
 
     try:
-        return ratio_interval(a, b, method=FRESH).to_json()
+        return ratio_interval(a, b, method=method).to_json()
     except StatsError as e:
         a, b = [x for x in a if x and x > 0], [x for x in b if x and x > 0]
         point = (
