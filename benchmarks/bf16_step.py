@@ -43,7 +43,6 @@ from minigpt import model as model_module
 from minigpt.config import PRESETS
 from minigpt.cpu import keep_freed_memory
 from minigpt.model import GPT, GPTConfig
-from minigpt.stats import ratio_interval, verdict
 
 VOCAB = 50304
 # An op run inside one of these (forward or backward) counts as the loss's, whatever it is.
@@ -182,6 +181,8 @@ def main() -> int:
         for name, xs in cpu.items():
             spread = f"{min(xs):.3f} - {max(xs):.3f}"
             print(f"| {name} | {statistics.median(xs):.3f} | {spread} | {losses[name][-1]:.4f} |")
+        from minigpt.stats import ratio_interval, verdict
+
         iv = ratio_interval(cpu["default"], cpu["F.cross_entropy"], method="alternating steps in one process")
         print(f"\nF.cross_entropy / default, CPU s per step: {verdict(iv)} (95% interval)\n")
         if args.no_profile:
