@@ -12,6 +12,12 @@ fresh process, `--repeats` times in interleaved rounds, for `--steps` measured s
 `--warmup`. Trainer flags not known here (--seq-len, --batch-size, --n-layers, ...) are passed
 through to every variant.
 
+Each round ends with the baseline (fp32) again: the A/A check. Every ratio comes with its 95%
+interval over the repeats (benchmarks/common.py, minigpt.stats); when the baseline's two copies
+differ beyond theirs, the machine was too noisy to tell, and the results go to a folder outside the
+repository instead of benchmarks/results unless --noisy (the table then says so). The load at the
+start and the end is recorded; a busy start refuses benchmarks/results unless --busy.
+
 Writes benchmarks/results/<device>-<name>.json, .md (the table, with ratios to the fp32
 baseline) and .png (tokens/s, stage times host vs device, peak memory). Each names the device,
 the versions, the date and the command. <name> is --name, else the preset and the flags passed
@@ -20,10 +26,10 @@ through (small-seq-len-128); results already there are never overwritten without
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,13 +37,24 @@ from pathlib import Path
 
 from common import (
     PRESETS,
-    RESULTS,
     STAGES,
+    Parser,
+    aa_check,
+    aa_lines,
+    aa_name,
+    check_out_dir,
+    destination,
     device_slug,
     header,
-    load_results,
+    load_average,
+    load_lines,
     machine_line,
     native_bf16,
+    output_flags,
+    ratio,
+    ratio_text,
+    refuse_if_busy,
+    render,
     run_variant,
     save_json,
     stamp,
@@ -49,12 +66,6 @@ from minigpt.fileio import atomic_write
 from minigpt.stages import color as stage_color
 
 MIB = 2**20
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not a usage block
-        print(f"ablation.py: error: {message}", file=sys.stderr)
-        sys.exit(2)
 
 
 def results_name(preset: str, trainer_flags: list[str]) -> str:
@@ -75,7 +86,7 @@ MATRIX = [
 
 def variants(args) -> list[tuple[str, list[str], int]]:
     """(name, flags, processes) of each variant. Without the AMP rows (--amp-rows), the variants
-    asked for on top run in fp32 (a CPU without native bf16 emulates it, ~80x slower)."""
+    asked for on top run in fp32 (a CPU without native bf16 emulates it, many times slower than fp32)."""
     base, flag = ("fp32", "--no-amp") if args.fp32_only else ("amp", "--amp")
     out = [v for v in MATRIX if not (args.fp32_only and "--amp" in v[1])]
     if args.malloc:
@@ -93,8 +104,9 @@ def variants(args) -> list[tuple[str, list[str], int]]:
 
 def peak_mib(s: dict) -> float | None:
     """The allocator's measured peak of one step (--memory-profiler: max_memory_allocated on CUDA,
-    the profiler's memory events on the CPU). Results measured before that existed carry only the
-    breakdown's sum (params, grads, optimizer state, saved activations at their peak)."""
+    the profiler's memory events on the CPU); for a results file without it, the breakdown's sum
+    (params, grads, optimizer state, saved activations at their peak), which the table then names
+    as a sum, not a peak."""
     b = s.get("breakdown_bytes") or {}
     if b.get("peak"):
         return b["peak"] / MIB
@@ -115,7 +127,7 @@ def stage_ms(s: dict, kind: str, stage: str) -> float:
 
 def measured_peak(results: dict) -> bool:
     """Whether the results carry the allocator's measured peak (or CUDA's max_memory_allocated),
-    not only the older breakdown sum."""
+    not only the breakdown's sum."""
     return any(
         (r.get("breakdown_bytes") or {}).get("peak") or "peak_allocated_gib" in r for r in results.values()
     )
@@ -131,20 +143,20 @@ def activations_mib(s: dict) -> float | None:
 
 
 def findings(results: dict) -> list[str]:
-    """The ratios a reader looks for, e.g. 'AMP 1.7x tokens/s'."""
+    """The ratios a reader looks for: each variant's tokens/s against its base, and what it did to memory."""
 
-    def tps(name):
-        return tokens_median(results[name])
+    def tps(name: str, base: str) -> str:
+        return ratio_text(ratio(results[base]["tokens_per_s_repeats"], results[name]["tokens_per_s_repeats"]))
 
     lines = []
     if "amp" in results and "fp32" in results:
-        lines.append(f"AMP: {tps('amp') / tps('fp32'):.2f}x tokens/s against fp32")
+        lines.append(f"AMP: tokens/s {tps('amp', 'fp32')} against fp32")
     for base in ("fp32", "amp"):
         ck = f"{base} + ckpt"
         if ck in results and base in results:
             act0, act1 = activations_mib(results[base]), activations_mib(results[ck])
             pk0, pk1 = peak_mib(results[base]), peak_mib(results[ck])
-            text = f"activation checkpointing ({base}): {100 * (tps(ck) / tps(base) - 1):+.0f}% tokens/s"
+            text = f"activation checkpointing ({base}): tokens/s {tps(ck, base)}"
             if act0 and act1:
                 text += f", {100 * (act1 / act0 - 1):+.0f}% activations"
             if pk0 and pk1:
@@ -154,7 +166,7 @@ def findings(results: dict) -> list[str]:
     for name in [n for n in results if n not in matrix]:  # the variants added to the matrix on request
         base = "fp32" if name.startswith("fp32") else "amp"  # "fp32 + chunked loss" against fp32
         if base in results:
-            text = f"{name}: {tps(name) / tps(base):.2f}x tokens/s against {base}"
+            text = f"{name}: tokens/s {tps(name, base)} against {base}"
             pk0, pk1 = peak_mib(results[base]), peak_mib(results[name])
             memory = f", {memory_label(results)} {pk0:,.0f} -> {pk1:,.0f} MiB" if pk0 and pk1 else ""
             lines.append(text + memory)
@@ -171,13 +183,17 @@ def markdown(meta: dict, results: dict) -> str:
     base = next(iter(results))
     lines = [
         *header(f"Ablation: {meta['name']}", meta),
+        *load_lines(meta),
+        *aa_lines(meta),
         f"{meta['steps']} measured steps after {meta['warmup']} warm-up steps, {meta['repeats']} fresh "
         "process(es) per variant in interleaved rounds; medians over every "
         "measured step, spread as min-max of the "
-        "repeats' medians."
+        "repeats' medians. Ratios: tokens/s against the baseline from the repeats' medians, with "
+        "the 95% interval (minigpt.stats: Welch's t on the logarithms); an interval that holds 1.0 "
+        'reads "no difference within noise".'
         + (
             " No AMP rows (`--amp-rows` off, the default on a CPU without native bf16, where bf16 is "
-            "emulated and its matmuls run ~80x slower than fp32)."
+            "emulated and its matmuls run many times slower than fp32)."
             if meta.get("fp32_only")
             else ""
         ),
@@ -193,17 +209,25 @@ def markdown(meta: dict, results: dict) -> str:
     ]
     for name, s in results.items():
         reps = s["tokens_per_s_repeats"]
+        vs = "baseline" if name == base else ratio_text(ratio(results[base]["tokens_per_s_repeats"], reps))
         pk, act = peak_mib(s), activations_mib(s)
         lines.append(
             f"| {name} | {s['amp']} | {tokens_median(s):,.0f} | "
             f"{min(reps):,.0f}-{max(reps):,.0f} | "
-            f"{tokens_median(s) / tokens_median(results[base]):.2f}x | "
+            f"{vs} | "
             f"{100 * s['mfu']:.1f}% | {s['step_ms']['median']:.0f} | "
             + " | ".join(f"{stage_ms(s, 'host', st):.1f} / {stage_ms(s, 'device', st):.1f}" for st in STAGES)
             + f" | {'n/a' if pk is None else f'{pk:,.1f}'} | "
             + ("n/a |" if act is None else f"{act:,.1f} ({100 * act / pk:.0f}%) |" if pk else f"{act:,.1f} |")
         )
     lines += ["", "Findings:", ""] + [f"- {f}" for f in findings(results)]
+    lines += notes(meta, results)
+    return "\n".join(lines) + "\n"
+
+
+def notes(meta: dict, results: dict) -> list[str]:
+    """What the table's figures mean on this device, for these rows: under the findings."""
+    lines: list[str] = []
     if meta["machine"]["device"] == "cpu":
         lines += [
             "",
@@ -245,7 +269,7 @@ def markdown(meta: dict, results: dict) -> str:
             "activations at their peak); these results predate the allocator's measured peak."
         ),
     ]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 MEMORY_PARTS = (
@@ -261,7 +285,7 @@ PNG_METADATA = {"Software": None}
 
 
 def legend_outside(ax) -> None:
-    """The legend right of the axes, where it cannot cover a bar (inside, it hid the last one)."""
+    """The legend right of the axes, where it cannot cover a bar whatever the bars' heights."""
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 
 
@@ -319,7 +343,7 @@ def plot_stages(ax, results: dict) -> None:
 
 def plot_memory(ax, results: dict) -> None:
     """Per variant, the table's memory column as an outlined bar (the allocator's measured peak, or
-    for older results the breakdown's sum), and inside it the breakdown's parts stacked. Where the
+    for results without it the breakdown's sum), and inside it the breakdown's parts stacked. Where the
     peak was measured, the space above the parts is what the breakdown does not hold (temporaries
     of the backward, the allocator's cached blocks)."""
     names = list(results)
@@ -383,7 +407,7 @@ def chart_figure(meta: dict, results: dict):
     return fig
 
 
-def main() -> int:
+def parser() -> Parser:
     p = Parser(description=__doc__.split("\n\n")[0], epilog="Other flags go to train_minimal.py unchanged.")
     p.add_argument("--preset", default="small", choices=sorted(PRESETS))
     p.add_argument("--steps", type=int, default=10, help="measured steps per run (default 10)")
@@ -394,7 +418,7 @@ def main() -> int:
         choices=["auto", "on", "off"],
         default="auto",
         help="the AMP rows; off: none, and the variants on top run in fp32 (auto: off on a CPU without "
-        "native bf16, where bf16 is emulated and its matmuls run ~80x slower)",
+        "native bf16, where bf16 is emulated and its matmuls run many times slower)",
     )
     p.add_argument("--compile", action="store_true", help="add an AMP + torch.compile variant")
     p.add_argument(
@@ -412,23 +436,22 @@ def main() -> int:
         "--name", help="results file name after the device (default: the preset and the flags passed through)"
     )
     p.add_argument("--force", action="store_true", help="overwrite results that are already there")
-    p.add_argument("--out-dir", type=Path, default=RESULTS)
-    p.add_argument(
-        "--render",
-        type=Path,
-        metavar="RESULTS_JSON",
-        help="measure nothing: write the .md and .png again from a results .json",
-    )
+    output_flags(p, "measure nothing: write the .md and .png again from a results .json")
+    return p
+
+
+def main() -> int:
+    p = parser()
     args, trainer_flags = p.parse_known_args()
     if min(args.steps, args.repeats) < 1 or args.warmup < 0:
         p.error("--steps and --repeats must be at least 1, --warmup at least 0")
+    if args.nproc < 1:
+        p.error(f"--nproc {args.nproc}: the DDP variant needs at least 1 process (1 leaves it out)")
     if args.render:
-        try:
-            data = load_results(p, args.render)
-            write_results(data["meta"], data["results"], args.render.with_suffix(""))
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            p.error(f"{args.render} is not an ablation results file ({type(e).__name__}: {e})")
-        return 0
+        return render(
+            p, args.render, lambda d: write_results(d["meta"], d["results"], args.render.with_suffix(""))
+        )
+    check_out_dir(p, args.out_dir)
 
     meta = stamp(sys.argv)
     args.fp32_only = args.amp_rows == "off" or (args.amp_rows == "auto" and not native_bf16(meta["machine"]))
@@ -451,12 +474,32 @@ def main() -> int:
         p.error(
             f"{there[0]} is already there; pass --name NAME to write new results, or --force to overwrite"
         )
-    # Rounds interleave the variants (fp32, fp32 + ckpt, amp, ..., fp32, ...): run back to back, the
-    # first variant alone met the machine as the previous job left it, and came out 5-20% slow.
-    runs: dict[str, list] = {name: [] for name, _, _ in variants(args)}
+    meta.update(refuse_if_busy(args.out_dir, args.busy), noisy=args.noisy)
+    results, meta["aa"] = measure(p, args, trainer_flags)
+    meta["load_end"] = load_average()
+    out_dir, noisy = destination(args.out_dir, meta, args.noisy)
+    stem = out_dir / stem.name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_json(stem, {"meta": meta, "results": results})
+    write_results(meta, results, stem)
+    if noisy:
+        print(f"ablation.py: {noisy}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def measure(p: Parser, args, trainer_flags: list[str]) -> tuple[dict, list[dict]]:
+    """Every variant `--repeats` times, in interleaved rounds, each run a fresh process: run back to
+    back, the first variant alone would meet the machine as the previous job left it (caches,
+    clocks, a neighbour's burst), and its figures would carry that. Each round ends with the
+    baseline's copy, for the A/A check (returned beside the results). A failing variant ends the
+    benchmark with the trainer's own last line (p.error)."""
+    listed = variants(args)
+    rounds = [*listed, (aa_name(listed[0][0]), *listed[0][1:])]
+    runs: dict[str, list] = {name: [] for name, _, _ in rounds}
     kept = Path(tempfile.mkdtemp(prefix="minigpt-ablation-"))  # the first round's run directories
     for r in range(args.repeats):
-        for i, (name, flags, nproc) in enumerate(variants(args)):
+        for i, (name, flags, nproc) in enumerate(rounds):
             print(f"[{name}] round {r + 1}/{args.repeats}", flush=True)
             try:
                 runs[name].append(
@@ -465,7 +508,7 @@ def main() -> int:
                         args.warmup,
                         args.steps,
                         nproc,
-                        keep=kept / str(i) if r == 0 else None,
+                        keep=kept / str(i) if r == 0 and i < len(listed) else None,
                     )
                 )
             except (RuntimeError, subprocess.TimeoutExpired) as e:  # the trainer's last line says why
@@ -481,11 +524,11 @@ def main() -> int:
         }
         print(f"[{name}] {results[name]['tokens_per_s']['median']:,.0f} tokens/s", flush=True)
     explain(results, kept)
-
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    save_json(stem, {"meta": meta, "results": results})
-    write_results(meta, results, stem)
-    return 0
+    base = listed[0][0]
+    copy = [statistics.median(x["tokens_per_s"] for x in run["rows"]) for run in runs[aa_name(base)]]
+    check = aa_check(base, results[base]["tokens_per_s_repeats"], copy, "tokens/s of each repeat")
+    print(f"[A/A] {base} against itself: {ratio_text(check)}", flush=True)
+    return results, [check]
 
 
 def explain(results: dict, kept: Path) -> None:

@@ -21,7 +21,9 @@ others force one setting each. Per variant:
   of the allocator's true peak in a training step (torch's own figure, the same whatever malloc
   does, measured once with estimate_table.measure).
 
-The variants run in interleaved rounds. tcmalloc and jemalloc (Debian's libtcmalloc-minimal4,
+The variants run in interleaved rounds, each ending with the first variant again (the A/A check;
+--noisy as in ablation.py); CPU seconds and tokens/s are set against the first row with their 95%
+interval. tcmalloc and jemalloc (Debian's libtcmalloc-minimal4,
 libjemalloc2) run only where installed: the table says when they were not. mimalloc is the
 libmimalloc.so of the PyPI package cmeel-mimalloc (requirements.txt). Writes
 benchmarks/results/cpu-allocator.json and .md; refuses to write there when the machine is busy
@@ -42,20 +44,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import (
-    RESULTS,
-    ROOT,
-    header,
-    load_average,
-    load_lines,
-    load_results,
-    refuse_if_busy,
-    save_json,
-    stamp,
-)
+import common as bench
 
 from minigpt import cpu
-from minigpt.fileio import atomic_write
 
 MIB = 2**20
 SKIP_STEPS = 2  # warm-up steps left out of the medians
@@ -81,7 +72,7 @@ VARIANTS = {
     "glibc, trimmed above 256 MiB": Variant(
         "bounded",
         "mallopt M_MMAP_THRESHOLD=1 GiB, M_TRIM_THRESHOLD=256 MiB, malloc_trim(0) around evaluations "
-        "(main's setting without tcmalloc before this table)",
+        "(a bound on what the heap keeps, given back when an evaluation changes the shapes)",
     ),
     "glibc, trimmed above 1 GiB": Variant(
         "bounded-1g",
@@ -89,7 +80,7 @@ VARIANTS = {
         "malloc_trim(0) around evaluations",
     ),
     "glibc never maps nor trims": Variant(
-        "keep", "mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB (commit 1f2775a: the old setting)"
+        "keep", "mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB (every freed page kept for the next step)"
     ),
     "glibc never maps nor trims, given back at evaluations": Variant(
         "keep-evals", "the same, and malloc_trim(0) around evaluations"
@@ -127,7 +118,7 @@ def child(setting: str, argv: list[str]) -> None:
         cpu.bounded_freed_memory(2**30, 256 * MIB, give_back_at_evaluations=True)
     elif setting == "bounded-1g":
         cpu.bounded_freed_memory(2**30, 2**30, give_back_at_evaluations=True)
-    sys.argv = [str(ROOT / "train_minimal.py"), *argv, "--no-keep-freed-memory"]
+    sys.argv = [str(bench.ROOT / "train_minimal.py"), *argv, "--no-keep-freed-memory"]
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
     except SystemExit as e:
@@ -168,14 +159,14 @@ def run(name: str, paths: dict, steps: int, eval_interval: int, amp: list[str]) 
             *("--no-checkpoint", "--no-report", "--out-dir", str(out), *amp),
         ]
         if v.setting == "readme":
-            cmd = [sys.executable, str(ROOT / "train_minimal.py"), *argv]
+            cmd = [sys.executable, str(bench.ROOT / "train_minimal.py"), *argv]
         else:
             env[cpu.NO_PRELOAD_ENV] = "glibc"  # the variant's malloc, not the trainer's choice
             if v.preload:
                 env.update(LD_PRELOAD=paths[v.preload], **v.env)
             cmd = [sys.executable, __file__, "--child", v.setting, "--", *argv]
         with open(Path(tmp) / "stdout", "w+") as log:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(cmd, cwd=bench.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
             marks = watch(proc.pid, out / "metrics.jsonl")
             _, status, usage = os.wait4(proc.pid, 0)
             log.seek(0)
@@ -252,8 +243,9 @@ def summarise(runs: list[dict]) -> dict:
 def markdown(meta: dict, results: dict, peak: int) -> str:
     amp = next(iter(results.values()))["amp"]
     lines = [
-        *header("CPU allocator: page faults, CPU time and peak RSS per malloc", meta),
-        *load_lines(meta),
+        *bench.header("CPU allocator: page faults, CPU time and peak RSS per malloc", meta),
+        *bench.load_lines(meta),
+        *bench.aa_lines(meta),
         f"The trainer itself (`train_minimal.py`, small preset: 4 layers, d 256, batch 8 x 256, vocabulary "
         f"50304, {amp}), {meta['steps']} steps with an evaluation ({meta.get('eval_iters', 10)} batches) "
         f"every {meta['eval_interval']} steps, {meta['repeats']} fresh processes per variant in interleaved "
@@ -269,21 +261,30 @@ def markdown(meta: dict, results: dict, peak: int) -> str:
         f"The allocator's true peak in a training step (torch's own figure, `estimate_table.measure`, "
         f"{amp}): {peak / MIB:,.0f} MiB. Budget: peak RSS within {RSS_BUDGET}x of it.",
         "",
-        "| variant | how | page faults per step | CPU s per step | spread (rounds) | page faults, step + "
-        "evaluation | CPU s, step + evaluation | tokens/s (steps) | spread (rounds) | end to end | "
-        "peak RSS MiB | x true peak | RSS at end MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | how | page faults per step | CPU s per step | spread (rounds) | vs first row | "
+        "page faults, step + evaluation | CPU s, step + evaluation | tokens/s (steps) | spread (rounds) | "
+        "vs first row | end to end | peak RSS MiB | x true peak | RSS at end MiB |",
+        "|---" * 15 + "|",
     ]
+    first = next(iter(results.values()))
     for name, r in results.items():
         how = VARIANTS[name].how if name in VARIANTS else ""
         if name == README:
             how = f"{how}: {r['allocator_line']}"
         t, c = r["tokens_per_s"], r["cpu_s_per_step"]
+        vs_c, vs_t = (
+            ("first row", "first row")
+            if r is first
+            else (
+                bench.ratio_text(bench.ratio(first["cpu_s_per_step"]["repeats"], c["repeats"])),
+                bench.ratio_text(bench.ratio(first["tokens_per_s"]["repeats"], t["repeats"])),
+            )
+        )
         lines.append(
             f"| {name} | {how} | {r['faults_per_step']:,.0f} | {c['median']:.2f} | "
-            f"{min(c['repeats']):.2f}-{max(c['repeats']):.2f} | {r['faults_per_eval_step']:,.0f} | "
+            f"{min(c['repeats']):.2f}-{max(c['repeats']):.2f} | {vs_c} | {r['faults_per_eval_step']:,.0f} | "
             f"{r['cpu_s_per_eval_step']:.2f} | {t['median']:,.0f} | "
-            f"{min(t['repeats']):,.0f}-{max(t['repeats']):,.0f} | {r['tokens_per_s_e2e']:,.0f} | "
+            f"{min(t['repeats']):,.0f}-{max(t['repeats']):,.0f} | {vs_t} | {r['tokens_per_s_e2e']:,.0f} | "
             f"{r['rss_peak_bytes'] / MIB:,.0f} | {r['rss_peak_bytes'] / peak:.2f} | "
             f"{r['rss_bytes'] / MIB:,.0f} |"
         )
@@ -299,11 +300,19 @@ def markdown(meta: dict, results: dict, peak: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_table(data: dict, md: Path) -> None:
+    """--render: the .md again from a results .json; a file without the per-step counts cannot
+    fill the table (KeyError: render() says which file)."""
+    if "faults_per_step" not in next(iter(data["results"].values())):
+        raise KeyError("faults_per_step: a results file without the per-step counts; measure again")
+    bench.write_md(md, markdown(data["meta"], data["results"], data["true_peak"]))
+
+
 def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":  # --child SETTING -- TRAINER ARGS
         child(sys.argv[2], sys.argv[4:])
         return 0
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = bench.Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--eval-interval", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
@@ -311,24 +320,13 @@ def main() -> int:
     p.add_argument(
         "--amp", action=argparse.BooleanOptionalAction, help="default: the trainer's choice on this CPU"
     )
-    p.add_argument(
-        "--busy",
-        action="store_true",
-        help="write benchmarks/results even when the load at the start is above half the cores "
-        "(the table then says the machine was busy)",
-    )
-    p.add_argument("--out-dir", type=Path, default=RESULTS)
-    p.add_argument("--render", type=Path, metavar="RESULTS_JSON")
+    bench.output_flags(p, "measure nothing: rewrite the .md")
     args = p.parse_args()
     if args.render:
-        data = load_results(p, args.render)
-        if "faults_per_step" not in next(iter(data["results"].values())):
-            print(f"error: {args.render} predates the per-step counts; measure again", file=sys.stderr)
-            return 2
-        atomic_write(
-            args.render.with_suffix(".md"), markdown(data["meta"], data["results"], data["true_peak"])
-        )
-        return 0
+        return bench.render(p, args.render, lambda d: render_table(d, args.render.with_suffix(".md")))
+    bench.check_out_dir(p, args.out_dir)
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     if args.steps < SKIP_STEPS + 3 or not 2 <= args.eval_interval < args.steps:
         # a step with an evaluation and one without, after the warm-up
         p.error(f"--steps must be at least {SKIP_STEPS + 3} and --eval-interval within 2..--steps - 1")
@@ -339,18 +337,42 @@ def main() -> int:
     names = args.variants or [n for n in VARIANTS if n not in absent]
     names = sorted(names, key=lambda n: n != README)  # the fresh machine's row first
     meta = {
-        **stamp(sys.argv),
-        **refuse_if_busy(args.out_dir, args.busy),
+        **bench.stamp(sys.argv),
+        **bench.refuse_if_busy(args.out_dir, args.busy),
         "steps": args.steps,
         "eval_interval": args.eval_interval,
         "repeats": args.repeats,
         "absent": sorted({VARIANTS[n].preload for n in absent}),
+        "noisy": args.noisy,
     }
     amp = [] if args.amp is None else ["--amp" if args.amp else "--no-amp"]
-    raw: dict[str, list[dict]] = {n: [] for n in names}
-    for r in range(args.repeats):  # interleaved: each round runs every variant once
-        for name in names:
-            raw[name].append(run(name, paths, args.steps, args.eval_interval, amp))
+    raw = measure(names, paths, args, amp)
+    meta["load_end"] = bench.load_average()
+    results = {name: summarise(runs) for name, runs in raw.items() if not name.endswith(bench.AA)}
+    copy = summarise(raw[bench.aa_name(names[0])])
+    first, what = results[names[0]], {"cpu_s_per_step": "CPU s per step", "tokens_per_s": "tokens/s"}
+    meta["aa"] = [
+        bench.aa_check(names[0], first[k]["repeats"], copy[k]["repeats"], f"{w} of each round")
+        for k, w in what.items()
+    ]
+    amp_dtype = next(iter(results.values()))["amp"]
+    peak = true_peak("bf16" if amp_dtype == "bf16" else "fp32")
+    out_dir, noisy = bench.destination(args.out_dir, meta, args.noisy)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {"meta": meta, "results": results, "true_peak": peak}
+    bench.write_table(out_dir / "cpu-allocator", data, markdown(meta, results, peak))
+    if noisy:
+        print(f"allocator.py: {noisy}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def measure(names: list[str], paths: dict, args, amp: list[str]) -> dict[str, list[dict]]:
+    """Interleaved rounds: each runs every variant once, then the first one's copy (A/A check)."""
+    raw: dict[str, list[dict]] = {n: [] for n in bench.with_aa(names)}
+    for r in range(args.repeats):
+        for name in raw:
+            raw[name].append(run(name.removesuffix(bench.AA), paths, args.steps, args.eval_interval, amp))
             last = raw[name][-1]
             print(
                 f"[{name}] round {r + 1}: {statistics.median(last['faults_per_step']):,.0f} faults/step, "
@@ -358,17 +380,7 @@ def main() -> int:
                 f"peak RSS {last['rss_peak_bytes'] / MIB:,.0f} MiB",
                 flush=True,
             )
-    meta["load_end"] = load_average()
-    results = {name: summarise(runs) for name, runs in raw.items()}
-    amp_dtype = next(iter(results.values()))["amp"]
-    peak = true_peak("bf16" if amp_dtype == "bf16" else "fp32")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / "cpu-allocator"
-    save_json(stem, {"meta": meta, "results": results, "true_peak": peak})
-    table = markdown(meta, results, peak)
-    atomic_write(stem.with_suffix(".md"), table)
-    print(table)
-    return 0
+    return raw
 
 
 if __name__ == "__main__":

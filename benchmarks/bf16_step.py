@@ -151,6 +151,8 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=12, help="ops listed per profile")
     ap.add_argument("--no-profile", action="store_true", help="CPU seconds only")
     args = ap.parse_args()
+    if args.rounds < 3:  # an interval needs three samples a side (minigpt.stats.MIN_SAMPLES)
+        ap.error("--rounds must be at least 3")
     torch.set_num_threads(args.threads)
     print(keep_freed_memory())  # the trainer's malloc setting: no page faults for re-used big blocks
     print(f"torch {torch.__version__}, {args.threads} thread(s), load average {os.getloadavg()[0]:.1f}\n")
@@ -171,8 +173,10 @@ def main() -> int:
         for name, xs in cpu.items():
             spread = f"{min(xs):.3f} - {max(xs):.3f}"
             print(f"| {name} | {statistics.median(xs):.3f} | {spread} | {losses[name][-1]:.4f} |")
-        ratio = statistics.median(cpu["F.cross_entropy"]) / statistics.median(cpu["default"])
-        print(f"\nF.cross_entropy / default, CPU s per step: {ratio:.2f}x\n")
+        from minigpt.stats import ratio_interval, verdict
+
+        iv = ratio_interval(cpu["default"], cpu["F.cross_entropy"], method="alternating steps in one process")
+        print(f"\nF.cross_entropy / default, CPU s per step: {verdict(iv)} (95% interval)\n")
         if args.no_profile:
             continue
         profiles = {name: profile_step(name, step) for name, step in steps.items()}

@@ -7,11 +7,11 @@ One process per (shape, dtype) builds both models from the same seed and alterna
 (plain, chunked, plain, ...) after a warm-up step each, so that a shared machine's slow moments
 fall on both alike; tokens/s is the median over the measured steps. Then one step of each is
 measured with minigpt.memory.capture_memory: the allocator's peak, where it happened, and its
-biggest parts. (train_minimal.py's own ablation runs it as `benchmarks/ablation.py --chunked-loss`
-once the trainer passes --chunked-loss to the model.) Writes benchmarks/results/cpu-chunked-loss.*.
+biggest parts (`benchmarks/ablation.py --chunked-loss` runs the trainer's own --chunked-loss
+beside its plain loss). Writes benchmarks/results/cpu-chunked-loss.*.
 
 --shape-only-matmuls measures the peaks only, aten::mm's arithmetic skipped (estimate_table.py's
-ShapeOnlyMatmuls: the same allocations, tested): a CPU without native bf16 emulates it ~80x slower
+ShapeOnlyMatmuls: the same allocations, tested): a CPU without native bf16 emulates it many times slower
 than fp32, so its bf16 tokens/s say nothing of a bf16 machine and a gpt2 step takes many minutes.
 --keep keeps the rows of the results file that this run does not measure again.
 """
@@ -27,7 +27,20 @@ from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
-from common import RESULTS, ROOT, header, keeping, load_results, save_json, stamp
+from common import (
+    RESULTS,
+    ROOT,
+    Parser,
+    check_out_dir,
+    header,
+    keeping,
+    ratio,
+    ratio_text,
+    render,
+    save_json,
+    stamp,
+    write_md,
+)
 
 from minigpt.fileio import atomic_write
 
@@ -138,8 +151,8 @@ def markdown(meta: dict, results: list[dict]) -> str:
             f"{own(c) / MIB:,.0f} MiB ({100 * (own(c) / own(p) - 1):+.0f}%)"
         )
         if p["tokens_per_s"] and c["tokens_per_s"]:
-            speed = statistics.median(c["tokens_per_s"]) / statistics.median(p["tokens_per_s"])
-            text += f", tokens/s {speed:.2f}x, loss {p['loss']:.4f} vs {c['loss']:.4f}"
+            speed = ratio_text(ratio(p["tokens_per_s"], c["tokens_per_s"], "steps of one process each"))
+            text += f", tokens/s {speed} (steps of one process each), loss {p['loss']:.4f} vs {c['loss']:.4f}"
         else:
             text += " (peaks with shape-only matmuls; tokens/s not measured: emulated bf16)"
         lines.append(text)
@@ -147,13 +160,13 @@ def markdown(meta: dict, results: list[dict]) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     p.add_argument(
         "--shape-only-matmuls",
         action="store_true",
-        help="peaks only, aten::mm's arithmetic skipped (emulated bf16 on an AVX2 CPU is ~80x slower)",
+        help="peaks only, aten::mm's arithmetic skipped (emulated bf16 on an AVX2 CPU is many times slower)",
     )
     p.add_argument("--keep", action="store_true", help="keep the rows this run does not measure again")
     p.add_argument("--child", nargs=4, metavar=("PRESET", "BATCH", "SEQ", "AMP"), help=argparse.SUPPRESS)
@@ -167,9 +180,14 @@ def main() -> int:
         print(json.dumps(child(preset, int(batch), int(seq), amp, args.steps, args.shape_only_matmuls)))
         return 0
     if args.render:
-        data = load_results(p, args.render)
-        atomic_write(args.render.with_suffix(".md"), markdown(data["meta"], data["results"]))
-        return 0
+        return render(
+            p,
+            args.render,
+            lambda d: write_md(args.render.with_suffix(".md"), markdown(d["meta"], d["results"])),
+        )
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
+    check_out_dir(p, args.out_dir)
     import json
 
     meta = {**stamp(sys.argv), "steps": args.steps}

@@ -1,5 +1,7 @@
-"""What ablation.py and overhead.py share: run a trainer variant in a fresh process, read back its
-per-step figures, summarise them as medians with their spread, and describe the machine.
+"""What the benchmarks share: run a trainer variant in a fresh process, read back its per-step
+figures, summarise them as medians with their spread, describe the machine and its load, give each
+ratio its interval and check the baseline against itself (A/A), and refuse a user's mistake in one
+line before anything is measured.
 
 Each run of a variant is `train_minimal.py <flags> --num-steps W+N+1 --log-interval 1`: W warm-up
 steps (not counted), N measured steps, then one more step on which the memory breakdown is
@@ -8,7 +10,9 @@ measured (its hooks would slow a measured step). Every step is logged, so every 
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -18,10 +22,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NoReturn
 
+from minigpt.metrics import MEMORY_BREAKDOWN_KEYS
 from minigpt.stages import STAGE_NAMES as STAGES
+from minigpt.stats import MIN_SAMPLES
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -41,6 +49,7 @@ def machine() -> dict:
     """The device and the versions, as every result file records them."""
     import torch
 
+    from minigpt.mfu import cpu_model
     from minigpt.torchcompat import cpu_bf16_features
 
     info = {
@@ -54,7 +63,7 @@ def machine() -> dict:
     else:
         info.update(
             device="cpu",
-            device_name=cpu_name(),
+            device_name=cpu_model(),
             cores=os.cpu_count(),
             **cpu_bf16_features(),
         )
@@ -64,16 +73,6 @@ def machine() -> dict:
 def native_bf16(m: dict) -> bool:
     """Whether the machine of a results file runs bf16 natively (a GPU, AVX512-BF16 or AMX)."""
     return m["device"] != "cpu" or bool(m.get("avx512_bf16") or m.get("amx"))
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def device_slug(info: dict) -> str:
@@ -165,18 +164,9 @@ def summarise(runs: list[dict]) -> dict:
         summary["peak_allocated_gib"] = max(cuda_peaks)
     breakdown = runs[0]["breakdown"]
     if breakdown:
-        # "peak": the allocator's measured peak of the step (--memory-profiler); "total" is the older
-        # sum of the parts, kept for results measured before the peak was.
-        keys = (
-            "params",
-            "grads",
-            "optimizer",
-            "activations",
-            "activations_peak",
-            "total",
-            "peak",
-            "peak_stage",
-        )
+        # the byte figures the trainer logs, and where the peak fell; "peak" is the allocator's
+        # measured peak of the step (--memory-profiler), "total" the sum of the parts beside it
+        keys = (*MEMORY_BREAKDOWN_KEYS, "peak_stage")
         summary["breakdown_bytes"] = {k: breakdown[k] for k in keys if k in breakdown}
     return summary
 
@@ -221,11 +211,120 @@ def save_json(stem: Path, data: dict) -> None:
     atomic_write(stem.with_suffix(".json"), json.dumps(data, indent=2) + "\n")
 
 
-def load_results(parser, path: Path) -> dict:
-    """A results .json for --render, or the parser's one-line error."""
-    if not path.is_file():
-        parser.error(f"{path} does not exist")
-    return json.loads(path.read_text())
+def write_md(path: Path, table: str) -> None:
+    """A table, written whole or not at all, and printed for the console."""
+    from minigpt.fileio import atomic_write
+
+    atomic_write(path, table)
+    print(table)
+
+
+def write_table(stem: Path, data: dict, table: str) -> None:
+    """The results .json and its table (.md) beside it, each written whole or not at all; the
+    table is printed too, for the console."""
+    from minigpt.fileio import atomic_write
+
+    save_json(stem, data)
+    atomic_write(stem.with_suffix(".md"), table)
+    print(table)
+    print(f"wrote {stem}.json, .md")
+
+
+def output_flags(p: argparse.ArgumentParser, render_help: str, busy: bool = True) -> None:
+    """The flags the measuring benchmarks share: where the results go, --render, and (where the
+    benchmark times anything) --busy."""
+    if busy:
+        p.add_argument(
+            "--busy",
+            action="store_true",
+            help="write benchmarks/results even when the load at the start is above half the cores "
+            "(the table then says the machine was busy)",
+        )
+        p.add_argument(
+            "--noisy",
+            action="store_true",
+            help="write benchmarks/results even when the A/A check (the baseline against its own copy) "
+            "fails: the machine was too noisy to tell (the table then says so)",
+        )
+    p.add_argument("--out-dir", type=Path, default=RESULTS)
+    p.add_argument("--render", type=Path, metavar="RESULTS_JSON", help=render_help)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose error is one line, the mistake and its fix, not a usage block: a benchmark is
+    often started from a script or a notebook cell, where six lines of usage bury the one that
+    matters."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+# A results .json is a few hundred KiB at most; the bound keeps --render of a wrong path (a log, a
+# device) from reading without end.
+RESULTS_LIMIT = 64 * 2**20
+# What a results file of the wrong kind or of an older layout raises in a table's code: a missing
+# key, a value of the wrong type, an empty list.
+NOT_RESULTS = (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError, StopIteration)
+
+
+def load_results(parser: argparse.ArgumentParser, path: Path) -> dict:
+    """A results .json for --render, or the parser's one-line error (missing, not a regular file,
+    not JSON, not a results file)."""
+    from minigpt.fileio import UnreadableFile, read_bounded
+
+    if not path.exists():
+        parser.error(f"{path} does not exist; pass a results .json (benchmarks/results/*.json)")
+    try:
+        data = json.loads(read_bounded(path, RESULTS_LIMIT))
+    except UnreadableFile as e:
+        parser.error(str(e))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        parser.error(f"{path} is not JSON ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+    if not isinstance(data, dict) or not isinstance(data.get("meta"), dict):
+        parser.error(f'{path} is not a benchmark results file (no "meta" object); pass one this tool wrote')
+    return data
+
+
+def render(parser: argparse.ArgumentParser, path: Path, write: Callable[[dict], object]) -> int:
+    """--render: `write` makes the table (and chart) again from the results file at `path`, beside
+    it. A file of another tool or layout, or a folder that cannot be written, is one line."""
+    data = load_results(parser, path)
+    try:
+        write(data)
+    except NOT_RESULTS as e:
+        parser.error(f"{path} is not a results file of {parser.prog} ({type(e).__name__}: {e})")
+    except OSError as e:
+        parser.error(f"cannot write beside {path} ({e.strerror or e}); copy the .json to a writable folder")
+    return 0
+
+
+def check_out_dir(parser: argparse.ArgumentParser, out_dir: Path, flag: str = "--out-dir") -> None:
+    """Before anything is measured: the results can be written in `out_dir` (made later if missing),
+    so that a long run does not end in a traceback with its figures lost. Probed by creating a file,
+    which answers for root and read-only file systems alike, where permission bits do not."""
+    probe = out_dir
+    while not probe.exists() and probe.parent != probe:  # the nearest folder that is there
+        probe = probe.parent
+    if not probe.is_dir():
+        parser.error(f"{flag} {out_dir}: {probe} is a file, not a folder; name a folder for the results")
+    try:
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".minigpt-probe-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        parser.error(f"{flag} {out_dir}: {probe} is not writable ({e.strerror}); name a folder you can write")
+
+
+def available_bytes() -> int | None:
+    """The memory the kernel says a new process can take now (MemAvailable), None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 # ----------------------------------------------------------------------------- the machine's load
@@ -259,8 +358,8 @@ def refuse_if_busy(out_dir: Path, busy_ok: bool) -> dict:
 
 
 def load_lines(meta: dict) -> list[str]:
-    """What the load was at the start and end of the run; a warning when it was busy. Older result
-    files did not record it: they say so."""
+    """What the load was at the start and end of the run; a warning when it was busy. A results
+    file without the load says so: its figures cannot be weighed against the machine's state."""
     if "load_start" not in meta:
         return ["Load: not recorded (measured before benchmarks recorded it; not comparable).", ""]
     cores = meta["cores"]
@@ -278,3 +377,110 @@ def load_lines(meta: dict) -> list[str]:
             "(page faults, bytes) still are.**"
         )
     return [line, ""]
+
+
+# ----------------------------------------------------------------------------- ratios and their noise
+# Every ratio a benchmark prints is B / A of per-repeat figures (each repeat a fresh process), with
+# its 95% interval from minigpt.stats; one whose interval holds 1.0 reads "no difference within
+# noise". Each run also measures its baseline twice in the same interleaved rounds (the A/A check):
+# two copies of one configuration differ only by the machine's noise, so when their interval leaves
+# out 1.0, the machine moved more than the intervals allow for and no ratio of the run is a finding.
+FRESH = "repeats in fresh processes"
+AA = " (A/A)"  # the name of the baseline's second copy
+
+
+def aa_name(baseline: str) -> str:
+    return baseline + AA
+
+
+def with_aa(names: list[str]) -> list[str]:
+    """The variants of one round, the baseline's copy last: as far as a round allows from the
+    baseline itself, so a drift within the round shows in the check."""
+    return [*names, aa_name(names[0])]
+
+
+def ratio(a: list[float], b: list[float], method: str = FRESH) -> dict:
+    """B / A as a results file keeps it: minigpt.stats' interval and verdict, or with fewer than
+    MIN_SAMPLES repeats a side, the ratio of geometric means and the line that says what an
+    interval needs (`short`). `method`: what the samples are, when not repeats in fresh processes."""
+    from minigpt.stats import StatsError, ratio_interval
+
+    try:
+        return ratio_interval(a, b, method=method).to_json()
+    except StatsError as e:
+        a, b = [x for x in a if x and x > 0], [x for x in b if x and x > 0]
+        point = (
+            math.exp(statistics.fmean(map(math.log, b)) - statistics.fmean(map(math.log, a)))
+            if a and b
+            else None
+        )
+        return {"ratio": point, "n_a": len(a), "n_b": len(b), "verdict": None, "short": str(e)}
+
+
+def ratio_text(r: dict | None) -> str:
+    """A ratio for a table cell or a finding: the verdict ("1.23x (1.10-1.38)", or "no difference
+    within noise"), or with too few repeats the bare ratio marked as such."""
+    if not r:
+        return "-"
+    if r.get("verdict"):
+        return r["verdict"]
+    n = min(r["n_a"], r["n_b"])
+    why = f"{n} repeat{'' if n == 1 else 's'}, an interval needs {MIN_SAMPLES}"
+    return f"n/a ({why})" if r.get("ratio") is None else f"{r['ratio']:.2f}x (no interval: {why})"
+
+
+def aa_check(baseline: str, a: list[float], b: list[float], what: str) -> dict:
+    """The A/A check of one run: the baseline's figures `a` against its copy's `b` (`what` they
+    are). `passed` is True when the interval holds 1.0, False when it leaves 1.0 out (the machine
+    too noisy to tell), None with too few repeats for an interval."""
+    r = ratio(a, b)
+    passed = None if not r.get("verdict") else r["low"] <= 1.0 <= r["high"]
+    return {"baseline": baseline, "what": what, "a": a, "b": b, **r, "passed": passed}
+
+
+def aa_failed(meta: dict) -> bool:
+    return any(c.get("passed") is False for c in meta.get("aa", []))
+
+
+def aa_lines(meta: dict) -> list[str]:
+    """What the A/A check found, for the table's head: each check's ratio and interval, and when one
+    failed, that the ratios of the run are not findings (naming --noisy where it let them into the
+    committed results)."""
+    checks = meta.get("aa")
+    if checks is None:
+        return ["A/A check: not recorded (the run did not measure its baseline twice).", ""]
+    lines = []
+    for c in checks:
+        line = f"A/A check: {c['baseline']} against a second copy of itself in the same rounds, {c['what']}: "
+        line += ratio_text(c)
+        if c["passed"] is None:
+            line += ". Too few repeats to weigh the machine's noise: the ratios here are not findings."
+        elif c["passed"]:
+            line += " (the copies agree: the intervals here hold this run's noise)."
+        else:
+            line += (
+                ". **The baseline differs from itself: the machine was too noisy to tell, and the ratios "
+                "here are not findings.**"
+            )
+        lines += [line, ""]
+    if aa_failed(meta) and meta.get("noisy"):
+        lines += [
+            f"Written to `{os.path.relpath(RESULTS, ROOT)}` with `--noisy` despite the failed A/A check.",
+            "",
+        ]
+    return lines
+
+
+def destination(out_dir: Path, meta: dict, noisy_ok: bool) -> tuple[Path, str | None]:
+    """Where a run's results go: `out_dir`, unless the A/A check failed, `out_dir` is the committed
+    folder and --noisy was not given; then a fresh folder outside the repository (nothing measured
+    is lost), and the one line that says so."""
+    if not aa_failed(meta) or noisy_ok or out_dir.resolve() != RESULTS.resolve():
+        return out_dir, None
+    elsewhere = Path(tempfile.mkdtemp(prefix="minigpt-noisy-"))
+    check = next(c for c in meta["aa"] if c["passed"] is False)
+    return elsewhere, (
+        f"A/A check failed ({check['baseline']} against itself: {ratio_text(check)}): the machine was too "
+        f"noisy to tell; results written to {elsewhere}, not {os.path.relpath(RESULTS, ROOT)}: measure "
+        "again on a quiet machine, or pass --noisy to write there (the table then says so)"
+    )

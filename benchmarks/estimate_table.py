@@ -14,7 +14,7 @@ those cells, `--shapes small:8:256` adds the trainer's default shape). Writes
 benchmarks/results/<device>-estimate.json and .md.
 
 --shape-only-matmuls: on a CPU without native bf16 (AVX2 only) a bf16 matrix product is emulated,
-80x slower than fp32, and a gpt2 cell would take hours. The memory a step allocates depends on
+many times slower than fp32, and a gpt2 cell would take hours. The memory a step allocates depends on
 shapes, not values, so this mode still runs every op through the allocator but gives aten::mm an
 output of its exact shape and dtype, zero-filled, instead of its arithmetic (ShapeOnlyMatmuls). Its
 rows say so, and --shape-only-matmuls on cells also measured for real shows the two peaks side by
@@ -29,10 +29,21 @@ import json
 import sys
 import time
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
-from common import RESULTS, device_slug, header, keeping, load_results, save_json, stamp
+from common import (
+    Parser,
+    available_bytes,
+    check_out_dir,
+    device_slug,
+    header,
+    keeping,
+    output_flags,
+    render,
+    save_json,
+    stamp,
+    write_md,
+)
 from torch.autograd.profiler import record_function
 
 from minigpt.config import PRESETS
@@ -42,7 +53,10 @@ from minigpt.memory import PEAK_PARTS, MemoryBreakdown, capture_memory
 from minigpt.model import GPT, GPTConfig
 from minigpt.shape import GPT2_VOCAB, Shape
 from minigpt.shape import shape_of as config_shape
+from minigpt.stages import STAGE_NAMES
 from minigpt.torchcompat import dispatch_mode_base
+
+DATA_TO_DEVICE, FORWARD, BACKWARD, OPTIMIZER_STEP = STAGE_NAMES  # the trainer's ranges, by its names
 
 MIB = 2**20
 TOLERANCE = 0.10  # the estimator's promise: the measured peak within 10%
@@ -110,16 +124,16 @@ def measure(
         with cap:
             step_loss = torch.zeros(())
             for _ in range(accum):
-                with record_function("data_to_device"):
+                with record_function(DATA_TO_DEVICE):
                     x = torch.randint(0, V, (b, s))
                     y = torch.roll(x, -1, 1)
                 # the mode inside the stage's range: entered outside, it hides the range from the profiler
-                with record_function("forward"), autocast, matmuls():
+                with record_function(FORWARD), autocast, matmuls():
                     loss = model(x, y)[1] / accum  # as the trainer: the logits are not kept
-                with record_function("backward"), matmuls():
+                with record_function(BACKWARD), matmuls():
                     loss.backward()
                 step_loss += loss.detach()
-            with record_function("optimizer_step"):
+            with record_function(OPTIMIZER_STEP):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -243,13 +257,46 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def shape_arg(text: str) -> tuple[str, int, int]:
+    """--shapes' PRESET:BATCH:SEQ, checked before anything is measured: a cell of batch or sequence 0
+    would measure nothing and write a row of it."""
+    parts = text.split(":")
+    if len(parts) != 3 or parts[0] not in PRESETS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not PRESET:BATCH:SEQ (e.g. small:1:256; presets {', '.join(sorted(PRESETS))})"
+        )
+    try:
+        batch, seq = int(parts[1]), int(parts[2])
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: BATCH and SEQ are whole numbers (e.g. small:1:256)"
+        ) from None
+    if batch < 1 or seq < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: BATCH and SEQ must be at least 1 (e.g. small:1:256)")
+    return parts[0], batch, seq
+
+
+def refuse_too_big(p: argparse.ArgumentParser, shapes: list[tuple[str, int, int]]) -> None:
+    """Before any cell runs: a shape whose step the estimator puts above the memory available now
+    would take the machine with it (the kernel's OOM killer picks among every process)."""
+    free = available_bytes()
+    for preset, batch, seq in shapes:
+        need = estimate_gpt(shape_of(preset, batch, seq)).peak
+        if free is not None and need > free:
+            p.error(
+                f"--shapes {preset}:{batch}:{seq}: one step needs about {need / 2**30:,.1f} GiB by the "
+                f"estimate, above the {free / 2**30:,.1f} GiB available; pick a smaller batch or sequence"
+            )
+
+
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", nargs="+", default=["small", "gpt2"], choices=["small", "gpt2"])
     p.add_argument(
         "--shapes",
         nargs="+",
         metavar="PRESET:BATCH:SEQ",
+        type=shape_arg,
         help="instead of the matrix's shapes, e.g. small:1:256 gpt2:2:1024",
     )
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
@@ -268,21 +315,21 @@ def main() -> int:
     p.add_argument(
         "--shape-only-matmuls",
         action="store_true",
-        help="skip aten::mm's arithmetic, keep its allocation (emulated bf16 on an AVX2 CPU is 80x slower)",
+        help="skip aten::mm's arithmetic, keep its allocation (emulated bf16 on an AVX2 CPU is many "
+        "times slower)",
     )
-    p.add_argument("--out-dir", type=Path, default=RESULTS)
-    p.add_argument("--render", type=Path, metavar="RESULTS_JSON", help="measure nothing: write the .md again")
+    output_flags(p, "measure nothing: write the .md again", busy=False)
     args = p.parse_args()
     if args.render:
-        data = load_results(p, args.render)
-        atomic_write(args.render.with_suffix(".md"), markdown(data["meta"], data["results"]))
-        return 0
+        return render(
+            p,
+            args.render,
+            lambda d: write_md(args.render.with_suffix(".md"), markdown(d["meta"], d["results"])),
+        )
+    check_out_dir(p, args.out_dir)
     meta = {**stamp(sys.argv), "name": "estimate"}
-    shapes = (
-        [(x.split(":")[0], int(x.split(":")[1]), int(x.split(":")[2])) for x in args.shapes]
-        if args.shapes
-        else [s for s in SHAPES if s[0] in args.presets]
-    )
+    shapes = args.shapes or [s for s in SHAPES if s[0] in args.presets]
+    refuse_too_big(p, shapes)
     rows = []
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"{device_slug(meta['machine'])}-estimate"

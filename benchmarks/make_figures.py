@@ -11,50 +11,58 @@ The TensorBoard screenshots come from docs/tensorboard_screenshots.py.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
 # Run as a script, this folder is on sys.path: the sibling modules import directly.
 from ablation import PNG_METADATA, plot_memory, plot_stages, plot_tokens
-from common import machine_line
+from common import NOT_RESULTS, Parser, check_out_dir, load_results, machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results" / "cpu-small.json")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
     args = p.parse_args()
     if not args.results.exists():
-        print(
-            f"error: {args.results} does not exist; run python benchmarks/ablation.py first", file=sys.stderr
-        )
-        return 2
-    data = json.loads(args.results.read_text())
-    meta, results = data["meta"], data["results"]
+        p.error(f"{args.results} does not exist; run python benchmarks/ablation.py first")
+    data = load_results(p, args.results)
+    check_out_dir(p, args.out, "--out")
+    try:
+        draw(data, args.out)
+    except NOT_RESULTS as e:
+        p.error(f"{args.results} is not an ablation results file ({type(e).__name__}: {e})")
+    except OSError as e:
+        p.error(f"cannot write the figures in {args.out} ({e.strerror or e})")
+    return 0
 
+
+def draw(data: dict, out: Path) -> None:
+    """The three figures, each on its own canvas, into `out`."""
+    meta, results = data["meta"], data["results"]
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    args.out.mkdir(parents=True, exist_ok=True)
+    figures = {}  # every figure drawn before any is written: a bad results file leaves `out` as it was
     for name, plot in (
         ("tokens_per_s", plot_tokens),
         ("stage_times", plot_stages),
         ("memory_breakdown", plot_memory),
     ):
         fig, ax = plt.subplots(figsize=(8.5, 4.5), layout="constrained")
+        figures[name] = fig
         plot(ax, results)
         ax.tick_params(axis="x", labelrotation=15, labelsize=8)
         fig.suptitle(f"{meta['name']}: {machine_line(meta)}\n{meta['command']}", fontsize=8)
-        fig.savefig(args.out / f"{name}.png", dpi=110, metadata=PNG_METADATA)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, fig in figures.items():
+        fig.savefig(out / f"{name}.png", dpi=110, metadata=PNG_METADATA)
         plt.close(fig)
-        print(f"wrote {args.out / name}.png")
-    return 0
+        print(f"wrote {out / name}.png")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,9 @@ through the environment (LD_PRELOAD and its options, or glibc's MALLOC_*_ variab
 --no-malloc-variant leaves it out: the gap between the two nanoGPT rows is the allocator's, not the
 trainer's. Each run is a fresh process; the rounds interleave every
 variant, so a drift of the machine spreads over all of them; the table gives each round's figure
-(the spread) and the load average at the start and the end. Writes
+(the spread), each row's tokens/s against nanoGPT's in the same dtype with its 95% interval, the
+A/A check (the first variant run twice a round; --noisy as in ablation.py) and the load average at
+the start and the end. Writes
 benchmarks/results/<device>-nanogpt.json and .md (-nanogpt-tiny for --shape tiny), and refuses to
 write there when the load at the start is above half the cores: --busy writes anyway, and the
 table then says the machine was busy.
@@ -58,28 +60,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import (
-    RESULTS,
-    ROOT,
-    device_slug,
-    header,
-    load_average,
-    load_lines,
-    load_results,
-    refuse_if_busy,
-    run_variant,
-    save_json,
-    stamp,
-)
+import common as bench
 
 from minigpt.config import PRESETS
-from minigpt.fileio import atomic_write
 
 NANOGPT_FILES = ("train.py", "model.py", "configurator.py", "LICENSE")
 # Where ../shared sits: beside the repository (main checkout) or beside the worktrees' folder.
 NANOGPT_DIRS = (
-    ROOT.parent / "shared" / "anchors" / "nanoGPT",
-    ROOT.parents[1] / "shared" / "anchors" / "nanoGPT",
+    bench.ROOT.parent / "shared" / "anchors" / "nanoGPT",
+    bench.ROOT.parents[1] / "shared" / "anchors" / "nanoGPT",
 )
 CPU_CTX_LINE = (
     "ctx = nullcontext() if device_type == 'cpu' else "
@@ -195,7 +184,7 @@ def run_nanogpt(work: Path, dtype: str, shape: str, warmup: int, steps: int, kee
 
 def run_minigpt(dtype: str, shape: str, warmup: int, steps: int) -> dict:
     flags = ["--preset", shape, "--dropout", "0", "--amp" if dtype == "bf16" else "--no-amp"]
-    run = run_variant(flags, warmup, steps)
+    run = bench.run_variant(flags, warmup, steps)
     return {
         "rows": [
             {"step": r["step"], "loss": r["loss"], "time_ms": 1000 * r["step_time_s"]} for r in run["rows"]
@@ -205,8 +194,8 @@ def run_minigpt(dtype: str, shape: str, warmup: int, steps: int) -> dict:
     }
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser() -> argparse.ArgumentParser:
+    p = bench.Parser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--shape", default="small", choices=sorted(SHAPES), help="minigpt preset and nanoGPT shape"
     )
@@ -220,20 +209,17 @@ def main() -> int:
     p.add_argument(
         "--nanogpt-dir", type=Path, help="a folder with nanoGPT's train.py, model.py, configurator.py"
     )
-    p.add_argument(
-        "--busy",
-        action="store_true",
-        help="write benchmarks/results even when the load at the start is above half the cores "
-        "(the table then says the machine was busy)",
-    )
-    p.add_argument("--out-dir", type=Path, default=RESULTS)
-    p.add_argument("--render", type=Path, metavar="RESULTS_JSON", help="measure nothing: rewrite the .md")
+    bench.output_flags(p, "measure nothing: rewrite the .md")
+    return p
+
+
+def main() -> int:
+    p = parser()
     args = p.parse_args()
     if args.render:
-        data = load_results(p, args.render)
-        atomic_write(args.render.with_suffix(".md"), markdown(data))
-        print(markdown(data))
-        return 0
+        return bench.render(
+            p, args.render, lambda d: bench.write_md(args.render.with_suffix(".md"), markdown(d))
+        )
     dtypes = args.dtypes.split(",")
     if min(args.steps, args.repeats, args.warmup) < 1:
         p.error("--steps, --repeats and --warmup must be at least 1")
@@ -248,29 +234,94 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
-    load = refuse_if_busy(args.out_dir, args.busy)
-
+    bench.check_out_dir(p, args.out_dir)
+    load = bench.refuse_if_busy(args.out_dir, args.busy)
     with tempfile.TemporaryDirectory(prefix="minigpt-nanogpt-") as tmp:
         work = Path(tmp)
         patched_line = prepare(src, work)
-        variants = {}
-        for dtype in dtypes:
-            variants[f"nanoGPT train.py, {dtype}"] = lambda d=dtype: run_nanogpt(
-                work, d, args.shape, args.warmup, args.steps, False
+        runs = measure(variants(work, args, dtypes), args.repeats)
+    results = summarise(runs, args.shape)
+    meta = {
+        **bench.stamp(sys.argv),
+        **load,
+        "load_end": bench.load_average(),
+        "noisy": args.noisy,
+        "aa": [aa_of(results)],
+        "shape": args.shape,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "nanogpt_dir": str(src),
+        "patched_line": patched_line,
+        "extra_flags": os.environ.get("MINIGPT_ARGS", ""),
+        "malloc_env": " ".join(f"{k}={v}" for k, v in minigpt_malloc_env().items()),
+    }
+    data = {"meta": meta, "results": results}
+    out_dir, noisy = bench.destination(args.out_dir, meta, args.noisy)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    suffix = "" if args.shape == "small" else f"-{args.shape}"
+    bench.write_table(out_dir / f"{bench.device_slug(meta['machine'])}-nanogpt{suffix}", data, markdown(data))
+    if noisy:
+        print(f"nanogpt_shape.py: {noisy}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def aa_of(results: dict) -> dict:
+    """The A/A check: the first variant against its copy (which leaves the results here)."""
+    copy = next(n for n in results if n.endswith(bench.AA))
+    base = copy.removesuffix(bench.AA)
+    check = bench.aa_check(
+        base,
+        results[base]["tokens_per_s_rounds"],
+        results.pop(copy)["tokens_per_s_rounds"],
+        "tokens/s of each round",
+    )
+    print(f"[A/A] {base} against itself: {bench.ratio_text(check)}", flush=True)
+    return check
+
+
+def against(name: str, results: dict) -> str:
+    """A row's tokens/s against nanoGPT's own train.py in the same dtype, with its interval."""
+    base = f"nanoGPT train.py, {name.split(', ')[1]}"  # every name's second part is its dtype
+    if name == base or base not in results:
+        return "baseline" if name == base else "-"
+    return bench.ratio_text(
+        bench.ratio(results[base]["tokens_per_s_rounds"], results[name]["tokens_per_s_rounds"])
+    )
+
+
+def variants(work: Path, args, dtypes: list[str]) -> dict:
+    """Each variant's name and the call that runs it once, in a fresh process."""
+    out = {}
+    for dtype in dtypes:
+        out[f"nanoGPT train.py, {dtype}"] = lambda d=dtype: run_nanogpt(
+            work, d, args.shape, args.warmup, args.steps, False
+        )
+        if not args.no_malloc_variant:
+            out[f"nanoGPT train.py, {dtype}, minigpt's malloc"] = lambda d=dtype: run_nanogpt(
+                work, d, args.shape, args.warmup, args.steps, True
             )
-            if not args.no_malloc_variant:
-                variants[f"nanoGPT train.py, {dtype}, minigpt's malloc"] = lambda d=dtype: run_nanogpt(
-                    work, d, args.shape, args.warmup, args.steps, True
-                )
-            variants[f"minigpt train_minimal.py, {dtype}"] = lambda d=dtype: run_minigpt(
-                d, args.shape, args.warmup, args.steps
-            )
-        runs: dict[str, list[dict]] = {name: [] for name in variants}
-        for r in range(args.repeats):  # interleaved rounds
-            for name, run in variants.items():
-                print(f"[{name}] round {r + 1}/{args.repeats}", flush=True)
-                runs[name].append(run())
-    layers, heads, width, block, batch = SHAPES[args.shape]
+        out[f"minigpt train_minimal.py, {dtype}"] = lambda d=dtype: run_minigpt(
+            d, args.shape, args.warmup, args.steps
+        )
+    return out
+
+
+def measure(variants: dict, repeats: int) -> dict[str, list[dict]]:
+    """Every variant once per round, the rounds interleaved: a drift of the machine spreads over all.
+    Each round ends with the first variant's copy, for the A/A check."""
+    runs: dict[str, list[dict]] = {name: [] for name in bench.with_aa(list(variants))}
+    for r in range(repeats):
+        for name in runs:
+            print(f"[{name}] round {r + 1}/{repeats}", flush=True)
+            runs[name].append(variants[name.removesuffix(bench.AA)]())
+    return runs
+
+
+def summarise(runs: dict[str, list[dict]], shape: str) -> dict:
+    """Per variant: each round's median step time, and tokens/s from it."""
+    _, _, _, block, batch = SHAPES[shape]
     results = {}
     for name, rs in runs.items():
         medians = [statistics.median(row["time_ms"] for row in run["rows"]) for run in rs]
@@ -282,37 +333,16 @@ def main() -> int:
             "params_m": rs[0]["params_m"],
             "rounds": rs,
         }
-    meta = {
-        **stamp(sys.argv),
-        **load,
-        "load_end": load_average(),
-        "shape": args.shape,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "repeats": args.repeats,
-        "nanogpt_dir": str(src),
-        "patched_line": patched_line,
-        "extra_flags": os.environ.get("MINIGPT_ARGS", ""),
-        "malloc_env": " ".join(f"{k}={v}" for k, v in minigpt_malloc_env().items()),
-    }
-    data = {"meta": meta, "results": results}
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    suffix = "" if args.shape == "small" else f"-{args.shape}"
-    stem = args.out_dir / f"{device_slug(meta['machine'])}-nanogpt{suffix}"
-    save_json(stem, data)
-    table = markdown(data)
-    atomic_write(stem.with_suffix(".md"), table)
-    print(table)
-    print(f"wrote {stem}.json, .md")
-    return 0
+    return results
 
 
 def markdown(data: dict) -> str:
     meta, results = data["meta"], data["results"]
     layers, heads, width, block, batch = SHAPES[meta["shape"]]
     lines = [
-        *header("minigpt beside nanoGPT's own train.py", meta),
-        *load_lines(meta),
+        *bench.header("minigpt beside nanoGPT's own train.py", meta),
+        *bench.load_lines(meta),
+        *bench.aa_lines(meta),
         f"Shape: {layers} layers, {heads} heads, {width} wide, block {block}, batch {batch}, "
         "vocabulary 50304, "
         "tied embeddings, biases, no dropout, no gradient accumulation, no torch.compile. Each round runs "
@@ -320,14 +350,21 @@ def markdown(data: dict) -> str:
         f"{meta['warmup']} (nanoGPT's iteration 0, which evaluates, is always a warm-up). nanoGPT's files: "
         f"`{meta['nanogpt_dir']}`, copied to a temporary folder at run time.",
         "",
-        "| variant | tokens/s (median of rounds) | step ms | each round (tokens/s) | params (M) |",
-        "|---|---|---|---|---|",
+        "| variant | tokens/s (median of rounds) | step ms | each round (tokens/s) | vs nanoGPT, same dtype "
+        "| params (M) |",
+        "|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         rounds = ", ".join(f"{t:,.0f}" for t in r["tokens_per_s_rounds"])
         params = "-" if r["params_m"] is None else f"{r['params_m']:.2f}"
-        lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {r['step_ms']:,.0f} | {rounds} | {params} |")
+        vs = against(name, results)
+        lines.append(
+            f"| {name} | {r['tokens_per_s']:,.0f} | {r['step_ms']:,.0f} | {rounds} | {vs} | {params} |"
+        )
     lines += [
+        "",
+        "vs nanoGPT: tokens/s against nanoGPT's train.py in the same dtype, from the rounds' figures, with "
+        'the 95% interval (minigpt.stats); an interval that holds 1.0 reads "no difference within noise".',
         "",
         "Params: nanoGPT prints them without the position embeddings, minigpt's config.json with them.",
         "",

@@ -6,8 +6,10 @@ profiler window with and without Python stacks; and what each torch.profiler opt
     python benchmarks/overhead.py --parts options      # only the profiler options
 
 Same pattern as ablation.py: each variant in a fresh process, `--repeats` times, medians over
-the measured steps. The profiler variants profile exactly the measured steps. Prints the overhead
-in percent against "timing off" and writes benchmarks/results/overhead-<device>-<preset>.json/.md.
+the measured steps, every ratio with its 95% interval, and each part's baseline ("timing off", "no
+profiler") run twice for the A/A check (--noisy, --busy as in ablation.py). The profiler variants
+profile exactly the measured steps. Prints the overhead against "timing off" and writes
+benchmarks/results/overhead-<device>-<preset>.json/.md.
 Target: the default stage timing costs at most 2% on the CPU default preset.
 
 End to end, tokens/s of fresh processes on a shared 2-core machine spread by several percent, more
@@ -34,21 +36,8 @@ import os
 import sys
 from pathlib import Path
 
-from common import (
-    PRESETS,
-    RESULTS,
-    STAGES,
-    device_slug,
-    header,
-    load_results,
-    machine_line,
-    run_variant,
-    save_json,
-    stamp,
-    summarise,
-)
+import common as bench
 
-from minigpt.fileio import atomic_write
 from minigpt.instrument import StageTimer
 
 
@@ -59,13 +48,13 @@ def instrumentation_us_per_step(device: str, steps: int = 20_000) -> dict[str, f
     from contextlib import nullcontext
 
     def bare_step():
-        for _ in STAGES:
+        for _ in bench.STAGES:
             with nullcontext():
                 pass
 
     def timed_step(timer):
         with timer.step():
-            for st in STAGES:
+            for st in bench.STAGES:
                 with timer.stage(st):
                     pass
 
@@ -182,21 +171,22 @@ def tensorboard_views(trace: dict) -> dict:
     }
 
 
-def measure_options(preset: str, steps: int, warmup: int, repeats: int) -> dict:
-    """Every option variant in a fresh process per round, the rounds interleaved."""
+def measure_options(preset: str, steps: int, warmup: int, repeats: int, meta: dict) -> dict:
+    """Every option variant in a fresh process per round, the rounds interleaved, each round ending
+    with the bare step's copy for the A/A check (added to meta["aa"])."""
     import json
     import statistics
     import subprocess
 
-    rounds: dict[str, list[dict]] = {name: [] for name in OPTION_VARIANTS}
+    rounds: dict[str, list[dict]] = {name: [] for name in bench.with_aa(list(OPTION_VARIANTS))}
     for r in range(repeats):
-        for name in OPTION_VARIANTS:
+        for name in rounds:
             print(f"[profiler option: {name}] round {r + 1}/{repeats}", flush=True)
             cmd = [
                 sys.executable,
                 __file__,
                 "--option-child",
-                name,
+                name.removesuffix(bench.AA),
                 "--preset",
                 preset,
                 "--option-steps",
@@ -211,6 +201,8 @@ def measure_options(preset: str, steps: int, warmup: int, repeats: int) -> dict:
             rounds[name].append(json.loads([x for x in out.stdout.splitlines() if x.startswith("{")][-1]))
     results = {}
     for name, rs in rounds.items():
+        if name.endswith(bench.AA):
+            continue
         step_ms = [1000 * x["step_s"] for x in rs]
         results[name] = {
             "step_ms": {
@@ -228,6 +220,10 @@ def measure_options(preset: str, steps: int, warmup: int, repeats: int) -> dict:
             **{k: rs[0][k] for k in ("views", "input_shapes") if k in rs[0]},
         }
     base = results["no profiler"]
+    copy = [1000 * x["step_s"] for x in rounds[bench.aa_name("no profiler")]]
+    meta.setdefault("aa", []).append(
+        bench.aa_check("no profiler", base["step_ms"]["rounds"], copy, "step ms of each round")
+    )
     for s in results.values():
         s["step_overhead_pct"] = 100 * (s["step_ms"]["median"] / base["step_ms"]["median"] - 1)
         s["rss_added_mib"] = s["rss_peak_mib"] - base["rss_peak_mib"]
@@ -251,15 +247,14 @@ def default_options(results: dict) -> tuple[list[str], str]:
     return needed, why
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(
+def parser() -> argparse.ArgumentParser:
+    p = bench.Parser(
         description=__doc__.split("\n\n")[0], epilog="Other flags go to train_minimal.py unchanged."
     )
-    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    p.add_argument("--preset", default="small", choices=sorted(bench.PRESETS))
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument(
         "--parts",
         choices=["all", "stage-timing", "options"],
@@ -276,14 +271,14 @@ def main() -> int:
         "--option-steps", type=int, default=3, help="profiled steps per option variant (default 3)"
     )
     p.add_argument("--option-warmup", type=int, default=2, help="unprofiled steps before them (default 2)")
-    p.add_argument(
-        "--render",
-        type=Path,
-        metavar="RESULTS_JSON",
-        help="measure nothing: write the .md again from a results .json",
-    )
+    bench.output_flags(p, "measure nothing: write the .md again from a results .json")
     p.add_argument("--option-child", choices=list(OPTION_VARIANTS), help=argparse.SUPPRESS)
     p.add_argument("--check-views", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main() -> int:
+    p = parser()
     args, trainer_flags = p.parse_known_args()
     if args.option_child:
         print(
@@ -294,17 +289,18 @@ def main() -> int:
             )
         )
         return 0
-    if min(args.steps, args.repeats, args.option_steps) < 1 or args.warmup < 1 or args.option_warmup < 0:
-        p.error("--steps, --repeats and --warmup must be at least 1")
+    if min(args.steps, args.repeats, args.warmup, args.option_steps, args.micro_steps) < 1:
+        p.error("--steps, --repeats, --warmup, --option-steps and --micro-steps must be at least 1")
+    if args.option_warmup < 0:
+        p.error("--option-warmup must be at least 0")
     if args.render:
-        data = load_results(p, args.render)
-        table = markdown(data)
-        atomic_write(args.render.with_suffix(".md"), table)
-        print(table)
-        return 0
+        return bench.render(
+            p, args.render, lambda d: bench.write_md(args.render.with_suffix(".md"), markdown(d))
+        )
+    bench.check_out_dir(p, args.out_dir)
 
     meta = {
-        **stamp(sys.argv),
+        **bench.stamp(sys.argv),
         "name": args.preset,
         "trainer_flags": trainer_flags,
         "extra_flags": os.environ.get("MINIGPT_ARGS", ""),
@@ -314,33 +310,49 @@ def main() -> int:
         "micro_steps": args.micro_steps,
         "option_steps": args.option_steps,
         "option_warmup": args.option_warmup,
+        **bench.refuse_if_busy(args.out_dir, args.busy),
+        "noisy": args.noisy,
     }
+    data = measure(args, trainer_flags, meta)
+    meta["load_end"] = bench.load_average()
+    name = f"overhead-{bench.device_slug(meta['machine'])}-{args.preset}"
+    if args.parts == "options":
+        data.update(kept_stage_timing(args.out_dir / name))
+    out_dir, noisy = bench.destination(args.out_dir, meta, args.noisy)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bench.write_table(out_dir / name, data, markdown(data))
+    if noisy:
+        print(f"overhead.py: {noisy}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def measure(args, trainer_flags: list[str], meta: dict) -> dict:
+    """The parts asked for; each adds its A/A check to meta["aa"]."""
     data: dict = {"meta": meta}
     if args.parts in ("all", "stage-timing"):
         data.update(stage_timing(args, trainer_flags, meta))
     if args.parts in ("all", "options"):
         data["profiler_options"] = measure_options(
-            args.preset, args.option_steps, args.option_warmup, args.repeats
+            args.preset, args.option_steps, args.option_warmup, args.repeats, meta
         )
         chosen, why = default_options(data["profiler_options"])
         data["default_profiler_options"] = {"options": chosen, "why": why}
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / f"overhead-{device_slug(meta['machine'])}-{args.preset}"
-    if args.parts == "options" and stem.with_suffix(".json").is_file():
-        # The stage-timing part of an earlier run stays, with its own date, machine and command.
+    return data
+
+
+def kept_stage_timing(stem: Path) -> dict:
+    """--parts options: the stage-timing part of the earlier results file stays, with its own date,
+    machine, command and A/A check; nothing when there is none (or it cannot be read)."""
+    try:
         old = json.loads(stem.with_suffix(".json").read_text())
-        if "results" in old:
-            data.update(
-                results=old["results"],
-                stage_timing_meta=old.get("stage_timing_meta", old["meta"]),
-                instrumentation_us_per_step=old["instrumentation_us_per_step"],
-            )
-    save_json(stem, data)
-    table = markdown(data)
-    atomic_write(stem.with_suffix(".md"), table)
-    print(table)
-    print(f"wrote {stem}.json, .md")
-    return 0
+        return {
+            "results": old["results"],
+            "stage_timing_meta": old.get("stage_timing_meta", old["meta"]),
+            "instrumentation_us_per_step": old["instrumentation_us_per_step"],
+        }
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
 
 
 def stage_timing(args, trainer_flags: list[str], meta: dict) -> dict:
@@ -358,34 +370,49 @@ def stage_timing(args, trainer_flags: list[str], meta: dict) -> dict:
         "profiler": window,
         "profiler + stacks": [*window, "--profile-with-stack"],
     }
-    # Interleave the repeats (off, on, prof, stack, off, on, ...) so a drift of the machine
-    # (thermal, a neighbour) spreads over every variant instead of biasing one.
-    runs: dict[str, list] = {name: [] for name in variants}
+    # Interleave the repeats (off, on, prof, stack, off (A/A), off, on, ...) so a drift of the
+    # machine (thermal, a neighbour) spreads over every variant instead of biasing one.
+    runs: dict[str, list] = {name: [] for name in bench.with_aa(list(variants))}
     for r in range(args.repeats):
-        for name, flags in variants.items():
+        for name in runs:
             print(f"[{name}] repeat {r + 1}/{args.repeats}", flush=True)
+            flags = variants[name.removesuffix(bench.AA)]
             runs[name].append(
-                run_variant([*PRESETS[args.preset], *trainer_flags, *flags], args.warmup, args.steps)
+                bench.run_variant(
+                    [*bench.PRESETS[args.preset], *trainer_flags, *flags], args.warmup, args.steps
+                )
             )
-    results = {name: summarise(runs[name]) for name in variants}
+    results = {name: bench.summarise(runs[name]) for name in variants}
     base = results["timing off"]["tokens_per_s"]["median"]
     for s in results.values():
         s["overhead_pct"] = 100 * (base / s["tokens_per_s"]["median"] - 1)
+    copy = bench.summarise(runs[bench.aa_name("timing off")])["tokens_per_s_repeats"]
+    meta.setdefault("aa", []).append(
+        bench.aa_check(
+            "timing off", results["timing off"]["tokens_per_s_repeats"], copy, "tokens/s of each repeat"
+        )
+    )
     costs = instrumentation_us_per_step(meta["machine"]["device"], args.micro_steps)
     return {"results": results, "instrumentation_us_per_step": costs}
 
 
 def markdown(data: dict) -> str:
     meta = data["meta"]
-    lines = header(f"Instrumentation overhead: {meta['name']}", meta)
+    lines = [
+        *bench.header(f"Instrumentation overhead: {meta['name']}", meta),
+        *bench.load_lines(meta),
+        *bench.aa_lines(meta),
+    ]
     if "results" in data:
         timing_meta = data.get("stage_timing_meta", meta)
         lines += stage_timing_lines(timing_meta, data["results"], data["instrumentation_us_per_step"])
         if "stage_timing_meta" in data:
             lines += [
                 "",
-                f"(This section was measured earlier and kept: {machine_line(timing_meta)}; "
+                f"(This section was measured earlier and kept: {bench.machine_line(timing_meta)}; "
                 f"command `{timing_meta['command']}`.)",
+                "",
+                *bench.aa_lines(timing_meta),
             ]
     if "profiler_options" in data:
         lines += options_lines(meta, data["profiler_options"], data["default_profiler_options"])
@@ -408,13 +435,20 @@ def stage_timing_lines(meta: dict, results: dict, costs: dict) -> list[str]:
         "| variant | tokens/s (median) | repeats' medians | overhead vs timing off |",
         "|---|---|---|---|",
     ]
+    base = results["timing off"]["tokens_per_s_repeats"]
     for name, s in results.items():
         reps = ", ".join(f"{t:,.0f}" for t in s["tokens_per_s_repeats"])
-        lines.append(f"| {name} | {s['tokens_per_s']['median']:,.0f} | {reps} | {s['overhead_pct']:+.1f}% |")
+        vs = (
+            "baseline"
+            if name == "timing off"
+            else bench.ratio_text(bench.ratio(s["tokens_per_s_repeats"], base))
+        )
+        lines.append(f"| {name} | {s['tokens_per_s']['median']:,.0f} | {reps} | {vs} |")
     lines += [
         "",
-        "Overhead = time per token against timing off, in percent; a negative figure is noise "
-        "(the spread of the repeats says how much).",
+        "Overhead = time per token against timing off, from the repeats' medians, with its 95% interval "
+        '(minigpt.stats); 1.05x is 5% slower, and an interval that holds 1.0 reads "no difference within '
+        'noise".',
     ]
     # The instrumentation alone, against the step time it rides on.
     step_us = 1000 * results["timing on (default)"]["step_ms"]["median"]
@@ -458,14 +492,16 @@ def options_lines(meta: dict, results: dict, default: dict) -> list[str]:
         "| trace MB | TensorBoard views | shapes to group by |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    base = results["no profiler"]["step_ms"]["rounds"]
     for name, s in results.items():
         st = s["step_ms"]
+        vs = "baseline" if name == "no profiler" else bench.ratio_text(bench.ratio(base, st["rounds"]))
         export = f"{s['stop_s'] + s['export_s']:.1f}" if "stop_s" in s else "-"
         views = ", ".join(s.get("views", [])) or "-"
         shapes = "-" if "input_shapes" not in s else ("yes" if s["input_shapes"] else "no")
         lines.append(
             f"| {name} | {st['median']:,.0f} | {st['min']:,.0f}-{st['max']:,.0f} | "
-            f"{s['step_overhead_pct']:+.1f}% | {s['rss_peak_mib']:,.0f} | {s['rss_added_mib']:+,.0f} | "
+            f"{vs} | {s['rss_peak_mib']:,.0f} | {s['rss_added_mib']:+,.0f} | "
             f"{export} | {s.get('trace_mb', 0):.1f} | {views} | {shapes} |"
         )
     chosen = ", ".join(default["options"]) or "none"

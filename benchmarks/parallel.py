@@ -32,12 +32,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from common import RESULTS, header, load_results, save_json, spread, stamp
+from common import RESULTS, Parser, available_bytes, header, save_json, spread, stamp, write_md
+from common import render as render_results
 
 from minigpt.config import PRESETS
-from minigpt.shape import GPT2_VOCAB, shape_of
+from minigpt.shape import GPT2_VOCAB, Shape, shape_of
 
 STEM = RESULTS / "cpu-parallel"
 SCHEMES = {  # name: (flags of the worker, needs a world size divisible by 2 for tp)
@@ -57,7 +59,7 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from minigpt import commprobe, distributed, parallel
+    from minigpt import distributed, parallel
     from minigpt.model import GPT, GPTConfig
 
     torch.set_num_threads(1)  # more ranks than cores: one thread each, or they fight over the cores
@@ -91,35 +93,69 @@ def worker(args) -> None:
     ready: list[float] = []
     if not (args.fsdp or tp > 1):
         distributed.time_backward_compute(train_model, lambda: ready.append(time.perf_counter()))
-    g = torch.Generator().manual_seed(dp_rank)
+    r = Rank(model, train_model, optimizer, shape, torch.Generator().manual_seed(dp_rank), ready)
+    record = {
+        "rank": rank,
+        "worker": parallel.worker_name(rank, mesh),
+        "dp": dp,
+        "tp": tp,
+        **measure_rank(r, args.warmup, args.steps),
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
+        "tokens_per_step": dp * shape.seq_len,
+    }
+    Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(record))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@dataclass
+class Rank:
+    """What one rank trains: the model as built, as wrapped for the scheme, its optimizer, the
+    shape, this data-parallel rank's batch generator, and (DDP) the moments its gradient buckets
+    were ready, which a communication hook appends to."""
+
+    model: object
+    train_model: object
+    optimizer: object
+    shape: Shape
+    generator: object
+    ready: list[float]
+
+
+def measure_rank(r: Rank, warmup: int, steps: int) -> dict:
+    """Timed steps after `warmup`, the state's bytes, and one profiled step's exposed communication."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import profile, record_function
+
+    from minigpt import commprobe, parallel
+
     tail_waits: list[float] = []
 
     def step():
-        x = torch.randint(0, shape.vocab_size, (1, shape.seq_len), generator=g)
-        loss = train_model(x, x)[1]
-        ready.clear()
+        x = torch.randint(0, r.shape.vocab_size, (1, r.shape.seq_len), generator=r.generator)
+        loss = r.train_model(x, x)[1]
+        r.ready.clear()
         loss.backward()
-        if ready:  # DDP: the backward's end waited for the last all-reduce after the last bucket
-            tail_waits.append(time.perf_counter() - ready[-1])
-        parallel.clip_grad_norm(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if r.ready:  # DDP: the backward's end waited for the last all-reduce after the last bucket
+            tail_waits.append(time.perf_counter() - r.ready[-1])
+        parallel.clip_grad_norm(r.model.parameters(), 1.0)
+        r.optimizer.step()
+        r.optimizer.zero_grad(set_to_none=True)
 
-    for _ in range(args.warmup):
+    for _ in range(warmup):
         step()
     times = []
-    for _ in range(args.steps):
+    for _ in range(steps):
         dist.barrier()
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    state = parallel.local_state_bytes(model, optimizer)  # grads are gone: count them from a backward
-    x = torch.randint(0, shape.vocab_size, (1, shape.seq_len), generator=g)
-    train_model(x, x)[1].backward()
-    state["grads"] = parallel.local_state_bytes(model)["grads"]
-    optimizer.zero_grad(set_to_none=True)
-
-    from torch.profiler import profile, record_function
+    state = parallel.local_state_bytes(r.model, r.optimizer)  # grads are gone: count them from a backward
+    x = torch.randint(0, r.shape.vocab_size, (1, r.shape.seq_len), generator=r.generator)
+    r.train_model(x, x)[1].backward()
+    state["grads"] = parallel.local_state_bytes(r.model)["grads"]
+    r.optimizer.zero_grad(set_to_none=True)
 
     dist.barrier()
     tail_waits.clear()
@@ -129,21 +165,7 @@ def worker(args) -> None:
             step()
             profiled_s = time.perf_counter() - t0
     exposed_s = commprobe.stage_comm_ms(prof.events(), ("bench_step",))["step"] / 1000 + sum(tail_waits)
-    record = {
-        "rank": rank,
-        "worker": parallel.worker_name(rank, mesh),
-        "dp": dp,
-        "tp": tp,
-        "step_s": times,
-        "profiled_step_s": profiled_s,
-        "exposed_comm_s": exposed_s,
-        "state_bytes": state,
-        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
-        "tokens_per_step": dp * shape.seq_len,
-    }
-    Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(record))
-    dist.barrier()
-    dist.destroy_process_group()
+    return {"step_s": times, "profiled_step_s": profiled_s, "exposed_comm_s": exposed_s, "state_bytes": state}
 
 
 # ---------------------------------------------------------------------------- the driver
@@ -162,16 +184,6 @@ def predicted_bytes(model: str, scheme: str, nproc: int) -> int:
     e = per_rank_estimate(estimate_gpt(shape), dp, tp, scheme.startswith("fsdp"), shape)
     ddp_buckets = e["grads"] if scheme == "ddp" else 0  # DDP's gradient buckets: a second copy
     return nproc * (e["peak"] + ddp_buckets + int(0.4 * 2**30))
-
-
-def available_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def run(model: str, scheme: str, nproc: int, warmup: int, steps: int) -> dict:
@@ -260,7 +272,7 @@ def render(data: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
@@ -280,9 +292,11 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     if args.render:
-        data = load_results(p, STEM.with_suffix(".json"))
-        STEM.with_suffix(".md").write_text(render(data))
-        return 0
+        return render_results(
+            p, STEM.with_suffix(".json"), lambda d: write_md(STEM.with_suffix(".md"), render(d))
+        )
+    if min(args.steps, args.repeats, *args.ranks) < 1 or args.warmup < 0:
+        p.error("--steps, --repeats and --ranks must be at least 1, --warmup at least 0")
     variants, skipped = [], []
     for m in args.models:
         for n in args.ranks:

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from common import RESULTS, device_slug, header, save_json, stamp
+from common import RESULTS, Parser, check_out_dir, device_slug, header, save_json, stamp
 
 from minigpt.config import PRESETS as MODEL_PRESETS
 from minigpt.fileio import atomic_write
@@ -47,8 +48,52 @@ def child(preset: str, dtype: str, cache: bool) -> None:
     )
 
 
+def measure(processes: int, preset: str, dtype: str) -> dict[str, list[dict]]:
+    """`processes` rounds, each an uncached and a cached process; the cached ones share one fresh
+    cache folder, so the first fills it and the rest read it."""
+    runs: dict[str, list[dict]] = {"uncached": [], "cached": []}
+    with tempfile.TemporaryDirectory(prefix="minigpt-peak-") as cache:
+        env = {**os.environ, "MINIGPT_CACHE_DIR": cache}
+        for i in range(processes):  # interleaved: uncached, cached, uncached, ...
+            for mode in runs:
+                print(f"[{mode}] process {i + 1}/{processes}", flush=True)
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--child",
+                        mode,
+                        "--preset",
+                        preset,
+                        "--dtype",
+                        dtype,
+                    ],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+                runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return runs
+
+
+def summarise(rs: list[dict]) -> dict:
+    """One mode's figures over its processes: how far apart the highest and the lowest are."""
+    values = [r["value"] for r in rs]
+    return {
+        "values": values,
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "max_over_min": max(values) / min(values),
+        "winners": [r["winner"] for r in rs],
+        "sources": [r["source"] for r in rs],
+        "loads": [r["load"] for r in rs],
+    }
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="small", choices=sorted(MODEL_PRESETS))
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--processes", type=int, default=5)
@@ -66,45 +111,10 @@ def main() -> int:
         return 0
     if args.processes < 2:
         ap.error("--processes must be at least 2")
-    runs: dict[str, list[dict]] = {"uncached": [], "cached": []}
-    with tempfile.TemporaryDirectory(prefix="minigpt-peak-") as cache:
-        import os
-
-        env = {**os.environ, "MINIGPT_CACHE_DIR": cache}
-        for i in range(args.processes):  # interleaved: uncached, cached, uncached, ...
-            for mode in runs:
-                print(f"[{mode}] process {i + 1}/{args.processes}", flush=True)
-                out = subprocess.run(
-                    [
-                        sys.executable,
-                        __file__,
-                        "--child",
-                        mode,
-                        "--preset",
-                        args.preset,
-                        "--dtype",
-                        args.dtype,
-                    ],
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                )
-                runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    check_out_dir(ap, args.out_dir)
+    runs = measure(args.processes, args.preset, args.dtype)
     meta = {**stamp(sys.argv), "preset": args.preset, "dtype": args.dtype, "processes": args.processes}
-    results = {}
-    for mode, rs in runs.items():
-        values = [r["value"] for r in rs]
-        results[mode] = {
-            "values": values,
-            "median": statistics.median(values),
-            "min": min(values),
-            "max": max(values),
-            "max_over_min": max(values) / min(values),
-            "winners": [r["winner"] for r in rs],
-            "sources": [r["source"] for r in rs],
-            "loads": [r["load"] for r in rs],
-        }
+    results = {mode: summarise(rs) for mode, rs in runs.items()}
     ratio = results["uncached"]["max_over_min"]
     lines = [
         *header(f"MFU denominator over {args.processes} fresh processes: {args.preset}, {args.dtype}", meta),

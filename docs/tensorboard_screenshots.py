@@ -75,6 +75,36 @@ def screenshot_scalars(page, url: str, path: Path) -> None:
     page.screenshot(path=str(path))
 
 
+def overview_steps(frame, url: str, blocked: list[str]) -> tuple[list[str], str]:
+    """The steps the Overview lists, and how they were seen: in the drawn page, or (offline, where
+    the plugin's charts never draw) in the data the plugin serves to the page."""
+    # The Overview: its "Step Time Breakdown" lists one row per profiled step. The plugin's
+    # pages draw with Google Charts, loaded from www.gstatic.com: offline they never render.
+    try:
+        frame.wait_for_selector("text=Step Time Breakdown", timeout=30_000)
+        frame.wait_for_timeout(2000)  # let the charts draw
+        how = "rendered in the page"
+    except Exception:
+        if not any("gstatic.com" in u for u in blocked):
+            raise
+        print(
+            "note: torch-tb-profiler's charts need www.gstatic.com (Google "
+            "Charts), unreachable here: "
+            "its views stay on a spinner offline. Checking the Overview's "
+            "data as the page fetches it."
+        )
+        how = "served to the page (charts blocked offline)"
+    # The steps: the rows of the Overview's step table, from the data the page draws it with
+    # (a rendered page's text is full of digits; its table rows are not addressable here).
+    spans = get_json(f"{url}/data/plugin/pytorch_profiler/spans?run=traces&worker=rank0_dp0")
+    overview = get_json(
+        f"{url}/data/plugin/pytorch_profiler/overview?run=traces&worker=rank0_dp0"
+        f"&span={urllib.parse.quote(str(spans[0]))}"
+    )
+    shown = [str(row[0]) for row in overview["steps"]["rows"]]
+    return shown, how
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", type=Path)
@@ -121,30 +151,7 @@ def main() -> int:
             if not {"Overview", "Operator", "Trace"} <= set(views):
                 print(f"error: the PyTorch Profiler tab offers views {views}", file=sys.stderr)
                 return 1
-            # The Overview: its "Step Time Breakdown" lists one row per profiled step. The plugin's
-            # pages draw with Google Charts, loaded from www.gstatic.com: offline they never render.
-            try:
-                frame.wait_for_selector("text=Step Time Breakdown", timeout=30_000)
-                frame.wait_for_timeout(2000)  # let the charts draw
-                how = "rendered in the page"
-            except Exception:
-                if not any("gstatic.com" in u for u in blocked):
-                    raise
-                print(
-                    "note: torch-tb-profiler's charts need www.gstatic.com (Google "
-                    "Charts), unreachable here: "
-                    "its views stay on a spinner offline. Checking the Overview's "
-                    "data as the page fetches it."
-                )
-                how = "served to the page (charts blocked offline)"
-            # The steps: the rows of the Overview's step table, from the data the page draws it with
-            # (a rendered page's text is full of digits; its table rows are not addressable here).
-            spans = get_json(f"{url}/data/plugin/pytorch_profiler/spans?run=traces&worker=rank0_dp0")
-            overview = get_json(
-                f"{url}/data/plugin/pytorch_profiler/overview?run=traces&worker=rank0_dp0"
-                f"&span={urllib.parse.quote(str(spans[0]))}"
-            )
-            shown = [str(row[0]) for row in overview["steps"]["rows"]]
+            shown, how = overview_steps(frame, url, blocked)
             page.screenshot(path=str(args.out / "tb_profiler.png"))
             if shown != expected:
                 print(f"error: the Overview lists steps {shown}, expected {expected}", file=sys.stderr)

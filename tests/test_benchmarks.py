@@ -4,8 +4,11 @@ claims live in benchmarks/results/, never in tests.)"""
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -365,3 +368,291 @@ def test_allocator_puts_the_fresh_machine_first_with_counts_and_load(tmp_path):
     assert {"load_start", "load_end", "cores"} <= set(data["meta"])
     table = (tmp_path / "cpu-allocator.md").read_text()
     assert "at the start" in table and "page faults per step" in table
+
+
+# ---------------------------------------------------------------------------- a user's mistakes
+# Each refused in one line with status 2 before anything is measured, and nothing on disk touched.
+# {dir}: the test's own folder, holding `afile` (a file), `bad.json` (not JSON), `list.json` (JSON,
+# not a results file) and `other.json` (a results file of another layout).
+MISTAKES = [
+    ("ablation.py", "--out-dir {dir}/afile", "a file, not a folder"),
+    ("ablation.py", "--out-dir {dir}/afile/sub", "a file, not a folder"),
+    ("ablation.py", "--out-dir /proc/minigpt-results", "not writable"),
+    ("ablation.py", "--nproc 0 --out-dir {dir}", "--nproc 0"),
+    ("ablation.py", "--render {dir}/bad.json", "not JSON"),
+    ("ablation.py", "--render {dir}/list.json", "not a benchmark results file"),
+    ("ablation.py", "--render {dir}/other.json", "not a results file of ablation.py"),
+    ("ablation.py", "--render /dev/zero", "not a regular file"),
+    ("ablation.py", "--render {dir}/missing.json", "does not exist"),
+    ("overhead.py", "--micro-steps 0 --out-dir {dir}", "--micro-steps must be at least 1"),
+    ("overhead.py", "--out-dir {dir}/afile", "a file, not a folder"),
+    ("overhead.py", "--render {dir}/bad.json", "not JSON"),
+    ("overhead.py", "--render {dir}/other.json", "not a results file of overhead.py"),
+    ("overhead.py", "--parts everything", "invalid choice"),
+    ("nanogpt_shape.py", "--render {dir}/bad.json", "not JSON"),
+    ("nanogpt_shape.py", "--render {dir}/other.json", "not a results file of nanogpt_shape.py"),
+    ("nanogpt_shape.py", "--steps x", "invalid int value"),
+    ("allocator.py", "--out-dir {dir}/afile", "a file, not a folder"),
+    ("allocator.py", "--render {dir}/other.json", "not a results file of allocator.py"),
+    ("make_figures.py", "--results {dir}/bad.json --out {dir}/img", "not JSON"),
+    ("make_figures.py", "--results {dir}/other.json --out {dir}/img", "not an ablation results file"),
+    ("make_figures.py", "--results {dir}/missing.json --out {dir}/img", "does not exist"),
+    ("make_figures.py", "--out {dir}/afile", "a file, not a folder"),
+    ("make_figures.py", "--out /proc/minigpt-img", "not writable"),
+    ("estimate_table.py", "--shapes bad --out-dir {dir}", "is not PRESET:BATCH:SEQ"),
+    ("estimate_table.py", "--shapes small:1:x --out-dir {dir}", "whole numbers"),
+    ("estimate_table.py", "--shapes small:0:256 --out-dir {dir}", "must be at least 1"),
+    ("estimate_table.py", "--shapes small:100000:1024 --out-dir {dir}", "GiB available"),  # 64 TiB
+    ("estimate_table.py", "--shapes small:1:256 --out-dir {dir}/afile", "a file, not a folder"),
+    ("estimate_table.py", "--render {dir}/other.json", "not a results file of estimate_table.py"),
+    ("peak_flops.py", "--out-dir {dir}/afile", "a file, not a folder"),
+    ("chunked_loss.py", "--render {dir}/bad.json", "not JSON"),
+    ("parallel.py", "--steps 0", "--steps, --repeats and --ranks must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("script, args, says", MISTAKES, ids=[f"{s} {a}" for s, a, _ in MISTAKES])
+def test_a_mistake_is_one_line_before_any_measuring_and_touches_nothing(tmp_path, script, args, says):
+    files = {
+        "afile": "a file where a folder belongs\n",
+        "bad.json": '{"meta": {"name": ',
+        "list.json": "[1, 2]\n",
+        "other.json": json.dumps({"meta": {"kind": "another tool's"}, "results": [1, 2]}),
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    result = run(script, *args.format(dir=tmp_path).split())
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert len(err) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert says in err[0] and err[0].startswith(f"{script}: error: ")
+    assert "round" not in result.stdout  # refused before the first variant ran
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(files)  # nothing written beside them
+    assert {name: (tmp_path / name).read_text() for name in files} == files  # nor changed
+
+
+# ---------------------------------------------------------------------------- ratios, noise, A/A
+# The rendering and the refusal logic on figures made up here: nothing is timed.
+
+
+def bench_module(name: str, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return __import__("importlib").import_module(name)
+
+
+QUIET, FAR = [100.0, 101.0, 99.0], [130.0, 131.0, 129.0]  # three repeats each: tight, and 1.3x apart
+
+
+def test_a_ratio_reads_its_interval_or_says_why_it_has_none(monkeypatch):
+    common = bench_module("common", monkeypatch)
+    assert common.ratio_text(common.ratio(QUIET, FAR)).startswith("1.30x (1.2")
+    assert common.ratio_text(common.ratio(QUIET, [80.0, 125.0, 100.0])) == "no difference within noise"
+    one = common.ratio_text(common.ratio([100.0], [164.0]))  # --repeats 1: the ratio, marked as no finding
+    assert one == "1.64x (no interval: 1 repeat, an interval needs 3)"
+    assert "%" not in common.ratio_text(common.ratio(QUIET, [98.0, 103.0, 100.0]))
+
+
+@pytest.mark.parametrize(
+    "copy, passed, says",
+    [
+        ([100.5, 99.5, 100.0], True, "the copies agree"),
+        (FAR, False, "too noisy to tell"),
+        ([100.0], None, "Too few repeats"),
+    ],
+)
+def test_the_aa_check_says_whether_the_machine_could_tell(monkeypatch, copy, passed, says):
+    common = bench_module("common", monkeypatch)
+    check = common.aa_check("fp32", QUIET[: len(copy)], copy, "tokens/s of each repeat")
+    assert check["passed"] is passed
+    text = " ".join(common.aa_lines({"aa": [check]}))
+    assert "fp32 against a second copy of itself" in text and says in text
+    assert "A/A check: not recorded" in common.aa_lines({})[0]  # a results file from before the check
+
+
+def test_a_noisy_run_is_not_written_as_committed_results_without_the_flag(monkeypatch, tmp_path):
+    common = bench_module("common", monkeypatch)
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
+    failed = {"aa": [common.aa_check("fp32", QUIET, FAR, "tokens/s")]}
+    elsewhere, line = common.destination(tmp_path / "results", failed, noisy_ok=False)
+    assert elsewhere != tmp_path / "results" and elsewhere.is_dir() and str(elsewhere) in line
+    assert "too noisy" in line and "--noisy" in line and "\n" not in line
+    elsewhere.rmdir()
+    assert common.destination(tmp_path / "results", failed, noisy_ok=True) == (tmp_path / "results", None)
+    assert common.destination(tmp_path / "mine", failed, noisy_ok=False) == (tmp_path / "mine", None)
+    passed = {"aa": [common.aa_check("fp32", QUIET, QUIET, "tokens/s")]}
+    assert common.destination(tmp_path / "results", passed, noisy_ok=False) == (tmp_path / "results", None)
+    named = " ".join(common.aa_lines({**failed, "noisy": True}))
+    assert "with `--noisy`" in named  # the file names the flag that let it in
+
+
+def fake_rows(tokens_per_s: float) -> dict:
+    """What common.run_variant returns for one run: its measured steps' rows, as the trainer logs them."""
+    row = {
+        "tokens_per_s": tokens_per_s,
+        "step_time_s": 2048 / tokens_per_s,
+        "mfu": 0.1,
+        "stage_host_ms": {"forward": 1.0, "backward": 2.0},
+        "stage_device_ms": {"forward": 1.0, "backward": 2.0},
+    }
+    return {"rows": [{**row, "step": s} for s in (2, 3)], "breakdown": None, "config": {"amp": "fp32"}}
+
+
+@pytest.mark.parametrize("copy_factor, noisy, status", [(1.0, False, 0), (1.3, False, 1), (1.3, True, 0)])
+def test_ablation_checks_its_baseline_against_itself(
+    monkeypatch, tmp_path, capsys, copy_factor, noisy, status
+):
+    """Each round ends with the baseline's copy; when it differs from the baseline beyond the interval,
+    the results do not go into the committed folder unless --noisy, and the table says so. The load at
+    the start and the end is in the results."""
+    ablation = bench_module("ablation", monkeypatch)
+    common = bench_module("common", monkeypatch)
+    committed = tmp_path / "results"
+    monkeypatch.setattr(common, "RESULTS", committed)
+    monkeypatch.setattr(common, "load_average", lambda: 0.25)
+    monkeypatch.setattr(ablation, "load_average", lambda: 0.5)
+    calls = []
+
+    def run_variant(flags, warmup, steps, nproc=1, keep=None):
+        calls.append(flags)
+        jitter = (1.0, 1.01, 0.99)[(len(calls) - 1) // 3 % 3]  # 3 calls a round: fp32, fp32 + ckpt, copy
+        factor = (
+            copy_factor if len(calls) % 3 == 0 else 0.8 if "--use-activation-checkpoint" in flags else 1.0
+        )
+        return fake_rows(1000 * factor * jitter)
+
+    monkeypatch.setattr(ablation, "run_variant", run_variant)
+    argv = ["ablation.py", "--amp-rows", "off", "--name", "t", "--out-dir", str(committed)]
+    monkeypatch.setattr(sys, "argv", argv + (["--noisy"] if noisy else []))
+    assert ablation.main() == status
+    assert len(calls) == 9 and calls[2] == calls[0]  # 3 rounds (the default) of fp32, fp32 + ckpt, fp32 again
+    err = capsys.readouterr().err.strip().splitlines()
+    written = list(committed.glob("cpu-t.*"))
+    if status == 1:
+        assert not written and len(err) == 1 and "too noisy" in err[0]
+        stem = Path(err[0].split("results written to ")[1].split(",")[0]) / "cpu-t"
+    else:
+        assert sorted(p.suffix for p in written) == [".json", ".md", ".png"] and not err
+        stem = committed / "cpu-t"
+    data = json.loads(stem.with_suffix(".json").read_text())
+    assert list(data["results"]) == ["fp32", "fp32 + ckpt"]  # the copy is a check, not a row
+    meta = data["meta"]
+    assert (meta["load_start"], meta["load_end"]) == (0.25, 0.5)
+    assert meta["aa"][0]["passed"] is (copy_factor == 1.0)
+    table = stem.with_suffix(".md").read_text()
+    assert "0.25 at the start, 0.50 at the end" in table and "A/A check: fp32 against" in table
+    assert ("too noisy to tell" in table) == (copy_factor != 1.0)
+    assert ("with `--noisy`" in table) == noisy
+    assert "activation checkpointing (fp32): tokens/s 0.80x (0.7" in table
+    if status == 1:
+        shutil.rmtree(stem.parent)
+
+
+def test_ratio_cells_of_every_benchmark_carry_their_interval(monkeypatch):
+    """The committed results rendered again: each ratio cell is a verdict with its interval, "no
+    difference within noise", or says it has too few repeats; never a bare percentage."""
+    ablation = bench_module("ablation", monkeypatch)
+    overhead = bench_module("overhead", monkeypatch)
+    nanogpt = bench_module("nanogpt_shape", monkeypatch)
+    allocator = bench_module("allocator", monkeypatch)
+    results = ROOT / "benchmarks" / "results"
+
+    def load(name):
+        return json.loads((results / name).read_text())
+
+    small = load("cpu-small.json")
+    small["results"]["fp32 + ckpt"]["tokens_per_s_repeats"] = [1500.0, 2900.0, 2200.0]  # noise, made up
+    tables = {
+        "ablation": ablation.markdown(small["meta"], small["results"]),
+        "overhead": overhead.markdown(load("overhead-cpu-small.json")).split("## What each")[0],
+        "profiler options": overhead.markdown(load("overhead-cpu-small.json")).split("## What each")[1],
+        "nanogpt": nanogpt.markdown(load("cpu-nanogpt.json")),
+        "allocator": allocator.markdown(
+            *(lambda d: (d["meta"], d["results"], d["true_peak"]))(load("cpu-allocator.json"))
+        ),
+    }
+    columns = {
+        "ablation": "vs baseline",
+        "overhead": "overhead vs timing off",
+        "profiler options": "vs no profiler",
+        "nanogpt": "vs nanoGPT, same dtype",
+        "allocator": "vs first row",
+    }
+    verdict = re.compile(
+        r"^(\d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\)|no difference within noise|baseline|first row|"
+        r"\d+\.\d\dx \(no interval: \d repeats?, an interval needs 3\))$"
+    )
+    for tool, table in tables.items():
+        cells = [
+            c for row in table_rows(table).values() for h, c in row.items() if h.startswith(columns[tool])
+        ]
+        assert cells and all(verdict.match(c) for c in cells), (tool, cells)
+        assert "A/A check" in table or tool == "profiler options"
+    assert table_rows(tables["ablation"])["fp32 + ckpt"]["vs baseline"] == "no difference within noise"
+    assert "activation checkpointing (fp32): tokens/s no difference within noise" in tables["ablation"]
+
+
+def test_overhead_and_allocator_check_their_baseline_too(monkeypatch, tmp_path, capsys):
+    """The same A/A check and load record in the other two trainer benchmarks, on made-up figures:
+    a copy 1.3x off its baseline keeps the results out of the committed folder."""
+    common = bench_module("common", monkeypatch)
+    overhead = bench_module("overhead", monkeypatch)
+    allocator = bench_module("allocator", monkeypatch)
+    committed = tmp_path / "results"
+    monkeypatch.setattr(common, "RESULTS", committed)
+    calls = []
+
+    def run_variant(flags, warmup, steps, nproc=1, keep=None):
+        calls.append(flags)
+        return fake_rows(1300.0 if len(calls) % 5 == 0 else (1000.0, 1010.0, 990.0)[(len(calls) - 1) // 5])
+
+    monkeypatch.setattr(common, "run_variant", run_variant)
+    loads = iter([0.25, 0.5, 0.25, 0.5])  # each run's load at its start (refuse_if_busy) and end
+    monkeypatch.setattr(common, "load_average", lambda: next(loads))
+    monkeypatch.setattr(
+        overhead,
+        "instrumentation_us_per_step",
+        lambda device, steps: dict.fromkeys(
+            ("bare loop", "ranges only (--no-stage-timing)", "ranges + timing (default)"), 1.0
+        ),
+    )
+    monkeypatch.setattr(sys, "argv", ["overhead.py", "--parts", "stage-timing", "--out-dir", str(committed)])
+    assert (
+        overhead.main() == 1
+        and len(calls) == 15
+        and calls[4] == calls[0] == ["--preset", "small", "--no-stage-timing"]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "timing off against itself" in err[0] and not committed.exists()
+    shutil.rmtree(err[0].split("results written to ")[1].split(",")[0])
+
+    def run(name, paths, steps, eval_interval, amp):
+        calls.append(name)
+        cpu_s = 1.3 if len(calls) % 3 == 0 else (1.0, 1.01, 0.99)[(len(calls) - 1) // 3 % 3]
+        return {
+            "allocator_line": "CPU allocator: made up",
+            "amp": "fp32",
+            "tokens_per_s": [2048 / cpu_s] * 4,
+            "tokens_per_s_e2e": 2048 / cpu_s,
+            "faults_per_step": [0],
+            "cpu_s_per_step": [cpu_s] * 4,
+            "faults_per_eval_step": [0],
+            "cpu_s_per_eval_step": [cpu_s],
+            "rss_peak_bytes": 2**30,
+            "cpu_user_s": 1.0,
+            "cpu_system_s": 0.1,
+            "minor_faults": 10,
+            "rss_bytes": 2**29,
+        }
+
+    calls.clear()
+    monkeypatch.setattr(allocator, "run", run)
+    monkeypatch.setattr(allocator, "true_peak", lambda amp: 2**29)
+    variants = ["--variants", "glibc defaults", allocator.README]
+    monkeypatch.setattr(sys, "argv", ["allocator.py", *variants, "--out-dir", str(committed), "--noisy"])
+    assert allocator.main() == 0 and calls[:3] == [allocator.README, "glibc defaults", allocator.README]
+    data = json.loads((committed / "cpu-allocator.json").read_text())
+    assert list(data["results"]) == [allocator.README, "glibc defaults"]
+    assert [c["passed"] for c in data["meta"]["aa"]] == [False, False]
+    assert (data["meta"]["load_start"], data["meta"]["load_end"]) == (0.25, 0.5)
+    table = (committed / "cpu-allocator.md").read_text()
+    assert "too noisy to tell" in table and "with `--noisy`" in table
