@@ -418,9 +418,10 @@ PEAK_SHAPE = dict(
 )
 
 
-def trainer_steps(model, optimizer, shape, amp=False, accum=1, steps=2, hold=True):
-    """Steps shaped as the trainer's: named stages, loss / accum, clipping; the caller holds the
-    last output (`hold`). The last step is captured."""
+def trainer_steps(model, optimizer, shape, amp=False, accum=1, steps=2, hold=False):
+    """Steps shaped as the trainer's: named stages, loss / accum, clipping, only the loss kept;
+    `hold`: the caller keeps the last logits too (a tensor held from before the step). The last
+    step is captured."""
     from torch.autograd.profiler import record_function
 
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if amp else nullcontext()
@@ -433,7 +434,7 @@ def trainer_steps(model, optimizer, shape, amp=False, accum=1, steps=2, hold=Tru
                 with record_function("forward"), autocast:
                     out, loss = model(x, torch.roll(x, -1, 1))
                     loss = loss / accum
-                kept = out if hold else None
+                kept, out = (out if hold else None), None
                 with record_function("backward"):
                     loss.backward()
             with record_function("optimizer_step"):
@@ -453,7 +454,7 @@ def test_the_peak_parts_add_up_to_the_allocators_peak(amp, checkpoint):
     allocator's own figure (the profiler's "Total Allocated"), when nothing from before the step
     dies in it."""
     model, optimizer, _, s = tiny_gpt(checkpoint=checkpoint, **PEAK_SHAPE)
-    b = trainer_steps(model, optimizer, s, amp=amp, hold=False)
+    b = trainer_steps(model, optimizer, s, amp=amp)
     parts = sum(b.peak_part(p) for p in PEAK_PARTS)
     assert abs(parts - b.peak) <= 0.02 * b.peak
     assert b.peak - b.start_bytes == b.allocator_peak_delta
@@ -462,6 +463,18 @@ def test_the_peak_parts_add_up_to_the_allocators_peak(amp, checkpoint):
     assert b.peak_stage in ("forward", "backward", "optimizer_step")
     for part in PEAK_PARTS:
         assert all(name.strip() for name in b.peak_parts[part])  # every byte has a name
+
+
+def test_logits_a_caller_keeps_are_held_from_before_the_step():
+    """The trainer keeps only the loss; a loop that keeps the logits (as nanoGPT's does) holds the
+    last step's through the next forward (where the peak falls at this shape), and the breakdown
+    names them there."""
+    model, optimizer, _, s = tiny_gpt(**{**PEAK_SHAPE, "batch_size": 8})
+    kept = trainer_steps(model, optimizer, s, hold=True)
+    logits = 4 * s["batch_size"] * s["seq_len"] * model.cfg.vocab_size
+    assert logits <= kept.peak_part("held") < logits + 1024  # and the last loss, a scalar
+    model, optimizer, _, s = tiny_gpt(**{**PEAK_SHAPE, "batch_size": 8})
+    assert trainer_steps(model, optimizer, s).peak_part("held") < 1024  # a scalar or two
 
 
 def test_the_peak_is_in_the_loss_forward_and_names_the_cross_entropy():
