@@ -1105,9 +1105,3 @@ def _peak_table(b: MemoryBreakdown, e: dict) -> list[str]:
             top = "; ".join(f"{n} {v / MiB:.1f}" for n, v in items[:3]) + ("; ..." if len(items) > 3 else "")
             lines.append(f"    {PEAK_PART_NAMES[part]:28s}{b.peak_part(part) / MiB:>8.2f} MiB  ({top})")
     return lines
-
-
-if __name__ == "__main__":  # python -m minigpt.memory answers as minigpt.estimate does: a command users keep
-    import runpy
-
-    runpy.run_module("minigpt.estimate", run_name="__main__", alter_sys=True)

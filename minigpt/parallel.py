@@ -344,9 +344,3 @@ def local_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
                 if isinstance(v, torch.Tensor):
                     add("optimizer", v)
     return out
-
-
-if __name__ == "__main__":  # the per-GPU table of each plan: minigpt/per_rank.py
-    from minigpt.per_rank import main
-
-    raise SystemExit(main())

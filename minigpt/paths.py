@@ -18,3 +18,11 @@ OPS_FILE = "traces/rank{rank}_ops.txt"  # the profiler's top-operator table
 SNAPSHOT_FILE = "snapshots/rank{rank}_snapshot.pickle"  # CUDA memory history (pytorch.org/memory_viz)
 OOM_SNAPSHOT_FILE = "snapshots/oom_rank{rank}_snapshot.pickle"
 MEMORY_TRACE_DIR = "memory_trace/{worker}"  # memory.log and *_sunburst.html (--memory-profiler)
+
+# The most a reader of a run's files takes (no reader takes more memory than its input's checked
+# size). Far above what a real run writes: config.json is a few KiB; metrics.jsonl about 1.5 KiB a
+# logged step (a million steps logged every 10: 150 MiB); memory.log a few hundred KiB; a trace of
+# a few steps tens of MiB gzipped (traces.TRACE_LIMIT bounds it, decompressed too).
+CONFIG_LIMIT = 1 << 20
+JSONL_LIMIT = 256 << 20
+MEMORY_LOG_LIMIT = 64 << 20

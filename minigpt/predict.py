@@ -735,11 +735,10 @@ def run_prediction(run_dir, measure: bool = False) -> dict:
 
     from minigpt import paths
     from minigpt.fileio import read_bounded
-    from minigpt.runfiles import CONFIG_LIMIT, JSONL_LIMIT
 
     run_dir = Path(run_dir)  # read as the report reads it: regular files only, sizes checked first
-    conf = json.loads(read_bounded(run_dir / paths.CONFIG_FILE, CONFIG_LIMIT))
-    lines = read_bounded(run_dir / paths.METRICS_FILE, JSONL_LIMIT).decode().splitlines()
+    conf = json.loads(read_bounded(run_dir / paths.CONFIG_FILE, paths.CONFIG_LIMIT))
+    lines = read_bounded(run_dir / paths.METRICS_FILE, paths.JSONL_LIMIT).decode().splitlines()
     record = json.loads(next(line for line in reversed(lines) if line.strip()))
     pred = predict_step(shape_of_run(conf), conf["amp"], conf["device"], measure=measure)
     rec = pred.to_record()
