@@ -13,7 +13,7 @@ fresh process, `--repeats` times in interleaved rounds, for `--steps` measured s
 through to every variant.
 
 Each round ends with the baseline (fp32) again: the A/A check. Every ratio comes with its 95%
-interval over the repeats (benchmarks/common.py, minigpt.stats); when the baseline's two copies
+interval over the repeats (benchmarks/common.py, minigpt.analysis.stats); when the baseline's two copies
 differ beyond theirs, the machine was too noisy to tell, and the results go to a folder outside the
 repository instead of benchmarks/results unless --noisy (the table then says so). The load at the
 start and the end is recorded; a busy start refuses benchmarks/results unless --busy.
@@ -61,7 +61,7 @@ from common import (
     summarise,
 )
 
-from minigpt.compare import compare_runs, headline
+from minigpt.analysis.compare import compare_runs, headline
 from minigpt.fileio import atomic_write
 from minigpt.stages import color as stage_color
 
@@ -93,7 +93,7 @@ def variants(args) -> list[tuple[str, list[str], int]]:
         out.append((f"{base}, malloc defaults", [flag, "--no-keep-freed-memory"], 1))
     if args.compile:
         out.append((f"{base} + compile", [flag, "--compile"], 1))
-    if args.chunked_loss:  # the LM head + cross-entropy a chunk of rows at a time (minigpt/model.py)
+    if args.chunked_loss:  # the LM head + cross-entropy a chunk of rows at a time (minigpt/core/model.py)
         out.append(("fp32 + chunked loss", ["--no-amp", "--chunked-loss"], 1))
         if not args.fp32_only:
             out.append(("amp + chunked loss", ["--amp", "--chunked-loss"], 1))
@@ -170,7 +170,7 @@ def findings(results: dict) -> list[str]:
             pk0, pk1 = peak_mib(results[base]), peak_mib(results[name])
             memory = f", {memory_label(results)} {pk0:,.0f} -> {pk1:,.0f} MiB" if pk0 and pk1 else ""
             lines.append(text + memory)
-    for name, r in results.items():  # what minigpt.compare says moved, against the variant's base
+    for name, r in results.items():  # what minigpt.analysis.compare says moved, against the variant's base
         if r.get("compare"):
             lines.append(
                 f"{name} against {r['compare']['against']} (python -m minigpt.compare, first round): "
@@ -189,7 +189,7 @@ def markdown(meta: dict, results: dict) -> str:
         "process(es) per variant in interleaved rounds; medians over every "
         "measured step, spread as min-max of the "
         "repeats' medians. Ratios: tokens/s against the baseline from the repeats' medians, with "
-        "the 95% interval (minigpt.stats: Welch's t on the logarithms); an interval that holds 1.0 "
+        "the 95% interval (minigpt.analysis.stats: Welch's t on the logarithms); an interval that holds 1.0 "
         'reads "no difference within noise".'
         + (
             " No AMP rows (`--amp-rows` off, the default on a CPU without native bf16, where bf16 is "
@@ -239,7 +239,7 @@ def notes(meta: dict, results: dict) -> list[str]:
             lines += [
                 "",
                 "MFU on the CPU is against this machine's best rate on the model's own units, measured "
-                "once and cached (minigpt/mfu.py): the same denominator for every row.",
+                "once and cached (minigpt/instruments/mfu.py): the same denominator for every row.",
             ]
         else:
             lines += [
@@ -532,7 +532,7 @@ def measure(p: Parser, args, trainer_flags: list[str]) -> tuple[dict, list[dict]
 
 
 def explain(results: dict, kept: Path) -> None:
-    """minigpt.compare on the first round's run directories: each variant against its base (fp32 for
+    """minigpt.analysis.compare on the first round's run directories: each variant against its base (fp32 for
     the fp32 variants, amp for the others, fp32 for amp), in one line for the findings."""
     names = list(results)
     try:

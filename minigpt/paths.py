@@ -8,10 +8,10 @@ from pathlib import Path
 RUNS_ROOT = Path("runs")  # --out-dir's default parent: runs/<date-time>
 CONFIG_FILE = "config.json"  # the resolved configuration and versions
 LOG_FILE = "train.log"  # the console log
-METRICS_FILE = "metrics.jsonl"  # one StepRecord per logged step (minigpt/metrics.py)
-STRAGGLERS_FILE = "stragglers.jsonl"  # slow-rank reports (minigpt/straggler.py)
-REPORT_FILE = "report.html"  # the run in one offline page (minigpt/report.py)
-CHECKPOINT_FILE = Path("checkpoints") / "ckpt.pt"  # written atomically (minigpt/checkpoint.py)
+METRICS_FILE = "metrics.jsonl"  # one StepRecord per logged step (minigpt/instruments/metrics.py)
+STRAGGLERS_FILE = "stragglers.jsonl"  # slow-rank reports (minigpt/instruments/straggler.py)
+REPORT_FILE = "report.html"  # the run in one offline page (minigpt/analysis/report.py)
+CHECKPOINT_FILE = Path("checkpoints") / "ckpt.pt"  # written atomically (minigpt/core/checkpoint.py)
 TENSORBOARD_DIR = "tb"
 TRACE_DIR = "traces"  # profiler traces: {worker}.*.pt.trace.json.gz
 OPS_FILE = "traces/rank{rank}_ops.txt"  # the profiler's top-operator table

@@ -1,6 +1,6 @@
 """A run directory read back into plain data, for the report and the comparison of two runs.
 
-    from minigpt.runfiles import load_run
+    from minigpt.analysis.runfiles import load_run
     run = load_run(Path("runs/main"))      # RunError (one line) if the folder is not a run
     run.config["model"], run.metrics[-1]["loss"], run.traces[0]["totals"], run.memory[0]["summary"]
 
@@ -22,7 +22,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from minigpt import traces
+from minigpt.analysis import traces
 from minigpt.fileio import UnreadableFile, file_kind, format_bytes, read_bounded
 from minigpt.memory_log import MEMORY_LOG, parse_memory_log
 from minigpt.paths import (
