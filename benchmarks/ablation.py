@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -37,6 +38,7 @@ from pathlib import Path
 
 from common import (
     PRESETS,
+    ROOT,
     STAGES,
     Parser,
     aa_check,
@@ -63,6 +65,7 @@ from common import (
 
 from minigpt.analysis.compare import compare_runs, headline
 from minigpt.fileio import atomic_write
+from minigpt.instruments.predict import PREDICTED_STAGES as PREDICTED
 from minigpt.stages import color as stage_color
 
 MIB = 2**20
@@ -220,9 +223,38 @@ def markdown(meta: dict, results: dict) -> str:
             + f" | {'n/a' if pk is None else f'{pk:,.1f}'} | "
             + ("n/a |" if act is None else f"{act:,.1f} ({100 * act / pk:.0f}%) |" if pk else f"{act:,.1f} |")
         )
+    lines += predicted_lines(results)
     lines += ["", "Findings:", ""] + [f"- {f}" for f in findings(results)]
     lines += notes(meta, results)
     return "\n".join(lines) + "\n"
+
+
+def predicted_lines(results: dict) -> list[str]:
+    """Each stage's predicted time (`python -m minigpt.estimate --time`, stored by the trainer as
+    config.json's predicted_step) beside the measured median, with the error: what the step-time
+    model gets right and where it is off, per flag. Empty when no variant carries a prediction."""
+    rows = [(name, s["predicted_step"], s) for name, s in results.items() if s.get("predicted_step")]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Predicted against measured (ms per step; the prediction from this machine's measured rates, "
+        "`python -m minigpt.estimate --time`; error = predicted / measured - 1; bound: what limits "
+        "the stage in the model, compute, memory bandwidth or per-op overhead):",
+        "",
+        "| variant | " + " | ".join(f"{st} predicted / measured (error, bound)" for st in PREDICTED) + " |",
+        "|---" * (1 + len(PREDICTED)) + "|",
+    ]
+    for name, pred, s in rows:
+        cells = []
+        for st in PREDICTED:
+            p, m = pred["stage_ms"].get(st), stage_ms(s, "device", st)
+            bound = pred.get("bound", {}).get(st, "?")
+            cells.append(
+                "n/a" if p is None or not m else f"{p:.1f} / {m:.1f} ({100 * (p / m - 1):+.0f}%, {bound})"
+            )
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def notes(meta: dict, results: dict) -> list[str]:
@@ -495,6 +527,7 @@ def measure(p: Parser, args, trainer_flags: list[str]) -> tuple[dict, list[dict]
     baseline's copy, for the A/A check (returned beside the results). A failing variant ends the
     benchmark with the trainer's own last line (p.error)."""
     listed = variants(args)
+    cache_step_rates([[*PRESETS[args.preset], *trainer_flags, *flags] for _, flags, _ in listed])
     rounds = [*listed, (aa_name(listed[0][0]), *listed[0][1:])]
     runs: dict[str, list] = {name: [] for name, _, _ in rounds}
     kept = Path(tempfile.mkdtemp(prefix="minigpt-ablation-"))  # the first round's run directories
@@ -520,6 +553,7 @@ def measure(p: Parser, args, trainer_flags: list[str]) -> tuple[dict, list[dict]
             "flags": flags,
             "nproc": nproc,
             "amp": runs[name][0]["config"]["amp"],
+            "predicted_step": runs[name][0]["config"].get("predicted_step"),
             **summarise(runs[name]),
         }
         print(f"[{name}] {results[name]['tokens_per_s']['median']:,.0f} tokens/s", flush=True)
@@ -529,6 +563,16 @@ def measure(p: Parser, args, trainer_flags: list[str]) -> tuple[dict, list[dict]
     check = aa_check(base, results[base]["tokens_per_s_repeats"], copy, "tokens/s of each repeat")
     print(f"[A/A] {base} against itself: {ratio_text(check)}", flush=True)
     return results, [check]
+
+
+def cache_step_rates(flag_sets: list[list[str]]) -> None:
+    """This machine's step rates for every variant's ops, measured once before the rounds
+    (`python -m minigpt.estimate --time` caches them), so that each run's config.json carries its
+    predicted step: the trainer predicts only from rates already cached, never measuring."""
+    for flags in flag_sets:
+        print(f"[rates] python -m minigpt.estimate --time {shlex.join(flags)}", flush=True)
+        cmd = [sys.executable, "-m", "minigpt.estimate", "--time", *flags]
+        subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
 
 
 def explain(results: dict, kept: Path) -> None:
