@@ -26,13 +26,13 @@ from pathlib import Path
 
 import torch
 
-from minigpt.config import UsageError, resolve_device
-from minigpt.data import EOT, get_tokenizer
+from minigpt.core.config import UsageError, resolve_device
+from minigpt.core.data import EOT, get_tokenizer
+from minigpt.core.progress import Progress, progress_enabled
+from minigpt.core.runs import latest_run
+from minigpt.core.sample import generate, load_model, utf8_text, vocab_in_use
 from minigpt.fileio import UnreadableFile, format_bytes, read_bounded
 from minigpt.paths import CHECKPOINT_FILE, RUNS_ROOT
-from minigpt.progress import Progress, progress_enabled
-from minigpt.runs import latest_run
-from minigpt.sample import generate, load_model, utf8_text, vocab_in_use
 
 FILE_PREFIX = "FILE:"  # --prompt FILE:path reads the prompt from a file
 PROMPT_LIMIT = 1 << 20  # bytes: far more text than any model's context, which crops the prompt anyway

@@ -22,7 +22,7 @@ import time
 IMPORTED_AT = time.time()  # start-up's lower bound where /proc cannot tell when the process started
 
 if __name__ == "__main__":  # the CPU's malloc is chosen before torch loads: a re-exec then costs ~0
-    from minigpt.cpu import run_under_preferred_allocator
+    from minigpt.core.cpu import run_under_preferred_allocator
 
     run_under_preferred_allocator(sys.argv[1:])
 
@@ -35,9 +35,11 @@ from typing import NamedTuple
 import torch
 from torch.distributed.elastic.multiprocessing import errors
 
-from minigpt import distributed, parallel, paths
-from minigpt.checkpoint import Checkpointer, NonFiniteLoss
-from minigpt.config import (
+from minigpt import paths
+from minigpt.analysis.report import write_report
+from minigpt.core import distributed, parallel
+from minigpt.core.checkpoint import Checkpointer, NonFiniteLoss
+from minigpt.core.config import (
     TrainConfig,
     UsageError,
     check_cuda_features,
@@ -46,20 +48,25 @@ from minigpt.config import (
     resolve_amp,
     resolve_device,
 )
-from minigpt.cpu import choose_allocator, release_freed_memory
-from minigpt.data import Batches, Data, load_data
-from minigpt.estimate import estimate_gpt, estimate_report
-from minigpt.instrument import Instruments
-from minigpt.metrics import JsonlWriter, TensorBoardLogger, evaluation_notice, format_log_line, forward_ms
-from minigpt.mfu import TORCH_DTYPES, Throughput, mfu_peak
-from minigpt.model import GPT, GPTConfig
-from minigpt.per_rank import per_rank_memory_estimate
-from minigpt.predict import NoRates, predict_step
-from minigpt.report import write_report
-from minigpt.runs import RunDir, stop_on_signals
+from minigpt.core.cpu import choose_allocator, release_freed_memory
+from minigpt.core.data import Batches, Data, load_data
+from minigpt.core.model import GPT, GPTConfig
+from minigpt.core.runs import RunDir, stop_on_signals
+from minigpt.instruments.estimate import estimate_gpt, estimate_report
+from minigpt.instruments.instrument import Instruments
+from minigpt.instruments.metrics import (
+    JsonlWriter,
+    TensorBoardLogger,
+    evaluation_notice,
+    format_log_line,
+    forward_ms,
+)
+from minigpt.instruments.mfu import TORCH_DTYPES, Throughput, mfu_peak
+from minigpt.instruments.per_rank import per_rank_memory_estimate
+from minigpt.instruments.predict import NoRates, predict_step
+from minigpt.instruments.straggler import StragglerDetector, format_report, parse_slow_rank, rank_figures
 from minigpt.shape import shape_of
 from minigpt.stages import STAGE_NAMES
-from minigpt.straggler import StragglerDetector, format_report, parse_slow_rank, rank_figures
 
 
 def get_lr(step: int, cfg: TrainConfig) -> float:
@@ -102,7 +109,7 @@ def evaluate(model: GPT, batches: Batches, iters: int, device: str, autocast, st
     model.eval()
     losses = []
     while len(losses) < iters and not stop:
-        release_freed_memory()  # CPU: the kept heap's free blocks back to the system (minigpt/cpu.py)
+        release_freed_memory()  # CPU: the kept heap's free blocks back to the system (minigpt/core/cpu.py)
         x, y = (t.to(device, non_blocking=True) for t in next(batches))
         with autocast:
             losses.append(model(x, y)[1].float())

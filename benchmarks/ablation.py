@@ -13,7 +13,7 @@ fresh process, `--repeats` times in interleaved rounds, for `--steps` measured s
 through to every variant.
 
 Each round ends with the baseline (fp32) again: the A/A check. Every ratio comes with its 95%
-interval over the repeats (benchmarks/common.py, minigpt.stats); when the baseline's two copies
+interval over the repeats (benchmarks/common.py, minigpt.analysis.stats); when the baseline's two copies
 differ beyond theirs, the machine was too noisy to tell, and the results go to a folder outside the
 repository instead of benchmarks/results unless --noisy (the table then says so). The load at the
 start and the end is recorded; a busy start refuses benchmarks/results unless --busy.
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -37,6 +38,7 @@ from pathlib import Path
 
 from common import (
     PRESETS,
+    ROOT,
     STAGES,
     Parser,
     aa_check,
@@ -61,8 +63,9 @@ from common import (
     summarise,
 )
 
-from minigpt.compare import compare_runs, headline
+from minigpt.analysis.compare import compare_runs, headline
 from minigpt.fileio import atomic_write
+from minigpt.instruments.predict import PREDICTED_STAGES as PREDICTED
 from minigpt.stages import color as stage_color
 
 MIB = 2**20
@@ -93,7 +96,7 @@ def variants(args) -> list[tuple[str, list[str], int]]:
         out.append((f"{base}, malloc defaults", [flag, "--no-keep-freed-memory"], 1))
     if args.compile:
         out.append((f"{base} + compile", [flag, "--compile"], 1))
-    if args.chunked_loss:  # the LM head + cross-entropy a chunk of rows at a time (minigpt/model.py)
+    if args.chunked_loss:  # the LM head + cross-entropy a chunk of rows at a time (minigpt/core/model.py)
         out.append(("fp32 + chunked loss", ["--no-amp", "--chunked-loss"], 1))
         if not args.fp32_only:
             out.append(("amp + chunked loss", ["--amp", "--chunked-loss"], 1))
@@ -170,7 +173,7 @@ def findings(results: dict) -> list[str]:
             pk0, pk1 = peak_mib(results[base]), peak_mib(results[name])
             memory = f", {memory_label(results)} {pk0:,.0f} -> {pk1:,.0f} MiB" if pk0 and pk1 else ""
             lines.append(text + memory)
-    for name, r in results.items():  # what minigpt.compare says moved, against the variant's base
+    for name, r in results.items():  # what minigpt.analysis.compare says moved, against the variant's base
         if r.get("compare"):
             lines.append(
                 f"{name} against {r['compare']['against']} (python -m minigpt.compare, first round): "
@@ -189,7 +192,7 @@ def markdown(meta: dict, results: dict) -> str:
         "process(es) per variant in interleaved rounds; medians over every "
         "measured step, spread as min-max of the "
         "repeats' medians. Ratios: tokens/s against the baseline from the repeats' medians, with "
-        "the 95% interval (minigpt.stats: Welch's t on the logarithms); an interval that holds 1.0 "
+        "the 95% interval (minigpt.analysis.stats: Welch's t on the logarithms); an interval that holds 1.0 "
         'reads "no difference within noise".'
         + (
             " No AMP rows (`--amp-rows` off, the default on a CPU without native bf16, where bf16 is "
@@ -220,9 +223,38 @@ def markdown(meta: dict, results: dict) -> str:
             + f" | {'n/a' if pk is None else f'{pk:,.1f}'} | "
             + ("n/a |" if act is None else f"{act:,.1f} ({100 * act / pk:.0f}%) |" if pk else f"{act:,.1f} |")
         )
+    lines += predicted_lines(results)
     lines += ["", "Findings:", ""] + [f"- {f}" for f in findings(results)]
     lines += notes(meta, results)
     return "\n".join(lines) + "\n"
+
+
+def predicted_lines(results: dict) -> list[str]:
+    """Each stage's predicted time (`python -m minigpt.estimate --time`, stored by the trainer as
+    config.json's predicted_step) beside the measured median, with the error: what the step-time
+    model gets right and where it is off, per flag. Empty when no variant carries a prediction."""
+    rows = [(name, s["predicted_step"], s) for name, s in results.items() if s.get("predicted_step")]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Predicted against measured (ms per step; the prediction from this machine's measured rates, "
+        "`python -m minigpt.estimate --time`; error = predicted / measured - 1; bound: what limits "
+        "the stage in the model, compute, memory bandwidth or per-op overhead):",
+        "",
+        "| variant | " + " | ".join(f"{st} predicted / measured (error, bound)" for st in PREDICTED) + " |",
+        "|---" * (1 + len(PREDICTED)) + "|",
+    ]
+    for name, pred, s in rows:
+        cells = []
+        for st in PREDICTED:
+            p, m = pred["stage_ms"].get(st), stage_ms(s, "device", st)
+            bound = pred.get("bound", {}).get(st, "?")
+            cells.append(
+                "n/a" if p is None or not m else f"{p:.1f} / {m:.1f} ({100 * (p / m - 1):+.0f}%, {bound})"
+            )
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def notes(meta: dict, results: dict) -> list[str]:
@@ -239,7 +271,7 @@ def notes(meta: dict, results: dict) -> list[str]:
             lines += [
                 "",
                 "MFU on the CPU is against this machine's best rate on the model's own units, measured "
-                "once and cached (minigpt/mfu.py): the same denominator for every row.",
+                "once and cached (minigpt/instruments/mfu.py): the same denominator for every row.",
             ]
         else:
             lines += [
@@ -495,6 +527,7 @@ def measure(p: Parser, args, trainer_flags: list[str]) -> tuple[dict, list[dict]
     baseline's copy, for the A/A check (returned beside the results). A failing variant ends the
     benchmark with the trainer's own last line (p.error)."""
     listed = variants(args)
+    cache_step_rates([[*PRESETS[args.preset], *trainer_flags, *flags] for _, flags, _ in listed])
     rounds = [*listed, (aa_name(listed[0][0]), *listed[0][1:])]
     runs: dict[str, list] = {name: [] for name, _, _ in rounds}
     kept = Path(tempfile.mkdtemp(prefix="minigpt-ablation-"))  # the first round's run directories
@@ -520,6 +553,7 @@ def measure(p: Parser, args, trainer_flags: list[str]) -> tuple[dict, list[dict]
             "flags": flags,
             "nproc": nproc,
             "amp": runs[name][0]["config"]["amp"],
+            "predicted_step": runs[name][0]["config"].get("predicted_step"),
             **summarise(runs[name]),
         }
         print(f"[{name}] {results[name]['tokens_per_s']['median']:,.0f} tokens/s", flush=True)
@@ -531,8 +565,18 @@ def measure(p: Parser, args, trainer_flags: list[str]) -> tuple[dict, list[dict]
     return results, [check]
 
 
+def cache_step_rates(flag_sets: list[list[str]]) -> None:
+    """This machine's step rates for every variant's ops, measured once before the rounds
+    (`python -m minigpt.estimate --time` caches them), so that each run's config.json carries its
+    predicted step: the trainer predicts only from rates already cached, never measuring."""
+    for flags in flag_sets:
+        print(f"[rates] python -m minigpt.estimate --time {shlex.join(flags)}", flush=True)
+        cmd = [sys.executable, "-m", "minigpt.estimate", "--time", *flags]
+        subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+
+
 def explain(results: dict, kept: Path) -> None:
-    """minigpt.compare on the first round's run directories: each variant against its base (fp32 for
+    """minigpt.analysis.compare on the first round's run directories: each variant against its base (fp32 for
     the fp32 variants, amp for the others, fp32 for amp), in one line for the findings."""
     names = list(results)
     try:

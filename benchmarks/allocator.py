@@ -46,7 +46,7 @@ from pathlib import Path
 
 import common as bench
 
-from minigpt import cpu
+from minigpt.core import cpu
 
 MIB = 2**20
 SKIP_STEPS = 2  # warm-up steps left out of the medians
@@ -130,7 +130,7 @@ def true_peak(amp_dtype: str) -> int:
     """The allocator's peak in one training step of the main job's shape (torch's figure)."""
     from estimate_table import measure, shape_of
 
-    from minigpt.config import PRESETS
+    from minigpt.core.config import PRESETS
 
     small = PRESETS["small"]
     return measure(shape_of("small", small["batch_size"], small["seq_len"]), amp_dtype=amp_dtype).peak

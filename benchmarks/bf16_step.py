@@ -8,7 +8,7 @@ figures that hold on a loaded machine.
 Two variants of the `small` preset's step (4 layers, 256 wide, batch 8 x 256, vocabulary 50304,
 tied head; forward under autocast for bf16, backward, clipping, fused AdamW, zero_grad), built from
 the same seed in one process: "F.cross_entropy" (the loss before: its fp32 copy of the logits and
-dense fp32 gradient) and "default" (minigpt.model as it is). Three kinds of evidence, none of them
+dense fp32 gradient) and "default" (minigpt.core.model as it is). Three kinds of evidence, none of them
 wall-clock time, because a shared machine's load moves that by tens of percent:
 
 - CPU seconds per step (getrusage user + sys) with torch.set_num_threads(THREADS), the variants
@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":  # the trainer's malloc (tcmalloc when installed), chosen before torch loads
-    from minigpt.cpu import run_under_preferred_allocator
+    from minigpt.core.cpu import run_under_preferred_allocator
 
     run_under_preferred_allocator(sys.argv[1:])
 
@@ -39,10 +39,10 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from minigpt import model as model_module
-from minigpt.config import PRESETS
-from minigpt.cpu import keep_freed_memory
-from minigpt.model import GPT, GPTConfig
+from minigpt.core import model as model_module
+from minigpt.core.config import PRESETS
+from minigpt.core.cpu import keep_freed_memory
+from minigpt.core.model import GPT, GPTConfig
 from minigpt.shape import GPT2_PADDED, GPT2_VOCAB, shape_of
 
 # An op run inside one of these (forward or backward) counts as the loss's, whatever it is.
@@ -151,7 +151,7 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=12, help="ops listed per profile")
     ap.add_argument("--no-profile", action="store_true", help="CPU seconds only")
     args = ap.parse_args()
-    if args.rounds < 3:  # an interval needs three samples a side (minigpt.stats.MIN_SAMPLES)
+    if args.rounds < 3:  # an interval needs three samples a side (minigpt.analysis.stats.MIN_SAMPLES)
         ap.error("--rounds must be at least 3")
     torch.set_num_threads(args.threads)
     print(keep_freed_memory())  # the trainer's malloc setting: no page faults for re-used big blocks
@@ -173,7 +173,7 @@ def main() -> int:
         for name, xs in cpu.items():
             spread = f"{min(xs):.3f} - {max(xs):.3f}"
             print(f"| {name} | {statistics.median(xs):.3f} | {spread} | {losses[name][-1]:.4f} |")
-        from minigpt.stats import ratio_interval, verdict
+        from minigpt.analysis.stats import ratio_interval, verdict
 
         iv = ratio_interval(cpu["default"], cpu["F.cross_entropy"], method="alternating steps in one process")
         print(f"\nF.cross_entropy / default, CPU s per step: {verdict(iv)} (95% interval)\n")

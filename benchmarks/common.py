@@ -27,9 +27,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import NoReturn
 
-from minigpt.metrics import MEMORY_BREAKDOWN_KEYS
+from minigpt.analysis.stats import MIN_SAMPLES
+from minigpt.instruments.metrics import MEMORY_BREAKDOWN_KEYS
 from minigpt.stages import STAGE_NAMES as STAGES
-from minigpt.stats import MIN_SAMPLES
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -49,8 +49,8 @@ def machine() -> dict:
     """The device and the versions, as every result file records them."""
     import torch
 
-    from minigpt.mfu import cpu_model
-    from minigpt.torchcompat import cpu_bf16_features
+    from minigpt.core.torchcompat import cpu_bf16_features
+    from minigpt.instruments.mfu import cpu_model
 
     info = {
         "torch": torch.__version__,
@@ -87,7 +87,7 @@ def run_variant(
 ) -> dict:
     """One fresh process (or a torchrun job of `nproc`) running the trainer; returns the measured
     steps' rows of metrics.jsonl, the memory breakdown, and config.json. `keep`: where to copy the
-    run directory (for minigpt.compare); otherwise it goes with its temporary folder."""
+    run directory (for minigpt.analysis.compare); otherwise it goes with its temporary folder."""
     with tempfile.TemporaryDirectory(prefix="minigpt-bench-") as tmp:
         out = Path(tmp) / "run"
         total = warmup + steps + 1
@@ -381,7 +381,7 @@ def load_lines(meta: dict) -> list[str]:
 
 # ----------------------------------------------------------------------------- ratios and their noise
 # Every ratio a benchmark prints is B / A of per-repeat figures (each repeat a fresh process), with
-# its 95% interval from minigpt.stats; one whose interval holds 1.0 reads "no difference within
+# its 95% interval from minigpt.analysis.stats; one whose interval holds 1.0 reads "no difference within
 # noise". Each run also measures its baseline twice in the same interleaved rounds (the A/A check):
 # two copies of one configuration differ only by the machine's noise, so when their interval leaves
 # out 1.0, the machine moved more than the intervals allow for and no ratio of the run is a finding.
@@ -400,10 +400,10 @@ def with_aa(names: list[str]) -> list[str]:
 
 
 def ratio(a: list[float], b: list[float], method: str = FRESH) -> dict:
-    """B / A as a results file keeps it: minigpt.stats' interval and verdict, or with fewer than
+    """B / A as a results file keeps it: minigpt.analysis.stats' interval and verdict, or with fewer than
     MIN_SAMPLES repeats a side, the ratio of geometric means and the line that says what an
     interval needs (`short`). `method`: what the samples are, when not repeats in fresh processes."""
-    from minigpt.stats import StatsError, ratio_interval
+    from minigpt.analysis.stats import StatsError, ratio_interval
 
     try:
         return ratio_interval(a, b, method=method).to_json()

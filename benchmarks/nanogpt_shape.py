@@ -8,7 +8,7 @@ nanoGPT is not part of this repository and is never imported or copied into it. 
 model.py and configurator.py (MIT) are read from ../shared/anchors/nanoGPT/ beside the repository
 (or --nanogpt-dir) and copied at run time into a temporary folder, where its data is written in
 its own format: data/minigpt/train.bin and val.bin, uint16 GPT-2 tokens of minigpt's built-in
-corpus (minigpt.data). It runs there as `python train.py --key=value ...` (configurator.py's
+corpus (minigpt.core.data). It runs there as `python train.py --key=value ...` (configurator.py's
 syntax) with the settings that give minigpt's shape: n_layer, n_head, n_embd, block_size,
 batch_size as the shape says, vocabulary 50304 (no meta.pkl: nanoGPT's default), tied embeddings
 (always, in nanoGPT), dropout 0, bias=True (minigpt's Linear and LayerNorm layers have biases),
@@ -34,7 +34,7 @@ the file unchanged with --dtype=float32. minigpt runs its preset of the same sha
 and --amp (bf16 autocast). Remaining differences, none of which changes a matrix shape: nanoGPT's
 MLP uses exact GELU, minigpt's the tanh form; nanoGPT's optimizer groups decay only matrices.
 
-nanoGPT runs as it comes, with glibc's default malloc, while minigpt picks its own (minigpt/cpu.py:
+nanoGPT runs as it comes, with glibc's default malloc, while minigpt picks its own (minigpt/core/cpu.py:
 mimalloc where pip installed it). So nanoGPT also runs a second time under minigpt's choice, given
 through the environment (LD_PRELOAD and its options, or glibc's MALLOC_*_ variables);
 --no-malloc-variant leaves it out: the gap between the two nanoGPT rows is the allocator's, not the
@@ -62,7 +62,7 @@ from pathlib import Path
 
 import common as bench
 
-from minigpt.config import PRESETS
+from minigpt.core.config import PRESETS
 
 NANOGPT_FILES = ("train.py", "model.py", "configurator.py", "LICENSE")
 # Where ../shared sits: beside the repository (main checkout) or beside the worktrees' folder.
@@ -80,10 +80,10 @@ PARAMS_LINE = re.compile(r"^number of parameters: ([\d.]+)M$")
 
 
 def minigpt_malloc_env() -> dict[str, str]:
-    """minigpt's choice of malloc on this machine (minigpt/cpu.py) as environment variables for
+    """minigpt's choice of malloc on this machine (minigpt/core/cpu.py) as environment variables for
     another process: the preloaded library and its options, or glibc's start-up variables for the
     mallopt setting keep_freed_memory() applies without one."""
-    from minigpt import cpu
+    from minigpt.core import cpu
 
     installed = cpu.installed_allocators()
     if installed:
@@ -128,7 +128,7 @@ def prepare(src: Path, work: Path) -> int:
 
     import numpy as np
 
-    from minigpt.data import builtin_corpus, load_tokens, split_train_val
+    from minigpt.core.data import builtin_corpus, load_tokens, split_train_val
 
     train, val = split_train_val(np.asarray(load_tokens([builtin_corpus()])))
     (work / "data" / DATASET).mkdir(parents=True)
@@ -364,7 +364,8 @@ def markdown(data: dict) -> str:
     lines += [
         "",
         "vs nanoGPT: tokens/s against nanoGPT's train.py in the same dtype, from the rounds' figures, with "
-        'the 95% interval (minigpt.stats); an interval that holds 1.0 reads "no difference within noise".',
+        "the 95% interval (minigpt.analysis.stats); an interval that holds 1.0 reads "
+        '"no difference within noise".',
         "",
         "Params: nanoGPT prints them without the position embeddings, minigpt's config.json with them.",
         "",
@@ -374,7 +375,7 @@ def markdown(data: dict) -> str:
         "fp32 rows run train.py unchanged with --dtype=float32. minigpt's rows: --no-amp and --amp (bf16).",
         "",
         "\"minigpt's malloc\": nanoGPT under the allocator minigpt's trainer chose on this machine "
-        f"(minigpt/cpu.py), through its environment: `{meta.get('malloc_env', 'not recorded')}`.",
+        f"(minigpt/core/cpu.py), through its environment: `{meta.get('malloc_env', 'not recorded')}`.",
     ]
     if meta["extra_flags"]:
         lines += ["", f"Flags from $MINIGPT_ARGS, applied to the minigpt rows only: `{meta['extra_flags']}`"]

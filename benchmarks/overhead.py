@@ -38,7 +38,7 @@ from pathlib import Path
 
 import common as bench
 
-from minigpt.instrument import StageTimer
+from minigpt.instruments.instrument import StageTimer
 
 
 def instrumentation_us_per_step(device: str, steps: int = 20_000) -> dict[str, float]:
@@ -103,8 +103,8 @@ def option_child(variant: str, preset: str, steps: int, warmup: int, check_views
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from minigpt.config import PRESETS as MODEL_PRESETS
-    from minigpt.model import GPT, GPTConfig
+    from minigpt.core.config import PRESETS as MODEL_PRESETS
+    from minigpt.core.model import GPT, GPTConfig
     from minigpt.shape import GPT2_VOCAB, shape_of
 
     p = MODEL_PRESETS[preset]
@@ -447,7 +447,8 @@ def stage_timing_lines(meta: dict, results: dict, costs: dict) -> list[str]:
     lines += [
         "",
         "Overhead = time per token against timing off, from the repeats' medians, with its 95% interval "
-        '(minigpt.stats); 1.05x is 5% slower, and an interval that holds 1.0 reads "no difference within '
+        "(minigpt.analysis.stats); 1.05x is 5% slower, and an interval that holds 1.0 reads "
+        '"no difference within '
         'noise".',
     ]
     # The instrumentation alone, against the step time it rides on.

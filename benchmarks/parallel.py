@@ -10,7 +10,8 @@ that measures the exposed communication. Results: benchmarks/results/cpu-paralle
 
 Exposed communication: the time the training thread spends inside communication, i.e. not
 computing: the union of the profiler's ranges on that thread whose names are collectives or
-FSDP2's gather/reduce ranges (minigpt.commprobe.stage_comm_ms), plus, under DDP, the wait at the end
+FSDP2's gather/reduce ranges (commprobe.stage_comm_ms in minigpt.instruments), plus, under DDP, the
+wait at the end
 of the backward for the last all-reduce (the time from the last gradient bucket being ready to the
 backward's end, from a communication hook). Collectives that run while the thread computes are
 hidden, not counted.
@@ -38,7 +39,7 @@ from pathlib import Path
 from common import RESULTS, Parser, available_bytes, header, save_json, spread, stamp, write_md
 from common import render as render_results
 
-from minigpt.config import PRESETS
+from minigpt.core.config import PRESETS
 from minigpt.shape import GPT2_VOCAB, Shape, shape_of
 
 STEM = RESULTS / "cpu-parallel"
@@ -59,8 +60,8 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from minigpt import distributed, parallel
-    from minigpt.model import GPT, GPTConfig
+    from minigpt.core import distributed, parallel
+    from minigpt.core.model import GPT, GPTConfig
 
     torch.set_num_threads(1)  # more ranks than cores: one thread each, or they fight over the cores
     shape = MODELS[args.model]
@@ -128,7 +129,8 @@ def measure_rank(r: Rank, warmup: int, steps: int) -> dict:
     import torch.distributed as dist
     from torch.profiler import profile, record_function
 
-    from minigpt import commprobe, parallel
+    from minigpt.core import parallel
+    from minigpt.instruments import commprobe
 
     tail_waits: list[float] = []
 
@@ -175,8 +177,8 @@ MEMORY_SHARE = 0.5  # a shared machine: a variant may take at most half of the m
 
 def predicted_bytes(model: str, scheme: str, nproc: int) -> int:
     """The estimator's per-rank peak times the ranks, plus ~0.4 GiB per process for torch itself."""
-    from minigpt.estimate import estimate_gpt
-    from minigpt.per_rank import per_rank_estimate
+    from minigpt.instruments.estimate import estimate_gpt
+    from minigpt.instruments.per_rank import per_rank_estimate
 
     shape = MODELS[model]
     tp = {"ddp": 1, "fsdp": 1, "tp": nproc, "fsdp x tp": 2}[scheme]

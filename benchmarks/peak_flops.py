@@ -1,4 +1,4 @@
-"""How still the MFU denominator holds: minigpt.mfu.peak_flops in N fresh processes, without the
+"""How still the MFU denominator holds: minigpt.instruments.mfu.peak_flops in N fresh processes, without the
 cache (each process measures) and with it (the first fills it, the rest read it).
 
     python benchmarks/peak_flops.py                    # small preset's units, fp32, 5 processes
@@ -23,13 +23,13 @@ from pathlib import Path
 
 from common import RESULTS, Parser, check_out_dir, device_slug, header, save_json, stamp
 
-from minigpt.config import PRESETS as MODEL_PRESETS
+from minigpt.core.config import PRESETS as MODEL_PRESETS
 from minigpt.fileio import atomic_write
-from minigpt.mfu import UNIT_BUDGET_S
+from minigpt.instruments.mfu import UNIT_BUDGET_S
 
 
 def child(preset: str, dtype: str, cache: bool) -> None:
-    from minigpt.mfu import model_workloads, peak_flops
+    from minigpt.instruments.mfu import model_workloads, peak_flops
     from minigpt.shape import GPT2_PADDED
 
     p = MODEL_PRESETS[preset]
@@ -118,7 +118,8 @@ def main() -> int:
     ratio = results["uncached"]["max_over_min"]
     lines = [
         *header(f"MFU denominator over {args.processes} fresh processes: {args.preset}, {args.dtype}", meta),
-        "Each process calls minigpt.mfu.peak_flops with the preset's units (each Linear and attention, "
+        "Each process calls minigpt.instruments.mfu.peak_flops with the preset's units "
+        "(each Linear and attention, "
         "forward and backward, plus 1024^3 and 2048^3 products; each the best of many short calls "
         f"in {UNIT_BUDGET_S} s after a warm-up, timed by the smaller of wall clock and CPU time). "
         "Uncached and cached processes interleave; the cached ones share one fresh cache folder. "

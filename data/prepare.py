@@ -17,8 +17,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from minigpt.config import UsageError
-from minigpt.data import builtin_corpus, tokenize_file
+from minigpt.core.config import UsageError
+from minigpt.core.data import builtin_corpus, tokenize_file
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "train.txt"
 

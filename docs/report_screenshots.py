@@ -5,7 +5,7 @@
 
 Every request the page makes is routed: anything but file:// is refused and counted, so a chart
 that would load a script from a CDN fails here. The check also reads the DOM: each section of
-minigpt.report.SECTIONS must hold a drawn chart (an svg or canvas inside a plotly div), a table, or
+minigpt.analysis.report.SECTIONS must hold a drawn chart (an svg or canvas inside a plotly div), a table, or
 its one-line "no data" note. Needs Debian's Chromium (`apt-get install chromium`) and the Python
 package playwright (its own browser download is not needed: we point it at the system Chromium).
 """
@@ -51,7 +51,7 @@ def check_page(
     sectors drawn in the page}. Takes a screenshot when asked."""
     from playwright.sync_api import sync_playwright
 
-    from minigpt.report import SECTIONS
+    from minigpt.analysis.report import SECTIONS
 
     errors: list[str] = []
     outside: list[str] = []

@@ -49,7 +49,7 @@ def format_bytes(n: float) -> str:
 
 def tmp_path(path: Path) -> Path:
     """The temporary name of `path` while it is written: per process, since ranks may share a
-    folder. minigpt.runs.clean_stale_tmp() removes the ones a killed process left behind."""
+    folder. minigpt.core.runs.clean_stale_tmp() removes the ones a killed process left behind."""
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 

@@ -1,7 +1,7 @@
 """memory.log, the file the memory profiler writes and the report reads: its name and its
 neighbours' in memory_trace/rank{R}_dp{R}/, its sections, the tree each category is listed as, the
 `layer:` line, and the parser that turns it back into numbers; and the (id, label, parent, bytes)
-rows a sunburst chart draws from it. minigpt.memory writes the file from a measured step; the
+rows a sunburst chart draws from it. minigpt.instruments.memory writes the file from a measured step; the
 report reads it back. Standard library only: the analysis tools import it without torch."""
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""The shape of one training step, torch-free: the GPT of minigpt/model.py as a config describes
+"""The shape of one training step, torch-free: the GPT of minigpt/core/model.py as a config describes
 it, and the batch that feeds it. The trainer builds its model from it, the memory estimator
-(minigpt/estimate.py), the step-time predictor (minigpt/predict.py), the parallel plan
-(minigpt/parallel.py) and the benchmarks compute from it; vocabulary padding, the parameter count
+(minigpt/instruments/estimate.py), the step-time predictor (minigpt/instruments/predict.py), the parallel plan
+(minigpt/core/parallel.py) and the benchmarks compute from it; vocabulary padding, the parameter count
 and the FLOPs per token are defined here once. It imports no torch (a test holds it to that): the
-flag checks in minigpt/config.py size a configuration with it before torch is loaded, and it sits
+flag checks in minigpt/core/config.py size a configuration with it before torch is loaded, and it sits
 in the base layer, below the core and the instruments."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def param_count(vocab_size: int, positions: int, d_model: int, d_ff: int, n_laye
 
 @dataclass(frozen=True)
 class Shape:
-    """One training step's shape: GPTConfig's fields (minigpt/model.py, the vocabulary padded) and
+    """One training step's shape: GPTConfig's fields (minigpt/core/model.py, the vocabulary padded) and
     the batch: batch_size sequences of seq_len tokens, grad_accum_steps micro-batches a step."""
 
     n_layers: int
@@ -90,7 +90,7 @@ class Shape:
         ]
 
     def model_kwargs(self) -> dict:
-        """GPTConfig's arguments: minigpt.model.GPT(GPTConfig(**shape.model_kwargs()))."""
+        """GPTConfig's arguments: minigpt.core.model.GPT(GPTConfig(**shape.model_kwargs()))."""
         return {k: v for k, v in asdict(self).items() if k not in BATCH_FIELDS}
 
 
@@ -99,7 +99,7 @@ MODEL_FIELDS = tuple(f.name for f in fields(Shape) if f.name not in BATCH_FIELDS
 
 
 def shape_of(cfg, vocab_size: int, **changes) -> Shape:
-    """The step shape of a TrainConfig (minigpt.config), or of a preset (a dict of the same names),
+    """The step shape of a TrainConfig (minigpt.core.config), or of a preset (a dict of the same names),
     with the vocabulary padded. What parse_args resolves is resolved the same way here for a
     preset: d_ff defaults to 4 x d_model, the positions to seq_len. `changes` override the config's
     values before that (a benchmark's own batch and sequence length)."""

@@ -1,5 +1,5 @@
-"""metrics.jsonl's record, the file format the trainer writes (minigpt.metrics) and the report and
-minigpt.compare read: StepRecord's fields are its keys. Standard library only: the analysis tools
+"""metrics.jsonl's record, the file format the trainer writes (minigpt.instruments.metrics) and the report and
+minigpt.analysis.compare read: StepRecord's fields are its keys. Standard library only: the analysis tools
 import it without torch."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class StepRecord:
     tokens_per_s_per_rank: float
     # The run so far, cumulative since the loop started: the last record holds the whole run's
     # figures (a resumed run counts from its restart). RunTotals defines them; the last log line,
-    # the report and minigpt.compare read these keys, never recompute them.
+    # the report and minigpt.analysis.compare read these keys, never recompute them.
     run_tokens: int  # tokens trained (the job's, all ranks)
     run_step_time_s: float  # the sum of every step's host time: the steps alone, no evals, no logging
     run_tokens_per_s: float  # run_tokens / run_step_time_s: the run's rate over the steps alone

@@ -22,9 +22,9 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from minigpt import parallel
-from minigpt.checkpoint import load_sharded, save_sharded
-from minigpt.model import GPT, GPTConfig
+from minigpt.core import parallel
+from minigpt.core.checkpoint import load_sharded, save_sharded
+from minigpt.core.model import GPT, GPTConfig
 
 p = argparse.ArgumentParser()
 p.add_argument("out")
@@ -100,7 +100,7 @@ for step in range(first, first + args.steps):
     micro = local // args.grad_accum
     total = torch.zeros(())
     for m in range(args.grad_accum):
-        from minigpt.distributed import no_grad_sync
+        from minigpt.core.distributed import no_grad_sync
 
         with no_grad_sync(train_model, sync=m == args.grad_accum - 1), autocast:
             part = slice(m * micro, (m + 1) * micro)
@@ -123,11 +123,11 @@ for step in range(first, first + args.steps):
 if args.save:
     save_sharded(args.save, model, optimizer, {"step": first + args.steps})
 
-# One more step, measured (not in the losses) by minigpt.memory's capture: each rank's local
+# One more step, measured (not in the losses) by minigpt.instruments.memory's capture: each rank's local
 # parameter, gradient and AdamW-state bytes, its saved activations, and its peak, part by part.
 # Nothing from the steps above dies in it (x and y live on), so the peak's rise over the start of
 # the step is the allocator's own figure.
-from minigpt.memory import capture_memory  # noqa: E402
+from minigpt.instruments.memory import capture_memory  # noqa: E402
 
 del loss
 with capture_memory(model, optimizer) as cap:

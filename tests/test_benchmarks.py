@@ -46,8 +46,12 @@ def test_ablation_writes_json_markdown_and_chart(tmp_path):
         < results["fp32"]["breakdown_bytes"]["activations"]
     )
     table = (tmp_path / "cpu-tiny.md").read_text()
-    rows = [line for line in table.splitlines() if line.startswith("|")]
-    assert len({line.count("|") for line in rows}) == 1  # every row as wide as the header: it renders
+    tables = "\n".join(line if line.startswith("|") else "" for line in table.splitlines()).split("\n\n")
+    for rows in (t.strip().splitlines() for t in tables if t.strip()):
+        assert len({line.count("|") for line in rows}) == 1  # every row as wide as its header: it renders
+    # this machine's step rates were cached before the rounds: each run stored its prediction
+    assert all(r["predicted_step"]["stage_ms"]["forward"] > 0 for r in results.values())
+    assert "forward predicted / measured (error, bound)" in table
     assert [r["amp"] for r in results.values()] == ["fp32", "fp32", "bf16", "bf16"]
     assert "| fp32 | " in table and "AMP: " in table and torch.__version__ in table and "Command:" in table
     assert (tmp_path / "cpu-tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -204,7 +208,27 @@ def test_ablation_render_rewrites_table_and_chart_without_running(tmp_path):
         assert (tmp_path / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bad_benchmark_flags_fail_with_a_message():
+def test_ablation_puts_each_prediction_beside_its_measurement(tmp_path):
+    """A variant whose run stored predicted_step (config.json) gets a row: predicted / measured per
+    stage, the error in percent, and what bounds the stage."""
+    data = json.loads((ROOT / "benchmarks" / "results" / "cpu-small.json").read_text())
+    name, s = next(iter(data["results"].items()))
+    measured = s["stage_device_ms"]["forward"]
+    s["predicted_step"] = {
+        "stage_ms": {"forward": 2 * measured, "backward": None, "optimizer_step": 1.0},
+        "bound": {"forward": "compute", "optimizer_step": "memory"},
+    }
+    copy = tmp_path / "cpu-small.json"
+    copy.write_text(json.dumps(data))
+    result = run("ablation.py", "--render", str(copy))
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = (tmp_path / "cpu-small.md").read_text()
+    row = next(
+        line for line in table.splitlines() if line.startswith(f"| {name} | ") and "(+100%, compute)" in line
+    )
+    assert f"{2 * measured:.1f} / {measured:.1f} (+100%, compute)" in row and "| n/a |" in row
+    assert len([line for line in table.splitlines() if line.startswith("| variant | forward predicted")]) == 1
+
     result = run("ablation.py", "--steps", "0")
     assert result.returncode == 2 and "--steps and --repeats must be at least 1" in result.stderr
 
@@ -214,7 +238,12 @@ ABLATION_RESULTS = ["cpu-small-fp32", "cpu-small", "cpu-gpt2-b2"]  # the committ
 
 def table_rows(table: str) -> dict[str, list[str]]:
     """The ablation table's cells by variant name, as a reader sees them."""
-    rows = [line.strip("|").split(" | ") for line in table.splitlines() if line.startswith("| ")]
+    lines = table.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("| "))
+    block = lines[
+        first : next((i for i in range(first, len(lines)) if not lines[i].startswith("|")), len(lines))
+    ]
+    rows = [line.strip("|").split(" | ") for line in block if line.startswith("| ")]  # the first table
     header, body = rows[0], rows[1:]
     return {
         cells[0].strip(): dict(zip((h.strip() for h in header), (c.strip() for c in cells))) for cells in body

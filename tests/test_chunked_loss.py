@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minigpt import model as model_module
-from minigpt.memory import capture_memory
-from minigpt.model import GPT, ChunkedCrossEntropy, GPTConfig
+from minigpt.core import model as model_module
+from minigpt.core.model import GPT, ChunkedCrossEntropy, GPTConfig
+from minigpt.instruments.memory import capture_memory
 
 
 def make(chunked: bool, vocab=256):

@@ -12,8 +12,8 @@ import random
 import pytest
 from test_report import KERNEL, gpu_trace_events, make_run
 
-from minigpt.compare import TOO_FEW, compare_runs, format_compare, headline, main
-from minigpt.runfiles import RunError
+from minigpt.analysis.compare import TOO_FEW, compare_runs, format_compare, headline, main
+from minigpt.analysis.runfiles import RunError
 
 MIB = 1024 * 1024
 STEPS = (10, 20, 30, 40, 50)  # four logged intervals after the first: enough for an interval

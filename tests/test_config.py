@@ -10,8 +10,8 @@ import sys
 import pytest
 from conftest import fails
 
-from minigpt import config
-from minigpt.config import PRESETS, TrainConfig, UsageError, build_parser, parse_args
+from minigpt.core import config
+from minigpt.core.config import PRESETS, TrainConfig, UsageError, build_parser, parse_args
 
 
 def actions():
@@ -252,7 +252,8 @@ def test_estimate_memory_may_predict_what_this_machine_cannot_hold(monkeypatch):
 
 def test_config_imports_without_torch():
     code = (
-        "import sys, minigpt.config as c; c.parse_args(['--preset', 'tiny']); print('torch' in sys.modules)"
+        "import sys, minigpt.core.config as c; c.parse_args(['--preset', 'tiny']); "
+        "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

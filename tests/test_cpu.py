@@ -1,4 +1,4 @@
-"""minigpt/cpu.py: the glibc setting the trainer applies, and the heap given back around evaluations."""
+"""minigpt/core/cpu.py: the glibc setting the trainer applies, and the heap given back around evaluations."""
 
 import json
 import os
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from minigpt import cpu
+from minigpt.core import cpu
 
 CHILD = r"""
 import json, torch
-from minigpt import cpu
-from minigpt.memory import process_memory
+from minigpt.core import cpu
+from minigpt.instruments.memory import process_memory
 
 line = cpu.keep_freed_memory()
 big, pins = [], []
@@ -40,8 +40,8 @@ def test_the_kept_heap_is_given_back_on_request():
 
 MIMALLOC_CHILD = r"""
 import json, torch
-from minigpt import cpu
-from minigpt.memory import process_memory
+from minigpt.core import cpu
+from minigpt.instruments.memory import process_memory
 
 line = cpu.keep_freed_memory()
 logits = torch.ones(100 * 2**20)  # 400 MiB: a step's logits

@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from minigpt import data as data_module
-from minigpt.config import UsageError
-from minigpt.data import (
+from minigpt.core import data as data_module
+from minigpt.core.config import UsageError
+from minigpt.core.data import (
     EOT,
     Batches,
     ToyBatches,

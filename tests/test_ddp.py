@@ -76,8 +76,8 @@ def test_ranks_stay_identical_and_rank_0_alone_writes(tmp_path):
 
 
 def test_two_ranks_give_the_gradients_of_one_rank_with_twice_the_batch(tmp_path):
-    from minigpt.data import ToyBatches
-    from minigpt.model import GPT, GPTConfig
+    from minigpt.core.data import ToyBatches
+    from minigpt.core.model import GPT, GPTConfig
 
     out = tmp_path / "run"
     result, probes = probe(tmp_path, *FLAGS, "--num-steps", "1", "--out-dir", str(out))

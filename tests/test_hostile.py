@@ -18,8 +18,10 @@ import torch
 from conftest import TINY, fails
 
 import train_minimal
-from minigpt import compare, config, data, distributed, report
-from minigpt.checkpoint import (
+from minigpt.analysis import compare, report
+from minigpt.analysis.runfiles import RunError, load_run
+from minigpt.core import config, data, distributed
+from minigpt.core.checkpoint import (
     check_extra,
     check_model_fits,
     load_checkpoint,
@@ -27,10 +29,9 @@ from minigpt.checkpoint import (
     rng_state,
     save_checkpoint,
 )
-from minigpt.config import TrainConfig, UsageError
+from minigpt.core.config import TrainConfig, UsageError
+from minigpt.core.runs import RunLock, checkpoint_lock_path
 from minigpt.fileio import UnreadableFile, read_bounded
-from minigpt.runfiles import RunError, load_run
-from minigpt.runs import RunLock, checkpoint_lock_path
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = [*TINY, "--peak-tflops", "1", "--no-report"]  # no GEMM timed for MFU, no report page
@@ -72,7 +73,7 @@ def ckpt_of(run: Path) -> Path:
 
 HOLDER = """
 import sys, time
-from minigpt.runs import RunLock
+from minigpt.core.runs import RunLock
 RunLock(sys.argv[1], sys.argv[2]).acquire()
 print("locked", flush=True)
 time.sleep(60)
@@ -280,7 +281,7 @@ def test_fsdp_extra_file_is_validated(trained, name, damage):
 
 def test_rng_state_round_trip_still_validates():
     state = rng_state()
-    from minigpt.checkpoint import rng_problem
+    from minigpt.core.checkpoint import rng_problem
 
     assert rng_problem(state) is None
 

@@ -13,8 +13,8 @@ from conftest import TINY
 from tbserve import get_json, serve_tensorboard
 
 import train_minimal
-from minigpt import instrument
-from minigpt.instrument import StageTimer
+from minigpt.instruments import instrument
+from minigpt.instruments.instrument import StageTimer
 from minigpt.stages import STAGE_NAMES as STAGES
 
 

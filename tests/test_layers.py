@@ -5,6 +5,7 @@ or instrument module of minigpt, so a report is written wherever the run folder 
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -14,10 +15,56 @@ import pytest
 from conftest import ROOT
 from test_report import gpu_trace_events, make_run
 
-# The layers of minigpt/ (design.md): base is torch-free and shared; analysis imports base only.
+# The layers of minigpt/ (README, Layout): base (minigpt/*.py) is torch-free and shared; core/
+# imports base; instruments/ imports base and core; analysis/ imports base only.
 BASE = ("paths", "fileio", "stages", "errors", "memory_log", "step_record", "shape")
-ANALYSIS = ("traces", "report", "compare", "runfiles", "stats", "__main__")
-MODULES = [m for m in BASE + ANALYSIS if (ROOT / "minigpt" / f"{m}.py").exists()]
+ANALYSIS = ("analysis", *(f"analysis.{m}" for m in ("traces", "report", "compare", "runfiles", "stats")))
+TOOLS = ("__main__", "report", "compare", "traces")  # the entry and the analysis tools' short names
+MODULES = [*BASE, *ANALYSIS, *TOOLS]
+LAYERS = {"base": set(), "core": {"base"}, "instruments": {"base", "core"}, "analysis": {"base"}}
+SHIMS = {"report", "compare", "traces", "estimate", "parallel", "memory"}  # python -m minigpt.X
+
+
+def layer_of(module: str) -> str:
+    """'core' for minigpt.core.model, 'base' for minigpt.paths."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else "base"
+
+
+def test_imports_go_one_way():
+    """Every import of a minigpt module, at the top of a file or inside a function, goes down the
+    layers (imports for type hints only, under TYPE_CHECKING, are not imports at run time)."""
+    wrong = []
+    for path in sorted((ROOT / "minigpt").rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        if rel.name in SHIMS and len(rel.parts) == 2:
+            continue  # a short name: it imports the tool it names, from any layer
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(node)
+            for branch in ast.walk(tree)
+            if isinstance(branch, ast.If) and getattr(branch.test, "id", "") == "TYPE_CHECKING"
+            for node in ast.walk(branch)
+        }
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("minigpt"):
+                targets = (
+                    [f"{node.module}.{a.name}" for a in node.names]
+                    if node.module == "minigpt"
+                    else [node.module]
+                )
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name.startswith("minigpt")]
+            else:
+                continue
+            for target in targets:
+                mine, theirs = layer_of(module), layer_of(target)
+                if theirs != mine and theirs not in LAYERS[mine]:
+                    wrong.append(f"{module} ({mine}) imports {target} ({theirs}), line {node.lineno}")
+    assert not wrong, "\n".join(wrong)
 
 
 def python(code: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -36,7 +83,7 @@ def test_analysis_and_base_import_no_torch_and_nothing_of_the_trainer(module):
     assert result.returncode == 0, result.stderr
     loaded = json.loads(result.stdout)
     assert "torch" not in loaded, f"minigpt.{module} imports torch"
-    allowed = {"minigpt", *(f"minigpt.{m}" for m in BASE + ANALYSIS)}
+    allowed = {"minigpt", *(f"minigpt.{m}" for m in MODULES)}
     assert set(loaded) <= allowed, f"minigpt.{module} imports {sorted(set(loaded) - allowed)}"
 
 

@@ -9,12 +9,12 @@ import torch.nn as nn
 from conftest import TINY, fails
 
 import train_minimal
-from minigpt import estimate
-from minigpt.config import parse_args
-from minigpt.estimate import estimate_gpt
-from minigpt.memory import capture_memory, format_breakdown, format_memory_log, write_memory_trace
+from minigpt.core.config import parse_args
+from minigpt.core.model import GPT, GPTConfig
+from minigpt.instruments import estimate
+from minigpt.instruments.estimate import estimate_gpt
+from minigpt.instruments.memory import capture_memory, format_breakdown, format_memory_log, write_memory_trace
 from minigpt.memory_log import LAYOUT, MEMORY_LOG, PEAK_PARTS, SUNBURST_FILES, parse_memory_log
-from minigpt.model import GPT, GPTConfig
 from minigpt.shape import Shape
 
 SHAPE = dict(
@@ -503,8 +503,8 @@ def test_a_profiler_already_running_leaves_the_peak_unmeasured_and_says_so():
 
 RSS_CHILD = """
 import json, sys, torch
-from minigpt.memory import capture_memory, process_memory
-from minigpt.model import GPT, GPTConfig
+from minigpt.instruments.memory import capture_memory, process_memory
+from minigpt.core.model import GPT, GPTConfig
 from minigpt.shape import Shape
 torch.manual_seed(0)
 m = GPT(GPTConfig(vocab_size=32768, max_position_embeddings=64, n_layers=1, n_heads=2, d_model=32, d_ff=64))
@@ -552,7 +552,7 @@ def test_the_measured_peak_agrees_with_the_kernels_count_of_resident_pages():
 
 
 def test_process_memory_reads_the_resident_set():
-    from minigpt.memory import process_memory
+    from minigpt.instruments.memory import process_memory
 
     m = process_memory()
     assert set(m) == {"rss_bytes", "rss_peak_bytes"}
@@ -697,7 +697,7 @@ def test_the_estimate_predicts_the_chunked_loss_peak(monkeypatch, amp, checkpoin
     """--chunked-loss: the peak is inside a chunk of the loss, in the forward. The gradient
     accumulators it fills there are not saved activations yet, and under bf16 each chunk's weight
     gradient is bf16: the estimate puts every byte in the part the measurement finds it in."""
-    from minigpt import model as model_module
+    from minigpt.core import model as model_module
 
     s = CHUNKED_SHAPE
     monkeypatch.setattr(model_module, "LOSS_CHUNK_ELEMENTS", CHUNK_ROWS * s["vocab_size"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minigpt import mfu as M
-from minigpt.model import GPT, GPTConfig, flops_per_token
+from minigpt.core.model import GPT, GPTConfig, flops_per_token
 
 SHAPE = dict(batch_size=2, seq_len=16, d_model=32, d_ff=128, vocab_size=128, n_heads=2)
 

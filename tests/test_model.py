@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from minigpt.model import GPT, GPTConfig, flops_per_token, pad_vocab
+from minigpt.core.model import GPT, GPTConfig, flops_per_token, pad_vocab
 
 
 def tiny(**kw) -> GPT:

@@ -1,4 +1,4 @@
-"""FSDP2 and tensor parallelism (minigpt/parallel.py) on the CPU with gloo, and sharded checkpoints.
+"""FSDP2 and tensor parallelism (minigpt/core/parallel.py) on the CPU with gloo, and sharded checkpoints.
 
 The multi-process tests run tests/parallel_probe.py under torchrun (marker `ddp`; `slow` where the
 processes take more than about 20 s on the 2-core machine). Every plan trains the same tiny GPT on
@@ -17,10 +17,10 @@ import pytest
 import torch
 from conftest import ROOT, TINY
 
-from minigpt.config import UsageError
-from minigpt.estimate import estimate_gpt
-from minigpt.parallel import check_plan, worker_name
-from minigpt.per_rank import per_rank_estimate
+from minigpt.core.config import UsageError
+from minigpt.core.parallel import check_plan, worker_name
+from minigpt.instruments.estimate import estimate_gpt
+from minigpt.instruments.per_rank import per_rank_estimate
 from minigpt.shape import Shape
 from minigpt.stages import STAGE_NAMES
 
@@ -124,14 +124,14 @@ def test_per_rank_estimate_shards_state_and_splits_tp_activations():
     assert tp["activations"] < e.activations
     with pytest.raises(ValueError):
         per_rank_estimate(e, 1, 2, False)
-    from minigpt.per_rank import per_rank_memory_estimate
+    from minigpt.instruments.per_rank import per_rank_memory_estimate
 
-    as_estimate = per_rank_memory_estimate(e, 1, 2, False, shape)  # for minigpt.memory's table
+    as_estimate = per_rank_memory_estimate(e, 1, 2, False, shape)  # for minigpt.instruments.memory's table
     assert (as_estimate.total, as_estimate.params) == (tp["total"], tp["params"])
 
 
 def test_exposed_communication_is_the_union_of_comm_ranges_inside_each_stage():
-    from minigpt.commprobe import stage_comm_ms
+    from minigpt.instruments.commprobe import stage_comm_ms
 
     def ev(name, start, end, thread=1):
         return SimpleNamespace(name=name, thread=thread, time_range=SimpleNamespace(start=start, end=end))
@@ -153,7 +153,7 @@ def test_exposed_communication_is_the_union_of_comm_ranges_inside_each_stage():
 
 
 def _tiny():
-    from minigpt.model import GPT, GPTConfig
+    from minigpt.core.model import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(
@@ -167,7 +167,7 @@ def _tiny():
 
 
 def test_sharded_checkpoint_round_trip_and_atomic_folder(tmp_path):
-    from minigpt.checkpoint import load_sharded, save_sharded
+    from minigpt.core.checkpoint import load_sharded, save_sharded
 
     model, opt = _tiny()
     save_sharded(tmp_path / "ck", model, opt, {"step": 7})
@@ -186,7 +186,7 @@ def test_sharded_checkpoint_round_trip_and_atomic_folder(tmp_path):
 
 def test_sharded_checkpoint_with_code_in_its_metadata_is_refused(tmp_path):
     """DCP's reader unpickles .metadata with plain pickle: a crafted file would run code. Ours refuses."""
-    from minigpt.checkpoint import load_sharded, save_sharded
+    from minigpt.core.checkpoint import load_sharded, save_sharded
 
     model, opt = _tiny()
     save_sharded(tmp_path / "ck", model, opt, {"step": 1})
@@ -296,7 +296,7 @@ def test_fsdp_2_matches_ddp_2(tmp_path_factory):
 @pytest.mark.ddp
 @pytest.mark.slow
 def test_fsdp_memory_breakdown_names_gathered_weights_and_sharded_gradients(tmp_path_factory):
-    """minigpt.memory's own capture under FSDP 2: the gradients are the reduce-scattered shards
+    """minigpt.instruments.memory's own capture under FSDP 2: the gradients are the reduce-scattered shards
     (half of DDP's), the weights FSDP gathers for a block are parameters, not activations (so the
     activations are DDP's, the per-rank batch being the same), and the peak's parts add up to it."""
     ddp, fsdp = run_plan(tmp_path_factory, 2), run_plan(tmp_path_factory, 2, "--fsdp")
@@ -487,7 +487,7 @@ def test_log_line_and_metrics_carry_each_stages_time_in_collectives(tmp_path, fl
 
 
 def test_one_step_per_interval_is_profiled_for_collectives_and_never_under_another_profiler():
-    from minigpt.commprobe import CommProbe
+    from minigpt.instruments.commprobe import CommProbe
 
     cfg = SimpleNamespace(
         use_profiler=True,
@@ -516,8 +516,8 @@ def test_the_raw_kineto_reader_agrees_with_the_profilers_events():
 
     from torch.autograd.profiler import record_function
 
-    from minigpt.commprobe import comm_by_stage, stage_comm_ms
-    from minigpt.torchcompat import kineto_spans
+    from minigpt.core.torchcompat import kineto_spans
+    from minigpt.instruments.commprobe import comm_by_stage, stage_comm_ms
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with record_function("forward"):

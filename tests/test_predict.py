@@ -1,4 +1,4 @@
-"""The step-time prediction (minigpt/predict.py): its op list against the model's FLOP count, its
+"""The step-time prediction (minigpt/instruments/predict.py): its op list against the model's FLOP count, its
 stage sums and bound labels under given rates, the rate cache, and the command line. No test
 asserts a timing: the rates a test needs are given, or only checked to be positive."""
 
@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from minigpt import estimate, predict
-from minigpt.config import UsageError
-from minigpt.model import GPT, GPTConfig, flops_per_token
+from minigpt.core.config import UsageError
+from minigpt.core.model import GPT, GPTConfig, flops_per_token
+from minigpt.instruments import estimate, predict
 from minigpt.shape import Shape
 
 SHAPE = dict(
@@ -261,7 +261,7 @@ def test_accumulation_runs_forward_and_backward_per_micro_batch(tmp_path, monkey
 
 
 def test_the_models_row_wise_cpu_loss_when_it_has_one(monkeypatch):
-    """Where minigpt.model computes the CPU's cross-entropy by rows (LOSS_ROWS), the op list follows
+    """Where minigpt.core.model computes the CPU's cross-entropy by rows (LOSS_ROWS), the op list follows
     it: no log_softmax passes and no backward of the loss, the same products."""
     plain = predict.step_ops(Shape(**SHAPE), "bf16")
     monkeypatch.setattr(predict.model_module, "LOSS_ROWS", 8, raising=False)

@@ -30,8 +30,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import train_minimal
-from minigpt import config
-from minigpt.config import TrainConfig, UsageError
+from minigpt.core import config
+from minigpt.core.config import TrainConfig, UsageError
 from minigpt.paths import RUNS_ROOT
 
 OUT = "run"  # the run directory, relative to each example's working directory
@@ -328,7 +328,7 @@ def tool_places(tmp_path_factory) -> dict[str, str]:
 
 def tool_command(draw, places: dict[str, str]) -> tuple[str, list[str]]:
     import sample
-    from minigpt import compare, report, traces
+    from minigpt.analysis import compare, report, traces
 
     tools = {
         "report": (report.main, 1),
@@ -355,7 +355,7 @@ def test_tools_and_sample_with_hostile_arguments_end_cleanly(capsys, tmp_path_fa
     """Every flag of report, compare, traces and sample.py, in-process, in a scratch folder (their
     outputs may be written to generated names): exit 0, or 2 with one line; never a traceback."""
     import sample
-    from minigpt import compare, report, traces
+    from minigpt.analysis import compare, report, traces
 
     mains = {"report": report.main, "compare": compare.main, "traces": traces.main, "sample": sample.cli}
     name, args = tool_command(data_.draw, tool_places)

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TINY
 
-from minigpt.memory import MemoryBreakdown, write_memory_trace
+from minigpt.analysis.report import SECTIONS, fitted_range, main, write_report
+from minigpt.analysis.runfiles import RunError, load_run
+from minigpt.instruments.memory import MemoryBreakdown, write_memory_trace
 from minigpt.memory_log import MEMORY_LOG, PEAK_PARTS, parse_memory_log, peak_of_state, peak_rows
-from minigpt.report import SECTIONS, fitted_range, main, write_report
-from minigpt.runfiles import RunError, load_run
 
 KERNEL = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64"
 ELEMENTWISE = "void at::native::vectorized_elementwise_kernel<4>"
@@ -283,7 +283,7 @@ def test_out_flag_and_existing_report_replaced(tmp_path, capsys):
 def test_a_gzip_bomb_in_the_traces_is_named_and_the_report_written(tmp_path, monkeypatch, capsys):
     from test_traces import gzip_bomb
 
-    from minigpt import traces
+    from minigpt.analysis import traces
 
     run = make_run(tmp_path / "r", trace=gpu_trace_events())
     gzip_bomb(next((run / "traces").iterdir()))  # the run's own trace file, 6 GiB once inflated
@@ -315,7 +315,7 @@ def test_out_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, monkeypatch
 
 
 def test_the_predicted_step_stands_beside_the_measured_stages_with_its_error(tmp_path):
-    """config.json's predicted_step (minigpt.predict's record, written as the run started) is shown
+    """config.json's predicted_step (instruments/predict.py's record, written as the run started) is shown
     beside the measured medians: forward measured 10 ms, predicted 12 ms, is +20.0%."""
     run = make_run(tmp_path / "r")
     config = json.loads((run / "config.json").read_text())
@@ -496,7 +496,7 @@ def test_report_opens_offline_in_chromium(cpu_run, tmp_path):
         assert all(drawn[k]["drawn"] for k in ("curves", "stages", "timeline", "operators"))
     assert drawn["memory"]["drawn"]  # the GPU run's CUDA peaks
     # The comparison's page: the same pieces, the same rules.
-    from minigpt.compare import main as compare
+    from minigpt.analysis.compare import main as compare
 
     assert compare([str(cpu_run), str(gpu), "--allow-different", "--html", str(tmp_path / "cmp.html")]) == 0
     state = shots.check_page(tmp_path / "cmp.html")

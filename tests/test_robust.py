@@ -17,19 +17,18 @@ import torch
 from conftest import TINY
 
 import train_minimal
-from minigpt import data
-from minigpt.checkpoint import (
+from minigpt.core import data
+from minigpt.core.checkpoint import (
     check_checkpoint_path,
     describe_intact,
     load_checkpoint,
     rng_state,
     save_checkpoint,
 )
-from minigpt.config import UsageError
-from minigpt.fileio import DiskFull, atomic_write
-from minigpt.model import GPT, GPTConfig
-from minigpt.progress import Progress, progress_enabled
-from minigpt.runs import (
+from minigpt.core.config import UsageError
+from minigpt.core.model import GPT, GPTConfig
+from minigpt.core.progress import Progress, progress_enabled
+from minigpt.core.runs import (
     LOCK_FILE,
     RunLock,
     check_out_dir,
@@ -39,6 +38,7 @@ from minigpt.runs import (
     probe_writable,
     repair_jsonl,
 )
+from minigpt.fileio import DiskFull, atomic_write
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,7 +101,7 @@ def test_out_dir_that_is_a_file_or_under_proc(tmp_path):
 
 HOLDER = """
 import sys, time
-from minigpt.runs import RunLock
+from minigpt.core.runs import RunLock
 lock = RunLock(sys.argv[1]).acquire()
 print("locked", flush=True)
 time.sleep(60)
@@ -224,7 +224,7 @@ def test_next_steps_name_this_runs_paths(tmp_path):
     custom = "\n".join(next_steps(tmp_path, False, False, checkpoint="/data/ckpt.pt"))
     assert "python sample.py --checkpoint /data/ckpt.pt" in custom
     quiet = "\n".join(next_steps(tmp_path, has_traces=False, has_report=False, has_checkpoint=False))
-    assert "minigpt.traces" not in quiet and "report" not in quiet and "sample.py" not in quiet
+    assert "minigpt.analysis.traces" not in quiet and "report" not in quiet and "sample.py" not in quiet
 
 
 # ---------------------------------------------------------------------------- a full disk
@@ -473,7 +473,7 @@ def test_progress_bar_draws_when_enabled_and_clears_before_log_lines():
 
 
 PROGRESS_RUN = """
-from minigpt.progress import Progress, progress_enabled
+from minigpt.core.progress import Progress, progress_enabled
 with Progress(20, progress_enabled(), desc="steps") as bar:
     for _ in range(20):
         bar.update()

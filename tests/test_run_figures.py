@@ -1,6 +1,6 @@
-"""The run's own figures (minigpt.metrics.RunTotals): tokens/s over the steps alone and end to end,
+"""The run's own figures (metrics.RunTotals): tokens/s over the steps alone and end to end,
 start-up, each defined once, written on every metrics.jsonl record, and read unchanged by the last
-log line, the report and minigpt.compare; an older run without them says so."""
+log line, the report and minigpt.analysis.compare; an older run without them says so."""
 
 import gzip
 import json
@@ -14,11 +14,11 @@ from test_report import make_run
 from test_train import sigterm_at
 
 import train_minimal
-from minigpt.compare import compare_runs, format_compare, headline
-from minigpt.instrument import PROFILER_STDERR_NOTE
-from minigpt.metrics import RunTotals, evaluation_notice, process_age_s
-from minigpt.report import summary_section
-from minigpt.runfiles import load_run
+from minigpt.analysis.compare import compare_runs, format_compare, headline
+from minigpt.analysis.report import summary_section
+from minigpt.analysis.runfiles import load_run
+from minigpt.instruments.instrument import PROFILER_STDERR_NOTE
+from minigpt.instruments.metrics import RunTotals, evaluation_notice, process_age_s
 from minigpt.step_record import OLDER_RUN, RUN_KEYS
 
 

@@ -9,7 +9,7 @@ import torch
 from conftest import TINY
 
 import train_minimal
-from minigpt.sample import generate, load_model
+from minigpt.core.sample import generate, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = runpy.run_path(str(ROOT / "sample.py"))  # the script's functions, without running it
@@ -220,7 +220,7 @@ TEXT = "日本語の文章 🙂👍 naïve café"  # CJK, emoji, accents: GPT-2 
 def test_characters_split_over_tokens_decode_whole():
     """GPT-2's byte-level tokens split a CJK character or an emoji over two or three tokens; the
     sample's text must show the character, never U+FFFD for its halves."""
-    from minigpt.data import EOT, get_tokenizer
+    from minigpt.core.data import EOT, get_tokenizer
 
     enc = get_tokenizer()
     tokens = enc.encode_ordinary(TEXT)
@@ -239,7 +239,7 @@ def test_characters_split_over_tokens_decode_whole():
 def test_a_sample_cut_inside_a_character_leaves_the_partial_character_out():
     """max_new_tokens can end a sample between the tokens of one character: the complete text up to
     it is shown, not a trailing U+FFFD."""
-    from minigpt.data import get_tokenizer
+    from minigpt.core.data import get_tokenizer
 
     enc = get_tokenizer()
     tokens = enc.encode_ordinary(TEXT)
@@ -257,7 +257,7 @@ def test_a_sample_cut_inside_a_character_leaves_the_partial_character_out():
 def test_bytes_that_are_not_utf8_still_show_as_replacement():
     """A lone continuation byte (an undertrained model draws them) is no character at all: it shows
     as U+FFFD, in the middle; only a character cut at the end is held back."""
-    from minigpt.sample import utf8_text
+    from minigpt.core.sample import utf8_text
 
     assert utf8_text(b"a\x80b") == "a\ufffdb"
     assert utf8_text("é".encode() + "🙂".encode()[:2]) == "é"

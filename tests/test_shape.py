@@ -85,7 +85,7 @@ def ops_digest(ops) -> dict:
 
 def given_rates(device: str, dtype: str, needed, cache=True, measure=True):
     """Rates for the prediction, given: the same for every kernel, the bandwidth by working set."""
-    from minigpt import predict
+    from minigpt.instruments import predict
 
     return predict.Rates(
         device=device,
@@ -100,9 +100,9 @@ def given_rates(device: str, dtype: str, needed, cache=True, measure=True):
 
 def outputs(monkeypatch) -> dict:
     """Everything the pins hold, computed by the code under test."""
-    from minigpt import estimate, per_rank, predict
-    from minigpt.checkpoint import model_bytes
-    from minigpt.config import parse_args, quick_bytes
+    from minigpt.core.checkpoint import model_bytes
+    from minigpt.core.config import parse_args, quick_bytes
+    from minigpt.instruments import estimate, per_rank, predict
     from minigpt.shape import param_count as quick_param_count
 
     out: dict = {"estimate": {}, "ops": {}, "predict": {}, "per_rank": {}, "comm": {}, "report": {}}
@@ -178,7 +178,7 @@ def test_every_estimate_and_prediction_is_as_pinned(monkeypatch):
 def test_the_parameter_count_and_flops_are_the_built_models(shape):
     import torch
 
-    from minigpt.model import GPT, GPTConfig, flops_per_token
+    from minigpt.core.model import GPT, GPTConfig, flops_per_token
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(**shape.model_kwargs()))
@@ -202,7 +202,7 @@ def test_the_vocabulary_is_padded_to_a_multiple_of_64():
 
 
 def test_a_preset_and_the_trainers_config_give_the_same_shape():
-    from minigpt.config import PRESETS, parse_args
+    from minigpt.core.config import PRESETS, parse_args
 
     for name in PRESETS:
         cfg = parse_args(["--preset", name])
@@ -216,8 +216,8 @@ def test_a_preset_and_the_trainers_config_give_the_same_shape():
 
 def test_a_runs_config_json_gives_back_the_shape_it_ran(tmp_path):
     """run_prediction reads a finished run's shape from its config.json, as the trainer wrote it."""
-    from minigpt.config import parse_args
-    from minigpt.model import GPTConfig
+    from minigpt.core.config import parse_args
+    from minigpt.core.model import GPTConfig
 
     cfg = parse_args(["--preset", "tiny", "--vocab-size", "100", "--grad-accum-steps", "3", "--chunked-loss"])
     shape = shape_of(cfg, cfg.vocab_size)

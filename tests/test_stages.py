@@ -7,8 +7,9 @@ import sys
 
 from conftest import ROOT, TINY
 
-from minigpt import stages, traces
-from minigpt.straggler import rank_figures
+from minigpt import stages
+from minigpt.analysis import traces
+from minigpt.instruments.straggler import rank_figures
 
 
 def test_registry_names_labels_colours_and_scoring():

@@ -1,4 +1,4 @@
-"""minigpt.stats: a ratio's 95% interval covers the true ratio about 95% of the time, reads "no
+"""minigpt.analysis.stats: a ratio's 95% interval covers the true ratio about 95% of the time, reads "no
 difference within noise" when it holds 1.0, and refuses samples that cannot give one."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from minigpt.stats import (
+from minigpt.analysis.stats import (
     MIN_SAMPLES,
     RatioInterval,
     StatsError,

@@ -1,4 +1,4 @@
-"""The private torch internals behind minigpt/torchcompat.py, each run on a real profiler session.
+"""The private torch internals behind minigpt/core/torchcompat.py, each run on a real profiler session.
 
 A torch upgrade that moves one fails here, with the line that names it and the file to update,
 instead of as a silent wrong figure (a step range left open, an empty memory breakdown) later."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
-from minigpt import torchcompat
+from minigpt.core import torchcompat
 
 
 @contextmanager
@@ -26,7 +26,9 @@ def internal(name: str):
 def test_the_message_names_the_version_the_internals_were_read_from():
     assert torchcompat.READ_FROM == "2.13.0"
     line = torchcompat.moved("prof.step_rec_fn")
-    assert line.startswith(f"torch {torch.__version__} moved prof.step_rec_fn: update minigpt/torchcompat.py")
+    assert line.startswith(
+        f"torch {torch.__version__} moved prof.step_rec_fn: update minigpt/core/torchcompat.py"
+    )
     assert "2.13.0" in line
 
 

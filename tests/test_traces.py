@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import train_minimal
-from minigpt import traces as traces_mod
+from minigpt.analysis import traces as traces_mod
+from minigpt.analysis.traces import Launches, tensor_cores, union_us
 from minigpt.stages import STAGE_NAMES
-from minigpt.traces import Launches, tensor_cores, union_us
 
 # Real traces written by other projects: ../shared/traces beside the clone (as in CI and /work/main);
 # MINIGPT_SHARED_TRACES points elsewhere (a git worktree one level deeper).
@@ -41,7 +41,7 @@ STAGES = ["data_to_device", "forward", "backward", "optimizer_step"]
 def traces(*args: str) -> subprocess.CompletedProcess:
     """Run the tool as a user would, in a fresh process."""
     return subprocess.run(
-        [sys.executable, "-m", "minigpt.traces", *map(str, args)],
+        [sys.executable, "-m", "minigpt.analysis.traces", *map(str, args)],
         cwd=ROOT,
         capture_output=True,
         text=True,

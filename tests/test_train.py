@@ -49,7 +49,7 @@ def test_toy_run_learns_and_writes_its_run_directory(tmp_path, capsys):
 
 
 def test_bf16_autocast_on_cpu_trains_in_bf16():
-    from minigpt.model import GPT, GPTConfig
+    from minigpt.core.model import GPT, GPTConfig
 
     model = GPT(
         GPTConfig(vocab_size=64, max_position_embeddings=16, n_layers=1, n_heads=2, d_model=32, d_ff=64)
@@ -71,8 +71,8 @@ def test_no_amp_trains_in_fp32(tmp_path):
 
 def test_gradient_accumulation_matches_a_bigger_batch(tmp_path):
     # 2 micro-batches of 4 from positions (0, 1) vs the same 8 rows at once: same first update.
-    from minigpt.data import ToyBatches
-    from minigpt.model import GPT, GPTConfig
+    from minigpt.core.data import ToyBatches
+    from minigpt.core.model import GPT, GPTConfig
 
     batches = ToyBatches(64, 4, 16, seed=0)
     micro = [next(batches) for _ in range(2)]
@@ -199,11 +199,11 @@ def test_sigterm_during_a_long_evaluation_stops_promptly_and_saves(tmp_path):
 
 
 def write_step_rates(cache, flags: list[str], rounds):
-    """A rate cache (minigpt.predict) holding every rate the run's step needs, each `rounds`;
+    """A rate cache (minigpt.instruments.predict) holding every rate the run's step needs, each `rounds`;
     returns the run's shape (minigpt.shape.shape_of)."""
-    from minigpt import predict
-    from minigpt.config import parse_args
-    from minigpt.mfu import machine_key
+    from minigpt.core.config import parse_args
+    from minigpt.instruments import predict
+    from minigpt.instruments.mfu import machine_key
     from minigpt.shape import shape_of
 
     cfg = parse_args(flags)
@@ -220,7 +220,7 @@ def write_step_rates(cache, flags: list[str], rounds):
 def test_config_json_keeps_the_predicted_step_when_the_rates_are_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
     flags = [*TINY, "--no-amp", "--num-steps", "2", "--no-report"]
-    from minigpt.predict import predict_step
+    from minigpt.instruments.predict import predict_step
 
     shape = write_step_rates(tmp_path, flags, [1e10] * 3)
     expected = predict_step(shape, "fp32", "cpu", measure=False).to_record()

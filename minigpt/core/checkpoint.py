@@ -11,14 +11,15 @@ from pathlib import Path
 
 import torch
 
-from minigpt import distributed, parallel, paths
-from minigpt.config import TrainConfig, UsageError, format_bytes, machine_ram_bytes
-from minigpt.data import Batches
-from minigpt.distributed import DistInfo
+from minigpt import paths
+from minigpt.core import distributed, parallel
+from minigpt.core.config import TrainConfig, UsageError, format_bytes, machine_ram_bytes
+from minigpt.core.data import Batches
+from minigpt.core.distributed import DistInfo
+from minigpt.core.model import GPT
+from minigpt.core.torchcompat import dcp_set_element
 from minigpt.fileio import UnreadableFile, atomic_open, read_bounded
-from minigpt.model import GPT
 from minigpt.shape import param_count
-from minigpt.torchcompat import dcp_set_element
 
 # The fields that fix the model's shape: a checkpoint whose values differ cannot be loaded.
 SHAPE_FIELDS = ("vocab_size", "max_position_embeddings", "n_layers", "n_heads", "d_model", "d_ff")
@@ -26,7 +27,7 @@ REQUIRED_KEYS = {"model", "optimizer", "scaler", "step", "data_position", "rng",
 # What each rank of a sharded checkpoint keeps beside its shards (extra_rank{R}.pt).
 EXTRA_KEYS = REQUIRED_KEYS - {"model", "optimizer"}
 # Building a model needs its fp32 weights at least (sample.py); the trainer adds gradients and
-# AdamW's two moments (16 bytes a parameter, minigpt.config.BYTES_PER_PARAM).
+# AdamW's two moments (16 bytes a parameter, minigpt.core.config.BYTES_PER_PARAM).
 WEIGHT_BYTES = 4
 CONFIG_JSON_LIMIT = 1 << 20  # config.json is a few KiB; read for the run id only
 
@@ -670,7 +671,7 @@ class Checkpointer:
         (check_sharded_path if sharded else check_checkpoint_path)(self.path, cfg.resume)
         self.cfg, self.sharded, self.dist_info = cfg, sharded, dist_info
         self.enabled = not cfg.no_checkpoint
-        # The first file a save writes, probed before the run starts (minigpt.runs.RunDir.guard).
+        # The first file a save writes, probed before the run starts (minigpt.core.runs.RunDir.guard).
         self.probe_path = self.path / SHARDED_META if sharded else self.path
 
     def resume_hint(self, out_dir: Path) -> str:

@@ -89,7 +89,7 @@ def wrap_ddp(model: torch.nn.Module, info: DistInfo, device: str) -> torch.nn.Mo
 
 def no_grad_sync(model: torch.nn.Module, sync: bool):
     """DDP's no_sync() on gradient-accumulation micro-steps: gradients are all-reduced once per
-    optimizer step, on the last micro-batch, not on every one. Under FSDP2 (minigpt/parallel.py)
+    optimizer step, on the last micro-batch, not on every one. Under FSDP2 (minigpt/core/parallel.py)
     the same through set_requires_gradient_sync: unsharded gradients accumulate locally and are
     reduce-scattered on the last micro-batch."""
     from torch.distributed.fsdp import FSDPModule
@@ -144,13 +144,13 @@ def check_same_config(cfg, info: DistInfo) -> None:
     0's. Ranks started with different flags otherwise fail later and far from the cause: a
     different --d-model with a traceback on every rank, a different --num-steps, --log-interval
     or --fsdp by hanging in a collective until --ddp-timeout, a different --grad-accum-steps
-    silently. `cfg`: a minigpt.config.TrainConfig. Rank 0's run id (drawn per process) is taken
+    silently. `cfg`: a minigpt.core.config.TrainConfig. Rank 0's run id (drawn per process) is taken
     by every rank. Raises UsageError naming the first flag that differs, on every rank."""
     if not info.enabled:
         return
     from dataclasses import fields
 
-    from minigpt.config import TrainConfig, UsageError, flag_name
+    from minigpt.core.config import TrainConfig, UsageError, flag_name
 
     names = {f.name: flag_name(f) for f in fields(TrainConfig)}
     everyone = gather(cfg.to_dict(), info)

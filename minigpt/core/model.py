@@ -175,7 +175,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         qkv = self.qkv(x)
-        # Under tensor parallelism (minigpt/parallel.py) this rank's qkv holds only its own heads:
+        # Under tensor parallelism (minigpt/core/parallel.py) this rank's qkv holds only its own heads:
         # width 3 * C / tp, laid out [q | k | v] of those heads. Without it, all heads: 3 * C.
         width = qkv.size(-1) // 3
         heads = width // (C // self.n_heads)

@@ -8,7 +8,7 @@ inside torch; their record_function ranges ("FSDP::all_gather (blocks.0)",
 `CommProbe` runs a CPU-only torch.profiler (no shapes, memory, stacks or device activity: the
 cheapest reader of those ranges) around one step, and `comm_by_stage` takes, per stage, the union
 of the collective ranges on the training thread inside it. On a GPU that is the host's time issuing
-and waiting for collectives; the device's overlap is in the trace (minigpt.traces).
+and waiting for collectives; the device's overlap is in the trace (minigpt.analysis.traces).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from contextlib import contextmanager
 import torch
 from torch.profiler import ProfilerActivity
 
-from minigpt import stages, torchcompat
+from minigpt import stages
+from minigpt.core import torchcompat
 
 # Profiler ranges that are communication: c10d and functional collectives, their waits, gloo's own
 # ranges, and FSDP2's gather / reduce ranges (which include its copy-in and copy-out).

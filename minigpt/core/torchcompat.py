@@ -2,7 +2,7 @@
 
 They were read from torch 2.13.0 (READ_FROM). torch may move any of them in a release without
 notice; tests/test_torchcompat.py runs each one on a real profiler session and, where one is
-missing, fails with "torch X moved <internal>: update minigpt/torchcompat.py". Nothing else in
+missing, fails with "torch X moved <internal>: update minigpt/core/torchcompat.py". Nothing else in
 minigpt names a private torch attribute, so that test and this file are the whole of the upgrade.
 
 Why each one, when no public API does it:
@@ -48,7 +48,7 @@ READ_FROM = "2.13.0"  # the torch version whose internals this file was written 
 def moved(internal: str) -> str:
     """The line a failing check prints: which internal, and where to fix it."""
     return (
-        f"torch {torch.__version__} moved {internal}: update minigpt/torchcompat.py "
+        f"torch {torch.__version__} moved {internal}: update minigpt/core/torchcompat.py "
         f"(written against torch {READ_FROM})"
     )
 

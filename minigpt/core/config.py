@@ -224,7 +224,7 @@ class TrainConfig:
         action="extend",
         metavar="FILE",
         none="the built-in corpus",
-        help="text files to train on (UTF-8, at most 1 GiB each: minigpt.data.MAX_TEXT_BYTES)",
+        help="text files to train on (UTF-8, at most 1 GiB each: minigpt.core.data.MAX_TEXT_BYTES)",
     )
     val_data: list[str] = flag(
         factory=list,
@@ -320,7 +320,7 @@ class TrainConfig:
         name="--no-keep-freed-memory",
         action="store_false",
         help="CPU: leave glibc malloc's defaults (each step's big tensors then "
-        "page-fault anew; by default freed blocks are kept, minigpt/cpu.py)",
+        "page-fault anew; by default freed blocks are kept, minigpt/core/cpu.py)",
     )
     chunked_loss: bool = flag(
         False,
@@ -437,7 +437,7 @@ class TrainConfig:
         none="a known GPU's data sheet, else a GEMM timed on this machine",
         help="peak TFLOP/s of one device: the MFU denominator, set by hand",
     )
-    # memory (minigpt/memory.py, minigpt/estimate.py)
+    # memory (minigpt/instruments/memory.py, minigpt/instruments/estimate.py)
     memory_profiler: bool = flag(
         False,
         group=MEM,
@@ -520,7 +520,7 @@ class TrainConfig:
 
     # Not a flag: an id drawn by parse_args and recorded in config.json and in every checkpoint
     # (to_dict), so a --resume can tell this run's checkpoint from another's (check_own_run in
-    # minigpt/checkpoint.py). A resumed run takes its checkpoint's id; torchrun's ranks, rank 0's.
+    # minigpt/core/checkpoint.py). A resumed run takes its checkpoint's id; torchrun's ranks, rank 0's.
     run_id: typing.ClassVar[str | None] = None
 
     def to_dict(self) -> dict:
@@ -675,7 +675,7 @@ def check_text(f: Field, value) -> None:
 
 
 def check_slow_rank(spec: str | None) -> None:
-    """--simulate-slow-rank's numbers bounded (the format itself: minigpt.straggler.parse_slow_rank):
+    """--simulate-slow-rank's numbers bounded (the format itself: straggler.parse_slow_rank):
     a delay of 1e99 ms overflows time.sleep with a traceback in the first step."""
     if spec is None:
         return
@@ -814,7 +814,7 @@ def quick_bytes(cfg: TrainConfig) -> dict[str, int]:
     """The bytes of a training step, roughly and cheaply, by what needs them: parameters x 16 bytes (fp32
     weights, gradients, AdamW's two moments), the fp32 logits (4 b s V, unless --chunked-loss),
     and the blocks' saved fp32 activations (about 68 b s d per layer; SDPA keeps no s x s
-    matrix). Only to refuse absurd sizes before anything is built: minigpt/estimate.py is the
+    matrix). Only to refuse absurd sizes before anything is built: minigpt/instruments/estimate.py is the
     real estimate."""
     shape = shape_of(cfg, cfg.vocab_size or GPT2_VOCAB)
     params = shape.params
@@ -914,7 +914,7 @@ def resolve_amp(cfg: TrainConfig, device: str) -> tuple[bool, str, str]:
     if device == "cpu":
         if cfg.amp_dtype == "fp16":
             raise UsageError("--amp-dtype fp16 needs CUDA (its GradScaler); use bf16 on the CPU")
-        from minigpt.torchcompat import cpu_bf16_features
+        from minigpt.core.torchcompat import cpu_bf16_features
 
         native = any(cpu_bf16_features().values())
         if native:

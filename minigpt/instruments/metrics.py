@@ -165,7 +165,7 @@ def perplexity(loss: float) -> float:
 
 class JsonlWriter:
     """Appends one JSON object per line and flushes, so a crash loses at most the current line (a
-    resumed run drops a cut line: minigpt.runs.repair_jsonl)."""
+    resumed run drops a cut line: minigpt.core.runs.repair_jsonl)."""
 
     def __init__(self, path: Path, enabled: bool = True):
         self.f, self.path = None, path
@@ -254,7 +254,7 @@ class TensorBoardLogger:
         for tag, value in scalars.items():
             if value is not None:
                 self.writer.add_scalar(tag, value, r.step)
-        # The measured memory breakdown (bytes, see minigpt/memory.py), in MiB at the measured step.
+        # The measured memory breakdown (bytes, see instruments/memory.py), in MiB at the measured step.
         breakdown = r.memory_breakdown or {}
         for prefix, figures in (
             ("memory_breakdown", breakdown),

@@ -5,7 +5,7 @@
     python -m minigpt.estimate --time --use-activation-checkpoint --chunked-loss
 
 The model is a roofline over the step's own ops. `step_ops` lists every op one training step of
-minigpt/model.py runs, from the shape alone (minigpt/shape.py): its FLOPs (matrix products and
+minigpt/core/model.py runs, from the shape alone (minigpt/shape.py): its FLOPs (matrix products and
 attention, counted as `Shape.flops_per_token` counts them), the bytes it reads and writes
 (dtype-aware: autocast casts weights and inputs to bf16, LayerNorm and the log-softmax stay fp32),
 its transcendental evaluations (exp, tanh) and its launches. An op takes
@@ -16,7 +16,7 @@ its transcendental evaluations (exp, tanh) and its launches. An op takes
 and a stage is "compute", "memory" or "overhead" bound by whichever of those terms sums largest.
 
 The rates are measured on this machine, once per machine and dtype, and cached beside the MFU
-units (minigpt/mfu.py) in $MINIGPT_CACHE_DIR/STEP_RATES_FILE:
+units (minigpt/instruments/mfu.py) in $MINIGPT_CACHE_DIR/STEP_RATES_FILE:
   - every distinct matrix product (m, n, k) of the step in its dtype, and causal attention's
     forward and backward at the model's shape: FLOPs over the mean time of its timed calls (at
     least three, and SAMPLE_S of them);
@@ -31,7 +31,7 @@ calls, not the best call: the trainer's stage times are means over a log interva
 machine the prediction then describes the machine as it was when measured, like the stage times
 measured beside it; delete the cache file to measure again.
 
-On CUDA the same model runs from the device's data sheet (minigpt.mfu.PEAK_FLOPS and BANDWIDTH
+On CUDA the same model runs from the device's data sheet (minigpt.instruments.mfu.PEAK_FLOPS and BANDWIDTH
 below, every product at the dense peak) with the per-op overhead measured on the GPU, and is
 marked untested: no GPU has checked it yet. A GPU in neither table has no rates: one line, exit 2.
 """
@@ -51,14 +51,14 @@ from datetime import datetime, timezone
 
 import torch
 
-from minigpt import model as model_module
-from minigpt.config import UsageError
-from minigpt.data import cache_dir
+from minigpt.core import model as model_module
+from minigpt.core.config import UsageError
+from minigpt.core.data import cache_dir
 from minigpt.fileio import atomic_write
-from minigpt.mfu import PEAK_FLOPS, TORCH_DTYPES, machine_key, read_cache
+from minigpt.instruments.mfu import PEAK_FLOPS, TORCH_DTYPES, machine_key, read_cache
 from minigpt.shape import Shape, shape_of_run
 
-STEP_RATES_FILE = "step_rates.json"  # under minigpt.data.cache_dir(): one entry per machine and dtype
+STEP_RATES_FILE = "step_rates.json"  # under minigpt.core.data.cache_dir(): one entry per machine and dtype
 PREDICTED_STAGES = ("forward", "backward", "optimizer_step")
 BOUNDS = ("compute", "memory", "overhead")
 ROUNDS = 3  # timed calls per rate after a warm-up; their mean time is kept
@@ -209,7 +209,7 @@ def step_ops(
     train_minimal.py runs them (fused AdamW, clip_grad_norm_, zero_grad(set_to_none=True)).
     `shape.vocab_size` is the padded one. Dropout is not modelled (0 in every preset)."""
     o = _OpList(shape, amp_dtype)
-    # minigpt.model's own cross-entropy on the CPU, where the model has one (LOSS_ROWS rows of
+    # minigpt.core.model's own cross-entropy on the CPU, where the model has one (LOSS_ROWS rows of
     # logits at a time, made fp32 in cache, the gradient made in the forward): else F.cross_entropy
     loss_rows = getattr(model_module, "LOSS_ROWS", None) if device == "cpu" and amp_dtype != "fp16" else None
     h, N = shape.d_model, shape.tokens
@@ -550,8 +550,8 @@ def _table_rates(dtype: str) -> Rates:
     peak = PEAK_FLOPS.get(known[0], {}).get(dtype) if known else None
     if known is None or peak is None:
         raise NoRates(
-            f"no rates for {name} in {dtype}: it is in neither minigpt.mfu.PEAK_FLOPS nor "
-            "minigpt.predict.BANDWIDTH; add its data-sheet peak FLOP/s and bandwidth there"
+            f"no rates for {name} in {dtype}: it is in neither minigpt.instruments.mfu.PEAK_FLOPS nor "
+            "minigpt.instruments.predict.BANDWIDTH; add its data-sheet peak FLOP/s and bandwidth there"
         )
     overhead = {k: statistics.fmean(v) for k, v in measure_overhead("cuda").items()}
     return Rates(
@@ -735,11 +735,10 @@ def run_prediction(run_dir, measure: bool = False) -> dict:
 
     from minigpt import paths
     from minigpt.fileio import read_bounded
-    from minigpt.runfiles import CONFIG_LIMIT, JSONL_LIMIT
 
     run_dir = Path(run_dir)  # read as the report reads it: regular files only, sizes checked first
-    conf = json.loads(read_bounded(run_dir / paths.CONFIG_FILE, CONFIG_LIMIT))
-    lines = read_bounded(run_dir / paths.METRICS_FILE, JSONL_LIMIT).decode().splitlines()
+    conf = json.loads(read_bounded(run_dir / paths.CONFIG_FILE, paths.CONFIG_LIMIT))
+    lines = read_bounded(run_dir / paths.METRICS_FILE, paths.JSONL_LIMIT).decode().splitlines()
     record = json.loads(next(line for line in reversed(lines) if line.strip()))
     pred = predict_step(shape_of_run(conf), conf["amp"], conf["device"], measure=measure)
     rec = pred.to_record()

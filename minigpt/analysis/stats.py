@@ -1,7 +1,7 @@
 """A ratio between two sets of timings, with its 95% interval: the one definition that
-minigpt.compare and the benchmarks use, so that a speed-up is a finding only when the noise allows.
+minigpt.analysis.compare and the benchmarks use, so that a speed-up is a finding only when the noise allows.
 
-    from minigpt.stats import ratio_interval, verdict
+    from minigpt.analysis.stats import ratio_interval, verdict
     iv = ratio_interval(base_tokens_per_s, variant_tokens_per_s)   # samples of A and of B
     verdict(iv)   # "1.23x (1.10-1.38)", or "no difference within noise" when the interval holds 1.0
 

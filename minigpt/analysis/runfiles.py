@@ -1,6 +1,6 @@
 """A run directory read back into plain data, for the report and the comparison of two runs.
 
-    from minigpt.runfiles import load_run
+    from minigpt.analysis.runfiles import load_run
     run = load_run(Path("runs/main"))      # RunError (one line) if the folder is not a run
     run.config["model"], run.metrics[-1]["loss"], run.traces[0]["totals"], run.memory[0]["summary"]
 
@@ -22,10 +22,19 @@ import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from minigpt import traces
+from minigpt.analysis import traces
 from minigpt.fileio import UnreadableFile, file_kind, format_bytes, read_bounded
 from minigpt.memory_log import MEMORY_LOG, parse_memory_log
-from minigpt.paths import CONFIG_FILE, MEMORY_TRACE_DIR, METRICS_FILE, STRAGGLERS_FILE, TRACE_DIR
+from minigpt.paths import (
+    CONFIG_FILE,
+    CONFIG_LIMIT,
+    JSONL_LIMIT,
+    MEMORY_LOG_LIMIT,
+    MEMORY_TRACE_DIR,
+    METRICS_FILE,
+    STRAGGLERS_FILE,
+    TRACE_DIR,
+)
 from minigpt.step_record import StepRecord
 
 # The run directory's names are minigpt/paths.py's; the memory folders of every rank match this.
@@ -37,13 +46,6 @@ TRACES_DIR = TRACE_DIR
 ALL_ROWS = 100_000
 _RANK = re.compile(r"rank(\d+)")
 
-# The most each reader takes (no reader takes more memory than its input's checked size). Far
-# above what a real run writes: config.json is a few KiB; metrics.jsonl about 1.5 KiB a logged
-# step (a million steps logged every 10: 150 MiB); memory.log a few hundred KiB; a trace of a
-# few steps tens of MiB gzipped (traces.TRACE_LIMIT bounds it, decompressed too).
-CONFIG_LIMIT = 1 << 20
-JSONL_LIMIT = 256 << 20
-MEMORY_LOG_LIMIT = 64 << 20
 MAX_DEPTH = 8  # nesting a run's files never exceed (metrics: a record, its memory_breakdown, ...)
 
 

@@ -10,7 +10,7 @@ The denominator now comes from, in order:
   2. the data sheet of a known GPU (PEAK_FLOPS, source "table"): the hardware's own ceiling;
   3. a measurement, once per machine and dtype, cached (source "measured" or "cache").
 
-The measurement times every unit of work that `minigpt.model.flops_per_token` counts, at the
+The measurement times every unit of work that `minigpt.core.model.flops_per_token` counts, at the
 model's own shapes (`model_workloads`), each forward and backward together: every Linear layer
 (fc, proj, qkv, the tied LM head) and causal attention, plus two square products (1024^3 and
 2048^3) as machine-wide reference points. Each unit gets a warm-up call, then as many short timed
@@ -36,7 +36,7 @@ unit inside training would have to run faster than its best isolated call of the
 dtype and thread count on the same machine. Neither clock can make a call look faster than it
 runs on a quiet machine (see `measure`), and the cache only ever rises, so the figure errs low only
 while every call of every unit was slowed; delete the cache file (PEAK_CACHE_FILE under
-minigpt.data.cache_dir()) to measure again. The LayerNorm parameters' share (12*d per layer per
+minigpt.core.data.cache_dir()) to measure again. The LayerNorm parameters' share (12*d per layer per
 token of ~6N) is counted FLOPs of a memory-bound op that runs far below any GEMM's rate, so it
 cannot lift the step above D.
 For GPUs in the table the data sheet bounds every unit by construction. An `--peak-tflops` figure
@@ -57,18 +57,18 @@ from pathlib import Path
 
 import torch
 
-from minigpt import distributed
-from minigpt.config import TrainConfig
-from minigpt.data import cache_dir
-from minigpt.distributed import DistInfo
+from minigpt.core import distributed
+from minigpt.core.config import TrainConfig
+from minigpt.core.data import cache_dir
+from minigpt.core.distributed import DistInfo
+from minigpt.core.model import GPT
 from minigpt.fileio import UnreadableFile, atomic_write, display_path, read_bounded
-from minigpt.instrument import cuda_memory_report
-from minigpt.memory import process_memory
-from minigpt.metrics import RunTotals, StepRecord, format_finished, perplexity
-from minigpt.model import GPT
+from minigpt.instruments.instrument import cuda_memory_report
+from minigpt.instruments.memory import process_memory
+from minigpt.instruments.metrics import RunTotals, StepRecord, format_finished, perplexity
 from minigpt.shape import shape_of
 
-PEAK_CACHE_FILE = "peak_flops.json"  # under minigpt.data.cache_dir(): one entry per machine, dtype, torch
+PEAK_CACHE_FILE = "peak_flops.json"  # under data.cache_dir(): one entry per machine, dtype, torch
 # Each unit is timed in many short calls for this long (wall clock) after a warm-up, and its best
 # call is kept: on a busy machine a short call often fits in a slice where the process had the
 # cores, a long one rarely does. 0.25 s for each of ~8 units (0.5 s for the square products) keeps
@@ -119,7 +119,7 @@ class Workload:
 
     @property
     def flops(self) -> int:
-        """FLOPs as minigpt.model.flops_per_token counts them for this unit."""
+        """FLOPs as minigpt.core.model.flops_per_token counts them for this unit."""
         if self.kind == "linear":
             m, k, n, bias = self.dims
             return 6 * m * (k * n + bias * n)  # 6 per parameter per token: forward 2, backward 4
@@ -406,7 +406,7 @@ def mfu_peak(cfg: TrainConfig, model: GPT, device: str, amp_dtype: str, dist_inf
 
 @dataclass
 class Throughput:
-    """What turns the loop's clocks into a StepRecord (minigpt.metrics): this run's constants,
+    """What turns the loop's clocks into a StepRecord (minigpt.instruments.metrics): this run's constants,
     and the run-wide totals (RunTotals) that every record carries."""
 
     tokens_per_step: int  # per rank: batch x seq_len x accumulation
@@ -420,7 +420,7 @@ class Throughput:
 
     @classmethod
     def of(cls, cfg: TrainConfig, plan, model: GPT, peak: PeakFlops, step: int, train_tokens: int | None):
-        """`plan`: the parallel plan (minigpt.parallel), for its data- and tensor-parallel degrees."""
+        """`plan`: the parallel plan (minigpt.core.parallel), for its data- and tensor-parallel degrees."""
         tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps
         fpt = shape_of(cfg, model.cfg.vocab_size).flops_per_token // plan.tp
         return cls(tokens, plan.dp, fpt, peak, step, cfg.num_steps, train_tokens, RunTotals(tokens * plan.dp))
@@ -455,7 +455,7 @@ class Throughput:
         stages,
         comm,
     ) -> StepRecord:
-        """The interval's record. `stages`: the interval's StageTimes (minigpt.instrument); `comm`:
+        """The interval's record. `stages`: the interval's StageTimes (instruments/instrument.py); `comm`:
         under FSDP/TP, (the profiled step, its ms in collectives per stage) from
         Instruments.take_comm; under DDP the backward's wait for the all-reduce is split off instead."""
         step_time = sum(step_times) / len(step_times)

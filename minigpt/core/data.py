@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minigpt.config import TrainConfig, UsageError
+from minigpt.core.config import TrainConfig, UsageError
+from minigpt.core.progress import Progress, progress_enabled
 from minigpt.fileio import atomic_write, file_kind
-from minigpt.progress import Progress, progress_enabled
 
 EOT = 50256  # GPT-2's <|endoftext|>, placed between documents
 GPT2_N_VOCAB = 50257  # GPT-2's ids: its 50,256 BPE tokens and <|endoftext|>

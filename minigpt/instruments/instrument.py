@@ -12,7 +12,7 @@ any training step.
   device. It never synchronises: CUDA events are read back at the log interval, when the loop
   syncs anyway. On the CPU the device time is the stage's host time.
 - `make_profiler` builds a torch.profiler window with Megatron's semantics (steps S..E-1).
-- `CommProbe` (minigpt/commprobe.py) times the collectives of FSDP and TP, one step per interval.
+- `CommProbe` (minigpt/instruments/commprobe.py) times the collectives of FSDP and TP, one step per interval.
 - `NsysCaptureRange` calls cudaProfilerStart/Stop around the same window for `nsys --capture-range`.
 - `MemoryHistory` records CUDA allocations and dumps snapshots for pytorch.org/memory_viz.
 """
@@ -35,16 +35,17 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerAction, ProfilerActivity, record_function, tensorboard_trace_handler
 
-from minigpt import paths, stages, torchcompat
-from minigpt.commprobe import CommProbe
-from minigpt.config import profile_ranks
-from minigpt.distributed import time_backward_compute
+from minigpt import paths, stages
+from minigpt.core import torchcompat
+from minigpt.core.config import profile_ranks
+from minigpt.core.distributed import time_backward_compute
+from minigpt.core.progress import Progress, progress_enabled
+from minigpt.core.runs import probe_writable
 from minigpt.fileio import atomic_open, atomic_write
-from minigpt.memory import process_memory
-from minigpt.progress import Progress, progress_enabled
-from minigpt.runs import probe_writable
+from minigpt.instruments.commprobe import CommProbe
+from minigpt.instruments.memory import process_memory
+from minigpt.instruments.straggler import parse_slow_rank
 from minigpt.stages import STAGE_NAMES, STEP_RANGE, color
-from minigpt.straggler import parse_slow_rank
 
 NVTX_DOMAIN = "minigpt"  # one domain: Nsight can filter the project's ranges from PyTorch's own
 
@@ -397,7 +398,7 @@ class Instruments:
                 step += 1
                 figures = inst.interval()                     # at the log interval: stage and step times
 
-    `cfg` is a TrainConfig (minigpt/config.py); only its instrumentation flags are read."""
+    `cfg` is a TrainConfig (minigpt/core/config.py); only its instrumentation flags are read."""
 
     def __init__(
         self, cfg, device: str, rank: int, world_size: int, out_dir: Path, worker: str, comm: bool = False
@@ -579,12 +580,14 @@ class Instruments:
 
     # -- the one-step memory capture
     def _capture(self):
-        from minigpt.memory import capture_memory  # imported when used: the trainer's start stays light
+        from minigpt.instruments.memory import (
+            capture_memory,  # imported when used: the trainer's start stays light
+        )
 
         return capture_memory(self.model, self.optimizer, self.memory_step)
 
     def _write_memory(self, breakdown) -> None:
-        from minigpt.memory import format_breakdown, write_memory_trace
+        from minigpt.instruments.memory import format_breakdown, write_memory_trace
 
         folder = self.out_dir / paths.MEMORY_TRACE_DIR.format(worker=self.worker)
         write_memory_trace(breakdown, folder, self.memory_estimate)

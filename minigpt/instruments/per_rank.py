@@ -1,5 +1,5 @@
-"""One rank's share of a sharded run, predicted: the memory estimate (minigpt/estimate.py) scaled
-to a rank under DDP, FSDP and tensor parallelism as minigpt/parallel.py splits the model, and the
+"""One rank's share of a sharded run, predicted: the memory estimate (minigpt/instruments/estimate.py) scaled
+to a rank under DDP, FSDP and tensor parallelism as minigpt/core/parallel.py splits the model, and the
 bytes each GPU sends per step. `python -m minigpt.parallel` prints both for a preset on a
 number of GPUs (docs/parallel.md reads 8 H100s from it).
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from minigpt.estimate import MemoryEstimate, estimate_gpt
+from minigpt.instruments.estimate import MemoryEstimate, estimate_gpt
 from minigpt.shape import GPT2_VOCAB, Shape, shape_of
 
 
@@ -25,7 +25,7 @@ def tp_replicated_params(shape: Shape) -> int:
 def per_rank_estimate(
     estimate: MemoryEstimate, dp: int, tp: int, fsdp: bool, shape: Shape | None = None
 ) -> dict:
-    """Scale a minigpt.estimate.MemoryEstimate (the whole model in one process) to one rank.
+    """Scale a minigpt.instruments.estimate.MemoryEstimate (the whole model in one process) to one rank.
 
     Parameters, gradients and AdamW state: the blocks' matrices are split by tp; the parts TP
     replicates (tp_replicated_params) are whole on every tp rank; FSDP then shards everything
@@ -77,7 +77,7 @@ def per_rank_memory_estimate(
     estimate: MemoryEstimate, dp: int, tp: int, fsdp: bool, shape: Shape | None = None
 ) -> MemoryEstimate:
     """per_rank_estimate as a MemoryEstimate (the same class, its fields scaled to one rank), for
-    minigpt.memory's table beside a rank's measured breakdown. `recompute` (activation
+    minigpt.instruments.memory's table beside a rank's measured breakdown. `recompute` (activation
     checkpointing's rebuilt block) is left whole."""
     r = per_rank_estimate(estimate, dp, tp, fsdp, shape)
     return replace(estimate, params=r["params"], grads=r["grads"], optimizer=r["optimizer"], block=r["block"])
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     scaled per rank) and the communication model for DDP, FSDP, TP and FSDP x TP."""
     import argparse
 
-    from minigpt.config import PRESETS
+    from minigpt.core.config import PRESETS
 
     p = argparse.ArgumentParser(prog="python -m minigpt.parallel", description=main.__doc__)
     p.add_argument("--preset", default="gpt2", choices=sorted(PRESETS))

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from minigpt.checkpoint import load_checkpoint
-from minigpt.config import UsageError
-from minigpt.model import GPT, GPTConfig
+from minigpt.core.checkpoint import load_checkpoint
+from minigpt.core.config import UsageError
+from minigpt.core.model import GPT, GPTConfig
 
 
 def load_model(path: str | Path, device: str = "cpu") -> tuple[GPT, dict]:

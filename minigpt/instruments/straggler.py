@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from minigpt.config import UsageError
+from minigpt.core.config import UsageError
 from minigpt.stages import scored_stages, split_parent
 
 

@@ -27,17 +27,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minigpt import distributed, paths
-from minigpt.config import EXTRA_ARGS_ENV, TrainConfig, UsageError
-from minigpt.cpu import preload_hint
-from minigpt.distributed import DistInfo
+from minigpt import paths
+from minigpt.core import distributed
+from minigpt.core.config import EXTRA_ARGS_ENV, TrainConfig, UsageError
+from minigpt.core.cpu import preload_hint
+from minigpt.core.distributed import DistInfo
 from minigpt.fileio import atomic_write
 
 if TYPE_CHECKING:
-    from minigpt.checkpoint import Checkpointer
-    from minigpt.data import Data
-    from minigpt.mfu import Throughput
-    from minigpt.model import GPT
+    from minigpt.core.checkpoint import Checkpointer
+    from minigpt.core.data import Data
+    from minigpt.core.model import GPT
+    from minigpt.instruments.mfu import Throughput
 
 LOCK_FILE = ".lock"  # in the run directory; holds the PID of the trainer that owns it
 # Pseudo file systems: the kernel's views, never a place for a run's files.
@@ -433,7 +434,7 @@ class RunDir:
         """Create the folder, write config.json (rank 0) and say what this run is: the lines every
         log starts with. `notes`: the AMP decision in words, then the CPU allocator's setting and
         the parallel plan, when there are; `predicted_step`: the step's predicted stage times
-        (minigpt.predict), kept in config.json beside what the run measures. Returns the logger
+        (minigpt.instruments.predict), kept in config.json beside what the run measures. Returns the logger
         (rank 0 writes the log, metrics, TensorBoard, checkpoints)."""
         cfg, info, device, (amp_note, *notes) = self.cfg, self.dist_info, rate.device, notes
         self.path.mkdir(parents=True, exist_ok=True)

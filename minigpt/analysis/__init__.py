@@ -1,0 +1,1 @@
+"""minigpt's analysis: see README, Layout."""

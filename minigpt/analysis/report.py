@@ -1,0 +1,1062 @@
+"""One offline HTML page for a run: what ran, how fast, where the time and the memory went.
+
+    python -m minigpt.report runs/main                  # writes runs/main/report.html
+    python -m minigpt.report runs/main --out /tmp/r.html
+
+torch-tb-profiler's Overview, Operator and Memory views load Google Charts from the network, so
+offline they are a spinner. This page needs nothing: plotly.js is inlined once (about 4.6 MB),
+every chart is drawn from the run directory's files (config.json, metrics.jsonl, traces/,
+memory_trace/, stragglers.jsonl), and opening it makes no request. Sections whose data the run
+did not record say so in one line, with the flag that records it.
+
+The trainer calls write_report() at the end of a run (--no-report turns it off).
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import statistics
+import sys
+from pathlib import Path
+
+from minigpt.analysis.runfiles import Run, RunError, load_run, timeline_events
+from minigpt.errors import ArgParser, UsageError
+from minigpt.fileio import ELSEWHERE, atomic_write
+from minigpt.memory_log import (
+    CATEGORIES,
+    PEAK_PART_NAMES,
+    PEAK_PARTS,
+    SUMMARY_DEPTH,
+    category_leaves,
+    category_rows,
+    peak_of_state,
+    peak_rows,
+    sunburst,
+)
+from minigpt.paths import METRICS_FILE, REPORT_FILE
+from minigpt.stages import STAGE_NAMES, color, label, split_parent
+from minigpt.step_record import MEMORY_BREAKDOWN_KEYS, OLDER_RUN, run_figures
+
+MB = 1024 * 1024
+TOP_ROWS = 15  # operators and kernels drawn and listed per trace
+MAX_KERNEL_BARS = 4000  # kernels drawn per rank on the timeline: more makes the page slow to draw
+KERNEL_COLOR = "purple"
+
+# Sections in page order: (id, title). The browser test checks each one rendered.
+SECTIONS = (
+    ("summary", "Run summary"),
+    ("curves", "Loss and learning rate"),
+    ("stages", "Stage times per step"),
+    ("timeline", "Profiled window"),
+    ("operators", "Top operators and kernels"),
+    ("memory", "Memory"),
+    ("stragglers", "Stragglers per rank"),
+)
+
+CSS = """
+body { font: 14px/1.45 system-ui, sans-serif; margin: 0 auto; max-width: 1280px; padding: 0 1.5em 3em;
+  color: #222; }
+h1 { margin: 0.8em 0 0.2em; } h2 { border-bottom: 1px solid #ccc; margin-top: 1.6em; }
+table { border-collapse: collapse; margin: 0.6em 0; }
+td, th { padding: 2px 10px; border-bottom: 1px solid #eee; text-align: right; } th { background: #f4f4f4; }
+td:first-child, th:first-child { text-align: left; }
+td.name { text-align: left; font-family: monospace; max-width: 60em; overflow-wrap: anywhere; }
+.nodata { color: #777; font-style: italic; } .problem { color: #a40; }
+.kv td { text-align: left; } .kv td:first-child { color: #555; }
+td.sum { font-weight: bold; border-top: 1px solid #999; } .headline { font-size: 1.15em; }
+.new { color: #a40; } .gone { color: #06a; } .grid { display: flex; flex-wrap: wrap; gap: 2em; }
+"""
+
+
+# ---------------------------------------------------------------------------- HTML pieces
+
+
+def esc(x) -> str:
+    return html.escape(str(x))
+
+
+def nodata(text: str) -> str:
+    return f'<p class="nodata">{esc(text)}</p>'
+
+
+def section(sid: str, title: str, body: str) -> str:
+    return f'<section id="{sid}"><h2>{esc(title)}</h2>\n{body}\n</section>'
+
+
+def table(headers: list[str], rows: list[list], name_col: int | None = None, cls: str = "") -> str:
+    """rows of cells; a cell is text, or (text, css class). `name_col` is left-aligned monospace."""
+
+    def cell(i: int, c) -> str:
+        text, klass = c if isinstance(c, tuple) else (c, "")
+        klass = (klass + " name").strip() if i == name_col else klass
+        return f'<td class="{klass}">{esc(text)}</td>' if klass else f"<td>{esc(text)}</td>"
+
+    head = "".join(f"<th>{esc(h)}</th>" for h in headers)
+    body = "\n".join("<tr>" + "".join(cell(i, c) for i, c in enumerate(r)) + "</tr>" for r in rows)
+    return f'<table class="{cls}"><tr>{head}</tr>\n{body}</table>'
+
+
+def figure(fig, div_id: str, height: int = 380) -> str:
+    """A plotly figure as a <div> and its script; plotly.js itself is in the page's head."""
+    import plotly.io as pio
+
+    fig.update_layout(height=height, margin=dict(t=40, l=60, r=20, b=40), template="plotly_white")
+    return pio.to_html(
+        fig,
+        include_plotlyjs=False,
+        full_html=False,
+        div_id=div_id,
+        config={"displaylogo": False, "responsive": True},
+    )
+
+
+def page(title: str, body: str) -> str:
+    import plotly.offline
+
+    # Inlined once, in the head, so every figure's script finds Plotly; no <script src>, no CDN.
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>\n'
+        f'<style>{CSS}</style>\n<script type="text/javascript">{plotly.offline.get_plotlyjs()}</script>\n'
+        f"</head><body>\n{body}\n</body></html>\n"
+    )
+
+
+def fmt(x, digits: int = 2) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        return f"{x:,.{digits}f}"
+    return f"{x:,}" if isinstance(x, int) else str(x)
+
+
+def tflops(x: float) -> str:
+    """TFLOP/s to three significant digits: 989, 1.36, 0.00861 (a fixed 3 decimals would show a
+    CPU's 0.009 and a GPU's 989.000)."""
+    if not x:
+        return "0"
+    digits = max(0, 2 - math.floor(math.log10(abs(x))))
+    return f"{x:,.{digits}f}"
+
+
+def flops_spread(spread) -> str | None:
+    """config.json's peak_flops_spread, the winning unit's [median call, best call] in FLOP/s, as
+    "1.04-1.36 TFLOP/s"; None when the run has none (a table's figure, or --peak-tflops)."""
+    if not isinstance(spread, (list, tuple)) or len(spread) != 2:
+        return None
+    if not all(isinstance(v, (int, float)) and v > 0 for v in spread):
+        return None
+    return f"{tflops(spread[0] / 1e12)}-{tflops(spread[1] / 1e12)} TFLOP/s"
+
+
+def fitted_range(values: list) -> list[float] | None:
+    """A y range for a series that is one value (one logged step, or a constant learning rate):
+    plotly would centre it on a -1..1 axis, where 3e-4 reads as 0. None: let plotly fit it."""
+    values = [v for v in values if isinstance(v, (int, float))]
+    if not values or min(values) != max(values) or values[0] == 0:
+        return None
+    v = values[0]
+    return [0.0, 2 * v] if v > 0 else [2 * v, 0.0]
+
+
+def median(values: list) -> float | None:
+    values = [v for v in values if isinstance(v, (int, float))]
+    return statistics.median(values) if values else None
+
+
+def steady(metrics: list[dict]) -> list[dict]:
+    """The logged steps after the first interval, which holds warm-up (and compilation): the
+    figures a user compares. A run with one logged step keeps it."""
+    return metrics[1:] if len(metrics) > 1 else metrics
+
+
+# ---------------------------------------------------------------------------- figures of one run
+
+
+def throughput(run: Run) -> dict:
+    """The run's own figures, as metrics.jsonl's last record holds them (minigpt.step_record.RUN_KEYS:
+    tokens/s over the steps alone and end to end, start-up; None for an older run that did not
+    write them), and the per-interval figures' medians over the steady steps: tokens/s per step,
+    MFU, and what MFU is measured against."""
+    m = steady(run.metrics)
+    c = run.config
+    return {
+        **run_figures(run.metrics),
+        "resumed": bool(c.get("config", {}).get("resume")),  # the run's figures count from the resume
+        "tokens_per_s": median([r.get("tokens_per_s") for r in m]),
+        "tokens_per_s_per_rank": median([r.get("tokens_per_s_per_rank") for r in m]),
+        "mfu": median([r.get("mfu") for r in m]),
+        "achieved_tflops": median([r.get("achieved_tflops") for r in m]),
+        "peak_tflops": c["peak_flops"] / 1e12 if isinstance(c.get("peak_flops"), (int, float)) else None,
+        "peak_flops_source": c.get("peak_flops_source"),
+        "peak_flops_spread": c.get("peak_flops_spread"),
+    }
+
+
+def stage_medians(run: Run, key: str) -> dict[str, float]:
+    """Each stage's median ms per step over the steady logged steps (key: stage_host_ms, ...)."""
+    rows = [r.get(key) or {} for r in steady(run.metrics)]
+    names = [s for s in STAGE_NAMES if any(s in r for r in rows)]
+    names += sorted({k for r in rows for k in r} - set(names))
+    return {s: median([r.get(s) for r in rows]) for s in names}
+
+
+def peak_memory(run: Run) -> dict[str, float]:
+    """Peak memory figures in bytes: the measured breakdown by category, and the process's peaks."""
+    out: dict[str, float] = {}
+    b = run.breakdown()
+    if b:
+        for k in (*MEMORY_BREAKDOWN_KEYS, "cuda_max_reserved"):
+            if isinstance(b.get(k), (int, float)):
+                out[k] = b[k]
+    elif run.memory:  # memory.log without a metrics line (a run stopped right after the measured step)
+        s = run.memory[0]["summary"]
+        for k, src in (
+            ("params", "params_memory"),
+            ("grads", "grads_memory"),
+            ("optimizer", "os_state_memory"),
+            ("activations", "activation_memory"),
+            ("activations_peak", "activation_peak_memory"),
+            ("total", "total_memory"),
+            ("peak", "peak_memory"),
+        ):
+            if src in s:
+                out[k] = s[src]
+    mem = [r.get("memory") or {} for r in run.metrics]
+    for k in ("rss_peak_bytes",):
+        v = max((r[k] for r in mem if isinstance(r.get(k), (int, float))), default=None)
+        if v is not None:
+            out[k] = v
+    for k in ("peak_allocated_gib", "peak_reserved_gib"):
+        v = max((r[k] for r in mem if isinstance(r.get(k), (int, float))), default=None)
+        if v is not None:
+            out[k.replace("_gib", "_bytes")] = v * 1024**3
+    return out
+
+
+def throughput_rows(t: dict) -> list[tuple[str, str]]:
+    """The summary's tokens/s and start-up rows: the run's figures (what the trainer's last line
+    says), then the per-interval median for comparison with the log lines."""
+    tokens = f"{t['run_tokens']:,} tokens" if t["run_tokens"] is not None else "tokens"
+    steps_alone = (
+        f"{fmt(t['run_tokens_per_s'], 0)} ({'since the resume' if t['resumed'] else 'the whole run'}: "
+        f"{tokens} / {t['run_step_time_s']:.2f}s, "
+        "every step's time summed)"
+        if t["run_tokens_per_s"] is not None
+        else OLDER_RUN
+    )
+    e2e = (
+        OLDER_RUN
+        if t["tokens_per_s_e2e"] is None
+        else fmt(t["tokens_per_s_e2e"], 0)
+        + (
+            f" ({tokens} / {t['elapsed_s']:.2f}s of loop to the last log line: evaluations, logging "
+            "and checkpoints included)"
+            if t["elapsed_s"] is not None
+            else ""
+        )
+    )
+    startup = (
+        OLDER_RUN
+        if t["startup_s"] is None
+        else f"{t['startup_s']:.2f}s from the process's start to the loop's (in neither rate)"
+    )
+    return [
+        ("tokens/s over the steps alone", steps_alone),
+        ("tokens/s end to end", e2e),
+        ("start-up", startup),
+        (
+            "tokens/s per step, median interval",
+            f"{fmt(t['tokens_per_s'], 0)} (median of the logged intervals after the first; "
+            f"{fmt(t['tokens_per_s_per_rank'], 0)} per rank)",
+        ),
+    ]
+
+
+def summary_section(run: Run) -> str:
+    c, cfg = run.config, run.config.get("config", {})
+    model = c.get("model", {})
+    t = throughput(run)
+    last = run.metrics[-1] if run.metrics else {}
+    vals = [r.get("val_loss") for r in run.metrics if r.get("val_loss") is not None]
+    versions = c.get("versions", {})
+    tokens_step = (
+        (cfg.get("batch_size") or 0) * (cfg.get("seq_len") or 0) * (cfg.get("grad_accum_steps") or 1)
+    )
+    peak = (
+        f"{tflops(t['peak_tflops'])} TFLOP/s per device ({t['peak_flops_source'] or 'source not recorded'})"
+        if t["peak_tflops"] is not None
+        else "n/a"
+    )
+    if spread := flops_spread(t["peak_flops_spread"]):
+        peak += f"; the winning unit's timed calls, median to best: {spread}"
+    rows = [
+        ("run", str(run.path)),
+        (
+            "model",
+            f"{model.get('n_layers')} layers, {model.get('n_heads')} heads, d_model {model.get('d_model')}, "
+            f"d_ff {model.get('d_ff')}, vocab {model.get('vocab_size')}, "
+            f"{fmt((c.get('params') or 0) / 1e6)}M parameters"
+            + (", activation checkpointing" if model.get("activation_checkpoint") else ""),
+        ),
+        (
+            "batch",
+            f"{cfg.get('batch_size')} x {cfg.get('seq_len')} tokens x {cfg.get('grad_accum_steps')} "
+            f"accumulation = {tokens_step:,} tokens per step per rank; {cfg.get('num_steps')} steps",
+        ),
+        (
+            "data",
+            "toy sequences"
+            if cfg.get("use_toy_data")
+            else (", ".join(cfg.get("train_data") or []) or "built-in corpus"),
+        ),
+        (
+            "device",
+            f"{c.get('device')} ({c.get('device_name')}), {run.world_size} process(es)"
+            + (f", {c.get('ddp_backend')}" if c.get("ddp_backend") else ""),
+        ),
+        ("precision", c.get("amp")),
+        ("versions", ", ".join(f"{k} {v}" for k, v in versions.items() if v)),
+        *throughput_rows(t),
+        (
+            "MFU",
+            (f"{100 * t['mfu']:.1f}%" if t["mfu"] is not None else "n/a")
+            + (
+                f" ({fmt(t['achieved_tflops'], 3)} TFLOP/s achieved per device)"
+                if t["achieved_tflops"]
+                else ""
+            ),
+        ),
+        ("MFU denominator", peak),
+        ("FLOPs per token", fmt(c.get("flops_per_token"))),
+        ("final train loss", fmt(last.get("loss"), 4)),
+        ("final val loss", fmt(vals[-1], 4) if vals else "n/a"),
+        (
+            "steps logged",
+            f"{len(run.metrics)} (of {cfg.get('num_steps')}; --log-interval {cfg.get('log_interval')})",
+        ),
+    ]
+    body = table(["", ""], [list(r) for r in rows], cls="kv")
+    flags = [
+        k for k in ("use_profiler", "memory_profiler", "use_activation_checkpoint", "compile") if cfg.get(k)
+    ]
+    body += f"<p>Instrumentation: {esc(', '.join(flags) or 'stage timing only')}.</p>"
+    if run.problems:
+        body += "".join(f'<p class="problem">{esc(p)}</p>' for p in run.problems)
+    return body
+
+
+def curves_section(run: Run) -> str:
+    if not run.metrics:
+        return nodata("no metrics.jsonl lines: the run stopped before its first log step")
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    steps = [r.get("step") for r in run.metrics]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("loss", "learning rate"))
+    fig.add_trace(
+        go.Scatter(x=steps, y=[r.get("loss") for r in run.metrics], name="train loss", mode="lines+markers"),
+        1,
+        1,
+    )
+    val = [(r["step"], r["val_loss"]) for r in run.metrics if r.get("val_loss") is not None]
+    if val:
+        fig.add_trace(
+            go.Scatter(x=[s for s, _ in val], y=[v for _, v in val], name="val loss", mode="lines+markers"),
+            1,
+            1,
+        )
+    lrs = [r.get("lr") for r in run.metrics]
+    fig.add_trace(go.Scatter(x=steps, y=lrs, name="lr", mode="lines+markers"), 1, 2)
+    fig.update_xaxes(title_text="step")
+    fig.update_yaxes(exponentformat="e", range=fitted_range(lrs), row=1, col=2)  # 3e-4, not 300µ
+    body = ""
+    if len(run.metrics) == 1:
+        body = (
+            f"<p>One logged step (step {esc(steps[0])}): each chart of this page holds one point per "
+            "series; --log-interval N logs every N steps.</p>"
+        )
+    return body + figure(fig, "curves-plot", 340)
+
+
+def stages_section(run: Run) -> str:
+    keys = [
+        ("stage_host_ms", "host ms"),
+        ("stage_device_ms", "device ms"),
+        ("stage_comm_ms", "in collectives ms"),
+    ]
+    keys = [(k, t) for k, t in keys if any(r.get(k) for r in run.metrics)]
+    if not keys:
+        return nodata("no stage times: the run had --no-stage-timing, or logged no step")
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    steps = [r.get("step") for r in run.metrics]
+    fig = make_subplots(rows=1, cols=len(keys), shared_yaxes=True, subplot_titles=[t for _, t in keys])
+    names = list(stage_medians(run, "stage_host_ms") or STAGE_NAMES)
+    for col, (key, _) in enumerate(keys, 1):
+        for name in names:
+            if split_parent(name):  # a part of another stage (backward_compute): in the table, not stacked
+                continue
+            fig.add_trace(
+                go.Bar(
+                    x=steps,
+                    y=[(r.get(key) or {}).get(name, 0.0) for r in run.metrics],
+                    name=name,
+                    marker_color=color(name),
+                    legendgroup=name,
+                    showlegend=col == 1,
+                ),
+                1,
+                col,
+            )
+    fig.update_layout(barmode="stack")
+    fig.update_xaxes(title_text="logged step")
+    fig.update_yaxes(title_text="ms per step (mean over the interval)", row=1, col=1)
+    note = (
+        "<p>Each bar is the mean over its log interval. On the CPU a stage's device time is its host time; "
+        "on a GPU the host returns early and the device column says where the GPU spent its time.</p>"
+    )
+    rows = []
+    for name in names:
+        part = f", part of {split_parent(name)}" if split_parent(name) else ""
+        rows.append(
+            [f"{name} ({label(name)}{part})"] + [fmt(stage_medians(run, k).get(name)) for k, _ in keys]
+        )
+    return (
+        note
+        + figure(fig, "stages-plot", 360)
+        + table(["stage, median of steady steps"] + [t for _, t in keys], rows)
+        + prediction_table(run)
+    )
+
+
+def _number(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def prediction_table(run: Run) -> str:
+    """The stage times minigpt.instruments.predict gave for this run's configuration (config.json's
+    predicted_step, written as the run started) beside the measured medians, with the error
+    (predicted / measured - 1): how far this machine's measured rates explain the step. Measured
+    is the device time (on the CPU the host's). "" for a run without a prediction."""
+    pred = run.config.get("predicted_step")
+    stage_ms = pred.get("stage_ms") if isinstance(pred, dict) else None
+    if not isinstance(stage_ms, dict):
+        return ""
+    measured = stage_medians(run, "stage_device_ms") or stage_medians(run, "stage_host_ms")
+    bound = pred.get("bound") if isinstance(pred.get("bound"), dict) else {}
+    rows = [
+        [name, *_predicted_cells(_number(stage_ms[name]), measured.get(name)), fmt(bound.get(name))]
+        for name in stage_ms
+    ]
+    tps = median([r.get("tokens_per_s_per_rank") for r in steady(run.metrics)])
+    rows.append(["tokens/s per rank", *_predicted_cells(_number(pred.get("tokens_per_s")), tps, 0), ""])
+    untested = (
+        " The device's rates come from its data sheet, not from a measurement here: untested."
+        if pred.get("tested") is False
+        else ""
+    )
+    return (
+        "<p>Predicted when the run started (<code>python -m minigpt.estimate --time</code>: each op's "
+        "FLOPs, bytes and launches at this machine's measured rates) beside the measured median, "
+        f"with the error, predicted / measured - 1.{untested}</p>"
+        + table(["stage", "measured ms", "predicted ms", "error", "bound by"], rows)
+    )
+
+
+def _predicted_cells(predicted: float | None, measured: float | None, digits: int = 2) -> list[str]:
+    """measured, predicted and the error in percent, each "n/a" where it cannot be told."""
+    error = f"{100 * (predicted / measured - 1):+.1f}%" if predicted is not None and measured else "n/a"
+    return [fmt(measured, digits), fmt(predicted, digits), error]
+
+
+def _bars(lane: str, rows: list[tuple[str, float, float]], **style):
+    """One timeline lane's bars: a horizontal bar per (name, start ms, duration ms) row."""
+    import plotly.graph_objects as go
+
+    return go.Bar(
+        y=[lane] * len(rows),
+        x=[d for _, _, d in rows],
+        base=[t for _, t, _ in rows],
+        orientation="h",
+        **style,
+    )
+
+
+def _timeline_figure(run: Run):
+    """Each rank's profiled window as lanes of bars: its steps, its stages, and (on a GPU) its
+    device work. Returns the figure, its lanes top to bottom, and a note per rank whose device
+    events were cut to MAX_KERNEL_BARS."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    lanes: list[str] = []
+    notes = []
+    shown = set()
+    for s in run.traces:
+        r = s["rank"]
+        ev = timeline_events(Path(s["file"]), tuple(s.get("stages") or STAGE_NAMES))
+        lane_step, lane_stage, lane_dev = f"rank {r} steps", f"rank {r} stages", f"rank {r} device"
+        lanes += [lane_step, lane_stage] + ([lane_dev] if ev["kernels"] else [])
+        fig.add_trace(
+            _bars(
+                lane_step,
+                ev["steps"],
+                name="ProfilerStep",
+                marker_color="lightgrey",
+                text=[n for n, _, _ in ev["steps"]],
+                legendgroup="step",
+                showlegend="step" not in shown,
+                hovertemplate="%{text}: %{x:.2f} ms<extra></extra>",
+            )
+        )
+        shown.add("step")
+        for name in dict.fromkeys(n for n, _, _ in ev["stages"]):
+            fig.add_trace(
+                _bars(
+                    lane_stage,
+                    [e for e in ev["stages"] if e[0] == name],
+                    name=name,
+                    marker_color=color(name),
+                    legendgroup=name,
+                    showlegend=name not in shown,
+                    hovertemplate=f"{name}: %{{x:.2f}} ms at %{{base:.2f}} ms<extra></extra>",
+                )
+            )
+            shown.add(name)
+        kernels = ev["kernels"]
+        if len(kernels) > MAX_KERNEL_BARS:
+            notes.append(f"rank {r}: the {MAX_KERNEL_BARS} longest of {len(kernels)} device events drawn")
+            kernels = sorted(kernels, key=lambda k: -k[2])[:MAX_KERNEL_BARS]
+        if kernels:
+            fig.add_trace(
+                _bars(
+                    lane_dev,
+                    kernels,
+                    name="kernels",
+                    marker_color=KERNEL_COLOR,
+                    text=[n[:120] for n, _, _ in kernels],
+                    textposition="none",
+                    legendgroup="kernels",
+                    showlegend="kernels" not in shown,
+                    hovertemplate="%{text}<br>%{x:.3f} ms<extra></extra>",
+                )
+            )
+            shown.add("kernels")
+    fig.update_layout(
+        barmode="overlay",
+        xaxis_title="ms from the rank's first profiled step",
+        yaxis=dict(categoryorder="array", categoryarray=list(reversed(lanes))),
+    )
+    return fig, lanes, notes
+
+
+def timeline_section(run: Run) -> str:
+    if not run.traces:
+        return nodata("no trace: run with --use-profiler")
+    fig, lanes, notes = _timeline_figure(run)
+    cpu = all(s.get("cpu_only") for s in run.traces)
+    unrecorded = any(s.get("device_not_recorded") for s in run.traces)
+    if cpu:
+        lane = "CPU-only trace: no device lane (the CPU runs each op as the host issues it)."
+    elif unrecorded:
+        lane = (
+            "A GPU trace whose kernels were not recorded (CUDA launches, no kernel events): host "
+            "times only; profile with ProfilerActivity.CUDA to record them."
+        )
+    else:
+        lane = "The device lane holds every kernel, memcpy and memset of the window."
+    body = (
+        f"<p>{len(run.traces)} trace file(s), profiled steps "
+        f"{', '.join(str(x['step']) for x in run.traces[0]['steps'])}. {lane}</p>"
+    )
+    body += figure(fig, "timeline-plot", 120 + 60 * len(lanes))
+    body += "".join(nodata(n) for n in notes)
+    return body + _window_table(run.traces[0], cpu)
+
+
+def _window_table(s: dict, cpu: bool) -> str:
+    """Per profiled step and stage of one trace summary: host ms, and device busy ms on a GPU."""
+    names = list(s.get("stages") or STAGE_NAMES)
+    # Time in collectives is shown where the trace has collectives (DDP, FSDP), not as "(comm 0.00)".
+    comm = any(
+        (st.get("comm_host_ms") or 0) > 0 or (st.get("comm_device_ms") or 0) > 0
+        for st in s["totals"]["stages"].values()
+    )
+    rows = []
+    for row in s["steps"]:
+        cells = [row["step"]]
+        for n in names:
+            st = row["stages"].get(n, {})
+            cell = fmt(st.get("host_ms")) + ("" if cpu else f" / {fmt(st.get('device_busy_ms'))}")
+            if comm and isinstance(st.get("comm_host_ms"), (int, float)):  # collectives inside the stage
+                cell += f" (comm {fmt(st['comm_host_ms'])})"
+            cells.append(cell)
+        cells.append(fmt(row.get("host_ms")) + ("" if cpu else f" / {fmt(row.get('device_busy_ms'))}"))
+        rows.append(cells)
+    unit = "host ms" if cpu else "host / device busy ms"
+    return f"<p>Rank {s['rank']}, from the trace ({unit}):</p>" + table(
+        ["step"] + names + ["whole step"], rows
+    )
+
+
+def operators_section(run: Run) -> str:
+    if not run.traces:
+        return nodata("no trace: run with --use-profiler")
+    import plotly.graph_objects as go
+
+    s = run.traces[0]
+    steps = max(len(s["steps"]), 1)
+    ops = s["operators"]["by_self"][:TOP_ROWS]
+    fig = go.Figure(
+        go.Bar(
+            y=[o["name"][:60] for o in reversed(ops)],
+            x=[o["self_ms"] / steps for o in reversed(ops)],
+            orientation="h",
+            marker_color="steelblue",
+            hovertemplate="%{y}: %{x:.2f} ms<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        xaxis_title="self ms per profiled step", title=f"rank {s['rank']}: host operators by self time"
+    )
+    body = figure(fig, "operators-plot", 120 + 24 * len(ops))
+    body += table(
+        ["operator", "calls", "self ms", "total ms", "self ms / step"],
+        [
+            [o["name"], o["calls"], fmt(o["self_ms"]), fmt(o["total_ms"]), fmt(o["self_ms"] / steps)]
+            for o in ops
+        ],
+        name_col=0,
+    )
+    kernels = s.get("kernels") or []
+    if not kernels:
+        body += nodata("no kernels: a CPU-only trace (host operators only)")
+        return body
+    ks = kernels[:TOP_ROWS]
+    fig = go.Figure(
+        go.Bar(
+            y=[k["name"][:60] for k in reversed(ks)],
+            x=[k["total_ms"] / steps for k in reversed(ks)],
+            orientation="h",
+            marker_color=KERNEL_COLOR,
+            hovertemplate="%{y}: %{x:.3f} ms<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        xaxis_title="device ms per profiled step",
+        title=f"rank {s['rank']}: kernels by total time ({fmt(s.get('kernel_total_ms'))} ms in all)",
+    )
+    body += figure(fig, "kernels-plot", 120 + 24 * len(ks))
+    body += table(
+        ["kernel", "calls", "total ms", "share", "tensor cores"],
+        [
+            [k["name"], k["calls"], fmt(k["total_ms"]), f"{100 * k['share']:.1f}%", k["tensor_cores"]]
+            for k in ks
+        ],
+        name_col=0,
+    )
+    return body
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / MB:,.2f} MiB"
+
+
+def measured_peaks(run: Run) -> list[dict]:
+    """The measured peak of each rank that has one, rank 0 first: {"rank", "step", "peak" (bytes),
+    "stage", "where", "parts": {part: {name: bytes}}}, the parts adding up to the peak. memory.log's
+    peak_layout names every byte; without memory.log, metrics.jsonl's record gives each part's
+    total and the names of the activations, temporaries and held tensors."""
+    out = []
+    for state in run.memory:
+        p = peak_of_state(state)
+        if p is not None:
+            out.append({**p, "rank": state["rank"], "step": state["step"]})
+    b = run.breakdown()
+    if out or not b or not isinstance(b.get("peak"), (int, float)):
+        return out
+    totals = b.get("peak_parts") or {}
+    named = {
+        "activations": b.get("peak_activations"),
+        "temporaries": b.get("temporaries"),
+        "held": b.get("held"),
+    }
+    parts: dict[str, dict[str, int]] = {}
+    for part in PEAK_PARTS:
+        names = named.get(part) or {}
+        if names and sum(names.values()) == totals.get(part):
+            parts[part] = dict(names)
+        elif totals.get(part):
+            parts[part] = {f"{PEAK_PART_NAMES[part]} (not named in {METRICS_FILE})": totals[part]}
+    where = {"stage": b.get("peak_stage"), "where": b.get("peak_where")}
+    return [{"peak": b["peak"], **where, "parts": parts, "rank": 0, "step": b.get("step")}]
+
+
+def _sunburst_figure(rows: list[tuple[str, str, str, int]], title: str):
+    """memory.py's (id, label, parent, bytes) rows as a plotly sunburst: every parent is a row, and
+    a parent's value is its children's sum (branchvalues="total")."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure(
+        sunburst(
+            rows,
+            texttemplate="%{label}<br>%{customdata:.1f} MiB",
+            hovertemplate="%{label}<br>%{customdata:.2f} MiB, %{percentRoot:.1%} of the chart<extra></extra>",
+        )
+    )
+    fig.update_layout(title=title)
+    return fig
+
+
+def _peak_body(p: dict, est: dict | None, ranks: int) -> str:
+    """The measured peak in words, a table of the parts live at that moment (they add up to it),
+    and the sunburst of those parts."""
+    stage = p["stage"] or "n/a"
+    where = (p["where"] or "").removeprefix(f"{stage} / ") or "n/a"
+    who = f"rank {p['rank']}, " if ranks > 1 else ""
+    body = (
+        f'<p class="headline">Measured peak: <b>{esc(_mib(p["peak"]))}</b> ({who}step {esc(p["step"])}), '
+        f"during <b>{esc(stage)}</b>, at {esc(where)}.</p>"
+    )
+    rows = [
+        [
+            "measured peak",
+            f"{_mib(p['peak'])} ({p['peak']:,} bytes): the allocator's highest figure in step "
+            f"{p['step']}, replayed from its allocations and frees",
+        ],
+        ["when (stage)", stage],
+        ["where (module / op)", where],
+    ]
+    if est and isinstance(est.get("peak"), (int, float)):
+        rows.append(
+            [
+                "estimated peak",
+                f"{_mib(est['peak'])} ({100 * (est['peak'] - p['peak']) / p['peak']:+.1f}%), "
+                f"at {est.get('peak_moment') or 'n/a'} ({est.get('peak_stage') or 'n/a'})",
+            ]
+        )
+    body += table(["", ""], rows, cls="kv")
+    total = sum(v for names in p["parts"].values() for v in names.values())
+    part_rows = []
+    for part in PEAK_PARTS:
+        names = sorted(p["parts"].get(part, {}).items(), key=lambda kv: -kv[1])
+        nbytes = sum(v for _, v in names)
+        top = "; ".join(f"{n} {v / MB:,.2f}" for n, v in names[:3] if v) + ("; ..." if len(names) > 3 else "")
+        part_rows.append([PEAK_PART_NAMES[part], fmt(nbytes / MB), f"{100 * nbytes / p['peak']:.1f}%", top])
+    same = total == p["peak"]
+    part_rows.append(
+        [
+            ("sum of the parts", "sum"),
+            (fmt(total / MB), "sum"),
+            (f"{100 * total / p['peak']:.1f}%", "sum"),
+            (
+                "= the measured peak"
+                if same
+                else f"differs from the measured peak by {_mib(total - p['peak'])}: memory.log is cut or old",
+                "sum" if same else "problem",
+            ),
+        ]
+    )
+    body += "<p>Live at the peak, every byte named once:</p>" + table(
+        ["part", "MiB", "of the peak", "largest (MiB)"], part_rows, name_col=3
+    )
+    title = f"{who}step {p['step']}: the measured peak, {_mib(p['peak'])}, by what was live"
+    return body + figure(_sunburst_figure(peak_rows(p["parts"]), title), "memory-sunburst", 520)
+
+
+def _categories_body(b: dict, est: dict | None) -> str:
+    """Each category over the whole step, measured and estimated; their sum labelled as one."""
+    import plotly.graph_objects as go
+
+    cats = [("peak", "measured peak")] if isinstance(b.get("peak"), (int, float)) else []
+    cats += [
+        ("params", "parameters"),
+        ("grads", "gradients"),
+        ("optimizer", "optimizer state"),
+        ("activations", "activations (all saved)"),
+        ("activations_peak", "activation peak"),
+        ("total", SUM_OF_PARTS),
+    ]
+    fig = go.Figure(
+        go.Bar(
+            x=[t for _, t in cats],
+            y=[(b.get(k) or 0) / MB for k, _ in cats],
+            name="measured",
+            marker_color="teal",
+        )
+    )
+    if est:
+        fig.add_trace(
+            go.Bar(
+                x=[t for _, t in cats],
+                y=[(est.get(k) or 0) / MB for k, _ in cats],
+                name="estimate",
+                marker_color="orange",
+            )
+        )
+    fig.update_layout(
+        barmode="group",
+        yaxis_title="MiB",
+        title=f"by category over step {b.get('step')}" + (", against the estimate" if est else ""),
+    )
+    rows = [
+        [
+            t,
+            fmt((b.get(k) or 0) / MB),
+            fmt((est or {}).get(k, 0) / MB) if est else "n/a",
+            (f"{100 * (est[k] - b[k]) / b[k]:+.1f}%" if est and b.get(k) and k in est else "n/a"),
+        ]
+        for k, t in cats
+    ]
+    note = (
+        "<p>Each category is measured over the whole step. Gradients and activations are never all "
+        f"alive at once and the ops' temporaries are in none of them, so the {esc(SUM_OF_PARTS)} "
+        "(parameters + gradients + optimizer state + activation peak) is not a peak: "
+        + (
+            "the measured peak is."
+            if isinstance(b.get("peak"), (int, float))
+            else "the step's peak was not measured."
+        )
+        + "</p>"
+    )
+    return (
+        note
+        + figure(fig, "memory-estimate", 360)
+        + table(["MiB", "measured", "estimate", "difference"], rows)
+    )
+
+
+SUM_OF_PARTS = "sum of the categories"
+
+
+def memory_section(run: Run) -> str:
+
+    body = ""
+    b = run.breakdown()
+    est = dict((b or {}).get("estimate") or {}) or None
+    if est and "activations_peak" not in est and "activations" in est:
+        est["activations_peak"] = est["activations"]  # the estimate counts every saved tensor live at once
+    peaks = measured_peaks(run)
+    if peaks:
+        body += _peak_body(peaks[0], est, len(run.memory))
+        if len(peaks) > 1:
+            body += "<p>Every rank's measured peak:</p>" + table(
+                ["rank", "step", "MiB", "stage", "where"],
+                [[p["rank"], p["step"], fmt(p["peak"] / MB), p["stage"], p["where"]] for p in peaks],
+                name_col=4,
+            )
+    elif run.memory or b:
+        state = run.memory[0] if run.memory else {}
+        note = state.get("peak_note") or (b or {}).get("peak_note") or "this run's memory.log predates it"
+        body += f'<p class="headline">Measured peak: {esc(note)}.</p>'
+        if run.memory:  # the categories' trees, labelled as the sum they are
+            leaves = category_leaves(state)
+            rows = [("total", SUM_OF_PARTS, "", sum(sum(v.values()) for v in leaves.values()))]
+            for category in CATEGORIES:
+                rows += category_rows(leaves[category], category, max_depth=SUMMARY_DEPTH, parent="total")
+            title = (
+                f"step {state['step']} by category: {_mib(rows[0][3])}, a sum of parts never all live at once"
+            )
+            body += figure(_sunburst_figure(rows, title), "memory-sunburst", 520)
+    if run.memory:
+        folder = run.memory[0]["folder"]
+        links = sorted(p.name for p in folder.glob("*_sunburst.html"))
+        if links:
+            rel = folder.relative_to(run.path)
+            body += (
+                "<p>Full charts beside this report: "
+                + ", ".join(f'<a href="{esc(rel / n)}">{esc(n)}</a>' for n in links)
+                + "</p>"
+            )
+    if b:
+        body += _categories_body(b, est)
+    body += _process_memory_chart(run)
+    if not body:
+        return nodata("no memory breakdown: run with --memory-profiler")
+    if not (run.memory or b):
+        body = nodata("no memory breakdown: run with --memory-profiler") + body
+    return body
+
+
+def _process_memory_chart(run: Run) -> str:
+    """The process's memory per log interval, in MiB, from metrics.jsonl: RSS on the CPU, the
+    allocator's peaks on CUDA; "" when no record holds either."""
+    import plotly.graph_objects as go
+
+    lines = [
+        (k, t, to_mib)
+        for k, t, to_mib in (
+            ("rss_bytes", "RSS", lambda v: v / MB),
+            ("rss_peak_bytes", "peak RSS", lambda v: v / MB),
+            ("peak_allocated_gib", "peak allocated", lambda v: v * 1024),
+            ("peak_reserved_gib", "peak reserved", lambda v: v * 1024),
+        )
+        if any(isinstance((r.get("memory") or {}).get(k), (int, float)) for r in run.metrics)
+    ]
+    if not lines:
+        return ""
+    fig = go.Figure()
+    steps = [r.get("step") for r in run.metrics]
+    for k, t, to_mib in lines:
+        fig.add_trace(
+            go.Scatter(
+                x=steps,
+                y=[to_mib((r.get("memory") or {}).get(k) or 0) for r in run.metrics],
+                name=t,
+                mode="lines+markers",
+            )
+        )
+    fig.update_layout(yaxis_title="MiB", xaxis_title="logged step", title="process memory per log interval")
+    return figure(fig, "memory-process", 320)
+
+
+def stragglers_section(run: Run) -> str:
+    if run.world_size <= 1:
+        return nodata("one process: stragglers are scored under DDP (torchrun --nproc_per_node N)")
+    threshold = run.config.get("config", {}).get("straggler_threshold")
+    if len(run.traces) > 1:
+        body = (
+            "<p>Under DDP the fast ranks wait for the slow one inside the backward's all-reduce: a slow "
+            "rank shows a long stage of its own, the others a long backward.</p>"
+        ) + figure(_rank_stages_figure(run), "stragglers-ranks", 360)
+    else:
+        body = nodata("per-rank stage times need a trace of every rank: --use-profiler --profile-ranks all")
+    if not run.stragglers:
+        body += f"<p>No straggler reported: every rank scored at or above the threshold {fmt(threshold)}.</p>"
+        return body
+    body += figure(_scores_figure(run.stragglers, threshold), "stragglers-scores", 320)
+    body += table(
+        ["step", "rank", "host", "relative", "individual", "stage that grew", "ms", "reference ms"],
+        [
+            [
+                x.get("step"),
+                x.get("rank"),
+                x.get("host"),
+                fmt(x.get("relative_score"), 3),
+                fmt(x.get("individual_score"), 3),
+                x.get("stage"),
+                fmt(x.get("stage_ms"), 1),
+                fmt(x.get("reference_stage_ms"), 1),
+            ]
+            for x in run.stragglers
+        ],
+    )
+    return body
+
+
+def _rank_stages_figure(run: Run):
+    """Each rank's stages, host ms per profiled step from its own trace, stacked side by side."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    names = list(run.traces[0].get("stages") or STAGE_NAMES)
+    for n in names:
+        fig.add_trace(
+            go.Bar(
+                x=[f"rank {s['rank']}" for s in run.traces],
+                y=[
+                    s["totals"]["stages"].get(n, {}).get("host_ms", 0.0) / max(len(s["steps"]), 1)
+                    for s in run.traces
+                ],
+                name=n,
+                marker_color=color(n),
+            )
+        )
+    fig.update_layout(
+        barmode="stack",
+        yaxis_title="host ms per profiled step",
+        title="each rank's stages in the profiled window (from its trace)",
+    )
+    return fig
+
+
+def _scores_figure(stragglers: list[dict], threshold):
+    """The scores of every rank reported slow (stragglers.jsonl), against the threshold."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for r in sorted({x["rank"] for x in stragglers}):
+        mine = [x for x in stragglers if x["rank"] == r]
+        for score, line in (("relative", None), ("individual", dict(dash="dot"))):
+            fig.add_trace(
+                go.Scatter(
+                    x=[x["step"] for x in mine],
+                    y=[x.get(f"{score}_score") for x in mine],
+                    name=f"rank {r} {score}",
+                    mode="lines+markers",
+                    line=line,
+                )
+            )
+    if isinstance(threshold, (int, float)):
+        fig.add_hline(y=threshold, line_dash="dash", line_color="grey", annotation_text="threshold")
+    fig.update_layout(
+        yaxis_title="score (1 = as fast as the fastest / its own best)",
+        xaxis_title="step",
+        title="scores of the ranks reported slow",
+    )
+    return fig
+
+
+BUILDERS = {
+    "summary": summary_section,
+    "curves": curves_section,
+    "stages": stages_section,
+    "timeline": timeline_section,
+    "operators": operators_section,
+    "memory": memory_section,
+    "stragglers": stragglers_section,
+}
+
+
+def report_body(run: Run) -> str:
+    parts = [f"<h1>minigpt run: {esc(run.name)}</h1>"]
+    for sid, title in SECTIONS:
+        parts.append(section(sid, title, BUILDERS[sid](run)))
+    return "\n".join(parts)
+
+
+def render_report(run: Run) -> str:
+    return page(f"minigpt run {run.name}", report_body(run))
+
+
+def write_page(out: Path, text: str, elsewhere: str) -> None:
+    """Write a page atomically. A full disk is DiskFull's one line, naming `elsewhere` (the flags
+    that write it elsewhere); a path that cannot be written (no such folder, no permission, a
+    read-only file system) is RunError's one line naming the page, not its temporary file."""
+    try:
+        atomic_write(out, text, elsewhere)
+    except OSError as e:
+        raise RunError(
+            f"cannot write {out} ({e.strerror or type(e).__name__}); write elsewhere ({elsewhere})"
+        ) from None
+
+
+def write_report(run_dir: Path, out: Path | None = None, elsewhere: str = ELSEWHERE) -> Path:
+    """Write the run's report (default RUN/report.html) atomically; return its path. Raises RunError
+    when run_dir is not a run directory or the page cannot be written, DiskFull when the disk is full."""
+    run = load_run(Path(run_dir))
+    out = Path(out) if out is not None else run.path / REPORT_FILE
+    write_page(out, render_report(run), elsewhere)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = ArgParser(prog="python -m minigpt.report", description="Write a run's offline HTML report.")
+    p.add_argument("run", type=Path, help="a run directory (the trainer's --out-dir)")
+    p.add_argument("--out", type=Path, help=f"where to write it (default RUN/{REPORT_FILE})")
+    args = p.parse_args(argv)
+    try:
+        if args.out is not None and args.out.is_dir():
+            raise RunError(f"--out {args.out} is a folder; give a file name such as {args.out / REPORT_FILE}")
+        path = write_report(args.run, args.out, "--out")
+    except (RunError, UsageError, OSError) as e:  # UsageError: a full disk (fileio.DiskFull)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

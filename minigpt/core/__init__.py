@@ -1,0 +1,1 @@
+"""minigpt's core: see README, Layout."""

@@ -1,0 +1,1 @@
+"""minigpt's instruments: see README, Layout."""

@@ -1,0 +1,458 @@
+"""Predicting memory from the flags alone: what one training step of minigpt's GPT holds, with no
+model built and nothing allocated. Its measured counterpart is minigpt/instruments/memory.py; docs/memory.md
+derives the formulas.
+
+    python -m minigpt.estimate                                # the default job (the trainer's flags)
+    python -m minigpt.estimate --preset gpt2 --batch-size 4 --device-memory-gb 24
+    python train_minimal.py --estimate-memory --preset gpt2   # the same, from the trainer
+    python -m minigpt.estimate --time [--json]                # the step's stage times (predict.py)
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
+
+import torch
+
+from minigpt.core.config import UsageError, machine_ram_bytes, parse_args, resolve_amp, resolve_device
+from minigpt.core.model import LOSS_CHUNK_ELEMENTS, LOSS_ROWS
+from minigpt.shape import GiB, MiB, Shape, shape_of
+
+# ---------------------------------------------------------------------------- the estimator (GPT)
+
+
+@dataclass
+class MemoryEstimate:
+    """Predicted bytes of one training step of the GPT in minigpt/core/model.py; see estimate_gpt and
+    docs/memory.md."""
+
+    amp_dtype: str
+    activation_checkpoint: bool
+    attention: str  # "flash" (no s x s scores saved) or "math"
+    params: int
+    grads: int
+    optimizer: int
+    block: int  # saved per block (with checkpointing: the block input the checkpoint keeps)
+    n_layers: int
+    embeddings: int  # saved by wte, wpe and the embedding dropout
+    head: int  # saved by ln_f and lm_head
+    loss: int  # saved by the cross-entropy
+    weight_copies: int  # of the above: autocast's low-precision weight copies that matmuls save
+    logits: int  # the logits the model returns: live until the loss's forward returns
+    recompute: int  # checkpointing: one block's activations, rebuilt during backward
+    grad_accum_steps: int = 1
+    chunked_loss: bool = False
+    # The candidate moments of the peak, {moment: {part: bytes}} with the parts of memory.PEAK_PARTS;
+    # the largest is the predicted peak (docs/memory.md).
+    moments: dict = field(default_factory=dict)
+
+    @property
+    def activations(self) -> int:
+        return self.n_layers * self.block + self.embeddings + self.head + self.loss
+
+    @property
+    def total(self) -> int:
+        """Same definition as MemoryBreakdown.total: comparable with the measurement."""
+        return self.params + self.grads + self.optimizer + self.activations
+
+    @property
+    def peak_moment(self) -> str:
+        return max(self.moments, key=lambda m: sum(self.moments[m].values()))
+
+    @property
+    def peak(self) -> int:
+        """The predicted allocator peak of the step (MemoryBreakdown.peak): its highest moment."""
+        return sum(self.moments[self.peak_moment].values())
+
+    @property
+    def peak_stage(self) -> str:
+        return MOMENT_STAGES[self.peak_moment]
+
+    def peak_parts(self) -> dict[str, int]:
+        return dict(self.moments[self.peak_moment])
+
+    def to_record(self) -> dict:
+        record = asdict(self)
+        record.update(
+            activations=self.activations,
+            total=self.total,
+            peak=self.peak,
+            peak_moment=self.peak_moment,
+            peak_stage=self.peak_stage,
+            moments={m: sum(parts.values()) for m, parts in self.moments.items()},
+        )
+        return record
+
+
+# The moments the estimator compares, and the stage each falls in (minigpt.stages' names).
+MOMENT_STAGES = {
+    "loss forward (a chunk)": "forward",
+    "loss forward": "forward",
+    "loss backward": "backward",
+    "lm head backward": "backward",
+    "block recompute": "backward",
+    "tied embedding backward": "backward",
+    "optimizer step": "optimizer_step",
+}
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """The byte sizes every term of the estimate is built from (docs/memory.md's symbols): the
+    step's shape, the matmuls' dtype and the device, which picks the loss and the attention."""
+
+    shape: Shape
+    amp_dtype: str
+    device: str
+
+    @property
+    def amp(self) -> bool:
+        return self.amp_dtype != "fp32"
+
+    @property
+    def p(self) -> int:  # bytes of an autocast activation or weight copy
+        return 2 if self.amp else 4
+
+    @property
+    def sbh(self) -> int:
+        return self.shape.tokens * self.shape.d_model
+
+    @property
+    def E(self) -> int:  # the tied embedding / LM head weight, and each of its fp32 gradients
+        return 4 * self.shape.vocab_size * self.shape.d_model
+
+    @property
+    def fused_loss(self) -> bool:
+        """model.cross_entropy(): CrossEntropy on the CPU unless the logits are fp16, F.cross_entropy else."""
+        return self.device == "cpu" and self.amp_dtype != "fp16"
+
+    @property
+    def flash(self) -> bool:
+        """The CPU flash kernel has no dropout: the math path takes over."""
+        return self.shape.dropout == 0 or self.device == "cuda"
+
+    @property
+    def layer_norm(self) -> int:  # its fp32 input and the row statistics
+        return 4 * self.sbh + 8 * self.shape.tokens
+
+    @property
+    def weight_copies(self) -> int:  # of one block: autocast's low-precision copies the matmuls save
+        h, f = self.shape.d_model, self.shape.d_ff
+        return self.p * (4 * h * h + 2 * h * f) if self.amp else 0
+
+    def mask(self, dtype_bytes: int) -> int:
+        """A dropout mask over an (s, b, h) tensor."""
+        return 0 if self.shape.dropout == 0 else self.sbh * (1 if self.device == "cuda" else dtype_bytes)
+
+    @property
+    def full_block(self) -> int:
+        """What one block saves for backward without checkpointing (Korthikanti et al.'s count
+        redone for this model: fp32 LayerNorm inputs, flash attention, no dropout masks)."""
+        s, p, sbh = self.shape, self.p, self.sbh
+        a, bs = s.n_heads, s.tokens
+        if self.flash:
+            attention = p * sbh + 3 * p * sbh + p * sbh + 4 * a * bs
+        else:
+            attention = p * sbh + 3 * 4 * sbh + 3 * 4 * a * bs * s.seq_len + p * sbh
+        mlp = p * sbh + 2 * p * bs * s.d_ff
+        return 2 * self.layer_norm + attention + mlp + self.weight_copies + 2 * self.mask(p)
+
+
+def estimate_gpt(
+    shape: Shape,
+    amp_dtype: str = "fp32",
+    device: str = "cpu",
+    loss_chunk_elements: int = LOSS_CHUNK_ELEMENTS,
+    loss_rows: int = LOSS_ROWS,
+) -> MemoryEstimate:
+    """Bytes of one training step of minigpt's GPT (a shape in, no model built), with fused
+    AdamW, the step shaped as train_minimal.py runs it (the loop keeps the loss, not the logits).
+    docs/memory.md derives every term and checks it against the measurement.
+
+    What persists: parameters, fp32 gradients, AdamW's two fp32 moments and a step per tensor.
+    What the forward saves: Korthikanti et al.'s per-layer count redone for this model (fp32
+    LayerNorm inputs, flash attention, no dropout masks), and what the cross-entropy saves, chosen
+    as model.cross_entropy() chooses: on the CPU (not fp16) CrossEntropy's gradient in the logits'
+    dtype, p*bsV; elsewhere F.cross_entropy's fp32 log-probabilities 4bsV. The peak is the largest of
+    a few moments: the loss itself (CrossEntropy's forward: the logits, the gradient it fills and
+    fp32 blocks of loss_rows rows; F.cross_entropy's backward: the logits, the log-probabilities and
+    two fp32 bsV gradients at once), the end of backward (the tied embedding's three V x h
+    gradients), a checkpointed block rebuilt, the optimizer step, and with chunked_loss a chunk of
+    the loss in the forward (the fp32 gradient accumulators, one chunk's fp32 logits twice over, and
+    the chunk weight gradients in the matmuls' dtype: bf16 under AMP).
+    """
+    z = _Sizes(shape, amp_dtype, device)
+    est = _saved(z)
+    moment = partial(_moment, est)
+    if shape.chunked_loss:
+        est.moments["loss forward (a chunk)"] = _chunk_moment(z, est, moment, loss_chunk_elements)
+    else:
+        est.moments.update(_loss_moments(z, est, moment, loss_rows))
+    est.moments.update(_backward_moments(z, est, moment))
+    return est
+
+
+def _saved(z: _Sizes) -> MemoryEstimate:
+    """The persistent state and what the forward saves for backward (no moments yet)."""
+    s, p, sbh = z.shape, z.p, z.sbh
+    h, bs, V, L = s.d_model, s.tokens, s.vocab_size, s.n_layers
+    params = 4 * s.params
+    optimizer = 2 * params + 4 * (2 + 12 * L + 2)
+    block = 4 * sbh if s.activation_checkpoint else z.full_block
+    if s.chunked_loss:  # ChunkedCrossEntropy saves the gradients it made: for x (fp32 N x h) and the weight
+        head, loss, head_copy, logits = z.layer_norm + 4 * sbh + z.E, 0, 0, 0
+    else:
+        head_copy = p * V * h if z.amp else 0
+        head = z.layer_norm + p * sbh + head_copy
+        # CrossEntropy saves its gradient in the logits' dtype; F.cross_entropy the fp32
+        # log-probabilities and the targets (with the weight total)
+        loss = p * bs * V if z.fused_loss else 4 * bs * V + 8 * bs + 4
+        logits = p * bs * V
+    return MemoryEstimate(
+        amp_dtype=z.amp_dtype,
+        activation_checkpoint=s.activation_checkpoint,
+        attention="flash" if z.flash else "math",
+        params=params,
+        grads=params,
+        optimizer=optimizer,
+        block=block,
+        n_layers=L,
+        embeddings=8 * bs + 8 * s.seq_len + z.mask(4),
+        head=head,
+        loss=loss,
+        weight_copies=(0 if s.activation_checkpoint else L * z.weight_copies) + head_copy,
+        logits=logits,
+        recompute=z.full_block if s.activation_checkpoint else 0,
+        grad_accum_steps=s.grad_accum_steps,
+        chunked_loss=s.chunked_loss,
+    )
+
+
+def _moment(
+    est: MemoryEstimate, grads: int = 0, activations: int = 0, temporaries: int = 0
+) -> dict[str, int]:
+    """The bytes live at one moment, by part (memory.PEAK_PARTS). Gradients from the earlier
+    micro-batches are there when the last one runs."""
+    before = est.params if est.grad_accum_steps > 1 else 0
+    return {
+        "params": est.params,
+        "optimizer": est.optimizer,
+        "grads": before + grads,
+        "activations": activations,
+        "temporaries": temporaries,
+        "held": 0,
+    }
+
+
+def _chunk_moment(z: _Sizes, est: MemoryEstimate, moment, loss_chunk_elements: int) -> dict[str, int]:
+    """--chunked-loss: the peak moment inside a chunk of the loss, in the forward."""
+    V, bs, p, amp = z.shape.vocab_size, z.shape.tokens, z.p, z.amp
+    rows = max(1, loss_chunk_elements // V)  # as ChunkedCrossEntropy: 2^24 logits a chunk
+    G = (
+        p * V * z.shape.d_model
+    )  # a chunk's weight gradient: its matmul runs in autocast's dtype (fp32 without)
+
+    def in_chunk(r: int, previous: int) -> int:
+        """A chunk of r rows: logsumexp, with the fp32 logits and its own shifted copy of them;
+        or the weight-gradient matmul, with the probabilities (in the logits' memory), their
+        low-precision copy under autocast and the new gradient. `previous`: the last chunk's
+        weight gradient, which the loop's variable holds until this chunk returns."""
+        return max(8 * r * V + previous, 4 * r * V + (p * r * V if amp else 0) + G + previous)
+
+    # The gradients for x (4sbh) and the weight (fp32, E) fill during the forward and are saved
+    # only at its end: inside a chunk they are the op's temporaries, not saved activations yet.
+    filling = 4 * z.sbh + z.E
+    chunk = max(in_chunk(min(bs, rows), 0), in_chunk(min(rows, bs - rows), G) if bs > rows else 0)
+    return moment(activations=est.activations - filling, temporaries=filling + chunk)
+
+
+def _loss_moments(z: _Sizes, est: MemoryEstimate, moment, loss_rows: int) -> dict[str, dict]:
+    """The moments of the loss over whole logits: CrossEntropy's forward and backward, or
+    F.cross_entropy's backward."""
+    V, bs, L = z.shape.vocab_size, z.shape.tokens, z.shape.n_layers
+    acts, loss, logits, accum = est.activations, est.loss, est.logits, est.grad_accum_steps
+    if not z.fused_loss:
+        # LogSoftmaxBackward: the saved log-probabilities (in acts), the gradient NllLossBackward
+        # made (fp32 bsV) and its own output (fp32 bsV); the logits died with the forward
+        return {"loss backward": moment(activations=acts, temporaries=2 * 4 * bs * V)}
+    # CrossEntropy's forward, at its second block: the logits, the gradient it fills (saved only
+    # at its end: a temporary until then), the last block of fp32 rows (held by its variable) and
+    # the new one, and per row: log-sum-exp, scale (fp32), targets clamped (int64), mask (bool).
+    first, second = min(bs, loss_rows), min(loss_rows, max(0, bs - loss_rows))
+    in_loss = loss + 4 * V * (first + second) + 17 * bs
+    # Until the forward returns: under autocast the fp32 output of ln_f (lm_head saved its copy)
+    # and, with checkpointing, autocast's cached weight copies (saved by no block).
+    checkpointed = L * z.weight_copies if est.activation_checkpoint else 0
+    in_forward = (4 * z.sbh + checkpointed) if z.amp else 0
+    loss_forward = moment(activations=acts - loss, temporaries=logits + in_loss + in_forward)
+    # Its backward returns the saved gradient itself, or, when the loss was scaled (accumulation),
+    # a scaled copy of it.
+    backward = moment(activations=acts, temporaries=loss if accum > 1 else 0)
+    return {"loss forward": loss_forward, "loss backward": backward}
+
+
+def _backward_moments(z: _Sizes, est: MemoryEstimate, moment) -> dict[str, dict]:
+    """The LM head's backward, a checkpointed block rebuilt, the tied embedding's gradients and
+    the optimizer step."""
+    V, h, E = z.shape.vocab_size, z.shape.d_model, z.E
+    acts, params, chunked = est.activations, est.params, est.chunked_loss
+    one = est.grad_accum_steps == 1
+    moments = {}
+    if not chunked:
+        # The LM head's backward: the loss's gradient arrives (the bytes of what the loss saved:
+        # CrossEntropy's own gradient, or its scaled copy), the weight's gradient and the input's
+        # are made in the matmul's dtype. A low-precision matmul on the CPU (oneDNN) also packs the
+        # V x h weight copy into a scratch buffer of its size while it makes the input's gradient.
+        pack = z.p * V * h if z.amp and z.device == "cpu" else 0
+        moments["lm head backward"] = moment(activations=acts, temporaries=z.p * V * h + z.p * z.sbh + pack)
+    if est.activation_checkpoint:
+        # the last block rebuilt, with the LM head's weight gradient kept for the tied weight's sum;
+        # what the loss, ln_f and the LM head saved is freed by then
+        moments["block recompute"] = moment(
+            activations=acts + z.full_block - (0 if chunked else est.loss + est.head),
+            temporaries=0 if chunked else E,
+        )
+    # The tied weight's gradient: the LM head's (held since the start of backward), the
+    # embedding's (dense V x h), and their sum, with every other gradient made by then. Under
+    # autocast the LM head's is a fresh fp32 copy of its low-precision gradient, which autograd
+    # adds the embedding's into in place: no third V x h tensor.
+    tied = 2 * E if z.amp and not chunked else 3 * E
+    moments["tied embedding backward"] = moment(grads=params - E if one else 0, temporaries=tied)
+    moments["optimizer step"] = moment(grads=params if one else 0)
+    return moments
+
+
+# ---------------------------------------------------------------------------- the estimate report
+
+
+def device_memory(device: str, given_gb: float | None) -> tuple[int | None, str]:
+    """(bytes the run may use, where the figure comes from)."""
+    if given_gb is not None:
+        return int(given_gb * GiB), "--device-memory-gb"
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return props.total_memory, f"the GPU's memory ({props.name})"
+    ram = machine_ram_bytes()
+    if ram is None:
+        return None, "unknown (no CUDA, and the RAM size is not readable here); pass --device-memory-gb"
+    return ram, "this machine's RAM: the CPU trains in RAM"
+
+
+def _moment_total(moment: str):
+    """The bytes live at `moment` of an estimate, None when the estimate has no such moment."""
+    return lambda e: sum(e.moments[moment].values()) if moment in e.moments else None
+
+
+def format_estimate(
+    shape: Shape, amp_dtype: str, device: str, memory: tuple[int | None, str], note: str = ""
+) -> str:
+    """The estimator's table: columns for the run's AMP dtype (and fp32) without and with
+    activation checkpointing; the run's own configuration is marked with *. `memory`: the bytes
+    the run may use and where that figure comes from (device_memory)."""
+    dtypes = [amp_dtype] + (["fp32"] if amp_dtype != "fp32" else [])
+    columns = [(d, c) for d in dtypes for c in (False, True)]
+    est = {col: estimate_gpt(replace(shape, activation_checkpoint=col[1]), col[0], device) for col in columns}
+    chosen = (amp_dtype, shape.activation_checkpoint)
+    names = [("*" if col == chosen else "") + col[0] + (" + ckpt" if col[1] else "") for col in columns]
+    e0 = est[columns[0]]
+    gib = lambda n: "-" if n is None else f"{n / GiB:.3f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"  # noqa: E731
+    width = max(14, *(len(n) + 2 for n in names))
+    s = shape
+    lines = [
+        f"Memory estimate: {s.n_layers} layers, d_model {s.d_model}, {s.n_heads} heads, d_ff {s.d_ff}, "
+        f"vocab {s.vocab_size}, positions {s.max_position_embeddings}; batch {s.batch_size} x seq "
+        f"{s.seq_len}; AdamW; {e0.params // 4 / 1e6:.2f}M parameters",
+        f"Device {device}; AMP {amp_dtype}"
+        + (f" ({note})" if note else "")
+        + "; attention: "
+        + (
+            "flash/memory-efficient SDPA (no s x s scores)"
+            if e0.attention == "flash"
+            else "math SDPA (s x s scores saved)"
+        ),
+        f"  {'':46s}" + "".join(f"{n:>{width}s}" for n in names),
+    ]
+    for label, get in _rows(shape.n_layers):
+        lines.append(f"  {label:46s}" + "".join(f"{gib(get(est[c])):>{width}s}" for c in columns))
+    return "\n".join(lines + _fits(memory, names, [est[c] for c in columns]))
+
+
+def _rows(n_layers: int) -> list[tuple]:
+    """(label, the figure of an estimate) of each row of the table."""
+    return [
+        ("parameters (fp32)", lambda e: e.params),
+        ("gradients (fp32)", lambda e: e.grads),
+        ("AdamW state (exp_avg, exp_avg_sq fp32, step)", lambda e: e.optimizer),
+        ("activations per block (ckpt: its input)", lambda e: e.block),
+        (f"  x {n_layers} blocks", lambda e: e.n_layers * e.block),
+        ("embeddings (ids, dropout mask)", lambda e: e.embeddings),
+        ("ln_f + lm_head (input, weight copy)", lambda e: e.head),
+        ("cross-entropy (saved gradient or log-probs)", lambda e: e.loss),
+        ("activations saved for backward", lambda e: e.activations),
+        ("  of which autocast weight copies", lambda e: e.weight_copies),
+        ("total: params+grads+optimizer+activations", lambda e: e.total),
+        ("logits (live until the loss returns)", lambda e: e.logits),
+        *((f"at the {m}", _moment_total(m)) for m in MOMENT_STAGES),
+        ("peak estimate (the largest moment)", lambda e: e.peak),
+    ]
+
+
+def _fits(memory: tuple[int | None, str], names: list[str], estimates: list[MemoryEstimate]) -> list[str]:
+    """The table's last lines: each column's peak against the device's memory."""
+    size, source = memory
+    if size is None:
+        return [f"Device memory: {source}"]
+    fits = []
+    for name, e in zip(names, estimates):
+        use = e.peak / size
+        fits.append(
+            f"{name} {'fits' if use <= 0.9 else 'is tight' if use <= 1 else 'does NOT fit'} "
+            f"({100 * use:.0f}% of it)"
+        )
+    return [
+        f"Device memory: {size / GiB:.1f} GiB ({source}). " + "; ".join(fits),
+        "  (peak estimate against device memory; above 90% counts as tight: on CUDA the context, "
+        "workspaces and the caching allocator's rounding come on top, see docs/memory.md)",
+    ]
+
+
+def config_shape(cfg) -> Shape:
+    """A TrainConfig's step shape with no model built: the vocabulary is --vocab-size or the
+    tokenizer's, padded as the trainer pads it."""
+    vocab_size = cfg.vocab_size
+    if vocab_size is None:
+        from minigpt.core.data import tokenizer_vocab
+
+        vocab_size = tokenizer_vocab(cfg.tokenizer_name)
+    return shape_of(cfg, vocab_size)
+
+
+def estimate_report(cfg, device: str, amp_dtype: str, amp_note: str = "") -> str:
+    """What `python -m minigpt.estimate` and `train_minimal.py --estimate-memory` print."""
+    memory = device_memory(device, cfg.device_memory_gb)
+    return format_estimate(config_shape(cfg), amp_dtype, device, memory, amp_note)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The estimator's command line: the trainer's flags (minigpt.core.config), nothing allocated."""
+    from minigpt.instruments.predict import split_flags, time_report  # torch's timers: only for --time
+
+    try:
+        argv, timing, as_json = split_flags(argv)
+        cfg = parse_args(argv, prog="python -m minigpt.estimate")
+        device = resolve_device(cfg.device)
+        _, amp_dtype, amp_note = resolve_amp(cfg, device)
+        if timing:  # --time [--json]: the step's stage times, predicted (minigpt/instruments/predict.py)
+            print(time_report(config_shape(cfg), device, amp_dtype, as_json))
+            return 0
+        print(estimate_report(cfg, device, amp_dtype, amp_note))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
