@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from minigpt import mfu as M
 from minigpt.core.model import GPT, GPTConfig, flops_per_token
+from minigpt.instruments import mfu as M
 
 SHAPE = dict(batch_size=2, seq_len=16, d_model=32, d_ff=128, vocab_size=128, n_heads=2)
 
