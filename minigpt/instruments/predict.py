@@ -54,7 +54,7 @@ import torch
 from minigpt.core import model as model_module
 from minigpt.core.config import UsageError
 from minigpt.core.data import cache_dir
-from minigpt.fileio import atomic_write
+from minigpt.fileio import atomic_write, display_path
 from minigpt.instruments.mfu import PEAK_FLOPS, TORCH_DTYPES, machine_key, read_cache
 from minigpt.shape import Shape, shape_of_run
 
@@ -539,7 +539,7 @@ def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True, m
         overhead_s={k: statistics.fmean(v) for k, v in got["overhead"]["rounds"].items()},
         source=f"{how}: {len(needed)} kernels, bandwidth at {len(got['bandwidth']['rounds'])} sizes, exp, "
         f"per-op overhead (mean times of at least {ROUNDS} calls and {SAMPLE_S} s) "
-        f"[{path if cache else 'not cached'}]",
+        f"[{display_path(path) if cache else 'not cached'}]",
         measured=len(fresh),
     )
 
