@@ -160,7 +160,7 @@ def test_no_rank_is_named_when_none_is_slow(tmp_path):
     out = tmp_path / "run"
     # Steps of tens of milliseconds, medians over 10 steps. Two ranks share this machine's two cores
     # with whatever else runs (the rest of the suite, CI): once, the noise alone crossed 0.75, so the
-    # threshold here is 0.5, still above the 0.32 a 200 ms straggler scored in the walkthrough (chapter 8).
+    # threshold here is 0.5, still above the 0.32 a 200 ms straggler scored in the walkthrough (chapter 9).
     result = torchrun(
         ROOT / "train_minimal.py",
         *FLAGS,

@@ -143,31 +143,18 @@ def parse_int(text: str) -> int:
 
 
 # ------------------------------------------------------------------------------------------ fields
-def flag(
-    default=MISSING,
-    *,
-    help: str,
-    group: str,
-    check: Check | None = None,
-    factory=None,
-    name: str | None = None,
-    action: str | type | None = None,
-    choices: list[str] | None = None,
-    metavar: str | None = None,
-    none: str | None = None,
-) -> Field:
-    """A TrainConfig field that is also a flag. `name`: the flag when it is not --field-name;
-    `none`: what a default of None means, for --help."""
-    meta = dict(
-        help=help,
-        group=group,
-        check=check,
-        name=name,
-        action=action,
-        choices=choices,
-        metavar=metavar,
-        none=none,
-    )
+# What flag() takes beside help and group: check (a value's own check), name (the flag when it is
+# not --field-name), argparse's action, choices and metavar, and none (what a default of None
+# means, for --help).
+FLAG_OPTIONS = ("check", "name", "action", "choices", "metavar", "none")
+
+
+def flag(default=MISSING, *, help: str, group: str, factory=None, **options) -> Field:
+    """A TrainConfig field that is also a flag; `options` from FLAG_OPTIONS."""
+    unknown = sorted(set(options) - set(FLAG_OPTIONS))
+    if unknown:
+        raise TypeError(f"flag() has no option {', '.join(unknown)}; it takes {', '.join(FLAG_OPTIONS)}")
+    meta = {"help": help, "group": group, **dict.fromkeys(FLAG_OPTIONS), **options}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)

@@ -320,12 +320,10 @@ def measure(device: str, dtype: str, unit: Workload, budget_s: float | None = No
     param_dtype = torch.float32 if unit.kind != "matmul" else TORCH_DTYPES[dtype]
 
     def rand(*shape, grad=False, dtype=param_dtype):
-        t = torch.randn(*shape, device=device, dtype=dtype, generator=gen)
-        return t.requires_grad_(grad)
+        return torch.randn(*shape, device=device, dtype=dtype, generator=gen).requires_grad_(grad)
 
-    # The gradient arriving at the unit's output comes in the output's dtype, as in the model's
-    # backward, made once: converting it in every call would time a cast that is not the unit's
-    # work, and an fp32 copy of the LM head's output gradient alone is b x s x V x 4 bytes.
+    # The output's gradient in the output's dtype, made once, as the model's backward gets it (a
+    # per-call cast is not the unit's work; the LM head's in fp32 alone is b x s x V x 4 bytes).
     out_dtype = TORCH_DTYPES[dtype] if amp else torch.float32
     if unit.kind == "linear":
         m, k, n, bias = unit.dims
