@@ -95,6 +95,13 @@ VARIANTS = {
         "mimalloc",
         {"MIMALLOC_PURGE_DELAY": "10000"},
     ),
+    "mimalloc, purges after 10 s, no huge pages": Variant(
+        "preload",
+        "the same, and MIMALLOC_ALLOW_THP=0 (no transparent huge pages: a 2 MiB page is resident "
+        "whole, however little of it is used)",
+        "mimalloc",
+        {"MIMALLOC_PURGE_DELAY": "10000", "MIMALLOC_ALLOW_THP": "0"},
+    ),
     "tcmalloc": Variant("preload", "LD_PRELOAD=libtcmalloc_minimal.so.4", "tcmalloc"),
     "jemalloc": Variant("preload", "LD_PRELOAD=libjemalloc.so.2", "jemalloc"),
 }

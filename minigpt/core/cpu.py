@@ -1,26 +1,23 @@
 """CPU-only set-up: which malloc serves the step's big tensors, and how much it keeps.
 
 A training step allocates and frees the same large tensors every step (at the default preset the
-logits and their gradient are 8 x 256 x 50304 floats, 412 MB each). An allocator that gives them
-back to the system between steps makes the kernel zero-fill every page again on its first touch:
-page faults, not arithmetic, become a large part of the step. benchmarks/results/cpu-allocator.md
-measures the trainer itself under each choice, evaluations included, as page faults and CPU seconds
-per step and peak RSS against the allocator's true peak (the main job, bf16, on a 2-core Xeon):
+logits and the loss's gradient are 8 x 256 x 50304 values each). An allocator that gives them back
+to the system between steps makes the kernel zero-fill every page again on its first touch: page
+faults, not arithmetic, become a large part of the step. One that keeps every freed page holds more
+than the step needs. benchmarks/results/cpu-allocator.md measures the trainer itself under each
+choice, evaluations included (page faults and CPU seconds per step, tokens/s, peak RSS against the
+allocator's true peak), on the machine it names; the choice here follows it:
 
 - mimalloc, the libmimalloc.so of pip's cmeel-mimalloc (requirements.txt), preloaded by
-  run_under_preferred_allocator() with MIMALLOC_ENV (a freed page kept 10 s, across steps): 0-2k
-  page faults a step, 1.61x-1.67x the true peak (two runs): a little over the 1.6x budget. Its
-  defaults (a freed page given back after 1 s) stay within it (1.39x-1.41x) but fault 6k-15k
-  pages a step, mostly 2 MiB ones, at 2-3x the CPU seconds a step; never giving back held 1.66x.
+  run_under_preferred_allocator() with MIMALLOC_ENV: it keeps big blocks apart from small ones,
+  and a freed page stays committed for longer than a step, so each step reuses the last one's
+  pages.
 - glibc can't do both. Its heap is one region that grows at the top: a big block freed under a
-  live small one is either kept as a hole (no faults, but the holes add up: never trimming,
-  minigpt's first setting, faulted none once grown and held 3.5x) or its pages are given back (and
-  fault in again). Every setting that gives back at evaluations held 1.87x and faulted 100k-440k
-  pages a step (its top trimmed above 256 MiB, main's setting until mimalloc; above 1 GiB; never,
-  with malloc_trim at evaluations); its defaults 530k, at 1.28x. keep_freed_memory() keeps the
-  256 MiB setting for a machine without a preloadable malloc; preload_hint() says what to install.
+  live small one is either kept as a hole (no faults, but the holes add up) or its pages are given
+  back (and fault in again). keep_freed_memory() applies the compromise below for a machine
+  without a preloadable malloc; preload_hint() says what to install.
 - tcmalloc and jemalloc (Debian packages, not installed by the README) are used when mimalloc is
-  missing: on an AVX2 machine they kept 1.35x and 1.21x the true peak at glibc's best speed.
+  missing.
 
 Only glibc has mallopt and malloc_trim: elsewhere they are no-ops, said so.
 """
@@ -38,7 +35,7 @@ M_MMAP_MAX = -4
 
 # What keep_freed_memory() applies without a preloadable malloc: big blocks from glibc's heap, where
 # a freed block is reused without page faults, and the heap's free top given back above 256 MiB
-# (benchmarks/results/cpu-allocator.md: 1.28x glibc's defaults' tokens/s, 2x the true peak resident).
+# (benchmarks/results/cpu-allocator.md sets it beside glibc's defaults).
 MMAP_THRESHOLD = 2**30
 TRIM_THRESHOLD = 256 * 2**20
 LIBDIR = "/usr/lib/x86_64-linux-gnu"
@@ -78,9 +75,8 @@ def preloaded_allocator() -> str | None:
 PREFERRED = ("mimalloc", "tcmalloc", "jemalloc")
 # mimalloc's options for the trainer, where the user set none: MIMALLOC_PURGE_DELAY is how long (ms)
 # a freed page stays committed before mimalloc gives it back to the system. Its default (1 s in
-# mimalloc 3.4) is shorter than a step on a busy 2-core machine, so the step's big tensors fault in
-# again (6k-15k faults a step, most of them 2 MiB pages); 3 s, 10 s and 30 s all left 0-3k a step,
-# at 1.60x-1.67x the allocator's true peak (never purging: 1.66x). 10 s: a step on a busy machine.
+# mimalloc 3.4) can be shorter than a step on a busy 2-core machine, and then the step's big tensors
+# fault in again; 10 s outlasts a step there, and holds no more than never giving back does.
 MIMALLOC_ENV = {"MIMALLOC_PURGE_DELAY": "10000"}
 NO_PRELOAD_ENV = "MINIGPT_MALLOC"  # =glibc: stay on glibc's malloc (the allocator benchmark sets it)
 
@@ -180,11 +176,11 @@ def release_freed_memory() -> bool:
     """Under keep_freed_memory()'s glibc setting, give the pages of every free block in glibc's heap
     back to the system (malloc_trim(0)); True when some were. The kept heap serves a training step's
     regular pattern well, but an evaluation's other shapes split its big free blocks for small ones,
-    so their big tensors land on fresh pages: without this, the main job's RSS grew to 3.5x the
-    allocator's true peak by its first evaluation (benchmarks/results/cpu-allocator.md). mimalloc
-    needs no such call (a no-op there): it keeps big blocks apart from small ones, and gives back
-    what stayed free for MIMALLOC_PURGE_DELAY (asking it at evaluations, with mi_collect, cost
-    40k page faults an evaluation and lowered no peak)."""
+    so their big tensors land on fresh pages, and the process's RSS grows to several times the
+    allocator's true peak by the first evaluation. mimalloc needs no such call (a no-op there): it
+    keeps big blocks apart from small ones, and gives back what stayed free for
+    MIMALLOC_PURGE_DELAY (asking it at evaluations, with mi_collect, faults pages in again and
+    lowers no peak)."""
     libc = _glibc() if _release_at_evaluation else None
     return bool(libc is not None and libc.malloc_trim(0))
 

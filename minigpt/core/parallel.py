@@ -125,7 +125,7 @@ def mesh_coords(rank: int, mesh) -> tuple[int, int, int, int]:
 
 
 def worker_name(rank: int, mesh) -> str:
-    """InternEvo's per-rank folder name: rank{R}_dp{d}_tp{t}; rank{R}_dp{R} without TP, as before."""
+    """InternEvo's per-rank folder name: rank{R}_dp{d}_tp{t}; rank{R}_dp{R} without TP."""
     dp, _, t, tp = mesh_coords(rank, mesh)
     return f"rank{rank}_dp{dp}" + (f"_tp{t}" if tp > 1 else "")
 

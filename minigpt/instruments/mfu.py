@@ -1,8 +1,8 @@
 """MFU: the model's training FLOPs per second over the device's peak, and a peak that holds still.
 
-Why this file exists: the old denominator was one 2048^3 matrix product timed once at start-up. On
-a shared CPU it ranged from 0.36 to 2.61 TFLOP/s across runs of one configuration, and the model's
-own LM-head products ran faster than that "peak", so MFU moved with the neighbours' load and could
+Why a measured peak needs care: one large matrix product timed once at start-up moves with the
+neighbours' load on a shared CPU (several-fold across runs of one configuration on 2 cores), and the
+model's own LM-head products can run faster than it, so MFU against it moves with the load and can
 pass 100%.
 
 The denominator now comes from, in order:
@@ -19,11 +19,12 @@ CPU time (see `measure`), its rate is the unit's counted FLOPs over that, and th
 its best call. The denominator is the best unit's figure. The log line says which unit, when, under
 what load (os.getloadavg) and the median call beside the best.
 
-Why not a few long rounds, first come first kept (as before): on a 2-core machine shared with other
-jobs, five fresh processes measured bf16 at 1.08 to 1.42 TFLOP/s, and the cache kept whichever came
-first, so a run printed "mfu 1.9%" against a figure taken under load. Many short calls catch the
-slices where the process had the cores; the CPU time leaves out the slices it did not; and the
-cache keeps, per unit, the best figure any process measured: a lower one never replaces it.
+Why many short calls and a cache that keeps each unit's best: on a 2-core machine shared with
+other jobs, a few long rounds per unit spread widely across fresh processes, and a cache that kept
+the first figure could hold one taken under load, against which a run's MFU read far too low. Many
+short calls catch the slices where the process had the cores; the CPU time leaves out the slices it
+did not; and the cache keeps, per unit, the best figure any process measured: a lower one never
+replaces it.
 
 Why MFU cannot pass 100% (no clamp anywhere): a training step's counted FLOPs F are the sum of
 the units' counted FLOPs F_u (6 per weight and bias per token for every Linear, including the tied
@@ -83,8 +84,8 @@ SQUARE_SIZES = (1024, 2048)  # machine-wide reference products, beside the model
 # product in about a minute (63 s on the AVX2 machine of benchmarks/results), the LM head longer.
 SKIP_PREDICTED_S = 10.0
 # ...predicted only from a unit at least 1/PREDICT_WITHIN of its size: a tiny model's units (a few
-# MFLOP) are all overhead and, under load, spin-waiting; at 0.3 GFLOP/s they once "predicted" 14 s
-# for the 1024^3 product (2 ms here), which was skipped and the denominator fell 4000-fold.
+# MFLOP) are all overhead and, under load, spin-waiting; a prediction from them would skip a square
+# product that takes milliseconds, and the denominator would fall by orders of magnitude.
 PREDICT_WITHIN = 64
 # The MFU and step-rate caches hold a few dozen entries (a few KiB); a larger file is not ours.
 CACHE_LIMIT = 4 * 2**20
