@@ -474,7 +474,7 @@ def test_logits_a_caller_keeps_are_held_from_before_the_step():
     logits = 4 * s["batch_size"] * s["seq_len"] * model.cfg.vocab_size
     assert logits <= kept.peak_part("held") < logits + 64 * 1024  # and the last batch and loss
     model, optimizer, _, s = tiny_gpt(**{**PEAK_SHAPE, "batch_size": 8})
-    assert trainer_steps(model, optimizer, s).peak_part("held") < 1024  # a scalar or two
+    assert trainer_steps(model, optimizer, s).peak_part("held") < logits // 10  # the last batch and loss
 
 
 def test_the_peak_is_in_the_loss_forward_and_names_the_cross_entropy():
