@@ -30,7 +30,7 @@ from minigpt.core.config import UsageError, resolve_device
 from minigpt.core.data import EOT, get_tokenizer
 from minigpt.core.progress import Progress, progress_enabled
 from minigpt.core.runs import latest_run
-from minigpt.core.sample import generate, load_model, utf8_text, vocab_in_use
+from minigpt.core.sample import Draw, generate, load_model, utf8_text, vocab_in_use
 from minigpt.fileio import UnreadableFile, format_bytes, read_bounded
 from minigpt.paths import CHECKPOINT_FILE, RUNS_ROOT
 
@@ -219,10 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                     model,
                     idx,
                     args.max_new_tokens,
-                    args.temperature,
-                    args.top_k,
+                    Draw(args.temperature, args.top_k, vocab),
                     generator,
-                    vocab,
                     bar.update,
                 )
         if i:

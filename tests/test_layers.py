@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +113,75 @@ def test_an_unknown_tool_is_one_line_and_exit_2(args):
     assert result.returncode == 2 and result.stdout == ""
     (line,) = result.stderr.strip().splitlines()
     assert "report|compare|traces" in line and "Traceback" not in result.stderr
+
+
+# A newcomer reads one function at a time: none of the product's (trainer, minigpt/, benchmarks,
+# docs' scripts) runs past a screen and a half or takes more than a handful of arguments.
+MAX_LINES, MAX_PARAMS = 80, 7
+
+
+def test_no_function_is_longer_than_80_lines_or_takes_more_than_7_parameters():
+    product = [ROOT / "train_minimal.py", ROOT / "sample.py"]
+    for folder in ("minigpt", "benchmarks", "docs", "data"):
+        product += sorted((ROOT / folder).rglob("*.py"))
+    too_big = []
+    for path in product:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            a = node.args
+            params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg))]
+            n_params = len(params) - (bool(a.args) and a.args[0].arg in ("self", "cls"))
+            n_lines = node.end_lineno - node.lineno + 1
+            if n_lines > MAX_LINES or n_params > MAX_PARAMS:
+                where = path.relative_to(ROOT)
+                too_big.append(f"{where}:{node.lineno} {node.name}: {n_lines} lines, {n_params} parameters")
+    assert len(product) > 40 and not too_big, "\n".join(too_big) or f"only {len(product)} files read"
+
+
+def test_the_trainer_fits_in_350_lines():
+    """train_minimal.py is the loop and its set-up; helpers live in the rooms that own them."""
+    assert lines_in(ROOT / "train_minimal.py") <= 350
+
+
+def layout_rows() -> list[tuple[list[Path], int, bool]]:
+    """README's Layout block, row by row: the files a row names, the count it gives, and whether
+    that count is for each file ("7 each") or for the files together."""
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("Line counts from `wc -l`") : text.index("Reading order, for the afternoon")]
+    rows, folder = [], ""
+    for line in block.splitlines():
+        if m := re.match(r"^(\S+/)\s", line):
+            folder = m.group(1)
+        if m := re.match(r"^(\s*)([\w./, ]+?\.py)\s+(\d+)(\s+each)?", line):
+            indent, names, count, each = m.groups()
+            files = [ROOT / ((folder if indent else "") + n.strip()) for n in names.split(",")]
+            rows.append((files, int(count), bool(each)))
+    return rows
+
+
+def lines_in(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def test_readme_layout_gives_each_files_size_as_it_is():
+    """The reading order's sizes are what `wc -l` says today, within 5% (an afternoon is only true
+    for the sizes it names); the layer totals too."""
+    rows = layout_rows()
+    assert len(rows) > 25
+    wrong = []
+    for files, count, each in rows:
+        real = [lines_in(f) for f in files]
+        for n in real if each else [sum(real)]:
+            if abs(n - count) > 0.05 * n:
+                wrong.append(f"{', '.join(f.name for f in files)}: README says {count}, wc -l {n}")
+    text = (ROOT / "README.md").read_text()
+    for layer, files in (
+        ("base", (ROOT / "minigpt").glob("*.py")),
+        *((name, (ROOT / "minigpt" / name).glob("*.py")) for name in ("core", "instruments", "analysis")),
+    ):
+        said = int(re.search(rf"\b{layer} ([\d,]+)", text).group(1).replace(",", ""))
+        real = sum(lines_in(f) for f in files)
+        if abs(real - said) > 0.05 * real:
+            wrong.append(f"{layer}: README says {said} lines, wc -l {real}")
+    assert not wrong, "\n".join(wrong)

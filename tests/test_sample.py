@@ -9,7 +9,7 @@ import torch
 from conftest import TINY
 
 import train_minimal
-from minigpt.core.sample import generate, load_model
+from minigpt.core.sample import Draw, generate, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = runpy.run_path(str(ROOT / "sample.py"))  # the script's functions, without running it
@@ -64,7 +64,7 @@ def test_top_k_1_is_greedy_decoding(toy_run):
             logits, _ = model(ids[:, -model.cfg.max_position_embeddings :])
             ids = torch.cat([ids, logits[:, -1, :].argmax(-1, keepdim=True)], dim=1)
     gen = torch.Generator().manual_seed(0)
-    assert torch.equal(generate(model, idx, 6, temperature=0.7, top_k=1, generator=gen), ids)
+    assert torch.equal(generate(model, idx, 6, Draw(temperature=0.7, top_k=1), generator=gen), ids)
 
 
 def test_context_is_cropped_to_the_position_table(toy_run):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import codecs
 import math
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -76,39 +76,51 @@ def vocab_in_use(train_config: dict, n_vocab: int | None, model_vocab: int, path
     return vocab
 
 
+@dataclass(frozen=True)
+class Draw:
+    """How each new token is drawn. Logits are divided by temperature (below 1: sharper; above:
+    flatter); top_k keeps only the k likeliest tokens (top_k=1 is greedy decoding); ids >=
+    vocab_size (the embedding's padding) are never drawn."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a positive finite number, not {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be at least 1, not {self.top_k}")
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution to draw from, given the last position's logits (batch, vocab)."""
+        logits = logits.float() / self.temperature
+        if self.vocab_size is not None and self.vocab_size < logits.size(-1):
+            logits[:, self.vocab_size :] = -math.inf
+        if self.top_k is not None and self.top_k < logits.size(-1):
+            kth = torch.topk(logits, self.top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, -math.inf)
+        return F.softmax(logits, dim=-1)
+
+
 @torch.no_grad()
 def generate(
     model: GPT,
     idx: torch.Tensor,
     max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
+    draw: Draw = Draw(),
     generator: torch.Generator | None = None,
-    vocab_size: int | None = None,
     on_token: Callable[[], None] | None = None,
 ) -> torch.Tensor:
-    """Extend each row of idx (batch, time) by max_new_tokens sampled tokens.
+    """Extend each row of idx (batch, time) by max_new_tokens tokens, each drawn as `draw` says.
 
     The context is cropped to the model's max_position_embeddings (its position table ends
-    there). Logits are divided by temperature (below 1: sharper; above: flatter); top_k keeps only
-    the k likeliest tokens (top_k=1 is greedy decoding); ids >= vocab_size (padding) are never
-    drawn. The draw uses `generator`, so a seed fixes the text. `on_token` is called after each
+    there). The draw uses `generator`, so a seed fixes the text. `on_token` is called after each
     new token (a progress bar's update)."""
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a positive finite number, not {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be at least 1, not {top_k}")
     context = model.cfg.max_position_embeddings
     for _ in range(max_new_tokens):
         logits, _ = model(idx[:, -context:])
-        logits = logits[:, -1, :].float() / temperature
-        if vocab_size is not None and vocab_size < logits.size(-1):
-            logits[:, vocab_size:] = -math.inf
-        if top_k is not None and top_k < logits.size(-1):
-            kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, -math.inf)
-        probs = F.softmax(logits, dim=-1)
-        nxt = torch.multinomial(probs, num_samples=1, generator=generator)
+        nxt = torch.multinomial(draw.probabilities(logits[:, -1, :]), num_samples=1, generator=generator)
         idx = torch.cat([idx, nxt], dim=1)
         if on_token is not None:
             on_token()
