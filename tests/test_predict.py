@@ -70,10 +70,49 @@ def test_checkpointing_adds_one_forward_of_every_block_to_the_backward():
 
 def test_chunk_rows_cover_every_token_once():
     ops = predict.step_ops(Shape(**SHAPE, chunked_loss=True), loss_chunk_elements=SHAPE["vocab_size"] * 20)
-    logits = [o for o in ops if o.name == "chunk: logits"]
-    rows = sum(int(o.kernel.split()[1].split("x")[0]) * o.count for o in logits)
+    logits = [o for o in ops if o.name == "chunk: logits, softmax, both gradients"]
+    rows = sum(int(o.kernel.split()[-1].split("x")[0]) * o.count for o in logits)
     assert rows == SHAPE["batch_size"] * SHAPE["seq_len"]
     assert sorted(o.count for o in logits) == [1, 3]  # 64 tokens in chunks of 20: three full, one of 4
+
+
+def test_each_product_is_named_with_its_layout_as_autograd_runs_it():
+    """A linear's forward is x @ W.T ("nt", addmm with its bias); its input's gradient grad @ W
+    ("nn"); its weight's gradient grad.T @ x ("tn"), whose transposed first operand runs at its own
+    rate. GELU and the loss are kernels measured at their shapes too."""
+    ops = {o.name: o.kernel for o in predict.step_ops(Shape(**SHAPE)) if o.kernel}
+    n, h, f, v = SHAPE["batch_size"] * SHAPE["seq_len"], SHAPE["d_model"], SHAPE["d_ff"], SHAPE["vocab_size"]
+    assert ops["gelu"] == f"gelu forward {n}x{f}" and ops["gelu backward"] == f"gelu backward {n}x{f}"
+    assert ops["fc"] == f"addmm nt {n}x{f}x{h}" and ops["lm_head"] == f"matmul nt {n}x{v}x{h}"
+    assert ops["fc grad input"] == f"matmul nn {n}x{h}x{f}"
+    assert ops["fc grad weight"] == f"matmul tn {f}x{h}x{n}"
+
+
+@pytest.mark.parametrize(
+    "kernel",
+    [
+        "addmm nt 6x5x4",
+        "gelu forward 6x5",
+        "gelu backward 6x5",
+        "loss rows 6x64",
+        "loss chunk 3x64x8",
+        "embedding backward 6x64x8",
+    ],
+)
+def test_every_kernel_kind_measures_a_positive_rate(kernel):
+    rate = predict.measure_kernel("cpu", "bf16", kernel)
+    assert rate["flops"] > 0 and all(r > 0 and math.isfinite(r) for r in rate["rounds"])
+
+
+@pytest.mark.parametrize("layout", predict.LAYOUTS)
+def test_a_layout_is_measured_on_operands_laid_out_so(layout, monkeypatch):
+    seen = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b, **kw: seen.append((a, b)) or real_mm(a, b, **kw))
+    predict.measure_kernel("cpu", "fp32", f"matmul {layout} 6x5x4")
+    a, b = seen[0]
+    assert a.shape == (6, 4) and b.shape == (4, 5)
+    assert (a.stride() == (1, 6), b.stride() == (1, 4)) == (layout[0] == "t", layout[1] == "t")
 
 
 def test_amp_moves_fewer_bytes_in_the_products_and_casts_the_weights():
@@ -144,10 +183,10 @@ def test_cached_rates_are_reused_without_measuring_again(tmp_path, monkeypatch, 
     assert counted == [] and again.measured == 0 and again.source.startswith("cache")
     assert again.matmul == first.matmul
     # a new shape measures only what the cache lacks; another dtype is another entry
-    predict.step_rates("cpu", "fp32", [*needed, "matmul 3x5x7"])
-    assert counted == ["matmul 3x5x7"]
+    predict.step_rates("cpu", "fp32", [*needed, "matmul nn 3x5x7"])
+    assert counted == ["matmul nn 3x5x7"]
     entries = json.loads((tmp_path / predict.STEP_RATES_FILE).read_text())
-    assert len(entries) == 1 and "matmul 3x5x7" in next(iter(entries.values()))
+    assert len(entries) == 1 and "matmul nn 3x5x7" in next(iter(entries.values()))
 
 
 def test_measured_rates_are_positive(tmp_path, monkeypatch):
@@ -155,7 +194,7 @@ def test_measured_rates_are_positive(tmp_path, monkeypatch):
     monkeypatch.setattr(predict, "BANDWIDTH_SIZES", (2**18, 2**20))
     monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
     r = predict.step_rates(
-        "cpu", "fp32", ["matmul 16x8x4", "attention forward 1x2x16x8", "attention backward 1x2x16x8"]
+        "cpu", "fp32", ["matmul tn 16x8x4", "attention forward 1x2x16x8", "attention backward 1x2x16x8"]
     )
     values = [*r.matmul.values(), *(b for _, b in r.bandwidth), r.exps_per_s, *r.overhead_s.values()]
     assert all(v > 0 and math.isfinite(v) for v in values) and len(r.bandwidth) == 2

@@ -219,4 +219,16 @@ def bounded_freed_memory(
 def choose_allocator(keep_freed: bool) -> str:
     """Set the CPU allocator for the trainer (--keep-freed-memory, the default, or glibc's own
     settings) before its first big allocation, and say what was done."""
+    global _glibc_setting
+    _glibc_setting = "glibc, freed memory kept" if keep_freed else "glibc defaults"
     return keep_freed_memory() if keep_freed else "CPU allocator: glibc defaults (--no-keep-freed-memory)"
+
+
+_glibc_setting = "glibc defaults"
+
+
+def allocator_in_use() -> str:
+    """The malloc this process runs on, as choose_allocator() left it: a preloaded one's name, or
+    glibc's setting. Timings taken under one do not hold under another (a step's big tensors
+    fault in again, or not), so measured rates are kept per allocator."""
+    return preloaded_allocator() or _glibc_setting

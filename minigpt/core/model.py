@@ -38,7 +38,7 @@ class GPTConfig:
 LOSS_CHUNK_ELEMENTS = 2**24
 
 
-def _loss_chunk(
+def loss_chunk(
     x: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
@@ -84,7 +84,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_grad else None
         with torch.autocast(device, enabled=False):
             for i in range(0, x.size(0), rows):
-                part, gx, gw = _loss_chunk(
+                part, gx, gw = loss_chunk(
                     x[i : i + rows],
                     weight,
                     targets[i : i + rows],

@@ -17,6 +17,7 @@ from functools import partial
 import torch
 
 from minigpt.core.config import UsageError, machine_ram_bytes, parse_args, resolve_amp, resolve_device
+from minigpt.core.cpu import choose_allocator
 from minigpt.core.model import LOSS_CHUNK_ELEMENTS, LOSS_ROWS
 from minigpt.shape import GiB, MiB, Shape, shape_of
 
@@ -445,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(cfg.device)
         _, amp_dtype, amp_note = resolve_amp(cfg, device)
         if timing:  # --time [--json]: the step's stage times, predicted (minigpt/instruments/predict.py)
+            if device == "cpu":  # the rates are measured on the malloc the trainer would run on
+                choose_allocator(cfg.keep_freed_memory)
             print(time_report(config_shape(cfg), device, amp_dtype, as_json))
             return 0
         print(estimate_report(cfg, device, amp_dtype, amp_note))

@@ -10,16 +10,22 @@ attention, counted as `Shape.flops_per_token` counts them), the bytes it reads a
 (dtype-aware: autocast casts weights and inputs to bf16, LayerNorm and the log-softmax stay fp32),
 its transcendental evaluations (exp, tanh) and its launches. An op takes
 
-    max(flops / matmul rate at its own shape, bytes / bandwidth at its size, evaluations / exp rate)
+    max(work / its kernel's measured rate, bytes / bandwidth at its size, evaluations / exp rate)
       + launches x per-op overhead
 
 and a stage is "compute", "memory" or "overhead" bound by whichever of those terms sums largest.
 
-The rates are measured on this machine, once per machine and dtype, and cached beside the MFU
-units (minigpt/instruments/mfu.py) in $MINIGPT_CACHE_DIR/STEP_RATES_FILE:
-  - every distinct matrix product (m, n, k) of the step in its dtype, and causal attention's
-    forward and backward at the model's shape: FLOPs over the mean time of its timed calls (at
-    least three, and SAMPLE_S of them);
+The rates are measured on this machine, once per machine, dtype and malloc (the trainer's: see
+minigpt/core/cpu.py), and cached beside the MFU units (minigpt/instruments/mfu.py) in
+$MINIGPT_CACHE_DIR/STEP_RATES_FILE:
+  - every distinct matrix product of the step at its own shape (m, n, k), dtype and operand
+    layout (LAYOUTS: a weight's gradient reads its first operand transposed, up to 2.4x slower
+    in bf16), with its bias where it has one (addmm), and causal attention's forward and backward
+    at the model's shape: FLOPs over the mean time of its timed calls (at least three, and
+    SAMPLE_S of them), each call on operands no recent call left in cache (COLD_BYTES);
+  - the few kernels no rate of the three prices: GELU's tanh forward and backward, the loss by
+    rows and a chunk of the chunked loss (passes over cache-sized blocks, with dtype
+    conversions), the embedding's dense gradient, each timed at its shape as the products are;
   - bandwidth: an element-wise add at working sets either side of ATen's grain (one thread, or a
     parallel region) and up to 400 MB (a 2 MB activation stays in cache, a 400 MB logits tensor
     does not), interpolated at each op's own size;
@@ -39,6 +45,7 @@ marked untested: no GPU has checked it yet. A GPU in neither table has no rates:
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import math
 import re
@@ -53,12 +60,14 @@ import torch
 
 from minigpt.core import model as model_module
 from minigpt.core.config import UsageError
+from minigpt.core.cpu import allocator_in_use
 from minigpt.core.data import cache_dir
 from minigpt.fileio import atomic_write, display_path
 from minigpt.instruments.mfu import PEAK_FLOPS, TORCH_DTYPES, machine_key, read_cache
 from minigpt.shape import Shape, shape_of_run
 
 STEP_RATES_FILE = "step_rates.json"  # under minigpt.core.data.cache_dir(): one entry per machine and dtype
+RATES_VERSION = 2  # how the rates are measured: a change makes new entries, never reads old ones
 PREDICTED_STAGES = ("forward", "backward", "optimizer_step")
 BOUNDS = ("compute", "memory", "overhead")
 ROUNDS = 3  # timed calls per rate after a warm-up; their mean time is kept
@@ -74,6 +83,10 @@ GRAIN = 32768
 BANDWIDTH_SIZES = (12 * (GRAIN - 2048), 12 * GRAIN, *(12 * 2**e for e in range(17, 26, 2)))
 EXP_ELEMENTS = 2**22  # a 16 MiB fp32 tensor: big enough that the launch does not count
 OVERHEAD_OPS = 200  # one-element ops per overhead measurement
+# A kernel's operands are made in copies of COLD_BYTES in all (at most COLD_COPIES), several times a
+# core's L2 cache, and used in turn: each call reads from memory, not from what the last call left.
+COLD_BYTES = 32 * 2**20
+COLD_COPIES = 32
 # Bytes an op moves count its passes over memory: LayerNorm reads its input twice (the statistics,
 # then the normalised output) and writes once; log_softmax and its backward read three times
 # (max, sum of exps, the output; or the gradient's sum, then the gradient and the output) and write once.
@@ -108,15 +121,51 @@ class Op:
     launches: int = 1
     kernel: str | None = None
     count: int = 1
+    elements: int = 0  # the work of a measured element-wise kernel (GELU, the loss): its elements
+
+    @property
+    def work(self) -> int:
+        """What the kernel's measured rate is per second of: FLOPs, or elements where it has none."""
+        return self.flops or self.elements
 
 
-def matmul_kernel(m: int, n: int, k: int) -> str:
-    """The rate name of an (m x k) @ (k x n) product."""
-    return f"matmul {m}x{n}x{k}"
+# How a product's operands lie in memory: "nt" is x @ weight.T (a linear's forward), "nn" is
+# grad @ weight (its input's gradient), "tn" is grad.T @ x (its weight's gradient: the first operand
+# read down its columns). One shape runs at different rates in each: in bf16 on a CPU with AMX a
+# transposed first operand costs up to 2.4x (the LM head's weight gradient), so each is measured.
+LAYOUTS = ("nn", "nt", "tn")
+
+
+def matmul_kernel(m: int, n: int, k: int, layout: str = "nn") -> str:
+    """The rate name of an (m x k) @ (k x n) product with its operands laid out as `layout` says."""
+    return f"matmul {layout} {m}x{n}x{k}"
 
 
 def attention_kernel(direction: str, b: int, heads: int, s: int, hd: int) -> str:
     return f"attention {direction} {b}x{heads}x{s}x{hd}"
+
+
+# Kernels whose cost no roofline of this machine's rates gives, measured at their own shape as the
+# products are: GELU's tanh costs several exps per element (forward and backward); the loss by rows
+# and the chunked loss make their passes over blocks that stay in cache (the bandwidth of a DRAM-sized
+# working set would price them at several times their time) with dtype conversions between.
+def gelu_kernel(direction: str, rows: int, cols: int) -> str:
+    return f"gelu {direction} {rows}x{cols}"
+
+
+def embedding_kernel(tokens: int, vocab: int, h: int) -> str:
+    """The embedding's backward: a dense vocab x h gradient zeroed, the tokens' rows added in."""
+    return f"embedding backward {tokens}x{vocab}x{h}"
+
+
+def loss_rows_kernel(rows: int, vocab: int) -> str:
+    """minigpt.core.model.CrossEntropy's forward (loss and gradient) over rows x vocab logits."""
+    return f"loss rows {rows}x{vocab}"
+
+
+def loss_chunk_kernel(rows: int, vocab: int, h: int) -> str:
+    """One chunk of minigpt.core.model.ChunkedCrossEntropy: logits, softmax and both gradients."""
+    return f"loss chunk {rows}x{vocab}x{h}"
 
 
 class _OpList:
@@ -137,14 +186,24 @@ class _OpList:
         if self.amp:
             self.add(stage, f"cast {name}", bytes=(4 + self.p) * elements, count=count)
 
-    def gemm(self, stage: str, name: str, m: int, n: int, k: int, count: int = 1) -> None:
-        p = self.p
+    def gemm(
+        self,
+        stage: str,
+        name: str,
+        mnk: tuple[int, int, int],
+        layout: str,
+        count: int = 1,
+        bias: bool = False,
+    ) -> None:
+        """A product; with bias, addmm (a linear's forward: the bias is first copied into every row)."""
+        (m, n, k), p = mnk, self.p
+        kernel = matmul_kernel(m, n, k, layout)
         self.add(
             stage,
             name,
             flops=2 * m * n * k,
             bytes=p * (m * k + k * n) + p * m * n,
-            kernel=matmul_kernel(m, n, k),
+            kernel=kernel.replace("matmul", "addmm", 1) if bias else kernel,
             count=count,
         )
 
@@ -152,12 +211,12 @@ class _OpList:
         if cast_input:
             self.cast(stage, f"{name} input", self.N * k, count)
         self.cast(stage, f"{name} weight", k * n + (n if bias else 0), count)
-        self.gemm(stage, name, self.N, n, k, count)
+        self.gemm(stage, name, (self.N, n, k), "nt", count, bias)
 
     def linear_backward(self, name: str, k: int, n: int, bias: bool, cast_input: bool, count: int):
         N = self.N
-        self.gemm("backward", f"{name} grad input", N, k, n, count)
-        self.gemm("backward", f"{name} grad weight", n, k, N, count)
+        self.gemm("backward", f"{name} grad input", (N, k, n), "nn", count)
+        self.gemm("backward", f"{name} grad weight", (n, k, N), "tn", count)
         if bias:
             self.add("backward", f"{name} grad bias", bytes=self.p * N * n + 4 * n, count=count)
         self.cast("backward", f"{name} grad weight to fp32", k * n + (n if bias else 0), count)
@@ -194,7 +253,14 @@ class _OpList:
         self.add(stage, "residual add", bytes=(8 + p) * N * h, count=count)
         self.layer_norm(stage, "ln_2", count)
         self.linear_forward(stage, "fc", h, f, True, True, count)
-        self.add(stage, "gelu", bytes=2 * p * N * f, exps=N * f, count=count)
+        self.add(
+            stage,
+            "gelu",
+            bytes=2 * p * N * f,
+            elements=N * f,
+            kernel=gelu_kernel("forward", N, f),
+            count=count,
+        )
         self.linear_forward(stage, "mlp proj", f, h, True, False, count)
         self.add(stage, "residual add", bytes=(8 + p) * N * h, count=count)
 
@@ -236,9 +302,17 @@ def _loss_ops(o: _OpList, loss_rows: int | None) -> None:
     fwd = "forward"
     o.linear_forward(fwd, "lm_head", h, V, False, True, 1)
     if loss_rows:
-        blocks = -(-N // loss_rows)
-        # per block: the fp32 copy, max, sub_ + exp_, sum, mul_, the gradient rows written back
-        o.add(fwd, "cross-entropy by rows", bytes=(28 + 2 * o.p) * N * V, exps=N * V, launches=9 * blocks)
+        # per block of LOSS_ROWS rows: the fp32 copy, max, sub_ + exp_, sum, mul_, the gradient rows
+        # written back. Only the logits read and the gradient written leave the cache (the fp32
+        # block stays in a core's L2): those are its bytes; its time is its measured kernel's
+        o.add(
+            fwd,
+            "cross-entropy by rows",
+            bytes=2 * o.p * N * V,
+            elements=N * V,
+            kernel=loss_rows_kernel(N, V),
+            launches=0,  # its 9 ops per block of rows are inside the kernel's measured time
+        )
     else:
         o.cast(fwd, "logits to fp32", N * V)
         o.add(fwd, "log_softmax", bytes=16 * N * V, exps=N * V + N, launches=1)
@@ -259,24 +333,22 @@ def _chunked_loss_ops(o: _OpList, loss_chunk_elements: int) -> None:
     rows = min(rows, N)
     chunks = [(rows, N // rows)] + ([(N % rows, 1)] if N % rows else [])
     for r, n_chunks in chunks:
-        c = dict(count=n_chunks)
-        o.cast(fwd, "chunk: x", r * h, 2 * n_chunks)
-        o.cast(fwd, "chunk: weight", V * h, 2 * n_chunks)
-        o.gemm(fwd, "chunk: logits", r, V, h, n_chunks)
-        o.cast(fwd, "chunk: logits to fp32", r * V, n_chunks)
-        # logsumexp: max, the shifted copy, its exp, the sum
-        o.add(fwd, "chunk: logsumexp", bytes=24 * r * V, exps=r * V, launches=4, **c)
-        o.add(fwd, "chunk: softmax in place (sub_, exp_)", bytes=16 * r * V, exps=r * V, launches=2, **c)
-        o.add(fwd, "chunk: scatter_add_, mul_", bytes=8 * r * V + 16 * r, launches=2, **c)
-        o.cast(fwd, "chunk: probabilities", r * V, n_chunks)
-        o.gemm(fwd, "chunk: grad x", r, h, V, n_chunks)
-        o.gemm(fwd, "chunk: grad weight", V, h, r, n_chunks)
+        # the weight and the rows cast, the logits (x @ W.T), their fp32 softmax in place, and the
+        # two gradient products (probs @ W, probs.T @ x): one measured kernel, loss_chunk
+        o.add(
+            fwd,
+            "chunk: logits, softmax, both gradients",
+            flops=3 * 2 * r * V * h,
+            bytes=2 * (4 + p) * V * h + (4 + 2 * p) * r * V * 2,
+            kernel=loss_chunk_kernel(r, V, h),
+            count=n_chunks,
+        )
         o.add(
             fwd,
             "chunk: grad x rows, grad weight +=",
             bytes=(4 + p) * r * h + (8 + p) * V * h,
             launches=2,
-            **c,
+            count=n_chunks,
         )
     o.add("backward", "chunked loss backward (scale both gradients)", bytes=8 * N * h + 8 * V * h, launches=2)
 
@@ -292,7 +364,14 @@ def _backward_ops(o: _OpList) -> None:
     o.add(bwd, "residual gradient add", bytes=12 * N * h, count=2 * L)
     o.cast(bwd, "mlp proj output gradient", N * h, L)
     o.linear_backward("mlp proj", f, h, True, False, L)
-    o.add(bwd, "gelu backward", bytes=3 * p * N * f, exps=N * f, count=L)
+    o.add(
+        bwd,
+        "gelu backward",
+        bytes=3 * p * N * f,
+        elements=N * f,
+        kernel=gelu_kernel("backward", N, f),
+        count=L,
+    )
     o.linear_backward("fc", h, f, True, True, L)
     o.layer_norm_backward("ln_2", L)
     o.cast(bwd, "attn proj output gradient", N * h, L)
@@ -313,7 +392,13 @@ def _backward_ops(o: _OpList) -> None:
     o.add(bwd, "wpe gradient (sum over the batch)", bytes=4 * N * h + 4 * s.seq_len * h)
     # the embedding's dense V x h gradient, then the tied weight's two gradients summed
     V = s.vocab_size
-    o.add(bwd, "wte gradient (zeros, index_add)", bytes=4 * V * h + 8 * N * h + 8 * N, launches=2)
+    o.add(
+        bwd,
+        "wte gradient (zeros, index_add)",
+        bytes=4 * V * h + 8 * N * h + 8 * N,
+        elements=V * h,
+        kernel=embedding_kernel(N, V, h),
+    )
     o.add(bwd, "tied weight: sum of two gradients", bytes=12 * V * h)
 
 
@@ -338,8 +423,9 @@ def matmul_flops(ops: list[Op]) -> int:
 # ------------------------------------------------------------------------------------ the rates
 @dataclass
 class Rates:
-    """What one device does per second: FLOP/s per kernel (matmul shape, attention direction),
-    bytes/s at each working-set size (ascending), exp evaluations/s, and seconds per op."""
+    """What one device does per second: each kernel's work per second (`matmul`: FLOP/s of the
+    products and attention, elements/s of GELU, the loss and the embedding's gradient), bytes/s at
+    each working-set size (ascending), exp evaluations/s, and seconds per op."""
 
     device: str
     dtype: str
@@ -392,40 +478,103 @@ def _timed(call, rounds: int = ROUNDS, sync=None, most: int = MAX_ROUNDS) -> lis
 
 
 def measure_kernel(device: str, dtype: str, kernel: str) -> dict:
-    """FLOP/s of one matmul shape or attention direction: its counted FLOPs over each timed call."""
+    """The rate of one kernel at its own shape: its work (FLOPs, or elements for GELU and the loss
+    by rows) over each timed call."""
     sync = torch.cuda.synchronize if device == "cuda" else None
     gen = torch.Generator(device).manual_seed(0)  # its own generator: the training RNG stays untouched
     dt = TORCH_DTYPES[dtype]
     kind, *rest = kernel.split(" ")
     dims = [int(x) for x in rest[-1].split("x")]
-    if kind == "matmul":
-        m, n, k = dims
-        x, w = (torch.randn(*sh, device=device, dtype=dt, generator=gen) for sh in ((m, k), (k, n)))
-        out = torch.empty(m, n, device=device, dtype=dt)
-        flops = 2 * m * n * k
-        times = _timed(lambda: torch.mm(x, w, out=out), sync=sync)
-    else:
-        b, heads, s, hd = dims
-        q, k_, v = (
-            torch.randn(b, heads, s, hd, device=device, dtype=dt, generator=gen).requires_grad_()
-            for _ in range(3)
-        )
-        grad = torch.randn(b, heads, s, hd, device=device, dtype=dt, generator=gen)
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        if rest[0] == "forward":
-            flops = 4 * b * s * s * heads * hd
-            times = _timed(lambda: sdpa(q, k_, v, is_causal=True), sync=sync)
-        else:
-            flops = 8 * b * s * s * heads * hd
-            y = sdpa(q, k_, v, is_causal=True)
 
-            def backward():
-                for t in (q, k_, v):
-                    t.grad = None
-                torch.autograd.grad(y, (q, k_, v), grad, retain_graph=True)
+    def randn(*shape: int, dtype: torch.dtype = dt) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=dtype, generator=gen)
 
-            times = _timed(backward, sync=sync)
-    return {"rounds": [flops / t for t in times], "flops": flops}
+    work, call = KERNEL_CALLS[kind](randn, rest[0], dims, dt)
+    return {"rounds": [work / t for t in _timed(call, sync=sync)], "flops": work}
+
+
+def _cold(make, nbytes: int):
+    """A call's operands made afresh in enough copies that, taken in turn, each call reads ones no
+    recent call left in cache (as in a step, where a product's inputs were written long before)."""
+    copies = max(1, min(COLD_COPIES, -(-COLD_BYTES // max(nbytes, 1))))
+    return itertools.cycle([make() for _ in range(copies)])
+
+
+def _matmul_call(randn, layout: str, dims: list[int], dt: torch.dtype, bias: bool = False):
+    m, n, k = dims
+
+    def make():  # a "t" operand is made in the other order and read through its transpose, as autograd does
+        x = randn(k, m).t() if layout[0] == "t" else randn(m, k)
+        w = randn(n, k).t() if layout[1] == "t" else randn(k, n)
+        return x, w, randn(n)
+
+    operands = _cold(make, (m * k + k * n) * torch.finfo(dt).bits // 8)
+    out = torch.empty(m, n, device=randn(1).device, dtype=dt)
+
+    def call():
+        x, w, b = next(operands)
+        return torch.addmm(b, x, w, out=out) if bias else torch.mm(x, w, out=out)
+
+    return 2 * m * n * k, call
+
+
+def _attention_call(randn, direction: str, dims: list[int], dt: torch.dtype):
+    b, heads, s, hd = dims
+    q, k, v = (randn(b, heads, s, hd).requires_grad_() for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if direction == "forward":
+        return 4 * b * s * s * heads * hd, lambda: sdpa(q, k, v, is_causal=True)
+    y, grad = sdpa(q, k, v, is_causal=True), randn(b, heads, s, hd)
+    return 8 * b * s * s * heads * hd, lambda: torch.autograd.grad(y, (q, k, v), grad, retain_graph=True)
+
+
+def _gelu_call(randn, direction: str, dims: list[int], dt: torch.dtype):
+    pairs = _cold(lambda: (randn(*dims), randn(*dims)), 2 * math.prod(dims) * torch.finfo(dt).bits // 8)
+
+    def call():
+        x, grad = next(pairs)
+        if direction == "forward":
+            return torch.nn.functional.gelu(x, approximate="tanh")
+        return torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
+
+    return math.prod(dims), call
+
+
+def _loss_call(randn, kind: str, dims: list[int], dt: torch.dtype):
+    """The model's own loss code at this shape: the loss by rows (its gradient made in the
+    forward), or one chunk of the chunked loss."""
+    if kind == "rows":
+        rows, vocab = dims
+        logits = randn(rows, vocab).requires_grad_()
+        targets = torch.randint(vocab, (rows,), device=logits.device)
+        return rows * vocab, lambda: model_module.CrossEntropy.apply(logits, targets)
+    rows, vocab, h = dims
+    # the weight at GPT-2's initial scale: logits of a plausible size (unit-scale weights make logits
+    # so spread that most softmax terms underflow to subnormal floats, several times slower)
+    x, weight, scale = (
+        randn(rows, h, dtype=torch.float32),
+        0.02 * randn(vocab, h, dtype=torch.float32),
+        1.0 / rows,
+    )
+    targets = torch.randint(vocab, (rows,), device=x.device)
+    return 6 * rows * vocab * h, lambda: model_module.loss_chunk(x, weight, targets, dt, scale)
+
+
+def _embedding_call(randn, direction: str, dims: list[int], dt: torch.dtype):
+    tokens, vocab, h = dims
+    grad = randn(tokens, h, dtype=torch.float32)  # the embedding's output is fp32 under autocast too
+    ids = torch.randint(vocab, (tokens,), device=grad.device)
+    return vocab * h, lambda: torch.ops.aten.embedding_dense_backward(grad, ids, vocab, -1, False)
+
+
+KERNEL_CALLS = {
+    "matmul": _matmul_call,
+    "addmm": lambda *a: _matmul_call(*a, bias=True),
+    "attention": _attention_call,
+    "gelu": _gelu_call,
+    "loss": _loss_call,
+    "embedding": _embedding_call,
+}
 
 
 def measure_bandwidth(device: str) -> dict:
@@ -496,7 +645,8 @@ def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True, m
     for a GPU in no table."""
     if device == "cuda":
         return _table_rates(dtype)
-    key, path = machine_key(device, dtype), cache_dir() / STEP_RATES_FILE
+    key = f"{machine_key(device, dtype)} | {allocator_in_use()} | rates v{RATES_VERSION}"
+    path = cache_dir() / STEP_RATES_FILE
     known = read_cache(path).get(key, {}) if cache else {}
     wanted = ["bandwidth", "exp", "overhead", *needed]
     if not measure and (missing := [n for n in wanted if n not in known]):
@@ -627,7 +777,7 @@ def predict_ops(ops: list[Op], rates: Rates, grad_accum_steps: int = 1) -> dict[
         reps = o.count * (grad_accum_steps if o.stage != "optimizer_step" else 1)
         compute = 0.0
         if o.kernel:
-            compute = o.flops / rates.flop_rate(o.kernel)
+            compute = o.work / rates.flop_rate(o.kernel)
         if o.exps:
             compute = max(compute, o.exps / rates.exps_per_s)
         memory = o.bytes / rates.bytes_per_s(o.bytes) if o.bytes else 0.0
