@@ -203,7 +203,6 @@ def write_step_rates(cache, flags: list[str], rounds):
     returns the run's shape (minigpt.shape.shape_of)."""
     from minigpt.core.config import parse_args
     from minigpt.instruments import predict
-    from minigpt.instruments.mfu import machine_key
     from minigpt.shape import shape_of
 
     cfg = parse_args(flags)
@@ -213,12 +212,13 @@ def write_step_rates(cache, flags: list[str], rounds):
     entries["bandwidth"] = {"rounds": {"4096": rounds, "400000000": rounds}}
     entries["exp"] = {"rounds": rounds}
     entries["overhead"] = {"rounds": {"op": [1e-5] * 3, "autograd": [2e-5] * 3}}
-    (cache / predict.STEP_RATES_FILE).write_text(json.dumps({machine_key("cpu", "fp32"): entries}))
+    (cache / predict.STEP_RATES_FILE).write_text(json.dumps({predict.rates_key("cpu", "fp32"): entries}))
     return shape
 
 
 def test_config_json_keeps_the_predicted_step_when_the_rates_are_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("minigpt.instruments.predict.allocator_in_use", lambda: "the trainer's malloc")
     flags = [*TINY, "--no-amp", "--num-steps", "2", "--no-report"]
     from minigpt.instruments.predict import predict_step
 
@@ -232,6 +232,22 @@ def test_config_json_keeps_the_predicted_step_when_the_rates_are_cached(tmp_path
     write_step_rates(tmp_path, flags, "fast")
     assert train_minimal.cli([*flags, "--out-dir", str(tmp_path / "damaged")]) == 0
     assert "predicted_step" not in json.loads((tmp_path / "damaged" / "config.json").read_text())
+
+
+def test_the_rates_estimate_time_caches_are_the_ones_the_trainer_reads(tmp_path):
+    """Both processes time and read on the same malloc (the trainer's preferred one where it is
+    installed), so `python -m minigpt estimate --time` then a run gives the run its prediction."""
+    env = {**os.environ, "MINIGPT_CACHE_DIR": str(tmp_path)}
+    flags = [*TINY, "--no-amp", "--num-steps", "2", "--no-report"]
+    run = dict(cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    timed = subprocess.run([sys.executable, "-m", "minigpt", "estimate", "--time", *flags], **run)
+    assert timed.returncode == 0, timed.stderr
+    trained = subprocess.run(
+        [sys.executable, "train_minimal.py", *flags, "--out-dir", str(tmp_path / "r")], **run
+    )
+    assert trained.returncode == 0, trained.stderr
+    stored = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert set(stored["predicted_step"]["stage_ms"]) == {"forward", "backward", "optimizer_step"}
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):

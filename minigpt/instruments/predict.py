@@ -638,6 +638,11 @@ class NoRates(UsageError):
     """The device has no rates: a GPU in neither table, or (measure=False) a cache without them."""
 
 
+def rates_key(device: str, dtype: str) -> str:
+    """The cache entry for this machine, dtype and malloc, measured this way (RATES_VERSION)."""
+    return f"{machine_key(device, dtype)} | {allocator_in_use()} | rates v{RATES_VERSION}"
+
+
 def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True, measure: bool = True) -> Rates:
     """This device's rates for the kernels in `needed`: on the CPU measured once and cached (what
     the cache lacks is measured and added; with measure=False it raises NoRates instead, for
@@ -645,8 +650,7 @@ def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True, m
     for a GPU in no table."""
     if device == "cuda":
         return _table_rates(dtype)
-    key = f"{machine_key(device, dtype)} | {allocator_in_use()} | rates v{RATES_VERSION}"
-    path = cache_dir() / STEP_RATES_FILE
+    key, path = rates_key(device, dtype), cache_dir() / STEP_RATES_FILE
     known = read_cache(path).get(key, {}) if cache else {}
     wanted = ["bandwidth", "exp", "overhead", *needed]
     if not measure and (missing := [n for n in wanted if n not in known]):
