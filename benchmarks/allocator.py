@@ -91,7 +91,7 @@ VARIANTS = {
     ),
     "mimalloc, purges after 10 s": Variant(
         "preload",
-        "the same, MIMALLOC_PURGE_DELAY=10000 (the trainer's choice where pip installed it)",
+        "the same, MIMALLOC_PURGE_DELAY=10000 (the trainer's choice before this one)",
         "mimalloc",
         {"MIMALLOC_PURGE_DELAY": "10000"},
     ),
@@ -101,6 +101,12 @@ VARIANTS = {
         "whole, however little of it is used)",
         "mimalloc",
         {"MIMALLOC_PURGE_DELAY": "10000", "MIMALLOC_ALLOW_THP": "0"},
+    ),
+    "mimalloc, purges after 3 s, no huge pages": Variant(
+        "preload",
+        "MIMALLOC_PURGE_DELAY=3000, MIMALLOC_ALLOW_THP=0 (the trainer's choice where pip installed it)",
+        "mimalloc",
+        {"MIMALLOC_PURGE_DELAY": "3000", "MIMALLOC_ALLOW_THP": "0"},
     ),
     "tcmalloc": Variant("preload", "LD_PRELOAD=libtcmalloc_minimal.so.4", "tcmalloc"),
     "jemalloc": Variant("preload", "LD_PRELOAD=libjemalloc.so.2", "jemalloc"),

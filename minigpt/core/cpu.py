@@ -73,11 +73,13 @@ def preloaded_allocator() -> str | None:
 # Re-executing under one of them is what torch's own CPU launcher (torch.backends.xeon.run_cpu) does
 # with LD_PRELOAD.
 PREFERRED = ("mimalloc", "tcmalloc", "jemalloc")
-# mimalloc's options for the trainer, where the user set none: MIMALLOC_PURGE_DELAY is how long (ms)
-# a freed page stays committed before mimalloc gives it back to the system. Its default (1 s in
+# mimalloc's options for the trainer, where the user set none. MIMALLOC_PURGE_DELAY is how long (ms)
+# a freed page stays committed before mimalloc gives it back to the system: its default (1 s in
 # mimalloc 3.4) can be shorter than a step on a busy 2-core machine, and then the step's big tensors
-# fault in again; 10 s outlasts a step there, and holds no more than never giving back does.
-MIMALLOC_ENV = {"MIMALLOC_PURGE_DELAY": "10000"}
+# fault in again; 3 s outlasts a step there, and what stays free that long (an evaluation's shapes)
+# goes back. MIMALLOC_ALLOW_THP=0: no transparent huge pages, each 2 MiB page resident whole however
+# little of it is used, and zeroed whole on the first steps' faults (benchmarks/allocator.py).
+MIMALLOC_ENV = {"MIMALLOC_PURGE_DELAY": "3000", "MIMALLOC_ALLOW_THP": "0"}
 NO_PRELOAD_ENV = "MINIGPT_MALLOC"  # =glibc: stay on glibc's malloc (the allocator benchmark sets it)
 
 
