@@ -132,7 +132,7 @@ def preload_hint() -> str | None:
     if preloaded_allocator() or installed_allocators():
         return None
     return (
-        "mimalloc faults the step's big tensors in once, not every step, at ~1.65x the allocator's "
+        "mimalloc faults the step's big tensors in once, not every step, at ~1.6x the allocator's "
         f"peak (benchmarks/results/cpu-allocator.md); pip install {MIMALLOC_DIST} (requirements.txt) "
         "and the trainer uses it"
     )
