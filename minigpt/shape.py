@@ -9,7 +9,7 @@ in the base layer, below the core and the instruments."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 MiB = 2**20  # the byte units the estimates are printed in (memory.log's "MiB")
 GiB = 2**30
@@ -95,7 +95,6 @@ class Shape:
 
 
 BATCH_FIELDS = ("seq_len", "batch_size", "grad_accum_steps")  # the rest are GPTConfig's
-MODEL_FIELDS = tuple(f.name for f in fields(Shape) if f.name not in BATCH_FIELDS)
 
 
 def shape_of(cfg, vocab_size: int, **changes) -> Shape:
@@ -116,15 +115,3 @@ def shape_of(cfg, vocab_size: int, **changes) -> Shape:
     v["d_ff"] = v["d_ff"] or 4 * v["d_model"]
     v["max_position_embeddings"] = v["max_position_embeddings"] or v["seq_len"]
     return Shape(**v, vocab_size=pad_vocab(vocab_size))
-
-
-def shape_of_run(conf: dict) -> Shape:
-    """A finished run's step shape from its config.json: the model as it was built ("model":
-    GPTConfig's fields) and the batch as it was given ("config": the TrainConfig)."""
-    m, c = conf["model"], conf["config"]
-    return Shape(
-        **{k: m[k] for k in MODEL_FIELDS if k in m},
-        seq_len=c["seq_len"],
-        batch_size=c["batch_size"],
-        grad_accum_steps=c.get("grad_accum_steps", 1),
-    )

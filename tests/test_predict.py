@@ -235,11 +235,6 @@ def test_json_without_time_is_a_usage_error(capsys):
     assert "--json goes with --time" in capsys.readouterr().err
 
 
-def test_compare_gives_the_error_per_stage():
-    out = predict.compare({"forward": 12.0, "backward": 30.0}, {"forward": 10.0, "backward": 0.0})
-    assert out == {"forward": {"predicted_ms": 12.0, "measured_ms": 10.0, "error": pytest.approx(0.2)}}
-
-
 def test_param_sizes_are_the_models_tensors():
     """What the optimizer and the clipping loop over, one op per tensor."""
     model = GPT(
@@ -252,41 +247,6 @@ def test_param_sizes_are_the_models_tensors():
     )
     ops = [o for o in predict.step_ops(Shape(**SHAPE)) if o.name.startswith("fused AdamW")]
     assert sum(o.count for o in ops) == 2 + 12 * SHAPE["n_layers"] + 2
-
-
-def write_run(folder, shape: dict, stage_ms: dict) -> None:
-    """A run directory as train_minimal.py leaves it, reduced to what run_prediction reads."""
-    model = {
-        k: shape[k]
-        for k in ("n_layers", "n_heads", "d_model", "d_ff", "vocab_size", "max_position_embeddings")
-    }
-    model.update(dropout=0.0, activation_checkpoint=False, chunked_loss=True)
-    config = {"seq_len": shape["seq_len"], "batch_size": shape["batch_size"], "grad_accum_steps": 1}
-    (folder / "config.json").write_text(
-        json.dumps({"config": config, "model": model, "device": "cpu", "amp": "bf16"})
-    )
-    records = [
-        {"step": 1, "stage_host_ms": {}},
-        {"step": 2, "stage_host_ms": stage_ms, "tokens_per_s_per_rank": 9.0},
-    ]
-    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-
-
-def test_run_prediction_puts_predicted_beside_the_runs_last_record(tmp_path, monkeypatch, counted):
-    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path / "cache"))
-    write_run(tmp_path, SHAPE, {"forward": 10.0, "backward": 20.0, "optimizer_step": 5.0})
-    with pytest.raises(predict.NoRates, match="python -m minigpt.estimate --time"):
-        predict.run_prediction(tmp_path)  # a reader does not measure
-    assert counted == [] and not (tmp_path / "cache").exists()
-    fresh = predict.run_prediction(tmp_path, measure=True)
-    again = predict.run_prediction(tmp_path)
-    assert again == {**fresh, "rates_source": again["rates_source"]} and again["rates_source"].startswith(
-        "cache"
-    )
-    assert set(again["stages"]) == set(predict.PREDICTED_STAGES)
-    fwd = again["stages"]["forward"]
-    assert fwd["measured_ms"] == 10.0 and fwd["error"] == pytest.approx(fwd["predicted_ms"] / 10.0 - 1)
-    assert again["tokens_per_s"]["measured"] == 9.0
 
 
 def test_accumulation_runs_forward_and_backward_per_micro_batch(tmp_path, monkeypatch, counted):

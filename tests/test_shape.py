@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from minigpt.shape import GPT2_PADDED, GPT2_VOCAB, Shape, pad_vocab, shape_of, shape_of_run
+from minigpt.shape import GPT2_PADDED, GPT2_VOCAB, Shape, pad_vocab, shape_of
 
 ROOT = Path(__file__).resolve().parents[1]
 PINS = Path(__file__).with_name("shape_pins.json")
@@ -212,17 +212,6 @@ def test_a_preset_and_the_trainers_config_give_the_same_shape():
     assert (shape.d_ff, shape.vocab_size, shape.max_position_embeddings) == (96, 128, cfg.seq_len)
     assert shape.activation_checkpoint and shape.chunked_loss and shape.tokens == cfg.batch_size * cfg.seq_len
     assert shape_of(PRESETS["small"], GPT2_VOCAB, seq_len=512).max_position_embeddings == 512
-
-
-def test_a_runs_config_json_gives_back_the_shape_it_ran(tmp_path):
-    """run_prediction reads a finished run's shape from its config.json, as the trainer wrote it."""
-    from minigpt.core.config import parse_args
-    from minigpt.core.model import GPTConfig
-
-    cfg = parse_args(["--preset", "tiny", "--vocab-size", "100", "--grad-accum-steps", "3", "--chunked-loss"])
-    shape = shape_of(cfg, cfg.vocab_size)
-    conf = {"config": cfg.to_dict(), "model": asdict(GPTConfig(**shape.model_kwargs()))}
-    assert shape_of_run(json.loads(json.dumps(conf))) == shape
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:

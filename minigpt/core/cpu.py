@@ -76,9 +76,10 @@ PREFERRED = ("mimalloc", "tcmalloc", "jemalloc")
 # mimalloc's options for the trainer, where the user set none. MIMALLOC_PURGE_DELAY is how long (ms)
 # a freed page stays committed before mimalloc gives it back to the system: its default (1 s in
 # mimalloc 3.4) can be shorter than a step on a busy 2-core machine, and then the step's big tensors
-# fault in again; 3 s outlasts a step there, and what stays free that long (an evaluation's shapes)
-# goes back. MIMALLOC_ALLOW_THP=0: no transparent huge pages, each 2 MiB page resident whole however
-# little of it is used, and zeroed whole on the first steps' faults (benchmarks/allocator.py).
+# fault in again; 3 s is several steps (0.37 s each for the main job on a quiet 2-core Xeon), and
+# what stays free that long (an evaluation's shapes) goes back. MIMALLOC_ALLOW_THP=0: no transparent
+# huge pages, each 2 MiB page resident whole however little of it is used, and zeroed whole on the
+# first steps' faults (benchmarks/allocator.py).
 MIMALLOC_ENV = {"MIMALLOC_PURGE_DELAY": "3000", "MIMALLOC_ALLOW_THP": "0"}
 NO_PRELOAD_ENV = "MINIGPT_MALLOC"  # =glibc: stay on glibc's malloc (the allocator benchmark sets it)
 
@@ -172,6 +173,7 @@ def never_return_memory(give_back_at_evaluations: bool = False) -> str:
 
 # Set by keep_freed_memory(): the kept heap is given back around evaluations (release_freed_memory).
 _release_at_evaluation = False
+_glibc_setting = "glibc defaults"  # what choose_allocator() set, for allocator_in_use()
 
 
 def release_freed_memory() -> bool:
@@ -224,9 +226,6 @@ def choose_allocator(keep_freed: bool) -> str:
     global _glibc_setting
     _glibc_setting = "glibc, freed memory kept" if keep_freed else "glibc defaults"
     return keep_freed_memory() if keep_freed else "CPU allocator: glibc defaults (--no-keep-freed-memory)"
-
-
-_glibc_setting = "glibc defaults"
 
 
 def allocator_in_use() -> str:

@@ -64,7 +64,7 @@ from minigpt.core.cpu import allocator_in_use
 from minigpt.core.data import cache_dir
 from minigpt.fileio import atomic_write, display_path
 from minigpt.instruments.mfu import PEAK_FLOPS, TORCH_DTYPES, machine_key, read_cache
-from minigpt.shape import Shape, shape_of_run
+from minigpt.shape import Shape
 
 STEP_RATES_FILE = "step_rates.json"  # under minigpt.core.data.cache_dir(): one entry per machine and dtype
 RATES_VERSION = 2  # how the rates are measured: a change makes new entries, never reads old ones
@@ -493,11 +493,11 @@ def measure_kernel(device: str, dtype: str, kernel: str) -> dict:
     return {"rounds": [work / t for t in _timed(call, sync=sync)], "flops": work}
 
 
-def _cold(make, nbytes: int):
-    """A call's operands made afresh in enough copies that, taken in turn, each call reads ones no
-    recent call left in cache (as in a step, where a product's inputs were written long before)."""
-    copies = max(1, min(COLD_COPIES, -(-COLD_BYTES // max(nbytes, 1))))
-    return itertools.cycle([make() for _ in range(copies)])
+def _cold(make, nbytes: int) -> list:
+    """A call's operands made in enough copies that, taken in turn (itertools.cycle), each call
+    reads ones no recent call left in cache (as in a step, where a product's inputs were written
+    long before)."""
+    return [make() for _ in range(max(1, min(COLD_COPIES, -(-COLD_BYTES // max(nbytes, 1)))))]
 
 
 def _matmul_call(randn, layout: str, dims: list[int], dt: torch.dtype, bias: bool = False):
@@ -506,10 +506,10 @@ def _matmul_call(randn, layout: str, dims: list[int], dt: torch.dtype, bias: boo
     def make():  # a "t" operand is made in the other order and read through its transpose, as autograd does
         x = randn(k, m).t() if layout[0] == "t" else randn(m, k)
         w = randn(n, k).t() if layout[1] == "t" else randn(k, n)
-        return x, w, randn(n)
+        return x, w, randn(n) if bias else None
 
-    operands = _cold(make, (m * k + k * n) * torch.finfo(dt).bits // 8)
-    out = torch.empty(m, n, device=randn(1).device, dtype=dt)
+    copies = _cold(make, (m * k + k * n) * torch.finfo(dt).bits // 8)
+    out, operands = copies[0][0].new_empty(m, n), itertools.cycle(copies)
 
     def call():
         x, w, b = next(operands)
@@ -529,7 +529,9 @@ def _attention_call(randn, direction: str, dims: list[int], dt: torch.dtype):
 
 
 def _gelu_call(randn, direction: str, dims: list[int], dt: torch.dtype):
-    pairs = _cold(lambda: (randn(*dims), randn(*dims)), 2 * math.prod(dims) * torch.finfo(dt).bits // 8)
+    pairs = itertools.cycle(
+        _cold(lambda: (randn(*dims), randn(*dims)), 2 * math.prod(dims) * torch.finfo(dt).bits // 8)
+    )
 
     def call():
         x, grad = next(pairs)
@@ -861,45 +863,3 @@ def split_flags(argv: list[str] | None) -> tuple[list[str], bool, bool]:
     if as_json and not timing:
         raise UsageError("--json goes with --time (the memory estimate prints a table); add --time")
     return rest, timing, as_json
-
-
-def compare(predicted: dict[str, float], measured: dict[str, float]) -> dict[str, dict]:
-    """Predicted beside measured per stage, with the error (predicted / measured - 1): what a table
-    or a report shows next to a run's stage_host_ms."""
-    out = {}
-    for name in PREDICTED_STAGES:
-        if name in predicted and measured.get(name):
-            out[name] = {
-                "predicted_ms": predicted[name],
-                "measured_ms": measured[name],
-                "error": predicted[name] / measured[name] - 1,
-            }
-    return out
-
-
-def run_prediction(run_dir, measure: bool = False) -> dict:
-    """A finished run's stage times, predicted beside measured: what an ablation table or the
-    report shows. Reads the run's config.json (its shape and flags) and the last record of its
-    metrics.jsonl (stage_host_ms: the mean over the last log interval, after warm-up when the run
-    logged twice or more), and predicts from this machine's cached rates: a run from another
-    machine is compared with this one's rates, so call it where the run ran. measure=False (the
-    default, for readers): NoRates when the cache lacks a rate. Returns compare()'s dict per stage,
-    plus "bound", "tokens_per_s" (predicted and measured) and "tested"."""
-    from pathlib import Path
-
-    from minigpt import paths
-    from minigpt.fileio import read_bounded
-
-    run_dir = Path(run_dir)  # read as the report reads it: regular files only, sizes checked first
-    conf = json.loads(read_bounded(run_dir / paths.CONFIG_FILE, paths.CONFIG_LIMIT))
-    lines = read_bounded(run_dir / paths.METRICS_FILE, paths.JSONL_LIMIT).decode().splitlines()
-    record = json.loads(next(line for line in reversed(lines) if line.strip()))
-    pred = predict_step(shape_of_run(conf), conf["amp"], conf["device"], measure=measure)
-    rec = pred.to_record()
-    return {
-        "stages": compare(rec["stage_ms"], record.get("stage_host_ms") or {}),
-        "bound": rec["bound"],
-        "tokens_per_s": {"predicted": rec["tokens_per_s"], "measured": record.get("tokens_per_s_per_rank")},
-        "tested": rec["tested"],
-        "rates_source": rec["rates_source"],
-    }
