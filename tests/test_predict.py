@@ -97,6 +97,7 @@ def test_each_product_is_named_with_its_layout_as_autograd_runs_it():
         "loss rows 6x64",
         "loss chunk 3x64x8",
         "embedding backward 6x64x8",
+        "optimizer adamw 6x2,10x1",
     ],
 )
 def test_every_kernel_kind_measures_a_positive_rate(kernel):
@@ -113,6 +114,42 @@ def test_a_layout_is_measured_on_operands_laid_out_so(layout, monkeypatch):
     a, b = seen[0]
     assert a.shape == (6, 4) and b.shape == (4, 5)
     assert (a.stride() == (1, 6), b.stride() == (1, 4)) == (layout[0] == "t", layout[1] == "t")
+
+
+def test_a_kernel_is_timed_after_an_eviction_and_a_read_of_only_what_the_op_before_wrote(monkeypatch):
+    """As in a step: the caches emptied before each timed call, then the product's first operand
+    (a layer's input, or the gradient flowing back) read in; the weight stays in memory."""
+    events = []
+    real_sum, real_mm = torch.Tensor.sum, torch.mm
+    monkeypatch.setattr(
+        torch.Tensor, "sum", lambda t, *a, **kw: events.append(tuple(t.shape)) or real_sum(t, *a, **kw)
+    )
+    monkeypatch.setattr(torch, "mm", lambda a, b, **kw: events.append("mm") or real_mm(a, b, **kw))
+    rate = predict.measure_kernel("cpu", "fp32", "matmul nn 6x5x4", evict=lambda: events.append("evict"))
+    assert len(rate["rounds"]) == predict.EVICTED_CALLS
+    assert events == ["mm"] + ["evict", (6, 4), "mm"] * predict.EVICTED_CALLS  # one warm-up call first
+
+
+def test_the_optimizer_is_one_kernel_over_the_steps_own_parameters():
+    shape = Shape(**SHAPE)
+    [op] = [o for o in predict.step_ops(shape) if o.kernel and o.stage == "optimizer_step"]
+    n_k = [pair.split("x") for pair in op.kernel.split()[-1].split(",")]
+    assert sum(int(n) * int(k) for n, k in n_k) == sum(shape.param_sizes()) == op.elements
+    assert sum(int(k) for _, k in n_k) == len(shape.param_sizes())
+    stage = predict.predict_ops([op], rates(flops=1.0, bandwidth=1e12))["optimizer_step"]
+    assert stage.memory_ms == 1000 * op.elements and stage.compute_ms == 0  # it streams memory
+
+
+def test_the_last_level_cache_is_read_from_sysfs(tmp_path, monkeypatch):
+    for i, size in enumerate(["48K", "2048K", "480M"]):
+        (tmp_path / f"index{i}").mkdir()
+        (tmp_path / f"index{i}" / "size").write_text(size + "\n")
+    real_glob = predict.glob.glob
+    monkeypatch.setattr(predict.glob, "glob", lambda pattern: real_glob(str(tmp_path / "index*" / "size")))
+    assert predict.last_level_cache_bytes() == 480 * 2**20
+    monkeypatch.setattr(predict.glob, "glob", lambda pattern: [])
+    assert predict.last_level_cache_bytes() == predict.LLC_FALLBACK_BYTES
+    assert predict.cache_evictor("cuda") is None
 
 
 def test_amp_moves_fewer_bytes_in_the_products_and_casts_the_weights():
@@ -157,7 +194,7 @@ def counted(monkeypatch):
     """The measurements replaced by counters: what was measured, by name."""
     calls: list[str] = []
 
-    def kernel(device, dtype, name):
+    def kernel(device, dtype, name, evict=None):
         calls.append(name)
         return {"rounds": [1e9, 2e9, 3e9], "flops": 1}
 
@@ -236,7 +273,7 @@ def test_json_without_time_is_a_usage_error(capsys):
 
 
 def test_param_sizes_are_the_models_tensors():
-    """What the optimizer and the clipping loop over, one op per tensor."""
+    """What the optimizer and the clipping loop over, a tensor at a time."""
     model = GPT(
         GPTConfig(n_layers=3, d_model=32, n_heads=2, d_ff=64, vocab_size=128, max_position_embeddings=16)
     )
@@ -245,8 +282,8 @@ def test_param_sizes_are_the_models_tensors():
             **{**SHAPE, "n_layers": 3, "d_model": 32, "d_ff": 64, "max_position_embeddings": 16}
         ).param_sizes()
     )
-    ops = [o for o in predict.step_ops(Shape(**SHAPE)) if o.name.startswith("fused AdamW")]
-    assert sum(o.count for o in ops) == 2 + 12 * SHAPE["n_layers"] + 2
+    [zero_grad] = [o for o in predict.step_ops(Shape(**SHAPE)) if o.name.startswith("zero_grad")]
+    assert zero_grad.launches == 2 + 12 * SHAPE["n_layers"] + 2
 
 
 def test_accumulation_runs_forward_and_backward_per_micro_batch(tmp_path, monkeypatch, counted):

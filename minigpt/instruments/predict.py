@@ -21,14 +21,21 @@ $MINIGPT_CACHE_DIR/STEP_RATES_FILE:
   - every distinct matrix product of the step at its own shape (m, n, k), dtype and operand
     layout (LAYOUTS: a weight's gradient reads its first operand transposed, up to 2.4x slower
     in bf16), with its bias where it has one (addmm), and causal attention's forward and backward
-    at the model's shape: FLOPs over the mean time of its timed calls (at least three, and
-    SAMPLE_S of them), each call on operands no recent call left in cache (COLD_BYTES);
+    at the model's shape: FLOPs over the mean time of its timed calls;
   - the few kernels no rate of the three prices: GELU's tanh forward and backward, the loss by
     rows and a chunk of the chunked loss (passes over cache-sized blocks, with dtype
-    conversions), the embedding's dense gradient, each timed at its shape as the products are;
+    conversions), the embedding's dense gradient, and clip_grad_norm_ with fused AdamW over the
+    step's own parameter sizes, each timed at its shape as the products are;
+  - each of those kernels timed as a step runs it (`_timed_as_in_a_step`): before each of
+    EVICTED_CALLS calls the caches are emptied and only the input the op before has just written
+    is read back in; a weight, an activation saved in the forward or the optimizer's state was
+    last touched a whole step of traffic ago. (Timed on operands left in cache instead, the small
+    products ran 1.5-2x faster than in the step and the bf16 backward was predicted 19-25% short.)
   - bandwidth: an element-wise add at working sets either side of ATen's grain (one thread, or a
     parallel region) and up to 400 MB (a 2 MB activation stays in cache, a 400 MB logits tensor
-    does not), interpolated at each op's own size;
+    does not), interpolated at each op's own size, on buffers used again and again: an
+    element-wise op reads what the op before wrote (with the caches emptied before each call, a
+    small op took 1.7x its time in the step);
   - the exp rate (evaluations per second of a large fp32 exp);
   - the per-op overhead: a chain of one-element ops, forward (an eager op) and backward (an
     autograd node), per op.
@@ -45,7 +52,7 @@ marked untested: no GPU has checked it yet. A GPU in neither table has no rates:
 from __future__ import annotations
 
 import bisect
-import itertools
+import glob
 import json
 import math
 import re
@@ -55,6 +62,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 
@@ -67,7 +75,7 @@ from minigpt.instruments.mfu import PEAK_FLOPS, TORCH_DTYPES, machine_key, read_
 from minigpt.shape import Shape
 
 STEP_RATES_FILE = "step_rates.json"  # under minigpt.core.data.cache_dir(): one entry per machine and dtype
-RATES_VERSION = 2  # how the rates are measured: a change makes new entries, never reads old ones
+RATES_VERSION = 3  # how the rates are measured: a change makes new entries, never reads old ones
 PREDICTED_STAGES = ("forward", "backward", "optimizer_step")
 BOUNDS = ("compute", "memory", "overhead")
 ROUNDS = 3  # timed calls per rate after a warm-up; their mean time is kept
@@ -83,10 +91,14 @@ GRAIN = 32768
 BANDWIDTH_SIZES = (12 * (GRAIN - 2048), 12 * GRAIN, *(12 * 2**e for e in range(17, 26, 2)))
 EXP_ELEMENTS = 2**22  # a 16 MiB fp32 tensor: big enough that the launch does not count
 OVERHEAD_OPS = 200  # one-element ops per overhead measurement
-# A kernel's operands are made in copies of COLD_BYTES in all (at most COLD_COPIES), several times a
-# core's L2 cache, and used in turn: each call reads from memory, not from what the last call left.
-COLD_BYTES = 32 * 2**20
-COLD_COPIES = 32
+# How a kernel is timed, as a step runs it: before each timed call the caches are emptied by writing
+# over twice the last-level cache (at most EVICT_BYTES), then the inputs the op before it has just
+# written are read back in. The rest (weights, activations saved in the forward, optimizer state)
+# comes from memory, and the output is written over memory no recent op touched, as in a step.
+# Timed that way a small product takes about 1.5x what it takes on operands still in cache.
+EVICT_BYTES = 2**30
+LLC_FALLBACK_BYTES = 256 * 2**20  # where sysfs does not say how big the last-level cache is
+EVICTED_CALLS = 10  # timed calls per kernel when each is preceded by an eviction (about 60 ms each)
 # Bytes an op moves count its passes over memory: LayerNorm reads its input twice (the statistics,
 # then the normalised output) and writes once; log_softmax and its backward read three times
 # (max, sum of exps, the output; or the gradient's sum, then the gradient and the output) and write once.
@@ -122,6 +134,7 @@ class Op:
     kernel: str | None = None
     count: int = 1
     elements: int = 0  # the work of a measured element-wise kernel (GELU, the loss): its elements
+    streams: bool = False  # a measured kernel that streams memory (the optimizer's): memory-bound
 
     @property
     def work(self) -> int:
@@ -166,6 +179,12 @@ def loss_rows_kernel(rows: int, vocab: int) -> str:
 def loss_chunk_kernel(rows: int, vocab: int, h: int) -> str:
     """One chunk of minigpt.core.model.ChunkedCrossEntropy: logits, softmax and both gradients."""
     return f"loss chunk {rows}x{vocab}x{h}"
+
+
+def optimizer_kernel(sizes: list[int]) -> str:
+    """clip_grad_norm_ and fused AdamW over parameters of these sizes: "optimizer adamw NxK,..."
+    (K tensors of N elements), what the trainer's optimizer_step runs."""
+    return "optimizer adamw " + ",".join(f"{n}x{k}" for n, k in sorted(Counter(sizes).items()))
 
 
 class _OpList:
@@ -403,15 +422,19 @@ def _backward_ops(o: _OpList) -> None:
 
 
 def _optimizer_ops(o: _OpList) -> None:
-    """clip_grad_norm_ and fused AdamW work a tensor at a time, and each tensor of GRAIN elements
-    or more is one parallel region (the CPU's cost per op under load)."""
+    """clip_grad_norm_ and fused AdamW, one measured kernel at the step's own parameter sizes (a
+    tensor at a time, each a parallel region); its bytes: the norm reads each gradient, the
+    scaling reads and writes it, AdamW reads param, grad and the two moments and writes three."""
     sizes, opt = o.shape.param_sizes(), "optimizer_step"
-    for n, k in sorted(Counter(sizes).items()):
-        o.add(opt, f"clip: norm of {n}-element gradients", bytes=4 * n, count=k)
-        o.add(opt, f"clip: scale {n}-element gradients", bytes=8 * n, count=k)
-        # reads param, grad and the two moments; writes param and the moments
-        o.add(opt, f"fused AdamW on {n}-element parameters", bytes=28 * n, count=k)
-    o.add(opt, "clip: total norm and coefficient", bytes=8 * len(sizes), launches=4)
+    o.add(
+        opt,
+        "clip_grad_norm_ and fused AdamW",
+        elements=sum(sizes),
+        bytes=40 * sum(sizes),
+        kernel=optimizer_kernel(sizes),
+        launches=0,  # the measured kernel's own
+        streams=True,
+    )
     o.add(opt, "zero_grad (set to None)", launches=len(sizes))
 
 
@@ -457,16 +480,19 @@ def kernels(ops: list[Op]) -> list[str]:
     return sorted({o.kernel for o in ops if o.kernel})
 
 
-def _timed(call, rounds: int = ROUNDS, sync=None, most: int = MAX_ROUNDS) -> list[float]:
+def _timed(call, rounds: int = ROUNDS, sync=None, most: int = MAX_ROUNDS, before=None) -> list[float]:
     """Seconds of each timed call after one warm-up call: at least `rounds` calls and SAMPLE_S of
     them (a short op is timed many times: on a loaded machine one call may or may not meet a
-    descheduled thread), at most `most`, and a long one stops past RATE_BUDGET_S."""
+    descheduled thread), at most `most`, and a long one stops past RATE_BUDGET_S. `before` runs,
+    untimed, before each timed call."""
     call()
     times: list[float] = []
     while len(times) < most:
         spent = sum(times)
         if times and (spent > RATE_BUDGET_S or len(times) >= rounds and spent >= SAMPLE_S):
             break
+        if before:
+            before()
         if sync:
             sync()
         t0 = time.perf_counter()
@@ -477,45 +503,70 @@ def _timed(call, rounds: int = ROUNDS, sync=None, most: int = MAX_ROUNDS) -> lis
     return times
 
 
-def measure_kernel(device: str, dtype: str, kernel: str) -> dict:
+def last_level_cache_bytes() -> int:
+    """The largest cache sysfs lists for CPU 0 (Linux), else LLC_FALLBACK_BYTES."""
+    sizes = []
+    for f in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            text = Path(f).read_text().strip()
+        except OSError:
+            continue
+        if m := re.fullmatch(r"(\d+)([KMG]?)", text):
+            sizes.append(int(m[1]) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m[2]])
+    return max(sizes, default=LLC_FALLBACK_BYTES)
+
+
+def cache_evictor(device: str):
+    """A call that empties the CPU's caches (it writes over twice the last-level cache, at most
+    EVICT_BYTES), or None on a GPU, whose kernels are not measured."""
+    if device != "cpu":
+        return None
+    buffer = torch.empty(min(EVICT_BYTES, 2 * last_level_cache_bytes()) // 4)
+    return lambda: buffer.fill_(1.0)
+
+
+def _timed_as_in_a_step(call, fresh: tuple, evict, sync=None) -> list[float]:
+    """_timed with each call preceded by an eviction (when `evict` is given) and a read of the
+    tensors in `fresh`, what the op before it in a step has just written."""
+
+    def before():
+        if evict:
+            evict()
+        for t in fresh:
+            t.sum()
+
+    return _timed(call, sync=sync, before=before, most=EVICTED_CALLS if evict else MAX_ROUNDS)
+
+
+def measure_kernel(device: str, dtype: str, kernel: str, evict=None) -> dict:
     """The rate of one kernel at its own shape: its work (FLOPs, or elements for GELU and the loss
-    by rows) over each timed call."""
+    by rows) over each timed call, timed as in a step (_timed_as_in_a_step)."""
     sync = torch.cuda.synchronize if device == "cuda" else None
     gen = torch.Generator(device).manual_seed(0)  # its own generator: the training RNG stays untouched
     dt = TORCH_DTYPES[dtype]
     kind, *rest = kernel.split(" ")
-    dims = [int(x) for x in rest[-1].split("x")]
+    dims = [int(x) for x in re.split("[x,]", rest[-1])]
 
     def randn(*shape: int, dtype: torch.dtype = dt) -> torch.Tensor:
         return torch.randn(*shape, device=device, dtype=dtype, generator=gen)
 
-    work, call = KERNEL_CALLS[kind](randn, rest[0], dims, dt)
-    return {"rounds": [work / t for t in _timed(call, sync=sync)], "flops": work}
-
-
-def _cold(make, nbytes: int) -> list:
-    """A call's operands made in enough copies that, taken in turn (itertools.cycle), each call
-    reads ones no recent call left in cache (as in a step, where a product's inputs were written
-    long before)."""
-    return [make() for _ in range(max(1, min(COLD_COPIES, -(-COLD_BYTES // max(nbytes, 1)))))]
+    work, call, fresh = KERNEL_CALLS[kind](randn, rest[0], dims, dt)
+    return {"rounds": [work / t for t in _timed_as_in_a_step(call, fresh, evict, sync)], "flops": work}
 
 
 def _matmul_call(randn, layout: str, dims: list[int], dt: torch.dtype, bias: bool = False):
+    """x @ w: x is what the op before wrote (a layer's input, or the gradient flowing back); w is a
+    weight or a saved activation. A "t" operand is made in the other order and read through its
+    transpose, as autograd does."""
     m, n, k = dims
-
-    def make():  # a "t" operand is made in the other order and read through its transpose, as autograd does
-        x = randn(k, m).t() if layout[0] == "t" else randn(m, k)
-        w = randn(n, k).t() if layout[1] == "t" else randn(k, n)
-        return x, w, randn(n) if bias else None
-
-    copies = _cold(make, (m * k + k * n) * torch.finfo(dt).bits // 8)
-    out, operands = copies[0][0].new_empty(m, n), itertools.cycle(copies)
+    x = randn(k, m).t() if layout[0] == "t" else randn(m, k)
+    w = randn(n, k).t() if layout[1] == "t" else randn(k, n)
+    b, out = (randn(n) if bias else None), x.new_empty(m, n)
 
     def call():
-        x, w, b = next(operands)
         return torch.addmm(b, x, w, out=out) if bias else torch.mm(x, w, out=out)
 
-    return 2 * m * n * k, call
+    return 2 * m * n * k, call, (x,)
 
 
 def _attention_call(randn, direction: str, dims: list[int], dt: torch.dtype):
@@ -523,33 +574,28 @@ def _attention_call(randn, direction: str, dims: list[int], dt: torch.dtype):
     q, k, v = (randn(b, heads, s, hd).requires_grad_() for _ in range(3))
     sdpa = torch.nn.functional.scaled_dot_product_attention
     if direction == "forward":
-        return 4 * b * s * s * heads * hd, lambda: sdpa(q, k, v, is_causal=True)
+        return 4 * b * s * s * heads * hd, lambda: sdpa(q, k, v, is_causal=True), (q, k, v)
     y, grad = sdpa(q, k, v, is_causal=True), randn(b, heads, s, hd)
-    return 8 * b * s * s * heads * hd, lambda: torch.autograd.grad(y, (q, k, v), grad, retain_graph=True)
+    call = lambda: torch.autograd.grad(y, (q, k, v), grad, retain_graph=True)  # noqa: E731
+    return 8 * b * s * s * heads * hd, call, (grad,)
 
 
 def _gelu_call(randn, direction: str, dims: list[int], dt: torch.dtype):
-    pairs = itertools.cycle(
-        _cold(lambda: (randn(*dims), randn(*dims)), 2 * math.prod(dims) * torch.finfo(dt).bits // 8)
-    )
-
-    def call():
-        x, grad = next(pairs)
-        if direction == "forward":
-            return torch.nn.functional.gelu(x, approximate="tanh")
-        return torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
-
-    return math.prod(dims), call
+    x, grad = randn(*dims), randn(*dims)
+    if direction == "forward":
+        return math.prod(dims), lambda: torch.nn.functional.gelu(x, approximate="tanh"), (x,)
+    call = lambda: torch.ops.aten.gelu_backward(grad, x, approximate="tanh")  # noqa: E731
+    return math.prod(dims), call, (grad,)
 
 
 def _loss_call(randn, kind: str, dims: list[int], dt: torch.dtype):
     """The model's own loss code at this shape: the loss by rows (its gradient made in the
-    forward), or one chunk of the chunked loss."""
+    forward), or one chunk of the chunked loss (the tied weight read by every chunk: in cache)."""
     if kind == "rows":
         rows, vocab = dims
         logits = randn(rows, vocab).requires_grad_()
         targets = torch.randint(vocab, (rows,), device=logits.device)
-        return rows * vocab, lambda: model_module.CrossEntropy.apply(logits, targets)
+        return rows * vocab, lambda: model_module.CrossEntropy.apply(logits, targets), (logits,)
     rows, vocab, h = dims
     # the weight at GPT-2's initial scale: logits of a plausible size (unit-scale weights make logits
     # so spread that most softmax terms underflow to subnormal floats, several times slower)
@@ -559,14 +605,32 @@ def _loss_call(randn, kind: str, dims: list[int], dt: torch.dtype):
         1.0 / rows,
     )
     targets = torch.randint(vocab, (rows,), device=x.device)
-    return 6 * rows * vocab * h, lambda: model_module.loss_chunk(x, weight, targets, dt, scale)
+    call = lambda: model_module.loss_chunk(x, weight, targets, dt, scale)  # noqa: E731
+    return 6 * rows * vocab * h, call, (x, weight)
 
 
 def _embedding_call(randn, direction: str, dims: list[int], dt: torch.dtype):
     tokens, vocab, h = dims
     grad = randn(tokens, h, dtype=torch.float32)  # the embedding's output is fp32 under autocast too
     ids = torch.randint(vocab, (tokens,), device=grad.device)
-    return vocab * h, lambda: torch.ops.aten.embedding_dense_backward(grad, ids, vocab, -1, False)
+    call = lambda: torch.ops.aten.embedding_dense_backward(grad, ids, vocab, -1, False)  # noqa: E731
+    return vocab * h, call, (grad, ids)
+
+
+def _optimizer_call(randn, what: str, dims: list[int], dt: torch.dtype):
+    """The trainer's clip_grad_norm_ and fused AdamW step over fp32 parameters of the sizes in
+    `dims` (N, K pairs); the gradients are what the backward has just written."""
+    sizes = [n for n, k in zip(dims[::2], dims[1::2]) for _ in range(k)]
+    params = [torch.nn.Parameter(0.02 * randn(n, dtype=torch.float32)) for n in sizes]
+    for p in params:
+        p.grad = 1e-3 * randn(p.numel(), dtype=torch.float32)
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+
+    def call():
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+
+    return sum(sizes), call, tuple(p.grad for p in params)
 
 
 KERNEL_CALLS = {
@@ -576,11 +640,14 @@ KERNEL_CALLS = {
     "gelu": _gelu_call,
     "loss": _loss_call,
     "embedding": _embedding_call,
+    "optimizer": _optimizer_call,
 }
 
 
 def measure_bandwidth(device: str) -> dict:
-    """Bytes/s of an fp32 add (two read, one written) at each working set of BANDWIDTH_SIZES."""
+    """Bytes/s of an fp32 add (two read, one written) at each working set of BANDWIDTH_SIZES, on
+    buffers used again and again: an element-wise op reads what the op before it has just written,
+    and writes into memory malloc has just recycled."""
     sync = torch.cuda.synchronize if device == "cuda" else None
     result = {}
     for size in BANDWIDTH_SIZES:
@@ -661,6 +728,7 @@ def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True, m
             f"({path}); measure them with python -m minigpt.estimate --time and the run's flags"
         )
     fresh: dict[str, dict] = {}
+    evict = cache_evictor(device) if any(n not in known for n in needed) else None
     for name in wanted:
         if name in known:
             continue
@@ -671,7 +739,7 @@ def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True, m
         elif name == "overhead":
             entry = {"rounds": measure_overhead(device)}
         else:
-            entry = measure_kernel(device, dtype, name)
+            entry = measure_kernel(device, dtype, name, evict)
         fresh[name] = {**entry, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     if cache and fresh:
         entries = read_cache(path)  # again, just before writing: another process may have added rates
@@ -693,8 +761,8 @@ def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True, m
         bandwidth=sorted((int(s), rate(r)) for s, r in got["bandwidth"]["rounds"].items()),
         exps_per_s=rate(got["exp"]["rounds"]),
         overhead_s={k: statistics.fmean(v) for k, v in got["overhead"]["rounds"].items()},
-        source=f"{how}: {len(needed)} kernels, bandwidth at {len(got['bandwidth']['rounds'])} sizes, exp, "
-        f"per-op overhead (mean times of at least {ROUNDS} calls and {SAMPLE_S} s) "
+        source=f"{how}: {len(needed)} kernels (each the mean of {EVICTED_CALLS} calls on operands out of "
+        f"cache), bandwidth at {len(got['bandwidth']['rounds'])} sizes, exp, per-op overhead "
         f"[{display_path(path) if cache else 'not cached'}]",
         measured=len(fresh),
     )
@@ -789,6 +857,8 @@ def predict_ops(ops: list[Op], rates: Rates, grad_accum_steps: int = 1) -> dict[
         memory = o.bytes / rates.bytes_per_s(o.bytes) if o.bytes else 0.0
         overhead = o.launches * rates.overhead_s["autograd" if o.stage == "backward" else "op"]
         st = stages[o.stage]
+        if o.streams:  # a measured kernel whose time is memory traffic
+            memory, compute = max(compute, memory), 0.0
         if compute >= memory:
             st.compute_ms += 1000 * reps * compute
         else:
