@@ -116,9 +116,11 @@ def test_a_layout_is_measured_on_operands_laid_out_so(layout, monkeypatch):
     assert (a.stride() == (1, 6), b.stride() == (1, 4)) == (layout[0] == "t", layout[1] == "t")
 
 
-def test_a_kernel_is_timed_after_an_eviction_and_a_read_of_only_what_the_op_before_wrote(monkeypatch):
-    """As in a step: the caches emptied before each timed call, then the product's first operand
-    (a layer's input, or the gradient flowing back) read in; the weight stays in memory."""
+def test_a_kernel_is_timed_in_cache_then_after_an_eviction_and_a_read_of_what_the_op_before_wrote(
+    monkeypatch,
+):
+    """Out of cache as in a step: the caches emptied before each timed call, then the product's
+    first operand (a layer's input, or the gradient flowing back) read in; the weight stays out."""
     events = []
     real_sum, real_mm = torch.Tensor.sum, torch.mm
     monkeypatch.setattr(
@@ -126,8 +128,28 @@ def test_a_kernel_is_timed_after_an_eviction_and_a_read_of_only_what_the_op_befo
     )
     monkeypatch.setattr(torch, "mm", lambda a, b, **kw: events.append("mm") or real_mm(a, b, **kw))
     rate = predict.measure_kernel("cpu", "fp32", "matmul nn 6x5x4", evict=lambda: events.append("evict"))
-    assert len(rate["rounds"]) == predict.EVICTED_CALLS
-    assert events == ["mm"] + ["evict", (6, 4), "mm"] * predict.EVICTED_CALLS  # one warm-up call first
+    in_cache = len(rate["rounds"])
+    assert len(rate["cold"]) == predict.EVICTED_CALLS
+    cold = ["mm"] + ["evict", (6, 4), "mm"] * predict.EVICTED_CALLS  # each timing has one warm-up call
+    assert events == ["mm"] * (1 + in_cache) + cold
+    assert "cold" not in predict.measure_kernel("cpu", "fp32", "matmul nn 6x5x4")
+
+
+def test_a_kernel_runs_at_the_geometric_mean_of_its_two_rates_and_the_range_spans_both(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(
+        predict, "measure_kernel", lambda d, t, name, evict=None: {"rounds": [4e9], "cold": [1e9], "flops": 1}
+    )
+    monkeypatch.setattr(predict, "measure_bandwidth", lambda d: {"1024": [1e12]})
+    monkeypatch.setattr(predict, "measure_exp", lambda d: [1e12])
+    monkeypatch.setattr(predict, "measure_overhead", lambda d: {"op": [0.0], "autograd": [0.0]})
+    pred = predict.predict_step(Shape(**SHAPE), "fp32", "cpu")
+    assert list(pred.rates.matmul.values()) == pytest.approx([2e9] * len(pred.rates.matmul))
+    for stage, (fast, slow) in pred.range_ms.items():
+        assert fast < pred.stages[stage].ms < slow
+        assert pred.stages[stage].ms == pytest.approx(math.sqrt(fast * slow), rel=0.02)  # all kernels
+    assert pred.to_record()["stage_ms_range"]["forward"] == list(pred.range_ms["forward"])
+    assert "in cache - out of it" in predict.format_prediction(pred)
 
 
 def test_the_optimizer_is_one_kernel_over_the_steps_own_parameters():

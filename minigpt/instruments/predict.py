@@ -26,11 +26,14 @@ $MINIGPT_CACHE_DIR/STEP_RATES_FILE:
     rows and a chunk of the chunked loss (passes over cache-sized blocks, with dtype
     conversions), the embedding's dense gradient, and clip_grad_norm_ with fused AdamW over the
     step's own parameter sizes, each timed at its shape as the products are;
-  - each of those kernels timed as a step runs it (`_timed_as_in_a_step`): before each of
-    EVICTED_CALLS calls the caches are emptied and only the input the op before has just written
-    is read back in; a weight, an activation saved in the forward or the optimizer's state was
-    last touched a whole step of traffic ago. (Timed on operands left in cache instead, the small
-    products ran 1.5-2x faster than in the step and the bf16 backward was predicted 19-25% short.)
+  - each of those kernels timed twice: in a loop, on operands the call before left in cache, and
+    out of cache (`_timed_as_in_a_step`: before each of EVICTED_CALLS calls the caches are emptied
+    and only the input the op before has just written is read back in). In a step a weight, an
+    activation saved in the forward or the optimizer's state was last touched a step's traffic
+    ago, some of it still in the last-level cache: on this project's Xeon the small products took
+    about 1.35x their in-cache time in the step and 0.8x their out-of-cache time. Where in the
+    hierarchy each operand sits is not modelled: a kernel runs at the geometric mean of its two
+    rates, and the prediction gives each stage's range with every kernel at one rate or the other;
   - bandwidth: an element-wise add at working sets either side of ATen's grain (one thread, or a
     parallel region) and up to 400 MB (a 2 MB activation stays in cache, a 400 MB logits tensor
     does not), interpolated at each op's own size, on buffers used again and again: an
@@ -60,7 +63,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -75,7 +78,7 @@ from minigpt.instruments.mfu import PEAK_FLOPS, TORCH_DTYPES, machine_key, read_
 from minigpt.shape import Shape
 
 STEP_RATES_FILE = "step_rates.json"  # under minigpt.core.data.cache_dir(): one entry per machine and dtype
-RATES_VERSION = 3  # how the rates are measured: a change makes new entries, never reads old ones
+RATES_VERSION = 4  # how the rates are measured: a change makes new entries, never reads old ones
 PREDICTED_STAGES = ("forward", "backward", "optimizer_step")
 BOUNDS = ("compute", "memory", "overhead")
 ROUNDS = 3  # timed calls per rate after a warm-up; their mean time is kept
@@ -91,11 +94,11 @@ GRAIN = 32768
 BANDWIDTH_SIZES = (12 * (GRAIN - 2048), 12 * GRAIN, *(12 * 2**e for e in range(17, 26, 2)))
 EXP_ELEMENTS = 2**22  # a 16 MiB fp32 tensor: big enough that the launch does not count
 OVERHEAD_OPS = 200  # one-element ops per overhead measurement
-# How a kernel is timed, as a step runs it: before each timed call the caches are emptied by writing
-# over twice the last-level cache (at most EVICT_BYTES), then the inputs the op before it has just
+# How a kernel is timed out of cache: before each timed call the caches are emptied by writing over
+# twice the last-level cache (at most EVICT_BYTES), then the inputs the op before it has just
 # written are read back in. The rest (weights, activations saved in the forward, optimizer state)
-# comes from memory, and the output is written over memory no recent op touched, as in a step.
-# Timed that way a small product takes about 1.5x what it takes on operands still in cache.
+# comes from memory, and the output is written over memory no recent op touched. Timed that way a
+# small product takes about 1.7x what it takes on operands left in cache by the call before.
 EVICT_BYTES = 2**30
 LLC_FALLBACK_BYTES = 256 * 2**20  # where sysfs does not say how big the last-level cache is
 EVICTED_CALLS = 10  # timed calls per kernel when each is preceded by an eviction (about 60 ms each)
@@ -134,7 +137,7 @@ class Op:
     kernel: str | None = None
     count: int = 1
     elements: int = 0  # the work of a measured element-wise kernel (GELU, the loss): its elements
-    streams: bool = False  # a measured kernel that streams memory (the optimizer's): memory-bound
+    streams: bool = False  # a measured kernel that streams memory (the optimizer): its time is memory time
 
     @property
     def work(self) -> int:
@@ -459,9 +462,16 @@ class Rates:
     source: str
     tested: bool = True  # False: from a data sheet, not yet checked against a measured step
     measured: int = 0  # rates measured by this call (0: everything came from the cache or a table)
+    # each kernel's rate on operands left in cache and out of cache: `matmul` holds
+    # their geometric mean. Empty where there is one rate (a data sheet, or rates given in a test).
+    kernel_bounds: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def flop_rate(self, kernel: str) -> float:
         return self.matmul.get(kernel, self.matmul.get("*", 0.0))
+
+    def at_bound(self, which: int) -> Rates:
+        """These rates with every kernel at its in-cache (0) or out-of-cache (1) rate."""
+        return replace(self, matmul={**self.matmul, **{k: b[which] for k, b in self.kernel_bounds.items()}})
 
     def bytes_per_s(self, size: int) -> float:
         """Bandwidth at a working set of `size` bytes: log-linear between the measured sizes."""
@@ -526,21 +536,21 @@ def cache_evictor(device: str):
 
 
 def _timed_as_in_a_step(call, fresh: tuple, evict, sync=None) -> list[float]:
-    """_timed with each call preceded by an eviction (when `evict` is given) and a read of the
-    tensors in `fresh`, what the op before it in a step has just written."""
+    """_timed with each of EVICTED_CALLS calls preceded by an eviction and a read of the tensors in
+    `fresh`, what the op before it in a step has just written."""
 
     def before():
-        if evict:
-            evict()
+        evict()
         for t in fresh:
             t.sum()
 
-    return _timed(call, sync=sync, before=before, most=EVICTED_CALLS if evict else MAX_ROUNDS)
+    return _timed(call, sync=sync, before=before, most=EVICTED_CALLS)
 
 
 def measure_kernel(device: str, dtype: str, kernel: str, evict=None) -> dict:
-    """The rate of one kernel at its own shape: its work (FLOPs, or elements for GELU and the loss
-    by rows) over each timed call, timed as in a step (_timed_as_in_a_step)."""
+    """The rate of one kernel at its own shape, its work (FLOPs, or elements for GELU and the loss
+    by rows) over each timed call: "rounds" on operands the call before left in cache, and with
+    `evict`, "cold": out of cache, as _timed_as_in_a_step times it."""
     sync = torch.cuda.synchronize if device == "cuda" else None
     gen = torch.Generator(device).manual_seed(0)  # its own generator: the training RNG stays untouched
     dt = TORCH_DTYPES[dtype]
@@ -551,7 +561,10 @@ def measure_kernel(device: str, dtype: str, kernel: str, evict=None) -> dict:
         return torch.randn(*shape, device=device, dtype=dtype, generator=gen)
 
     work, call, fresh = KERNEL_CALLS[kind](randn, rest[0], dims, dt)
-    return {"rounds": [work / t for t in _timed_as_in_a_step(call, fresh, evict, sync)], "flops": work}
+    entry = {"rounds": [work / t for t in _timed(call, sync=sync)], "flops": work}
+    if evict:
+        entry["cold"] = [work / t for t in _timed_as_in_a_step(call, fresh, evict, sync)]
+    return entry
 
 
 def _matmul_call(randn, layout: str, dims: list[int], dt: torch.dtype, bias: bool = False):
@@ -747,6 +760,7 @@ def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True, m
         atomic_write(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
     got = {**known, **fresh}
     rate = statistics.harmonic_mean  # of rates: the work over the calls' mean time
+    bounds = {k: (rate(got[k]["rounds"]), rate(got[k]["cold"])) for k in needed if "cold" in got[k]}
     how = (
         "cache"
         if not fresh
@@ -757,12 +771,16 @@ def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True, m
     return Rates(
         device=device,
         dtype=dtype,
-        matmul={k: rate(got[k]["rounds"]) for k in needed},
+        matmul={
+            k: math.sqrt(bounds[k][0] * bounds[k][1]) if k in bounds else rate(got[k]["rounds"])
+            for k in needed
+        },
+        kernel_bounds=bounds,
         bandwidth=sorted((int(s), rate(r)) for s, r in got["bandwidth"]["rounds"].items()),
         exps_per_s=rate(got["exp"]["rounds"]),
         overhead_s={k: statistics.fmean(v) for k, v in got["overhead"]["rounds"].items()},
-        source=f"{how}: {len(needed)} kernels (each the mean of {EVICTED_CALLS} calls on operands out of "
-        f"cache), bandwidth at {len(got['bandwidth']['rounds'])} sizes, exp, per-op overhead "
+        source=f"{how}: {len(needed)} kernels (in cache and out of it), bandwidth at "
+        f"{len(got['bandwidth']['rounds'])} sizes, exp, per-op overhead "
         f"[{display_path(path) if cache else 'not cached'}]",
         measured=len(fresh),
     )
@@ -818,6 +836,8 @@ class TimePrediction:
     grad_accum_steps: int
     rates: Rates
     config: dict = field(default_factory=dict)
+    # each stage with every kernel at its in-cache rate, and at its out-of-cache rate
+    range_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def step_ms(self) -> float:
@@ -835,6 +855,7 @@ class TimePrediction:
             "step_ms": self.step_ms,
             "bound": {k: s.bound for k, s in self.stages.items()},
             "parts_ms": {k: asdict(s) for k, s in self.stages.items()},
+            "stage_ms_range": {k: list(v) for k, v in self.range_ms.items()},
             "device": self.rates.device,
             "dtype": self.rates.dtype,
             "tested": self.rates.tested,
@@ -857,8 +878,8 @@ def predict_ops(ops: list[Op], rates: Rates, grad_accum_steps: int = 1) -> dict[
         memory = o.bytes / rates.bytes_per_s(o.bytes) if o.bytes else 0.0
         overhead = o.launches * rates.overhead_s["autograd" if o.stage == "backward" else "op"]
         st = stages[o.stage]
-        if o.streams:  # a measured kernel whose time is memory traffic
-            memory, compute = max(compute, memory), 0.0
+        if o.streams:  # a measured kernel whose time is memory traffic: its bytes are only a count
+            memory, compute = compute, 0.0
         if compute >= memory:
             st.compute_ms += 1000 * reps * compute
         else:
@@ -867,13 +888,8 @@ def predict_ops(ops: list[Op], rates: Rates, grad_accum_steps: int = 1) -> dict[
     return stages
 
 
-def predict_step(
-    shape: Shape, amp_dtype: str, device: str, cache: bool = True, measure: bool = True
-) -> TimePrediction:
-    """The predicted stage times of one optimizer step of this shape."""
+def _stage_times(ops: list[Op], rates: Rates, shape: Shape) -> dict[str, StageTime]:
     accum = shape.grad_accum_steps
-    ops = step_ops(shape, amp_dtype, device)
-    rates = step_rates(device, amp_dtype, kernels(ops), cache=cache, measure=measure)
     stages = predict_ops(ops, rates, accum)
     if accum > 1:  # the later micro-batches add each gradient into the held one, a tensor at a time
         adds = [
@@ -884,10 +900,25 @@ def predict_step(
             stages[name].memory_ms += st.memory_ms
             stages[name].compute_ms += st.compute_ms
             stages[name].overhead_ms += st.overhead_ms
+    return stages
+
+
+def predict_step(
+    shape: Shape, amp_dtype: str, device: str, cache: bool = True, measure: bool = True
+) -> TimePrediction:
+    """The predicted stage times of one optimizer step of this shape: every kernel at the geometric
+    mean of its in-cache and out-of-cache rates, and the range between the two."""
+    ops = step_ops(shape, amp_dtype, device)
+    rates = step_rates(device, amp_dtype, kernels(ops), cache=cache, measure=measure)
+    stages = _stage_times(ops, rates, shape)
+    low, high = (_stage_times(ops, rates.at_bound(i), shape) for i in (0, 1))
     # the flags first, then the shape: the order --json prints
     flags = {k: getattr(shape, k) for k in ("grad_accum_steps", "activation_checkpoint", "chunked_loss")}
     config = {"amp_dtype": amp_dtype, **flags, **asdict(shape)}
-    return TimePrediction(stages, shape.tokens * accum, accum, rates, config)
+    spans = {k: (low[k].ms, high[k].ms) for k in stages} if rates.kernel_bounds else {}
+    return TimePrediction(
+        stages, shape.tokens * shape.grad_accum_steps, shape.grad_accum_steps, rates, config, spans
+    )
 
 
 def format_prediction(pred: TimePrediction) -> str:
@@ -906,14 +937,21 @@ def format_prediction(pred: TimePrediction) -> str:
             else ""
         ),
         f"Device {r.device}{mark}; rates: {r.source}",
-        f"  {'stage':16s}{'predicted ms':>14s}  {'bound':9s}  compute / memory / overhead ms",
+        f"  {'stage':16s}{'predicted ms':>14s}{'in cache - out of it':>22s}  {'bound':9s}  "
+        "compute / memory / overhead ms",
     ]
+    spans = {k: f"{lo:.1f} - {hi:.1f}" for k, (lo, hi) in pred.range_ms.items()}
     for name, st in pred.stages.items():
         lines.append(
-            f"  {name:16s}{st.ms:14.1f}  {st.bound:9s}  "
+            f"  {name:16s}{st.ms:14.1f}{spans.get(name, ''):>22s}  {st.bound:9s}  "
             f"{st.compute_ms:.1f} / {st.memory_ms:.1f} / {st.overhead_ms:.1f}"
         )
     lines.append(f"  {'step':16s}{pred.step_ms:14.1f}  -> {pred.tokens_per_s:,.0f} tokens/s")
+    if spans:
+        lines.append(
+            "  (each kernel at the geometric mean of its rates on operands in cache and out of it; "
+            "the range: all at one or the other)"
+        )
     return "\n".join(lines)
 
 
