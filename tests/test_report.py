@@ -324,17 +324,19 @@ def test_the_predicted_step_stands_beside_the_measured_stages_with_its_error(tmp
         "bound": {"forward": "compute", "backward": "compute", "optimizer_step": "memory"},
         "tokens_per_s": 1100.0,
         "tested": True,
+        "stage_ms_range": {"forward": [11.0, 13.5], "backward": [14.0, 16.25], "optimizer_step": ["x", 2]},
     }
     (run / "config.json").write_text(json.dumps(config))
     page = write_report(run).read_text()
     stages = page[page.index('<section id="stages">') : page.index('<section id="timeline">')]
     rows = re.findall(
-        r"<tr><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td></tr>", stages
+        r"<tr><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td></tr>",
+        stages,
     )
-    assert ("forward", "10.00", "12.00", "+20.0%", "compute") in rows
-    assert ("backward", "20.00", "15.00", "-25.0%", "compute") in rows
-    assert ("optimizer_step", "2.00", "2.00", "+0.0%", "memory") in rows
-    assert ("tokens/s per rank", "1,000", "1,100", "+10.0%", "") in rows
+    assert ("forward", "10.00", "12.00", "+20.0%", "11.00 - 13.50", "compute") in rows
+    assert ("backward", "20.00", "15.00", "-25.0%", "14.00 - 16.25", "compute") in rows
+    assert ("optimizer_step", "2.00", "2.00", "+0.0%", "n/a", "memory") in rows  # a damaged range
+    assert ("tokens/s per rank", "1,000", "1,100", "+10.0%", "", "") in rows
     assert "predicted / measured - 1" in stages and "untested" not in stages
     assert "predicted ms" not in write_report(make_run(tmp_path / "no prediction")).read_text()
 

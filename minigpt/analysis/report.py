@@ -446,12 +446,18 @@ def prediction_table(run: Run) -> str:
         return ""
     measured = stage_medians(run, "stage_device_ms") or stage_medians(run, "stage_host_ms")
     bound = pred.get("bound") if isinstance(pred.get("bound"), dict) else {}
+    spans = pred.get("stage_ms_range") if isinstance(pred.get("stage_ms_range"), dict) else {}
     rows = [
-        [name, *_predicted_cells(_number(stage_ms[name]), measured.get(name)), fmt(bound.get(name))]
+        [
+            name,
+            *_predicted_cells(_number(stage_ms[name]), measured.get(name)),
+            _span(spans.get(name)),
+            fmt(bound.get(name)),
+        ]
         for name in stage_ms
     ]
     tps = median([r.get("tokens_per_s_per_rank") for r in steady(run.metrics)])
-    rows.append(["tokens/s per rank", *_predicted_cells(_number(pred.get("tokens_per_s")), tps, 0), ""])
+    rows.append(["tokens/s per rank", *_predicted_cells(_number(pred.get("tokens_per_s")), tps, 0), "", ""])
     untested = (
         " The device's rates come from its data sheet, not from a measurement here: untested."
         if pred.get("tested") is False
@@ -460,9 +466,18 @@ def prediction_table(run: Run) -> str:
     return (
         "<p>Predicted when the run started (<code>python -m minigpt.estimate --time</code>: each op's "
         "FLOPs, bytes and launches at this machine's measured rates) beside the measured median, "
-        f"with the error, predicted / measured - 1.{untested}</p>"
-        + table(["stage", "measured ms", "predicted ms", "error", "bound by"], rows)
+        "with the error, predicted / measured - 1. Each kernel runs at the geometric mean of its rates "
+        "on operands in cache and out of it; the range has every kernel at one or the other."
+        f"{untested}</p>"
+        + table(["stage", "measured ms", "predicted ms", "error", "range ms", "bound by"], rows)
     )
+
+
+def _span(span) -> str:
+    """ "low - high" of a stage's predicted range, "n/a" where the record has none."""
+    if isinstance(span, list) and len(span) == 2 and all(_number(x) is not None for x in span):
+        return f"{fmt(_number(span[0]), 2)} - {fmt(_number(span[1]), 2)}"
+    return "n/a"
 
 
 def _predicted_cells(predicted: float | None, measured: float | None, digits: int = 2) -> list[str]:
