@@ -466,9 +466,14 @@ def prediction_table(run: Run) -> str:
     return (
         "<p>Predicted when the run started (<code>python -m minigpt.estimate --time</code>: each op's "
         "FLOPs, bytes and launches at this machine's measured rates) beside the measured median, "
-        "with the error, predicted / measured - 1. Each kernel runs at the geometric mean of its rates "
-        "on operands in cache and out of it; the range has every kernel at one or the other."
-        f"{untested}</p>"
+        "with the error, predicted / measured - 1."
+        + (
+            " Each kernel runs at the geometric mean of its rates on operands in cache and out of "
+            "it; the range has every kernel at one or the other."
+            if spans
+            else ""
+        )
+        + f"{untested}</p>"
         + table(["stage", "measured ms", "predicted ms", "error", "range ms", "bound by"], rows)
     )
 

@@ -101,6 +101,9 @@ OVERHEAD_OPS = 200  # one-element ops per overhead measurement
 # small product takes about 1.7x what it takes on operands left in cache by the call before.
 EVICT_BYTES = 2**30
 LLC_FALLBACK_BYTES = 256 * 2**20  # where sysfs does not say how big the last-level cache is
+OPTIMIZER_SAMPLE = (
+    2**25
+)  # parameters (16 bytes each with gradient and moments) the optimizer is timed on, at most
 EVICTED_CALLS = 10  # timed calls per kernel when each is preceded by an eviction (about 60 ms each)
 # Bytes an op moves count its passes over memory: LayerNorm reads its input twice (the statistics,
 # then the normalised output) and writes once; log_softmax and its backward read three times
@@ -136,8 +139,10 @@ class Op:
     launches: int = 1
     kernel: str | None = None
     count: int = 1
-    elements: int = 0  # the work of a measured element-wise kernel (GELU, the loss): its elements
-    streams: bool = False  # a measured kernel that streams memory (the optimizer): its time is memory time
+    elements: int = 0  # the work of a measured kernel without FLOPs (GELU, the loss, AdamW): its elements
+    # a kernel that streams memory (the optimizer): its measured time is memory time; unmeasured
+    # (a data sheet's rates) its bytes over the bandwidth price it
+    streams: bool = False
 
     @property
     def work(self) -> int:
@@ -186,8 +191,15 @@ def loss_chunk_kernel(rows: int, vocab: int, h: int) -> str:
 
 def optimizer_kernel(sizes: list[int]) -> str:
     """clip_grad_norm_ and fused AdamW over parameters of these sizes: "optimizer adamw NxK,..."
-    (K tensors of N elements), what the trainer's optimizer_step runs."""
-    return "optimizer adamw " + ",".join(f"{n}x{k}" for n, k in sorted(Counter(sizes).items()))
+    (K tensors of N elements), what the trainer's optimizer_step runs. Its rate is per parameter:
+    past OPTIMIZER_SAMPLE parameters it is timed on a sample in which each size keeps its share,
+    so that timing it never needs a large model's state."""
+    counts = sorted(Counter(sizes).items())
+    scale = min(1.0, OPTIMIZER_SAMPLE / max(sum(sizes), 1))
+    if scale < 1.0:  # each size keeps its share of the parameters: fewer tensors, or one cut shorter
+        shares = [(n, n * k * scale) for n, k in counts]
+        counts = [(n, max(1, round(e / n))) if n <= e else (max(1, int(e)), 1) for n, e in shares]
+    return "optimizer adamw " + ",".join(f"{n}x{k}" for n, k in counts)
 
 
 class _OpList:
@@ -462,15 +474,16 @@ class Rates:
     source: str
     tested: bool = True  # False: from a data sheet, not yet checked against a measured step
     measured: int = 0  # rates measured by this call (0: everything came from the cache or a table)
-    # each kernel's rate on operands left in cache and out of cache: `matmul` holds
-    # their geometric mean. Empty where there is one rate (a data sheet, or rates given in a test).
+    # each kernel's rates on operands left in cache and out of cache, the faster first (nearly
+    # always the in-cache one): `matmul` holds their geometric mean. Empty where there is one rate
+    # (a data sheet, or rates given in a test).
     kernel_bounds: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def flop_rate(self, kernel: str) -> float:
         return self.matmul.get(kernel, self.matmul.get("*", 0.0))
 
     def at_bound(self, which: int) -> Rates:
-        """These rates with every kernel at its in-cache (0) or out-of-cache (1) rate."""
+        """These rates with every kernel at its faster (0: in cache) or slower (1: out of cache) rate."""
         return replace(self, matmul={**self.matmul, **{k: b[which] for k, b in self.kernel_bounds.items()}})
 
     def bytes_per_s(self, size: int) -> float:
@@ -760,7 +773,12 @@ def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True, m
         atomic_write(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
     got = {**known, **fresh}
     rate = statistics.harmonic_mean  # of rates: the work over the calls' mean time
-    bounds = {k: (rate(got[k]["rounds"]), rate(got[k]["cold"])) for k in needed if "cold" in got[k]}
+    # (faster, slower): a kernel timed faster out of cache than in it (noise) keeps the range ordered
+    bounds = {
+        k: tuple(sorted((rate(got[k]["rounds"]), rate(got[k]["cold"])), reverse=True))
+        for k in needed
+        if isinstance(got[k].get("cold"), list) and got[k]["cold"]
+    }
     how = (
         "cache"
         if not fresh
@@ -848,7 +866,8 @@ class TimePrediction:
         return self.tokens_per_step / (self.step_ms / 1000)
 
     def to_record(self) -> dict:
-        """What --json prints: stage_ms, tokens_per_s, each stage's bound and parts, the rates' source."""
+        """What --json prints: stage_ms, stage_ms_range, tokens_per_s, each stage's bound and parts,
+        the rates' source."""
         return {
             "stage_ms": {k: s.ms for k, s in self.stages.items()},
             "tokens_per_s": self.tokens_per_s,
@@ -878,7 +897,7 @@ def predict_ops(ops: list[Op], rates: Rates, grad_accum_steps: int = 1) -> dict[
         memory = o.bytes / rates.bytes_per_s(o.bytes) if o.bytes else 0.0
         overhead = o.launches * rates.overhead_s["autograd" if o.stage == "backward" else "op"]
         st = stages[o.stage]
-        if o.streams:  # a measured kernel whose time is memory traffic: its bytes are only a count
+        if o.streams and o.kernel in rates.matmul:  # a measured kernel whose time is memory traffic
             memory, compute = compute, 0.0
         if compute >= memory:
             st.compute_ms += 1000 * reps * compute
