@@ -101,9 +101,8 @@ OVERHEAD_OPS = 200  # one-element ops per overhead measurement
 # small product takes about 1.7x what it takes on operands left in cache by the call before.
 EVICT_BYTES = 2**30
 LLC_FALLBACK_BYTES = 256 * 2**20  # where sysfs does not say how big the last-level cache is
-OPTIMIZER_SAMPLE = (
-    2**25
-)  # parameters (16 bytes each with gradient and moments) the optimizer is timed on, at most
+# The most parameters the optimizer is timed on (16 bytes each with gradient and moments: 512 MiB)
+OPTIMIZER_SAMPLE = 2**25
 EVICTED_CALLS = 10  # timed calls per kernel when each is preceded by an eviction (about 60 ms each)
 # Bytes an op moves count its passes over memory: LayerNorm reads its input twice (the statistics,
 # then the normalised output) and writes once; log_softmax and its backward read three times
