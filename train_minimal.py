@@ -48,7 +48,7 @@ from minigpt.core.config import (
     resolve_amp,
     resolve_device,
 )
-from minigpt.core.cpu import choose_allocator, release_freed_memory
+from minigpt.core.cpu import choose_allocator, outlast_step, release_freed_memory
 from minigpt.core.data import Batches, Data, load_data
 from minigpt.core.model import GPT, GPTConfig
 from minigpt.core.runs import RunDir, stop_on_signals
@@ -255,6 +255,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None) -> int:
     model.train()
     losses, val = [], None
     rate.totals.start(IMPORTED_AT)  # start-up ends here: the run-wide figures count from now
+    loop_started = time.perf_counter()
     # SIGINT / SIGTERM finish the step in flight, save, and leave; a second Ctrl-C kills at once.
     # A rank lost mid-run (killed, stopped): one line naming it and how to resume, on the others.
     lost = distributed.peers_watched(dist_info, ckpt.resume_hint(run.path))
@@ -286,6 +287,8 @@ def train(s: Setup, on_step: Callable[[int], None] | None) -> int:
                     scaler.update()
                     optimizer.zero_grad(set_to_none=True)
             step += 1
+            if not losses and device == "cpu" and (ms := outlast_step(time.perf_counter() - loop_started)):
+                log.info(f"CPU allocator: mimalloc keeps freed pages {ms / 1000:.1f} s, twice the first step")
             losses.append(step_loss)
             last = step == cfg.num_steps
             stop = distributed.any_rank(bool(stop_signal), dist_info)  # every rank stops at the same step

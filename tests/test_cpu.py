@@ -68,6 +68,38 @@ def test_mimalloc_keeps_a_freed_step_tensor_for_the_next_step():
     assert r["released"] is False
 
 
+OUTLAST_CHILD = """
+import ctypes, json
+from minigpt.core import cpu
+lib = ctypes.CDLL(cpu.mimalloc_library())
+lib.mi_option_get.restype, lib.mi_option_get.argtypes = ctypes.c_long, [ctypes.c_int]
+short = cpu.outlast_step(0.5)  # 1 s: shorter than the 3 s already set
+after_short = lib.mi_option_get(cpu.MI_OPTION_PURGE_DELAY)
+long = cpu.outlast_step(14.0)  # a GPT-2 step on a 2-core CPU
+print(json.dumps([short, after_short, long, lib.mi_option_get(cpu.MI_OPTION_PURGE_DELAY)]))
+"""
+
+
+@pytest.mark.skipif(cpu.mimalloc_library() is None, reason=f"{cpu.MIMALLOC_DIST} not installed")
+@pytest.mark.parametrize("own", [True, False])
+def test_a_step_longer_than_the_purge_delay_lengthens_it_unless_the_user_set_it(own):
+    """mimalloc's purge delay is the trainer's 3 s; a 14 s first step makes it 28 s (read back from
+    mimalloc itself), a 0.5 s one leaves it; a delay the user set (3000 too) is never changed."""
+    env = {**os.environ, "LD_PRELOAD": cpu.mimalloc_library(), **cpu.MIMALLOC_ENV}
+    env[cpu.OWN_OPTIONS_ENV] = ",".join(cpu.MIMALLOC_ENV) if own else "MIMALLOC_ALLOW_THP"
+    out = subprocess.run(
+        [sys.executable, "-c", OUTLAST_CHILD], capture_output=True, text=True, check=True, env=env
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == ([None, 3000, 28000, 28000] if own else [None, 3000, None, 3000])
+
+
+def test_the_purge_delay_is_left_alone_without_mimalloc(monkeypatch):
+    monkeypatch.setenv(cpu.OWN_OPTIONS_ENV, ",".join(cpu.MIMALLOC_ENV))
+    monkeypatch.setattr(cpu, "preloaded_allocator", lambda: None)
+    assert cpu.outlast_step(100.0) is None
+
+
 def test_nothing_is_given_back_unless_the_heap_is_kept(monkeypatch):
     monkeypatch.setattr(cpu, "_release_at_evaluation", False)
     assert cpu.release_freed_memory() is False
@@ -114,6 +146,12 @@ def test_a_fresh_machine_takes_mimalloc_when_pip_installed_it(monkeypatch, pip_i
     assert all(env[k] == v for k, v in cpu.MIMALLOC_ENV.items())
     mine = {k: "7" for k in cpu.MIMALLOC_ENV}
     assert cpu.preload_command([], mine, fresh)[1].items() >= mine.items()
+    # the trainer says which options are its own: only those may it change later (outlast_step)
+    assert env[cpu.OWN_OPTIONS_ENV].split(",") == list(cpu.MIMALLOC_ENV)
+    assert (
+        cpu.preload_command([], {"MIMALLOC_PURGE_DELAY": "7"}, fresh)[1][cpu.OWN_OPTIONS_ENV]
+        == "MIMALLOC_ALLOW_THP"
+    )
     # mimalloc comes first even beside tcmalloc: every machine then runs what requirements.txt installs
     with_tcmalloc = {MIMALLOC, cpu.PRELOADS["tcmalloc"]}.__contains__
     assert cpu.preload_command([], {}, with_tcmalloc)[1]["LD_PRELOAD"] == MIMALLOC

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import platform
 
 M_TRIM_THRESHOLD = -1
@@ -82,6 +83,14 @@ PREFERRED = ("mimalloc", "tcmalloc", "jemalloc")
 # first steps' faults (benchmarks/allocator.py).
 MIMALLOC_ENV = {"MIMALLOC_PURGE_DELAY": "3000", "MIMALLOC_ALLOW_THP": "0"}
 NO_PRELOAD_ENV = "MINIGPT_MALLOC"  # =glibc: stay on glibc's malloc (the allocator benchmark sets it)
+OWN_OPTIONS_ENV = "MINIGPT_MALLOC_OPTIONS"  # which of MIMALLOC_ENV the trainer set (the user set the rest)
+# A step longer than the purge delay (GPT-2's on a 2-core CPU: about 14 s) gives its big tensors
+# back between their uses and faults them in again every step (a GPT-2 forward 6.8 s instead of
+# 2.5 here): after the first step the trainer lengthens its own delay to twice that step
+# (outlast_step). mi_option_purge_delay's place in mimalloc 3.4's mi_option_t (mimalloc.h); it is
+# changed only where mi_option_get there returns the delay the trainer set, so another layout is
+# left alone.
+MI_OPTION_PURGE_DELAY = 15
 
 
 def installed_allocators(exists=None) -> dict[str, str]:
@@ -116,7 +125,33 @@ def preload_command(argv: list[str], env: dict, exists=None) -> tuple[list[str],
     name, lib = next(iter(installed.items()))
     options = MIMALLOC_ENV if name == "mimalloc" else {}
     child_env = {**options, **env, "LD_PRELOAD": lib, NO_PRELOAD_ENV: "preloaded"}  # the user's options win
+    child_env[OWN_OPTIONS_ENV] = ",".join(k for k in options if k not in env)
     return [sys.executable, *sys.orig_argv[1:]], child_env
+
+
+def outlast_step(step_s: float) -> int | None:
+    """Under the trainer's own mimalloc purge delay (not one the user set): make it at least twice
+    this step, so that the next steps find their freed pages still committed. Returns the new delay
+    in ms, or None when nothing was changed (a short step, another malloc, the user's setting)."""
+    import os
+
+    if "MIMALLOC_PURGE_DELAY" not in os.environ.get(OWN_OPTIONS_ENV, "").split(","):
+        return None
+    if preloaded_allocator() != "mimalloc" or not (lib_path := mimalloc_library()):
+        return None
+    try:
+        lib = ctypes.CDLL(lib_path)  # the preloaded library: the same handle and the same options
+        lib.mi_option_get.restype, lib.mi_option_get.argtypes = ctypes.c_long, [ctypes.c_int]
+        lib.mi_option_set.restype, lib.mi_option_set.argtypes = None, [ctypes.c_int, ctypes.c_long]
+        if lib.mi_option_get(MI_OPTION_PURGE_DELAY) != int(MIMALLOC_ENV["MIMALLOC_PURGE_DELAY"]):
+            return None
+        wanted = math.ceil(2000 * step_s)
+        if wanted <= lib.mi_option_get(MI_OPTION_PURGE_DELAY):
+            return None
+        lib.mi_option_set(MI_OPTION_PURGE_DELAY, wanted)
+    except (OSError, AttributeError):
+        return None
+    return wanted
 
 
 def run_under_preferred_allocator(argv: list[str]) -> None:
