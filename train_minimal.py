@@ -255,7 +255,6 @@ def train(s: Setup, on_step: Callable[[int], None] | None) -> int:
     model.train()
     losses, val = [], None
     rate.totals.start(IMPORTED_AT)  # start-up ends here: the run-wide figures count from now
-    loop_started = time.perf_counter()
     # SIGINT / SIGTERM finish the step in flight, save, and leave; a second Ctrl-C kills at once.
     # A rank lost mid-run (killed, stopped): one line naming it and how to resume, on the others.
     lost = distributed.peers_watched(dist_info, ckpt.resume_hint(run.path))
@@ -287,7 +286,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None) -> int:
                     scaler.update()
                     optimizer.zero_grad(set_to_none=True)
             step += 1
-            if not losses and device == "cpu" and (ms := outlast_step(time.perf_counter() - loop_started)):
+            if not losses and device == "cpu" and (ms := outlast_step(inst.step_times[step])):
                 log.info(f"CPU allocator: mimalloc keeps freed pages {ms / 1000:.1f} s, twice the first step")
             losses.append(step_loss)
             last = step == cfg.num_steps

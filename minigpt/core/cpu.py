@@ -143,10 +143,8 @@ def outlast_step(step_s: float) -> int | None:
         lib = ctypes.CDLL(lib_path)  # the preloaded library: the same handle and the same options
         lib.mi_option_get.restype, lib.mi_option_get.argtypes = ctypes.c_long, [ctypes.c_int]
         lib.mi_option_set.restype, lib.mi_option_set.argtypes = None, [ctypes.c_int, ctypes.c_long]
-        if lib.mi_option_get(MI_OPTION_PURGE_DELAY) != int(MIMALLOC_ENV["MIMALLOC_PURGE_DELAY"]):
-            return None
-        wanted = math.ceil(2000 * step_s)
-        if wanted <= lib.mi_option_get(MI_OPTION_PURGE_DELAY):
+        current, wanted = lib.mi_option_get(MI_OPTION_PURGE_DELAY), math.ceil(2000 * step_s)
+        if current != int(MIMALLOC_ENV["MIMALLOC_PURGE_DELAY"]) or wanted <= current:
             return None
         lib.mi_option_set(MI_OPTION_PURGE_DELAY, wanted)
     except (OSError, AttributeError):
