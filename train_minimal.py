@@ -138,14 +138,17 @@ def predictions(cfg: TrainConfig, model: GPT, amp_dtype: str, device: str, plan)
 
 
 def score_stragglers(
-    detector: StragglerDetector, step: int, step_times: list[float], stages, dist_info: distributed.DistInfo
+    detector: StragglerDetector, step: int, interval, dist_info: distributed.DistInfo
 ) -> list[dict]:
-    """Every rank's medians over the interval, gathered and scored; the slow ranks' reports, on
-    rank 0 alone: every rank gathers the same figures, and torchrun prints each rank's warnings, so
-    a report from every rank would show each STRAGGLER line once per rank."""
+    """Every rank's medians over the interval's steady steps (warm-up is no straggler), gathered and
+    scored; the slow ranks' reports, on rank 0 alone: every rank gathers the same figures, and
+    torchrun prints each rank's warnings, so a report from every rank would show each STRAGGLER
+    line once per rank."""
+    stages = interval.stages
     if dist_info.world_size == 1 or not stages.host_steps:
         return []
-    mine = rank_figures(dist_info.rank, dist_info.host, [1000 * t for t in step_times], stages.device_steps)
+    times = [1000 * t for t in interval.step_times]
+    mine = rank_figures(dist_info.rank, dist_info.host, times, stages.device_steps)
     reports = detector.update(step, distributed.gather(mine, dist_info))
     return reports if dist_info.is_main else []
 
@@ -175,6 +178,7 @@ class Setup(NamedTuple):
     ckpt: Checkpointer
     run: RunDir
     log: logging.Logger
+    predicted_step: dict | None  # the step's predicted stage times (config.json), None without rates
 
 
 def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
@@ -230,7 +234,7 @@ def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
     log = run.open(model, data, rate, notes, step_time)
     inst.attach(model, optimizer, step + 1, memory, ddp_model)  # with DDP: the backward's compute timed apart
     return Setup(cfg, device, dist_info, plan, data, model, ddp_model, train_model, optimizer, scaler,
-                 autocast, step, inst, rate, ckpt, run, log)  # fmt: skip
+                 autocast, step, inst, rate, ckpt, run, log, step_time)  # fmt: skip
 
 
 def main(argv: list[str] | None = None, on_step: Callable[[int], None] | None = None) -> int:
@@ -244,7 +248,7 @@ def main(argv: list[str] | None = None, on_step: Callable[[int], None] | None = 
 def train(s: Setup, on_step: Callable[[int], None] | None) -> int:
     """The loop, with what set_up() built under the names it reads."""
     (cfg, device, dist_info, plan, data, model, ddp_model, train_model, optimizer, scaler,
-     autocast, step, inst, rate, ckpt, run, log) = s  # fmt: skip
+     autocast, step, inst, rate, ckpt, run, log, predicted_step) = s  # fmt: skip
     is_main = dist_info.is_main
     metrics_file = JsonlWriter(run.path / paths.METRICS_FILE, enabled=is_main)
     stragglers_file = JsonlWriter(run.path / paths.STRAGGLERS_FILE, enabled=is_main and dist_info.enabled)
@@ -294,20 +298,20 @@ def train(s: Setup, on_step: Callable[[int], None] | None) -> int:
 
             if is_log_step(step, cfg) or stop:  # outside the step: not in its clock nor in its ProfilerStep
                 values = ckpt.check_finite(losses, step, rate.amp)
-                step_times, stages = inst.interval()
+                interval = inst.interval()  # the steady steps' times; warm-up and instrumented ones apart
                 # sharded: every rank takes part (the forward has collectives)
                 if (is_main or plan.sharded) and (step % cfg.eval_interval == 0 or last):
-                    batch_ms = forward_ms(stages, step_times, cfg.grad_accum_steps)  # what one batch costs
+                    batch_ms = forward_ms(interval.stages, interval.step_times, cfg.grad_accum_steps)
                     if notice := evaluation_notice(cfg.eval_iters, batch_ms):
                         log.info(notice)  # a long evaluation is not silence
                     stop_eval = [] if plan.sharded else stop_signal  # sharded: all ranks, to the end
                     val = evaluate(model, data.make_val(), cfg.eval_iters, device, autocast, stop_eval)
-                logged = rate.record(step, values, lr, val, step_times, stages, inst.take_comm())
+                logged = rate.record(step, values, lr, val, interval, inst.take_comm())
                 logged.memory_breakdown = inst.take_memory_breakdown()
                 log.info(format_log_line(logged))
                 metrics_file.write(logged)
                 tensorboard.log(logged)
-                for report in score_stragglers(stragglers, step, step_times, stages, dist_info):
+                for report in score_stragglers(stragglers, step, interval, dist_info):
                     log.warning(format_report(report, cfg.straggler_threshold))
                     stragglers_file.write(report)
                 losses = []
@@ -318,7 +322,8 @@ def train(s: Setup, on_step: Callable[[int], None] | None) -> int:
                 return run.stopped(stop_signal, step, log)
 
     # ------------------------------------------------------------------ finish
-    run.finish(log, [inst.profiler_cost(), rate.finished(logged, step)], write_report)
+    predicted_ms = (predicted_step or {}).get("step_ms")
+    run.finish(log, [inst.profiler_cost(), rate.finished(logged, step, predicted_ms)], write_report)
     return 0
 
 

@@ -19,17 +19,24 @@ class StepRecord:
     epoch: int  # passes over the training tokens, counting from 1
     loss: float  # mean training loss over the interval's steps
     lr: float  # the learning rate of the last step
-    step_time_s: float  # mean host time of one training step: the step alone, not evals or logging
+    # Mean host time of one steady step of the interval (the step alone, not evals or logging): the
+    # steps in `left_out` are not in it, nor in any mean below, unless every step of the interval is.
+    step_time_s: float
     tokens_per_s: float  # per step: the job's tokens per step / step_time_s (all ranks)
     tokens_per_s_per_rank: float
     # The run so far, cumulative since the loop started: the last record holds the whole run's
     # figures (a resumed run counts from its restart). RunTotals defines them; the last log line,
-    # the report and minigpt.analysis.compare read these keys, never recompute them.
-    run_tokens: int  # tokens trained (the job's, all ranks)
-    run_step_time_s: float  # the sum of every step's host time: the steps alone, no evals, no logging
-    run_tokens_per_s: float  # run_tokens / run_step_time_s: the run's rate over the steps alone
-    # End to end: run_tokens / elapsed_s, evaluations, logging and checkpoints included (the final
-    # checkpoint, saved after the last record, is not). What the job delivers; the ETA follows it.
+    # the report and minigpt.analysis.compare read these keys, never recompute them. The run's
+    # throughput is its steady state: the steps left out (warm-up, compilation, instrumented steps:
+    # run_left_out) are in none of the run_* rates, and are shown as their own figure.
+    run_tokens: int  # tokens of the steady steps (the job's, all ranks)
+    run_steps: int  # the steady steps
+    run_step_time_s: float  # the sum of the steady steps' host times: no evals, no logging
+    run_tokens_per_s: float | None  # run_tokens / run_step_time_s; None while no step is steady
+    tokens_trained: int  # every step's tokens, the left-out ones' too
+    # End to end: tokens_trained / elapsed_s, the left-out steps, evaluations, logging and
+    # checkpoints included (the final checkpoint, saved after the last record, is not): what the
+    # job delivers.
     tokens_per_s_e2e: float
     # Process start to the loop's start (interpreter, imports, data, model, MFU peak), in no rate
     # above; None where /proc is missing and the trainer gave no import time.
@@ -38,7 +45,7 @@ class StepRecord:
     val_loss: float | None  # the latest evaluation (None before the first)
     val_ppl: float | None
     elapsed_s: float  # wall-clock since the loop started: the time end to end is over
-    eta_s: float  # remaining steps at the end-to-end rate
+    eta_s: float  # remaining steps at the end-to-end rate of the steps after warm-up
     amp: str  # "bf16", "fp16" or "fp32"
     mfu: float | None  # model FLOPs utilisation per device, against config.json's peak_flops
     achieved_tflops: float | None  # model TFLOP/s per device: needs no peak to be true
@@ -52,6 +59,11 @@ class StepRecord:
     # CPU: rss_bytes and rss_peak_bytes (the process, as the machine sees it)
     memory: dict[str, float] = field(default_factory=dict)
     memory_breakdown: dict | None = None  # on the first line after a --memory-profiler step (bytes)
+    # This interval's steps left out of its means, each {"step", "s" (host seconds), "why" (a
+    # LEFT_OUT key)}; and the run's so far, {why: {"steps": [n, ...], "s": seconds}}.
+    left_out: list[dict] = field(default_factory=list)
+    steady_steps: int = 0  # the interval's steps in its means (0: all left out, the means are theirs)
+    run_left_out: dict[str, dict] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -60,17 +72,89 @@ class StepRecord:
         return d
 
 
+# Why a step is left out of the steady figures (StepRecord.left_out, run_left_out), in the words the
+# log, the report and compare use. The trainer decides (minigpt.instruments.instrument.Instruments).
+LEFT_OUT = {
+    "warm-up": "the first step: allocations and kernel selection",
+    "compilation": "torch.compile compiling, and kernel warm-up",
+    "profiler": "the profiler window, with its warm-up step",
+    "nsys": "the Nsight Systems capture range (every op an NVTX range)",
+    "memory profiler": "--memory-profiler's measured step",
+}
+
+
+def step_list(steps: list[int]) -> str:
+    """[1] -> "step 1"; [49, 50, 51, 60] -> "steps 49-51, 60"."""
+    runs: list[list[int]] = []
+    for n in sorted(steps):
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    text = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+    return f"step{'s' if len(steps) > 1 else ''} {text}"
+
+
+def describe_left_out(run_left_out: dict) -> str:
+    """The run's left-out steps in words: "step 1, 18.43s: torch.compile compiling, and kernel
+    warm-up; steps 49-51, 0.08s: the profiler window, with its warm-up step"."""
+    parts = []
+    for why, e in run_left_out.items():
+        if isinstance(e, dict) and e.get("steps") and isinstance(e.get("s"), (int, float)):
+            parts.append(f"{step_list(e['steps'])}, {e['s']:.2f}s: {LEFT_OUT.get(why, why)}")
+    return "; ".join(parts)
+
+
 # The run-wide keys a reader takes from metrics.jsonl's last record; OLDER_RUN stands for one that
-# a trainer before them did not write (no figure is rebuilt from other keys: it would differ).
-RUN_KEYS = ("run_tokens", "run_step_time_s", "run_tokens_per_s", "tokens_per_s_e2e", "elapsed_s", "startup_s")
+# a trainer before them did not write.
+RUN_KEYS = (
+    "run_tokens",
+    "run_steps",
+    "run_step_time_s",
+    "run_tokens_per_s",
+    "tokens_trained",
+    "tokens_per_s_e2e",
+    "elapsed_s",
+    "startup_s",
+)
 OLDER_RUN = "n/a (older run)"
+# An older trainer's run_* figures counted every step, warm-up included (a --compile run's step 1
+# took 18.4 s of its 19.6): its steady figure is rebuilt from the log intervals after the first,
+# and says so.
+REBUILT = "rebuilt from the logged intervals after the first (an older run: its warm-up was not kept apart)"
 
 
-def run_figures(records: list[dict]) -> dict[str, float | None]:
-    """The run's figures (RUN_KEYS) as metrics.jsonl's last record holds them; None for a key an
-    older trainer did not write: show OLDER_RUN for it."""
+def run_figures(records: list[dict]) -> dict:
+    """The run's figures (RUN_KEYS, and run_left_out) as metrics.jsonl's last record holds them;
+    None for a key an older trainer did not write. For such a run the steady figures are rebuilt
+    from the intervals after the first (`rebuilt` is then True): its own run_* counted warm-up."""
     last = records[-1] if records else {}
-    return {k: last.get(k) if isinstance(last.get(k), (int, float)) else None for k in RUN_KEYS}
+    figures = {k: last.get(k) if isinstance(last.get(k), (int, float)) else None for k in RUN_KEYS}
+    left = last.get("run_left_out")
+    figures["run_left_out"] = left if isinstance(left, dict) else {}
+    figures["rebuilt"] = bool(records) and "run_steps" not in last
+    if figures["rebuilt"]:  # its run_tokens were every step's
+        figures["tokens_trained"] = figures["run_tokens"]
+        figures.update(_steady_of_older_run(records))
+    return figures
+
+
+def _steady_of_older_run(records: list[dict]) -> dict:
+    """tokens and seconds of the intervals after the first, from their steps and mean step times."""
+    tokens = seconds = steps = 0
+    for prev, r in zip(records, records[1:]):
+        n = r.get("step", 0) - prev.get("step", 0)
+        t, tps = r.get("step_time_s"), r.get("tokens_per_s")
+        if n > 0 and isinstance(t, (int, float)) and isinstance(tps, (int, float)) and t > 0:
+            steps, seconds, tokens = steps + n, seconds + n * t, tokens + n * tps * t
+    if not steps:
+        return {"run_tokens": None, "run_steps": None, "run_step_time_s": None, "run_tokens_per_s": None}
+    return {
+        "run_tokens": round(tokens),
+        "run_steps": steps,
+        "run_step_time_s": seconds,
+        "run_tokens_per_s": tokens / seconds,
+    }
 
 
 # Byte figures of record["memory_breakdown"] (and of its "estimate") that TensorBoard plots.

@@ -1,6 +1,8 @@
-"""The run's own figures (metrics.RunTotals): tokens/s over the steps alone and end to end,
-start-up, each defined once, written on every metrics.jsonl record, and read unchanged by the last
-log line, the report and minigpt.analysis.compare; an older run without them says so."""
+"""The run's own figures (metrics.RunTotals): tokens/s in steady state (warm-up and instrumented
+steps left out, and named) and end to end, start-up, each defined once, written on every
+metrics.jsonl record, and read unchanged by the last log line, the report and
+minigpt.analysis.compare; an older run's steady figure is rebuilt from its intervals after the
+first, and says so."""
 
 import gzip
 import json
@@ -19,7 +21,7 @@ from minigpt.analysis.report import summary_section
 from minigpt.analysis.runfiles import load_run
 from minigpt.instruments.instrument import PROFILER_STDERR_NOTE
 from minigpt.instruments.metrics import RunTotals, evaluation_notice, process_age_s
-from minigpt.step_record import OLDER_RUN, RUN_KEYS
+from minigpt.step_record import OLDER_RUN, REBUILT, RUN_KEYS
 
 
 def read_metrics(out):
@@ -38,21 +40,30 @@ def real_run(tmp_path_factory):
     return out, r.stdout, wall
 
 
-def test_run_wide_rates_are_every_steps_tokens_over_every_steps_time(real_run):
+def test_run_wide_rates_are_the_steady_steps_tokens_over_their_time(real_run):
     out, _, wall = real_run
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [4, 8, 10]
     tokens_per_step = 8 * 16  # --batch-size 8 x --seq-len 16, one rank
-    steps = [b["step"] - a["step"] for a, b in zip([{"step": 0}, *rows], rows)]
-    summed = [sum(n * r["step_time_s"] for n, r in zip(steps[: i + 1], rows)) for i in range(len(rows))]
+    # Step 1 is the process's warm-up: out of the first interval's means and of the run's rate.
+    assert [len(r["left_out"]) for r in rows] == [1, 0, 0]
+    assert rows[0]["left_out"][0]["step"] == 1 and rows[0]["left_out"][0]["why"] == "warm-up"
+    assert [r["steady_steps"] for r in rows] == [3, 4, 2]
+    summed = [sum(r["steady_steps"] * r["step_time_s"] for r in rows[: i + 1]) for i in range(len(rows))]
     for row, step_time in zip(rows, summed):  # cumulative on every record
-        assert row["run_tokens"] == row["step"] * tokens_per_step
+        assert row["run_steps"] == row["step"] - 1
+        assert row["run_tokens"] == row["run_steps"] * tokens_per_step
+        assert row["tokens_trained"] == row["step"] * tokens_per_step
         assert row["run_step_time_s"] == pytest.approx(step_time, rel=1e-9)
         assert row["run_tokens_per_s"] == pytest.approx(row["run_tokens"] / step_time, rel=1e-9)
-        assert row["tokens_per_s_e2e"] == pytest.approx(row["run_tokens"] / row["elapsed_s"], rel=1e-9)
+        assert row["tokens_per_s_e2e"] == pytest.approx(row["tokens_trained"] / row["elapsed_s"], rel=1e-9)
+        assert row["run_left_out"]["warm-up"]["steps"] == [1]
     last = rows[-1]
-    # The loop holds the steps and more (evaluation, logging): end to end is below the steps alone.
+    warmup = last["run_left_out"]["warm-up"]["s"]
+    assert warmup == pytest.approx(rows[0]["left_out"][0]["s"])
+    # The loop holds the steps and more (warm-up, evaluation, logging): end to end is below steady state.
     assert last["tokens_per_s_e2e"] < last["run_tokens_per_s"]
+    assert last["elapsed_s"] > last["run_step_time_s"] + warmup
     # Start-up is the process's age at the loop's start: above zero, below the whole process's wall.
     assert 0 < last["startup_s"] < wall - last["elapsed_s"]
     # The per-interval keys keep their meaning: the last interval's own rate.
@@ -63,23 +74,35 @@ def test_the_last_line_says_the_last_records_figures(real_run):
     out, stdout, _ = real_run
     last = read_metrics(out)[-1]
     line = next(x for x in stdout.splitlines() if "Training finished:" in x)
-    assert f"10 steps, {last['run_tokens']:,} tokens;" in line
+    assert f"10 steps, {last['tokens_trained']:,} tokens;" in line
+    warmup = last["run_left_out"]["warm-up"]["s"]
     assert (
-        f"{last['run_tokens_per_s']:,.0f} tokens/s over the steps alone ({last['run_step_time_s']:.2f}s, "
-        "every step's time summed)" in line
+        f"{last['run_tokens_per_s']:,.0f} tokens/s in steady state "
+        f"(9 steps in {last['run_step_time_s']:.2f}s; "
+        f"left out: step 1, {warmup:.2f}s: the first step: allocations and kernel selection)" in line
     )
     assert f"{last['tokens_per_s_e2e']:,.0f} tokens/s end to end ({last['elapsed_s']:.2f}s of loop" in line
     assert re.search(r"start-up \d+\.\ds before the loop, in neither figure$", line)
+    first = next(x for x in stdout.splitlines() if " step 4/10 " in x)
+    assert f"left out: step 1 {rows_first_left(out):.2f}s (warm-up)" in first
+
+
+def rows_first_left(out) -> float:
+    return read_metrics(out)[0]["left_out"][0]["s"]
 
 
 def test_report_and_compare_read_the_same_keys(real_run):
     out, _, _ = real_run
     last = read_metrics(out)[-1]
     page = summary_section(load_run(out))
-    assert f"{last['run_tokens_per_s']:,.0f} (the whole run: {last['run_tokens']:,} tokens" in page
     assert (
-        f"{last['tokens_per_s_e2e']:,.0f} ({last['run_tokens']:,} tokens / {last['elapsed_s']:.2f}s" in page
+        f"{last['run_tokens_per_s']:,.0f} (the run: {last['run_tokens']:,} tokens of 9 steady steps" in page
     )
+    assert (
+        f"{last['tokens_per_s_e2e']:,.0f} ({last['tokens_trained']:,} tokens / {last['elapsed_s']:.2f}s"
+        in page
+    )
+    assert "step 1, " in page and "the first step: allocations and kernel selection" in page
     thr = {r["metric"]: r for r in compare_runs(out, out)["throughput"]}
     for key in ("run_tokens_per_s", "tokens_per_s_e2e", "startup_s"):
         assert thr[key]["a"] == last[key] and thr[key]["ratio"] == pytest.approx(1.0)
@@ -92,27 +115,34 @@ def with_run_figures(folder, **figures):
     return folder
 
 
-def test_an_older_run_says_so_instead_of_a_rebuilt_figure(tmp_path):
+def test_an_older_runs_steady_figure_is_rebuilt_and_says_so(tmp_path):
     steps = (10, 20, 30, 40, 50)  # enough logged intervals for compare to give an interval
     old = make_run(tmp_path / "old", tokens_per_s=1000.0, steps=steps)  # a trainer before the run-wide keys
     new = with_run_figures(
         make_run(tmp_path / "new", tokens_per_s=2000.0, amp="bf16", steps=steps),
         run_tokens=7680,
+        run_steps=60,
         run_step_time_s=4.0,
         run_tokens_per_s=1920.0,
+        tokens_trained=7808,
         tokens_per_s_e2e=1500.0,
         elapsed_s=5.12,
         startup_s=4.7,
+        steady_steps=10,
+        run_left_out={"warm-up": {"steps": [1], "s": 0.5}},
     )
     text = format_compare(compare_runs(old, new))
-    steps_alone = next(x for x in text.splitlines() if x.startswith("tokens/s over the steps alone"))
-    assert OLDER_RUN in steps_alone and "1,920" in steps_alone
+    steady = next(x for x in text.splitlines() if x.startswith("tokens/s in steady state"))
+    assert "1,000" in steady and "1,920" in steady  # the older run's: its intervals after the first
     startup = next(x for x in text.splitlines() if x.startswith("start-up s"))
     assert OLDER_RUN in startup and "4.70" in startup
     assert "tokens/s per step 2.00x (2.00-2.00)" in headline(compare_runs(old, new))  # named for what it is
     page = summary_section(load_run(old))
-    assert page.count(OLDER_RUN) == 3  # steps alone, end to end, start-up
-    assert "1,920 (the whole run: 7,680 tokens / 4.00s" in summary_section(load_run(new))
+    assert page.count(OLDER_RUN) == 2  # end to end, start-up
+    assert REBUILT in page
+    new_page = summary_section(load_run(new))
+    assert "1,920 (the run: 7,680 tokens of 60 steady steps / 4.00s" in new_page
+    assert "step 1, 0.50s: the first step" in new_page and REBUILT not in new_page
 
 
 def test_compare_says_what_precision_each_run_used_and_names_the_rss_peak(tmp_path):
@@ -140,7 +170,7 @@ def test_run_totals_weigh_every_step_alike():
     totals.add([1.0, 1.0, 1.0])  # an interval of 3 one-second steps
     totals.add([4.0])  # and one of a single slow step
     f = totals.figures()
-    assert set(f) == set(RUN_KEYS)
+    assert set(f) == {*RUN_KEYS, "run_left_out"}
     assert f["run_tokens"] == 400 and f["run_step_time_s"] == pytest.approx(7.0)
     assert f["run_tokens_per_s"] == pytest.approx(400 / 7)  # the mean of the intervals' rates is 62.5
 
@@ -197,7 +227,9 @@ def test_a_resumed_run_counts_from_its_resume(tmp_path, capsys):
     assert train_minimal.cli(flags, on_step=sigterm_at(4)) == 128 + signal.SIGTERM
     assert train_minimal.cli([*flags, "--resume"]) == 0
     last = read_metrics(out)[-1]
-    assert last["step"] == 6 and last["run_tokens"] == 2 * 8 * 16  # steps 5 and 6
+    # steps 5 and 6 trained; step 5, the resumed process's first, is its warm-up
+    assert last["step"] == 6 and last["tokens_trained"] == 2 * 8 * 16 and last["run_tokens"] == 8 * 16
+    assert last["run_left_out"]["warm-up"]["steps"] == [5]
     finished = next(x for x in capsys.readouterr().out.splitlines() if "Training finished:" in x)
     assert "2 steps (since the resume at step 4), 256 tokens;" in finished
-    assert "(since the resume: 256 tokens /" in summary_section(load_run(out))
+    assert "(since the resume: 128 tokens of 1 steady steps /" in summary_section(load_run(out))

@@ -6,8 +6,8 @@
 
 What the blog post this project grew from did by hand, screenshot by screenshot, for AMP against
 fp32: each stage's host and device time in A and in B and their ratio (B / A); the runs' own
-tokens/s over the steps alone and end to end and their start-up (metrics.jsonl's last record; "n/a
-(older run)" where a trainer did not write them), the median interval's tokens/s, MFU, and peak
+tokens/s in steady state (warm-up left out) and end to end and their start-up (metrics.jsonl's
+last record; an older trainer's steady figure rebuilt from its intervals after the first), the median interval's tokens/s, MFU, and peak
 memory by category; the top host
 operators and device kernels of the two traces matched by name, with what is new in B, gone from
 A, or changed; and the losses at the steps both runs logged. Runs without traces compare without
@@ -71,7 +71,7 @@ MACHINE_KEYS = ("device", "device_name", "versions")
 # The samples of each kind of ratio, as RatioInterval.method names them.
 FROM_INTERVALS = "Welch t on log samples: logged intervals after warm-up (one run each)"
 FROM_PROFILED = "Welch t on log samples: profiled steps (one trace each)"
-INTERVAL_UNIT = ("logged interval after the first (warm-up)", "logged intervals after the first (warm-up)")
+INTERVAL_UNIT = ("logged interval of steady steps (warm-up left out)", "logged intervals of steady steps (warm-up left out)")
 ONE_FIGURE = "one figure per run: no interval"
 TOO_FEW = "too few samples"
 
@@ -81,9 +81,13 @@ def ratio(a, b) -> float | None:
 
 
 def after_warmup(run: Run) -> list[dict]:
-    """The logged intervals after the first, which holds warm-up (and compilation): the samples
-    of every interval. Unlike report.steady(), a run with one logged interval has none."""
-    return run.metrics[1:]
+    """The logged intervals with a steady step (the trainer leaves warm-up, compilation and
+    instrumented steps out of an interval's means; an older trainer's first interval held them,
+    and is dropped): the samples of every interval. Unlike report.steady(), a run whose intervals
+    are all left out has none."""
+    if run.metrics and "steady_steps" not in run.metrics[-1]:
+        return run.metrics[1:]
+    return [r for r in run.metrics if r.get("steady_steps")]
 
 
 def samples(records: list[dict], key: str, sub: str | None = None) -> list[float]:
@@ -424,7 +428,7 @@ def _table(head: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,))
 
 
 THROUGHPUT_LABELS = {
-    "run_tokens_per_s": ("tokens/s over the steps alone (run)", 1, 0),
+    "run_tokens_per_s": ("tokens/s in steady state (run)", 1, 0),
     "tokens_per_s_e2e": ("tokens/s end to end (run)", 1, 0),
     "startup_s": ("start-up s (in neither rate)", 1, 2),
     "tokens_per_s": ("tokens/s per step, median interval", 1, 0),

@@ -36,7 +36,7 @@ from minigpt.memory_log import (
 )
 from minigpt.paths import METRICS_FILE, REPORT_FILE
 from minigpt.stages import STAGE_NAMES, color, label, split_parent
-from minigpt.step_record import MEMORY_BREAKDOWN_KEYS, OLDER_RUN, run_figures
+from minigpt.step_record import MEMORY_BREAKDOWN_KEYS, OLDER_RUN, REBUILT, describe_left_out, run_figures
 
 MB = 1024 * 1024
 TOP_ROWS = 15  # operators and kernels drawn and listed per trace
@@ -165,9 +165,13 @@ def median(values: list) -> float | None:
 
 
 def steady(metrics: list[dict]) -> list[dict]:
-    """The logged steps after the first interval, which holds warm-up (and compilation): the
-    figures a user compares. A run with one logged step keeps it."""
-    return metrics[1:] if len(metrics) > 1 else metrics
+    """The logged intervals with a steady step: the figures a user compares. A record whose steps
+    were all left out (warm-up, compilation, an instrumented step) holds their figures, and is
+    dropped; an older trainer's first interval held its warm-up, and is dropped. A run with no
+    steady interval keeps what it has."""
+    if metrics and "steady_steps" not in metrics[-1]:  # an older trainer's records
+        return metrics[1:] if len(metrics) > 1 else metrics
+    return [r for r in metrics if r.get("steady_steps")] or metrics
 
 
 # ---------------------------------------------------------------------------- figures of one run
@@ -175,7 +179,7 @@ def steady(metrics: list[dict]) -> list[dict]:
 
 def throughput(run: Run) -> dict:
     """The run's own figures, as metrics.jsonl's last record holds them (minigpt.step_record.RUN_KEYS:
-    tokens/s over the steps alone and end to end, start-up; None for an older run that did not
+    tokens/s in steady state and end to end, start-up; None for an older run that did not
     write them), and the per-interval figures' medians over the steady steps: tokens/s per step,
     MFU, and what MFU is measured against."""
     m = steady(run.metrics)
@@ -236,22 +240,26 @@ def peak_memory(run: Run) -> dict[str, float]:
 
 def throughput_rows(t: dict) -> list[tuple[str, str]]:
     """The summary's tokens/s and start-up rows: the run's figures (what the trainer's last line
-    says), then the per-interval median for comparison with the log lines."""
+    says: its steady state, the steps left out of it, end to end), then the per-interval median
+    for comparison with the log lines."""
     tokens = f"{t['run_tokens']:,} tokens" if t["run_tokens"] is not None else "tokens"
-    steps_alone = (
-        f"{fmt(t['run_tokens_per_s'], 0)} ({'since the resume' if t['resumed'] else 'the whole run'}: "
-        f"{tokens} / {t['run_step_time_s']:.2f}s, "
-        "every step's time summed)"
+    left = describe_left_out(t["run_left_out"])
+    steady = (
+        f"{fmt(t['run_tokens_per_s'], 0)} ({'since the resume' if t['resumed'] else 'the run'}: "
+        f"{tokens} of {t['run_steps']} steady steps / {t['run_step_time_s']:.2f}s, their times summed"
+        + (f"; {REBUILT}" if t["rebuilt"] else "")
+        + ")"
         if t["run_tokens_per_s"] is not None
         else OLDER_RUN
     )
+    trained = f"{t['tokens_trained']:,} tokens" if t["tokens_trained"] is not None else "tokens"
     e2e = (
         OLDER_RUN
         if t["tokens_per_s_e2e"] is None
         else fmt(t["tokens_per_s_e2e"], 0)
         + (
-            f" ({tokens} / {t['elapsed_s']:.2f}s of loop to the last log line: evaluations, logging "
-            "and checkpoints included)"
+            f" ({trained} / {t['elapsed_s']:.2f}s of loop to the last log line: left-out steps, "
+            "evaluations, logging and checkpoints included)"
             if t["elapsed_s"] is not None
             else ""
         )
@@ -262,12 +270,13 @@ def throughput_rows(t: dict) -> list[tuple[str, str]]:
         else f"{t['startup_s']:.2f}s from the process's start to the loop's (in neither rate)"
     )
     return [
-        ("tokens/s over the steps alone", steps_alone),
+        ("tokens/s in steady state", steady),
+        ("left out of it", left or ("not recorded (older run)" if t["rebuilt"] else "no step")),
         ("tokens/s end to end", e2e),
         ("start-up", startup),
         (
             "tokens/s per step, median interval",
-            f"{fmt(t['tokens_per_s'], 0)} (median of the logged intervals after the first; "
+            f"{fmt(t['tokens_per_s'], 0)} (median of the logged intervals' steady steps; "
             f"{fmt(t['tokens_per_s_per_rank'], 0)} per rank)",
         ),
     ]

@@ -156,8 +156,15 @@ class CrossEntropy(torch.autograd.Function):
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The mean cross-entropy: CrossEntropy on the CPU; F.cross_entropy elsewhere, where one fused
     kernel already reads the logits once, and for fp16, whose gradient needs the loss scale applied
-    before it is rounded (CrossEntropy rounds it in forward)."""
-    if logits.device.type == "cpu" and logits.dtype != torch.float16:
+    before it is rounded (CrossEntropy rounds it in forward).
+
+    Under torch.compile F.cross_entropy too, on the CPU as well: the compiler fuses its passes
+    itself, and CrossEntropy's backward reads grad_loss.item(), a graph break. The break made the
+    logits' view an output of the first graph, and AOTAutograd's warm cache (torch 2.13) replays
+    such an output alias with a corrupt shape: a second `--compile` run stopped in its first forward
+    ("shape '[2430212884928, 64, 50304]' is invalid"). One graph has no such output."""
+    compiling = torch.compiler.is_compiling()
+    if logits.device.type == "cpu" and logits.dtype != torch.float16 and not compiling:
         return CrossEntropy.apply(logits, targets)
     return F.cross_entropy(logits, targets)
 

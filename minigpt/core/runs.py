@@ -23,7 +23,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -38,7 +38,21 @@ if TYPE_CHECKING:
     from minigpt.core.checkpoint import Checkpointer
     from minigpt.core.data import Data
     from minigpt.core.model import GPT
-    from minigpt.instruments.mfu import Throughput
+
+
+class RunRate(Protocol):
+    """What the run directory's opening lines read of the run's throughput constants (the
+    instruments' Throughput has them); a protocol, so the core imports nothing of the instruments."""
+
+    device: str
+    amp: str
+    tokens_per_step: int
+    start_step: int
+
+    def config(self) -> dict: ...
+
+    def describe_peak(self) -> str: ...
+
 
 LOCK_FILE = ".lock"  # in the run directory; holds the PID of the trainer that owns it
 # Pseudo file systems: the kernel's views, never a place for a run's files.
@@ -394,6 +408,24 @@ def stop_on_signals() -> Iterator[list[int]]:
             signal.signal(s, h)
 
 
+def predicted_line(p: dict) -> str:
+    """config.json's predicted_step in one line, with the rates it came from: a data sheet's (a
+    GPU's peak FLOP/s and bandwidth, not checked against a measured step) or this machine's own."""
+    stages = ", ".join(f"{k} {v:.1f}" for k, v in p.get("stage_ms", {}).items())
+    sheet = str(p.get("rates_source", "")).startswith("table")
+    return (
+        f"Predicted step: {p.get('step_ms', 0):.1f} ms ({stages}), "
+        f"{p.get('tokens_per_s', 0):,.0f} tokens/s, from "
+        + (
+            "a data sheet's rates, not yet checked against a measured step"
+            if sheet
+            else "this machine's measured rates"
+        )
+        + f" [{p.get('rates_source', 'source not recorded')}]; "
+        "the last line gives the steady step's share of it"
+    )
+
+
 class RunDir:
     """One training run's folder, from the choice of its name to its last lines: guard() before
     any work, repair() on resume, open() once the model is built (config.json and the log's first
@@ -429,7 +461,7 @@ class RunDir:
                 self.cleaned.append(f"dropped {dropped} line(s) of {name} past step {step} or cut short")
 
     def open(
-        self, model: GPT, data: Data, rate: Throughput, notes: list[str | None], predicted_step: dict | None
+        self, model: GPT, data: Data, rate: RunRate, notes: list[str | None], predicted_step: dict | None
     ) -> logging.Logger:
         """Create the folder, write config.json (rank 0) and say what this run is: the lines every
         log starts with. `notes`: the AMP decision in words, then the CPU allocator's setting and
@@ -469,10 +501,12 @@ class RunDir:
         log.info(f"Device: {device} ({device_name}), torch {torch.__version__}; {amp_note}")
         for line in self.header(model, data, rate, notes, n_params):
             log.info(line)
+        if predicted_step:
+            log.info(predicted_line(predicted_step))
         return log
 
     def header(
-        self, model: GPT, data: Data, rate: Throughput, notes: list[str | None], n_params: int
+        self, model: GPT, data: Data, rate: RunRate, notes: list[str | None], n_params: int
     ) -> list[str]:
         """The log's first lines after the device: the CPU allocator, the ranks, the data, the
         model, the batch, the MFU peak, where the run starts and what was cleaned up."""

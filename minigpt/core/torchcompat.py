@@ -31,6 +31,9 @@ Why each one, when no public API does it:
   pickles (weights-only) must put each loaded object back where DCP's flattening took it from.
 - `torch.utils._python_dispatch.TorchDispatchMode`: the base of a dispatch mode that sees every
   aten op (the estimate table's shape-only matmuls).
+- `torch._dynamo.utils.counters`: how many graphs torch.compile has captured and compiled so far;
+  a step during which the count moved compiled, and is warm-up, not steady state. No public call
+  says whether a call compiled.
 
 It imports only torch: the core (config, checkpoints) and the instruments both use it.
 """
@@ -195,3 +198,16 @@ def dispatch_mode_base() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+def compile_count() -> int:
+    """Graphs torch.compile has captured, compiled or loaded from its cache in this process so far
+    (Dynamo's frames, AOTAutograd's forward and backward, Inductor's): it moves only while
+    something compiles, never while compiled code runs. 0 without torch.compile."""
+    from torch._dynamo.utils import counters
+
+    return (
+        counters["stats"]["unique_graphs"]
+        + counters["aot_autograd"]["total"]
+        + sum(counters["inductor"].values())
+    )

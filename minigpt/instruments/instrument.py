@@ -61,6 +61,22 @@ class StageTimes:
     device_steps: list[dict[str, float]] = field(default_factory=list)
 
 
+@dataclass
+class Interval:
+    """What Instruments.interval() returns at a log line: the host seconds of the interval's steady
+    steps, their stage times (the left-out steps' when every step is left out), and the steps left
+    out of both, each {"step": n, "s": seconds, "why": a LEFT_OUT key}."""
+
+    steady: list[float]
+    stages: StageTimes
+    left_out: list[dict] = field(default_factory=list)
+
+    @property
+    def step_times(self) -> list[float]:
+        """The times the interval's means are of: its steady steps', else its left-out steps'."""
+        return self.steady or [x["s"] for x in self.left_out]
+
+
 class StageTimer:
     """Per-stage host and device time of each step, read (and reset) at the log interval.
 
@@ -143,13 +159,15 @@ class StageTimer:
             event.record()
         self.splits[name] = (stage, time.perf_counter() - t0, event)
 
-    def read(self) -> StageTimes:
-        """The steps completed since the last read. On CUDA call it only after a synchronize:
-        every event recorded so far must have completed."""
+    def read(self, left_out: set[int] | None = None) -> StageTimes:
+        """The steps completed since the last read, but for those at the indices `left_out` (warm-up
+        and instrumented steps: see Instruments.step), unless every step is left out: then theirs.
+        On CUDA call it only after a synchronize: every event recorded so far must have completed."""
         if not self.enabled or not self.host_steps:
             self.host_steps.clear()
             self.events.clear()
             return StageTimes()
+        n = len(self.host_steps)
         host_steps = self.host_steps
         if self.cuda:
             device_steps = [defaultdict(float) for _ in host_steps]
@@ -159,6 +177,8 @@ class StageTimer:
             device_steps = [dict(d) for d in device_steps]
         else:
             device_steps = host_steps  # the CPU runs each op as the host issues it
+        keep = [i for i in range(n) if i not in (left_out or ())] or list(range(n))
+        host_steps, device_steps = [host_steps[i] for i in keep], [device_steps[i] for i in keep]
         # The registry's stages in their order, then any other range (a user's own stage) by name.
         registered = stages.STAGE_NAMES
         names = [
@@ -166,10 +186,10 @@ class StageTimer:
             for n in (*registered, *sorted({k for s in host_steps for k in s} - set(registered)))
             if any(n in s for s in host_steps)
         ]
-        n = len(host_steps)
+        kept = len(host_steps)
         times = StageTimes(
-            host_ms={k: sum(s.get(k, 0.0) for s in host_steps) / n for k in names},
-            device_ms={k: sum(s.get(k, 0.0) for s in device_steps) / n for k in names},
+            host_ms={k: sum(s.get(k, 0.0) for s in host_steps) / kept for k in names},
+            device_ms={k: sum(s.get(k, 0.0) for s in device_steps) / kept for k in names},
             host_steps=host_steps,
             device_steps=device_steps,
         )
@@ -413,7 +433,7 @@ class Instruments:
         self.window = range(cfg.profile_step_start, cfg.profile_step_end)
         self.timer = StageTimer(device, enabled=cfg.stage_timing, sleep_ms=slow_stage(cfg, rank))
         self.step_times: dict[int, float] = {}  # host seconds of every step, to price the profiler
-        self._interval: list[float] = []
+        self._interval: list[tuple[int, float, str | None]] = []  # (step, seconds, why left out)
         snapshot = Path(cfg.memory_snapshot_path or out_dir / paths.SNAPSHOT_FILE.format(rank=rank))
         if cfg.memory_snapshot_path and world_size > 1:  # one file per rank, never overwritten by another
             snapshot = snapshot.with_name(f"rank{rank}_{snapshot.name}")
@@ -499,16 +519,21 @@ class Instruments:
         capture = self._capture() if measured else nullcontext()
         probed = self.comm is not None and self.comm.start(n, self.first_step)  # outside the step's clock
         try:
+            compiled = torchcompat.compile_count() if self.cfg.compile else 0
             t0 = time.perf_counter()
             with capture as cap, self.timer.step():
                 yield
-            if sync and self.device == "cuda":
+            compiled = self.cfg.compile and torchcompat.compile_count() != compiled
+            why = self.left_out(n, compiled)
+            # A step left out of the steady figures, and the one before it, end with their own work
+            # done: a GPU's queued kernels would otherwise be timed in the next step.
+            if self.device == "cuda" and (sync or why or self.instrumented(n + 1)):
                 torch.cuda.synchronize()  # the step's time must include the work still queued
             self.step_times[n] = time.perf_counter() - t0
         finally:
             if probed:
                 self.comm.stop(n)
-        self._interval.append(self.step_times[n])
+        self._interval.append((n, self.step_times[n], why))
         self.progress.update()
         # After the clock, outside the ProfilerStep range: writing a trace, snapshot or chart is not training.
         self._end_profiler_step()
@@ -518,11 +543,35 @@ class Instruments:
         if measured:
             self._write_memory(cap.breakdown)
 
-    def interval(self) -> tuple[list[float], StageTimes]:
-        """The step times (seconds) and stage times of the steps since the last call."""
+    def left_out(self, n: int, compiled: bool = False) -> str | None:
+        """Why step `n`, just run, stays out of the steady figures (a LEFT_OUT key), or None: a step
+        during which torch.compile compiled (`compiled`; an evaluation's recompilation falls between
+        steps), the process's first step, and the instrumented ones."""
+        if compiled:
+            return "compilation"
+        if n == self.first_step:
+            return "warm-up"
+        return self.instrumented(n)
+
+    def instrumented(self, n: int) -> str | None:
+        """The instrument that slows step `n` on purpose, known before it runs, or None."""
+        if n == self.memory_step:
+            return "memory profiler"
+        w = self.window
+        if self.profiler is not None and (n in w or n == w.start - 1 >= self.first_step):
+            return "profiler"
+        if self.nsys is not None and n in w:
+            return "nsys"
+        return None
+
+    def interval(self) -> Interval:
+        """The steps since the last call: the steady ones' times (seconds) and stage times, and the
+        steps left out of them (warm-up, instrumented)."""
         steps, self._interval = self._interval, []
         self.progress.reset(self.cfg.log_interval)
-        return steps, self.timer.read()
+        out = {i for i, (_, _, why) in enumerate(steps) if why}
+        left_out = [{"step": n, "s": t, "why": why} for n, t, why in steps if why]
+        return Interval([t for _, t, why in steps if not why], self.timer.read(out), left_out)
 
     # -- the profiler window
     def _end_profiler_step(self) -> None:

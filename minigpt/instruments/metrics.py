@@ -8,12 +8,12 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from minigpt.fileio import DiskFull, disk_full_message, is_disk_full
 from minigpt.stages import label
-from minigpt.step_record import MEMORY_BREAKDOWN_KEYS, StepRecord
+from minigpt.step_record import MEMORY_BREAKDOWN_KEYS, StepRecord, describe_left_out, step_list
 
 
 def format_duration(seconds: float) -> str:
@@ -40,16 +40,18 @@ def process_age_s() -> float | None:
 @dataclass
 class RunTotals:
     """The run-wide figures, accumulated over every step since the loop started: the one place
-    they are defined. The steps-alone rate is every step's tokens over the sum of every step's time
-    (not a mean of interval means, which would weigh a short interval like a long one); end to end
-    is the same tokens over the loop's wall-clock time; start-up is the process's age when the loop
-    starts, kept apart from both."""
+    they are defined. The run's rate is its steady state: the steady steps' tokens over the sum of
+    their times (not a mean of interval means, which would weigh a short interval like a long one);
+    the steps left out of it (warm-up, compilation, instrumented steps) are kept apart, by why.
+    End to end is every step's tokens over the loop's wall-clock time; start-up is the process's
+    age when the loop starts, kept apart from both."""
 
     tokens_per_step: int  # the job's: every data-parallel rank's batch
     t_start: float = 0.0  # perf_counter at the loop's start
     startup_s: float | None = None
-    steps: int = 0
-    step_time_s: float = 0.0
+    steps: int = 0  # steady steps
+    step_time_s: float = 0.0  # their host seconds
+    left_out: dict[str, dict] = field(default_factory=dict)  # why -> {"steps": [n, ...], "s": seconds}
 
     def start(self, imported_at: float | None = None) -> None:
         """Call as the loop starts. `imported_at`: time.time() when the trainer was imported, the
@@ -60,44 +62,77 @@ class RunTotals:
             age = time.time() - imported_at
         self.startup_s = age
 
-    def add(self, step_times: list[float]) -> None:
-        """Every step of an interval, each with its own time (seconds)."""
-        self.steps += len(step_times)
-        self.step_time_s += sum(step_times)
+    def add(self, steady: list[float], left_out: list[dict] = ()) -> None:
+        """An interval: its steady steps' times (seconds), and its left-out steps ({"step", "s", "why"})."""
+        self.steps += len(steady)
+        self.step_time_s += sum(steady)
+        for x in left_out:
+            e = self.left_out.setdefault(x["why"], {"steps": [], "s": 0.0})
+            e["steps"].append(x["step"])
+            e["s"] += x["s"]
 
     @property
     def tokens(self) -> int:
         return self.steps * self.tokens_per_step
 
-    def figures(self) -> dict[str, float | None]:
-        """The StepRecord fields of RUN_KEYS, now."""
+    @property
+    def left_out_s(self) -> float:
+        return sum(e["s"] for e in self.left_out.values())
+
+    @property
+    def tokens_trained(self) -> int:
+        return (self.steps + sum(len(e["steps"]) for e in self.left_out.values())) * self.tokens_per_step
+
+    def figures(self) -> dict:
+        """The StepRecord fields of RUN_KEYS, and run_left_out, now."""
         elapsed = time.perf_counter() - self.t_start
         return {
             "run_tokens": self.tokens,
+            "run_steps": self.steps,
             "run_step_time_s": self.step_time_s,
-            "run_tokens_per_s": self.tokens / self.step_time_s if self.step_time_s > 0 else 0.0,
-            "tokens_per_s_e2e": self.tokens / elapsed if elapsed > 0 else 0.0,
+            "run_tokens_per_s": self.tokens / self.step_time_s if self.step_time_s > 0 else None,
+            "tokens_trained": self.tokens_trained,
+            "tokens_per_s_e2e": self.tokens_trained / elapsed if elapsed > 0 else 0.0,
             "elapsed_s": elapsed,
             "startup_s": self.startup_s,
+            "run_left_out": {k: {"steps": list(e["steps"]), "s": e["s"]} for k, e in self.left_out.items()},
         }
 
+    def eta_s(self, steps_left: int, elapsed: float) -> float:
+        """The remaining steps at the end-to-end pace of the steps after warm-up: the loop's time
+        less the left-out steps', over the steady steps (evaluations and logging included); every
+        step's pace while none is steady."""
+        if self.steps:
+            return steps_left * max(0.0, elapsed - self.left_out_s) / self.steps
+        done = sum(len(e["steps"]) for e in self.left_out.values())
+        return steps_left * elapsed / done if done else 0.0
 
-def format_finished(r: StepRecord, steps: int, resumed_at: int = 0) -> str:
+
+def format_finished(r: StepRecord, steps: int, resumed_at: int = 0, prediction: str | None = None) -> str:
     """The run's last line: its figures exactly as metrics.jsonl's last record holds them. A run
-    resumed at step `resumed_at` counts from there: the steps before were another process's."""
+    resumed at step `resumed_at` counts from there: the steps before were another process's.
+    `prediction`: the steady step against the predicted one, when there is a prediction."""
     startup = (
         f"start-up {format_duration(r.startup_s)} before the loop, in neither figure"
         if r.startup_s is not None
         else "start-up not measured (no /proc)"
     )
     val = f"val loss {r.val_loss:.4f}, val ppl {r.val_ppl:.1f}" if r.val_loss is not None else "no evaluation"
+    left = describe_left_out(r.run_left_out)
+    steady = (
+        f"{r.run_tokens_per_s:,.0f} tokens/s in steady state ({r.run_steps} steps in {r.run_step_time_s:.2f}s"
+        + (f"; left out: {left})" if left else ")")
+        if r.run_tokens_per_s is not None
+        else f"no steady-state figure: every step was left out ({left})"
+    )
     return (
         f"Training finished: {steps} steps"
         + (f" (since the resume at step {resumed_at})" if resumed_at else "")
-        + f", {r.run_tokens:,} tokens; {val}; "
-        f"{r.run_tokens_per_s:,.0f} tokens/s over the steps alone ({r.run_step_time_s:.2f}s, every "
-        f"step's time summed), {r.tokens_per_s_e2e:,.0f} tokens/s end to end ({r.elapsed_s:.2f}s of "
-        f"loop to the last log line: evaluations, logging and checkpoints included); {startup}"
+        + f", {r.tokens_trained:,} tokens; {val}; {steady}"
+        + (f", {prediction}" if prediction else "")
+        + f"; {r.tokens_per_s_e2e:,.0f} tokens/s end to end ({r.elapsed_s:.2f}s of loop to the last log "
+        "line: left-out steps, evaluations, logging and checkpoints included); "
+        f"{startup}"
     )
 
 
@@ -124,7 +159,8 @@ def format_log_line(m: StepRecord) -> str:
     ppl = "n/a" if m.val_ppl is None else f"{m.val_ppl:.1f}"
     line = (
         f"epoch {m.epoch} step {m.step}/{m.num_steps} | lr {m.lr:.2e} | step {m.step_time_s * 1000:.0f}ms | "
-        f"{m.tokens_per_s:,.0f} tok/s per step, {m.tokens_per_s_e2e:,.0f} end to end | "
+        + "".join(f"left out: {step_list([x['step']])} {x['s']:.2f}s ({x['why']}) | " for x in m.left_out)
+        + f"{m.tokens_per_s:,.0f} tok/s per step, {m.tokens_per_s_e2e:,.0f} end to end | "
         + (f"{m.tokens_per_s_per_rank:,.0f} tok/s/rank x {m.world_size} | " if m.world_size > 1 else "")
         + (f"mfu {100 * m.mfu:.1f}% ({m.achieved_tflops:.2f} TFLOP/s) | " if m.mfu is not None else "")
         + f"train loss {m.loss:.4f} | val loss {val} | val ppl {ppl} | "
@@ -236,7 +272,7 @@ class TensorBoardLogger:
             "train/lr": r.lr,
             "perf/tokens_per_s": r.tokens_per_s,
             "perf/tokens_per_s_e2e": r.tokens_per_s_e2e,
-            "perf/run_tokens_per_s": r.run_tokens_per_s,  # the run so far, the steps alone
+            "perf/run_tokens_per_s": r.run_tokens_per_s,  # the run so far, in steady state
             "perf/tokens_per_s_per_rank": r.tokens_per_s_per_rank,
             "perf/mfu": r.mfu,
             "perf/achieved_tflops": r.achieved_tflops,

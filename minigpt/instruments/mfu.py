@@ -440,26 +440,29 @@ class Throughput:
     def describe_peak(self) -> str:
         return describe(self.peak)
 
-    def finished(self, last: StepRecord, step: int) -> str:
-        """The run's last line, from its last record: the steps since the start or the resume."""
-        return format_finished(last, step - self.start_step, self.start_step)
+    def finished(self, last: StepRecord, step: int, predicted_ms: float | None = None) -> str:
+        """The run's last line, from its last record: the steps since the start or the resume.
+        `predicted_ms`: the predicted step (config.json's predicted_step), beside the steady one."""
+        share = None
+        if predicted_ms and last.run_steps:
+            steady_ms = 1000 * last.run_step_time_s / last.run_steps
+            share = (
+                f"a steady step of {steady_ms:.1f} ms, {steady_ms / predicted_ms:.0%} of the "
+                f"predicted {predicted_ms:.1f}"
+            )
+        return format_finished(last, step - self.start_step, self.start_step, share)
 
     def record(
-        self,
-        step: int,
-        losses: list[float],
-        lr: float,
-        val: float | None,
-        step_times: list[float],
-        stages,
-        comm,
+        self, step: int, losses: list[float], lr: float, val: float | None, interval, comm
     ) -> StepRecord:
-        """The interval's record. `stages`: the interval's StageTimes (instruments/instrument.py); `comm`:
-        under FSDP/TP, (the profiled step, its ms in collectives per stage) from
-        Instruments.take_comm; under DDP the backward's wait for the all-reduce is split off instead."""
+        """The interval's record. `interval`: Instruments.interval()'s steady step times, their
+        StageTimes and the steps left out (minigpt/instruments/instrument.py); `comm`: under FSDP/TP,
+        (the profiled step, its ms in collectives per stage) from Instruments.take_comm; under DDP
+        the backward's wait for the all-reduce is split off instead."""
+        step_times, stages = interval.step_times, interval.stages
         step_time = sum(step_times) / len(step_times)
         per_rank = self.tokens_per_step / step_time
-        self.totals.add(step_times)
+        self.totals.add(interval.steady, interval.left_out)
         run = self.totals.figures()  # run_tokens, run_tokens_per_s, tokens_per_s_e2e, elapsed_s, ...
         comm_step, comm_ms = comm or (None, {})
         if "backward_compute" in stages.host_ms:  # DDP: every step's wait, averaged like the stages
@@ -478,7 +481,7 @@ class Throughput:
             world_size=self.world_size,
             val_loss=val,
             val_ppl=None if val is None else perplexity(val),
-            eta_s=self.totals.tokens_per_step * (self.num_steps - step) / run["tokens_per_s_e2e"],
+            eta_s=self.totals.eta_s(self.num_steps - step, run["elapsed_s"]),
             amp=self.amp,
             mfu=mfu(self.flops_per_token, per_rank, self.peak.value),
             achieved_tflops=achieved_tflops(self.flops_per_token, per_rank),
@@ -487,4 +490,6 @@ class Throughput:
             stage_comm_ms=comm_ms,
             comm_step=comm_step,
             memory=cuda_memory_report() if self.device == "cuda" else process_memory(),
+            left_out=interval.left_out,
+            steady_steps=len(interval.steady),
         )
