@@ -7,11 +7,11 @@
 What the blog post this project grew from did by hand, screenshot by screenshot, for AMP against
 fp32: each stage's host and device time in A and in B and their ratio (B / A); the runs' own
 tokens/s in steady state (warm-up left out) and end to end and their start-up (metrics.jsonl's
-last record; an older trainer's steady figure rebuilt from its intervals after the first), the median interval's tokens/s, MFU, and peak
-memory by category; the top host
-operators and device kernels of the two traces matched by name, with what is new in B, gone from
-A, or changed; and the losses at the steps both runs logged. Runs without traces compare without
-the operator tables.
+last record; an older trainer's steady figure rebuilt from its intervals after the first), the
+median interval's tokens/s, MFU, and peak memory by category; the top host operators and device
+kernels of the two traces matched by name, with what is new in B, gone from A, or changed; and
+the losses at the steps both runs logged. Runs without traces compare without the operator
+tables.
 
 Every timing ratio comes with its 95% interval (minigpt.analysis.stats: Welch's t on the log samples), and
 one whose interval holds 1.0 reads "no difference within noise". The samples are the logged
@@ -71,7 +71,10 @@ MACHINE_KEYS = ("device", "device_name", "versions")
 # The samples of each kind of ratio, as RatioInterval.method names them.
 FROM_INTERVALS = "Welch t on log samples: logged intervals after warm-up (one run each)"
 FROM_PROFILED = "Welch t on log samples: profiled steps (one trace each)"
-INTERVAL_UNIT = ("logged interval of steady steps (warm-up left out)", "logged intervals of steady steps (warm-up left out)")
+INTERVAL_UNIT = (
+    "logged interval of steady steps (warm-up left out)",
+    "logged intervals of steady steps (warm-up left out)",
+)
 ONE_FIGURE = "one figure per run: no interval"
 TOO_FEW = "too few samples"
 
