@@ -7,7 +7,10 @@
     python benchmarks/ablation.py --render benchmarks/results/cpu-small.json  # table and chart again, no runs
 
 The matrix is {AMP, --no-amp} x {no checkpointing, --use-activation-checkpoint}, plus
-`--compile`, a DDP world size, and (CPU) glibc malloc's defaults when asked. Each variant runs in a
+`--compile`, a DDP world size, and (CPU) glibc malloc's defaults when asked. On a GPU the rows are
+AMP (the baseline), AMP + checkpointing, AMP + torch.compile, AMP at twice the preset's batch and
+fp32: the gpt2 preset's at 2 repeats, 5 + 10 steps, fit in about three minutes on one H100/H200.
+Each variant runs in a
 fresh process, `--repeats` times in interleaved rounds, for `--steps` measured steps after
 `--warmup`. Trainer flags not known here (--seq-len, --batch-size, --n-layers, ...) are passed
 through to every variant.
@@ -87,9 +90,31 @@ MATRIX = [
 ]
 
 
+def gpu_matrix(preset: str) -> list[tuple[str, list[str], int]]:
+    """A GPU's rows, baseline first: what a GPU user weighs (bf16 AMP against fp32, checkpointing,
+    torch.compile, twice the micro-batch), in about three minutes for the gpt2 preset on one
+    H100/H200 at 2 repeats. No fp32 + checkpointing: on a GPU it only repeats fp32's story slower."""
+    from minigpt.core.config import PRESETS as TRAINER_PRESETS
+
+    batch = 2 * (TRAINER_PRESETS.get(preset, {}).get("batch_size") or 8)
+    return [
+        ("amp", ["--amp"], 1),
+        ("amp + ckpt", ["--amp", "--use-activation-checkpoint"], 1),
+        ("amp + compile", ["--amp", "--compile"], 1),
+        (f"amp, batch {batch}", ["--amp", "--batch-size", str(batch)], 1),
+        ("fp32", ["--no-amp"], 1),
+    ]
+
+
 def variants(args) -> list[tuple[str, list[str], int]]:
     """(name, flags, processes) of each variant. Without the AMP rows (--amp-rows), the variants
-    asked for on top run in fp32 (a CPU without native bf16 emulates it, many times slower than fp32)."""
+    asked for on top run in fp32 (a CPU without native bf16 emulates it, many times slower than fp32).
+    On a GPU, gpu_matrix(); --compile is in it already."""
+    if getattr(args, "gpu", False):
+        out = gpu_matrix(args.preset)
+        if args.chunked_loss:
+            out.append(("amp + chunked loss", ["--amp", "--chunked-loss"], 1))
+        return out + ([(f"amp + ddp x{args.nproc}", ["--amp"], args.nproc)] if args.nproc > 1 else [])
     base, flag = ("fp32", "--no-amp") if args.fp32_only else ("amp", "--amp")
     out = [v for v in MATRIX if not (args.fp32_only and "--amp" in v[1])]
     if args.malloc:
@@ -166,7 +191,8 @@ def findings(results: dict) -> list[str]:
                 text += f", {memory_label(results)} {pk0:,.0f} -> {pk1:,.0f} MiB"
             lines.append(text)
     matrix = {m[0] for m in MATRIX}
-    for name in [n for n in results if n not in matrix]:  # the variants added to the matrix on request
+    # the variants added to the matrix on request (a GPU's rows: all but its baseline, amp)
+    for name in [n for n in results if n not in matrix and n != "amp"]:
         base = "fp32" if name.startswith("fp32") else "amp"  # "fp32 + chunked loss" against fp32
         if base in results:
             text = f"{name}: tokens/s {tps(name, base)} against {base}"
@@ -486,6 +512,7 @@ def main() -> int:
     check_out_dir(p, args.out_dir)
 
     meta = stamp(sys.argv)
+    args.gpu = meta["machine"]["device"] == "cuda"  # a GPU's own rows (gpu_matrix)
     args.fp32_only = args.amp_rows == "off" or (args.amp_rows == "auto" and not native_bf16(meta["machine"]))
     if args.fp32_only and args.amp_rows == "auto":  # emulated bf16: hours, and no bf16 machine's figure
         print("ablation.py: this CPU has no native bf16 (AVX512-BF16/AMX): AMP rows left out", flush=True)
@@ -527,7 +554,8 @@ def measure(p: Parser, args, trainer_flags: list[str]) -> tuple[dict, list[dict]
     baseline's copy, for the A/A check (returned beside the results). A failing variant ends the
     benchmark with the trainer's own last line (p.error)."""
     listed = variants(args)
-    cache_step_rates([[*PRESETS[args.preset], *trainer_flags, *flags] for _, flags, _ in listed])
+    if not args.gpu:  # a GPU's prediction is its data sheet: the trainer needs no measured rates
+        cache_step_rates([[*PRESETS[args.preset], *trainer_flags, *flags] for _, flags, _ in listed])
     rounds = [*listed, (aa_name(listed[0][0]), *listed[0][1:])]
     runs: dict[str, list] = {name: [] for name, _, _ in rounds}
     kept = Path(tempfile.mkdtemp(prefix="minigpt-ablation-"))  # the first round's run directories

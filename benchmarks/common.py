@@ -45,8 +45,9 @@ PRESETS = {
 }
 
 
-def machine() -> dict:
-    """The device and the versions, as every result file records them."""
+def machine(device: str = "auto") -> dict:
+    """The device and the versions, as every result file records them. `device`: the trainer's
+    --device the benchmark passes on ("auto": a GPU where one is visible, as the trainer picks)."""
     import torch
 
     from minigpt.core.torchcompat import cpu_bf16_features
@@ -58,7 +59,7 @@ def machine() -> dict:
         "cuda": torch.version.cuda,
         "platform": platform.platform(),
     }
-    if torch.cuda.is_available():
+    if device != "cpu" and torch.cuda.is_available():
         info.update(device="cuda", device_name=torch.cuda.get_device_name(), gpus=torch.cuda.device_count())
     else:
         info.update(
@@ -172,10 +173,15 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def stamp(command: list[str]) -> dict:
+    """When, by which command, on which machine: the device the command's --device names (passed on
+    to the trainer), else the one the trainer picks."""
+    flags = command[1:]
+    device = next((v for f, v in zip(flags, flags[1:]) if f == "--device"), None)
+    device = next((f.split("=", 1)[1] for f in flags if f.startswith("--device=")), device)
     return {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": shlex.join(["python", *[os.path.relpath(command[0], ROOT)] + command[1:]]),
-        "machine": machine(),
+        "machine": machine(device or "auto"),
     }
 
 

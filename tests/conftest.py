@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import subprocess
 import sys
@@ -7,10 +8,26 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.append(str(ROOT / "docs"))  # tbserve: the TensorBoard helper the tests share with docs/ scripts
 
-# Toy data and a tiny model: each training run in the tests takes a few seconds.
+
+def docs_module(name: str):
+    """A script of docs/ (tbserve, refresh, report_screenshots) imported from its file, once: the
+    helpers the tests share with the docs' scripts, without putting docs/ on sys.path."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before running it: its dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+# Toy data and a tiny model, on the CPU: each training run in the tests takes a few seconds. Every
+# test states the device it tests: the default suite the CPU (on a GPU machine too, where --device
+# auto would pick the GPU), the `cuda` tests the GPU (they append --device cuda: argparse takes a
+# flag's last value).
 TINY = [
+    "--device",
+    "cpu",
     "--use-toy-data",
     "--preset",
     "tiny",

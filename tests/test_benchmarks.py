@@ -14,7 +14,20 @@ import pytest
 import torch
 from conftest import ROOT
 
-TINY = ["--preset", "tiny", "--use-toy-data", "--steps", "2", "--warmup", "1", "--repeats", "1"]
+# On the CPU, on a GPU machine too: the tests read cpu-* result files (the GPU's are named for it).
+TINY = [
+    "--preset",
+    "tiny",
+    "--use-toy-data",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--repeats",
+    "1",
+    "--device",
+    "cpu",
+]
 
 
 def run(script, *args):
@@ -550,7 +563,7 @@ def test_ablation_checks_its_baseline_against_itself(
         return fake_rows(1000 * factor * jitter)
 
     monkeypatch.setattr(ablation, "run_variant", run_variant)
-    argv = ["ablation.py", "--amp-rows", "off", "--name", "t", "--out-dir", str(committed)]
+    argv = ["ablation.py", "--amp-rows", "off", "--name", "t", "--out-dir", str(committed), "--device", "cpu"]
     monkeypatch.setattr(sys, "argv", argv + (["--noisy"] if noisy else []))
     assert ablation.main() == status
     assert len(calls) == 9 and calls[2] == calls[0]  # 3 rounds (the default) of fp32, fp32 + ckpt, fp32 again
@@ -685,3 +698,34 @@ def test_overhead_and_allocator_check_their_baseline_too(monkeypatch, tmp_path, 
     assert (data["meta"]["load_start"], data["meta"]["load_end"]) == (0.25, 0.5)
     table = (committed / "cpu-allocator.md").read_text()
     assert "too noisy to tell" in table and "with `--noisy`" in table
+
+
+def test_the_gpu_ablation_runs_its_own_rows_without_measuring_rates(monkeypatch, tmp_path, capsys):
+    """On a GPU (a faked machine: no GPU needed) the ablation's rows are what a GPU user weighs, AMP
+    first, with torch.compile and twice the batch, each with its steady tokens/s, MFU, stage times
+    and peak; no "[rates]" processes (a GPU's prediction is its data sheet), so the gpt2 preset's
+    ablation fits in about three minutes on one H100/H200."""
+    ablation = bench_module("ablation", monkeypatch)
+    common = bench_module("common", monkeypatch)
+    monkeypatch.setattr(common, "load_average", lambda: 0.1)
+    monkeypatch.setattr(ablation, "load_average", lambda: 0.1)
+    gpu = {"torch": "2.11.0+cu130", "python": "3.12.3", "cuda": "13.0", "platform": "Linux"}
+    gpu.update(device="cuda", device_name="NVIDIA H200", gpus=1)
+    monkeypatch.setattr(common, "machine", lambda device="auto": gpu)
+    monkeypatch.setattr(ablation, "cache_step_rates", lambda flags: pytest.fail("rates measured on a GPU"))
+    calls = []
+
+    def run_variant(flags, warmup, steps, nproc=1, keep=None):
+        calls.append(flags)
+        return fake_rows(1000.0 * (1.3 if "--compile" in flags else 1.0))
+
+    monkeypatch.setattr(ablation, "run_variant", run_variant)
+    argv = ["ablation.py", "--preset", "gpt2", "--repeats", "2", "--name", "g", "--out-dir", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert ablation.main() == 0
+    data = json.loads((tmp_path / "nvidia-h200-g.json").read_text())
+    assert list(data["results"]) == ["amp", "amp + ckpt", "amp + compile", "amp, batch 16", "fp32"]
+    assert len(calls) == 2 * 6 and calls[5] == calls[0]  # 2 rounds of 5 rows and the A/A copy of amp
+    assert ["--batch-size", "16"] == calls[3][-2:] and "--compile" in calls[2]
+    table = (tmp_path / "nvidia-h200-g.md").read_text()
+    assert "amp + compile: tokens/s 1.30x" in table and "NVIDIA H200" in table

@@ -303,3 +303,23 @@ def test_a_lost_rank_is_named_in_one_line_by_the_rank_that_survives(tmp_path, ho
     assert len(lost) == 1 and lost[0].startswith("error: rank 0: lost rank 1 (the process ended"), text
     assert f"continue with --resume --out-dir {out}" in lost[0]
     assert "[rank0]" not in text and "Connection closed by peer" not in text  # no traceback from rank 0
+
+
+def test_more_ranks_than_gpus_is_one_line_naming_both_and_the_ways_out(monkeypatch):
+    """torchrun --nproc_per_node 2 on a one-GPU machine: rank 1 would reach set_device(1) and fail
+    inside CUDA or NCCL. Refused before, in one line (a faked device count: no GPU needed)."""
+    from minigpt.core import distributed
+    from minigpt.core.config import UsageError
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: pytest.fail("set_device reached"))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(UsageError) as e:
+        distributed.setup("cuda", None, 10.0)
+    line = str(e.value)
+    assert "\n" not in line and "2 ranks on this machine" in line and "1 visible GPU" in line
+    assert "--nproc_per_node 1" in line and "--device cpu" in line
+    distributed.check_one_gpu_per_rank(0)  # rank 0 has its GPU

@@ -12,10 +12,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, docs_module
 
-sys.path.insert(0, str(ROOT / "docs"))
-import refresh  # noqa: E402
+refresh = docs_module("refresh")
 
 SCALE = "--preset tiny --seq-len 32 --batch-size 2 --eval-iters 1"  # as tests/test_walkthrough.py
 

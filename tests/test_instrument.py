@@ -9,13 +9,15 @@ import urllib.parse
 
 import pytest
 import torch
-from conftest import TINY
-from tbserve import get_json, serve_tensorboard
+from conftest import TINY, docs_module
 
 import train_minimal
 from minigpt.instruments import instrument
 from minigpt.instruments.instrument import StageTimer
 from minigpt.stages import STAGE_NAMES as STAGES
+
+get_json = docs_module("tbserve").get_json
+serve_tensorboard = docs_module("tbserve").serve_tensorboard
 
 
 def read_metrics(out):

@@ -355,3 +355,25 @@ def test_the_models_row_wise_cpu_loss_when_it_has_one(monkeypatch):
     assert "log_softmax" in {
         o.name for o in predict.step_ops(Shape(**SHAPE), device="cuda")
     }  # F.cross_entropy there
+
+
+def test_a_gpus_per_op_overhead_is_measured_once_and_cached(tmp_path, monkeypatch):
+    """A GPU's prediction is its data sheet and the per-op overhead measured on it: measured at the
+    first start, then read from the cache (every start had measured it, on an H200 most of a
+    memory history). Checked on the CPU with the measurement counted."""
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(predict, "rates_key", lambda device, dtype: f"{device}: a GPU | {dtype}")
+    calls = []
+
+    def measured(device):
+        calls.append(device)
+        return {"op": [4e-6, 5e-6], "autograd": [9e-6]}
+
+    monkeypatch.setattr(predict, "measure_overhead", measured)
+    first = predict.cuda_overhead()
+    assert calls == ["cuda"] and first == pytest.approx({"op": 4.5e-6, "autograd": 9e-6})
+    assert predict.cuda_overhead() == first and calls == ["cuda"]  # the second start reads the cache
+    entry = json.loads((tmp_path / predict.STEP_RATES_FILE).read_text())["cuda: a GPU | any"]
+    assert entry["overhead"]["op"] == [4e-6, 5e-6] and entry["overhead"]["date"]
+    (tmp_path / predict.STEP_RATES_FILE).write_text("{not json")  # a damaged cache: measured again
+    assert predict.cuda_overhead() == first and calls == ["cuda", "cuda"]

@@ -10,11 +10,10 @@ import html
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY
+from conftest import TINY, docs_module
 
 from minigpt.analysis.report import SECTIONS, fitted_range, main, write_report
 from minigpt.analysis.runfiles import RunError, load_run
@@ -475,10 +474,7 @@ def _chromium_or_skip():
         if os.environ.get("CI"):
             pytest.fail("Chromium is not installed: .ci/run installs Debian's chromium before the tests")
         pytest.skip("needs Debian's chromium (apt-get install chromium)")
-    sys.path.insert(0, str(ROOT / "docs"))
-    import report_screenshots
-
-    return report_screenshots
+    return docs_module("report_screenshots")
 
 
 @pytest.mark.slow

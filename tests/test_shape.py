@@ -214,8 +214,7 @@ def test_a_preset_and_the_trainers_config_give_the_same_shape():
     assert shape_of(PRESETS["small"], GPT2_VOCAB, seq_len=512).max_position_embeddings == 512
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
-    sys.path.insert(0, str(ROOT))
+if __name__ == "__main__" and sys.argv[1:] == ["--write"]:  # minigpt is installed (pip install -e .)
     with pytest.MonkeyPatch.context() as mp:
         PINS.write_text(json.dumps(outputs(mp), indent=1, sort_keys=True) + "\n")
     print(f"wrote {PINS}")

@@ -18,8 +18,10 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT
-from tbserve import serve_tensorboard
+from conftest import ROOT, docs_module
+
+serve_tensorboard = docs_module("tbserve").serve_tensorboard
+
 
 WALKTHROUGH = ROOT / "docs" / "walkthrough.md"
 SCALE = "--preset tiny --seq-len 32 --batch-size 2 --eval-iters 1"  # the walkthrough's own step counts stay

@@ -370,8 +370,19 @@ def curves_section(run: Run) -> str:
     )
     val = [(r["step"], r["val_loss"]) for r in run.metrics if r.get("val_loss") is not None]
     if val:
+        # One evaluation (a short run, a long --eval-interval) is one point: drawn large and
+        # labelled, so it is not lost beside the training curve.
+        one = len(val) == 1
         fig.add_trace(
-            go.Scatter(x=[s for s, _ in val], y=[v for _, v in val], name="val loss", mode="lines+markers"),
+            go.Scatter(
+                x=[s for s, _ in val],
+                y=[v for _, v in val],
+                name="val loss" + (f" (one evaluation, step {val[0][0]})" if one else ""),
+                mode="markers+text" if one else "lines+markers",
+                marker={"size": 12 if one else 6, "symbol": "diamond" if one else "circle"},
+                text=[f"val {val[0][1]:.3f}"] if one else None,
+                textposition="top center",
+            ),
             1,
             1,
         )
@@ -937,7 +948,13 @@ def _process_memory_chart(run: Run) -> str:
                 mode="lines+markers",
             )
         )
-    fig.update_layout(yaxis_title="MiB", xaxis_title="logged step", title="process memory per log interval")
+    cuda = any("peak_allocated_gib" in (r.get("memory") or {}) for r in run.metrics)
+    title = (
+        "the CUDA caching allocator's peaks per log interval (tensors allocated, memory reserved)"
+        if cuda
+        else "process memory (resident set) per log interval"
+    )
+    fig.update_layout(yaxis_title="MiB", xaxis_title="logged step", title=title)
     return figure(fig, "memory-process", 320)
 
 

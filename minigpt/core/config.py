@@ -370,7 +370,8 @@ class TrainConfig:
         False,
         group=INSTR,
         action="store_true",
-        help="torch.profiler trace of steps --profile-step-start..end-1 into <out-dir>/traces/",
+        help="torch.profiler trace of steps --profile-step-start..end-1 into <out-dir>/traces/ "
+        "(not with --nsys: each would distort the other)",
     )
     # Steps 5..6: after the first steps' allocations and warm-up, and with steps 2..3 before them
     # to measure the profiler's cost.
@@ -398,7 +399,8 @@ class TrainConfig:
         False,
         group=INSTR,
         action="store_true",
-        help="cudaProfilerStart/Stop around the profile window, for nsys --capture-range=cudaProfilerApi",
+        help="cudaProfilerStart/Stop around the profile window, for nsys --capture-range=cudaProfilerApi "
+        "(CUDA; not with --use-profiler: each would distort the other)",
     )
     record_memory_history: bool = flag(
         False,

@@ -18,6 +18,7 @@ import gc
 import os
 import re
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -62,6 +63,7 @@ def setup(device: str, backend: str | None, timeout_s: float) -> DistInfo:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     backend = backend or ("nccl" if device == "cuda" else "gloo")
     if device == "cuda":
+        check_one_gpu_per_rank(local_rank)
         torch.cuda.set_device(local_rank)  # "cuda" now means this process's own GPU
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(
@@ -69,6 +71,23 @@ def setup(device: str, backend: str | None, timeout_s: float) -> DistInfo:
     )
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     return DistInfo(rank, local_rank, world_size, backend, socket.gethostname(), control)
+
+
+def check_one_gpu_per_rank(local_rank: int) -> None:
+    """More ranks on this machine than visible GPUs: one line, before CUDA or NCCL fails inside
+    set_device or the first collective. Every rank of the machine says the same line; torchrun
+    then ends the job."""
+    from minigpt.core.config import UsageError
+
+    gpus = torch.cuda.device_count()
+    if local_rank >= gpus:
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+        raise UsageError(
+            f"{ranks} ranks on this machine (torchrun --nproc_per_node {ranks}) but {gpus} visible "
+            f"GPU{'' if gpus == 1 else 's'}: each rank needs a GPU of its own; start at most {gpus} "
+            f"rank{'' if gpus == 1 else 's'} (--nproc_per_node {gpus}), or train the ranks on the CPU "
+            "with --device cpu (gloo)"
+        )
 
 
 def cleanup() -> None:
@@ -92,9 +111,8 @@ def no_grad_sync(model: torch.nn.Module, sync: bool):
     optimizer step, on the last micro-batch, not on every one. Under FSDP2 (minigpt/core/parallel.py)
     the same through set_requires_gradient_sync: unsharded gradients accumulate locally and are
     reduce-scattered on the last micro-batch."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(model, FSDPModule):
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not loaded: no module is FSDP's (and no import cost)
+    if fsdp is not None and isinstance(model, fsdp.FSDPModule):
         model.set_requires_gradient_sync(sync)  # applies to every FSDP module under the root
         return nullcontext()
     if sync or not isinstance(model, DistributedDataParallel):

@@ -17,6 +17,7 @@ mistake costs one line, not a hung job. Knows minigpt's GPT (the module names in
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -248,6 +249,14 @@ def parallelize(model: nn.Module, cfg, mesh, device: str, amp_dtype: str) -> nn.
 # ---------------------------------------------------------------------------- training with DTensors
 
 
+def loaded_dtensor() -> type | None:
+    """DTensor, or None while torch.distributed.tensor was never imported: then no tensor can be
+    one. A plain run does not pay for its import (seconds of start-up: torch.distributed.tensor
+    loads every sharding rule)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
 def split_by_mesh(groups: list[dict]) -> list[dict]:
     """Split each optimizer parameter group by the kind of its tensors: plain, or DTensor on a given
     mesh. AdamW's fused and foreach kernels take one list of tensors per group, and a list that mixes
@@ -256,8 +265,9 @@ def split_by_mesh(groups: list[dict]) -> list[dict]:
     matrices live on the 2-D mesh and everything else on "dp". Each group keeps its settings. So
     split, the fused AdamW runs on DTensor parameters too (on the CPU as well: _fused_adamw_ on
     each local shard, checked in tests/test_parallel.py)."""
-    from torch.distributed.tensor import DTensor
-
+    DTensor = loaded_dtensor()
+    if DTensor is None:
+        return groups
     out = []
     for group in groups:
         kinds: dict = {}
@@ -275,11 +285,12 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     refuses to stack. The squared norm of each DTensor group is summed over its shards with one
     all-reduce per (mesh, placements) group; replicated copies are counted once. Returns the total
     norm (a plain tensor, the same on every rank)."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-
     parameters = list(parameters)
-    if not any(isinstance(p, DTensor) for p in parameters):  # a plain model (DDP, one process): torch's own
+    DTensor = loaded_dtensor()
+    if DTensor is None or not any(isinstance(p, DTensor) for p in parameters):  # a plain model: torch's own
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
     grads = [p.grad for p in parameters if p.grad is not None]
     plain = [g for g in grads if not isinstance(g, DTensor)]
     groups: dict[tuple, list] = {}
@@ -304,18 +315,16 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of `t`: a DTensor's local shard, else `t` (e.g. for torch.isfinite checks,
     which on a DTensor would need a collective)."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
+    DTensor = loaded_dtensor()
+    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
 
 
 def local_bytes(t: torch.Tensor) -> tuple[tuple, int]:
     """(a key of the storage, its bytes) for what this rank holds of `t`: a DTensor's local shard.
     FSDP2's sharded gradients are views into one reduce-scatter buffer per block: keyed by
     storage, the buffer is counted once."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
+    DTensor = loaded_dtensor()
+    if DTensor is not None and isinstance(t, DTensor):
         t = t.to_local()
     storage = t.untyped_storage()
     return (storage.data_ptr(), storage.nbytes()), storage.nbytes()
