@@ -3,6 +3,8 @@
     python benchmarks/nanogpt_shape.py                 # 3 rounds, fp32 and bf16, small shape
     python benchmarks/nanogpt_shape.py --shape tiny --repeats 1 --steps 2 --warmup 1
     python benchmarks/nanogpt_shape.py --nanogpt-dir /path/to/nanoGPT
+    python benchmarks/nanogpt_shape.py --shape gpt2 --dtypes bf16 --compile --steps 20 --warmup 10 --repeats 2
+                                                       # on a GPU: "is my speed normal?" on your own card
 
 nanoGPT is not part of this repository and is never imported or copied into it. Its train.py,
 model.py and configurator.py (MIT) are read from ../shared/anchors/nanoGPT/ beside the repository
@@ -12,7 +14,8 @@ corpus (minigpt.core.data). It runs there as `python train.py --key=value ...` (
 syntax) with the settings that give minigpt's shape: n_layer, n_head, n_embd, block_size,
 batch_size as the shape says, vocabulary 50304 (no meta.pkl: nanoGPT's default), tied embeddings
 (always, in nanoGPT), dropout 0, bias=True (minigpt's Linear and LayerNorm layers have biases),
-gradient_accumulation_steps=1, compile=False, device=cpu, an eval_interval beyond the run (only
+gradient_accumulation_steps=1, compile=False (both sides compiled with --compile), device=cpu (or
+cuda: --device, default the trainer's choice), an eval_interval beyond the run (only
 iteration 0 evaluates, with eval_iters=1, and it is a warm-up iteration), always_save_checkpoint
 False, wandb off. Its per-iteration lines `iter N: loss X, time Yms, mfu Z%` are parsed; tokens/s
 is batch_size * block_size / time. (nanoGPT's mfu is against an A100's 312 TFLOP/s bf16, so on a
@@ -23,7 +26,8 @@ bf16 on the CPU: nanoGPT's train.py line 112 reads
     ctx = nullcontext() if device_type == 'cpu' else \
           torch.amp.autocast(device_type=device_type, dtype=ptdtype)        (one line in the file)
 
-so on a CPU it never autocasts, whatever --dtype says. For the bf16 rows that one line is replaced,
+so on a CPU it never autocasts, whatever --dtype says (on a GPU it does: there train.py runs
+unchanged). For the CPU's bf16 rows that one line is replaced,
 in the temporary copy only, by
 
     ctx = torch.amp.autocast(device_type=device_type, dtype=ptdtype)
@@ -58,6 +62,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import common as bench
@@ -98,7 +103,7 @@ def minigpt_malloc_env() -> dict[str, str]:
 # (layers, heads, width, block, batch): the shape of minigpt's preset of the same name.
 SHAPES = {
     name: tuple(PRESETS[name][k] for k in ("n_layers", "n_heads", "d_model", "seq_len", "batch_size"))
-    for name in ("small", "tiny")
+    for name in ("small", "tiny", "gpt2")
 }
 DATASET = "minigpt"
 
@@ -137,13 +142,25 @@ def prepare(src: Path, work: Path) -> int:
     return hits[0] + 1
 
 
-def run_nanogpt(work: Path, dtype: str, shape: str, warmup: int, steps: int, keep_freed: bool) -> dict:
+@dataclass(frozen=True)
+class Run:
+    """What one variant's process runs: the shape, the steps, the device and torch.compile."""
+
+    shape: str
+    warmup: int
+    steps: int
+    device: str = "cpu"
+    compile: bool = False
+
+
+def run_nanogpt(work: Path, dtype: str, run: Run, keep_freed: bool) -> dict:
     """One fresh nanoGPT process; its measured iterations (after `warmup`, iteration 0 included)."""
+    shape, warmup, steps = run.shape, run.warmup, run.steps
     layers, heads, width, block, batch = SHAPES[shape]
     overrides = dict(
         dataset=DATASET,
-        device="cpu",
-        compile=False,
+        device=run.device,
+        compile=run.compile,
         n_layer=layers,
         n_head=heads,
         n_embd=width,
@@ -162,7 +179,7 @@ def run_nanogpt(work: Path, dtype: str, shape: str, warmup: int, steps: int, kee
         dtype="bfloat16" if dtype == "bf16" else "float32",
         out_dir=str(work / "out"),
     )
-    script = "train_bf16.py" if dtype == "bf16" else "train.py"
+    script = "train_bf16.py" if dtype == "bf16" and run.device == "cpu" else "train.py"  # a GPU autocasts
     cmd = [sys.executable, script, *(f"--{k}={v}" for k, v in overrides.items())]
     env = {**os.environ, **(minigpt_malloc_env() if keep_freed else {})}
     out = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=3600)
@@ -182,15 +199,16 @@ def run_nanogpt(work: Path, dtype: str, shape: str, warmup: int, steps: int, kee
     return {"rows": rows, "params_m": params[0] if params else None, "command": " ".join(cmd[1:])}
 
 
-def run_minigpt(dtype: str, shape: str, warmup: int, steps: int) -> dict:
-    flags = ["--preset", shape, "--dropout", "0", "--amp" if dtype == "bf16" else "--no-amp"]
-    run = bench.run_variant(flags, warmup, steps)
+def run_minigpt(dtype: str, run: Run) -> dict:
+    flags = ["--preset", run.shape, "--dropout", "0", "--amp" if dtype == "bf16" else "--no-amp"]
+    flags += ["--device", run.device] + (["--compile"] if run.compile else [])
+    out = bench.run_variant(flags, run.warmup, run.steps)
     return {
         "rows": [
-            {"step": r["step"], "loss": r["loss"], "time_ms": 1000 * r["step_time_s"]} for r in run["rows"]
+            {"step": r["step"], "loss": r["loss"], "time_ms": 1000 * r["step_time_s"]} for r in out["rows"]
         ],
-        "params_m": run["config"]["params"] / 1e6,
-        "amp": run["config"]["amp"],
+        "params_m": out["config"]["params"] / 1e6,
+        "amp": out["config"]["amp"],
     }
 
 
@@ -209,6 +227,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--nanogpt-dir", type=Path, help="a folder with nanoGPT's train.py, model.py, configurator.py"
     )
+    p.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: a GPU where one is visible"
+    )
+    p.add_argument("--compile", action="store_true", help="add both trainers under torch.compile")
     bench.output_flags(p, "measure nothing: rewrite the .md")
     return p
 
@@ -221,6 +243,15 @@ def main() -> int:
             p, args.render, lambda d: bench.write_md(args.render.with_suffix(".md"), markdown(d))
         )
     dtypes = args.dtypes.split(",")
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error("--device cuda, but no CUDA GPU is visible to PyTorch; use --device cpu")
     if min(args.steps, args.repeats, args.warmup) < 1:
         p.error("--steps, --repeats and --warmup must be at least 1")
     if not dtypes or set(dtypes) - {"fp32", "bf16"}:
@@ -253,6 +284,8 @@ def main() -> int:
         "repeats": args.repeats,
         "nanogpt_dir": str(src),
         "patched_line": patched_line,
+        "device": args.device,
+        "compile": args.compile,
         "extra_flags": os.environ.get("MINIGPT_ARGS", ""),
         "malloc_env": " ".join(f"{k}={v}" for k, v in minigpt_malloc_env().items()),
     }
@@ -282,8 +315,9 @@ def aa_of(results: dict) -> dict:
 
 
 def against(name: str, results: dict) -> str:
-    """A row's tokens/s against nanoGPT's own train.py in the same dtype, with its interval."""
-    base = f"nanoGPT train.py, {name.split(', ')[1]}"  # every name's second part is its dtype
+    """A row's tokens/s against nanoGPT's own train.py in the same dtype (and compiled or not), with
+    its interval."""
+    base = "nanoGPT train.py, " + name.split(", ", 1)[1].replace(", minigpt's malloc", "")
     if name == base or base not in results:
         return "baseline" if name == base else "-"
     return bench.ratio_text(
@@ -292,19 +326,19 @@ def against(name: str, results: dict) -> str:
 
 
 def variants(work: Path, args, dtypes: list[str]) -> dict:
-    """Each variant's name and the call that runs it once, in a fresh process."""
+    """Each variant's name and the call that runs it once, in a fresh process: per dtype nanoGPT,
+    nanoGPT under minigpt's malloc (CPU), minigpt; and with --compile both again, compiled."""
     out = {}
-    for dtype in dtypes:
-        out[f"nanoGPT train.py, {dtype}"] = lambda d=dtype: run_nanogpt(
-            work, d, args.shape, args.warmup, args.steps, False
-        )
-        if not args.no_malloc_variant:
-            out[f"nanoGPT train.py, {dtype}, minigpt's malloc"] = lambda d=dtype: run_nanogpt(
-                work, d, args.shape, args.warmup, args.steps, True
-            )
-        out[f"minigpt train_minimal.py, {dtype}"] = lambda d=dtype: run_minigpt(
-            d, args.shape, args.warmup, args.steps
-        )
+    for compiled in (False, True) if args.compile else (False,):
+        run = Run(args.shape, args.warmup, args.steps, args.device, compiled)
+        for dtype in dtypes:
+            tag = f"{dtype}, compiled" if compiled else dtype
+            out[f"nanoGPT train.py, {tag}"] = lambda d=dtype, r=run: run_nanogpt(work, d, r, False)
+            if not args.no_malloc_variant and args.device == "cpu":
+                out[f"nanoGPT train.py, {tag}, minigpt's malloc"] = lambda d=dtype, r=run: run_nanogpt(
+                    work, d, r, True
+                )
+            out[f"minigpt train_minimal.py, {tag}"] = lambda d=dtype, r=run: run_minigpt(d, r)
     return out
 
 
@@ -345,7 +379,9 @@ def markdown(data: dict) -> str:
         *bench.aa_lines(meta),
         f"Shape: {layers} layers, {heads} heads, {width} wide, block {block}, batch {batch}, "
         "vocabulary 50304, "
-        "tied embeddings, biases, no dropout, no gradient accumulation, no torch.compile. Each round runs "
+        "tied embeddings, biases, no dropout, no gradient accumulation"
+        + (", torch.compile in the rows that say so" if meta.get("compile") else ", no torch.compile")
+        + f", on {meta.get('device', 'cpu')}. Each round runs "
         f"every variant in a fresh process; a run's figure is the median of {meta['steps']} steps after "
         f"{meta['warmup']} (nanoGPT's iteration 0, which evaluates, is always a warm-up). nanoGPT's files: "
         f"`{meta['nanogpt_dir']}`, copied to a temporary folder at run time.",
@@ -369,14 +405,22 @@ def markdown(data: dict) -> str:
         "",
         "Params: nanoGPT prints them without the position embeddings, minigpt's config.json with them.",
         "",
-        f"bf16 rows: nanoGPT's train.py line {meta['patched_line']}, "
-        f"`{CPU_CTX_LINE}`, never autocasts on a CPU; in the temporary copy it became "
-        f"`{AUTOCAST_CTX_LINE}` (nanoGPT's own autocast context, as on a GPU), with --dtype=bfloat16. The "
-        "fp32 rows run train.py unchanged with --dtype=float32. minigpt's rows: --no-amp and --amp (bf16).",
-        "",
-        "\"minigpt's malloc\": nanoGPT under the allocator minigpt's trainer chose on this machine "
-        f"(minigpt/core/cpu.py), through its environment: `{meta.get('malloc_env', 'not recorded')}`.",
+        (
+            f"bf16 rows: nanoGPT's train.py line {meta['patched_line']}, "
+            f"`{CPU_CTX_LINE}`, never autocasts on a CPU; in the temporary copy it became "
+            f"`{AUTOCAST_CTX_LINE}` (nanoGPT's own autocast context, as on a GPU), with --dtype=bfloat16. "
+            "The fp32 rows run train.py unchanged with --dtype=float32."
+            if meta.get("device", "cpu") == "cpu"
+            else "nanoGPT's train.py runs unchanged (on a GPU it autocasts to its --dtype itself)."
+        )
+        + " minigpt's rows: --no-amp and --amp (bf16).",
     ]
+    if meta.get("device", "cpu") == "cpu":
+        lines += [
+            "",
+            "\"minigpt's malloc\": nanoGPT under the allocator minigpt's trainer chose on this machine "
+            f"(minigpt/core/cpu.py), through its environment: `{meta.get('malloc_env', 'not recorded')}`.",
+        ]
     if meta["extra_flags"]:
         lines += ["", f"Flags from $MINIGPT_ARGS, applied to the minigpt rows only: `{meta['extra_flags']}`"]
     return "\n".join(lines) + "\n"

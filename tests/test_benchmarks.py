@@ -729,3 +729,47 @@ def test_the_gpu_ablation_runs_its_own_rows_without_measuring_rates(monkeypatch,
     assert ["--batch-size", "16"] == calls[3][-2:] and "--compile" in calls[2]
     table = (tmp_path / "nvidia-h200-g.md").read_text()
     assert "amp + compile: tokens/s 1.30x" in table and "NVIDIA H200" in table
+
+
+def test_nanogpt_beside_minigpt_on_a_gpu_runs_both_eager_and_compiled(monkeypatch, tmp_path):
+    """benchmarks/nanogpt_shape.py on CUDA (the calls only: no GPU needed): nanoGPT's own train.py
+    unchanged (it autocasts on a GPU) and minigpt, eager and compiled, at the gpt2 shape; no malloc
+    row (a CPU allocator's question); each row against nanoGPT in the same dtype, compiled or not."""
+    nanogpt = bench_module("nanogpt_shape", monkeypatch)
+    argv = [
+        "--shape",
+        "gpt2",
+        "--dtypes",
+        "bf16",
+        "--device",
+        "cuda",
+        "--compile",
+        "--steps",
+        "3",
+        "--warmup",
+        "2",
+    ]
+    args = nanogpt.parser().parse_args(argv)
+    calls = []
+    monkeypatch.setattr(
+        nanogpt, "run_nanogpt", lambda work, d, run, keep: calls.append(("nanoGPT", d, run, keep))
+    )
+    monkeypatch.setattr(nanogpt, "run_minigpt", lambda d, run: calls.append(("minigpt", d, run)))
+    found = nanogpt.variants(tmp_path, args, ["bf16"])
+    assert list(found) == [
+        "nanoGPT train.py, bf16",
+        "minigpt train_minimal.py, bf16",
+        "nanoGPT train.py, bf16, compiled",
+        "minigpt train_minimal.py, bf16, compiled",
+    ]
+    for call in found.values():
+        call()
+    assert [(c[0], c[2].device, c[2].compile) for c in calls] == [
+        ("nanoGPT", "cuda", False),
+        ("minigpt", "cuda", False),
+        ("nanoGPT", "cuda", True),
+        ("minigpt", "cuda", True),
+    ]
+    results = {name: {"tokens_per_s_rounds": [100.0, 101.0]} for name in found}
+    assert nanogpt.against("minigpt train_minimal.py, bf16, compiled", results) != "-"
+    assert nanogpt.against("nanoGPT train.py, bf16, compiled", results) == "baseline"
