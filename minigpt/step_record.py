@@ -38,8 +38,8 @@ class StepRecord:
     # checkpoints included (the final checkpoint, saved after the last record, is not): what the
     # job delivers.
     tokens_per_s_e2e: float
-    # Process start to the loop's start (interpreter, imports, data, model, MFU peak), in no rate
-    # above; None where /proc is missing and the trainer gave no import time.
+    # The script's start to the loop's (imports, data, model, MFU peak; from main()'s call where it
+    # runs in an interpreter that imported everything before: a notebook), in no rate above.
     startup_s: float | None
     world_size: int
     val_loss: float | None  # the latest evaluation (None before the first)

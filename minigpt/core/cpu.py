@@ -102,6 +102,9 @@ def installed_allocators(exists=None) -> dict[str, str]:
     return {n: found[n] for n in PREFERRED if found[n] and exists(found[n])}
 
 
+STARTED_ENV = "MINIGPT_STARTED_AT"  # the script's start, carried through the re-exec (time.time())
+
+
 def preload_command(argv: list[str], env: dict, exists=None) -> tuple[list[str], dict] | None:
     """The (command, environment) that runs this same process under the preferred allocator, or None
     when it should run as it is: not Linux, a GPU's driver present (the choice is for CPU runs), one
@@ -152,13 +155,30 @@ def outlast_step(step_s: float) -> int | None:
     return wanted
 
 
-def run_under_preferred_allocator(argv: list[str]) -> None:
+def run_under_preferred_allocator(argv: list[str], started_at: float | None = None) -> None:
     """CPU runs: replace this process (same pid, same arguments) by one with the preferred malloc
-    preloaded; a running process cannot swap its malloc. Returns when there is nothing to do."""
+    preloaded; a running process cannot swap its malloc. Returns when there is nothing to do.
+    `started_at` (time.time() as the script began) goes to the new process in $MINIGPT_STARTED_AT:
+    its start-up counts from there, not from its own start (script_started_at)."""
     import os
 
     if (cmd := preload_command(argv, dict(os.environ))) is not None:
+        if started_at is not None:
+            cmd[1][STARTED_ENV] = repr(started_at)
         os.execve(cmd[0][0], cmd[0], cmd[1])
+
+
+def script_started_at(default: float) -> float:
+    """When the trainer's script began, for its start-up figure: the clock the first process passed
+    through the re-exec under the preferred malloc, else `default` (this process's own import of the
+    script). Read once: the variable is removed, so nothing started from here inherits it."""
+    import os
+
+    value = os.environ.pop(STARTED_ENV, None)
+    try:
+        return float(value) if value else default
+    except ValueError:
+        return default
 
 
 def preload_hint() -> str | None:

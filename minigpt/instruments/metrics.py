@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,19 +23,6 @@ def format_duration(seconds: float) -> str:
     return f"{seconds / 3600:.2f}h"
 
 
-def process_age_s() -> float | None:
-    """Seconds since this process started, from /proc (Linux): the kernel's start time, so the
-    interpreter's own start and the trainer's re-exec under another malloc (same process) count.
-    None where /proc cannot tell."""
-    try:
-        stat = Path("/proc/self/stat").read_text()
-        start_ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, counting from the state (3)
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return round(max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK")), 2)  # 0.01 s ticks
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 @dataclass
 class RunTotals:
     """The run-wide figures, accumulated over every step since the loop started: the one place
@@ -53,14 +39,13 @@ class RunTotals:
     step_time_s: float = 0.0  # their host seconds
     left_out: dict[str, dict] = field(default_factory=dict)  # why -> {"steps": [n, ...], "s": seconds}
 
-    def start(self, imported_at: float | None = None) -> None:
-        """Call as the loop starts. `imported_at`: time.time() when the trainer was imported, the
-        start-up's lower bound where /proc is missing."""
+    def start(self, started_at: float | None = None) -> None:
+        """Call as the loop starts. `started_at`: time.time() as the run's start-up began (the
+        script's start, or main()'s call in a running interpreter); None: not measured. Not the
+        process's age: `bash -c "pip install ... && python train_minimal.py"` runs python in bash's
+        process, and a notebook's kernel is as old as the notebook."""
         self.t_start = time.perf_counter()
-        age = process_age_s()
-        if age is None and imported_at is not None:
-            age = time.time() - imported_at
-        self.startup_s = age
+        self.startup_s = None if started_at is None else round(max(0.0, time.time() - started_at), 2)
 
     def add(self, steady: list[float], left_out: list[dict] = ()) -> None:
         """An interval: its steady steps' times (seconds), and its left-out steps ({"step", "s", "why"})."""
@@ -115,7 +100,7 @@ def format_finished(r: StepRecord, steps: int, resumed_at: int = 0, prediction: 
     startup = (
         f"start-up {format_duration(r.startup_s)} before the loop, in neither figure"
         if r.startup_s is not None
-        else "start-up not measured (no /proc)"
+        else "start-up not measured"
     )
     val = f"val loss {r.val_loss:.4f}, val ppl {r.val_ppl:.1f}" if r.val_loss is not None else "no evaluation"
     left = describe_left_out(r.run_left_out)
