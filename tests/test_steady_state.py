@@ -120,3 +120,13 @@ def test_run_totals_keep_left_out_steps_apart_and_the_eta_follows_the_steady_pac
     only_warmup.add([], [{"step": 1, "s": 2.0, "why": "warm-up"}])
     assert only_warmup.figures()["run_tokens_per_s"] is None
     assert only_warmup.eta_s(9, 2.0) == pytest.approx(18.0)
+
+
+def test_the_report_of_a_gpu_run_says_its_prediction_came_from_a_data_sheet():
+    page = (GPU_RUNS / "h200-gpt2-bf16-profiled").resolve()
+    from minigpt.analysis.report import prediction_table
+
+    text = prediction_table(load_run(page))
+    assert "peak FLOP/s and bandwidth of the device's data sheet" in text and "untested" in text
+    assert "Rates: table: H200 bf16 dense peak 989 TFLOP/s" in text
+    assert "this machine's measured rates" not in text

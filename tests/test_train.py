@@ -228,6 +228,14 @@ def test_config_json_keeps_the_predicted_step_when_the_rates_are_cached(tmp_path
     stored = json.loads((tmp_path / "run" / "config.json").read_text())["predicted_step"]
     assert stored["stage_ms"] == pytest.approx(expected["stage_ms"])
     assert set(stored["stage_ms"]) == {"forward", "backward", "optimizer_step"} and stored["tested"] is True
+    # the log says the prediction as the run starts, and the steady step's share of it at the end
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert f"Predicted step: {stored['step_ms']:.1f} ms (forward " in log
+    assert "from this machine's measured rates" in log
+    last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    steady_ms = 1000 * last["run_step_time_s"] / last["run_steps"]
+    share = f"a steady step of {steady_ms:.1f} ms, {steady_ms / stored['step_ms']:.0%} of the predicted "
+    assert share + f"{stored['step_ms']:.1f}" in log
     # no rates cached, or a damaged cache: no prediction, and the run is not harmed
     write_step_rates(tmp_path, flags, "fast")
     assert train_minimal.cli([*flags, "--out-dir", str(tmp_path / "damaged")]) == 0

@@ -478,15 +478,21 @@ def prediction_table(run: Run) -> str:
     ]
     tps = median([r.get("tokens_per_s_per_rank") for r in steady(run.metrics)])
     rows.append(["tokens/s per rank", *_predicted_cells(_number(pred.get("tokens_per_s")), tps, 0), "", ""])
+    sheet = pred.get("tested") is False  # a GPU's data sheet, not rates measured on this machine
+    rates = (
+        "the peak FLOP/s and bandwidth of the device's data sheet, and the per-op overhead measured on it"
+        if sheet
+        else "this machine's measured rates"
+    )
+    source = f" Rates: {esc(pred['rates_source'])}." if isinstance(pred.get("rates_source"), str) else ""
     untested = (
-        " The device's rates come from its data sheet, not from a measurement here: untested."
-        if pred.get("tested") is False
-        else ""
+        " A data sheet's figures are not yet checked against a measured step here: untested." if sheet else ""
     )
     return (
         "<p>Predicted when the run started (<code>python -m minigpt.estimate --time</code>: each op's "
-        "FLOPs, bytes and launches at this machine's measured rates) beside the measured median, "
+        f"FLOPs, bytes and launches at {rates}) beside the measured median, "
         "with the error, predicted / measured - 1."
+        + source
         + (
             " Each kernel runs at the geometric mean of its rates on operands in cache and out of "
             "it; the range has every kernel at one or the other."
