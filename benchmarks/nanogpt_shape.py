@@ -381,7 +381,8 @@ def markdown(data: dict) -> str:
         "vocabulary 50304, "
         "tied embeddings, biases, no dropout, no gradient accumulation"
         + (", torch.compile in the rows that say so" if meta.get("compile") else ", no torch.compile")
-        + f", on {meta.get('device', 'cpu')}. Each round runs "
+        + ("" if meta.get("device", "cpu") == "cpu" else f", on {meta['device']}")
+        + ". Each round runs "
         f"every variant in a fresh process; a run's figure is the median of {meta['steps']} steps after "
         f"{meta['warmup']} (nanoGPT's iteration 0, which evaluates, is always a warm-up). nanoGPT's files: "
         f"`{meta['nanogpt_dir']}`, copied to a temporary folder at run time.",
