@@ -52,7 +52,7 @@ from minigpt.core.cpu import choose_allocator, outlast_step, release_freed_memor
 from minigpt.core.data import Batches, Data, load_data
 from minigpt.core.model import GPT, GPTConfig
 from minigpt.core.runs import RunDir, stop_on_signals
-from minigpt.instruments.estimate import estimate_gpt, estimate_report
+from minigpt.instruments.estimate import estimate_gpt, estimate_report, fit_batch_size
 from minigpt.instruments.instrument import Instruments
 from minigpt.instruments.metrics import (
     JsonlWriter,
@@ -188,6 +188,7 @@ def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
     device = resolve_device(cfg.device)
     check_cuda_features(cfg, device)
     amp_on, amp_dtype, amp_note = resolve_amp(cfg, device)
+    cfg.batch_size, batch_note = fit_batch_size(cfg, device, amp_dtype)  # with --auto-batch-size (CUDA)
     malloc_note = choose_allocator(cfg.keep_freed_memory) if device == "cpu" else None  # before allocating
     if cfg.estimate_memory:  # the predicted memory of this configuration: no model, no run directory
         print(estimate_report(cfg, device, amp_dtype, amp_note))
@@ -223,14 +224,14 @@ def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
     autocast = torch.autocast(device, dtype=TORCH_DTYPES[amp_dtype]) if amp_on else nullcontext()
     step = ckpt.restore(model, optimizer, scaler, data.train)  # with --resume; 0 otherwise
     ddp_model = model if plan.sharded else distributed.wrap_ddp(model, dist_info, device)
-    train_model = torch.compile(ddp_model) if cfg.compile else ddp_model
+    train_model = torch.compile(ddp_model, mode=cfg.compile_mode) if cfg.compile else ddp_model
     peak = mfu_peak(cfg, model, device, amp_dtype, dist_info)
     rate = Throughput.of(cfg, plan, model, peak, step, data.train_tokens)
 
     # ------------------------------------------------------------------ run directory
     run.repair(step)  # a resumed run repeats the steps after its checkpoint: logged once each
     memory, step_time = predictions(cfg, model, amp_dtype, device, plan)
-    notes = [amp_note, malloc_note, plan.describe(amp_dtype) if plan.sharded else None]
+    notes = [amp_note, malloc_note, plan.describe(amp_dtype) if plan.sharded else None, batch_note]
     log = run.open(model, data, rate, notes, step_time)
     inst.attach(model, optimizer, step + 1, memory, ddp_model)  # with DDP: the backward's compute timed apart
     return Setup(cfg, device, dist_info, plan, data, model, ddp_model, train_model, optimizer, scaler,

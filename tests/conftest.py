@@ -26,8 +26,6 @@ def docs_module(name: str):
 # auto would pick the GPU), the `cuda` tests the GPU (they append --device cuda: argparse takes a
 # flag's last value).
 TINY = [
-    "--device",
-    "cpu",
     "--use-toy-data",
     "--preset",
     "tiny",
@@ -45,6 +43,8 @@ TINY = [
     "1e-2",
     "--eval-iters",
     "1",
+    "--device",
+    "cpu",
 ]
 
 

@@ -241,6 +241,14 @@ class TrainConfig:
     seq_len: int = flag(256, group=DATA, check=positive, metavar="N", help="tokens per sequence")
     # training
     batch_size: int = flag(8, group=TRAIN, check=positive, metavar="N", help="sequences per micro-batch")
+    # Off by default until a GPU measures what it buys (the predicted gain is in README "GPU speed").
+    auto_batch_size: bool = flag(
+        False,
+        group=TRAIN,
+        action="store_true",
+        help="CUDA: the largest power-of-two micro-batch from --batch-size up whose predicted peak fits "
+        "in 80%% of the GPU (--device-memory-gb to override), named in the log",
+    )
     grad_accum_steps: int = flag(
         1,
         group=TRAIN,
@@ -301,6 +309,13 @@ class TrainConfig:
         help="autocast dtype; fp16 uses a GradScaler (CUDA only)",
     )
     compile: bool = flag(False, group=TRAIN, action="store_true", help="torch.compile the model")
+    compile_mode: str = flag(
+        "default",
+        group=TRAIN,
+        choices=["default", "reduce-overhead", "max-autotune"],
+        help="torch.compile's mode under --compile: reduce-overhead replays CUDA graphs (fewer "
+        "launches), max-autotune also times kernel choices (a longer compilation)",
+    )
     keep_freed_memory: bool = flag(
         True,
         group=TRAIN,
@@ -782,6 +797,8 @@ def check_parallel(cfg: TrainConfig, given: set[str] | frozenset[str]) -> None:
         ]
         if on
     ]
+    if cfg.compile_mode != "default" and not cfg.compile:
+        raise UsageError(f"--compile-mode {cfg.compile_mode} without --compile: add --compile")
     if cfg.compile and sharded:
         raise UsageError(
             f"--compile with {' and '.join(sharded)} is not supported: torch.compile of "
@@ -869,6 +886,11 @@ def check_cuda_features(cfg: TrainConfig, device: str) -> None:
         return
     if cfg.ddp_backend == "nccl":
         raise UsageError("--ddp-backend nccl needs CUDA GPUs; on the CPU use gloo (the default there)")
+    if cfg.auto_batch_size:
+        raise UsageError(
+            "--auto-batch-size sizes a GPU's micro-batch from the GPU's memory; on the CPU choose "
+            "--batch-size yourself"
+        )
     if cfg.nsys:
         raise UsageError(
             "--nsys needs CUDA: Nsight Systems' capture range is cudaProfilerStart/Stop; "

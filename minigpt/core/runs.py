@@ -510,7 +510,7 @@ class RunDir:
     ) -> list[str]:
         """The log's first lines after the device: the CPU allocator, the ranks, the data, the
         model, the batch, the MFU peak, where the run starts and what was cleaned up."""
-        cfg, info, (malloc_note, plan_note) = self.cfg, self.dist_info, notes
+        cfg, info, (malloc_note, plan_note, *more) = self.cfg, self.dist_info, notes
         lines = []
         if malloc_note:
             lines.append(malloc_note)
@@ -532,6 +532,7 @@ class RunDir:
             f"Model: {cfg.n_layers} layers, {cfg.n_heads} heads, d_model {cfg.d_model}, d_ff {cfg.d_ff}, "
             f"vocab {model.cfg.vocab_size}, {n_params / 1e6:.2f}M parameters"
             + (", activation checkpointing" if cfg.use_activation_checkpoint else ""),
+            *filter(None, more),  # --auto-batch-size's choice
             f"Batch: {cfg.batch_size} x {cfg.seq_len} tokens x {cfg.grad_accum_steps} accumulation = "
             f"{rate.tokens_per_step:,} tokens per step per rank; {cfg.num_steps} steps",
             rate.describe_peak(),
