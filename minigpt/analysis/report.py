@@ -411,7 +411,8 @@ def stages_section(run: Run) -> str:
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    steps = [r.get("step") for r in run.metrics]
+    drawn = steady(run.metrics)  # an interval of warm-up alone (an older run's first) would dwarf the rest
+    steps = [r.get("step") for r in drawn]
     fig = make_subplots(rows=1, cols=len(keys), shared_yaxes=True, subplot_titles=[t for _, t in keys])
     names = list(stage_medians(run, "stage_host_ms") or STAGE_NAMES)
     for col, (key, _) in enumerate(keys, 1):
@@ -421,7 +422,7 @@ def stages_section(run: Run) -> str:
             fig.add_trace(
                 go.Bar(
                     x=steps,
-                    y=[(r.get(key) or {}).get(name, 0.0) for r in run.metrics],
+                    y=[(r.get(key) or {}).get(name, 0.0) for r in drawn],
                     name=name,
                     marker_color=color(name),
                     legendgroup=name,
@@ -434,7 +435,8 @@ def stages_section(run: Run) -> str:
     fig.update_xaxes(title_text="logged step")
     fig.update_yaxes(title_text="ms per step (mean over the interval)", row=1, col=1)
     note = (
-        "<p>Each bar is the mean over its log interval. On the CPU a stage's device time is its host time; "
+        "<p>Each bar is the mean over its log interval's steady steps (warm-up and instrumented steps "
+        "left out: the summary names them). On the CPU a stage's device time is its host time; "
         "on a GPU the host returns early and the device column says where the GPU spent its time.</p>"
     )
     rows = []
