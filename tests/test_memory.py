@@ -2,6 +2,7 @@
 
 import json
 from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 import torch
@@ -716,3 +717,78 @@ def test_the_estimate_predicts_the_chunked_loss_peak(monkeypatch, amp, checkpoin
     for part in PEAK_PARTS:
         measured, estimated = b.peak_part(part), e.peak_parts()[part]
         assert abs(estimated - measured) <= 0.10 * max(measured, 2**20), (part, measured, estimated)
+
+
+# ---------------------------------------------------------------------------- CUDA's loss, named right
+
+H200_MEMORY = Path(__file__).resolve().parents[2] / "shared" / "gpu-runs" / "h200-gpt2-bf16-memory"
+needs_h200_run = pytest.mark.skipif(not H200_MEMORY.is_dir(), reason="../shared/gpu-runs is not here")
+
+
+def cuda_cross_entropy(logits, targets):
+    """F.cross_entropy as it runs on CUDA under autocast (the trace's cunn_SoftMaxForward<...,
+    BFloat16, float, BFloat16>): log_softmax in the logits' dtype, then nll_loss (autocast's fp32
+    list) on a float32 copy. The same autograd graph, LogSoftmaxBackward0 <- ToCopyBackward0 <-
+    NllLossBackward0, with the same saved tensors, on the CPU (whose autocast casts to fp32 first)."""
+    logp = torch.log_softmax(logits, -1, dtype=logits.dtype)
+    return torch.nn.functional.nll_loss(logp.float(), targets)
+
+
+def test_the_cuda_loss_path_names_each_saved_tensor_by_what_its_bytes_are(monkeypatch):
+    """Under CUDA autocast the loss saves bf16 log-probs (log_softmax) and an fp32 copy of them,
+    the targets and a scalar (nll_loss): each named as what it is, with exactly its bytes, in the
+    first forward's layout and at the peak (which falls in NllLossBackward0)."""
+    from minigpt.core import model as model_module
+
+    monkeypatch.setattr(model_module, "cross_entropy", cuda_cross_entropy)
+    shape = {**SHAPE, "vocab_size": 512, "batch_size": 8}
+    model, optimizer, batch, s = tiny_gpt(**shape)
+    b = train_steps(model, optimizer, batch, amp=True)
+    N, V = s["batch_size"] * s["seq_len"], s["vocab_size"]
+    loss = {k: v for k, v in b.activations.items() if k.startswith("loss")}
+    assert loss == {
+        "loss (log_softmax output: bfloat16 log-probs)": 2 * N * V,
+        "loss (nll_loss input: float32 log-probs)": 4 * N * V,
+        "loss (nll_loss targets)": 8 * N,
+        "loss (nll_loss weight total)": 4,
+    }
+    assert "NllLossBackward0" in b.peak_where
+    at_peak = b.peak_parts["activations"]
+    assert at_peak["loss (nll_loss input: float32 log-probs)"] == 4 * N * V
+    assert at_peak["loss (log_softmax output: bfloat16 log-probs)"] == 2 * N * V
+    # and in fp32 nll_loss saves log_softmax's own output: one storage, named once
+    model, optimizer, batch, s = tiny_gpt(**shape)
+    b = train_steps(model, optimizer, batch)
+    assert {k: v for k, v in b.activations.items() if "log-probs" in k} == {
+        "loss (log_softmax output: float32 log-probs)": 4 * N * V
+    }
+
+
+@needs_h200_run
+def test_the_h200_runs_loss_rows_are_what_the_names_now_say():
+    """The H200 run's memory.log (written before the fix) holds two loss rows: 824,180,736 B,
+    the bf16 log-probs, and 1,648,427,012 B, labelled "targets" but the fp32 copy of the
+    log-probs plus the int64 targets and a 4-byte weight total. The namer, given the saves CUDA
+    made there (op, dtype, bytes), names each by what those bytes are."""
+    from minigpt.instruments.memory import _saved_name, _Where
+
+    state = parse_memory_log((H200_MEMORY / "memory_trace" / "rank0_dp0" / MEMORY_LOG).read_text())[-1]
+    rows = {
+        r["path"]: r["layer_bytes"] for r in state["layouts"]["activation_base_layout"] if "loss" in r["path"]
+    }
+    N, V = 8 * 1024, 50304
+    assert sorted(rows.values()) == [2 * N * V, 4 * N * V + 8 * N + 4]
+    saves = [
+        ("aten::log_softmax", "aten::_log_softmax", "bfloat16", 2 * N * V),
+        ("aten::nll_loss", "aten::nll_loss_forward", "float32", 4 * N * V),
+        ("aten::nll_loss", "aten::nll_loss_forward", "int64", 8 * N),
+        ("aten::nll_loss", "aten::nll_loss_forward", "float32", 4),
+    ]
+    named = {}
+    for outer, inner, dtype, nbytes in saves:
+        name = _saved_name(_Where("forward", "", "", outer, inner), dtype, nbytes)
+        named[name] = named.get(name, 0) + nbytes
+    assert named["loss (log_softmax output: bfloat16 log-probs)"] == 2 * N * V  # 2 bytes an element
+    assert named["loss (nll_loss input: float32 log-probs)"] == 4 * N * V  # 4 bytes an element
+    assert named["loss (nll_loss targets)"] == 8 * N  # int64, one a row
+    assert sum(v for k, v in named.items() if "nll_loss" in k) == max(rows.values())

@@ -453,7 +453,7 @@ class _PeakSession:
     def measure(self, b: MemoryBreakdown, optimizer_ptrs: dict[int, str], root_saves: list) -> None:
         """Fill in b's peak from the stopped session, every byte live then named; `root_saves`:
         (marker index, bytes) of tensors saved outside any submodule, named after their op."""
-        timeline = _timeline(self.prof, self.device)
+        timeline = _timeline(self.prof, self.device, self.marks.items)
         _replay(b, timeline, self.baseline.blocks, self.marks.items, optimizer_ptrs)
         for index, nbytes in root_saves:
             name = timeline.mark_names.get(index) or NO_MODULE
@@ -705,9 +705,9 @@ class _Where:
         return f"{self.stage} / {self.owner()}" + (f" / {self.op()}" if self.op() else "")
 
 
-def _timeline(prof, device: str) -> _Timeline:
+def _timeline(prof, device: str, marks: list[tuple]) -> _Timeline:
     """The capture's profiler session in time order (ties in tree order): its allocations on
-    `device`, each with where it happened, and its markers."""
+    `device`, each with where it happened, and its markers (`marks`: what each one noted)."""
     seq_module: dict[int, str] = {}  # forward op's sequence number -> its module (for backward nodes)
     raw: list[tuple] = []
     order = 0
@@ -736,8 +736,8 @@ def _timeline(prof, device: str) -> _Timeline:
             events.append(("alloc", a, nbytes, total, where))
         else:
             events.append(("mark", a, where))
-            if where.outer:
-                names[a] = _saved_name(where)
+            if where.outer and a < len(marks):
+                names[a] = _saved_name(where, marks[a][4], marks[a][2])
     return _Timeline(events, names)
 
 
@@ -776,21 +776,31 @@ def _where(ctx: dict) -> _Where:
     )
 
 
-def _saved_name(where: _Where) -> str:
-    """The name of tensors saved by an op that ran in no submodule: the loss's gradient
-    (CrossEntropy, on the CPU) or log-probabilities and targets (F.cross_entropy), or the op itself."""
+_INTEGER_DTYPES = ("int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+def _saved_name(where: _Where, dtype: str = "", nbytes: int = 0) -> str:
+    """The name of a tensor saved by an op that ran in no submodule: for the loss, what the tensor
+    is, by the op that saved it and its dtype; else the op itself. The CPU's CrossEntropy saves its
+    gradient. F.cross_entropy is log_softmax then nll_loss: log_softmax saves its output (the
+    log-probs, in the logits' dtype on CUDA under autocast, fp32 elsewhere), nll_loss its input,
+    the targets and a scalar weight total. When log_softmax ran in fp32 nll_loss's input is that
+    same storage, counted once under log_softmax; under CUDA autocast nll_loss (autocast's fp32
+    list) runs on a float32 copy of the bf16/fp16 log-probs, a storage of its own."""
     op = where.inner.removeprefix("aten::")
-    if where.is_loss():
-        what = {
-            "CrossEntropy": "gradient",
-            "_log_softmax": "log-probs",
-            "log_softmax": "log-probs",
-            "nll_loss_forward": "targets",
-            "nll_loss": "targets",
-            "nll_loss_nd": "targets",
-        }.get(op, op)
-        return f"loss (cross_entropy {what})"
-    return f"op {where.outer.removeprefix('aten::')}"
+    if not where.is_loss():
+        return f"op {where.outer.removeprefix('aten::')}"
+    if op == "CrossEntropy":
+        return "loss (cross_entropy gradient)"
+    if "log_softmax" in op:
+        return f"loss (log_softmax output: {dtype or 'the'} log-probs)"
+    if op.startswith("nll_loss"):
+        if dtype in _INTEGER_DTYPES:
+            return "loss (nll_loss targets)"
+        if 0 < nbytes <= 8:  # a 0-d tensor: the sum of the targets' weights
+            return "loss (nll_loss weight total)"
+        return f"loss (nll_loss input: {dtype or 'the'} log-probs)"
+    return f"loss ({op})"
 
 
 def _replay(
