@@ -792,3 +792,79 @@ def test_the_h200_runs_loss_rows_are_what_the_names_now_say():
     assert named["loss (nll_loss input: float32 log-probs)"] == 4 * N * V  # 4 bytes an element
     assert named["loss (nll_loss targets)"] == 8 * N  # int64, one a row
     assert sum(v for k, v in named.items() if "nll_loss" in k) == max(rows.values())
+
+
+@pytest.mark.parametrize("amp", ["fp32", "bf16"])
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_the_estimate_predicts_the_cuda_loss_paths_peak(monkeypatch, amp, checkpoint):
+    """The loss as CUDA runs it (F.cross_entropy; under autocast bf16 log-probs and nll_loss's
+    fp32 copy), measured on the CPU: the CUDA estimate, less the cuBLAS workspaces the CPU does
+    not have, predicts its peak, when it falls, and each part of it within 10%."""
+    from minigpt.core import model as model_module
+
+    loss = cuda_cross_entropy if amp == "bf16" else torch.nn.functional.cross_entropy
+    monkeypatch.setattr(model_module, "cross_entropy", loss)
+    model, optimizer, _, s = tiny_gpt(checkpoint=checkpoint, **PEAK_SHAPE)
+    b = trainer_steps(model, optimizer, s, amp=amp == "bf16")
+    e = estimate_gpt(Shape(**s, activation_checkpoint=checkpoint), amp, device="cuda")
+    assert e.workspaces == 64 * 2**20 and e.peak_stage == b.peak_stage
+    if e.peak_moment == "loss backward":
+        node = "NllLossBackward0" if amp == "bf16" else "LogSoftmaxBackward0"
+        assert node in b.peak_where
+    parts = {**e.peak_parts(), "temporaries": e.peak_parts()["temporaries"] - e.workspaces}
+    assert abs(sum(parts.values()) - b.peak) <= 0.10 * b.peak, (parts, b.peak_where, b.peak_parts)
+    for part in PEAK_PARTS:
+        measured, estimated = b.peak_part(part), parts[part]
+        assert abs(estimated - measured) <= 0.10 * max(measured, 2**16), (part, measured, estimated)
+    assert b.category_total("activations") == e.activations
+
+
+H200_SHAPE = Shape(
+    n_layers=12,
+    d_model=768,
+    n_heads=12,
+    d_ff=3072,
+    seq_len=1024,
+    batch_size=8,
+    vocab_size=50304,
+    max_position_embeddings=1024,
+)
+
+
+@needs_h200_run
+def test_the_estimate_holds_each_part_of_the_h200_runs_measured_memory():
+    """gpt2, bf16, batch 8 on an H200: parameters, gradients, optimizer state, activations, the
+    temporaries at the peak and the peak itself, each within 10% of what the run measured
+    (metrics.jsonl's memory_breakdown, the same figures as memory.log); and the fp16 and fp32
+    runs' peaks (max_memory_allocated) too."""
+    record = next(
+        json.loads(line)["memory_breakdown"]
+        for line in (H200_MEMORY / "metrics.jsonl").read_text().splitlines()
+        if "memory_breakdown" in line
+    )
+    state = parse_memory_log((H200_MEMORY / "memory_trace" / "rank0_dp0" / MEMORY_LOG).read_text())[-1]
+    assert state["summary"]["peak_memory"] == record["peak"] == record["cuda_max_allocated"]
+    e = estimate_gpt(H200_SHAPE, "bf16", device="cuda")
+    measured = {
+        "params": record["params"],
+        "grads": record["grads"],
+        "optimizer": record["optimizer"],
+        "activations": record["activations"],
+        "temporaries": record["peak_parts"]["temporaries"],
+        "peak": record["peak"],
+    }
+    estimated = {
+        "params": e.params,
+        "grads": e.grads,
+        "optimizer": e.optimizer,
+        "activations": e.activations,
+        "temporaries": e.peak_parts()["temporaries"],
+        "peak": e.peak,
+    }
+    for part, value in measured.items():
+        assert abs(estimated[part] - value) <= 0.10 * value, (part, value, estimated[part])
+    assert e.peak_stage == record["peak_stage"] == "backward"
+    for run, amp in (("h200-gpt2-fp16", "fp16"), ("h200-gpt2-fp32", "fp32")):
+        last = json.loads((H200_MEMORY.parent / run / "metrics.jsonl").read_text().splitlines()[-1])
+        peak = last["memory"]["peak_allocated_gib"] * 2**30
+        assert abs(estimate_gpt(H200_SHAPE, amp, device="cuda").peak - peak) <= 0.10 * peak, run

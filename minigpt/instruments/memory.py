@@ -155,8 +155,8 @@ class MemoryBreakdown:
     """One step's memory, in bytes. Each category maps a path to the bytes held there: parameter
     and gradient paths are parameter names (`blocks.0.attn.qkv.weight`), optimizer state paths add
     the state's key (`...qkv.weight.exp_avg`), activation paths are module paths (`blocks.0.attn`),
-    or, for tensors saved by ops that ran in no submodule, the op's name (`loss (cross_entropy
-    log-probs)`).
+    or, for tensors saved by ops that ran in no submodule, the op's name and what the tensor is
+    (`loss (log_softmax output: bfloat16 log-probs)`).
 
     `peak` is the allocator's highest figure in the step and `peak_parts` what was live at that
     moment, {part: {name: bytes}} for the parts of PEAK_PARTS: they add up to `peak` exactly."""
