@@ -868,3 +868,56 @@ def test_the_estimate_holds_each_part_of_the_h200_runs_measured_memory():
         last = json.loads((H200_MEMORY.parent / run / "metrics.jsonl").read_text().splitlines()[-1])
         peak = last["memory"]["peak_allocated_gib"] * 2**30
         assert abs(estimate_gpt(H200_SHAPE, amp, device="cuda").peak - peak) <= 0.10 * peak, run
+
+
+def h200_breakdown():
+    """The H200 run's measured breakdown, rebuilt from its memory.log and metrics.jsonl."""
+    from minigpt.instruments.memory import MemoryBreakdown
+    from minigpt.memory_log import category_leaves, peak_of_state
+
+    state = parse_memory_log((H200_MEMORY / "memory_trace" / "rank0_dp0" / MEMORY_LOG).read_text())[-1]
+    record = next(
+        json.loads(line)["memory_breakdown"]
+        for line in (H200_MEMORY / "metrics.jsonl").read_text().splitlines()
+        if "memory_breakdown" in line
+    )
+    leaves, peak = category_leaves(state), peak_of_state(state)
+    return MemoryBreakdown(
+        record["step"],
+        leaves["params"],
+        leaves["grads"],
+        leaves["optimizer"],
+        leaves["activations"],
+        record["activations_peak"],
+        record["activation_dtypes"],
+        device="cuda",
+        cuda_max_allocated=record["cuda_max_allocated"],
+        cuda_max_reserved=record["cuda_max_reserved"],
+        peak=record["peak"],
+        peak_stage=record["peak_stage"],
+        peak_where=record["peak_where"],
+        peak_parts=peak["parts"],
+    )
+
+
+@needs_h200_run
+def test_every_statement_of_the_h200_breakdown_is_what_its_bytes_are():
+    """The last line explains max_allocated over the total with terms that add up to it (the NLL
+    gradient among the temporaries, the gradients not yet made), names the 79.2 MiB the profiler
+    did not see, and the largest temporaries shown are the largest there are, none of 0.0 MiB."""
+    import re
+
+    b = h200_breakdown()
+    text = format_breakdown(b, estimate_gpt(H200_SHAPE, "bf16", device="cuda"))
+    assert "not in the breakdown" not in text
+    line = next(row for row in text.splitlines() if "CUDA max allocated" in row)
+    over, terms = line.split("MiB over the total, = ")
+    said = [float(v) for v in re.findall(r" ([+-]\d+\.\d\d)(?:,|$)", terms)]
+    assert abs(sum(said) - b.other / 2**20) < 0.02 * len(said) and abs(b.other / 2**20 - 1182.62) < 0.01
+    assert (
+        "temporaries of the ops at the peak +1651.20" in terms
+        and "gradients not live at the peak -474.84" in terms
+    )
+    temps = next(row for row in text.splitlines() if row.strip().startswith("temporaries of the ops"))
+    assert "(not seen by the profiler) 79.2" in temps and " 0.0;" not in temps
+    assert "+79.20 MiB the profiler did not see" in text

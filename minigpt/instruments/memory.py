@@ -104,7 +104,10 @@ LOSS_OPS = (
     "NllLossBackward",
     "CrossEntropy",
 )
-NO_MODULE = "(outside any submodule)"  # saved tensors whose op could not be told (no profiler session)
+NO_MODULE = "(outside any submodule)"
+# On CUDA: max_memory_allocated less the replayed peak. Mostly blocks allocated before the step
+# that no Python tensor holds (the cuBLAS workspaces, one per handle), which the session never sees.
+NOT_SEEN = "(not seen by the profiler)"  # saved tensors whose op could not be told (no profiler session)
 # Names of the markers a capture writes into its own profiler session (never seen outside it).
 _MARK = "minigpt.instruments.memory::"
 
@@ -459,8 +462,9 @@ class _PeakSession:
             name = timeline.mark_names.get(index) or NO_MODULE
             b.activations[name] = b.activations.get(name, 0) + nbytes
         if b.cuda_max_allocated is not None:  # the CUDA allocator's own figure is the reference
-            b.peak_parts.setdefault("temporaries", {})
-            b.peak_parts["temporaries"]["(not seen by the profiler)"] = b.cuda_max_allocated - b.peak
+            temps = b.peak_parts.setdefault("temporaries", {})
+            temps[NOT_SEEN] = b.cuda_max_allocated - b.peak
+            b.peak_parts["temporaries"] = dict(sorted(temps.items(), key=lambda kv: -kv[1]))
             b.peak = b.cuda_max_allocated
         self.baseline.forget()
 
@@ -1093,12 +1097,37 @@ def format_breakdown(b: MemoryBreakdown, estimate: MemoryEstimate | None = None)
     lines.append(f"  activations by dtype: {dtypes}")
     lines += _peak_table(b, e)
     if b.cuda_max_allocated is not None:
-        lines.append(
-            f"  CUDA max allocated {b.cuda_max_allocated / MB:.2f} MiB (reserved "
-            f"{b.cuda_max_reserved / MB:.2f} MiB); not in the breakdown: {b.other / MB:+.2f} MiB of "
-            "temporary buffers, workspaces and allocator rounding"
-        )
+        lines += _cuda_lines(b)
     return "\n".join(lines)
+
+
+def _cuda_lines(b: MemoryBreakdown) -> list[str]:
+    """The CUDA allocator's figures, and why max_allocated is not the total above: part by part,
+    what was live at the peak less what the total counts (every term is bytes named above)."""
+    head = f"  CUDA max allocated {b.cuda_max_allocated / MB:.2f} MiB"
+    head += f" (reserved {b.cuda_max_reserved / MB:.2f} MiB)"
+    if b.peak is None:
+        return [f"{head}; above the total by {b.other / MB:+.2f} MiB, not measured part by part"]
+    terms = [
+        ("temporaries of the ops at the peak", b.peak_part("temporaries")),
+        ("gradients not live at the peak", b.peak_part("grads") - b.category_total("grads")),
+        ("parameters", b.peak_part("params") - b.category_total("params")),
+        ("optimizer state", b.peak_part("optimizer") - b.category_total("optimizer")),
+        (
+            "saved activations at the peak less the activation peak (allocator blocks outsize tensors)",
+            b.peak_part("activations") - b.activations_peak,
+        ),
+        ("held from before the step", b.peak_part("held")),
+    ]
+    said = ", ".join(f"{name} {v / MiB:+.2f}" for name, v in terms if round(v / MiB, 2))
+    lines = [f"{head} is the measured peak: {b.other / MB:+.2f} MiB over the total, = {said}"]
+    not_seen = b.peak_parts.get("temporaries", {}).get(NOT_SEEN)
+    if not_seen:
+        lines.append(
+            f"    of the temporaries, {not_seen / MiB:+.2f} MiB the profiler did not see: blocks from "
+            "before the step that no tensor holds (cuBLAS workspaces, 32 MiB a handle on Hopper)"
+        )
+    return lines
 
 
 def _peak_table(b: MemoryBreakdown, e: dict) -> list[str]:
@@ -1111,8 +1140,12 @@ def _peak_table(b: MemoryBreakdown, e: dict) -> list[str]:
         line += f"{e['peak'] / MiB:>8.2f} MiB{_pct(b.peak, e['peak']):>9s}"
     lines = [line, f"    when: {b.peak_where}"]
     for part in PEAK_PARTS:
-        items = [(n, v) for n, v in b.peak_parts.get(part, {}).items() if v]
+        items = sorted(((n, v) for n, v in b.peak_parts.get(part, {}).items() if v), key=lambda kv: -kv[1])
         if items:
-            top = "; ".join(f"{n} {v / MiB:.1f}" for n, v in items[:3]) + ("; ..." if len(items) > 3 else "")
+            shown = [(n, v) for n, v in items[:3] if abs(v) >= 0.05 * MiB] or items[:1]
+            rest = items[len(shown) :]
+            top = "; ".join(f"{n} {v / MiB:.1f}" for n, v in shown)
+            if rest:
+                top += f"; {len(rest)} more, {sum(v for _, v in rest) / MiB:.2f} MiB together"
             lines.append(f"    {PEAK_PART_NAMES[part]:28s}{b.peak_part(part) / MiB:>8.2f} MiB  ({top})")
     return lines
