@@ -335,6 +335,23 @@ def test_estimate_memory_defaults_to_the_machines_memory(capsys):
     assert source in printed and "fp32 + ckpt" in printed and "*fp32" in printed
 
 
+def test_estimate_for_a_cuda_gpu_answers_without_one(capsys, monkeypatch):
+    """Planning the card before renting it: --device cuda is arithmetic on shapes, with or without
+    a GPU here; --device-memory-gb says whether it fits, and without it the table says what to pass."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert estimate.main(["--preset", "gpt2", "--device", "cuda", "--device-memory-gb", "8"]) == 0
+    printed = capsys.readouterr().out
+    assert "Device cuda; AMP bf16" in printed and "*bf16 does NOT fit" in printed
+    assert "bf16 + ckpt fits" in printed  # 5.7 GiB of 8
+    cuda = estimate_gpt(H200_SHAPE, "bf16", device="cuda")
+    assert f"{cuda.peak / 2**30:.3f} GiB" in printed  # the CUDA estimate, not the CPU's
+    assert estimate.main(["--preset", "gpt2", "--device", "cuda"]) == 0
+    assert "pass --device-memory-gb" in capsys.readouterr().out
+    assert estimate.main(["--preset", "gpt2", "--device", "cuda", "--time"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--time" in err
+
+
 def test_memory_profiler_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
     assert (

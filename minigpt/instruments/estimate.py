@@ -357,6 +357,8 @@ def device_memory(device: str, given_gb: float | None) -> tuple[int | None, str]
     """(bytes the run may use, where the figure comes from)."""
     if given_gb is not None:
         return int(given_gb * GiB), "--device-memory-gb"
+    if device == "cuda" and not torch.cuda.is_available():
+        return None, "no CUDA GPU here; pass --device-memory-gb (the card's size) to see whether it fits"
     if device == "cuda":
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         return props.total_memory, f"the GPU's memory ({props.name})"
@@ -439,8 +441,8 @@ def _fits(memory: tuple[int | None, str], names: list[str], estimates: list[Memo
         )
     return [
         f"Device memory: {size / GiB:.1f} GiB ({source}). " + "; ".join(fits),
-        "  (peak estimate against device memory; above 90% counts as tight: on CUDA the context, "
-        "workspaces and the caching allocator's rounding come on top, see docs/memory.md)",
+        "  (peak estimate against device memory; above 90% counts as tight: on CUDA the context "
+        "and the caching allocator's rounding come on top, see docs/memory.md)",
     ]
 
 
@@ -468,8 +470,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         argv, timing, as_json = split_flags(argv)
         cfg = parse_args(argv, prog="python -m minigpt.estimate")
-        device = resolve_device(cfg.device)
-        _, amp_dtype, amp_note = resolve_amp(cfg, device)
+        if cfg.device == "cuda" and not torch.cuda.is_available():
+            if timing:
+                raise UsageError(
+                    "--time measures the GPU's own rates: run it where the GPU is (the memory "
+                    "estimate, without --time, answers for --device cuda anywhere)"
+                )
+            # planning a GPU run without one: the estimate is arithmetic on shapes
+            device, amp_dtype = "cuda", "fp32" if cfg.amp is False else cfg.amp_dtype
+            amp_note = "planned for a CUDA GPU not visible here" + (
+                "; bf16 needs Ampere or newer" if amp_dtype == "bf16" else ""
+            )
+        else:
+            device = resolve_device(cfg.device)
+            _, amp_dtype, amp_note = resolve_amp(cfg, device)
         if timing:  # --time [--json]: the step's stage times, predicted (minigpt/instruments/predict.py)
             if device == "cpu":  # the rates are measured on the malloc the trainer would run on
                 choose_allocator(cfg.keep_freed_memory)
