@@ -18,7 +18,7 @@ from test_report import gpu_trace_events, make_run
 
 # The layers of minigpt/ (README, Layout): base (minigpt/*.py) is torch-free and shared; core/
 # imports base; instruments/ imports base and core; analysis/ imports base only.
-BASE = ("paths", "fileio", "stages", "errors", "memory_log", "step_record", "shape")
+BASE = ("paths", "fileio", "stages", "errors", "memory_log", "step_record", "shape", "plotlyjs")
 ANALYSIS = ("analysis", *(f"analysis.{m}" for m in ("traces", "report", "compare", "runfiles", "stats")))
 TOOLS = ("__main__", "report", "compare", "traces")  # the entry and the analysis tools' short names
 MODULES = [*BASE, *ANALYSIS, *TOOLS]

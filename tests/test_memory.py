@@ -272,7 +272,9 @@ def test_sunburst_charts_are_offline_html_with_the_data(written):
     for name in SUNBURST_FILES.values():
         html = (folder / name).read_text()
         assert "<html>" in html[:100] and '"type":"sunburst"' in html
-        assert "plotly.js v" in html and 'src="http' not in html  # plotly.js embedded: opens offline
+        # the folder's one plotly.js, by a relative path: opens offline
+        assert 'src="plotly.min.js"' in html and "plotly.js v" not in html
+        assert (folder / "plotly.min.js").is_file()
     assert "param_mem.blocks.0.attn.qkv.weight" in (folder / SUNBURST_FILES["params"]).read_text()
     assert "activation_mem.blocks.1.mlp.gelu" in (folder / SUNBURST_FILES["activations"]).read_text()
     assert "os_state_mem.wte.weight.exp_avg_sq" in (folder / SUNBURST_FILES["optimizer"]).read_text()
@@ -352,6 +354,22 @@ def test_estimate_for_a_cuda_gpu_answers_without_one(capsys, monkeypatch):
     assert err.count("\n") == 1 and "--time" in err
 
 
+def assert_one_offline_plotly(run):
+    """One plotly.min.js in the run folder, which every page with a chart loads by a relative
+    path that exists; no page loads a script over the network or inlines plotly.js again."""
+    import re
+
+    assert [p.relative_to(run).as_posix() for p in run.rglob("*.js")] == ["plotly.min.js"]
+    pages = sorted(run.rglob("*.html"))
+    assert len(pages) >= 1 + len(SUNBURST_FILES)  # report.html and the memory profiler's charts
+    for page in pages:
+        text = page.read_text()
+        srcs = re.findall(r'<script[^>]*\bsrc="([^"]+)"', text)
+        assert not [s for s in srcs if s.startswith(("http:", "https:", "//"))], page
+        assert all((page.parent / s).resolve().is_file() for s in srcs), (page, srcs)
+        assert ("Plotly.newPlot" in text) == bool(srcs) and "plotly.js v" not in text, page
+
+
 def test_memory_profiler_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
     assert (
@@ -387,6 +405,7 @@ def test_memory_profiler_end_to_end(tmp_path, capsys):
     assert state["summary"]["total_memory"] == m["total"]
     log = (out / "train.log").read_text()
     assert "Memory breakdown at step 2" in log and "estimate" in log and "+0.0%" in log
+    assert_one_offline_plotly(out)
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -590,7 +590,7 @@ class Instruments:
         from minigpt.instruments.memory import format_breakdown, write_memory_trace
 
         folder = self.out_dir / paths.MEMORY_TRACE_DIR.format(worker=self.worker)
-        write_memory_trace(breakdown, folder, self.memory_estimate)
+        write_memory_trace(breakdown, folder, self.memory_estimate, run_dir=self.out_dir)
         self.log.info(
             f"{format_breakdown(breakdown, self.memory_estimate)}\n  memory.log and sunburst charts: {folder}"
         )

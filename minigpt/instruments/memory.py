@@ -57,6 +57,7 @@ import weakref
 from collections import defaultdict
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -84,6 +85,7 @@ from minigpt.memory_log import (
     sunburst,
     tree_rows,
 )
+from minigpt.plotlyjs import write_plotly_js
 from minigpt.stages import STAGE_NAMES
 
 # What this module reads of estimate.MemoryEstimate (a type only: no import at run time).
@@ -1015,8 +1017,9 @@ def format_memory_log(b: MemoryBreakdown, estimate: MemoryEstimate | None = None
 # ---------------------------------------------------------------------------- sunburst charts
 
 
-def _sunburst_html(rows: list[tuple[str, str, str, int]], title: str) -> str:
-    """rows: (id, label, parent id, bytes). Offline HTML: plotly.js is embedded (about 4.6 MB)."""
+def _sunburst_html(rows: list[tuple[str, str, str, int]], title: str, plotly_src: str) -> str:
+    """rows: (id, label, parent id, bytes). Offline HTML that loads plotly.js from `plotly_src`, a
+    path relative to the page (the run folder's one copy)."""
     import plotly.graph_objects as go  # imported when charts are written, not by the trainer
 
     fig = go.Figure(
@@ -1026,15 +1029,19 @@ def _sunburst_html(rows: list[tuple[str, str, str, int]], title: str) -> str:
         )
     )
     fig.update_layout(title=title, margin=dict(t=80, l=0, r=0, b=0))  # two-line titles
-    return fig.to_html(include_plotlyjs=True, full_html=True)
+    return fig.to_html(include_plotlyjs=plotly_src, full_html=True)
 
 
 def write_memory_trace(
-    b: MemoryBreakdown, folder: Path, estimate: MemoryEstimate | None = None
+    b: MemoryBreakdown, folder: Path, estimate: MemoryEstimate | None = None, run_dir: Path | None = None
 ) -> list[Path]:
     """memory.log and the sunburst charts into `folder`, each written to a temporary name and
-    renamed into place. Returns the paths."""
+    renamed into place; the charts load plotly.min.js from `run_dir` (default `folder`), written
+    there once for every page of the run. Returns the paths."""
     folder.mkdir(parents=True, exist_ok=True)
+    js = write_plotly_js(run_dir if run_dir is not None else folder)
+    src = Path(os.path.relpath(js.resolve(), folder.resolve())).as_posix()
+    _sunburst = partial(_sunburst_html, plotly_src=src)
     mib = lambda c: b.category_total(c) / MiB  # noqa: E731
     titles = {
         "params": f"Parameters: {mib('params'):.2f} MiB",
@@ -1045,10 +1052,10 @@ def write_memory_trace(
     files = {MEMORY_LOG: format_memory_log(b, estimate)}
     for category in CATEGORIES:
         rows = category_rows(getattr(b, category), category)
-        files[SUNBURST_FILES[category]] = _sunburst_html(rows, titles[category])
+        files[SUNBURST_FILES[category]] = _sunburst(rows, titles[category])
     step = f" at step {b.step}" if b.step is not None else ""
     if b.peak is not None:
-        files[SUNBURST_FILES["peak"]] = _sunburst_html(
+        files[SUNBURST_FILES["peak"]] = _sunburst(
             peak_rows(b.peak_parts),
             f"Measured peak{step}: {b.peak / MiB:.2f} MiB (what was live then; the parts add up to it)"
             f"<br>in {b.peak_where}",
@@ -1061,7 +1068,7 @@ def write_memory_trace(
         if b.peak is not None
         else "the peak was not measured"
     )
-    files[SUNBURST_FILES["summary"]] = _sunburst_html(
+    files[SUNBURST_FILES["summary"]] = _sunburst(
         summary,
         f"By category{step}: {sum(b.category_total(c) for c in CATEGORIES) / MiB:.2f} MiB, a sum of parts "
         "never all live at once<br>(parameters + gradients + optimizer state + every saved activation; "
