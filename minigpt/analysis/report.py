@@ -908,6 +908,12 @@ def memory_section(run: Run) -> str:
     if b:
         body += _categories_body(b, est)
     body += _process_memory_chart(run)
+    pages = sorted((run.path / "snapshots").glob("*snapshot.html"))
+    if pages:  # written by write_report (minigpt.analysis.snapshot)
+        links = ", ".join(f'<a href="{esc(p.relative_to(run.path))}">{esc(p.name)}</a>' for p in pages)
+        body += (
+            f"<p>CUDA memory snapshots, offline (bytes over the steps, the peak, what was live): {links}</p>"
+        )
     if not body:
         return nodata("no memory breakdown: run with --memory-profiler")
     if not (run.memory or b):
@@ -1069,19 +1075,34 @@ def write_page(out: Path, text: str, elsewhere: str) -> None:
         ) from None
 
 
+def _snapshot_pages(run_dir: Path, elsewhere: str) -> None:
+    """Each CUDA memory snapshot's offline page beside it, for the report to link. A snapshot that
+    cannot be read or a folder that cannot be written costs its page, not the report."""
+    from minigpt.analysis import snapshot  # imports this module: loaded when a report is written
+
+    for pickle_path in sorted((run_dir / "snapshots").glob("*snapshot.pickle*")):
+        if pickle_path.suffix in (".pickle", ".gz"):
+            try:
+                snapshot.write_snapshot_page(pickle_path, elsewhere=elsewhere)
+            except RunError:
+                pass
+
+
 def write_report(run_dir: Path, out: Path | None = None, elsewhere: str = ELSEWHERE) -> Path:
     """Write the run's report (default RUN/report.html) atomically; return its path. Raises RunError
     when run_dir is not a run directory or the page cannot be written, DiskFull when the disk is full."""
     run = load_run(Path(run_dir))
+    _snapshot_pages(run.path, elsewhere)
     out = Path(out) if out is not None else run.path / REPORT_FILE
     text = render_report(run)
     if SHARED_PLOTLY in text:  # one copy beside the page: the run folder's, which the charts share
         try:
             js = write_plotly_js(out.parent, elsewhere)
+        except UsageError as e:  # a full disk (fileio.DiskFull), its message naming the way out
+            raise RunError(f"cannot write {out}: {e}") from None
         except OSError as e:
-            raise RunError(
-                f"cannot write {out.parent} ({e.strerror}); write elsewhere ({elsewhere})"
-            ) from None
+            why = f"its plotly.min.js beside it: {e.strerror or type(e).__name__}"
+            raise RunError(f"cannot write {out} ({why}); write elsewhere ({elsewhere})") from None
         text = text.replace(SHARED_PLOTLY, script_tag(out, js))
     write_page(out, text, elsewhere)
     return out
