@@ -87,9 +87,8 @@ def test_a_pickle_that_names_a_class_is_refused_not_run(tmp_path, capsys):
     assert page.main([str(tmp_path / "missing")]) == 2
 
 
-def test_a_small_history_replays_by_hand(tmp_path):
-    """Two blocks made in a step's forward, one freed in its backward: the peak is both, in forward."""
-    snap = {
+def small_snapshot() -> dict:
+    return {
         "segments": [
             {
                 "device": 0,
@@ -120,6 +119,11 @@ def test_a_small_history_replays_by_hand(tmp_path):
             {"stage": "END", "name": "train_step", "time_us": 30},
         ],
     }
+
+
+def test_a_small_history_replays_by_hand(tmp_path):
+    """Two blocks made in a step's forward, one freed in its backward: the peak is both, in forward."""
+    snap = small_snapshot()
     (tmp_path / "snapshots").mkdir()
     path = tmp_path / "snapshots" / "rank0_snapshot.pickle"
     path.write_bytes(pickle.dumps(snap))
@@ -128,3 +132,27 @@ def test_a_small_history_replays_by_hand(tmp_path):
     assert r.peak == 3072 and page.stage_at(r, r.times[r.peak_at]) == (1, "forward")
     assert [b.size for b in r.live_at_peak] == [2048, 1024]
     assert page.main([str(tmp_path)]) == 0 and (tmp_path / "snapshots" / "rank0_snapshot.html").is_file()
+
+
+def test_a_snapshot_without_history_says_its_peak_is_what_it_holds(tmp_path):
+    """An OOM during start-up, before the history starts: the segments only."""
+    snap = {**small_snapshot(), "device_traces": [[]], "external_annotations": []}
+    r = replay(snap)
+    assert r.peak == 1024 and r.peak_at == -1 and [b.size for b in r.live_at_peak] == [1024]
+    assert peak_text(snap).startswith("peak allocated 0.0 MiB, before the recording began")
+    assert "no allocation events" in page.render(snap, "oom_rank0_snapshot.pickle")
+
+
+def test_the_report_writes_and_links_each_snapshots_page(tmp_path):
+    from test_report import make_run
+
+    from minigpt.analysis.report import write_report
+
+    run = make_run(tmp_path / "run")
+    (run / "snapshots").mkdir()
+    (run / "snapshots" / "rank0_snapshot.pickle").write_bytes(pickle.dumps(small_snapshot()))
+    (run / "snapshots" / "oom_rank0_snapshot.pickle").write_bytes(b"not a pickle")  # costs its page only
+    html = write_report(run).read_text()
+    assert (run / "snapshots" / "rank0_snapshot.html").is_file()
+    assert not (run / "snapshots" / "oom_rank0_snapshot.html").exists()
+    assert '<a href="snapshots/rank0_snapshot.html">' in html
