@@ -848,8 +848,10 @@ def test_the_estimate_predicts_the_cuda_loss_paths_peak(monkeypatch, amp, checkp
         node = "NllLossBackward0" if amp == "bf16" else "LogSoftmaxBackward0"
         assert node in b.peak_where
     parts = {**e.peak_parts(), "temporaries": e.peak_parts()["temporaries"] - e.workspaces}
-    assert abs(sum(parts.values()) - b.peak) <= 0.10 * b.peak, (parts, b.peak_where, b.peak_parts)
-    for part in PEAK_PARTS:
+    # what the process held from before the step (other tests' tensors in a full run) is no part of it
+    peak = b.peak - b.peak_part("held")
+    assert abs(sum(parts.values()) - peak) <= 0.10 * peak, (parts, b.peak_where, b.peak_parts)
+    for part in [p for p in PEAK_PARTS if p != "held"]:
         measured, estimated = b.peak_part(part), parts[part]
         assert abs(estimated - measured) <= 0.10 * max(measured, 2**16), (part, measured, estimated)
     assert b.category_total("activations") == e.activations
