@@ -5,6 +5,7 @@
     python -m minigpt traces runs/RUN               # where the time went, from the profiler traces
     python -m minigpt estimate --preset gpt2        # a step's memory from the flags (--time: its stage times)
     python -m minigpt parallel --gpus 8             # memory and communication per GPU of each parallel plan
+    python -m minigpt snapshot runs/RUN             # the CUDA memory snapshot, offline (snapshots/*.html)
     python -m minigpt TOOL --help                   # the tool's own flags
 
 Training and sampling are the scripts at the repository's root: train_minimal.py and sample.py.
@@ -23,6 +24,7 @@ TOOLS = {
     "traces": "summarise profiler traces: stages, kernels, operators",
     "estimate": "predict a step's memory (or, with --time, its stage times) from the trainer's flags",
     "parallel": "per-GPU memory and communication of DDP, FSDP and TP plans",
+    "snapshot": "a CUDA memory snapshot as an offline page: bytes over the steps, the peak, what was live",
 }
 
 

@@ -15,9 +15,11 @@ CHECKPOINT_FILE = Path("checkpoints") / "ckpt.pt"  # written atomically (minigpt
 TENSORBOARD_DIR = "tb"
 TRACE_DIR = "traces"  # profiler traces: {worker}.*.pt.trace.json.gz
 OPS_FILE = "traces/rank{rank}_ops.txt"  # the profiler's top-operator table
-SNAPSHOT_FILE = "snapshots/rank{rank}_snapshot.pickle"  # CUDA memory history (pytorch.org/memory_viz)
+# CUDA memory history; beside each pickle its .txt and its offline page, .html (minigpt.analysis.snapshot)
+SNAPSHOT_FILE = "snapshots/rank{rank}_snapshot.pickle"
 OOM_SNAPSHOT_FILE = "snapshots/oom_rank{rank}_snapshot.pickle"
 MEMORY_TRACE_DIR = "memory_trace/{worker}"  # memory.log and *_sunburst.html (--memory-profiler)
+PLOTLY_JS_FILE = "plotly.min.js"  # one copy per run folder, which every page with a chart loads
 
 # The most a reader of a run's files takes (no reader takes more memory than its input's checked
 # size). Far above what a real run writes: config.json is a few KiB; metrics.jsonl about 1.5 KiB a

@@ -18,12 +18,31 @@ from test_report import gpu_trace_events, make_run
 
 # The layers of minigpt/ (README, Layout): base (minigpt/*.py) is torch-free and shared; core/
 # imports base; instruments/ imports base and core; analysis/ imports base only.
-BASE = ("paths", "fileio", "stages", "errors", "memory_log", "step_record", "shape")
-ANALYSIS = ("analysis", *(f"analysis.{m}" for m in ("traces", "report", "compare", "runfiles", "stats")))
-TOOLS = ("__main__", "report", "compare", "traces")  # the entry and the analysis tools' short names
+BASE = (
+    "paths",
+    "fileio",
+    "stages",
+    "errors",
+    "memory_log",
+    "step_record",
+    "shape",
+    "plotlyjs",
+    "memory_snapshot",
+)
+ANALYSIS = (
+    "analysis",
+    *(f"analysis.{m}" for m in ("traces", "report", "compare", "runfiles", "stats", "snapshot")),
+)
+TOOLS = (
+    "__main__",
+    "report",
+    "compare",
+    "traces",
+    "snapshot",
+)  # the entry and the analysis tools' short names
 MODULES = [*BASE, *ANALYSIS, *TOOLS]
 LAYERS = {"base": set(), "core": {"base"}, "instruments": {"base", "core"}, "analysis": {"base"}}
-SHIMS = {"report", "compare", "traces", "estimate", "parallel", "memory"}  # python -m minigpt.X
+SHIMS = {"report", "compare", "traces", "estimate", "parallel", "memory", "snapshot"}  # python -m minigpt.X
 
 
 def layer_of(module: str) -> str:

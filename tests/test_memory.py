@@ -2,6 +2,7 @@
 
 import json
 from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 import torch
@@ -271,7 +272,9 @@ def test_sunburst_charts_are_offline_html_with_the_data(written):
     for name in SUNBURST_FILES.values():
         html = (folder / name).read_text()
         assert "<html>" in html[:100] and '"type":"sunburst"' in html
-        assert "plotly.js v" in html and 'src="http' not in html  # plotly.js embedded: opens offline
+        # the folder's one plotly.js, by a relative path: opens offline
+        assert 'src="plotly.min.js"' in html and "plotly.js v" not in html
+        assert (folder / "plotly.min.js").is_file()
     assert "param_mem.blocks.0.attn.qkv.weight" in (folder / SUNBURST_FILES["params"]).read_text()
     assert "activation_mem.blocks.1.mlp.gelu" in (folder / SUNBURST_FILES["activations"]).read_text()
     assert "os_state_mem.wte.weight.exp_avg_sq" in (folder / SUNBURST_FILES["optimizer"]).read_text()
@@ -334,6 +337,39 @@ def test_estimate_memory_defaults_to_the_machines_memory(capsys):
     assert source in printed and "fp32 + ckpt" in printed and "*fp32" in printed
 
 
+def test_estimate_for_a_cuda_gpu_answers_without_one(capsys, monkeypatch):
+    """Planning the card before renting it: --device cuda is arithmetic on shapes, with or without
+    a GPU here; --device-memory-gb says whether it fits, and without it the table says what to pass."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert estimate.main(["--preset", "gpt2", "--device", "cuda", "--device-memory-gb", "8"]) == 0
+    printed = capsys.readouterr().out
+    assert "Device cuda; AMP bf16" in printed and "*bf16 does NOT fit" in printed
+    assert "bf16 + ckpt fits" in printed  # 5.7 GiB of 8
+    cuda = estimate_gpt(H200_SHAPE, "bf16", device="cuda")
+    assert f"{cuda.peak / 2**30:.3f} GiB" in printed  # the CUDA estimate, not the CPU's
+    assert estimate.main(["--preset", "gpt2", "--device", "cuda"]) == 0
+    assert "pass --device-memory-gb" in capsys.readouterr().out
+    assert estimate.main(["--preset", "gpt2", "--device", "cuda", "--time"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--time" in err
+
+
+def assert_one_offline_plotly(run):
+    """One plotly.min.js in the run folder, which every page with a chart loads by a relative
+    path that exists; no page loads a script over the network or inlines plotly.js again."""
+    import re
+
+    assert [p.relative_to(run).as_posix() for p in run.rglob("*.js")] == ["plotly.min.js"]
+    pages = sorted(run.rglob("*.html"))
+    assert len(pages) >= 1 + len(SUNBURST_FILES)  # report.html and the memory profiler's charts
+    for page in pages:
+        text = page.read_text()
+        srcs = re.findall(r'<script[^>]*\bsrc="([^"]+)"', text)
+        assert not [s for s in srcs if s.startswith(("http:", "https:", "//"))], page
+        assert all((page.parent / s).resolve().is_file() for s in srcs), (page, srcs)
+        assert ("Plotly.newPlot" in text) == bool(srcs) and "plotly.js v" not in text, page
+
+
 def test_memory_profiler_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
     assert (
@@ -369,6 +405,7 @@ def test_memory_profiler_end_to_end(tmp_path, capsys):
     assert state["summary"]["total_memory"] == m["total"]
     log = (out / "train.log").read_text()
     assert "Memory breakdown at step 2" in log and "estimate" in log and "+0.0%" in log
+    assert_one_offline_plotly(out)
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -716,3 +753,209 @@ def test_the_estimate_predicts_the_chunked_loss_peak(monkeypatch, amp, checkpoin
     for part in PEAK_PARTS:
         measured, estimated = b.peak_part(part), e.peak_parts()[part]
         assert abs(estimated - measured) <= 0.10 * max(measured, 2**20), (part, measured, estimated)
+
+
+# ---------------------------------------------------------------------------- CUDA's loss, named right
+
+H200_MEMORY = Path(__file__).resolve().parents[2] / "shared" / "gpu-runs" / "h200-gpt2-bf16-memory"
+needs_h200_run = pytest.mark.skipif(not H200_MEMORY.is_dir(), reason="../shared/gpu-runs is not here")
+
+
+def cuda_cross_entropy(logits, targets):
+    """F.cross_entropy as it runs on CUDA under autocast (the trace's cunn_SoftMaxForward<...,
+    BFloat16, float, BFloat16>): log_softmax in the logits' dtype, then nll_loss (autocast's fp32
+    list) on a float32 copy. The same autograd graph, LogSoftmaxBackward0 <- ToCopyBackward0 <-
+    NllLossBackward0, with the same saved tensors, on the CPU (whose autocast casts to fp32 first)."""
+    logp = torch.log_softmax(logits, -1, dtype=logits.dtype)
+    return torch.nn.functional.nll_loss(logp.float(), targets)
+
+
+def test_the_cuda_loss_path_names_each_saved_tensor_by_what_its_bytes_are(monkeypatch):
+    """Under CUDA autocast the loss saves bf16 log-probs (log_softmax) and an fp32 copy of them,
+    the targets and a scalar (nll_loss): each named as what it is, with exactly its bytes, in the
+    first forward's layout and at the peak (which falls in NllLossBackward0)."""
+    from minigpt.core import model as model_module
+
+    monkeypatch.setattr(model_module, "cross_entropy", cuda_cross_entropy)
+    shape = {**SHAPE, "vocab_size": 512, "batch_size": 8}
+    model, optimizer, batch, s = tiny_gpt(**shape)
+    b = train_steps(model, optimizer, batch, amp=True)
+    N, V = s["batch_size"] * s["seq_len"], s["vocab_size"]
+    loss = {k: v for k, v in b.activations.items() if k.startswith("loss")}
+    assert loss == {
+        "loss (log_softmax output: bfloat16 log-probs)": 2 * N * V,
+        "loss (nll_loss input: float32 log-probs)": 4 * N * V,
+        "loss (nll_loss targets)": 8 * N,
+        "loss (nll_loss weight total)": 4,
+    }
+    assert "NllLossBackward0" in b.peak_where
+    at_peak = b.peak_parts["activations"]
+    assert at_peak["loss (nll_loss input: float32 log-probs)"] == 4 * N * V
+    assert at_peak["loss (log_softmax output: bfloat16 log-probs)"] == 2 * N * V
+    # and in fp32 nll_loss saves log_softmax's own output: one storage, named once
+    model, optimizer, batch, s = tiny_gpt(**shape)
+    b = train_steps(model, optimizer, batch)
+    assert {k: v for k, v in b.activations.items() if "log-probs" in k} == {
+        "loss (log_softmax output: float32 log-probs)": 4 * N * V
+    }
+
+
+@needs_h200_run
+def test_the_h200_runs_loss_rows_are_what_the_names_now_say():
+    """The H200 run's memory.log (written before the fix) holds two loss rows: 824,180,736 B,
+    the bf16 log-probs, and 1,648,427,012 B, labelled "targets" but the fp32 copy of the
+    log-probs plus the int64 targets and a 4-byte weight total. The namer, given the saves CUDA
+    made there (op, dtype, bytes), names each by what those bytes are."""
+    from minigpt.instruments.memory import _saved_name, _Where
+
+    state = parse_memory_log((H200_MEMORY / "memory_trace" / "rank0_dp0" / MEMORY_LOG).read_text())[-1]
+    rows = {
+        r["path"]: r["layer_bytes"] for r in state["layouts"]["activation_base_layout"] if "loss" in r["path"]
+    }
+    N, V = 8 * 1024, 50304
+    assert sorted(rows.values()) == [2 * N * V, 4 * N * V + 8 * N + 4]
+    saves = [
+        ("aten::log_softmax", "aten::_log_softmax", "bfloat16", 2 * N * V),
+        ("aten::nll_loss", "aten::nll_loss_forward", "float32", 4 * N * V),
+        ("aten::nll_loss", "aten::nll_loss_forward", "int64", 8 * N),
+        ("aten::nll_loss", "aten::nll_loss_forward", "float32", 4),
+    ]
+    named = {}
+    for outer, inner, dtype, nbytes in saves:
+        name = _saved_name(_Where("forward", "", "", outer, inner), dtype, nbytes)
+        named[name] = named.get(name, 0) + nbytes
+    assert named["loss (log_softmax output: bfloat16 log-probs)"] == 2 * N * V  # 2 bytes an element
+    assert named["loss (nll_loss input: float32 log-probs)"] == 4 * N * V  # 4 bytes an element
+    assert named["loss (nll_loss targets)"] == 8 * N  # int64, one a row
+    assert sum(v for k, v in named.items() if "nll_loss" in k) == max(rows.values())
+
+
+@pytest.mark.parametrize("amp", ["fp32", "bf16"])
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_the_estimate_predicts_the_cuda_loss_paths_peak(monkeypatch, amp, checkpoint):
+    """The loss as CUDA runs it (F.cross_entropy; under autocast bf16 log-probs and nll_loss's
+    fp32 copy), measured on the CPU: the CUDA estimate, less the cuBLAS workspaces the CPU does
+    not have, predicts its peak, when it falls, and each part of it within 10%."""
+    from minigpt.core import model as model_module
+
+    loss = cuda_cross_entropy if amp == "bf16" else torch.nn.functional.cross_entropy
+    monkeypatch.setattr(model_module, "cross_entropy", loss)
+    model, optimizer, _, s = tiny_gpt(checkpoint=checkpoint, **PEAK_SHAPE)
+    b = trainer_steps(model, optimizer, s, amp=amp == "bf16")
+    e = estimate_gpt(Shape(**s, activation_checkpoint=checkpoint), amp, device="cuda")
+    assert e.workspaces == 64 * 2**20 and e.peak_stage == b.peak_stage
+    if e.peak_moment == "loss backward":
+        node = "NllLossBackward0" if amp == "bf16" else "LogSoftmaxBackward0"
+        assert node in b.peak_where
+    parts = {**e.peak_parts(), "temporaries": e.peak_parts()["temporaries"] - e.workspaces}
+    # what the process held from before the step (other tests' tensors in a full run) is no part of it
+    peak = b.peak - b.peak_part("held")
+    assert abs(sum(parts.values()) - peak) <= 0.10 * peak, (parts, b.peak_where, b.peak_parts)
+    for part in [p for p in PEAK_PARTS if p != "held"]:
+        measured, estimated = b.peak_part(part), parts[part]
+        assert abs(estimated - measured) <= 0.10 * max(measured, 2**16), (part, measured, estimated)
+    assert b.category_total("activations") == e.activations
+
+
+H200_SHAPE = Shape(
+    n_layers=12,
+    d_model=768,
+    n_heads=12,
+    d_ff=3072,
+    seq_len=1024,
+    batch_size=8,
+    vocab_size=50304,
+    max_position_embeddings=1024,
+)
+
+
+@needs_h200_run
+def test_the_estimate_holds_each_part_of_the_h200_runs_measured_memory():
+    """gpt2, bf16, batch 8 on an H200: parameters, gradients, optimizer state, activations, the
+    temporaries at the peak and the peak itself, each within 10% of what the run measured
+    (metrics.jsonl's memory_breakdown, the same figures as memory.log); and the fp16 and fp32
+    runs' peaks (max_memory_allocated) too."""
+    record = next(
+        json.loads(line)["memory_breakdown"]
+        for line in (H200_MEMORY / "metrics.jsonl").read_text().splitlines()
+        if "memory_breakdown" in line
+    )
+    state = parse_memory_log((H200_MEMORY / "memory_trace" / "rank0_dp0" / MEMORY_LOG).read_text())[-1]
+    assert state["summary"]["peak_memory"] == record["peak"] == record["cuda_max_allocated"]
+    e = estimate_gpt(H200_SHAPE, "bf16", device="cuda")
+    measured = {
+        "params": record["params"],
+        "grads": record["grads"],
+        "optimizer": record["optimizer"],
+        "activations": record["activations"],
+        "temporaries": record["peak_parts"]["temporaries"],
+        "peak": record["peak"],
+    }
+    estimated = {
+        "params": e.params,
+        "grads": e.grads,
+        "optimizer": e.optimizer,
+        "activations": e.activations,
+        "temporaries": e.peak_parts()["temporaries"],
+        "peak": e.peak,
+    }
+    for part, value in measured.items():
+        assert abs(estimated[part] - value) <= 0.10 * value, (part, value, estimated[part])
+    assert e.peak_stage == record["peak_stage"] == "backward"
+    for run, amp in (("h200-gpt2-fp16", "fp16"), ("h200-gpt2-fp32", "fp32")):
+        last = json.loads((H200_MEMORY.parent / run / "metrics.jsonl").read_text().splitlines()[-1])
+        peak = last["memory"]["peak_allocated_gib"] * 2**30
+        assert abs(estimate_gpt(H200_SHAPE, amp, device="cuda").peak - peak) <= 0.10 * peak, run
+
+
+def h200_breakdown():
+    """The H200 run's measured breakdown, rebuilt from its memory.log and metrics.jsonl."""
+    from minigpt.instruments.memory import MemoryBreakdown
+    from minigpt.memory_log import category_leaves, peak_of_state
+
+    state = parse_memory_log((H200_MEMORY / "memory_trace" / "rank0_dp0" / MEMORY_LOG).read_text())[-1]
+    record = next(
+        json.loads(line)["memory_breakdown"]
+        for line in (H200_MEMORY / "metrics.jsonl").read_text().splitlines()
+        if "memory_breakdown" in line
+    )
+    leaves, peak = category_leaves(state), peak_of_state(state)
+    return MemoryBreakdown(
+        record["step"],
+        leaves["params"],
+        leaves["grads"],
+        leaves["optimizer"],
+        leaves["activations"],
+        record["activations_peak"],
+        record["activation_dtypes"],
+        device="cuda",
+        cuda_max_allocated=record["cuda_max_allocated"],
+        cuda_max_reserved=record["cuda_max_reserved"],
+        peak=record["peak"],
+        peak_stage=record["peak_stage"],
+        peak_where=record["peak_where"],
+        peak_parts=peak["parts"],
+    )
+
+
+@needs_h200_run
+def test_every_statement_of_the_h200_breakdown_is_what_its_bytes_are():
+    """The last line explains max_allocated over the total with terms that add up to it (the NLL
+    gradient among the temporaries, the gradients not yet made), names the 79.2 MiB the profiler
+    did not see, and the largest temporaries shown are the largest there are, none of 0.0 MiB."""
+    import re
+
+    b = h200_breakdown()
+    text = format_breakdown(b, estimate_gpt(H200_SHAPE, "bf16", device="cuda"))
+    assert "not in the breakdown" not in text
+    line = next(row for row in text.splitlines() if "CUDA max allocated" in row)
+    over, terms = line.split("MiB over the total, = ")
+    said = [float(v) for v in re.findall(r" ([+-]\d+\.\d\d)(?:,|$)", terms)]
+    assert abs(sum(said) - b.other / 2**20) < 0.02 * len(said) and abs(b.other / 2**20 - 1182.62) < 0.01
+    assert (
+        "temporaries of the ops at the peak +1651.20" in terms
+        and "gradients not live at the peak -474.84" in terms
+    )
+    temps = next(row for row in text.splitlines() if row.strip().startswith("temporaries of the ops"))
+    assert "(not seen by the profiler) 79.2" in temps and " 0.0;" not in temps
+    assert "+79.20 MiB the profiler did not see" in text

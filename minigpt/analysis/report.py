@@ -4,10 +4,11 @@
     python -m minigpt.report runs/main --out /tmp/r.html
 
 torch-tb-profiler's Overview, Operator and Memory views load Google Charts from the network, so
-offline they are a spinner. This page needs nothing: plotly.js is inlined once (about 4.6 MB),
-every chart is drawn from the run directory's files (config.json, metrics.jsonl, traces/,
-memory_trace/, stragglers.jsonl), and opening it makes no request. Sections whose data the run
-did not record say so in one line, with the flag that records it.
+offline they are a spinner. This page needs nothing from the network: plotly.js is the run
+folder's one plotly.min.js (about 4.6 MB, shared with the memory profiler's charts), every chart
+is drawn from the run directory's files (config.json, metrics.jsonl, traces/, memory_trace/,
+stragglers.jsonl), and opening it makes no request. Sections whose data the run did not record
+say so in one line, with the flag that records it.
 
 The trainer calls write_report() at the end of a run (--no-report turns it off).
 """
@@ -35,6 +36,7 @@ from minigpt.memory_log import (
     sunburst,
 )
 from minigpt.paths import METRICS_FILE, REPORT_FILE
+from minigpt.plotlyjs import script_tag, write_plotly_js
 from minigpt.stages import STAGE_NAMES, color, label, split_parent
 from minigpt.step_record import MEMORY_BREAKDOWN_KEYS, OLDER_RUN, REBUILT, describe_left_out, run_figures
 
@@ -111,13 +113,26 @@ def figure(fig, div_id: str, height: int = 380) -> str:
     )
 
 
-def page(title: str, body: str) -> str:
+# Where a run folder's page loads the folder's one plotly.min.js (write_report fills it in).
+SHARED_PLOTLY = "<!-- minigpt: the run folder's plotly.min.js -->"
+
+
+def page(title: str, body: str, shared_plotly: bool = False) -> str:
+    """A whole page. plotly.js, only when a figure is drawn: inlined in the head (a page on its
+    own, such as compare's --html), or, with `shared_plotly`, a marker that write_report turns into
+    a <script src> of the run folder's one copy. No CDN either way."""
     import plotly.offline
 
-    # Inlined once, in the head, so every figure's script finds Plotly; no <script src>, no CDN.
+    js = ""
+    if "Plotly.newPlot" in body:
+        js = (
+            SHARED_PLOTLY
+            if shared_plotly
+            else f'<script type="text/javascript">{plotly.offline.get_plotlyjs()}</script>'
+        )
     return (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>\n'
-        f'<style>{CSS}</style>\n<script type="text/javascript">{plotly.offline.get_plotlyjs()}</script>\n'
+        f"<style>{CSS}</style>\n{js}\n"
         f"</head><body>\n{body}\n</body></html>\n"
     )
 
@@ -921,6 +936,12 @@ def memory_section(run: Run) -> str:
     if b:
         body += _categories_body(b, est)
     body += _process_memory_chart(run)
+    pages = sorted((run.path / "snapshots").glob("*snapshot.html"))
+    if pages:  # written by write_report (minigpt.analysis.snapshot)
+        links = ", ".join(f'<a href="{esc(p.relative_to(run.path))}">{esc(p.name)}</a>' for p in pages)
+        body += (
+            f"<p>CUDA memory snapshots, offline (bytes over the steps, the peak, what was live): {links}</p>"
+        )
     if not body:
         return nodata("no memory breakdown: run with --memory-profiler")
     if not (run.memory or b):
@@ -1072,7 +1093,8 @@ def report_body(run: Run) -> str:
 
 
 def render_report(run: Run) -> str:
-    return page(f"minigpt run {run.name}", report_body(run))
+    """The report page; where it draws a chart, it loads plotly.min.js from its own folder."""
+    return page(f"minigpt run {run.name}", report_body(run), shared_plotly=True)
 
 
 def write_page(out: Path, text: str, elsewhere: str) -> None:
@@ -1087,12 +1109,36 @@ def write_page(out: Path, text: str, elsewhere: str) -> None:
         ) from None
 
 
+def _snapshot_pages(run_dir: Path, elsewhere: str) -> None:
+    """Each CUDA memory snapshot's offline page beside it, for the report to link. A snapshot that
+    cannot be read or a folder that cannot be written costs its page, not the report."""
+    from minigpt.analysis import snapshot  # imports this module: loaded when a report is written
+
+    for pickle_path in sorted((run_dir / "snapshots").glob("*snapshot.pickle*")):
+        if pickle_path.suffix in (".pickle", ".gz"):
+            try:
+                snapshot.write_snapshot_page(pickle_path, elsewhere=elsewhere)
+            except RunError:
+                pass
+
+
 def write_report(run_dir: Path, out: Path | None = None, elsewhere: str = ELSEWHERE) -> Path:
     """Write the run's report (default RUN/report.html) atomically; return its path. Raises RunError
     when run_dir is not a run directory or the page cannot be written, DiskFull when the disk is full."""
     run = load_run(Path(run_dir))
+    _snapshot_pages(run.path, elsewhere)
     out = Path(out) if out is not None else run.path / REPORT_FILE
-    write_page(out, render_report(run), elsewhere)
+    text = render_report(run)
+    if SHARED_PLOTLY in text:  # one copy beside the page: the run folder's, which the charts share
+        try:
+            js = write_plotly_js(out.parent, elsewhere)
+        except UsageError as e:  # a full disk (fileio.DiskFull), its message naming the way out
+            raise RunError(f"cannot write {out}: {e}") from None
+        except OSError as e:
+            why = f"its plotly.min.js beside it: {e.strerror or type(e).__name__}"
+            raise RunError(f"cannot write {out} ({why}); write elsewhere ({elsewhere})") from None
+        text = text.replace(SHARED_PLOTLY, script_tag(out, js))
+    write_page(out, text, elsewhere)
     return out
 
 

@@ -115,13 +115,14 @@ class CrossEntropy(torch.autograd.Function):
     """F.cross_entropy(logits, targets): the mean over targets that are not -100 (ignore_index),
     with the softmax in fp32 as under autocast, and less memory traffic.
 
-    F.cross_entropy under autocast makes an fp32 copy of all N x V logits, saves fp32
-    log-probabilities for backward, and in backward writes a dense fp32 gradient, exponentiates the
-    log-probabilities again and copies the result into the logits' dtype: on a CPU these passes over
-    memory cost more than the LM head's matmul. Here LOSS_ROWS rows at a time are made fp32, in
-    cache, and the forward computes both the loss and its gradient, softmax - one-hot (a loss ends
-    the graph: only its scalar gradient is left for backward). The gradient is kept in the logits'
-    dtype (bf16 under autocast), rounded once, as F.cross_entropy's is."""
+    F.cross_entropy under the CPU's autocast makes an fp32 copy of all N x V logits (log_softmax is
+    on the CPU's fp32 list), saves fp32 log-probabilities for backward, and in backward writes a
+    dense fp32 gradient, exponentiates the log-probabilities again and copies the result into the
+    logits' dtype: on a CPU these passes over memory cost more than the LM head's matmul. Here
+    LOSS_ROWS rows at a time are made fp32, in cache, and the forward computes both the loss and its
+    gradient, softmax - one-hot (a loss ends the graph: only its scalar gradient is left for
+    backward). The gradient is kept in the logits' dtype (bf16 under autocast), rounded once, as
+    F.cross_entropy's is."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -154,9 +155,10 @@ class CrossEntropy(torch.autograd.Function):
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The mean cross-entropy: CrossEntropy on the CPU; F.cross_entropy elsewhere, where one fused
-    kernel already reads the logits once, and for fp16, whose gradient needs the loss scale applied
-    before it is rounded (CrossEntropy rounds it in forward).
+    """The mean cross-entropy: CrossEntropy on the CPU; F.cross_entropy elsewhere, and for fp16,
+    whose gradient needs the loss scale applied before it is rounded (CrossEntropy rounds it in
+    forward). On CUDA under autocast F.cross_entropy's log_softmax runs in the logits' dtype and
+    saves bf16/fp16 log-probs; nll_loss (on autocast's fp32 list) saves an fp32 copy of them.
 
     Under torch.compile F.cross_entropy too, on the CPU as well: the compiler fuses its passes
     itself, and CrossEntropy's backward reads grad_loss.item(), a graph break. The break made the

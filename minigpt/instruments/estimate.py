@@ -45,6 +45,7 @@ class MemoryEstimate:
     recompute: int  # checkpointing: one block's activations, rebuilt during backward
     grad_accum_steps: int = 1
     chunked_loss: bool = False
+    workspaces: int = 0  # CUDA: cuBLAS workspaces, live in every moment (a temporary of no op)
     # The candidate moments of the peak, {moment: {part: bytes}} with the parts of memory.PEAK_PARTS;
     # the largest is the predicted peak (docs/memory.md).
     moments: dict = field(default_factory=dict)
@@ -130,6 +131,13 @@ class _Sizes:
         return self.device == "cpu" and self.amp_dtype != "fp16"
 
     @property
+    def lowp_log_softmax(self) -> bool:
+        """F.cross_entropy under CUDA autocast: log_softmax runs in the logits' dtype (it is given
+        that dtype, so autocast keeps it) and nll_loss, on autocast's fp32 list, on an fp32 copy.
+        The CPU's autocast casts the logits to fp32 before log_softmax: one fp32 copy, shared."""
+        return not self.fused_loss and self.amp and self.device != "cpu"
+
+    @property
     def flash(self) -> bool:
         """The CPU flash kernel has no dropout: the math path takes over."""
         return self.shape.dropout == 0 or self.device == "cuda"
@@ -172,17 +180,20 @@ def estimate_gpt(
     AdamW, the step shaped as train_minimal.py runs it (the loop keeps the loss, not the logits).
     docs/memory.md derives every term and checks it against the measurement.
 
-    What persists: parameters, fp32 gradients, AdamW's two fp32 moments and a step per tensor.
-    What the forward saves: Korthikanti et al.'s per-layer count redone for this model (fp32
-    LayerNorm inputs, flash attention, no dropout masks), and what the cross-entropy saves, chosen
-    as model.cross_entropy() chooses: on the CPU (not fp16) CrossEntropy's gradient in the logits'
-    dtype, p*bsV; elsewhere F.cross_entropy's fp32 log-probabilities 4bsV. The peak is the largest of
-    a few moments: the loss itself (CrossEntropy's forward: the logits, the gradient it fills and
-    fp32 blocks of loss_rows rows; F.cross_entropy's backward: the logits, the log-probabilities and
-    two fp32 bsV gradients at once), the end of backward (the tied embedding's three V x h
-    gradients), a checkpointed block rebuilt, the optimizer step, and with chunked_loss a chunk of
+    What persists: parameters, fp32 gradients, AdamW's two fp32 moments and a step per tensor. What
+    the forward saves: Korthikanti et al.'s per-layer count redone for this model (fp32 LayerNorm
+    inputs, flash attention, no dropout masks), and what the cross-entropy saves, chosen as
+    model.cross_entropy() chooses: on the CPU (not fp16) CrossEntropy's gradient in the logits'
+    dtype, p*bsV; elsewhere F.cross_entropy's fp32 log-probabilities 4bsV, and under CUDA autocast
+    also the bf16/fp16 log-probs p*bsV that log_softmax made (nll_loss's fp32 copy is a storage of
+    its own). The peak is the largest of a few moments: the loss itself (CrossEntropy's forward: the
+    logits, the gradient it fills and fp32 blocks of loss_rows rows; F.cross_entropy's backward:
+    every saved tensor and NllLossBackward's fp32 bsV gradient, and in fp32 (one log-probs storage)
+    LogSoftmaxBackward's fp32 output beside it), the end of backward (the tied embedding's three V x
+    h gradients), a checkpointed block rebuilt, the optimizer step, and with chunked_loss a chunk of
     the loss in the forward (the fp32 gradient accumulators, one chunk's fp32 logits twice over, and
-    the chunk weight gradients in the matmuls' dtype: bf16 under AMP).
+    the chunk weight gradients in the matmuls' dtype: bf16 under AMP). On CUDA every moment also
+    holds the two cuBLAS workspaces (64 MiB), allocated at the first matmul.
     """
     z = _Sizes(shape, amp_dtype, device)
     est = _saved(z)
@@ -208,8 +219,10 @@ def _saved(z: _Sizes) -> MemoryEstimate:
         head_copy = p * V * h if z.amp else 0
         head = z.layer_norm + p * sbh + head_copy
         # CrossEntropy saves its gradient in the logits' dtype; F.cross_entropy the fp32
-        # log-probabilities and the targets (with the weight total)
+        # log-probabilities and the targets (with the weight total), and under CUDA autocast the
+        # low-precision log-probs log_softmax made besides (nll_loss saves its fp32 copy of them)
         loss = p * bs * V if z.fused_loss else 4 * bs * V + 8 * bs + 4
+        loss += p * bs * V if z.lowp_log_softmax else 0
         logits = p * bs * V
     return MemoryEstimate(
         amp_dtype=z.amp_dtype,
@@ -228,6 +241,7 @@ def _saved(z: _Sizes) -> MemoryEstimate:
         recompute=z.full_block if s.activation_checkpoint else 0,
         grad_accum_steps=s.grad_accum_steps,
         chunked_loss=s.chunked_loss,
+        workspaces=_workspaces(z),
     )
 
 
@@ -242,7 +256,7 @@ def _moment(
         "optimizer": est.optimizer,
         "grads": before + grads,
         "activations": activations,
-        "temporaries": temporaries,
+        "temporaries": temporaries + est.workspaces,
         "held": 0,
     }
 
@@ -275,9 +289,13 @@ def _loss_moments(z: _Sizes, est: MemoryEstimate, moment, loss_rows: int) -> dic
     V, bs, L = z.shape.vocab_size, z.shape.tokens, z.shape.n_layers
     acts, loss, logits, accum = est.activations, est.loss, est.logits, est.grad_accum_steps
     if not z.fused_loss:
-        # LogSoftmaxBackward: the saved log-probabilities (in acts), the gradient NllLossBackward
-        # made (fp32 bsV) and its own output (fp32 bsV); the logits died with the forward
-        return {"loss backward": moment(activations=acts, temporaries=2 * 4 * bs * V)}
+        # NllLossBackward: every saved tensor and the fp32 bsV gradient it makes. In fp32 (one
+        # log-probs storage) LogSoftmaxBackward then adds its own fp32 output while that gradient
+        # and the log-probs are live. Under CUDA autocast nll_loss's fp32 copy is freed with its
+        # node, before the casts back to bf16/fp16 (p*bsV each): NllLossBackward is the peak.
+        # The logits died with the forward.
+        grads = 4 * bs * V if z.lowp_log_softmax else 2 * 4 * bs * V
+        return {"loss backward": moment(activations=acts, temporaries=grads)}
     # CrossEntropy's forward, at its second block: the logits, the gradient it fills (saved only
     # at its end: a temporary until then), the last block of fp32 rows (held by its variable) and
     # the new one, and per row: log-sum-exp, scale (fp32), targets clamped (int64), mask (bool).
@@ -292,6 +310,13 @@ def _loss_moments(z: _Sizes, est: MemoryEstimate, moment, loss_rows: int) -> dic
     # a scaled copy of it.
     backward = moment(activations=acts, temporaries=loss if accum > 1 else 0)
     return {"loss forward": loss_forward, "loss backward": backward}
+
+
+def _workspaces(z: _Sizes) -> int:
+    """CUDA: the cuBLAS workspaces the caching allocator holds from the first matmul on, one per
+    handle: the forward's thread and autograd's backward thread (two 32 MiB blocks live the whole
+    H200 run; torch gives Hopper 32 MiB a handle, older GPUs less). The CPU has none."""
+    return 2 * 32 * MiB if z.device == "cuda" else 0
 
 
 def _backward_moments(z: _Sizes, est: MemoryEstimate, moment) -> dict[str, dict]:
@@ -332,6 +357,8 @@ def device_memory(device: str, given_gb: float | None) -> tuple[int | None, str]
     """(bytes the run may use, where the figure comes from)."""
     if given_gb is not None:
         return int(given_gb * GiB), "--device-memory-gb"
+    if device == "cuda" and not torch.cuda.is_available():
+        return None, "no CUDA GPU here; pass --device-memory-gb (the card's size) to see whether it fits"
     if device == "cuda":
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         return props.total_memory, f"the GPU's memory ({props.name})"
@@ -414,8 +441,8 @@ def _fits(memory: tuple[int | None, str], names: list[str], estimates: list[Memo
         )
     return [
         f"Device memory: {size / GiB:.1f} GiB ({source}). " + "; ".join(fits),
-        "  (peak estimate against device memory; above 90% counts as tight: on CUDA the context, "
-        "workspaces and the caching allocator's rounding come on top, see docs/memory.md)",
+        "  (peak estimate against device memory; above 90% counts as tight: on CUDA the context "
+        "and the caching allocator's rounding come on top, see docs/memory.md)",
     ]
 
 
@@ -443,8 +470,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         argv, timing, as_json = split_flags(argv)
         cfg = parse_args(argv, prog="python -m minigpt.estimate")
-        device = resolve_device(cfg.device)
-        _, amp_dtype, amp_note = resolve_amp(cfg, device)
+        if cfg.device == "cuda" and not torch.cuda.is_available():
+            if timing:
+                raise UsageError(
+                    "--time measures the GPU's own rates: run it where the GPU is (the memory "
+                    "estimate, without --time, answers for --device cuda anywhere)"
+                )
+            # planning a GPU run without one: the estimate is arithmetic on shapes
+            device, amp_dtype = "cuda", "fp32" if cfg.amp is False else cfg.amp_dtype
+            amp_note = "planned for a CUDA GPU not visible here" + (
+                "; bf16 needs Ampere or newer" if amp_dtype == "bf16" else ""
+            )
+        else:
+            device = resolve_device(cfg.device)
+            _, amp_dtype, amp_note = resolve_amp(cfg, device)
         if timing:  # --time [--json]: the step's stage times, predicted (minigpt/instruments/predict.py)
             if device == "cpu":  # the rates are measured on the malloc the trainer would run on
                 choose_allocator(cfg.keep_freed_memory)

@@ -14,7 +14,8 @@ any training step.
 - `make_profiler` builds a torch.profiler window with Megatron's semantics (steps S..E-1).
 - `CommProbe` (minigpt/instruments/commprobe.py) times the collectives of FSDP and TP, one step per interval.
 - `NsysCaptureRange` calls cudaProfilerStart/Stop around the same window for `nsys --capture-range`.
-- `MemoryHistory` records CUDA allocations and dumps snapshots for pytorch.org/memory_viz.
+- `MemoryHistory` records CUDA allocations of the training steps and dumps snapshots (read offline
+  by `python -m minigpt snapshot`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from minigpt.fileio import atomic_open, atomic_write
 from minigpt.instruments.commprobe import CommProbe
 from minigpt.instruments.memory import process_memory
 from minigpt.instruments.straggler import parse_slow_rank
+from minigpt.memory_snapshot import peak_text
 from minigpt.stages import STAGE_NAMES, STEP_RANGE, color
 
 NVTX_DOMAIN = "minigpt"  # one domain: Nsight can filter the project's ranges from PyTorch's own
@@ -330,20 +332,23 @@ class NsysCaptureRange:
 
 class MemoryHistory:
     """CUDA memory history (torchcompat.start_memory_history), bounded, with Python stacks only: C++
-    frames make a dump take minutes. Snapshots open at pytorch.org/memory_viz; beside each pickle a text file
-    lists the largest live allocations with their Python frames."""
+    frames make a dump take minutes. Recorded from the first training step. Beside each pickle a
+    text file lists what was live at the recording's peak, with the frames that allocated it;
+    `python -m minigpt snapshot` draws the offline page (pytorch.org/memory_viz reads it too)."""
 
     def __init__(self, max_entries: int):
         self.max_entries = max_entries
+        self.started = False
 
     def start(self) -> None:
         torchcompat.start_memory_history(self.max_entries)
+        self.started = True
 
     def dump(self, path: Path) -> Path:
         snapshot = torchcompat.memory_snapshot()
         with atomic_open(path) as f:
             pickle.dump(snapshot, f)
-        atomic_write(path.with_suffix(".txt"), largest_allocations(snapshot))
+        atomic_write(path.with_suffix(".txt"), peak_text(snapshot))
         return path
 
     def stop(self) -> None:
@@ -356,30 +361,6 @@ class MemoryHistory:
             self.dump(path)
 
         torchcompat.attach_oom_observer(observer)
-
-
-def largest_allocations(snapshot: dict, rows: int = 20) -> str:
-    """The live blocks of a memory snapshot, largest first, each with its innermost Python frames."""
-    blocks = [
-        b
-        for seg in snapshot.get("segments", [])
-        for b in seg.get("blocks", [])
-        if b.get("state") == "active_allocated"
-    ]
-    blocks.sort(key=lambda b: b.get("size", 0), reverse=True)
-    total = sum(b.get("size", 0) for b in blocks)
-    lines = [
-        f"{len(blocks)} live allocations, {total / 2**20:.1f} MiB; the largest {min(rows, len(blocks))}:"
-    ]
-    for b in blocks[:rows]:
-        frames = b.get("frames") or []
-        where = [
-            f"{fr.get('filename', '?')}:{fr.get('line', '?')} {fr.get('name', '')}"
-            for fr in frames
-            if str(fr.get("filename", "")).endswith(".py")
-        ][:4]
-        lines.append(f"{b.get('size', 0) / 2**20:10.2f} MiB  " + (" <- ".join(where) or "(no Python frames)"))
-    return "\n".join(lines) + "\n"
 
 
 def cuda_memory_report(reset: bool = True) -> dict[str, float]:
@@ -439,11 +420,12 @@ class Instruments:
             snapshot = snapshot.with_name(f"rank{rank}_{snapshot.name}")
         self.snapshot_path, self._snapshot_dumped = snapshot, False
         self.memory_history = None
-        if cfg.record_memory_history and self.profiled:  # before the model exists: its allocations are in it
+        if cfg.record_memory_history and self.profiled:
             if cfg.memory_snapshot_path:  # a path of the user's: refused now, not when the window ends
                 probe_writable(snapshot, "--memory-snapshot-path")
+            # The OOM observer from now on (an OOM while building still leaves the segments); the
+            # history itself from the first step (step()): the entries are training steps only.
             self.memory_history = MemoryHistory(cfg.memory_history_entries)
-            self.memory_history.start()
             self.memory_history.dump_on_oom(out_dir / paths.OOM_SNAPSHOT_FILE.format(rank=rank))
         self.profiler = self.nsys = None
         self.memory_step: int | None = None
@@ -515,6 +497,8 @@ class Instruments:
             self._rss_before_window = process_memory()["rss_peak_bytes"]
         if self.nsys:
             self.nsys.before_step(n)
+        if self.memory_history and not self.memory_history.started:
+            self.memory_history.start()  # the first step's allocations on: the recording is training
         measured = n == self.memory_step
         capture = self._capture() if measured else nullcontext()
         probed = self.comm is not None and self.comm.start(n, self.first_step)  # outside the step's clock
@@ -639,7 +623,7 @@ class Instruments:
         from minigpt.instruments.memory import format_breakdown, write_memory_trace
 
         folder = self.out_dir / paths.MEMORY_TRACE_DIR.format(worker=self.worker)
-        write_memory_trace(breakdown, folder, self.memory_estimate)
+        write_memory_trace(breakdown, folder, self.memory_estimate, run_dir=self.out_dir)
         self.log.info(
             f"{format_breakdown(breakdown, self.memory_estimate)}\n  memory.log and sunburst charts: {folder}"
         )
@@ -680,5 +664,6 @@ class Instruments:
                     self.memory_history.dump(self.snapshot_path)
                 self.memory_history.stop()
                 self.log.info(
-                    f"CUDA memory snapshot: {self.snapshot_path} (open it at pytorch.org/memory_viz)"
+                    f"CUDA memory snapshot: {self.snapshot_path} (offline page: python -m minigpt "
+                    f"snapshot {self.snapshot_path}; the report links it; .txt: what was live at its peak)"
                 )

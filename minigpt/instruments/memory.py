@@ -57,6 +57,7 @@ import weakref
 from collections import defaultdict
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -84,6 +85,7 @@ from minigpt.memory_log import (
     sunburst,
     tree_rows,
 )
+from minigpt.plotlyjs import write_plotly_js
 from minigpt.stages import STAGE_NAMES
 
 # What this module reads of estimate.MemoryEstimate (a type only: no import at run time).
@@ -104,7 +106,10 @@ LOSS_OPS = (
     "NllLossBackward",
     "CrossEntropy",
 )
-NO_MODULE = "(outside any submodule)"  # saved tensors whose op could not be told (no profiler session)
+NO_MODULE = "(outside any submodule)"
+# On CUDA: max_memory_allocated less the replayed peak. Mostly blocks allocated before the step
+# that no Python tensor holds (the cuBLAS workspaces, one per handle), which the session never sees.
+NOT_SEEN = "(not seen by the profiler)"  # saved tensors whose op could not be told (no profiler session)
 # Names of the markers a capture writes into its own profiler session (never seen outside it).
 _MARK = "minigpt.instruments.memory::"
 
@@ -155,8 +160,8 @@ class MemoryBreakdown:
     """One step's memory, in bytes. Each category maps a path to the bytes held there: parameter
     and gradient paths are parameter names (`blocks.0.attn.qkv.weight`), optimizer state paths add
     the state's key (`...qkv.weight.exp_avg`), activation paths are module paths (`blocks.0.attn`),
-    or, for tensors saved by ops that ran in no submodule, the op's name (`loss (cross_entropy
-    log-probs)`).
+    or, for tensors saved by ops that ran in no submodule, the op's name and what the tensor is
+    (`loss (log_softmax output: bfloat16 log-probs)`).
 
     `peak` is the allocator's highest figure in the step and `peak_parts` what was live at that
     moment, {part: {name: bytes}} for the parts of PEAK_PARTS: they add up to `peak` exactly."""
@@ -453,14 +458,15 @@ class _PeakSession:
     def measure(self, b: MemoryBreakdown, optimizer_ptrs: dict[int, str], root_saves: list) -> None:
         """Fill in b's peak from the stopped session, every byte live then named; `root_saves`:
         (marker index, bytes) of tensors saved outside any submodule, named after their op."""
-        timeline = _timeline(self.prof, self.device)
+        timeline = _timeline(self.prof, self.device, self.marks.items)
         _replay(b, timeline, self.baseline.blocks, self.marks.items, optimizer_ptrs)
         for index, nbytes in root_saves:
             name = timeline.mark_names.get(index) or NO_MODULE
             b.activations[name] = b.activations.get(name, 0) + nbytes
         if b.cuda_max_allocated is not None:  # the CUDA allocator's own figure is the reference
-            b.peak_parts.setdefault("temporaries", {})
-            b.peak_parts["temporaries"]["(not seen by the profiler)"] = b.cuda_max_allocated - b.peak
+            temps = b.peak_parts.setdefault("temporaries", {})
+            temps[NOT_SEEN] = b.cuda_max_allocated - b.peak
+            b.peak_parts["temporaries"] = dict(sorted(temps.items(), key=lambda kv: -kv[1]))
             b.peak = b.cuda_max_allocated
         self.baseline.forget()
 
@@ -705,9 +711,9 @@ class _Where:
         return f"{self.stage} / {self.owner()}" + (f" / {self.op()}" if self.op() else "")
 
 
-def _timeline(prof, device: str) -> _Timeline:
+def _timeline(prof, device: str, marks: list[tuple]) -> _Timeline:
     """The capture's profiler session in time order (ties in tree order): its allocations on
-    `device`, each with where it happened, and its markers."""
+    `device`, each with where it happened, and its markers (`marks`: what each one noted)."""
     seq_module: dict[int, str] = {}  # forward op's sequence number -> its module (for backward nodes)
     raw: list[tuple] = []
     order = 0
@@ -736,8 +742,8 @@ def _timeline(prof, device: str) -> _Timeline:
             events.append(("alloc", a, nbytes, total, where))
         else:
             events.append(("mark", a, where))
-            if where.outer:
-                names[a] = _saved_name(where)
+            if where.outer and a < len(marks):
+                names[a] = _saved_name(where, marks[a][4], marks[a][2])
     return _Timeline(events, names)
 
 
@@ -776,21 +782,31 @@ def _where(ctx: dict) -> _Where:
     )
 
 
-def _saved_name(where: _Where) -> str:
-    """The name of tensors saved by an op that ran in no submodule: the loss's gradient
-    (CrossEntropy, on the CPU) or log-probabilities and targets (F.cross_entropy), or the op itself."""
+_INTEGER_DTYPES = ("int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+def _saved_name(where: _Where, dtype: str = "", nbytes: int = 0) -> str:
+    """The name of a tensor saved by an op that ran in no submodule: for the loss, what the tensor
+    is, by the op that saved it and its dtype; else the op itself. The CPU's CrossEntropy saves its
+    gradient. F.cross_entropy is log_softmax then nll_loss: log_softmax saves its output (the
+    log-probs, in the logits' dtype on CUDA under autocast, fp32 elsewhere), nll_loss its input,
+    the targets and a scalar weight total. When log_softmax ran in fp32 nll_loss's input is that
+    same storage, counted once under log_softmax; under CUDA autocast nll_loss (autocast's fp32
+    list) runs on a float32 copy of the bf16/fp16 log-probs, a storage of its own."""
     op = where.inner.removeprefix("aten::")
-    if where.is_loss():
-        what = {
-            "CrossEntropy": "gradient",
-            "_log_softmax": "log-probs",
-            "log_softmax": "log-probs",
-            "nll_loss_forward": "targets",
-            "nll_loss": "targets",
-            "nll_loss_nd": "targets",
-        }.get(op, op)
-        return f"loss (cross_entropy {what})"
-    return f"op {where.outer.removeprefix('aten::')}"
+    if not where.is_loss():
+        return f"op {where.outer.removeprefix('aten::')}"
+    if op == "CrossEntropy":
+        return "loss (cross_entropy gradient)"
+    if "log_softmax" in op:
+        return f"loss (log_softmax output: {dtype or 'the'} log-probs)"
+    if op.startswith("nll_loss"):
+        if dtype in _INTEGER_DTYPES:
+            return "loss (nll_loss targets)"
+        if 0 < nbytes <= 8:  # a 0-d tensor: the sum of the targets' weights
+            return "loss (nll_loss weight total)"
+        return f"loss (nll_loss input: {dtype or 'the'} log-probs)"
+    return f"loss ({op})"
 
 
 def _replay(
@@ -1001,8 +1017,9 @@ def format_memory_log(b: MemoryBreakdown, estimate: MemoryEstimate | None = None
 # ---------------------------------------------------------------------------- sunburst charts
 
 
-def _sunburst_html(rows: list[tuple[str, str, str, int]], title: str) -> str:
-    """rows: (id, label, parent id, bytes). Offline HTML: plotly.js is embedded (about 4.6 MB)."""
+def _sunburst_html(rows: list[tuple[str, str, str, int]], title: str, plotly_src: str) -> str:
+    """rows: (id, label, parent id, bytes). Offline HTML that loads plotly.js from `plotly_src`, a
+    path relative to the page (the run folder's one copy)."""
     import plotly.graph_objects as go  # imported when charts are written, not by the trainer
 
     fig = go.Figure(
@@ -1012,15 +1029,19 @@ def _sunburst_html(rows: list[tuple[str, str, str, int]], title: str) -> str:
         )
     )
     fig.update_layout(title=title, margin=dict(t=80, l=0, r=0, b=0))  # two-line titles
-    return fig.to_html(include_plotlyjs=True, full_html=True)
+    return fig.to_html(include_plotlyjs=plotly_src, full_html=True)
 
 
 def write_memory_trace(
-    b: MemoryBreakdown, folder: Path, estimate: MemoryEstimate | None = None
+    b: MemoryBreakdown, folder: Path, estimate: MemoryEstimate | None = None, run_dir: Path | None = None
 ) -> list[Path]:
     """memory.log and the sunburst charts into `folder`, each written to a temporary name and
-    renamed into place. Returns the paths."""
+    renamed into place; the charts load plotly.min.js from `run_dir` (default `folder`), written
+    there once for every page of the run. Returns the paths."""
     folder.mkdir(parents=True, exist_ok=True)
+    js = write_plotly_js(run_dir if run_dir is not None else folder)
+    src = Path(os.path.relpath(js.resolve(), folder.resolve())).as_posix()
+    _sunburst = partial(_sunburst_html, plotly_src=src)
     mib = lambda c: b.category_total(c) / MiB  # noqa: E731
     titles = {
         "params": f"Parameters: {mib('params'):.2f} MiB",
@@ -1031,10 +1052,10 @@ def write_memory_trace(
     files = {MEMORY_LOG: format_memory_log(b, estimate)}
     for category in CATEGORIES:
         rows = category_rows(getattr(b, category), category)
-        files[SUNBURST_FILES[category]] = _sunburst_html(rows, titles[category])
+        files[SUNBURST_FILES[category]] = _sunburst(rows, titles[category])
     step = f" at step {b.step}" if b.step is not None else ""
     if b.peak is not None:
-        files[SUNBURST_FILES["peak"]] = _sunburst_html(
+        files[SUNBURST_FILES["peak"]] = _sunburst(
             peak_rows(b.peak_parts),
             f"Measured peak{step}: {b.peak / MiB:.2f} MiB (what was live then; the parts add up to it)"
             f"<br>in {b.peak_where}",
@@ -1047,7 +1068,7 @@ def write_memory_trace(
         if b.peak is not None
         else "the peak was not measured"
     )
-    files[SUNBURST_FILES["summary"]] = _sunburst_html(
+    files[SUNBURST_FILES["summary"]] = _sunburst(
         summary,
         f"By category{step}: {sum(b.category_total(c) for c in CATEGORIES) / MiB:.2f} MiB, a sum of parts "
         "never all live at once<br>(parameters + gradients + optimizer state + every saved activation; "
@@ -1083,12 +1104,37 @@ def format_breakdown(b: MemoryBreakdown, estimate: MemoryEstimate | None = None)
     lines.append(f"  activations by dtype: {dtypes}")
     lines += _peak_table(b, e)
     if b.cuda_max_allocated is not None:
-        lines.append(
-            f"  CUDA max allocated {b.cuda_max_allocated / MB:.2f} MiB (reserved "
-            f"{b.cuda_max_reserved / MB:.2f} MiB); not in the breakdown: {b.other / MB:+.2f} MiB of "
-            "temporary buffers, workspaces and allocator rounding"
-        )
+        lines += _cuda_lines(b)
     return "\n".join(lines)
+
+
+def _cuda_lines(b: MemoryBreakdown) -> list[str]:
+    """The CUDA allocator's figures, and why max_allocated is not the total above: part by part,
+    what was live at the peak less what the total counts (every term is bytes named above)."""
+    head = f"  CUDA max allocated {b.cuda_max_allocated / MB:.2f} MiB"
+    head += f" (reserved {b.cuda_max_reserved / MB:.2f} MiB)"
+    if b.peak is None:
+        return [f"{head}; above the total by {b.other / MB:+.2f} MiB, not measured part by part"]
+    terms = [
+        ("temporaries of the ops at the peak", b.peak_part("temporaries")),
+        ("gradients not live at the peak", b.peak_part("grads") - b.category_total("grads")),
+        ("parameters", b.peak_part("params") - b.category_total("params")),
+        ("optimizer state", b.peak_part("optimizer") - b.category_total("optimizer")),
+        (
+            "saved activations at the peak less the activation peak (allocator blocks outsize tensors)",
+            b.peak_part("activations") - b.activations_peak,
+        ),
+        ("held from before the step", b.peak_part("held")),
+    ]
+    said = ", ".join(f"{name} {v / MiB:+.2f}" for name, v in terms if round(v / MiB, 2))
+    lines = [f"{head} is the measured peak: {b.other / MB:+.2f} MiB over the total, = {said}"]
+    not_seen = b.peak_parts.get("temporaries", {}).get(NOT_SEEN)
+    if not_seen:
+        lines.append(
+            f"    of the temporaries, {not_seen / MiB:+.2f} MiB the profiler did not see: blocks from "
+            "before the step that no tensor holds (cuBLAS workspaces, 32 MiB a handle on Hopper)"
+        )
+    return lines
 
 
 def _peak_table(b: MemoryBreakdown, e: dict) -> list[str]:
@@ -1101,8 +1147,12 @@ def _peak_table(b: MemoryBreakdown, e: dict) -> list[str]:
         line += f"{e['peak'] / MiB:>8.2f} MiB{_pct(b.peak, e['peak']):>9s}"
     lines = [line, f"    when: {b.peak_where}"]
     for part in PEAK_PARTS:
-        items = [(n, v) for n, v in b.peak_parts.get(part, {}).items() if v]
+        items = sorted(((n, v) for n, v in b.peak_parts.get(part, {}).items() if v), key=lambda kv: -kv[1])
         if items:
-            top = "; ".join(f"{n} {v / MiB:.1f}" for n, v in items[:3]) + ("; ..." if len(items) > 3 else "")
+            shown = [(n, v) for n, v in items[:3] if abs(v) >= 0.05 * MiB] or items[:1]
+            rest = items[len(shown) :]
+            top = "; ".join(f"{n} {v / MiB:.1f}" for n, v in shown)
+            if rest:
+                top += f"; {len(rest)} more, {sum(v for _, v in rest) / MiB:.2f} MiB together"
             lines.append(f"    {PEAK_PART_NAMES[part]:28s}{b.peak_part(part) / MiB:>8.2f} MiB  ({top})")
     return lines
