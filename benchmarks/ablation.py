@@ -202,7 +202,7 @@ def findings(results: dict) -> list[str]:
     for name, r in results.items():  # what minigpt.analysis.compare says moved, against the variant's base
         if r.get("compare"):
             lines.append(
-                f"{name} against {r['compare']['against']} (python -m minigpt.compare, first round): "
+                f"{name} against {r['compare']['against']} (python -m minigpt compare, first round): "
                 f"{r['compare']['headline']}"
             )
     return lines
@@ -256,7 +256,7 @@ def markdown(meta: dict, results: dict) -> str:
 
 
 def predicted_lines(results: dict) -> list[str]:
-    """Each stage's predicted time (`python -m minigpt.estimate --time`, stored by the trainer as
+    """Each stage's predicted time (`python -m minigpt estimate --time`, stored by the trainer as
     config.json's predicted_step) beside the measured median, with the error: what the step-time
     model gets right and where it is off, per flag. Empty when no variant carries a prediction."""
     rows = [(name, s["predicted_step"], s) for name, s in results.items() if s.get("predicted_step")]
@@ -265,7 +265,7 @@ def predicted_lines(results: dict) -> list[str]:
     lines = [
         "",
         "Predicted against measured (ms per step; the prediction from this machine's measured rates, "
-        "`python -m minigpt.estimate --time`; error = predicted / measured - 1; bound: what limits "
+        "`python -m minigpt estimate --time`; error = predicted / measured - 1; bound: what limits "
         "the stage in the model, compute, memory bandwidth or per-op overhead):",
         "",
         "| variant | " + " | ".join(f"{st} predicted / measured (error, bound)" for st in PREDICTED) + " |",
@@ -595,11 +595,11 @@ def measure(p: Parser, args, trainer_flags: list[str]) -> tuple[dict, list[dict]
 
 def cache_step_rates(flag_sets: list[list[str]]) -> None:
     """This machine's step rates for every variant's ops, measured once before the rounds
-    (`python -m minigpt.estimate --time` caches them), so that each run's config.json carries its
+    (`python -m minigpt estimate --time` caches them), so that each run's config.json carries its
     predicted step: the trainer predicts only from rates already cached, never measuring."""
     for flags in flag_sets:
-        print(f"[rates] python -m minigpt.estimate --time {shlex.join(flags)}", flush=True)
-        cmd = [sys.executable, "-m", "minigpt.estimate", "--time", *flags]
+        print(f"[rates] python -m minigpt estimate --time {shlex.join(flags)}", flush=True)
+        cmd = [sys.executable, "-m", "minigpt", "estimate", "--time", *flags]
         subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
 
 

@@ -6,7 +6,7 @@
 
 An excerpt is a fenced block that follows a marker naming the command that prints it:
 
-    <!-- excerpt: python -m minigpt.estimate --preset gpt2 -->
+    <!-- excerpt: python -m minigpt estimate --preset gpt2 -->
     ```text
     ...what the command prints...
     ```
@@ -54,7 +54,7 @@ IMAGES = (
         ("docs/img/tokens_per_s.png", "docs/img/stage_times.png", "docs/img/memory_breakdown.png"),
     ),
     (
-        f"python -m minigpt.report {LATEST_RUN} && python docs/report_screenshots.py "
+        f"python -m minigpt report {LATEST_RUN} && python docs/report_screenshots.py "
         f"{LATEST_RUN}report.html --out docs/img/report_main.png",
         ("docs/img/report_main.png",),
     ),

@@ -1,6 +1,6 @@
 """Open a run's report.html in headless Chromium, check it offline, and take a screenshot.
 
-    python -m minigpt.report runs/main && python docs/report_screenshots.py runs/main/report.html \\
+    python -m minigpt report runs/main && python docs/report_screenshots.py runs/main/report.html \\
         --out docs/img/report_main.png
 
 Every request the page makes is routed: anything but file:// is refused and counted, so a chart
@@ -105,7 +105,7 @@ def main() -> int:
         return 2
     if not args.report.is_file():
         print(
-            f"error: {args.report} does not exist; write it with python -m minigpt.report RUN",
+            f"error: {args.report} does not exist; write it with python -m minigpt report RUN",
             file=sys.stderr,
         )
         return 2

@@ -12,7 +12,7 @@ what it should.
 Offline, torch-tb-profiler's views never render: its page loads Google Charts from
 www.gstatic.com. The script then says so and checks the Overview's steps in the data the plugin
 serves to the page instead of in the drawn table. Another reason the traces also open in Perfetto
-and in `python -m minigpt.traces`.
+and in `python -m minigpt traces`.
 
 Needs Debian's Chromium (`apt-get install chromium`, /usr/bin/chromium) and the Python package
 `playwright` (pip; its own browser download is not needed: we point it at the system Chromium).

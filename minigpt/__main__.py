@@ -1,4 +1,4 @@
-"""The tools, under one entry: `python -m minigpt TOOL [ARGS]` runs `python -m minigpt.TOOL [ARGS]`.
+"""The tools, under one entry: `python -m minigpt TOOL [ARGS]`.
 
     python -m minigpt report runs/RUN               # the run's offline HTML page
     python -m minigpt compare runs/A runs/B         # two runs side by side, each ratio with its interval
@@ -13,30 +13,39 @@ Training and sampling are the scripts at the repository's root: train_minimal.py
 
 from __future__ import annotations
 
-import runpy
+import importlib
 import sys
 
-# Tool -> what it does. Each is the module minigpt.<tool>, run as its own `python -m` would run it:
-# the same flags, output and exit status at either address.
+# Tool -> (the module whose main() it runs, what it does): `python -m minigpt TOOL` is the one address
+# of each tool; the modules stay where their layer is (analysis reads runs, instruments measure).
 TOOLS = {
-    "report": "write a run's offline HTML report",
-    "compare": "compare two runs",
-    "traces": "summarise profiler traces: stages, kernels, operators",
-    "estimate": "predict a step's memory (or, with --time, its stage times) from the trainer's flags",
-    "parallel": "per-GPU memory and communication of DDP, FSDP and TP plans",
-    "snapshot": "a CUDA memory snapshot as an offline page: bytes over the steps, the peak, what was live",
+    "report": ("minigpt.analysis.report", "write a run's offline HTML report"),
+    "compare": ("minigpt.analysis.compare", "compare two runs"),
+    "traces": ("minigpt.analysis.traces", "summarise profiler traces: stages, kernels, operators"),
+    "estimate": (
+        "minigpt.instruments.estimate",
+        "predict a step's memory (or, with --time, its stage times) from the trainer's flags",
+    ),
+    "parallel": (
+        "minigpt.instruments.per_rank",
+        "per-GPU memory and communication of DDP, FSDP and TP plans",
+    ),
+    "snapshot": (
+        "minigpt.analysis.snapshot",
+        "a CUDA memory snapshot as an offline page: bytes over the steps, the peak, what was live",
+    ),
 }
 
 
 def usage() -> str:
     width = max(map(len, TOOLS))
     return "usage: python -m minigpt TOOL [ARGS]\n\ntools:\n" + "\n".join(
-        f"  {name:{width}s}  {what}" for name, what in TOOLS.items()
+        f"  {name:{width}s}  {what}" for name, (_, what) in TOOLS.items()
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the tool named first in argv with the rest; its own exit status ends the process."""
+    """Run the tool named first in argv with the rest; its exit status is returned."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
         print(f"{usage()}\n\n{__doc__}")
@@ -45,11 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         given = f"no tool {argv[0]!r}" if argv else "no tool given"
         print(f"error: {given}; python -m minigpt {'|'.join(TOOLS)} (see --help)", file=sys.stderr)
         return 2
-    tool = argv[0]
-    sys.argv[1:] = argv[1:]  # runpy sets argv[0] to the tool's file, as `python -m` does
-    # The tool ends with sys.exit(its status): that SystemExit ends this process the same way.
-    runpy.run_module(f"minigpt.{tool}", run_name="__main__", alter_sys=True)
-    return 0
+    tool, args = argv[0], argv[1:]
+    if tool == "estimate" and "--time" in args:  # the rates are timed on the trainer's malloc, chosen
+        from minigpt.core.cpu import run_under_preferred_allocator  # before torch loads (a re-exec)
+
+        run_under_preferred_allocator(args)
+    return importlib.import_module(TOOLS[tool][0]).main(args)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""python -m minigpt.compare: stage ratios, throughput, memory, operators and kernels matched by
+"""python -m minigpt compare: stage ratios, throughput, memory, operators and kernels matched by
 name (new, gone, changed), losses at common steps; each timing ratio with its 95% interval, none
 claimed from too few logged intervals; runs of different models or machines refused."""
 

@@ -326,7 +326,7 @@ def test_estimate_memory_prints_and_exits_without_a_run_directory(capsys, tmp_pa
     assert not out.exists()
     assert "Memory estimate: 12 layers, d_model 768" in printed and "124.48M parameters" in printed
     assert "does NOT fit" in printed and "Device memory: 1.5 GiB (--device-memory-gb)" in printed
-    assert estimate.main(args) == 0  # python -m minigpt.estimate: the same report
+    assert estimate.main(args) == 0  # python -m minigpt estimate: the same report
     assert capsys.readouterr().out == printed
 
 

@@ -1,4 +1,4 @@
-"""python -m minigpt.report: one offline HTML page per run, every section drawn or saying why not,
+"""python -m minigpt report: one offline HTML page per run, every section drawn or saying why not,
 a GPU trace's kernels on the timeline, one-line refusals; and, in Chromium, no request outside
 file:// and no console error."""
 

@@ -219,7 +219,7 @@ def test_next_steps_name_this_runs_paths(tmp_path):
     lines = next_steps(tmp_path, has_traces=True, has_report=True)
     text = "\n".join(lines)
     assert f"tensorboard --logdir {tmp_path}" in text
-    assert f"python -m minigpt.traces {tmp_path / 'traces'}" in text
+    assert f"python -m minigpt traces {tmp_path / 'traces'}" in text
     assert str(tmp_path / "report.html") in text and f"python sample.py --out-dir {tmp_path}" in text
     custom = "\n".join(next_steps(tmp_path, False, False, checkpoint="/data/ckpt.pt"))
     assert "python sample.py --checkpoint /data/ckpt.pt" in custom

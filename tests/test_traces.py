@@ -1,4 +1,4 @@
-"""python -m minigpt.traces: stage times per profiled step, projected on the device by correlation
+"""python -m minigpt traces: stage times per profiled step, projected on the device by correlation
 id from any thread, time waiting on collectives, top kernels with a tensor-core verdict, top host
 operators, clean errors; on minigpt's own traces, on torch-tb-profiler's sample traces, and on
 hand-made traces for each rule (old and new category names, any accelerator, no ProfilerStep,

@@ -295,7 +295,7 @@ def test_main_job_end_to_end_on_a_short_run(tmp_path):
     )
     assert any(
         line.endswith(
-            f"Report: {out / 'report.html'} (one offline page; python -m minigpt.report rewrites it)"
+            f"Report: {out / 'report.html'} (one offline page; python -m minigpt report rewrites it)"
         )
         for line in lines
     )

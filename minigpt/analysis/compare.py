@@ -1,8 +1,8 @@
 """Two runs side by side: where one is faster, lighter or better than the other, and why.
 
-    python -m minigpt.compare runs/fp32 runs/amp                 # text tables
-    python -m minigpt.compare runs/fp32 runs/amp --json          # one JSON object, for scripts
-    python -m minigpt.compare runs/fp32 runs/amp --html amp.html # the report, with the second run
+    python -m minigpt compare runs/fp32 runs/amp                 # text tables
+    python -m minigpt compare runs/fp32 runs/amp --json          # one JSON object, for scripts
+    python -m minigpt compare runs/fp32 runs/amp --html amp.html # the report, with the second run
 
 What the blog post this project grew from did by hand, screenshot by screenshot, for AMP against
 fp32: each stage's host and device time in A and in B and their ratio (B / A); the runs' own
@@ -549,7 +549,7 @@ MATCHED_TABLES = (
 
 
 def format_compare(d: dict) -> str:
-    """The comparison as text tables (what `python -m minigpt.compare A B` prints)."""
+    """The comparison as text tables (what `python -m minigpt compare A B` prints)."""
     a, b = d["a"], d["b"]
     out = [
         *(
@@ -778,7 +778,7 @@ def _memory_html(d: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = ArgParser(prog="python -m minigpt.compare", description="Compare two training runs.")
+    p = ArgParser(prog="python -m minigpt compare", description="Compare two training runs.")
     p.add_argument("run_a", type=Path, help="run directory A (the baseline)")
     p.add_argument("run_b", type=Path, help="run directory B (ratios are B / A)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")

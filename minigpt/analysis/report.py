@@ -1,7 +1,7 @@
 """One offline HTML page for a run: what ran, how fast, where the time and the memory went.
 
-    python -m minigpt.report runs/main                  # writes runs/main/report.html
-    python -m minigpt.report runs/main --out /tmp/r.html
+    python -m minigpt report runs/main                  # writes runs/main/report.html
+    python -m minigpt report runs/main --out /tmp/r.html
 
 torch-tb-profiler's Overview, Operator and Memory views load Google Charts from the network, so
 offline they are a spinner. This page needs nothing from the network: plotly.js is the run
@@ -506,7 +506,7 @@ def prediction_table(run: Run) -> str:
         " A data sheet's figures are not yet checked against a measured step here: untested." if sheet else ""
     )
     return (
-        "<p>Predicted when the run started (<code>python -m minigpt.estimate --time</code>: each op's "
+        "<p>Predicted when the run started (<code>python -m minigpt estimate --time</code>: each op's "
         f"FLOPs, bytes and launches at {rates}) beside the measured median, "
         "with the error, predicted / measured - 1."
         + source
@@ -1143,7 +1143,7 @@ def write_report(run_dir: Path, out: Path | None = None, elsewhere: str = ELSEWH
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = ArgParser(prog="python -m minigpt.report", description="Write a run's offline HTML report.")
+    p = ArgParser(prog="python -m minigpt report", description="Write a run's offline HTML report.")
     p.add_argument("run", type=Path, help="a run directory (the trainer's --out-dir)")
     p.add_argument("--out", type=Path, help=f"where to write it (default RUN/{REPORT_FILE})")
     args = p.parse_args(argv)

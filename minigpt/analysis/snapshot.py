@@ -198,7 +198,7 @@ def snapshots_of(path: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = ArgParser(prog="python -m minigpt.snapshot", description="A CUDA memory snapshot as an offline page.")
+    p = ArgParser(prog="python -m minigpt snapshot", description="A CUDA memory snapshot as an offline page.")
     p.add_argument("path", type=Path, help="a run directory or a snapshot pickle (.pickle or .pickle.gz)")
     p.add_argument("--out", type=Path, help="where to write the page (one pickle only; default beside it)")
     args = p.parse_args(argv)

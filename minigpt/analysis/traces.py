@@ -1,9 +1,9 @@
 """Read a PyTorch profiler (Kineto) trace and say where the time went, without a trace viewer.
 
-    python -m minigpt.traces runs/RUN/traces                    # every trace file in the folder
-    python -m minigpt.traces runs/RUN/traces/rank0_dp0.123.pt.trace.json.gz
-    python -m minigpt.traces runs/RUN --top 20                  # a run folder: looks in its traces/
-    python -m minigpt.traces TRACE --json | jq .totals          # one JSON object, for scripts
+    python -m minigpt traces runs/RUN/traces                    # every trace file in the folder
+    python -m minigpt traces runs/RUN/traces/rank0_dp0.123.pt.trace.json.gz
+    python -m minigpt traces runs/RUN --top 20                  # a run folder: looks in its traces/
+    python -m minigpt traces TRACE --json | jq .totals          # one JSON object, for scripts
 
 It reads any Kineto trace, not only minigpt's: a folder gives every *.json and *.json.gz in it (and
 in its traces/), ordered by the rank each trace names (`distributedInfo.rank`), then by file name;
@@ -904,7 +904,7 @@ def summarize_all(target: Path, stages: tuple[str, ...], top: int) -> tuple[list
 
 def main(argv: list[str] | None = None) -> int:
     parser = ArgParser(
-        prog="python -m minigpt.traces",
+        prog="python -m minigpt traces",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -341,7 +341,7 @@ def next_steps(
     out_dir = Path(out_dir)
     lines = [f"  scalars:        tensorboard --logdir {out_dir}"]
     if has_traces:
-        lines.append(f"  trace summary:  python -m minigpt.traces {out_dir / trace_dir}")
+        lines.append(f"  trace summary:  python -m minigpt traces {out_dir / trace_dir}")
     if has_report:
         lines.append(f"  report:         {out_dir / report_file}")
     if has_checkpoint:
@@ -591,6 +591,6 @@ class RunDir:
         if self.dist_info.is_main:
             try:
                 page = write_report(self.path)
-                log.info(f"Report: {page} (one offline page; python -m minigpt.report rewrites it)")
+                log.info(f"Report: {page} (one offline page; python -m minigpt report rewrites it)")
             except Exception as e:  # noqa: BLE001 - the training is done and saved; say what went wrong
                 log.warning(f"report not written: {type(e).__name__}: {e}")

@@ -2,10 +2,10 @@
 model built and nothing allocated. Its measured counterpart is minigpt/instruments/memory.py; docs/memory.md
 derives the formulas.
 
-    python -m minigpt.estimate                                # the default job (the trainer's flags)
-    python -m minigpt.estimate --preset gpt2 --batch-size 4 --device-memory-gb 24
+    python -m minigpt estimate                                # the default job (the trainer's flags)
+    python -m minigpt estimate --preset gpt2 --batch-size 4 --device-memory-gb 24
     python train_minimal.py --estimate-memory --preset gpt2   # the same, from the trainer
-    python -m minigpt.estimate --time [--json]                # the step's stage times (predict.py)
+    python -m minigpt estimate --time [--json]                # the step's stage times (predict.py)
 """
 
 from __future__ import annotations
@@ -458,7 +458,7 @@ def config_shape(cfg) -> Shape:
 
 
 def estimate_report(cfg, device: str, amp_dtype: str, amp_note: str = "") -> str:
-    """What `python -m minigpt.estimate` and `train_minimal.py --estimate-memory` print."""
+    """What `python -m minigpt estimate` and `train_minimal.py --estimate-memory` print."""
     memory = device_memory(device, cfg.device_memory_gb)
     return format_estimate(config_shape(cfg), amp_dtype, device, memory, amp_note)
 
@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         argv, timing, as_json = split_flags(argv)
-        cfg = parse_args(argv, prog="python -m minigpt.estimate")
+        cfg = parse_args(argv, prog="python -m minigpt estimate")
         if cfg.device == "cuda" and not torch.cuda.is_available():
             if timing:
                 raise UsageError(

@@ -577,7 +577,7 @@ class Instruments:
                 "(check that the CUDA profiling libraries match the driver)"
             )
         self.log.info(
-            f"View the trace: python -m minigpt.traces {self.out_dir / paths.TRACE_DIR}, or open "
+            f"View the trace: python -m minigpt traces {self.out_dir / paths.TRACE_DIR}, or open "
             f"{self.out_dir / paths.TRACE_DIR}/*.json.gz in ui.perfetto.dev, or tensorboard --logdir "
             f"{self.out_dir}"
         )

@@ -1,9 +1,9 @@
 """One rank's share of a sharded run, predicted: the memory estimate (minigpt/instruments/estimate.py) scaled
 to a rank under DDP, FSDP and tensor parallelism as minigpt/core/parallel.py splits the model, and the
-bytes each GPU sends per step. `python -m minigpt.parallel` prints both for a preset on a
+bytes each GPU sends per step. `python -m minigpt parallel` prints both for a preset on a
 number of GPUs (docs/parallel.md reads 8 H100s from it).
 
-    python -m minigpt.parallel --preset gpt2 --gpus 8
+    python -m minigpt parallel --preset gpt2 --gpus 8
 """
 
 from __future__ import annotations
@@ -130,13 +130,13 @@ def comm_model(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m minigpt.parallel [--preset gpt2] [--gpus 8]: the per-GPU memory (the estimator,
+    """python -m minigpt parallel [--preset gpt2] [--gpus 8]: the per-GPU memory (the estimator,
     scaled per rank) and the communication model for DDP, FSDP, TP and FSDP x TP."""
     import argparse
 
     from minigpt.core.config import PRESETS
 
-    p = argparse.ArgumentParser(prog="python -m minigpt.parallel", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m minigpt parallel", description=main.__doc__)
     p.add_argument("--preset", default="gpt2", choices=sorted(PRESETS))
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation (compute time)")

@@ -1,8 +1,8 @@
 """Predicting a step's time: each stage of one training step from this machine's measured rates.
 
-    python -m minigpt.estimate --time                      # the default job's stage times, predicted
-    python -m minigpt.estimate --time --json --no-amp      # the same in fp32, as JSON
-    python -m minigpt.estimate --time --use-activation-checkpoint --chunked-loss
+    python -m minigpt estimate --time                      # the default job's stage times, predicted
+    python -m minigpt estimate --time --json --no-amp      # the same in fp32, as JSON
+    python -m minigpt estimate --time --use-activation-checkpoint --chunked-loss
 
 The model is a roofline over the step's own ops. `step_ops` lists every op one training step of
 minigpt/core/model.py runs, from the shape alone (minigpt/shape.py): its FLOPs (matrix products and
@@ -750,7 +750,7 @@ def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True, m
     if not measure and (missing := [n for n in wanted if n not in known]):
         raise NoRates(
             f"no measured rates for {len(missing)} of this step's kernels on this machine in {dtype} "
-            f"({path}); measure them with python -m minigpt.estimate --time and the run's flags"
+            f"({path}); measure them with python -m minigpt estimate --time and the run's flags"
         )
     fresh: dict[str, dict] = {}
     evict = cache_evictor(device) if any(n not in known for n in needed) else None
@@ -998,7 +998,7 @@ def format_prediction(pred: TimePrediction) -> str:
 
 
 def time_report(shape: Shape, device: str, amp_dtype: str, as_json: bool) -> str:
-    """What `python -m minigpt.estimate --time [--json]` prints for a step of this shape."""
+    """What `python -m minigpt estimate --time [--json]` prints for a step of this shape."""
     if device == "cuda" and not torch.cuda.is_available():  # resolve_device refuses it first
         raise UsageError("--time --device cuda, but no CUDA GPU is visible to PyTorch; use --device cpu")
     pred = predict_step(shape, amp_dtype, device)
