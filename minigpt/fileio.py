@@ -122,6 +122,39 @@ def atomic_write(path: str | Path, data: bytes | str, elsewhere: str = ELSEWHERE
         f.write(data)
 
 
+class WouldOverwrite(UsageError):
+    """An output path that names a file the tool did not write: a run's config, its metrics, a
+    checkpoint, anyone's file. Replacing it takes an explicit --force."""
+
+
+def check_may_replace(path: str | Path, marker: bytes, flag: str, tool: str, force: bool = False) -> None:
+    """Before a tool writes `path` (its own flag `flag`): refuse to replace an existing file that
+    does not begin with `marker` (what the tool's own output begins with: its earlier output may be
+    replaced), unless `force`. Never replaced, even with force: a folder or a device (a rename
+    over /dev/null would replace the device itself)."""
+    path = Path(path)
+    try:
+        st = os.stat(path)  # follows a link: what the link points at is what would be lost
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise WouldOverwrite(f"{flag} {path} cannot be checked ({e.strerror}); name another file") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise WouldOverwrite(f"{flag} {path} is {file_kind(st.st_mode)}; name a regular file to write")
+    if force:
+        return
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(marker))
+    except OSError:
+        head = b""
+    if head != marker:
+        raise WouldOverwrite(
+            f"{flag} {path} exists and was not written by {tool}; name another file, "
+            "or add --force to replace it"
+        )
+
+
 class UnreadableFile(UsageError):
     """A file that must not be read: not a regular file (a FIFO blocks, /dev/zero never ends),
     or larger than its reader's limit."""
