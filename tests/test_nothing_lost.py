@@ -7,15 +7,25 @@ COUNTS says how many bad inputs this file tries (tests/test_hostile.py adds them
 
 import hashlib
 import os
+import pickle
+import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import TINY
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import train_minimal
 from minigpt.analysis import compare, report
+from minigpt.core.checkpoint import CHECKSUM_KEY, load_checkpoint, save_checkpoint, state_crc
+from minigpt.core.config import UsageError
+from sample import cli as sample_cli
 
 FAST = [*TINY, "--peak-tflops", "1", "--no-report"]
+DAMAGE_EXAMPLES = int(os.environ.get("MINIGPT_DAMAGE_EXAMPLES", 150))  # ~10 ms each: a load
 
 
 def tree(root: Path) -> dict[str, str]:
@@ -106,6 +116,152 @@ def test_even_force_does_not_write_through_a_fifo(capsys, run):
     assert (run / "fifo").is_fifo() and tree(run) == before
 
 
+# ---------------------------------------------------------------------------- 2. damaged checkpoints
+
+
+def copy_run(run: Path, tmp_path: Path) -> Path:
+    """The run's checkpoint, config and metrics in a fresh folder of its own to resume in."""
+    out = tmp_path / "run"
+    for name in ("config.json", "metrics.jsonl", "train.log", "checkpoints/ckpt.pt"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes((run / name).read_bytes())
+    return out
+
+
+def zero_64_bytes_in_the_middle(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(64)
+    path.write_bytes(bytes(data))
+
+
+def nan_weights(path: Path) -> None:
+    state = torch.load(path, weights_only=True)
+    next(iter(state["model"].values())).fill_(float("nan"))
+    save_checkpoint(path, state)  # a checksum that matches: the NaN is found on its own
+
+
+def inf_moment(path: Path) -> None:
+    state = torch.load(path, weights_only=True)
+    state["optimizer"]["state"][0]["exp_avg_sq"][0] = float("inf")
+    save_checkpoint(path, state)
+
+
+def edited_without_checksum_update(path: Path) -> None:
+    state = torch.load(path, weights_only=True)
+    state["step"] = 1
+    torch.save(state, path)
+
+
+def old_without_checksum_nan(path: Path) -> None:
+    state = torch.load(path, weights_only=True)
+    del state[CHECKSUM_KEY]
+    next(iter(state["model"].values()))[0] = float("nan")
+    torch.save(state, path)
+
+
+def checksum_a_string(path: Path) -> None:
+    state = torch.load(path, weights_only=True)
+    state[CHECKSUM_KEY] = "ok"
+    torch.save(state, path)
+
+
+def truncated(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size * 2 // 3])
+
+
+# (name, damage, what the one line says)
+DAMAGE = [
+    ("64 zeroed bytes", zero_64_bytes_in_the_middle, "damaged"),
+    ("NaN weights", nan_weights, "holds NaN or inf"),
+    ("an inf moment", inf_moment, "optimizer.state.0.exp_avg_sq holds NaN or inf"),
+    ("edited, old checksum", edited_without_checksum_update, "do not match the checksum"),
+    ("old format, NaN", old_without_checksum_nan, "holds NaN or inf"),
+    ("checksum a string", checksum_a_string, "do not match the checksum"),
+    ("truncated", truncated, "truncated"),
+]
+
+
+@pytest.mark.parametrize("name, damage, expected", DAMAGE, ids=[d[0] for d in DAMAGE])
+def test_a_damaged_checkpoint_is_refused_by_resume_and_sample(capsys, run, tmp_path, name, damage, expected):
+    out = copy_run(run, tmp_path)
+    ckpt = out / "checkpoints" / "ckpt.pt"
+    damage(ckpt)
+    before = tree(out)
+    status = train_minimal.cli([*FAST, "--resume", "--num-steps", "4", "--out-dir", str(out)])
+    msg = one_line_exit_2(capsys, status)
+    assert expected in msg and str(ckpt) in msg and "permissions" not in msg and "lower --lr" not in msg, msg
+    assert tree(out) == before
+    msg = one_line_exit_2(capsys, sample_cli(["--out-dir", str(out), "--max-new-tokens", "2"]))
+    assert expected in msg, msg
+
+
+def test_an_old_checkpoint_without_a_checksum_still_loads(run, tmp_path):
+    state = torch.load(run / "checkpoints" / "ckpt.pt", weights_only=True)
+    del state[CHECKSUM_KEY]
+    torch.save(state, tmp_path / "old.pt")
+    assert load_checkpoint(tmp_path / "old.pt")["step"] == 2
+
+
+def test_a_malicious_protocol_4_pickle_is_one_line_without_torchs_warning(capsys, tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'ran'}",))
+
+    bad = tmp_path / "ckpt.pt"
+    bad.write_bytes(pickle.dumps({"model": Evil()}, protocol=4))
+    with warnings.catch_warnings(record=True) as caught:  # pytest would hide them from stderr
+        warnings.simplefilter("always")
+        msg = one_line_exit_2(capsys, sample_cli(["--checkpoint", str(bad), "--max-new-tokens", "2"]))
+    assert not caught and "not a checkpoint" in msg, (msg, [str(w.message) for w in caught])
+    assert not (tmp_path / "ran").exists()
+
+
+@settings(max_examples=DAMAGE_EXAMPLES, deadline=None, derandomize=True)
+@given(where=st.floats(0, 1, exclude_max=True), length=st.integers(1, 64), byte=st.integers(0, 255))
+def test_any_overwritten_bytes_are_refused_or_change_nothing(run, where, length, byte):
+    """Bytes overwritten anywhere in the file: the load refuses in one line, or what it loads is
+    exactly what was saved (the bytes were padding, a timestamp, or already that value)."""
+    original = (run / "checkpoints" / "ckpt.pt").read_bytes()
+    data = bytearray(original)
+    at = int(where * len(data))
+    data[at : at + length] = bytes([byte]) * len(data[at : at + length])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "ckpt.pt"
+        path.write_bytes(bytes(data))
+        try:
+            state = load_checkpoint(path)
+        except UsageError as e:
+            assert "\n" not in str(e) and str(path) in str(e), str(e)
+            return
+    saved = torch.load(run / "checkpoints" / "ckpt.pt", weights_only=True)
+    assert state_crc(state) == state_crc(saved)
+
+
+@pytest.mark.parametrize("damage", ["NaN in a shard", "64 zeroed bytes in the extra file"])
+def test_a_damaged_sharded_checkpoint_is_refused(tmp_path, damage):
+    """DCP's shards carry no checksum (they may be resharded): what is loaded must be finite. Each
+    rank's extra file carries one, as a one-file checkpoint does."""
+    from test_parallel import _tiny
+
+    from minigpt.core.checkpoint import load_sharded, save_sharded
+
+    model, opt = _tiny()
+    if damage == "NaN in a shard":
+        with torch.no_grad():
+            next(model.parameters())[0] = float("nan")
+    save_sharded(tmp_path / "ck", model, opt, {"step": 1, "rng": torch.arange(200, dtype=torch.uint8)})
+    if damage != "NaN in a shard":
+        zero_64_bytes_in_the_middle(tmp_path / "ck" / "extra_rank0.pt")
+    other, opt2 = _tiny()
+    with pytest.raises(UsageError, match="is damaged") as e:
+        load_sharded(tmp_path / "ck", other, opt2)
+    assert "\n" not in str(e.value)
+
+
 COUNTS = {
     "output paths over a run's files (report, compare)": len(TARGETS) * len(TOOLS) + 2,
+    "damaged checkpoints, resume and sample.py": 2 * len(DAMAGE) + 1,
+    "damaged sharded checkpoints": 2,
+    "checkpoint bytes overwritten anywhere (generated)": DAMAGE_EXAMPLES,
 }
