@@ -259,9 +259,80 @@ def test_a_damaged_sharded_checkpoint_is_refused(tmp_path, damage):
     assert "\n" not in str(e.value)
 
 
+# ---------------------------------------------------------------------------- 3. paths of the wrong type
+
+
+def make_dir(name: str):
+    return lambda out: (out / name).mkdir()
+
+
+def make_file(name: str):
+    return lambda out: (out / name).write_text("not a folder\n")
+
+
+def make_fifo(name: str):
+    return lambda out: os.mkfifo(out / name)
+
+
+# (what is put in the resumed run's directory, the path the one line names)
+WRONG_KIND = [
+    ("tb a file", make_file("tb"), "tb"),
+    ("traces a file", make_file("traces"), "traces"),
+    ("snapshots a file", make_file("snapshots"), "snapshots"),
+    ("memory_trace a file", make_file("memory_trace"), "memory_trace"),
+    ("metrics.jsonl a folder", make_dir("metrics.jsonl"), "metrics.jsonl"),
+    ("train.log a folder", make_dir("train.log"), "train.log"),
+    ("config.json a folder", make_dir("config.json"), "config.json"),
+    ("stragglers.jsonl a folder", make_dir("stragglers.jsonl"), "stragglers.jsonl"),
+    ("report.html a folder", make_dir("report.html"), "report.html"),
+    ("train.log a FIFO", make_fifo("train.log"), "train.log"),
+    (".lock a folder", make_dir(".lock"), "lock file"),
+]
+
+
+@pytest.mark.parametrize("name, put, named", WRONG_KIND, ids=[w[0] for w in WRONG_KIND])
+def test_a_path_of_the_wrong_kind_in_a_resumed_run_is_one_line(capsys, run, tmp_path, name, put, named):
+    out = copy_run(run, tmp_path)
+    for existing in ("config.json", "train.log", "metrics.jsonl"):  # replaced by the wrong kind
+        if name.startswith(existing):
+            (out / existing).unlink()
+    put(out)
+    before = tree(out)
+    status = train_minimal.cli([*FAST, "--resume", "--num-steps", "4", "--out-dir", str(out)])
+    msg = one_line_exit_2(capsys, status)
+    assert named in msg and "--out-dir" in msg, msg
+    assert tree(out) == before
+
+
+@pytest.mark.parametrize("where", ["a file", "under /proc"])
+def test_a_cache_that_cannot_be_written_costs_a_warning_not_the_rates(capsys, tmp_path, monkeypatch, where):
+    """The CPU's measured peak (and estimate --time's rates, through the same write_cache) are used
+    and printed; the cache that cannot take them is named in one line."""
+    from minigpt.instruments import mfu
+
+    cache = tmp_path / "cache"
+    if where == "a file":
+        cache.write_text("a file where the cache folder should be\n")
+    else:
+        cache = Path("/proc/minigpt-cache")
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(cache))
+
+    def measure(device, dtype, unit, budget_s=None):
+        return {"best": 1e9, "median": 9e8, "calls": 3, "flops": unit.flops, "date": "now", "load": None}
+
+    monkeypatch.setattr(mfu, "measure", measure)
+    peak = mfu.peak_flops("cpu", "fp32")
+    assert peak.value == 1e9 and "not cached" in peak.source
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("warning: cannot write the cache") and str(cache) in line, line
+    if where == "a file":
+        assert cache.read_text() == "a file where the cache folder should be\n"
+
+
 COUNTS = {
     "output paths over a run's files (report, compare)": len(TARGETS) * len(TOOLS) + 2,
     "damaged checkpoints, resume and sample.py": 2 * len(DAMAGE) + 1,
     "damaged sharded checkpoints": 2,
+    "paths of the wrong kind in a run, the cache folder": len(WRONG_KIND) + 2,
     "checkpoint bytes overwritten anywhere (generated)": DAMAGE_EXAMPLES,
 }

@@ -73,7 +73,7 @@ from minigpt.core import model as model_module
 from minigpt.core.config import UsageError
 from minigpt.core.cpu import allocator_in_use
 from minigpt.core.data import cache_dir
-from minigpt.fileio import atomic_write, display_path
+from minigpt.fileio import display_path, write_cache
 from minigpt.instruments.mfu import PEAK_FLOPS, TORCH_DTYPES, machine_key, read_cache
 from minigpt.shape import Shape
 
@@ -769,7 +769,7 @@ def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True, m
     if cache and fresh:
         entries = read_cache(path)  # again, just before writing: another process may have added rates
         entries[key] = {**entries.get(key, {}), **fresh}
-        atomic_write(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
+        write_cache(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
     got = {**known, **fresh}
     rate = statistics.harmonic_mean  # of rates: the work over the calls' mean time
     # (faster, slower): a kernel timed faster out of cache than in it (noise) keeps the range ordered
