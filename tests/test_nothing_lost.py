@@ -6,9 +6,12 @@ lost or changed.
 COUNTS says how many bad inputs this file tries (tests/test_hostile.py adds them up)."""
 
 import hashlib
+import json
 import os
 import pickle
+import random
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -19,12 +22,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import train_minimal
-from minigpt.analysis import compare, report
+from minigpt.analysis import compare, report, traces
 from minigpt.core.checkpoint import CHECKSUM_KEY, load_checkpoint, save_checkpoint, state_crc
 from minigpt.core.config import UsageError
 from sample import cli as sample_cli
 
 FAST = [*TINY, "--peak-tflops", "1", "--no-report"]
+SWEEP_EXAMPLES = int(os.environ.get("MINIGPT_SWEEP_EXAMPLES", 100))  # ~1 ms each
 DAMAGE_EXAMPLES = int(os.environ.get("MINIGPT_DAMAGE_EXAMPLES", 150))  # ~10 ms each: a load
 
 
@@ -329,10 +333,95 @@ def test_a_cache_that_cannot_be_written_costs_a_warning_not_the_rates(capsys, tm
         assert cache.read_text() == "a file where the cache folder should be\n"
 
 
+# ---------------------------------------------------------------------------- 4. overlapping ranges
+
+
+def overlapping_trace(path: Path, n: int, cat: str = "user_annotation", seed: int = 0) -> Path:
+    """n ProfilerStep#N ranges and n forward ranges, at random, overlapping, in random order: the
+    4.5 MB trace (n = 20,000) that ran past 120 s when each step scanned every range."""
+    rng = random.Random(seed)
+    events = []
+    for i in range(n):
+        for name, longest in ((f"ProfilerStep#{i}", 2e5), ("forward", 2e4)):
+            ts = round(rng.uniform(0, 1e6), 3)
+            events.append(
+                {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": round(rng.uniform(0, longest), 3)}
+            )
+            events[-1].update(pid=1, tid=1)
+    rng.shuffle(events)
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+@pytest.mark.parametrize("cat", ["user_annotation", "cpu_op"])
+def test_a_trace_of_20000_overlapping_steps_reads_in_seconds(capsys, tmp_path, cat):
+    """Loose bound (the machine may be busy): the time grows with the events, not their overlaps."""
+    trace = overlapping_trace(tmp_path / "t.json", 20_000, cat)
+    began = time.monotonic()
+    assert traces.main([str(trace)]) == 0
+    assert time.monotonic() - began < 20
+    assert "20000 profiled step(s)" in capsys.readouterr().out
+
+
+def brute_force(ranges, windows):
+    """What contained_sums answers, one range and one window at a time."""
+    out = []
+    for start, end in windows:
+        inside = [r for r in ranges if start - traces.EPS_US <= r[0] and r[1] <= end + traces.EPS_US]
+        out.append((len(inside), sum(r[2] for r in inside), sum(r[3] for r in inside)))
+    return out
+
+
+TIMES = st.integers(0, 40).map(lambda t: t / 4)  # a coarse grid: ties and shared edges are common
+
+
+@settings(max_examples=SWEEP_EXAMPLES, deadline=None, derandomize=True)
+@given(
+    ranges=st.lists(st.tuples(TIMES, TIMES, st.floats(0, 1e3, allow_nan=False)), max_size=30),
+    windows=st.lists(st.tuples(TIMES, TIMES), max_size=15),
+)
+def test_the_sweep_finds_what_a_scan_finds(ranges, windows):
+    ranges = [(ts, ts + d, traces.exact(d), traces.exact(w)) for ts, d, w in ranges]
+    windows = [(s, s + d) for s, d in windows]
+    assert traces.contained_sums(ranges, windows) == brute_force(ranges, windows)
+
+
+def test_overlapping_steps_on_two_processes_count_each_stage_once_per_step(tmp_path):
+    """A small case by hand: steps 1 and 2 overlap; forwards on two processes; a collective."""
+
+    def x(name, ts, dur, pid=1, cat="user_annotation"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": pid, "tid": 1}
+
+    events = [
+        x("ProfilerStep#1", 0, 100),
+        x("ProfilerStep#2", 50, 100),
+        x("ProfilerStep#3", 0, 200, pid=2),
+        x("forward", 10, 30),  # in step 1 only
+        x("forward", 60, 30),  # in steps 1 and 2
+        x("forward", 120, 20),  # in step 2 only
+        x("forward", 0, 150),  # in no step of process 1 (longer than each)
+        x("forward", 5, 10, pid=2),  # process 2's step only
+        x("backward", 100, 40),  # in step 2
+        x("c10d::allreduce_", 110, 10, cat="cpu_op"),  # backward waits 10 us on it
+    ]
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    steps = {r["step"]: r["stages"] for r in traces.summarize(trace)["steps"]}
+    assert {n: (s["calls"], s["host_ms"]) for n, s in steps[1].items()} == {"forward": (2, 0.06)}
+    assert steps[2]["forward"]["calls"] == 2 and steps[2]["forward"]["host_ms"] == pytest.approx(0.05)
+    assert steps[2]["forward"]["comm_host_ms"] == 0 and steps[2]["backward"]["comm_host_ms"] == pytest.approx(
+        0.01
+    )
+    assert steps[2]["backward"]["comm_kind"] == "all-reduce"
+    assert {n: (s["calls"], s["host_ms"]) for n, s in steps[3].items()} == {"forward": (1, 0.01)}
+
+
 COUNTS = {
     "output paths over a run's files (report, compare)": len(TARGETS) * len(TOOLS) + 2,
     "damaged checkpoints, resume and sample.py": 2 * len(DAMAGE) + 1,
     "damaged sharded checkpoints": 2,
     "paths of the wrong kind in a run, the cache folder": len(WRONG_KIND) + 2,
+    "a trace of overlapping ranges": 2 + 1,
+    "ranges inside windows, swept and scanned (generated)": SWEEP_EXAMPLES,
     "checkpoint bytes overwritten anywhere (generated)": DAMAGE_EXAMPLES,
 }

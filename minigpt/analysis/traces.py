@@ -467,6 +467,67 @@ class Launches:
         return self.orphans[lo:hi]
 
 
+# ---------------------------------------------------------------------------- ranges inside windows
+# Every step asks which stage ranges lie inside it. Scanning every range for every step costs
+# steps x ranges: a hostile trace of 20,000 overlapping steps and 20,000 forwards ran past 120 s.
+# An offline sweep answers all the steps at once in O((steps + ranges) log ranges), however much
+# they overlap: steps by their end, ranges added as their end passes, a Fenwick tree over the
+# ranges' starts. Times are summed as exact integers (of 2**-1074 us, where every float lands), so
+# the tree's differences cost no rounding: a stage with no collective still waits exactly 0.
+
+EXACT = 1 << 1074
+
+
+def exact(x: float) -> int:
+    """`x` as an exact integer count of 2**-1074 (every finite float is one)."""
+    num, den = float(x).as_integer_ratio()
+    return num * (EXACT // den)
+
+
+class _Fenwick:
+    """Prefix sums of ints over positions 0..n-1, each update and query O(log n)."""
+
+    def __init__(self, n: int):
+        self.tree = [0] * (n + 1)
+
+    def add(self, i: int, value: int) -> None:
+        i += 1
+        while i < len(self.tree):
+            self.tree[i] += value
+            i += i & -i
+
+    def below(self, i: int) -> int:
+        """The sum over positions < i."""
+        total = 0
+        while i > 0:
+            total += self.tree[i]
+            i -= i & -i
+        return total
+
+
+def contained_sums(ranges: list[tuple], windows: list[tuple[float, float]]) -> list[tuple[int, int, int]]:
+    """For each window (start, end): (count, summed duration, summed collective wait) of the ranges
+    (ts, end, exact duration, exact wait) inside it (start - EPS <= ts, end <= window end + EPS)."""
+    starts = sorted(r[0] for r in ranges)
+    by_end = sorted(ranges, key=lambda r: r[1])
+    trees = [_Fenwick(len(starts)) for _ in range(3)]
+    added = [0, 0, 0]
+    out: list = [None] * len(windows)
+    j = 0
+    for w in sorted(range(len(windows)), key=lambda i: windows[i][1]):
+        start, end = windows[w]
+        while j < len(by_end) and by_end[j][1] <= end + EPS_US:
+            ts, _, dur, wait = by_end[j]
+            at = bisect_left(starts, ts)
+            for k, (tree, value) in enumerate(zip(trees, (1, dur, wait))):
+                tree.add(at, value)
+                added[k] += value
+            j += 1
+        lo = bisect_left(starts, start - EPS_US)
+        out[w] = tuple(added[k] - trees[k].below(lo) for k in range(3))
+    return out
+
+
 # ---------------------------------------------------------------------------- summary
 
 
@@ -506,6 +567,46 @@ class _Index:
         self.busy = {pid: merged(spans) for pid, spans in busy.items()}
         self.steps.sort(key=lambda e: e["ts"])
         self.launches = Launches(events)
+        for rows in self.ranges.values():
+            rows.sort(key=lambda r: r["ts"])
+        self.range_ts = {name: [r["ts"] for r in rows] for name, rows in self.ranges.items()}
+        # Each range's wait on collectives, once (not once per window that holds it)
+        self.waits = {
+            name: [
+                self.comm_in(r.get("pid"), r["ts"], r["ts"] + r["dur"]) if self.comm else (0.0, set())
+                for r in rows
+            ]
+            for name, rows in self.ranges.items()
+        }
+        self.named_waits = {name for name, waits in self.waits.items() if any(names for _, names in waits)}
+        self.step_sums = self.sums([(s.get("pid"), s["ts"], s["ts"] + s["dur"]) for s in self.steps])
+
+    def sums(self, windows: list[tuple]) -> list[dict]:
+        """For each window (pid, start, end): each stage's (calls, exact host time, exact wait on
+        collectives) over its ranges inside the window, on that process (pid None: any)."""
+        out: list[dict] = [{} for _ in windows]
+        for name, rows in self.ranges.items():
+            for pid in {w[0] for w in windows}:
+                mine = [i for i, w in enumerate(windows) if w[0] == pid]
+                ranges = [
+                    (r["ts"], r["ts"] + r["dur"], exact(r["dur"]), exact(wait))
+                    for r, (wait, _) in zip(rows, self.waits[name])
+                    if pid is None or r.get("pid") == pid
+                ]
+                for i, got in zip(mine, contained_sums(ranges, [windows[i][1:] for i in mine])):
+                    out[i][name] = got
+        return out
+
+    def opened(self, name: str, pid, start: float, end: float) -> list[int]:
+        """The indices of the stage's ranges inside [start, end] on process `pid` (None: any)."""
+        rows = self.ranges.get(name, [])
+        lo = bisect_left(self.range_ts.get(name, []), start - EPS_US)
+        hi = bisect_right(self.range_ts.get(name, []), end + EPS_US)
+        return [
+            i
+            for i in range(lo, hi)
+            if (pid is None or rows[i].get("pid") == pid) and rows[i]["ts"] + rows[i]["dur"] <= end + EPS_US
+        ]
 
     def comm_in(self, pid, start: float, end: float) -> tuple[float, set]:
         """Host time inside [start, end] spent waiting on collectives: while a collective was in
@@ -524,32 +625,30 @@ class _Index:
         waiting = sum(e - s for s, e in subtract(inflight, busy[max(lo - 1, 0) :]))
         return waiting, {n for _, _, n in rows}
 
-    def window(self, pid, start: float, end: float, gpu: bool) -> tuple[dict, list[dict], dict]:
-        """One window's figures, plus the device work in it and each stage's (for the totals)."""
+    def window(
+        self, pid, start: float, end: float, gpu: bool, sums: dict | None = None
+    ) -> tuple[dict, list[dict], dict]:
+        """One window's figures, plus the device work in it and each stage's (for the totals).
+        `sums`: the window's entry of self.sums(), when computed for many windows at once."""
         work = self.launches.inside(pid, start, end) + self.launches.unlaunched(start, end)
         row = {"host_ms": (end - start) / 1000}
         if gpu:
             row.update(device_figures(work))
         row["stages"], stage_work = {}, {}
+        sums = sums if sums is not None else self.sums([(pid, start, end)])[0]
         for name in self.stages:
             # A stage may open several times in a window (gradient accumulation): sum the host times,
             # and take the union of all the device work launched in any of its ranges.
-            opened = [
-                r
-                for r in self.ranges.get(name, ())
-                if (pid is None or r.get("pid") == pid)
-                and start - EPS_US <= r["ts"]
-                and r["ts"] + r["dur"] <= end + EPS_US
-            ]
-            if not opened:
+            calls, host, wait = sums.get(name, (0, 0, 0))
+            if not calls:
                 continue
-            stage = {"host_ms": sum(r["dur"] for r in opened) / 1000, "calls": len(opened)}
-            comm_us, comm_names = 0.0, set()
-            for r in opened:
-                us, names = self.comm_in(r.get("pid"), r["ts"], r["ts"] + r["dur"])
-                comm_us, comm_names = comm_us + us, comm_names | names
-            stage["comm_host_ms"] = comm_us / 1000
+            stage = {"host_ms": host / EXACT / 1000, "calls": calls, "comm_host_ms": wait / EXACT / 1000}
             stage["comm_device_ms"] = 0.0  # no NCCL/RCCL kernels without device work
+            # Which ranges, not only how many: for their kernels, and the collectives they waited on.
+            # (Under overlapping steps this part grows with the overlaps; device traces have none.)
+            inside = self.opened(name, pid, start, end) if gpu or name in self.named_waits else []
+            opened = [self.ranges[name][i] for i in inside]
+            comm_names = set().union(*(self.waits[name][i][1] for i in inside))
             if gpu:
                 kernels = [
                     k for r in opened for k in self.launches.inside(r.get("pid"), r["ts"], r["ts"] + r["dur"])
@@ -566,9 +665,9 @@ class _Index:
 
 def _steps(index: _Index, gpu: bool):
     rows, works, stage_works, spans = [], [], [], []
-    for step in index.steps:
+    for step, sums in zip(index.steps, index.step_sums):
         start, end = step["ts"], step["ts"] + step["dur"]
-        row, work, stage_work = index.window(step.get("pid"), start, end, gpu)
+        row, work, stage_work = index.window(step.get("pid"), start, end, gpu, sums)
         rows.append({"step": int(STEP_NAME.match(step["name"]).group(1)), **row})
         works.append(work)
         stage_works.append(stage_work)
@@ -671,17 +770,20 @@ def operator_times(events: list[dict]) -> dict[str, dict]:
     for thread_ops in per_thread.values():
         thread_ops.sort(key=lambda e: (e["ts"], -e["dur"]))  # a parent before the children it encloses
         stack: list[list] = []  # open operators: [name, end, self time so far]
+        open_names: Counter = Counter()  # the names on the stack: a lookup, not a scan of a deep stack
         for e in thread_ops:
             name, end = e["name"], e["ts"] + e["dur"]
             while stack and e["ts"] >= stack[-1][1] - EPS_US:  # operators that ended before e began
                 done = stack.pop()
+                open_names[done[0]] -= 1
                 ops[done[0]]["self_us"] += max(done[2], 0.0)
             if stack:
                 stack[-1][2] -= e["dur"]  # e runs inside the operator on top of the stack
             ops[name]["calls"] += 1
-            if all(open_name != name for open_name, _, _ in stack):
+            if not open_names[name]:
                 ops[name]["total_us"] += e["dur"]
             stack.append([name, end, e["dur"]])
+            open_names[name] += 1
         for name, _, self_us in stack:
             ops[name]["self_us"] += max(self_us, 0.0)
     return ops
