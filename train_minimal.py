@@ -23,6 +23,9 @@ IMPORTED_AT = time.time()  # start-up's lower bound where /proc cannot tell when
 
 if __name__ == "__main__":  # the CPU's malloc is chosen before torch loads: a re-exec then costs ~0
     from minigpt.core.cpu import run_under_preferred_allocator
+    from minigpt.errors import exit_quietly_on_interrupt
+
+    exit_quietly_on_interrupt("train_minimal.py")  # a Ctrl-C while torch imports: one line, status 130
 
     run_under_preferred_allocator(sys.argv[1:])
 
@@ -52,6 +55,7 @@ from minigpt.core.cpu import choose_allocator, outlast_step, release_freed_memor
 from minigpt.core.data import Batches, Data, load_data
 from minigpt.core.model import GPT, GPTConfig
 from minigpt.core.runs import RunDir, stop_on_signals
+from minigpt.errors import INTERRUPTED, INTERRUPTED_LINE
 from minigpt.instruments.estimate import estimate_gpt, estimate_report
 from minigpt.instruments.instrument import Instruments
 from minigpt.instruments.metrics import (
@@ -332,6 +336,9 @@ def cli(argv: list[str] | None = None, on_step: Callable[[int], None] | None = N
     except (NonFiniteLoss, distributed.LostRank) as e:  # faults: one line, exit status 1
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # outside the loop (in it, a signal stops the run at a step and saves)
+        print(f"error: {INTERRUPTED_LINE} (outside the training loop)", file=sys.stderr)
+        return INTERRUPTED
     finally:
         distributed.cleanup()  # on every exit path: a process group left behind hangs or leaks
 

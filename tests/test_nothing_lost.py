@@ -10,6 +10,9 @@ import json
 import os
 import pickle
 import random
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -416,6 +419,71 @@ def test_overlapping_steps_on_two_processes_count_each_stage_once_per_step(tmp_p
     assert {n: (s["calls"], s["host_ms"]) for n, s in steps[3].items()} == {"forward": (1, 0.01)}
 
 
+# ---------------------------------------------------------------------------- 5. Ctrl-C during start-up
+
+ROOT = Path(__file__).resolve().parents[1]
+# Ctrl-C during an import (torch's: seconds), made certain: the import itself raises KeyboardInterrupt.
+INTERRUPT_AT_IMPORT = """
+import builtins, runpy, sys
+real = builtins.__import__
+how, target, at, *args = sys.argv[1:]
+def imp(name, *a, **k):
+    if name == at:
+        raise KeyboardInterrupt
+    return real(name, *a, **k)
+builtins.__import__ = imp
+sys.argv = ["-m" if how == "module" else target, *args]
+if how == "module":
+    import minigpt  # as python -m imports the package first, argv[0] still "-m"
+    sys.argv[0] = target
+    runpy.run_module(target, run_name="__main__", alter_sys=True)
+else:
+    runpy.run_path(target, run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize(
+    "how, target, at",
+    [
+        ("path", "train_minimal.py", "torch"),
+        ("path", "sample.py", "torch"),
+        ("module", "minigpt.report", "minigpt.analysis.runfiles"),  # the tools import no torch
+    ],
+)
+def test_ctrl_c_during_an_import_is_one_line_and_status_130(tmp_path, how, target, at):
+    env = {**os.environ, "MINIGPT_MALLOC": "glibc", "PYTHONPATH": str(ROOT)}
+    args = [str(tmp_path)] if how == "module" else ["--help"]
+    done = subprocess.run(
+        [sys.executable, "-c", INTERRUPT_AT_IMPORT, how, target, at, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 130 and len(lines) == 1 and "interrupted (Ctrl-C)" in lines[0], done.stderr
+
+
+def test_ctrl_c_while_the_trainer_starts_is_one_line_and_status_130(tmp_path):
+    """A real SIGINT a second in: importing torch, building, or (on a fast machine) training,
+    where the signal stops the run at a step. Each ends with status 130, never a traceback."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [*FAST, "--num-steps", "100000", "--out-dir", str(tmp_path / "run")]
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train_minimal.py"), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+
+
 COUNTS = {
     "output paths over a run's files (report, compare)": len(TARGETS) * len(TOOLS) + 2,
     "damaged checkpoints, resume and sample.py": 2 * len(DAMAGE) + 1,
@@ -423,5 +491,6 @@ COUNTS = {
     "paths of the wrong kind in a run, the cache folder": len(WRONG_KIND) + 2,
     "a trace of overlapping ranges": 2 + 1,
     "ranges inside windows, swept and scanned (generated)": SWEEP_EXAMPLES,
+    "Ctrl-C during start-up": 4,
     "checkpoint bytes overwritten anywhere (generated)": DAMAGE_EXAMPLES,
 }
