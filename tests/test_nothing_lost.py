@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 import train_minimal
 from minigpt.analysis import compare, report, traces
 from minigpt.core.checkpoint import CHECKSUM_KEY, load_checkpoint, save_checkpoint, state_crc
-from minigpt.core.config import UsageError
+from minigpt.core.config import UsageError, parse_args
 from sample import cli as sample_cli
 
 FAST = [*TINY, "--peak-tflops", "1", "--no-report"]
@@ -484,6 +484,39 @@ def test_ctrl_c_while_the_trainer_starts_is_one_line_and_status_130(tmp_path):
     assert proc.returncode == 130 and "Traceback" not in err, err
 
 
+# ---------------------------------------------------------------------------- 6. flags that contradict
+
+
+# (flags, what the one line names)
+CONTRADICTIONS = [
+    (["--amp", "--no-amp"], "--amp and --no-amp"),
+    (["--no-amp", "--num-steps", "3", "--amp"], "--amp and --no-amp"),
+    (["--chunked-loss", "--no-chunked-loss"], "--chunked-loss and --no-chunked-loss"),
+    (["--memory-snapshot-path", "snap.pickle"], "--record-memory-history"),
+    (["--tokenizer-name", "gpt2"], "--tokenizer-name"),  # TINY has --use-toy-data
+    (["--tokenizer-name", "cl100k_base"], "--tokenizer-name"),
+    (["--max-tokens", "1000"], "--max-tokens"),
+]
+
+
+@pytest.mark.parametrize("flags, named", CONTRADICTIONS, ids=[" ".join(f) for f, _ in CONTRADICTIONS])
+def test_flags_that_contradict_or_do_nothing_are_refused(capsys, tmp_path, flags, named):
+    out = tmp_path / "run"
+    msg = one_line_exit_2(capsys, train_minimal.cli([*FAST, *flags, "--out-dir", str(out)]))
+    assert named in msg, msg
+    assert not out.exists()
+
+
+def test_minigpt_args_may_still_override_the_command_lines_amp(monkeypatch):
+    """$MINIGPT_ARGS is appended to win over the command line: --amp there, --no-amp here, is no
+    contradiction."""
+    monkeypatch.setenv("MINIGPT_ARGS", "--no-amp")
+    assert parse_args([*TINY, "--amp"]).amp is False
+    monkeypatch.setenv("MINIGPT_ARGS", "--no-amp --amp")
+    with pytest.raises(UsageError, match=r"both given in \$MINIGPT_ARGS"):
+        parse_args(TINY)
+
+
 COUNTS = {
     "output paths over a run's files (report, compare)": len(TARGETS) * len(TOOLS) + 2,
     "damaged checkpoints, resume and sample.py": 2 * len(DAMAGE) + 1,
@@ -492,5 +525,6 @@ COUNTS = {
     "a trace of overlapping ranges": 2 + 1,
     "ranges inside windows, swept and scanned (generated)": SWEEP_EXAMPLES,
     "Ctrl-C during start-up": 4,
+    "flags that contradict or do nothing": len(CONTRADICTIONS) + 1,
     "checkpoint bytes overwritten anywhere (generated)": DAMAGE_EXAMPLES,
 }
