@@ -257,7 +257,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None) -> int:
 
     # ------------------------------------------------------------------ train loop
     model.train()
-    losses, val = [], None
+    losses, val = [], ckpt.last_val  # a resumed run carries its last evaluation, as one that never stopped
     rate.totals.start(IMPORTED_AT)  # start-up ends here: the run-wide figures count from now
     # SIGINT / SIGTERM finish the step in flight, save, and leave; a second Ctrl-C kills at once.
     # A rank lost mid-run (killed, stopped): one line naming it and how to resume, on the others.
@@ -317,7 +317,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None) -> int:
                 losses = []
             if ckpt.enabled and (last or stop or cfg.save_interval and step % cfg.save_interval == 0):
                 ckpt.check_finite(losses, step, rate.amp, weights=True)
-                ckpt.save(step)
+                ckpt.save(step, val)
             if stop:
                 return run.stopped(stop_signal, step, log)
 

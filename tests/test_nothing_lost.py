@@ -517,6 +517,32 @@ def test_minigpt_args_may_still_override_the_command_lines_amp(monkeypatch):
         parse_args(TINY)
 
 
+# ---------------------------------------------------------------------------- 7. words
+
+
+@pytest.mark.parametrize("world, named", [("2", "world size 2"), ("4", "this launch has 4 rank(s)")])
+def test_a_tp_that_does_not_fit_names_the_world_size(monkeypatch, world, named):
+    """--tp 3 on 2 ranks: the world size is the first thing wrong, and named; --tp 4 on 4 ranks
+    with --n-heads 2: the heads are, and the line says how many ranks the launch has."""
+    monkeypatch.setenv("WORLD_SIZE", world)
+    tp = "3" if world == "2" else "4"
+    with pytest.raises(UsageError) as e:
+        parse_args([*TINY, "--tp", tp, "--fsdp"])
+    assert named in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_resumed_run_carries_its_last_validation_loss(tmp_path):
+    """As the run that never stopped does: the step after a resume logs the last evaluation's loss,
+    not null, until the next evaluation."""
+    out = tmp_path / "run"
+    common = [*FAST, "--log-interval", "1", "--eval-interval", "100", "--out-dir", str(out)]
+    assert train_minimal.cli([*common, "--num-steps", "2"]) == 0  # evaluates at its last step
+    assert train_minimal.cli([*common, "--num-steps", "4", "--resume"]) == 0
+    records = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    assert records[2]["val_loss"] is not None
+    assert records[3]["val_loss"] == records[2]["val_loss"]
+
+
 COUNTS = {
     "output paths over a run's files (report, compare)": len(TARGETS) * len(TOOLS) + 2,
     "damaged checkpoints, resume and sample.py": 2 * len(DAMAGE) + 1,
@@ -526,5 +552,6 @@ COUNTS = {
     "ranges inside windows, swept and scanned (generated)": SWEEP_EXAMPLES,
     "Ctrl-C during start-up": 4,
     "flags that contradict or do nothing": len(CONTRADICTIONS) + 1,
+    "words: --tp and the world size, the last val loss after a resume": 3,
     "checkpoint bytes overwritten anywhere (generated)": DAMAGE_EXAMPLES,
 }

@@ -785,9 +785,18 @@ def check_parallel(cfg: TrainConfig, given: set[str] | frozenset[str]) -> None:
             "--tp sets it by hand: pass one of them"
         )
     if cfg.tp > 1:
+        # torchrun's world size, known here from its environment: a --tp that does not divide it
+        # is the first thing wrong, whatever the model's shape
+        world = os.environ.get("WORLD_SIZE", "")
+        ranks = f"; this launch has {world} rank(s)" if world.isdigit() else ""
+        if world.isdigit() and int(world) % cfg.tp:
+            raise UsageError(
+                f"--tp {cfg.tp} does not divide the world size {world} (the ranks torchrun started): "
+                "use a --tp that divides the number of processes"
+            )
         if cfg.n_heads % cfg.tp:
             raise UsageError(
-                f"--tp {cfg.tp} must divide --n-heads {cfg.n_heads}: each rank holds whole heads"
+                f"--tp {cfg.tp} must divide --n-heads {cfg.n_heads}: each rank holds whole heads{ranks}"
             )
         if cfg.d_ff % cfg.tp:
             raise UsageError(
