@@ -31,6 +31,7 @@ from minigpt.core.config import UsageError, parse_args
 from sample import cli as sample_cli
 
 FAST = [*TINY, "--peak-tflops", "1", "--no-report"]
+PAGE_EXAMPLES = int(os.environ.get("MINIGPT_PAGE_EXAMPLES", 100))  # ~1 ms each
 SWEEP_EXAMPLES = int(os.environ.get("MINIGPT_SWEEP_EXAMPLES", 100))  # ~1 ms each
 DAMAGE_EXAMPLES = int(os.environ.get("MINIGPT_DAMAGE_EXAMPLES", 150))  # ~10 ms each: a load
 
@@ -115,6 +116,28 @@ def test_a_tools_own_earlier_page_is_replaced_and_force_replaces_a_users_file(ca
     assert report.main([str(run), "--out", str(notes), "--force"]) == 0
     assert notes.read_bytes().startswith(report.PAGE_HEAD.encode())
     assert tree(run) == before
+
+
+@settings(max_examples=PAGE_EXAMPLES, deadline=None, derandomize=True)
+@given(
+    cut=st.integers(0, len(report.PAGE_HEAD)),
+    tail=st.binary(max_size=40),
+    tool=st.sampled_from(["--out", "--html"]),
+)
+def test_only_a_page_that_begins_as_minigpts_own_is_replaced(tmp_path_factory, cut, tail, tool):
+    """Any file that begins with less than a page of minigpt's head (however nearly) is refused in
+    one line and left as it was; one that begins with all of it is the tool's own to rewrite."""
+    path = tmp_path_factory.mktemp("page") / "out.html"
+    content = report.PAGE_HEAD.encode()[:cut] + tail
+    path.write_bytes(content)
+    if content.startswith(report.PAGE_HEAD.encode()):
+        report.check_page_path(path, tool)
+        return
+    with pytest.raises(UsageError) as e:
+        report.check_page_path(path, tool)
+    assert "\n" not in str(e.value) and tool in str(e.value) and "--force" in str(e.value)
+    assert path.read_bytes() == content
+    report.check_page_path(path, tool, force=True)  # told to: allowed
 
 
 def test_even_force_does_not_write_through_a_fifo(capsys, run):
@@ -336,6 +359,25 @@ def test_a_cache_that_cannot_be_written_costs_a_warning_not_the_rates(capsys, tm
         assert cache.read_text() == "a file where the cache folder should be\n"
 
 
+def test_estimate_times_rates_survive_a_cache_that_cannot_be_written(capsys, tmp_path, monkeypatch):
+    """estimate --time's rates (a minute of measuring at GPT-2's size) are used though the cache
+    folder is a file: one warning line, the rates returned, the file untouched."""
+    from minigpt.instruments import predict
+
+    cache = tmp_path / "cache"
+    cache.write_text("not a folder\n")
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(cache))
+    monkeypatch.setattr(predict, "measure_bandwidth", lambda device: {"1024": [1e9, 1e9]})
+    monkeypatch.setattr(predict, "measure_exp", lambda device: [1e8, 1e8])
+    monkeypatch.setattr(predict, "measure_overhead", lambda device: {"forward": [1e-6, 1e-6]})
+    monkeypatch.setattr(predict, "measure_kernel", lambda *a, **k: {"rounds": [1e10, 1e10], "cold": [5e9]})
+    rates = predict.step_rates("cpu", "fp32", ["mm 8x8x8"])
+    assert rates.matmul["mm 8x8x8"] > 0 and rates.exps_per_s == 1e8 and "not cached" in rates.source
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("warning: cannot write the cache") and "is a file, not a folder" in line, line
+    assert cache.read_text() == "not a folder\n"
+
+
 # ---------------------------------------------------------------------------- 4. overlapping ranges
 
 
@@ -545,9 +587,10 @@ def test_a_resumed_run_carries_its_last_validation_loss(tmp_path):
 
 COUNTS = {
     "output paths over a run's files (report, compare)": len(TARGETS) * len(TOOLS) + 2,
+    "files at an output path, nearly a page of minigpt's (generated)": PAGE_EXAMPLES,
     "damaged checkpoints, resume and sample.py": 2 * len(DAMAGE) + 1,
     "damaged sharded checkpoints": 2,
-    "paths of the wrong kind in a run, the cache folder": len(WRONG_KIND) + 2,
+    "paths of the wrong kind in a run, the cache folder": len(WRONG_KIND) + 3,
     "a trace of overlapping ranges": 2 + 1,
     "ranges inside windows, swept and scanned (generated)": SWEEP_EXAMPLES,
     "Ctrl-C during start-up": 4,

@@ -769,7 +769,7 @@ def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True, m
     if cache and fresh:
         entries = read_cache(path)  # again, just before writing: another process may have added rates
         entries[key] = {**entries.get(key, {}), **fresh}
-        write_cache(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
+        cache = write_cache(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")  # or warned
     got = {**known, **fresh}
     rate = statistics.harmonic_mean  # of rates: the work over the calls' mean time
     # (faster, slower): a kernel timed faster out of cache than in it (noise) keeps the range ordered
