@@ -639,4 +639,4 @@ def test_count_of_bad_inputs():
     print(
         f"bad inputs tried: {total} ({sum(hand.values())} hand-written, {sum(generated.values())} generated)"
     )
-    assert total >= 500 and sum(hand.values()) >= 130
+    assert total >= 1000 and sum(hand.values()) >= 170
