@@ -408,6 +408,28 @@ def test_a_trace_of_20000_overlapping_steps_reads_in_seconds(capsys, tmp_path, c
     assert "20000 profiled step(s)" in capsys.readouterr().out
 
 
+def test_a_trace_of_20000_processes_and_collectives_reads_in_seconds(capsys, tmp_path):
+    """Each step on a process of its own, stage ranges on random ones, 20,000 collectives under
+    20,000 overlapping forwards: each range's wait is two binary searches, not a scan."""
+    rng = random.Random(1)
+    events = []
+    for i in range(20_000):
+        for name, cat, longest, pid in (
+            (f"ProfilerStep#{i}", "user_annotation", 2e5, i),
+            ("backward", "user_annotation", 2e4, rng.randrange(20_000)),
+            ("c10d::allreduce_", "cpu_op", 50, 0),
+            ("forward", "user_annotation", 2e4, 0),
+        ):
+            ts, dur = round(rng.uniform(0, 1e6), 3), round(rng.uniform(0, longest), 3)
+            events.append({"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": pid, "tid": 1})
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    began = time.monotonic()
+    assert traces.main([str(trace)]) == 0
+    assert time.monotonic() - began < 30
+    assert "20000 profiled step(s)" in capsys.readouterr().out
+
+
 def brute_force(ranges, windows):
     """What contained_sums answers, one range and one window at a time."""
     out = []
@@ -591,7 +613,7 @@ COUNTS = {
     "damaged checkpoints, resume and sample.py": 2 * len(DAMAGE) + 1,
     "damaged sharded checkpoints": 2,
     "paths of the wrong kind in a run, the cache folder": len(WRONG_KIND) + 3,
-    "a trace of overlapping ranges": 2 + 1,
+    "a trace of overlapping ranges": 3 + 1,
     "ranges inside windows, swept and scanned (generated)": SWEEP_EXAMPLES,
     "Ctrl-C during start-up": 4,
     "flags that contradict or do nothing": len(CONTRADICTIONS) + 1,

@@ -567,13 +567,21 @@ class _Index:
         self.busy = {pid: merged(spans) for pid, spans in busy.items()}
         self.steps.sort(key=lambda e: e["ts"])
         self.launches = Launches(events)
+        self._wait_cache: dict = {}
         for rows in self.ranges.values():
             rows.sort(key=lambda r: r["ts"])
-        self.range_ts = {name: [r["ts"] for r in rows] for name, rows in self.ranges.items()}
+        # (stage, pid) -> its ranges' indices and starts, in start order; pid None: every process's
+        self.range_index: dict = {}
+        for name, rows in self.ranges.items():
+            self.range_index[(name, None)] = (list(range(len(rows))), [r["ts"] for r in rows])
+            for i, r in enumerate(rows):
+                index, ts = self.range_index.setdefault((name, r.get("pid")), ([], []))
+                index.append(i)
+                ts.append(r["ts"])
         # Each range's wait on collectives, once (not once per window that holds it)
         self.waits = {
             name: [
-                self.comm_in(r.get("pid"), r["ts"], r["ts"] + r["dur"]) if self.comm else (0.0, set())
+                self.comm_in(r.get("pid"), r["ts"], r["ts"] + r["dur"]) if self.comm else (0, set())
                 for r in rows
             ]
             for name, rows in self.ranges.items()
@@ -585,45 +593,70 @@ class _Index:
         """For each window (pid, start, end): each stage's (calls, exact host time, exact wait on
         collectives) over its ranges inside the window, on that process (pid None: any)."""
         out: list[dict] = [{} for _ in windows]
+        by_pid: dict = defaultdict(list)  # pid -> the windows on it: one pass, however many pids
+        for i, w in enumerate(windows):
+            by_pid[w[0]].append(i)
         for name, rows in self.ranges.items():
-            for pid in {w[0] for w in windows}:
-                mine = [i for i, w in enumerate(windows) if w[0] == pid]
-                ranges = [
-                    (r["ts"], r["ts"] + r["dur"], exact(r["dur"]), exact(wait))
-                    for r, (wait, _) in zip(rows, self.waits[name])
-                    if pid is None or r.get("pid") == pid
-                ]
-                for i, got in zip(mine, contained_sums(ranges, [windows[i][1:] for i in mine])):
+            ranges: dict = defaultdict(list)  # pid -> its ranges, as contained_sums takes them
+            for r, (wait, _) in zip(rows, self.waits[name]):
+                ranges[r.get("pid")].append((r["ts"], r["ts"] + r["dur"], exact(r["dur"]), wait))
+            every = [r for rs in ranges.values() for r in rs]
+            for pid, mine in by_pid.items():
+                theirs = every if pid is None else ranges.get(pid, [])
+                for i, got in zip(mine, contained_sums(theirs, [windows[i][1:] for i in mine])):
                     out[i][name] = got
         return out
 
     def opened(self, name: str, pid, start: float, end: float) -> list[int]:
         """The indices of the stage's ranges inside [start, end] on process `pid` (None: any)."""
         rows = self.ranges.get(name, [])
-        lo = bisect_left(self.range_ts.get(name, []), start - EPS_US)
-        hi = bisect_right(self.range_ts.get(name, []), end + EPS_US)
-        return [
-            i
-            for i in range(lo, hi)
-            if (pid is None or rows[i].get("pid") == pid) and rows[i]["ts"] + rows[i]["dur"] <= end + EPS_US
-        ]
+        index, ts = self.range_index.get((name, pid), ([], []))
+        lo, hi = bisect_left(ts, start - EPS_US), bisect_right(ts, end + EPS_US)
+        return [i for i in index[lo:hi] if rows[i]["ts"] + rows[i]["dur"] <= end + EPS_US]
 
-    def comm_in(self, pid, start: float, end: float) -> tuple[float, set]:
-        """Host time inside [start, end] spent waiting on collectives: while a collective was in
-        flight on any thread of the process and no other operator ran on any of its threads."""
-        pids = [p for p in self.comm if pid is None or p == _key(pid)]
-        rows = [r for p in pids for r in self.comm[p] if r[0] < end and r[1] > start]
-        if not rows:
-            return 0.0, set()
-        inflight = merged([(max(s, start), min(e, end)) for s, e, _ in rows])
-        busy = (
-            self.busy.get(pids[0], [])
-            if len(pids) == 1
-            else merged([iv for p in pids for iv in self.busy.get(p, [])])
+    def comm_in(self, pid, start: float, end: float) -> tuple[int, set]:
+        """Host time inside [start, end] spent waiting on collectives (exact, in 2**-1074 us): while
+        a collective was in flight on any thread of the process and no other operator ran on any of
+        its threads; and the names of the collectives in flight then. The waiting intervals do not
+        depend on the range: made once per process, each range's share is two binary searches."""
+        waiting, by_name = self._waiting(None if pid is None else _key(pid))
+        starts, ends, prefix = waiting
+        a, b = bisect_right(ends, start), bisect_left(starts, end)  # the intervals that overlap
+        total = 0
+        if a < b:
+            total = prefix[b] - prefix[a]
+            total -= max(0, exact(start) - exact(starts[a]))  # the parts outside the range
+            total -= max(0, exact(ends[b - 1]) - exact(end))
+        names = set()
+        for name, (n_starts, n_ends) in by_name.items():
+            k = bisect_right(n_ends, start)
+            if k < len(n_starts) and n_starts[k] < end:
+                names.add(name)
+        return total, names
+
+    def _waiting(self, pid):
+        """For a process (None: all of them): the intervals when a collective was in flight and no
+        other operator ran (starts, ends, exact prefix sums of their lengths), and each
+        collective name's merged intervals (starts, ends)."""
+        if pid in self._wait_cache:
+            return self._wait_cache[pid]
+        pids = list(self.comm) if pid is None else [pid] if pid in self.comm else []
+        rows = [r for p in pids for r in self.comm[p]]
+        busy = merged(
+            [iv for p in (list(self.busy) if pid is None else [pid]) for iv in self.busy.get(p, [])]
         )
-        lo = bisect_left(busy, (start,))  # merged and sorted: skip what ended before the range
-        waiting = sum(e - s for s, e in subtract(inflight, busy[max(lo - 1, 0) :]))
-        return waiting, {n for _, _, n in rows}
+        waiting = subtract(merged([(s, e) for s, e, _ in rows]), busy)
+        prefix = [0]
+        for s, e in waiting:
+            prefix.append(prefix[-1] + exact(e) - exact(s))
+        spans: dict = defaultdict(list)
+        for s, e, name in rows:
+            spans[name].append((s, e))
+        by_name = {
+            n: ([s for s, _ in m], [e for _, e in m]) for n, m in ((n, merged(v)) for n, v in spans.items())
+        }
+        self._wait_cache[pid] = ([s for s, _ in waiting], [e for _, e in waiting], prefix), by_name
+        return self._wait_cache[pid]
 
     def window(
         self, pid, start: float, end: float, gpu: bool, sums: dict | None = None
