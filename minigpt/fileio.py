@@ -153,7 +153,14 @@ class WouldOverwrite(UsageError):
     checkpoint, anyone's file. Replacing it takes an explicit --force."""
 
 
-def check_may_replace(path: str | Path, marker: bytes, flag: str, tool: str, force: bool = False) -> None:
+def check_may_replace(
+    path: str | Path,
+    marker: bytes,
+    flag: str,
+    tool: str,
+    force: bool = False,
+    fix: str = "name another file, or add --force to replace it",
+) -> None:
     """Before a tool writes `path` (its own flag `flag`): refuse to replace an existing file that
     does not begin with `marker` (what the tool's own output begins with: its earlier output may be
     replaced), unless `force`. Never replaced, even with force: a folder or a device (a rename
@@ -175,10 +182,7 @@ def check_may_replace(path: str | Path, marker: bytes, flag: str, tool: str, for
     except OSError:
         head = b""
     if head != marker:
-        raise WouldOverwrite(
-            f"{flag} {path} exists and was not written by {tool}; name another file, "
-            "or add --force to replace it"
-        )
+        raise WouldOverwrite(f"{flag} {path} exists and was not written by {tool}; {fix}")
 
 
 class UnreadableFile(UsageError):

@@ -28,6 +28,7 @@ import train_minimal
 from minigpt.analysis import compare, report, traces
 from minigpt.core.checkpoint import CHECKSUM_KEY, load_checkpoint, save_checkpoint, state_crc
 from minigpt.core.config import UsageError, parse_args
+from minigpt.fileio import check_may_replace
 from sample import cli as sample_cli
 
 FAST = [*TINY, "--peak-tflops", "1", "--no-report"]
@@ -138,6 +139,22 @@ def test_only_a_page_that_begins_as_minigpts_own_is_replaced(tmp_path_factory, c
     assert "\n" not in str(e.value) and tool in str(e.value) and "--force" in str(e.value)
     assert path.read_bytes() == content
     report.check_page_path(path, tool, force=True)  # told to: allowed
+
+
+@pytest.mark.parametrize("target", ["config.json", "metrics.jsonl", "checkpoints/ckpt.pt", "notes.txt"])
+def test_a_memory_snapshot_path_never_replaces_what_is_not_a_snapshot(run, target):
+    """CUDA only at run time (--record-memory-history), so checked here as the trainer checks it
+    at start-up: a run's files are refused, an earlier snapshot (a pickle) is replaced."""
+    from minigpt.instruments.instrument import SNAPSHOT_MARKER
+
+    with pytest.raises(UsageError, match="name another path") as e:
+        check_may_replace(
+            run / target, SNAPSHOT_MARKER, "--memory-snapshot-path", "minigpt", fix="name another path"
+        )
+    assert "\n" not in str(e.value)
+    earlier = run.parent / "snap.pickle"
+    earlier.write_bytes(pickle.dumps({"segments": []}))
+    check_may_replace(earlier, SNAPSHOT_MARKER, "--memory-snapshot-path", "minigpt", fix="name another path")
 
 
 def test_even_force_does_not_write_through_a_fifo(capsys, run):
@@ -608,7 +625,8 @@ def test_a_resumed_run_carries_its_last_validation_loss(tmp_path):
 
 
 COUNTS = {
-    "output paths over a run's files (report, compare)": len(TARGETS) * len(TOOLS) + 2,
+    "output paths over a run's files (report, compare, --memory-snapshot-path)": len(TARGETS) * len(TOOLS)
+    + 6,
     "files at an output path, nearly a page of minigpt's (generated)": PAGE_EXAMPLES,
     "damaged checkpoints, resume and sample.py": 2 * len(DAMAGE) + 1,
     "damaged sharded checkpoints": 2,
