@@ -123,7 +123,11 @@ def check_out_dir(path: str | Path, what: str = "--out-dir") -> None:
 # What a run keeps in its directory, by the kind of path it must be: a file at a folder's name (or
 # a folder at a file's) would end a resumed run in a traceback halfway into its start.
 RUN_FILES = (paths.CONFIG_FILE, paths.LOG_FILE, paths.METRICS_FILE, paths.STRAGGLERS_FILE, paths.REPORT_FILE)
-RUN_FOLDERS = (paths.TENSORBOARD_DIR, paths.TRACE_DIR, "snapshots", "memory_trace", "checkpoints")
+RUN_FOLDERS = (
+    paths.TENSORBOARD_DIR,
+    paths.TRACE_DIR,
+    *(Path(p).parts[0] for p in (paths.SNAPSHOT_FILE, paths.MEMORY_TRACE_DIR, paths.CHECKPOINT_FILE)),
+)
 
 
 def check_run_files(out_dir: str | Path) -> None:
