@@ -24,6 +24,11 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
+if __name__ == "__main__":
+    from minigpt.errors import exit_quietly_on_interrupt
+
+    exit_quietly_on_interrupt("sample.py")  # a Ctrl-C while torch imports: one line, status 130
+
 import torch
 
 from minigpt.core.config import UsageError, resolve_device

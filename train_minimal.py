@@ -23,6 +23,9 @@ IMPORTED_AT = time.time()  # the script's start-up begins here (the interpreter'
 
 if __name__ == "__main__":  # the CPU's malloc is chosen before torch loads: a re-exec then costs ~0
     from minigpt.core.cpu import run_under_preferred_allocator
+    from minigpt.errors import exit_quietly_on_interrupt
+
+    exit_quietly_on_interrupt("train_minimal.py")  # a Ctrl-C while torch imports: one line, status 130
 
     run_under_preferred_allocator(sys.argv[1:], IMPORTED_AT)
 
@@ -52,6 +55,7 @@ from minigpt.core.cpu import choose_allocator, outlast_step, release_freed_memor
 from minigpt.core.data import Batches, Data, load_data
 from minigpt.core.model import GPT, GPTConfig
 from minigpt.core.runs import RunDir, stop_on_signals
+from minigpt.errors import INTERRUPTED, INTERRUPTED_LINE
 from minigpt.instruments.estimate import estimate_gpt, estimate_report, fit_batch_size
 from minigpt.instruments.instrument import Instruments
 from minigpt.instruments.metrics import (
@@ -261,7 +265,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) ->
 
     # ------------------------------------------------------------------ train loop
     model.train()
-    losses, val = [], None
+    losses, val = [], ckpt.last_val  # a resumed run carries its last evaluation, as one that never stopped
     rate.totals.start(started_at)  # start-up ends here: the run-wide figures count from now
     # SIGINT / SIGTERM finish the step in flight, save, and leave; a second Ctrl-C kills at once.
     # A rank lost mid-run (killed, stopped): one line naming it and how to resume, on the others.
@@ -321,7 +325,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) ->
                 losses = []
             if ckpt.enabled and (last or stop or cfg.save_interval and step % cfg.save_interval == 0):
                 ckpt.check_finite(losses, step, rate.amp, weights=True)
-                ckpt.save(step)
+                ckpt.save(step, val)
             if stop:
                 return run.stopped(stop_signal, step, log)
 
@@ -341,6 +345,9 @@ def cli(argv: list[str] | None = None, on_step: Callable[[int], None] | None = N
     except (NonFiniteLoss, distributed.LostRank) as e:  # faults: one line, exit status 1
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # outside the loop (in it, a signal stops the run at a step and saves)
+        print(f"error: {INTERRUPTED_LINE} (outside the training loop)", file=sys.stderr)
+        return INTERRUPTED
     finally:
         distributed.cleanup()  # on every exit path: a process group left behind hangs or leaks
 

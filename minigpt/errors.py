@@ -5,7 +5,13 @@ only: the trainer, the instruments and the analysis tools all import it."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+# A stop by Ctrl-C: 128 + SIGINT, the shell's convention (the trainer stopped by a signal in its
+# loop exits with 128 + the signal's number too, after its checkpoint).
+INTERRUPTED = 130
+INTERRUPTED_LINE = "interrupted (Ctrl-C); no file was left half-written (each is renamed into place whole)"
 
 
 class UsageError(Exception):
@@ -24,3 +30,22 @@ class ArgParser(argparse.ArgumentParser):
         head = f"{self.prog}: " if self.name_prog else ""
         print(f"{head}error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
+
+
+def exit_quietly_on_interrupt(prog: str) -> None:
+    """A Ctrl-C that nothing of the program caught (while torch imports, say, before any of its
+    own handling begins) ends as one line and status 130, not a traceback from inside an import.
+    Other uncaught exceptions go to the hook that was there before."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if not issubclass(kind, KeyboardInterrupt):
+            return previous(kind, value, tb)
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        print(f"{prog}: {INTERRUPTED_LINE}", file=sys.stderr, flush=True)
+        os._exit(INTERRUPTED)  # at once: a second Ctrl-C must not meet the interpreter's shutdown
+
+    sys.excepthook = hook

@@ -12,6 +12,7 @@ import errno
 import os
 import shutil
 import stat
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -120,6 +121,68 @@ def atomic_write(path: str | Path, data: bytes | str, elsewhere: str = ELSEWHERE
     size = len(data) if isinstance(data, bytes) else len(data.encode("utf-8"))
     with atomic_open(path, "wb" if isinstance(data, bytes) else "w", size, elsewhere) as f:
         f.write(data)
+
+
+def write_cache(path: str | Path, text: str, env: str = "MINIGPT_CACHE_DIR") -> bool:
+    """Write a cache file (measured rates: what costs time to make, never what a run needs) or,
+    where it cannot be written (the cache folder a file, under /proc, read-only, full), say so in
+    one line on stderr and go on: the measurements are used anyway, and made again next time.
+    Returns whether it was written."""
+    try:
+        atomic_write(path, text, f"${env}")
+        return True
+    except (OSError, DiskFull) as e:
+        folder = Path(path).parent
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        if not folder.is_dir():
+            why = f"{folder} is a file, not a folder"
+        else:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        print(
+            f"warning: cannot write the cache {path} ({why}); the figures are used but measured "
+            f"again next time: set ${env} to a folder you can write",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+
+
+class WouldOverwrite(UsageError):
+    """An output path that names a file the tool did not write: a run's config, its metrics, a
+    checkpoint, anyone's file. Replacing it takes an explicit --force."""
+
+
+def check_may_replace(
+    path: str | Path,
+    marker: bytes,
+    flag: str,
+    tool: str,
+    force: bool = False,
+    fix: str = "name another file, or add --force to replace it",
+) -> None:
+    """Before a tool writes `path` (its own flag `flag`): refuse to replace an existing file that
+    does not begin with `marker` (what the tool's own output begins with: its earlier output may be
+    replaced), unless `force`. Never replaced, even with force: a folder or a device (a rename
+    over /dev/null would replace the device itself)."""
+    path = Path(path)
+    try:
+        st = os.stat(path)  # follows a link: what the link points at is what would be lost
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise WouldOverwrite(f"{flag} {path} cannot be checked ({e.strerror}); name another file") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise WouldOverwrite(f"{flag} {path} is {file_kind(st.st_mode)}; name a regular file to write")
+    if force:
+        return
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(marker))
+    except OSError:
+        head = b""
+    if head != marker:
+        raise WouldOverwrite(f"{flag} {path} exists and was not written by {tool}; {fix}")
 
 
 class UnreadableFile(UsageError):

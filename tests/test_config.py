@@ -143,7 +143,9 @@ def test_new_flags_parse():
     )
     assert cfg.peak_tflops == 312 and cfg.profile_record_shapes and cfg.profile_with_flops
     assert cfg.profile_with_modules and cfg.chunked_loss and cfg.no_report and cfg.fsdp and cfg.tp == 2
-    assert parse_args(["--chunked-loss", "--no-chunked-loss"]).chunked_loss is False
+    assert parse_args(["--no-chunked-loss"]).chunked_loss is False
+    with pytest.raises(UsageError, match="are alternatives"):  # not the last silently winning
+        parse_args(["--chunked-loss", "--no-chunked-loss"])
     defaults = parse_args([])
     assert (defaults.chunked_loss, defaults.no_checkpoint, defaults.tp) == (False, False, 1)
     assert defaults.peak_tflops is None

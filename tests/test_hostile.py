@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import test_nothing_lost
 import test_property_cli
 import torch
 from conftest import TINY, fails
@@ -193,7 +194,7 @@ CHECKPOINT_DAMAGE = [
         "not floating",
     ),
     ("exp_avg a list", lambda s: first_moment(s).update(exp_avg=[1.0]), "expected a tensor"),
-    ("step nan", lambda s: first_moment(s).update(step=torch.tensor(float("nan"))), "step is not a finite"),
+    ("step nan", lambda s: first_moment(s).update(step=torch.tensor(float("nan"))), "step holds NaN or inf"),
     ("step -1", lambda s: first_moment(s).update(step=torch.tensor(-1.0)), "step is not a finite"),
     ("step inf", lambda s: first_moment(s).update(step=float("inf")), "step is not a finite"),
     ("state of a stranger", lambda s: s["optimizer"]["state"].update({999: {}}), "no parameter group"),
@@ -626,10 +627,16 @@ def test_count_of_bad_inputs():
         "the tools' and sample.py's flags (test_property_cli)": test_property_cli.TOOL_EXAMPLES,
         "trainer runs with generated flags (test_property_cli)": test_property_cli.RUN_EXAMPLES,
     }
+    hand.update(
+        {f"{k} (test_nothing_lost)": v for k, v in test_nothing_lost.COUNTS.items() if "generated" not in k}
+    )
+    generated.update(
+        {f"{k} (test_nothing_lost)": v for k, v in test_nothing_lost.COUNTS.items() if "generated" in k}
+    )
     total = sum(hand.values()) + sum(generated.values())
     for what, n in {**hand, **generated}.items():
         print(f"{n:5d}  {what}")
     print(
         f"bad inputs tried: {total} ({sum(hand.values())} hand-written, {sum(generated.values())} generated)"
     )
-    assert total >= 500
+    assert total >= 1000 and sum(hand.values()) >= 170

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY, docs_module
 
-from minigpt.analysis.report import SECTIONS, fitted_range, main, write_report
+from minigpt.analysis.report import PAGE_HEAD, SECTIONS, fitted_range, main, write_report
 from minigpt.analysis.runfiles import RunError, load_run
 from minigpt.instruments.memory import MemoryBreakdown, write_memory_trace
 from minigpt.memory_log import MEMORY_LOG, PEAK_PARTS, parse_memory_log, peak_of_state, peak_rows
@@ -296,7 +296,8 @@ def test_out_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, monkeypatch
     the previous page intact, no temporary file left."""
     run = make_run(tmp_path / "r")
     out = tmp_path / "page.html"
-    out.write_text("previous")
+    previous = PAGE_HEAD + " previous"  # an earlier page of minigpt's: replaced, were there room
+    out.write_text(previous)
     if how == "full disk":
         monkeypatch.setattr(
             "minigpt.fileio.os.fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space"))
@@ -308,7 +309,7 @@ def test_out_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, monkeypatch
     assert line.startswith("error: ") and str(out) in line and "(--out)" in line
     assert "no space left" in line if how == "full disk" else "cannot write" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["page.html", "r"]
-    assert (tmp_path / "page.html").read_text() == "previous"
+    assert (tmp_path / "page.html").read_text() == previous
 
 
 def test_the_predicted_step_stands_beside_the_measured_stages_with_its_error(tmp_path):

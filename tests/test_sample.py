@@ -9,6 +9,7 @@ import torch
 from conftest import TINY
 
 import train_minimal
+from minigpt.core.checkpoint import save_checkpoint
 from minigpt.core.sample import Draw, generate, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,7 +107,7 @@ def edited(toy_run: Path, tmp_path: Path, edit) -> Path:
     state = torch.load(toy_run / "checkpoints" / "ckpt.pt", weights_only=True)
     edit(state)
     path = tmp_path / "edited.pt"
-    torch.save(state, path)
+    save_checkpoint(path, state)  # with its checksum made anew: what is tested is the edited field
     return path
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from minigpt.analysis.report import (
     MB,
+    check_page_path,
     esc,
     figure,
     median,
@@ -786,6 +787,11 @@ def main(argv: list[str] | None = None) -> int:
         "--html", type=Path, metavar="FILE", help="also write the comparison as an offline HTML page"
     )
     p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace the --html file even if it is not a page of minigpt's (refused by default)",
+    )
+    p.add_argument(
         "--allow-different",
         action="store_true",
         help="compare runs of different models or machines (refused by default: not like for like)",
@@ -796,10 +802,12 @@ def main(argv: list[str] | None = None) -> int:
             raise RunError(
                 f"--html {args.html} is a folder; give a file name such as {args.html / 'compare.html'}"
             )
+        if args.html is not None:  # before the runs are read: a refusal costs nothing
+            check_page_path(args.html, "--html", args.force)
         a, b = load_run(args.run_a), load_run(args.run_b)
         d = compare_loaded(a, b, args.allow_different)
         if args.html is not None:
-            write_page(args.html, compare_html(d, a, b), "--html")
+            write_page(args.html, compare_html(d, a, b), "--html", args.force)
     except (RunError, UsageError, OSError) as e:  # UsageError: a full disk (fileio.DiskFull)
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from minigpt.analysis.runfiles import Run, RunError, load_run, timeline_events
 from minigpt.errors import ArgParser, UsageError
-from minigpt.fileio import ELSEWHERE, atomic_write
+from minigpt.fileio import ELSEWHERE, atomic_write, check_may_replace
 from minigpt.memory_log import (
     CATEGORIES,
     PEAK_PART_NAMES,
@@ -113,16 +113,21 @@ def figure(fig, div_id: str, height: int = 380) -> str:
     )
 
 
+# How every page of minigpt's begins (the report's and compare's, then and now): the mark by which
+# a tool knows a file at its output path as its own earlier output, which it may replace.
+PAGE_HEAD = '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>minigpt'
 # Where a run folder's page loads the folder's one plotly.min.js (write_report fills it in).
 SHARED_PLOTLY = "<!-- minigpt: the run folder's plotly.min.js -->"
 
 
 def page(title: str, body: str, shared_plotly: bool = False) -> str:
-    """A whole page. plotly.js, only when a figure is drawn: inlined in the head (a page on its
-    own, such as compare's --html), or, with `shared_plotly`, a marker that write_report turns into
-    a <script src> of the run folder's one copy. No CDN either way."""
+    """A whole page; `title` begins with "minigpt" (PAGE_HEAD ends with it). plotly.js, only when
+    a figure is drawn: inlined in the head (a page on its own, such as compare's --html), or, with
+    `shared_plotly`, a marker that write_report turns into a <script src> of the run folder's one
+    copy. No CDN either way."""
     import plotly.offline
 
+    assert title.startswith("minigpt"), title
     js = ""
     if "Plotly.newPlot" in body:
         js = (
@@ -131,7 +136,7 @@ def page(title: str, body: str, shared_plotly: bool = False) -> str:
             else f'<script type="text/javascript">{plotly.offline.get_plotlyjs()}</script>'
         )
     return (
-        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>\n'
+        f"{PAGE_HEAD}{esc(title[len('minigpt') :])}</title>\n"
         f"<style>{CSS}</style>\n{js}\n"
         f"</head><body>\n{body}\n</body></html>\n"
     )
@@ -1097,10 +1102,20 @@ def render_report(run: Run) -> str:
     return page(f"minigpt run {run.name}", report_body(run), shared_plotly=True)
 
 
-def write_page(out: Path, text: str, elsewhere: str) -> None:
+def check_page_path(out: Path, elsewhere: str, force: bool = False) -> None:
+    """WouldOverwrite (one line) when `out` holds a file that is not a page of minigpt's, unless
+    `force`: a tool never replaces a run's config, metrics or checkpoint with a page."""
+    flag = "report" if elsewhere == ELSEWHERE else elsewhere  # the trainer's own report has no flag
+    check_may_replace(out, PAGE_HEAD.encode(), flag, "minigpt", force)
+
+
+def write_page(out: Path, text: str, elsewhere: str, force: bool = False) -> None:
     """Write a page atomically. A full disk is DiskFull's one line, naming `elsewhere` (the flags
     that write it elsewhere); a path that cannot be written (no such folder, no permission, a
-    read-only file system) is RunError's one line naming the page, not its temporary file."""
+    read-only file system) is RunError's one line naming the page, not its temporary file. A file
+    at `out` that is not a page of minigpt's (a run's config.json, its metrics, a checkpoint) is
+    replaced only with `force` (fileio.WouldOverwrite otherwise)."""
+    check_page_path(out, elsewhere, force)
     try:
         atomic_write(out, text, elsewhere)
     except OSError as e:
@@ -1118,16 +1133,20 @@ def _snapshot_pages(run_dir: Path, elsewhere: str) -> None:
         if pickle_path.suffix in (".pickle", ".gz"):
             try:
                 snapshot.write_snapshot_page(pickle_path, elsewhere=elsewhere)
-            except RunError:
+            except (RunError, UsageError):  # a bad snapshot; a file there that is not our page
                 pass
 
 
-def write_report(run_dir: Path, out: Path | None = None, elsewhere: str = ELSEWHERE) -> Path:
+def write_report(
+    run_dir: Path, out: Path | None = None, elsewhere: str = ELSEWHERE, force: bool = False
+) -> Path:
     """Write the run's report (default RUN/report.html) atomically; return its path. Raises RunError
-    when run_dir is not a run directory or the page cannot be written, DiskFull when the disk is full."""
+    when run_dir is not a run directory or the page cannot be written, DiskFull when the disk is
+    full, WouldOverwrite when `out` holds a file that is not a page of minigpt's (and not `force`)."""
     run = load_run(Path(run_dir))
     _snapshot_pages(run.path, elsewhere)
     out = Path(out) if out is not None else run.path / REPORT_FILE
+    check_page_path(out, elsewhere, force)  # before the page is made: a refusal costs nothing
     text = render_report(run)
     if SHARED_PLOTLY in text:  # one copy beside the page: the run folder's, which the charts share
         try:
@@ -1138,7 +1157,7 @@ def write_report(run_dir: Path, out: Path | None = None, elsewhere: str = ELSEWH
             why = f"its plotly.min.js beside it: {e.strerror or type(e).__name__}"
             raise RunError(f"cannot write {out} ({why}); write elsewhere ({elsewhere})") from None
         text = text.replace(SHARED_PLOTLY, script_tag(out, js))
-    write_page(out, text, elsewhere)
+    write_page(out, text, elsewhere, force)
     return out
 
 
@@ -1146,11 +1165,16 @@ def main(argv: list[str] | None = None) -> int:
     p = ArgParser(prog="python -m minigpt report", description="Write a run's offline HTML report.")
     p.add_argument("run", type=Path, help="a run directory (the trainer's --out-dir)")
     p.add_argument("--out", type=Path, help=f"where to write it (default RUN/{REPORT_FILE})")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace the --out file even if it is not a page of minigpt's (refused by default)",
+    )
     args = p.parse_args(argv)
     try:
         if args.out is not None and args.out.is_dir():
             raise RunError(f"--out {args.out} is a folder; give a file name such as {args.out / REPORT_FILE}")
-        path = write_report(args.run, args.out, "--out")
+        path = write_report(args.run, args.out, "--out", args.force)
     except (RunError, UsageError, OSError) as e:  # UsageError: a full disk (fileio.DiskFull)
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from minigpt.analysis.report import CSS, RunError, esc, table, write_page
+from minigpt.analysis.report import RunError, esc, page, table, write_page
 from minigpt.errors import ArgParser, UsageError
 from minigpt.memory_snapshot import (
     MiB,
@@ -162,10 +162,7 @@ def render(snapshot: dict, name: str) -> str:
         f"<h2>Live at the peak: {len(r.live_at_peak)} allocations, {r.peak / MiB:,.1f} MiB</h2>\n"
         f"{live_table(r)}"
     )
-    return (
-        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(name)}</title>\n'
-        f"<style>{CSS}</style></head><body>\n{body}\n</body></html>\n"
-    )
+    return page(f"minigpt snapshot {name}", body)  # no chart script: plain HTML and SVG
 
 
 def page_path(pickle_path: Path) -> Path:
@@ -174,14 +171,17 @@ def page_path(pickle_path: Path) -> Path:
     return pickle_path.with_name(f"{base}.html")
 
 
-def write_snapshot_page(pickle_path: Path, out: Path | None = None, elsewhere: str = "--out") -> Path:
-    """Read a snapshot (plain data only) and write its page; raises RunError for a bad snapshot."""
+def write_snapshot_page(
+    pickle_path: Path, out: Path | None = None, elsewhere: str = "--out", force: bool = False
+) -> Path:
+    """Read a snapshot (plain data only) and write its page; raises RunError for a bad snapshot,
+    WouldOverwrite for an `out` that is not a page of minigpt's (without `force`)."""
     try:
         snapshot = load_snapshot(pickle_path)
     except (SnapshotError, OSError) as e:
         raise RunError(str(e)) from None
     out = out or page_path(pickle_path)
-    write_page(out, render(snapshot, pickle_path.name), elsewhere)
+    write_page(out, render(snapshot, pickle_path.name), elsewhere, force)
     return out
 
 
@@ -201,13 +201,16 @@ def main(argv: list[str] | None = None) -> int:
     p = ArgParser(prog="python -m minigpt snapshot", description="A CUDA memory snapshot as an offline page.")
     p.add_argument("path", type=Path, help="a run directory or a snapshot pickle (.pickle or .pickle.gz)")
     p.add_argument("--out", type=Path, help="where to write the page (one pickle only; default beside it)")
+    p.add_argument(
+        "--force", action="store_true", help="replace a file at --out that is not a page of minigpt's"
+    )
     args = p.parse_args(argv)
     try:
         pickles = snapshots_of(args.path)
         if args.out is not None and len(pickles) > 1:
             raise RunError(f"--out names one page, but {args.path} holds {len(pickles)} snapshots")
         for pickle_path in pickles:
-            print(f"snapshot page: {write_snapshot_page(pickle_path, args.out)}")
+            print(f"snapshot page: {write_snapshot_page(pickle_path, args.out, force=args.force)}")
     except (RunError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -467,6 +467,67 @@ class Launches:
         return self.orphans[lo:hi]
 
 
+# ---------------------------------------------------------------------------- ranges inside windows
+# Every step asks which stage ranges lie inside it. Scanning every range for every step costs
+# steps x ranges: a hostile trace of 20,000 overlapping steps and 20,000 forwards ran past 120 s.
+# An offline sweep answers all the steps at once in O((steps + ranges) log ranges), however much
+# they overlap: steps by their end, ranges added as their end passes, a Fenwick tree over the
+# ranges' starts. Times are summed as exact integers (of 2**-1074 us, where every float lands), so
+# the tree's differences cost no rounding: a stage with no collective still waits exactly 0.
+
+EXACT = 1 << 1074
+
+
+def exact(x: float) -> int:
+    """`x` as an exact integer count of 2**-1074 (every finite float is one)."""
+    num, den = float(x).as_integer_ratio()
+    return num * (EXACT // den)
+
+
+class _Fenwick:
+    """Prefix sums of ints over positions 0..n-1, each update and query O(log n)."""
+
+    def __init__(self, n: int):
+        self.tree = [0] * (n + 1)
+
+    def add(self, i: int, value: int) -> None:
+        i += 1
+        while i < len(self.tree):
+            self.tree[i] += value
+            i += i & -i
+
+    def below(self, i: int) -> int:
+        """The sum over positions < i."""
+        total = 0
+        while i > 0:
+            total += self.tree[i]
+            i -= i & -i
+        return total
+
+
+def contained_sums(ranges: list[tuple], windows: list[tuple[float, float]]) -> list[tuple[int, int, int]]:
+    """For each window (start, end): (count, summed duration, summed collective wait) of the ranges
+    (ts, end, exact duration, exact wait) inside it (start - EPS <= ts, end <= window end + EPS)."""
+    starts = sorted(r[0] for r in ranges)
+    by_end = sorted(ranges, key=lambda r: r[1])
+    trees = [_Fenwick(len(starts)) for _ in range(3)]
+    added = [0, 0, 0]
+    out: list = [None] * len(windows)
+    j = 0
+    for w in sorted(range(len(windows)), key=lambda i: windows[i][1]):
+        start, end = windows[w]
+        while j < len(by_end) and by_end[j][1] <= end + EPS_US:
+            ts, _, dur, wait = by_end[j]
+            at = bisect_left(starts, ts)
+            for k, (tree, value) in enumerate(zip(trees, (1, dur, wait))):
+                tree.add(at, value)
+                added[k] += value
+            j += 1
+        lo = bisect_left(starts, start - EPS_US)
+        out[w] = tuple(added[k] - trees[k].below(lo) for k in range(3))
+    return out
+
+
 # ---------------------------------------------------------------------------- summary
 
 
@@ -506,50 +567,121 @@ class _Index:
         self.busy = {pid: merged(spans) for pid, spans in busy.items()}
         self.steps.sort(key=lambda e: e["ts"])
         self.launches = Launches(events)
+        self._wait_cache: dict = {}
+        for rows in self.ranges.values():
+            rows.sort(key=lambda r: r["ts"])
+        # (stage, pid) -> its ranges' indices and starts, in start order; pid None: every process's
+        self.range_index: dict = {}
+        for name, rows in self.ranges.items():
+            self.range_index[(name, None)] = (list(range(len(rows))), [r["ts"] for r in rows])
+            for i, r in enumerate(rows):
+                index, ts = self.range_index.setdefault((name, r.get("pid")), ([], []))
+                index.append(i)
+                ts.append(r["ts"])
+        # Each range's wait on collectives, once (not once per window that holds it)
+        self.waits = {
+            name: [
+                self.comm_in(r.get("pid"), r["ts"], r["ts"] + r["dur"]) if self.comm else (0, set())
+                for r in rows
+            ]
+            for name, rows in self.ranges.items()
+        }
+        self.named_waits = {name for name, waits in self.waits.items() if any(names for _, names in waits)}
+        self.step_sums = self.sums([(s.get("pid"), s["ts"], s["ts"] + s["dur"]) for s in self.steps])
 
-    def comm_in(self, pid, start: float, end: float) -> tuple[float, set]:
-        """Host time inside [start, end] spent waiting on collectives: while a collective was in
-        flight on any thread of the process and no other operator ran on any of its threads."""
-        pids = [p for p in self.comm if pid is None or p == _key(pid)]
-        rows = [r for p in pids for r in self.comm[p] if r[0] < end and r[1] > start]
-        if not rows:
-            return 0.0, set()
-        inflight = merged([(max(s, start), min(e, end)) for s, e, _ in rows])
-        busy = (
-            self.busy.get(pids[0], [])
-            if len(pids) == 1
-            else merged([iv for p in pids for iv in self.busy.get(p, [])])
+    def sums(self, windows: list[tuple]) -> list[dict]:
+        """For each window (pid, start, end): each stage's (calls, exact host time, exact wait on
+        collectives) over its ranges inside the window, on that process (pid None: any)."""
+        out: list[dict] = [{} for _ in windows]
+        by_pid: dict = defaultdict(list)  # pid -> the windows on it: one pass, however many pids
+        for i, w in enumerate(windows):
+            by_pid[w[0]].append(i)
+        for name, rows in self.ranges.items():
+            ranges: dict = defaultdict(list)  # pid -> its ranges, as contained_sums takes them
+            for r, (wait, _) in zip(rows, self.waits[name]):
+                ranges[r.get("pid")].append((r["ts"], r["ts"] + r["dur"], exact(r["dur"]), wait))
+            every = [r for rs in ranges.values() for r in rs]
+            for pid, mine in by_pid.items():
+                theirs = every if pid is None else ranges.get(pid, [])
+                for i, got in zip(mine, contained_sums(theirs, [windows[i][1:] for i in mine])):
+                    out[i][name] = got
+        return out
+
+    def opened(self, name: str, pid, start: float, end: float) -> list[int]:
+        """The indices of the stage's ranges inside [start, end] on process `pid` (None: any)."""
+        rows = self.ranges.get(name, [])
+        index, ts = self.range_index.get((name, pid), ([], []))
+        lo, hi = bisect_left(ts, start - EPS_US), bisect_right(ts, end + EPS_US)
+        return [i for i in index[lo:hi] if rows[i]["ts"] + rows[i]["dur"] <= end + EPS_US]
+
+    def comm_in(self, pid, start: float, end: float) -> tuple[int, set]:
+        """Host time inside [start, end] spent waiting on collectives (exact, in 2**-1074 us): while
+        a collective was in flight on any thread of the process and no other operator ran on any of
+        its threads; and the names of the collectives in flight then. The waiting intervals do not
+        depend on the range: made once per process, each range's share is two binary searches."""
+        waiting, by_name = self._waiting(None if pid is None else _key(pid))
+        starts, ends, prefix = waiting
+        a, b = bisect_right(ends, start), bisect_left(starts, end)  # the intervals that overlap
+        total = 0
+        if a < b:
+            total = prefix[b] - prefix[a]
+            total -= max(0, exact(start) - exact(starts[a]))  # the parts outside the range
+            total -= max(0, exact(ends[b - 1]) - exact(end))
+        names = set()
+        for name, (n_starts, n_ends) in by_name.items():
+            k = bisect_right(n_ends, start)
+            if k < len(n_starts) and n_starts[k] < end:
+                names.add(name)
+        return total, names
+
+    def _waiting(self, pid):
+        """For a process (None: all of them): the intervals when a collective was in flight and no
+        other operator ran (starts, ends, exact prefix sums of their lengths), and each
+        collective name's merged intervals (starts, ends)."""
+        if pid in self._wait_cache:
+            return self._wait_cache[pid]
+        pids = list(self.comm) if pid is None else [pid] if pid in self.comm else []
+        rows = [r for p in pids for r in self.comm[p]]
+        busy = merged(
+            [iv for p in (list(self.busy) if pid is None else [pid]) for iv in self.busy.get(p, [])]
         )
-        lo = bisect_left(busy, (start,))  # merged and sorted: skip what ended before the range
-        waiting = sum(e - s for s, e in subtract(inflight, busy[max(lo - 1, 0) :]))
-        return waiting, {n for _, _, n in rows}
+        waiting = subtract(merged([(s, e) for s, e, _ in rows]), busy)
+        prefix = [0]
+        for s, e in waiting:
+            prefix.append(prefix[-1] + exact(e) - exact(s))
+        spans: dict = defaultdict(list)
+        for s, e, name in rows:
+            spans[name].append((s, e))
+        by_name = {
+            n: ([s for s, _ in m], [e for _, e in m]) for n, m in ((n, merged(v)) for n, v in spans.items())
+        }
+        self._wait_cache[pid] = ([s for s, _ in waiting], [e for _, e in waiting], prefix), by_name
+        return self._wait_cache[pid]
 
-    def window(self, pid, start: float, end: float, gpu: bool) -> tuple[dict, list[dict], dict]:
-        """One window's figures, plus the device work in it and each stage's (for the totals)."""
+    def window(
+        self, pid, start: float, end: float, gpu: bool, sums: dict | None = None
+    ) -> tuple[dict, list[dict], dict]:
+        """One window's figures, plus the device work in it and each stage's (for the totals).
+        `sums`: the window's entry of self.sums(), when computed for many windows at once."""
         work = self.launches.inside(pid, start, end) + self.launches.unlaunched(start, end)
         row = {"host_ms": (end - start) / 1000}
         if gpu:
             row.update(device_figures(work))
         row["stages"], stage_work = {}, {}
+        sums = sums if sums is not None else self.sums([(pid, start, end)])[0]
         for name in self.stages:
             # A stage may open several times in a window (gradient accumulation): sum the host times,
             # and take the union of all the device work launched in any of its ranges.
-            opened = [
-                r
-                for r in self.ranges.get(name, ())
-                if (pid is None or r.get("pid") == pid)
-                and start - EPS_US <= r["ts"]
-                and r["ts"] + r["dur"] <= end + EPS_US
-            ]
-            if not opened:
+            calls, host, wait = sums.get(name, (0, 0, 0))
+            if not calls:
                 continue
-            stage = {"host_ms": sum(r["dur"] for r in opened) / 1000, "calls": len(opened)}
-            comm_us, comm_names = 0.0, set()
-            for r in opened:
-                us, names = self.comm_in(r.get("pid"), r["ts"], r["ts"] + r["dur"])
-                comm_us, comm_names = comm_us + us, comm_names | names
-            stage["comm_host_ms"] = comm_us / 1000
+            stage = {"host_ms": host / EXACT / 1000, "calls": calls, "comm_host_ms": wait / EXACT / 1000}
             stage["comm_device_ms"] = 0.0  # no NCCL/RCCL kernels without device work
+            # Which ranges, not only how many: for their kernels, and the collectives they waited on.
+            # (Under overlapping steps this part grows with the overlaps; device traces have none.)
+            inside = self.opened(name, pid, start, end) if gpu or name in self.named_waits else []
+            opened = [self.ranges[name][i] for i in inside]
+            comm_names = set().union(*(self.waits[name][i][1] for i in inside))
             if gpu:
                 kernels = [
                     k for r in opened for k in self.launches.inside(r.get("pid"), r["ts"], r["ts"] + r["dur"])
@@ -566,9 +698,9 @@ class _Index:
 
 def _steps(index: _Index, gpu: bool):
     rows, works, stage_works, spans = [], [], [], []
-    for step in index.steps:
+    for step, sums in zip(index.steps, index.step_sums):
         start, end = step["ts"], step["ts"] + step["dur"]
-        row, work, stage_work = index.window(step.get("pid"), start, end, gpu)
+        row, work, stage_work = index.window(step.get("pid"), start, end, gpu, sums)
         rows.append({"step": int(STEP_NAME.match(step["name"]).group(1)), **row})
         works.append(work)
         stage_works.append(stage_work)
@@ -671,17 +803,20 @@ def operator_times(events: list[dict]) -> dict[str, dict]:
     for thread_ops in per_thread.values():
         thread_ops.sort(key=lambda e: (e["ts"], -e["dur"]))  # a parent before the children it encloses
         stack: list[list] = []  # open operators: [name, end, self time so far]
+        open_names: Counter = Counter()  # the names on the stack: a lookup, not a scan of a deep stack
         for e in thread_ops:
             name, end = e["name"], e["ts"] + e["dur"]
             while stack and e["ts"] >= stack[-1][1] - EPS_US:  # operators that ended before e began
                 done = stack.pop()
+                open_names[done[0]] -= 1
                 ops[done[0]]["self_us"] += max(done[2], 0.0)
             if stack:
                 stack[-1][2] -= e["dur"]  # e runs inside the operator on top of the stack
             ops[name]["calls"] += 1
-            if all(open_name != name for open_name, _, _ in stack):
+            if not open_names[name]:
                 ops[name]["total_us"] += e["dur"]
             stack.append([name, end, e["dur"]])
+            open_names[name] += 1
         for name, _, self_us in stack:
             ops[name]["self_us"] += max(self_us, 0.0)
     return ops

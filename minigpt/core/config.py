@@ -637,8 +637,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "train_minimal.py") ->
         raise UsageError(
             f"${EXTRA_ARGS_ENV} does not parse as shell words ({e}): {os.environ[EXTRA_ARGS_ENV]!r}"
         ) from None
-    argv = list(sys.argv[1:] if argv is None else argv) + extra
-    given = vars(build_parser(prog).parse_args(argv))  # only the flags on the command line
+    argv = list(sys.argv[1:] if argv is None else argv)
+    check_alternatives(argv, "on the command line")
+    check_alternatives(extra, f"in ${EXTRA_ARGS_ENV}")  # there, each may override the command line's
+    given = vars(build_parser(prog).parse_args(argv + extra))  # only the flags on the command line
     preset = given.get("preset", DEFAULT_PRESET)
     cfg = TrainConfig(**{**PRESETS[preset], **given, "preset": preset})
     check_fields(cfg)  # before anything is derived from a value, so a bad one is blamed on its own flag
@@ -660,6 +662,18 @@ def parse_args(argv: list[str] | None = None, prog: str = "train_minimal.py") ->
     if cfg.memory_profiler and cfg.memory_profile_step is None:
         cfg.memory_profile_step = cfg.profile_step_end if cfg.use_profiler else cfg.profile_step_start
     return cfg
+
+
+def check_alternatives(words: list[str], where: str) -> None:
+    """A flag and its --no- form (--amp --no-amp) given together, in one place: argparse would let
+    the last win silently, while --help shows them as alternatives."""
+    words = words[: words.index("--")] if "--" in words else words
+    for f in fields(TrainConfig):
+        if f.metadata["action"] is argparse.BooleanOptionalAction:
+            yes = flag_name(f)
+            no = f"--no-{yes[2:]}"
+            if yes in words and no in words:
+                raise UsageError(f"{yes} and {no} are alternatives, both given {where}; keep one")
 
 
 def check_text(f: Field, value) -> None:
@@ -743,6 +757,14 @@ def validate(cfg: TrainConfig, given: set[str] | frozenset[str] = frozenset()) -
     profile_ranks(cfg.profile_ranks, world_size=None)  # the format; the range is checked at start-up
     if cfg.use_toy_data and (cfg.train_data or cfg.val_data):
         raise UsageError("--use-toy-data generates its own data; drop --train-data/--val-data")
+    if cfg.use_toy_data and ("tokenizer_name" in given or cfg.max_tokens is not None):
+        which = "--tokenizer-name" if "tokenizer_name" in given else "--max-tokens"
+        raise UsageError(f"--use-toy-data generates its own tokens, which {which} would not change; drop it")
+    if cfg.memory_snapshot_path is not None and not cfg.record_memory_history:
+        raise UsageError(
+            "--memory-snapshot-path names where --record-memory-history's snapshot goes; "
+            "add --record-memory-history, or drop --memory-snapshot-path"
+        )
     if cfg.memory_profile_step is not None and not cfg.memory_profiler:
         raise UsageError("--memory-profile-step needs --memory-profiler")
     if cfg.memory_profiler:
@@ -780,9 +802,18 @@ def check_parallel(cfg: TrainConfig, given: set[str] | frozenset[str]) -> None:
             "--tp sets it by hand: pass one of them"
         )
     if cfg.tp > 1:
+        # torchrun's world size, known here from its environment: a --tp that does not divide it
+        # is the first thing wrong, whatever the model's shape
+        world = os.environ.get("WORLD_SIZE", "")
+        ranks = f"; this launch has {world} rank(s)" if world.isdigit() else ""
+        if world.isdigit() and int(world) % cfg.tp:
+            raise UsageError(
+                f"--tp {cfg.tp} does not divide the world size {world} (the ranks torchrun started): "
+                "use a --tp that divides the number of processes"
+            )
         if cfg.n_heads % cfg.tp:
             raise UsageError(
-                f"--tp {cfg.tp} must divide --n-heads {cfg.n_heads}: each rank holds whole heads"
+                f"--tp {cfg.tp} must divide --n-heads {cfg.n_heads}: each rank holds whole heads{ranks}"
             )
         if cfg.d_ff % cfg.tp:
             raise UsageError(

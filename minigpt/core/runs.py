@@ -17,6 +17,7 @@ import os
 import platform
 import re
 import signal
+import stat
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -32,7 +33,7 @@ from minigpt.core import distributed
 from minigpt.core.config import EXTRA_ARGS_ENV, TrainConfig, UsageError
 from minigpt.core.cpu import preload_hint
 from minigpt.core.distributed import DistInfo
-from minigpt.fileio import atomic_write
+from minigpt.fileio import atomic_write, file_kind
 
 if TYPE_CHECKING:
     from minigpt.core.checkpoint import Checkpointer
@@ -124,7 +125,40 @@ def check_out_dir(path: str | Path, what: str = "--out-dir") -> None:
         )
     if path.exists() and not path.is_dir():
         raise UsageError(f"{what} {path} is a file, not a folder; choose another {what}")
-    probe_writable(path / LOCK_FILE, what)
+    lock = path / LOCK_FILE
+    if lock.is_dir():
+        raise UsageError(
+            f"{lock}, the lock file that keeps a second trainer out of {path}, is a directory; "
+            "remove it (the trainer makes its lock itself), or choose another --out-dir"
+        )
+    probe_writable(lock, what)
+
+
+# What a run keeps in its directory, by the kind of path it must be: a file at a folder's name (or
+# a folder at a file's) would end a resumed run in a traceback halfway into its start.
+RUN_FILES = (paths.CONFIG_FILE, paths.LOG_FILE, paths.METRICS_FILE, paths.STRAGGLERS_FILE, paths.REPORT_FILE)
+RUN_FOLDERS = (
+    paths.TENSORBOARD_DIR,
+    paths.TRACE_DIR,
+    *(Path(p).parts[0] for p in (paths.SNAPSHOT_FILE, paths.MEMORY_TRACE_DIR, paths.CHECKPOINT_FILE)),
+)
+
+
+def check_run_files(out_dir: str | Path) -> None:
+    """Every file and folder the run will write that is already there has the kind it must have
+    (a regular file, a folder): else one line naming it, before anything is touched."""
+    out_dir = Path(out_dir)
+    for name, want in [*((n, "file") for n in RUN_FILES), *((n, "folder") for n in RUN_FOLDERS)]:
+        try:
+            mode = (out_dir / name).stat().st_mode
+        except OSError:  # not there (made when needed), or not reachable (the probes say why)
+            continue
+        if not (stat.S_ISREG(mode) if want == "file" else stat.S_ISDIR(mode)):
+            kind = "a file" if stat.S_ISREG(mode) else file_kind(mode)
+            raise UsageError(
+                f"{out_dir / name} is {kind}, where the run keeps its {name} ({want}); "
+                "move it away, or choose another --out-dir"
+            )
 
 
 def checkpoint_lock_path(checkpoint: str | Path) -> Path:
@@ -445,6 +479,7 @@ class RunDir:
         if not self.dist_info.is_main:
             return
         check_out_dir(self.path)
+        check_run_files(self.path)
         if ckpt.enabled:
             probe_writable(ckpt.probe_path, "--checkpoint-path")
         held.enter_context(RunLock(self.path, ckpt.path if ckpt.enabled else None))

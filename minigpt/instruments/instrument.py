@@ -42,12 +42,14 @@ from minigpt.core.config import profile_ranks
 from minigpt.core.distributed import time_backward_compute
 from minigpt.core.progress import Progress, progress_enabled
 from minigpt.core.runs import probe_writable
-from minigpt.fileio import atomic_open, atomic_write
+from minigpt.fileio import atomic_open, atomic_write, check_may_replace
 from minigpt.instruments.commprobe import CommProbe
 from minigpt.instruments.memory import process_memory
 from minigpt.instruments.straggler import parse_slow_rank
 from minigpt.memory_snapshot import peak_text
 from minigpt.stages import STAGE_NAMES, STEP_RANGE, color
+
+SNAPSHOT_MARKER = b"\x80"  # how a pickle of protocol 2 or later begins: what a memory snapshot is
 
 NVTX_DOMAIN = "minigpt"  # one domain: Nsight can filter the project's ranges from PyTorch's own
 
@@ -423,6 +425,11 @@ class Instruments:
         if cfg.record_memory_history and self.profiled:
             if cfg.memory_snapshot_path:  # a path of the user's: refused now, not when the window ends
                 probe_writable(snapshot, "--memory-snapshot-path")
+                # and never over a file that is not a pickle (a snapshot is one): a run's config,
+                # its metrics, a checkpoint (a zip)
+                check_may_replace(
+                    snapshot, SNAPSHOT_MARKER, "--memory-snapshot-path", "minigpt", fix="name another path"
+                )
             # The OOM observer from now on (an OOM while building still leaves the segments); the
             # history itself from the first step (step()): the entries are training steps only.
             self.memory_history = MemoryHistory(cfg.memory_history_entries)

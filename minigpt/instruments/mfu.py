@@ -63,7 +63,7 @@ from minigpt.core.config import TrainConfig
 from minigpt.core.data import cache_dir
 from minigpt.core.distributed import DistInfo
 from minigpt.core.model import GPT
-from minigpt.fileio import UnreadableFile, atomic_write, display_path, read_bounded
+from minigpt.fileio import UnreadableFile, display_path, read_bounded, write_cache
 from minigpt.instruments.instrument import cuda_memory_report
 from minigpt.instruments.memory import process_memory
 from minigpt.instruments.metrics import RunTotals, StepRecord, format_finished, perplexity
@@ -258,7 +258,7 @@ def peak_flops(
             if name not in mine or r["best"] > mine[name]["best"]:
                 mine[name] = r
         entries[key] = mine
-        atomic_write(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
+        cache = write_cache(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")  # or warned
         rates = {**rates, **{n: mine[n] for n in rates if n in mine}}
     shapes = [{"name": u.name, **rates[u.name]} for u in units if u.name not in skipped]
     best = max(shapes, key=lambda s: s["best"])

@@ -73,7 +73,7 @@ from minigpt.core import model as model_module
 from minigpt.core.config import UsageError
 from minigpt.core.cpu import allocator_in_use
 from minigpt.core.data import cache_dir
-from minigpt.fileio import atomic_write, display_path
+from minigpt.fileio import display_path, write_cache
 from minigpt.instruments.mfu import PEAK_FLOPS, TORCH_DTYPES, machine_key, read_cache
 from minigpt.shape import Shape
 
@@ -769,7 +769,7 @@ def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True, m
     if cache and fresh:
         entries = read_cache(path)  # again, just before writing: another process may have added rates
         entries[key] = {**entries.get(key, {}), **fresh}
-        atomic_write(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
+        cache = write_cache(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")  # or warned
     got = {**known, **fresh}
     rate = statistics.harmonic_mean  # of rates: the work over the calls' mean time
     # (faster, slower): a kernel timed faster out of cache than in it (noise) keeps the range ordered
@@ -808,7 +808,7 @@ def cuda_overhead(cache: bool = True) -> dict[str, float]:
     beside the CPU's rates: a few thousand one-element ops, well under a second once CUDA is up,
     but a start-up measures nothing after the first (on an H200 every start had measured it: 80,248
     of a 100,000-entry CUDA memory history were these ops). A cache that cannot be written costs
-    only the measurement."""
+    one warning line and the measurement."""
     key, path = rates_key("cuda", "any"), cache_dir() / STEP_RATES_FILE
     known = read_cache(path).get(key, {}).get("overhead") if cache else None
     if not (
@@ -817,13 +817,10 @@ def cuda_overhead(cache: bool = True) -> dict[str, float]:
     ):
         known = measure_overhead("cuda")
         if cache:
-            try:
-                entries = read_cache(path)
-                date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-                entries[key] = {**entries.get(key, {}), "overhead": {**known, "date": date}}
-                atomic_write(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
-            except OSError:
-                pass
+            entries = read_cache(path)
+            date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+            entries[key] = {**entries.get(key, {}), "overhead": {**known, "date": date}}
+            write_cache(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")  # or warned
     return {k: statistics.fmean(known[k]) for k in ("op", "autograd")}
 
 
