@@ -68,7 +68,7 @@ from minigpt.instruments.metrics import (
 from minigpt.instruments.mfu import TORCH_DTYPES, Throughput, mfu_peak
 from minigpt.instruments.per_rank import per_rank_memory_estimate
 from minigpt.instruments.predict import NoRates, predict_step
-from minigpt.instruments.straggler import StragglerDetector, format_report, parse_slow_rank, rank_figures
+from minigpt.instruments.straggler import StragglerDetector, format_report, parse_slow_rank, score_interval
 from minigpt.shape import shape_of
 from minigpt.stages import STAGE_NAMES
 
@@ -141,22 +141,6 @@ def predictions(cfg: TrainConfig, model: GPT, amp_dtype: str, device: str, plan)
     return memory, step and {k: v for k, v in step.to_record().items() if k != "config"}
 
 
-def score_stragglers(
-    detector: StragglerDetector, step: int, interval, dist_info: distributed.DistInfo
-) -> list[dict]:
-    """Every rank's medians over the interval's steady steps (warm-up is no straggler), gathered and
-    scored; the slow ranks' reports, on rank 0 alone: every rank gathers the same figures, and
-    torchrun prints each rank's warnings, so a report from every rank would show each STRAGGLER
-    line once per rank."""
-    stages = interval.stages
-    if dist_info.world_size == 1 or not stages.host_steps:
-        return []
-    times = [1000 * t for t in interval.step_times]
-    mine = rank_figures(dist_info.rank, dist_info.host, times, stages.device_steps)
-    reports = detector.update(step, distributed.gather(mine, dist_info))
-    return reports if dist_info.is_main else []
-
-
 def is_log_step(step: int, cfg: TrainConfig) -> bool:
     # An evaluation step is a log step too, so --eval-interval holds whatever --log-interval is.
     return step % cfg.log_interval == 0 or step % cfg.eval_interval == 0 or step == cfg.num_steps
@@ -182,7 +166,6 @@ class Setup(NamedTuple):
     ckpt: Checkpointer
     run: RunDir
     log: logging.Logger
-    predicted_step: dict | None  # the step's predicted stage times (config.json), None without rates
 
 
 def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
@@ -237,9 +220,10 @@ def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
     memory, step_time = predictions(cfg, model, amp_dtype, device, plan)
     notes = [amp_note, malloc_note, plan.describe(amp_dtype) if plan.sharded else None, batch_note]
     log = run.open(model, data, rate, notes, step_time)
+    rate.predicted_ms = (step_time or {}).get("step_ms")  # the last line gives the steady step's share
     inst.attach(model, optimizer, step + 1, memory, ddp_model)  # with DDP: the backward's compute timed apart
     return Setup(cfg, device, dist_info, plan, data, model, ddp_model, train_model, optimizer, scaler,
-                 autocast, step, inst, rate, ckpt, run, log, step_time)  # fmt: skip
+                 autocast, step, inst, rate, ckpt, run, log)  # fmt: skip
 
 
 def main(argv: list[str] | None = None, on_step: Callable[[int], None] | None = None) -> int:
@@ -256,7 +240,7 @@ def main(argv: list[str] | None = None, on_step: Callable[[int], None] | None = 
 def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) -> int:
     """The loop, with what set_up() built under the names it reads."""
     (cfg, device, dist_info, plan, data, model, ddp_model, train_model, optimizer, scaler,
-     autocast, step, inst, rate, ckpt, run, log, predicted_step) = s  # fmt: skip
+     autocast, step, inst, rate, ckpt, run, log) = s  # fmt: skip
     is_main = dist_info.is_main
     metrics_file = JsonlWriter(run.path / paths.METRICS_FILE, enabled=is_main)
     stragglers_file = JsonlWriter(run.path / paths.STRAGGLERS_FILE, enabled=is_main and dist_info.enabled)
@@ -319,7 +303,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) ->
                 log.info(format_log_line(logged))
                 metrics_file.write(logged)
                 tensorboard.log(logged)
-                for report in score_stragglers(stragglers, step, interval, dist_info):
+                for report in score_interval(stragglers, step, interval, dist_info):
                     log.warning(format_report(report, cfg.straggler_threshold))
                     stragglers_file.write(report)
                 losses = []
@@ -330,8 +314,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) ->
                 return run.stopped(stop_signal, step, log)
 
     # ------------------------------------------------------------------ finish
-    predicted_ms = (predicted_step or {}).get("step_ms")
-    run.finish(log, [inst.profiler_cost(), rate.finished(logged, step, predicted_ms)], write_report)
+    run.finish(log, [inst.profiler_cost(), rate.finished(logged, step)], write_report)
     return 0
 
 

@@ -81,7 +81,8 @@ def test_the_headline_is_within_2_percent_of_steady_state(name):
     assert last.run_tokens_per_s == pytest.approx(steady, rel=0.02)
     assert last.run_left_out["warm-up"]["steps"] == [1]
     assert last.run_left_out["warm-up"]["s"] == pytest.approx(step1, rel=0.03)
-    line = rate.finished(last, 60, predicted_ms=23.2)
+    rate.predicted_ms = 23.2
+    line = rate.finished(last, 60)
     assert f"{last.run_tokens_per_s:,.0f} tokens/s in steady state (59 steps in " in line
     assert f"left out: step 1, {last.run_left_out['warm-up']['s']:.2f}s: the first step" in line
     assert "% of the predicted 23.2" in line

@@ -416,6 +416,7 @@ class Throughput:
     num_steps: int
     train_tokens: int | None  # the epoch's length; None for toy data, which has no epochs
     totals: RunTotals
+    predicted_ms: float | None = None  # the predicted step (config.json's predicted_step), when there is one
 
     @classmethod
     def of(cls, cfg: TrainConfig, plan, model: GPT, peak: PeakFlops, step: int, train_tokens: int | None):
@@ -440,10 +441,10 @@ class Throughput:
     def describe_peak(self) -> str:
         return describe(self.peak)
 
-    def finished(self, last: StepRecord, step: int, predicted_ms: float | None = None) -> str:
-        """The run's last line, from its last record: the steps since the start or the resume.
-        `predicted_ms`: the predicted step (config.json's predicted_step), beside the steady one."""
-        share = None
+    def finished(self, last: StepRecord, step: int) -> str:
+        """The run's last line, from its last record: the steps since the start or the resume, and
+        the steady step against the predicted one (predicted_ms, config.json's) where there is one."""
+        predicted_ms, share = self.predicted_ms, None
         if predicted_ms and last.run_steps:
             steady_ms = 1000 * last.run_step_time_s / last.run_steps
             share = (

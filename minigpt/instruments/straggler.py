@@ -116,6 +116,23 @@ class StragglerDetector:
         return reports
 
 
+def score_interval(detector: StragglerDetector, step: int, interval, dist_info) -> list[dict]:
+    """Every rank's medians over the interval's steady steps (warm-up is no straggler: the
+    Instruments' Interval leaves it out), gathered and scored; the slow ranks' reports, on rank 0
+    alone: every rank gathers the same figures, and torchrun prints each rank's warnings, so a
+    report from every rank would show each STRAGGLER line once per rank. `dist_info`: the
+    process group (minigpt.core.distributed.DistInfo)."""
+    from minigpt.core import distributed
+
+    stages = interval.stages
+    if dist_info.world_size == 1 or not stages.host_steps:
+        return []
+    times = [1000 * t for t in interval.step_times]
+    mine = rank_figures(dist_info.rank, dist_info.host, times, stages.device_steps)
+    reports = detector.update(step, distributed.gather(mine, dist_info))
+    return reports if dist_info.is_main else []
+
+
 def format_report(r: dict, threshold: float) -> str:
     return (
         f"STRAGGLER rank {r['rank']} on {r['host']} at step {r['step']}: relative score "
