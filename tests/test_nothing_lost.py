@@ -528,12 +528,12 @@ else:
     [
         ("path", "train_minimal.py", "torch"),
         ("path", "sample.py", "torch"),
-        ("module", "minigpt.report", "minigpt.analysis.runfiles"),  # the tools import no torch
+        ("module", "minigpt", "minigpt.analysis.runfiles"),  # python -m minigpt report: no torch
     ],
 )
 def test_ctrl_c_during_an_import_is_one_line_and_status_130(tmp_path, how, target, at):
     env = {**os.environ, "MINIGPT_MALLOC": "glibc", "PYTHONPATH": str(ROOT)}
-    args = [str(tmp_path)] if how == "module" else ["--help"]
+    args = ["report", str(tmp_path)] if how == "module" else ["--help"]
     done = subprocess.run(
         [sys.executable, "-c", INTERRUPT_AT_IMPORT, how, target, at, *args],
         cwd=ROOT,
