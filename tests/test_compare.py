@@ -8,6 +8,7 @@ import errno
 import json
 import math
 import random
+import re
 
 import pytest
 from test_report import KERNEL, gpu_trace_events, make_run
@@ -145,6 +146,18 @@ def test_the_ratio_is_the_printed_b_over_the_printed_a(tmp_path):
     step = next(r for r in d["throughput"] if r["metric"] == "step_time_s")
     line = next(x for x in text.splitlines() if x.startswith("step time ms"))
     assert f"{1000 * step['a']:,.1f}" in line and f"{1000 * step['b']:,.1f}" in line
+
+
+def test_an_mfu_above_100_percent_is_never_shown(tmp_path):
+    """An older run whose denominator was measured under load logged MFU above 100%: compare names
+    the cause instead of printing it, or a ratio of it."""
+    a = make_run(tmp_path / "a", steps=TEN, tokens_per_s=1000.0)
+    b = make_run(tmp_path / "b", steps=TEN, tokens_per_s=2e9)  # mfu 1.46 against the H100's table
+    d = compare_runs(a, b)
+    mfu_row = next(r for r in d["throughput"] if r["metric"] == "mfu")
+    assert mfu_row["a"] is None and mfu_row["b"] is None and mfu_row["ratio"] is None
+    line = next(x for x in format_compare(d).splitlines() if x.startswith("MFU %"))
+    assert "above 100%" in line and not re.search(r"\d{3}\.\d", line)
 
 
 def test_traceless_runs_compare(tmp_path):

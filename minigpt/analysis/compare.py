@@ -77,6 +77,9 @@ ONE_FIGURE = "one figure per run: no interval"
 TOO_FEW = "too few samples"
 
 
+MFU_POISONED = "n/a: an MFU above 100% (a denominator measured under load; estimate --time --remeasure)"
+
+
 def ratio(a, b) -> float | None:
     return b / a if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a else None
 
@@ -380,6 +383,10 @@ def _throughput(a: Run, b: Run, short: bool) -> list[dict]:
                 row["interval"], row["verdict"] = None, _x(row["ratio"])
             else:
                 _set_interval(row, samples(wa, k), samples(wb, k), FROM_INTERVALS, short=short)
+            if k == "mfu" and any(x > 1 for x in (*samples(a.metrics, k), *samples(b.metrics, k))):
+                # A denominator below what the run achieved (an older run's, measured under load):
+                # an MFU above 100% cannot be, so none is shown, nor a ratio of it.
+                row |= {"a": None, "b": None, "ratio": None, "interval": None, "verdict": MFU_POISONED}
             thr.append(row)
     st = [median([r.get("step_time_s") for r in steady(x.metrics)]) for x in (a, b)]
     if any(v is not None for v in st):

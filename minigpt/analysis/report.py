@@ -190,7 +190,41 @@ def throughput(run: Run) -> dict:
         "peak_tflops": c["peak_flops"] / 1e12 if isinstance(c.get("peak_flops"), (int, float)) else None,
         "peak_flops_source": c.get("peak_flops_source"),
         "peak_flops_spread": c.get("peak_flops_spread"),
+        **run_mfu(run),
     }
+
+
+def run_mfu(run: Run) -> dict:
+    """The run's MFU and achieved TFLOP/s per device, from its own tokens/s (the last record's
+    run_tokens_per_s, over the data-parallel ranks) and config.json's FLOPs per token, against the
+    denominator in force at the end: the last record's achieved over its MFU (the trainer lifts a
+    measured peak that a run outran, so config.json's start-up figure may be lower), else
+    config.json's. None where a figure is missing."""
+    c, last = run.config, (run.metrics[-1] if run.metrics else {})
+    fpt, tps = c.get("flops_per_token"), last.get("run_tokens_per_s")
+    world = last.get("world_size") or 1
+    if not all(isinstance(x, (int, float)) and x > 0 for x in (fpt, tps, world)):
+        return {"run_mfu": None, "run_achieved_tflops": None}
+    achieved = fpt * tps / world / 1e12
+    peak = c.get("peak_flops") if isinstance(c.get("peak_flops"), (int, float)) else None
+    a, m = last.get("achieved_tflops"), last.get("mfu")
+    if isinstance(a, (int, float)) and isinstance(m, (int, float)) and a > 0 and m > 0:
+        peak = max(peak or 0.0, a * 1e12 / m)
+    return {"run_mfu": achieved * 1e12 / peak if peak else None, "run_achieved_tflops": achieved}
+
+
+def mfu_text(mfu: float | None, achieved: float | None, peak: float | None) -> str:
+    """MFU as a reader sees it; never above 100%: a denominator below the achieved rate (an older
+    run's, measured under load) is named instead of a figure that cannot be."""
+    if mfu is None:
+        return "n/a"
+    if mfu > 1:
+        return (
+            f"n/a: the denominator ({fmt(peak, 3)} TFLOP/s) is below what the run achieved "
+            f"({fmt(achieved, 3)} TFLOP/s), so it was measured under load; "
+            "python -m minigpt estimate --time --remeasure measures it again"
+        )
+    return f"{100 * mfu:.1f}%" + (f" ({fmt(achieved, 3)} TFLOP/s achieved per device)" if achieved else "")
 
 
 def stage_medians(run: Run, key: str) -> dict[str, float]:
@@ -318,15 +352,7 @@ def summary_section(run: Run) -> str:
         ("precision", c.get("amp")),
         ("versions", ", ".join(f"{k} {v}" for k, v in versions.items() if v)),
         *throughput_rows(t),
-        (
-            "MFU",
-            (f"{100 * t['mfu']:.1f}%" if t["mfu"] is not None else "n/a")
-            + (
-                f" ({fmt(t['achieved_tflops'], 3)} TFLOP/s achieved per device)"
-                if t["achieved_tflops"]
-                else ""
-            ),
-        ),
+        ("MFU over the run", mfu_text(t["run_mfu"], t["run_achieved_tflops"], t["peak_tflops"])),
         ("MFU denominator", peak),
         ("FLOPs per token", fmt(c.get("flops_per_token"))),
         ("final train loss", fmt(last.get("loss"), 4)),
