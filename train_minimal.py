@@ -253,7 +253,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None) -> int:
 
     # ------------------------------------------------------------------ train loop
     model.train()
-    losses, val = [], None
+    losses = []
     rate.totals.start(IMPORTED_AT)  # start-up ends here: the run-wide figures count from now
     # SIGINT / SIGTERM finish the step in flight, save, and leave; a second Ctrl-C kills at once.
     # A rank lost mid-run (killed, stopped): one line naming it and how to resume, on the others.
@@ -295,6 +295,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None) -> int:
             if is_log_step(step, cfg) or stop:  # outside the step: not in its clock nor in its ProfilerStep
                 values = ckpt.check_finite(losses, step, rate.amp)
                 step_times, stages = inst.interval()
+                val = None  # a val loss only at the step it was evaluated: never carried as new
                 # sharded: every rank takes part (the forward has collectives)
                 if (is_main or plan.sharded) and (step % cfg.eval_interval == 0 or last):
                     batch_ms = forward_ms(stages, step_times, cfg.grad_accum_steps)  # what one batch costs
