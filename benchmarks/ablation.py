@@ -56,6 +56,7 @@ from common import (
     ratio,
     ratio_text,
     refuse_if_busy,
+    refuse_to_overwrite,
     render,
     run_variant,
     save_json,
@@ -501,11 +502,7 @@ def main() -> int:
         "repeats": args.repeats,
     }
     stem = args.out_dir / f"{device_slug(meta['machine'])}-{meta['name']}"
-    there = [f for f in (stem.with_suffix(x) for x in (".json", ".md", ".png")) if f.exists()]
-    if there and not args.force:  # before any run: committed figures are not lost to a test run
-        p.error(
-            f"{there[0]} is already there; pass --name NAME to write new results, or --force to overwrite"
-        )
+    refuse_to_overwrite(p, stem, args.force, "--name NAME to write new results")
     meta.update(refuse_if_busy(args.out_dir, args.busy), noisy=args.noisy)
     results, meta["aa"] = measure(p, args, trainer_flags)
     meta["load_end"] = load_average()
