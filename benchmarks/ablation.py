@@ -569,7 +569,8 @@ def cache_step_rates(flag_sets: list[list[str]]) -> None:
     for flags in flag_sets:
         print(f"[rates] python -m minigpt.estimate --time {shlex.join(flags)}", flush=True)
         cmd = [sys.executable, "-m", "minigpt.estimate", "--time", *flags]
-        subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        # Its stderr comes through: a "[rates] i/n kernel" line as each rate starts, not a silent minute.
+        subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, text=True, timeout=1800)
 
 
 def explain(results: dict, kept: Path) -> None:
