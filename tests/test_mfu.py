@@ -301,10 +301,12 @@ def test_an_achieved_rate_above_the_peak_corrects_it_once_and_in_the_cache(monke
     note = peak.raise_to(fpt * tokens_per_s)
     assert note and "was below what this run achieved" in note and "measured under load" in note
     assert M.mfu(fpt, tokens_per_s, peak) == pytest.approx(1.0)
-    assert peak.raise_to(fpt * tokens_per_s) is None  # said once
+    assert peak.raise_to(fpt * tokens_per_s) is None  # no higher: nothing to do
+    assert peak.raise_to(2 * fpt * tokens_per_s) is None and peak.value == 2 * fpt * tokens_per_s  # said once
+    assert M.mfu(fpt, 2 * tokens_per_s, peak) == pytest.approx(1.0)
     monkeypatch.setattr(M, "measure", lambda *a: pytest.fail("measured again despite the cache"))
     again = M.peak_flops("cpu", "fp32", units())
-    assert again.value == pytest.approx(3 * low) and M.ACHIEVED in again.source
+    assert again.value == pytest.approx(6 * low) and M.ACHIEVED in again.source
     override = M.peak_flops("cpu", "fp32", override_tflops=1e-6)
     assert override.raise_to(1e12) is None  # the user's figure is their word
 
@@ -327,3 +329,27 @@ def test_remeasure_forgets_the_machines_figures(monkeypatch, tmp_path):
     assert M.peak_flops("cpu", "fp32", units()).value == 1e30
     fresh = M.peak_flops("cpu", "fp32", units(), remeasure=True)
     assert fresh.value < 1e30 and fresh.source.startswith("measured now")
+
+
+def test_a_run_against_a_poisoned_cache_never_logs_mfu_above_100(tmp_path, monkeypatch):
+    """The trainer end to end: a denominator far below what the run reaches (a busy first
+    measurement) is said once, lifted, and no log line, metrics record or TensorBoard scalar
+    shows MFU above 100%; the next run starts from the achieved rate."""
+    from conftest import TINY
+
+    import train_minimal
+
+    monkeypatch.setattr(
+        M, "peak_flops", lambda d, t, *a, **k: M.PeakFlops(1.0, "measured now: fake", device=d, dtype=t)
+    )
+    out = tmp_path / "run"
+    flags = ["--num-steps", "6", "--log-interval", "2", "--no-report", "--no-checkpoint"]
+    assert train_minimal.cli([*TINY, *flags, "--out-dir", str(out)]) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows and all(0 < r["mfu"] <= 1.0 for r in rows), [r["mfu"] for r in rows]
+    log = (out / "train.log").read_text()
+    assert log.count("was below what this run achieved") == 1
+    shown = [float(x) for x in re.findall(r"mfu ([\d.]+)%", log)]
+    assert len(shown) == 3 and max(shown) <= 100.0
+    cached = json.loads((tmp_path / "cache" / M.PEAK_CACHE_FILE).read_text())
+    assert any(M.ACHIEVED in units and units[M.ACHIEVED]["best"] > 1.0 for units in cached.values())

@@ -193,22 +193,26 @@ class PeakFlops:
     def raise_to(self, achieved: float, cache: bool = True) -> str | None:
         """Lift the denominator to a rate the run has `achieved` (FLOP/s per device) when that is
         above it: the measured peak was then wrong (taken under load), and is corrected here and in
-        the cache, so MFU stays at or below 100%. Returns the one line saying so, or None. A user's
-        --peak-tflops is their word, and a GPU's data sheet is the hardware's: neither is touched."""
-        if achieved <= self.value or not self.source.startswith(("measured", "cache")):
+        the cache, so MFU stays at or below 100%. Returns the line saying so the first time, else
+        None. A user's --peak-tflops is their word, and a GPU's data sheet is the hardware's:
+        neither is touched."""
+        if achieved <= self.value or not self.source.startswith(("measured", "cache", ACHIEVED)):
             return None
+        first = not self.source.startswith(ACHIEVED)
         note = (
             f"MFU peak {self.value / 1e12:.3g} TFLOP/s was below what this run achieved "
-            f"({achieved / 1e12:.3g} TFLOP/s): it was measured under load; the peak is now "
-            f"{achieved / 1e12:.3g} TFLOP/s"
+            f"({achieved / 1e12:.3g} TFLOP/s): it was measured under load; the peak is now the "
+            "best rate the run achieves"
         )
-        self.value, self.source = achieved, f"{ACHIEVED} (the measured peak was lower); was: {self.source}"
+        if first:
+            self.source = f"{ACHIEVED} (the measured peak was lower); was: {self.source}"
+        self.value = achieved
         if cache:
             entry = {"flops": 0, "best": achieved, "median": achieved, "calls": 1, "cores": os.cpu_count()}
             entry |= {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "load": None}
             keep_best(machine_key(self.device, self.dtype), {ACHIEVED: entry})
             note += f", kept in {display_path(cache_dir() / PEAK_CACHE_FILE)}"
-        return note
+        return note if first else None
 
 
 def mfu(flops_per_token: float, tokens_per_s_per_device: float, peak: float | PeakFlops) -> float:
