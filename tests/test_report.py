@@ -523,3 +523,17 @@ def test_memory_charts_draw_every_slice_without_a_console_warning(cpu_run, tmp_p
     for chart in sorted(run.memory[0]["folder"].glob("*_sunburst.html")):
         state = shots.check_page(chart)
         assert state["errors"] == [] and state["slices"] > 1, (chart.name, state["errors"])
+
+
+def test_stage_bars_keep_their_width_when_logged_steps_are_close(tmp_path):
+    """A stopped and resumed run logs steps 1 apart (13, 14) among steps 10 apart: each logged step
+    is one slot of the stage chart's axis, so no bar is drawn hair-thin."""
+    from minigpt.analysis.report import stages_section
+
+    run = load_run(make_run(tmp_path / "r", steps=(10, 13, 14, 20, 30)))
+    page = stages_section(run)
+    axes = re.findall(
+        r'"xaxis\d?":\{"anchor":"y\d?","domain":\[[^]]*\],"title":\{"text":"logged step"\},"type":"(\w+)"',
+        page,
+    )
+    assert axes and set(axes) == {"category"}, "a numeric step axis"

@@ -437,7 +437,9 @@ def stages_section(run: Run) -> str:
                 col,
             )
     fig.update_layout(barmode="stack")
-    fig.update_xaxes(title_text="logged step")
+    # One slot per logged step: on a numeric axis a bar is as wide as the closest two logged steps
+    # are apart, so a stop and resume that logs steps 1 apart drew every bar hair-thin.
+    fig.update_xaxes(title_text="logged step", type="category")
     fig.update_yaxes(title_text="ms per step (mean over the interval)", row=1, col=1)
     note = (
         "<p>Each bar is the mean over its log interval. On the CPU a stage's device time is its host time; "
