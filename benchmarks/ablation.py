@@ -106,6 +106,12 @@ def variants(args) -> list[tuple[str, list[str], int]]:
     return out
 
 
+def mfu_cell(mfu: float) -> str:
+    """MFU for the table, never above 100%: a results file whose runs measured their denominator
+    under load (before the trainer lifted it to what a run achieves) gets the reason instead."""
+    return f"{100 * mfu:.1f}%" if mfu <= 1 else "n/a (denominator measured under load)"
+
+
 def peak_mib(s: dict) -> float | None:
     """The allocator's measured peak of one step (--memory-profiler: max_memory_allocated on CUDA,
     the profiler's memory events on the CPU); for a results file without it, the breakdown's sum
@@ -219,7 +225,7 @@ def markdown(meta: dict, results: dict) -> str:
             f"| {name} | {s['amp']} | {tokens_median(s):,.0f} | "
             f"{min(reps):,.0f}-{max(reps):,.0f} | "
             f"{vs} | "
-            f"{100 * s['mfu']:.1f}% | {s['step_ms']['median']:.0f} | "
+            f"{mfu_cell(s['mfu'])} | {s['step_ms']['median']:.0f} | "
             + " | ".join(f"{stage_ms(s, 'host', st):.1f} / {stage_ms(s, 'device', st):.1f}" for st in STAGES)
             + f" | {'n/a' if pk is None else f'{pk:,.1f}'} | "
             + ("n/a |" if act is None else f"{act:,.1f} ({100 * act / pk:.0f}%) |" if pk else f"{act:,.1f} |")

@@ -479,6 +479,12 @@ def test_results_already_there_are_not_overwritten_without_force(tmp_path, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{stem}.md"]
 
 
+def test_the_ablation_table_shows_no_mfu_above_100_percent(monkeypatch):
+    ablation = bench_module("ablation", monkeypatch)
+    assert ablation.mfu_cell(0.238) == "23.8%" and ablation.mfu_cell(1.0) == "100.0%"
+    assert ablation.mfu_cell(1.505) == "n/a (denominator measured under load)"
+
+
 def bench_module(name: str, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     return __import__("importlib").import_module(name)
