@@ -385,7 +385,7 @@ def curves_section(run: Run) -> str:
         1,
         1,
     )
-    val = [(r["step"], r["val_loss"]) for r in run.metrics if r.get("val_loss") is not None]
+    val = evaluated(run)
     if val:
         fig.add_trace(
             go.Scatter(x=[s for s, _ in val], y=[v for _, v in val], name="val loss", mode="lines+markers"),
@@ -403,6 +403,25 @@ def curves_section(run: Run) -> str:
             "series; --log-interval N logs every N steps.</p>"
         )
     return body + figure(fig, "curves-plot", 340)
+
+
+def evaluated(run: Run) -> list[tuple[int, float]]:
+    """(step, val loss) at the steps that evaluated. A trainer before 2026-11-26 carried the last
+    figure to every log step after it; such a repeat, at a step that is no multiple of the run's
+    --eval-interval and not its last, is not drawn as a point of its own."""
+    cfg = run.config.get("config", {})
+    every, last = cfg.get("eval_interval"), cfg.get("num_steps")
+    out = []
+    for r in run.metrics:
+        step, v = r.get("step"), r.get("val_loss")
+        if v is None or not isinstance(step, int):
+            continue
+        carried = (
+            out and v == out[-1][1] and isinstance(every, int) and every > 0 and step % every and step != last
+        )
+        if not carried:
+            out.append((step, v))
+    return out
 
 
 def stages_section(run: Run) -> str:
