@@ -38,7 +38,8 @@ dtype and thread count on the same machine. Neither clock can make a call look f
 runs on a quiet machine (see `measure`), and the cache only ever rises, so the figure errs low only
 while every call of every unit was slowed. Two guards hold for that case. A unit timed while other
 processes used more than LOAD_SHARE of the cores (LoadProbe) is said to be, serves its run, and is
-measured again at the next start until a quiet figure settles it. And a run whose achieved rate
+measured again at the next start that finds the machine quieter (quiet_now), until a quiet figure
+settles it. And a run whose achieved rate
 passes the denominator has proved it low: the run says so once, lifts it to the achieved rate
 (PeakFlops.raise_to) and caches that as ACHIEVED, so MFU never passes 100%, here or later.
 `python -m minigpt estimate --time --remeasure` forgets the machine's figures and measures again.
@@ -102,6 +103,7 @@ CACHE_LIMIT = 4 * 2**20
 # measurement barely shows. Why a quarter: a neighbour on one of 2 cores (0.5) cost the 2048^3
 # product 2-5x here; jiffies (10 ms) and our own short idle waits keep a quiet machine under 0.1.
 LOAD_SHARE = 0.25
+QUIET_WINDOW_S = 0.3  # how long a start looks at the load before measuring a busy figure again
 # The cache's entry for the best rate a run has achieved on this machine: a lower bound of the peak
 # (see "Why MFU cannot pass 100%"), so the denominator is never below it.
 ACHIEVED = "achieved by a run"
@@ -282,8 +284,13 @@ def peak_flops(
     if cache and remeasure:
         forget(path, key)
     known = current(read_cache(path).get(key, {})) if cache else {}
-    # A unit measured only under load is measured again (its figure still predicts, below).
-    missing = sorted((u for u in units if not settled(known.get(u.name))), key=lambda u: u.flops)
+    # A unit measured only under load is measured again once the machine is quieter (its figure
+    # still predicts, below); while it is still busy, another figure would be no better.
+    again = quiet_now() if any(u.name in known and not settled(known[u.name]) for u in units) else False
+    missing = sorted(
+        (u for u in units if u.name not in known or again and not settled(known[u.name])),
+        key=lambda u: u.flops,
+    )
     fresh, skipped = {}, []
     for u in missing:
         # Predicted from the largest unit timed so far (the nearest in size): small units can run at
@@ -481,6 +488,14 @@ class LoadProbe:
         return round(min(1.0, max(0.0, share)), 3)
 
 
+def quiet_now(window_s: float = QUIET_WINDOW_S) -> bool:
+    """Whether other processes leave the cores alone now (LoadProbe over `window_s` of sleep)."""
+    probe = LoadProbe()
+    time.sleep(window_s)
+    others = probe.others()
+    return others is None or others <= LOAD_SHARE
+
+
 def machine_busy_s() -> float | None:
     """Seconds of CPU time every process on the machine has used since boot (/proc/stat), or None."""
     try:
@@ -503,7 +518,8 @@ def describe(peak: PeakFlops) -> str:
         line += (
             f"\nMFU peak measured under load: other processes used {100 * peak.others:.0f}% of the "
             f"cores while it was timed, so it may be low and MFU high; it is measured again at the "
-            f"next start (or now: python -m minigpt estimate --time --remeasure)"
+            f"next start that finds the machine quieter (or now: python -m minigpt estimate --time "
+            f"--remeasure)"
         )
     return line
 
