@@ -260,24 +260,19 @@ def test_rates_measured_under_load_say_so_and_a_quiet_measurement_replaces_them(
     needed = ["matmul nn 3x5x7"]
     monkeypatch.setattr(predict.LoadProbe, "others", lambda self: 0.8)
     busy = predict.step_rates("cpu", "fp32", needed)
-    assert "4 measured under load (other processes on 80% of the cores)" in busy.source
-    assert "--remeasure" in busy.source
+    assert busy.under_load.startswith("4 rates measured under load (other processes on 80% of the cores)")
+    assert "--remeasure" in busy.under_load and "under load" not in busy.source  # its own line
     assert "[rates] 1/4 bandwidth" in capsys.readouterr().err  # progress, not silence
-    assert (
-        "under load" in predict.step_rates("cpu", "fp32", needed, measure=False).source
-    )  # the trainer's read
+    assert predict.step_rates("cpu", "fp32", needed, measure=False).under_load  # the trainer's read too
     counted.clear()
     monkeypatch.setattr(predict.LoadProbe, "others", lambda self: 0.05)
     quiet = predict.step_rates("cpu", "fp32", needed)
-    assert (
-        sorted(counted) == sorted(["bandwidth", "exp", "overhead", *needed])
-        and "under load" not in quiet.source
-    )
+    assert sorted(counted) == sorted(["bandwidth", "exp", "overhead", *needed]) and not quiet.under_load
     counted.clear()
     monkeypatch.setattr(predict.LoadProbe, "others", lambda self: 0.9)
     assert predict.step_rates("cpu", "fp32", needed).measured == 0 and counted == []  # quiet ones stand
     remeasured = predict.step_rates("cpu", "fp32", needed, remeasure=True)  # forgets them: measured anew
-    assert remeasured.measured == 4 and "under load" in remeasured.source
+    assert remeasured.measured == 4 and remeasured.under_load
     stored = next(iter(json.loads((tmp_path / predict.STEP_RATES_FILE).read_text()).values()))
     assert all(r["others"] == 0.9 for r in stored.values())
 

@@ -492,6 +492,7 @@ class Rates:
     # always the in-cache one): `matmul` holds their geometric mean. Empty where there is one rate
     # (a data sheet, or rates given in a test).
     kernel_bounds: dict[str, tuple[float, float]] = field(default_factory=dict)
+    under_load: str = ""  # what was measured under load, said on its own line (empty: nothing)
 
     def flop_rate(self, kernel: str) -> float:
         return self.matmul.get(kernel, self.matmul.get("*", 0.0))
@@ -814,15 +815,15 @@ def step_rates(
         overhead_s={k: statistics.fmean(v) for k, v in got["overhead"]["rounds"].items()},
         source=f"{how}: {len(needed)} kernels (in cache and out of it), bandwidth at "
         f"{len(got['bandwidth']['rounds'])} sizes, exp, per-op overhead "
-        f"[{display_path(path) if cache else 'not cached'}]"
-        + (
-            f"; {len(under_load)} measured under load (other processes on "
+        f"[{display_path(path) if cache else 'not cached'}]",
+        measured=len(fresh),
+        under_load=(
+            f"{len(under_load)} rates measured under load (other processes on "
             f"{100 * max(got[n]['others'] for n in under_load):.0f}% of the cores): measured again "
             f"next time, or now with python -m minigpt estimate --time --remeasure"
             if under_load
             else ""
         ),
-        measured=len(fresh),
     )
 
 
@@ -930,7 +931,8 @@ class TimePrediction:
             "device": self.rates.device,
             "dtype": self.rates.dtype,
             "tested": self.rates.tested,
-            "rates_source": self.rates.source,
+            "rates_source": self.rates.source
+            + (f"; {self.rates.under_load}" if self.rates.under_load else ""),
             "config": self.config,
         }
 
@@ -1013,6 +1015,7 @@ def format_prediction(pred: TimePrediction) -> str:
             else ""
         ),
         f"Device {r.device}{mark}; rates: {r.source}",
+        *([r.under_load] if r.under_load else []),
         f"  {'stage':16s}{'predicted ms':>14s}{'in cache - out of it':>22s}  {'bound':9s}  "
         "compute / memory / overhead ms",
     ]
