@@ -249,7 +249,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) ->
 
     # ------------------------------------------------------------------ train loop
     model.train()
-    losses, val = [], ckpt.last_val  # a resumed run carries its last evaluation, as one that never stopped
+    losses, val = [], None
     rate.totals.start(started_at)  # start-up ends here: the run-wide figures count from now
     # SIGINT / SIGTERM finish the step in flight, save, and leave; a second Ctrl-C kills at once.
     # A rank lost mid-run (killed, stopped): one line naming it and how to resume, on the others.
@@ -291,6 +291,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) ->
             if is_log_step(step, cfg) or stop:  # outside the step: not in its clock nor in its ProfilerStep
                 values = ckpt.check_finite(losses, step, rate.amp)
                 interval = inst.interval()  # the steady steps' times; warm-up and instrumented ones apart
+                val = None  # a val loss only at the step it was evaluated: never carried as new
                 # sharded: every rank takes part (the forward has collectives)
                 if (is_main or plan.sharded) and (step % cfg.eval_interval == 0 or last):
                     batch_ms = forward_ms(interval.stages, interval.step_times, cfg.grad_accum_steps)

@@ -59,6 +59,7 @@ from common import (
     ratio,
     ratio_text,
     refuse_if_busy,
+    refuse_to_overwrite,
     render,
     run_variant,
     save_json,
@@ -128,6 +129,12 @@ def variants(args) -> list[tuple[str, list[str], int]]:
     if args.nproc > 1:
         out.append((f"{base} + ddp x{args.nproc}", [flag], args.nproc))
     return out
+
+
+def mfu_cell(mfu: float) -> str:
+    """MFU for the table, never above 100%: a results file whose runs measured their denominator
+    under load (before the trainer lifted it to what a run achieves) gets the reason instead."""
+    return f"{100 * mfu:.1f}%" if mfu <= 1 else "n/a (denominator measured under load)"
 
 
 def peak_mib(s: dict) -> float | None:
@@ -244,7 +251,7 @@ def markdown(meta: dict, results: dict) -> str:
             f"| {name} | {s['amp']} | {tokens_median(s):,.0f} | "
             f"{min(reps):,.0f}-{max(reps):,.0f} | "
             f"{vs} | "
-            f"{100 * s['mfu']:.1f}% | {s['step_ms']['median']:.0f} | "
+            f"{mfu_cell(s['mfu'])} | {s['step_ms']['median']:.0f} | "
             + " | ".join(f"{stage_ms(s, 'host', st):.1f} / {stage_ms(s, 'device', st):.1f}" for st in STAGES)
             + f" | {'n/a' if pk is None else f'{pk:,.1f}'} | "
             + ("n/a |" if act is None else f"{act:,.1f} ({100 * act / pk:.0f}%) |" if pk else f"{act:,.1f} |")
@@ -528,11 +535,7 @@ def main() -> int:
         "repeats": args.repeats,
     }
     stem = args.out_dir / f"{device_slug(meta['machine'])}-{meta['name']}"
-    there = [f for f in (stem.with_suffix(x) for x in (".json", ".md", ".png")) if f.exists()]
-    if there and not args.force:  # before any run: committed figures are not lost to a test run
-        p.error(
-            f"{there[0]} is already there; pass --name NAME to write new results, or --force to overwrite"
-        )
+    refuse_to_overwrite(p, stem, args.force, "--name NAME to write new results")
     meta.update(refuse_if_busy(args.out_dir, args.busy), noisy=args.noisy)
     results, meta["aa"] = measure(p, args, trainer_flags)
     meta["load_end"] = load_average()
@@ -600,7 +603,8 @@ def cache_step_rates(flag_sets: list[list[str]]) -> None:
     for flags in flag_sets:
         print(f"[rates] python -m minigpt estimate --time {shlex.join(flags)}", flush=True)
         cmd = [sys.executable, "-m", "minigpt", "estimate", "--time", *flags]
-        subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        # Its stderr comes through: a "[rates] i/n kernel" line as each rate starts, not a silent minute.
+        subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, text=True, timeout=1800)
 
 
 def explain(results: dict, kept: Path) -> None:

@@ -256,6 +256,20 @@ def output_flags(p: argparse.ArgumentParser, render_help: str, busy: bool = True
     p.add_argument("--render", type=Path, metavar="RESULTS_JSON", help=render_help)
 
 
+def refuse_to_overwrite(
+    parser: argparse.ArgumentParser,
+    stem: Path,
+    force: bool,
+    instead: str = "--out-dir DIR to write elsewhere",
+) -> None:
+    """Before any run: results already at `stem` (.json, .md, .png) are usually committed figures
+    that README cites, and a test run must not replace them (overhead.py once rewrote its .md and
+    dropped the section README quotes). One line, exit 2, unless --force."""
+    there = [f for f in (stem.with_suffix(x) for x in (".json", ".md", ".png")) if f.exists()]
+    if there and not force:
+        parser.error(f"{there[0]} is already there; pass {instead}, or --force to overwrite")
+
+
 class Parser(argparse.ArgumentParser):
     """argparse whose error is one line, the mistake and its fix, not a usage block: a benchmark is
     often started from a script or a notebook cell, where six lines of usage bury the one that

@@ -272,6 +272,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--option-warmup", type=int, default=2, help="unprofiled steps before them (default 2)")
     bench.output_flags(p, "measure nothing: write the .md again from a results .json")
+    p.add_argument("--force", action="store_true", help="overwrite results that are already there")
     p.add_argument("--option-child", choices=list(OPTION_VARIANTS), help=argparse.SUPPRESS)
     p.add_argument("--check-views", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -298,6 +299,9 @@ def main() -> int:
             p, args.render, lambda d: bench.write_md(args.render.with_suffix(".md"), markdown(d))
         )
     bench.check_out_dir(p, args.out_dir)
+    # Before any run. (--parts options keeps the earlier file's stage timing, but rewrites the file.)
+    name = f"overhead-{bench.device_slug(bench.machine())}-{args.preset}"
+    bench.refuse_to_overwrite(p, args.out_dir / name, args.force)
 
     meta = {
         **bench.stamp(sys.argv),
@@ -315,7 +319,6 @@ def main() -> int:
     }
     data = measure(args, trainer_flags, meta)
     meta["load_end"] = bench.load_average()
-    name = f"overhead-{bench.device_slug(meta['machine'])}-{args.preset}"
     if args.parts == "options":
         data.update(kept_stage_timing(args.out_dir / name))
     out_dir, noisy = bench.destination(args.out_dir, meta, args.noisy)

@@ -477,6 +477,27 @@ def test_a_mistake_is_one_line_before_any_measuring_and_touches_nothing(tmp_path
 # The rendering and the refusal logic on figures made up here: nothing is timed.
 
 
+@pytest.mark.parametrize("script", ["overhead.py", "ablation.py"])
+def test_results_already_there_are_not_overwritten_without_force(tmp_path, monkeypatch, script):
+    """A committed table that README cites is not replaced by a test run: one line before any run."""
+    common = bench_module("common", monkeypatch)
+    stem = f"overhead-{common.device_slug(common.machine())}-tiny" if script == "overhead.py" else None
+    stem = stem or f"{common.device_slug(common.machine())}-tiny"
+    (tmp_path / f"{stem}.md").write_text("## a section README cites\n")
+    extra = ["--name", "tiny"] if script == "ablation.py" else []
+    result = run(script, *TINY, *extra, "--out-dir", str(tmp_path))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
+    assert f"{stem}.md is already there" in result.stderr and "--force" in result.stderr
+    assert (tmp_path / f"{stem}.md").read_text() == "## a section README cites\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{stem}.md"]
+
+
+def test_the_ablation_table_shows_no_mfu_above_100_percent(monkeypatch):
+    ablation = bench_module("ablation", monkeypatch)
+    assert ablation.mfu_cell(0.238) == "23.8%" and ablation.mfu_cell(1.0) == "100.0%"
+    assert ablation.mfu_cell(1.505) == "n/a (denominator measured under load)"
+
+
 def bench_module(name: str, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     return __import__("importlib").import_module(name)

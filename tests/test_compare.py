@@ -8,6 +8,7 @@ import errno
 import json
 import math
 import random
+import re
 
 import pytest
 from test_report import KERNEL, gpu_trace_events, make_run
@@ -80,7 +81,7 @@ def pair(tmp_path):
 def test_stages_throughput_and_memory_are_b_over_a(pair):
     d = compare_runs(*pair)
     fwd = next(r for r in d["stages"] if r["stage"] == "forward")
-    assert fwd["host_ms"] == [10.0, 5.0] and fwd["host_ratio"] == pytest.approx(0.5)
+    assert fwd["host_ms"] == pytest.approx([10.0, 5.0]) and fwd["host_ratio"] == pytest.approx(0.5)
     assert fwd["device_ratio"] == pytest.approx(0.5)
     thr = {r["metric"]: r for r in d["throughput"]}
     assert thr["tokens_per_s"]["ratio"] == pytest.approx(2.0) and thr["mfu"]["ratio"] == pytest.approx(2.0)
@@ -118,7 +119,7 @@ def test_text_output(pair):
     text = format_compare(compare_runs(*pair))
     assert "ratios are B / A with their 95% interval" in text
     # Every interval the same: the interval is the ratio itself.
-    assert "tokens/s per step, median interval" in text and "2.00x (2.00-2.00)" in text
+    assert "tokens/s per step, intervals" in text and "2.00x (2.00-2.00)" in text
     assert "forward" in text and "aten::mm" in text and "new" in text and "gone" in text
     assert "losses at the steps both runs logged" in text
     line = headline(compare_runs(*pair))
@@ -128,6 +129,35 @@ def test_text_output(pair):
     )
     # the measured peak, not the sum of parts: (16 + 18) / (16 + 30) MiB = 0.739 (the sum: 0.846)
     assert line.endswith("peak memory 0.74x")
+
+
+def test_the_ratio_is_the_printed_b_over_the_printed_a(tmp_path):
+    """One definition for a row's three figures: with noise that moves the geometric mean and the
+    median apart (a skewed stage), B/A is still the B beside it over the A beside it."""
+    a = noisy(make_run(tmp_path / "a", steps=TEN, tokens_per_s=1000.0), 0.5, 4)
+    b = noisy(make_run(tmp_path / "b", steps=TEN, tokens_per_s=500.0, stage_scale=2.0), 0.5, 5)
+    d = compare_runs(a, b)
+    rows = [(r["host_ms"], r["host_ratio"]) for r in d["stages"] if r.get("host_interval")]
+    rows += [((r["a"], r["b"]), r["ratio"]) for r in d["throughput"] if r.get("interval")]
+    assert len(rows) >= 5
+    for (fa, fb), r in rows:
+        assert r == pytest.approx(fb / fa)
+    text = format_compare(d)
+    step = next(r for r in d["throughput"] if r["metric"] == "step_time_s")
+    line = next(x for x in text.splitlines() if x.startswith("step time ms"))
+    assert f"{1000 * step['a']:,.1f}" in line and f"{1000 * step['b']:,.1f}" in line
+
+
+def test_an_mfu_above_100_percent_is_never_shown(tmp_path):
+    """An older run whose denominator was measured under load logged MFU above 100%: compare names
+    the cause instead of printing it, or a ratio of it."""
+    a = make_run(tmp_path / "a", steps=TEN, tokens_per_s=1000.0)
+    b = make_run(tmp_path / "b", steps=TEN, tokens_per_s=2e9)  # mfu 1.46 against the H100's table
+    d = compare_runs(a, b)
+    mfu_row = next(r for r in d["throughput"] if r["metric"] == "mfu")
+    assert mfu_row["a"] is None and mfu_row["b"] is None and mfu_row["ratio"] is None
+    line = next(x for x in format_compare(d).splitlines() if x.startswith("MFU %"))
+    assert "above 100%" in line and not re.search(r"\d{3}\.\d", line)
 
 
 def test_traceless_runs_compare(tmp_path):

@@ -12,7 +12,7 @@ import torch
 
 from minigpt.core.config import UsageError
 from minigpt.core.model import GPT, GPTConfig, flops_per_token
-from minigpt.instruments import estimate, predict
+from minigpt.instruments import estimate, mfu, predict
 from minigpt.shape import Shape
 
 SHAPE = dict(
@@ -247,7 +247,51 @@ def counted(monkeypatch):
     monkeypatch.setattr(
         predict, "measure_overhead", lambda d: calls.append("overhead") or {"op": [1e-6], "autograd": [2e-6]}
     )
+    monkeypatch.setattr(predict.LoadProbe, "others", lambda self: 0.0)  # a quiet machine unless faked
     return calls
+
+
+def test_rates_measured_under_load_say_so_and_a_quiet_measurement_replaces_them(
+    tmp_path, monkeypatch, counted, capsys
+):
+    """Other processes on 80% of the cores: the rates serve, say so, and are measured again next
+    time; a quiet measurement replaces them, and a busy one never replaces a quiet one."""
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
+    needed = ["matmul nn 3x5x7"]
+    monkeypatch.setattr(predict.LoadProbe, "others", lambda self: 0.8)
+    busy = predict.step_rates("cpu", "fp32", needed)
+    assert busy.under_load.startswith("4 rates measured under load (other processes on 80% of the cores)")
+    assert "--remeasure" in busy.under_load and "under load" not in busy.source  # its own line
+    assert "[rates] 1/4 bandwidth" in capsys.readouterr().err  # progress, not silence
+    assert predict.step_rates("cpu", "fp32", needed, measure=False).under_load  # the trainer's read too
+    counted.clear()
+    monkeypatch.setattr(predict.LoadProbe, "others", lambda self: 0.05)
+    quiet = predict.step_rates("cpu", "fp32", needed)
+    assert sorted(counted) == sorted(["bandwidth", "exp", "overhead", *needed]) and not quiet.under_load
+    counted.clear()
+    monkeypatch.setattr(predict.LoadProbe, "others", lambda self: 0.9)
+    assert predict.step_rates("cpu", "fp32", needed).measured == 0 and counted == []  # quiet ones stand
+    remeasured = predict.step_rates("cpu", "fp32", needed, remeasure=True)  # forgets them: measured anew
+    assert remeasured.measured == 4 and remeasured.under_load
+    stored = next(iter(json.loads((tmp_path / predict.STEP_RATES_FILE).read_text()).values()))
+    assert all(r["others"] == 0.9 for r in stored.values())
+
+
+def test_remeasure_goes_with_time_and_measures_the_peak_too(tmp_path, monkeypatch, capsys, counted):
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MINIGPT_ARGS", raising=False)
+    assert estimate.main(["--remeasure"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --remeasure goes with --time (the memory estimate measures nothing); add --time"
+    )
+    peaks = []
+    monkeypatch.setattr(
+        predict, "peak_flops", lambda *a, **k: peaks.append(k) or mfu.PeakFlops(1e12, "measured now: x")
+    )
+    flags = ["--time", "--remeasure", "--preset", "tiny", "--vocab-size", "64", "--no-amp"]
+    assert estimate.main(flags) == 0
+    out = capsys.readouterr().out
+    assert peaks == [{"remeasure": True}] and out.startswith("MFU peak 1 TFLOP/s; measured now: x\n")
 
 
 def test_cached_rates_are_reused_without_measuring_again(tmp_path, monkeypatch, counted):

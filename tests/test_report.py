@@ -518,3 +518,32 @@ def test_memory_charts_draw_every_slice_without_a_console_warning(cpu_run, tmp_p
     for chart in sorted(run.memory[0]["folder"].glob("*_sunburst.html")):
         state = shots.check_page(chart)
         assert state["errors"] == [] and state["slices"] > 1, (chart.name, state["errors"])
+
+
+def test_stage_bars_keep_their_width_when_logged_steps_are_close(tmp_path):
+    """A stopped and resumed run logs steps 1 apart (13, 14) among steps 10 apart: each logged step
+    is one slot of the stage chart's axis, so no bar is drawn hair-thin."""
+    from minigpt.analysis.report import stages_section
+
+    run = load_run(make_run(tmp_path / "r", steps=(10, 13, 14, 20, 30)))
+    page = stages_section(run)
+    axes = re.findall(
+        r'"xaxis\d?":\{"anchor":"y\d?","domain":\[[^]]*\],"title":\{"text":"logged step"\},"type":"(\w+)"',
+        page,
+    )
+    assert axes and set(axes) == {"category"}, "a numeric step axis"
+
+
+def test_the_loss_curve_draws_a_val_point_only_where_the_run_evaluated(tmp_path):
+    """An older trainer carried step 20's val loss to step 30 as if new: the curve draws it once."""
+    from minigpt.analysis.report import evaluated
+
+    folder = make_run(tmp_path / "r", steps=(10, 20, 30, 40))
+    rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    for r, v in zip(rows, (None, 4.57, 4.57, 4.26)):
+        r["val_loss"] = v
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = json.loads((folder / "config.json").read_text())
+    config.setdefault("config", {}).update(eval_interval=20, num_steps=40)
+    (folder / "config.json").write_text(json.dumps(config))
+    assert evaluated(load_run(folder)) == [(20, 4.57), (40, 4.26)]

@@ -111,6 +111,25 @@ def test_report_and_compare_read_the_same_keys(real_run):
         assert thr[key]["a"] == last[key] and thr[key]["ratio"] == pytest.approx(1.0)
 
 
+def test_the_reports_mfu_is_the_runs_not_an_intervals(real_run, tmp_path):
+    """The MFU row is the run's: its tokens/s over the steps alone against the same denominator as
+    the last interval's MFU (so it is that MFU scaled by the two rates), not the median interval's."""
+    out, _, _ = real_run
+    last = read_metrics(out)[-1]
+    expected = last["mfu"] * last["run_tokens_per_s"] / last["tokens_per_s"]
+    page = summary_section(load_run(out))
+    row = re.search(r"MFU over the run</t[hd]>\s*<td>([^<]*)", page)
+    assert row and row[1].startswith(f"{100 * expected:.1f}% (")
+    # An older run whose denominator was measured under load: no MFU above 100%, the reason instead.
+    figures = dict(run_tokens=7680, run_step_time_s=1.5e-6, run_tokens_per_s=5e9, tokens_per_s_e2e=4e9)
+    figures |= dict(elapsed_s=1.9e-6, startup_s=1.0)
+    poisoned = with_run_figures(make_run(tmp_path / "old", tokens_per_s=5e9), **figures)
+    page = summary_section(load_run(poisoned))
+    assert "is below what the run achieved" in page and not re.search(
+        r"MFU over the run</t[hd]>\s*<td>\d", page
+    )
+
+
 def with_run_figures(folder, **figures):
     """Add the run-wide keys to a made-up run's records, as the trainer now writes them."""
     rows = [{**r, **figures} for r in read_metrics(folder)]

@@ -83,7 +83,7 @@ def ops_digest(ops) -> dict:
     }
 
 
-def given_rates(device: str, dtype: str, needed, cache=True, measure=True):
+def given_rates(device: str, dtype: str, needed, cache=True, measure=True, remeasure=False):
     """Rates for the prediction, given: the same for every kernel, the bandwidth by working set."""
     from minigpt.instruments import predict
 

@@ -136,7 +136,9 @@ def test_eval_interval_holds_when_it_is_not_a_multiple_of_the_log_interval(tmp_p
     assert [r["step"] for r in rows] == [10, 15, 20, 30]
     val = [r["val_loss"] for r in rows]
     assert val[0] is None and val[1] is not None  # first evaluated at step 15
-    assert val[2] == val[1] and val[3] != val[1]  # step 20 repeats step 15's figure; step 30 is new
+    # step 20 was not evaluated: no val loss there (step 15's is not carried as if new); step 30's is new
+    assert val[2] is None and val[3] is not None and val[3] != val[1]
+    assert [r["val_ppl"] is None for r in rows] == [True, False, True, False]
 
 
 def test_sigterm_saves_and_exits_with_a_message(tmp_path):

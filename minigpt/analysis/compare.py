@@ -8,10 +8,10 @@ What the blog post this project grew from did by hand, screenshot by screenshot,
 fp32: each stage's host and device time in A and in B and their ratio (B / A); the runs' own
 tokens/s in steady state (warm-up left out) and end to end and their start-up (metrics.jsonl's
 last record; an older trainer's steady figure rebuilt from its intervals after the first), the
-median interval's tokens/s, MFU, and peak memory by category; the top host operators and device
-kernels of the two traces matched by name, with what is new in B, gone from A, or changed; and
-the losses at the steps both runs logged. Runs without traces compare without the operator
-tables.
+logged intervals' tokens/s and MFU (geometric means, the ratio theirs), and peak memory by
+category; the top host operators and device kernels of the two traces matched by name, with what
+is new in B, gone from A, or changed; and the losses at the steps both runs logged. Runs without
+traces compare without the operator tables.
 
 Every timing ratio comes with its 95% interval (minigpt.analysis.stats: Welch's t on the log samples), and
 one whose interval holds 1.0 reads "no difference within noise". The samples are the logged
@@ -31,6 +31,7 @@ benchmarks/ablation.py uses compare_runs() and headline() to explain its finding
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -80,6 +81,9 @@ ONE_FIGURE = "one figure per run: no interval"
 TOO_FEW = "too few samples"
 
 
+MFU_POISONED = "n/a: an MFU above 100% (a denominator measured under load; estimate --time --remeasure)"
+
+
 def ratio(a, b) -> float | None:
     return b / a if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a else None
 
@@ -124,12 +128,29 @@ def _set_interval(
     row: dict, a: list[float], b: list[float], method: str, prefix: str = "", short: bool = False
 ) -> None:
     """Add `prefix`interval and `prefix`verdict to a row; `short`: the runs have too few logged
-    intervals after warm-up, so a figure they hold (from the warm-up alone) gets TOO_FEW."""
+    intervals after warm-up, so a figure they hold (from the warm-up alone) gets TOO_FEW.
+
+    One definition for the three figures of a row: where B/A has an interval, A and B become the
+    geometric means of the samples it is computed from, and the ratio theirs, so the printed B/A
+    is the printed B over the printed A (the ratio of geometric means is what Welch's t on the logs
+    estimates; beside medians it read "20.73 -> 573.77, 9.45x"). Without an interval the row keeps
+    the medians and their ratio."""
     iv, text = interval_of(a, b, method)
     if short and text == "-" and not (a and b and min(a + b) <= 0):
         text = TOO_FEW
     row[f"{prefix}interval"] = iv.to_json() if iv else None
     row[f"{prefix}verdict"] = text
+    if iv:
+        figures, ratio_key = (f"{prefix}ms", f"{prefix}ratio") if prefix else ("", "ratio")
+        if figures:
+            row[figures] = [geometric_mean(a), geometric_mean(b)]
+        else:
+            row["a"], row["b"] = geometric_mean(a), geometric_mean(b)
+        row[ratio_key] = iv.ratio
+
+
+def geometric_mean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
 def different(a: Run, b: Run) -> list[str]:
@@ -370,6 +391,10 @@ def _throughput(a: Run, b: Run, short: bool) -> list[dict]:
                 row["interval"], row["verdict"] = None, _x(row["ratio"])
             else:
                 _set_interval(row, samples(wa, k), samples(wb, k), FROM_INTERVALS, short=short)
+            if k == "mfu" and any(x > 1 for x in (*samples(a.metrics, k), *samples(b.metrics, k))):
+                # A denominator below what the run achieved (an older run's, measured under load):
+                # an MFU above 100% cannot be, so none is shown, nor a ratio of it.
+                row |= {"a": None, "b": None, "ratio": None, "interval": None, "verdict": MFU_POISONED}
             thr.append(row)
     st = [median([r.get("step_time_s") for r in steady(x.metrics)]) for x in (a, b)]
     if any(v is not None for v in st):
@@ -435,7 +460,7 @@ THROUGHPUT_LABELS = {
     "run_tokens_per_s": ("tokens/s in steady state (run)", 1, 0),
     "tokens_per_s_e2e": ("tokens/s end to end (run)", 1, 0),
     "startup_s": ("start-up s (in neither rate)", 1, 2),
-    "tokens_per_s": ("tokens/s per step, median interval", 1, 0),
+    "tokens_per_s": ("tokens/s per step, intervals", 1, 0),
     "tokens_per_s_per_rank": ("  per rank", 1, 0),
     "mfu": ("MFU %", 100, 1),
     "achieved_tflops": ("achieved TFLOP/s", 1, 3),
@@ -561,7 +586,8 @@ def format_compare(d: dict) -> str:
         "ratios are B / A with their 95% interval, over the logged intervals after the first (Welch t: "
         "each run's step-to-step noise, not the noise between processes; repeat runs for that);",
         'an interval that holds 1.0 reads "no difference within noise". A and B: the run\'s figures from '
-        "its last metrics record, the others medians over the logged intervals after the first",
+        "its last metrics record; the others the geometric means of the logged intervals after the "
+        "first, whose ratio B/A is (medians where there is no interval)",
     ]
     if d["samples"]["shortfall"]:
         out.append(f"no ratio claimed: {d['samples']['shortfall']}")
@@ -604,7 +630,8 @@ def _stage_lines(d: dict) -> list[str]:
             ]
             for r in d["stages"]
         ]
-        out += ["", "stage ms per step (metrics.jsonl; medians; B/A with its 95% interval)"] + _table(
+        title = "stage ms per step (metrics.jsonl; geometric means of the intervals; B/A theirs, 95% CI)"
+        out += ["", title] + _table(
             ["stage", "host A", "host B", "B/A", "device A", "device B", "B/A"], rows, left=(0, 3, 6)
         )
     if d["trace_stages"]:

@@ -214,7 +214,41 @@ def throughput(run: Run) -> dict:
         "peak_tflops": c["peak_flops"] / 1e12 if isinstance(c.get("peak_flops"), (int, float)) else None,
         "peak_flops_source": c.get("peak_flops_source"),
         "peak_flops_spread": c.get("peak_flops_spread"),
+        **run_mfu(run),
     }
+
+
+def run_mfu(run: Run) -> dict:
+    """The run's MFU and achieved TFLOP/s per device, from its own tokens/s (the last record's
+    run_tokens_per_s, over the data-parallel ranks) and config.json's FLOPs per token, against the
+    denominator in force at the end: the last record's achieved over its MFU (the trainer lifts a
+    measured peak that a run outran, so config.json's start-up figure may be lower), else
+    config.json's. None where a figure is missing."""
+    c, last = run.config, (run.metrics[-1] if run.metrics else {})
+    fpt, tps = c.get("flops_per_token"), last.get("run_tokens_per_s")
+    world = last.get("world_size") or 1
+    if not all(isinstance(x, (int, float)) and x > 0 for x in (fpt, tps, world)):
+        return {"run_mfu": None, "run_achieved_tflops": None}
+    achieved = fpt * tps / world / 1e12
+    peak = c.get("peak_flops") if isinstance(c.get("peak_flops"), (int, float)) else None
+    a, m = last.get("achieved_tflops"), last.get("mfu")
+    if isinstance(a, (int, float)) and isinstance(m, (int, float)) and a > 0 and m > 0:
+        peak = max(peak or 0.0, a * 1e12 / m)
+    return {"run_mfu": achieved * 1e12 / peak if peak else None, "run_achieved_tflops": achieved}
+
+
+def mfu_text(mfu: float | None, achieved: float | None, peak: float | None) -> str:
+    """MFU as a reader sees it; never above 100%: a denominator below the achieved rate (an older
+    run's, measured under load) is named instead of a figure that cannot be."""
+    if mfu is None:
+        return "n/a"
+    if mfu > 1:
+        return (
+            f"n/a: the denominator ({fmt(peak, 3)} TFLOP/s) is below what the run achieved "
+            f"({fmt(achieved, 3)} TFLOP/s), so it was measured under load; "
+            "python -m minigpt estimate --time --remeasure measures it again"
+        )
+    return f"{100 * mfu:.1f}%" + (f" ({fmt(achieved, 3)} TFLOP/s achieved per device)" if achieved else "")
 
 
 def stage_medians(run: Run, key: str) -> dict[str, float]:
@@ -347,15 +381,7 @@ def summary_section(run: Run) -> str:
         ("precision", c.get("amp")),
         ("versions", ", ".join(f"{k} {v}" for k, v in versions.items() if v)),
         *throughput_rows(t),
-        (
-            "MFU",
-            (f"{100 * t['mfu']:.1f}%" if t["mfu"] is not None else "n/a")
-            + (
-                f" ({fmt(t['achieved_tflops'], 3)} TFLOP/s achieved per device)"
-                if t["achieved_tflops"]
-                else ""
-            ),
-        ),
+        ("MFU over the run", mfu_text(t["run_mfu"], t["run_achieved_tflops"], t["peak_tflops"])),
         ("MFU denominator", peak),
         ("FLOPs per token", fmt(c.get("flops_per_token"))),
         ("final train loss", fmt(last.get("loss"), 4)),
@@ -388,7 +414,7 @@ def curves_section(run: Run) -> str:
         1,
         1,
     )
-    val = [(r["step"], r["val_loss"]) for r in run.metrics if r.get("val_loss") is not None]
+    val = evaluated(run)
     if val:
         # One evaluation (a short run, a long --eval-interval) is one point: drawn large and
         # labelled, so it is not lost beside the training curve.
@@ -417,6 +443,25 @@ def curves_section(run: Run) -> str:
             "series; --log-interval N logs every N steps.</p>"
         )
     return body + figure(fig, "curves-plot", 340)
+
+
+def evaluated(run: Run) -> list[tuple[int, float]]:
+    """(step, val loss) at the steps that evaluated. A trainer before 2026-11-26 carried the last
+    figure to every log step after it; such a repeat, at a step that is no multiple of the run's
+    --eval-interval and not its last, is not drawn as a point of its own."""
+    cfg = run.config.get("config", {})
+    every, last = cfg.get("eval_interval"), cfg.get("num_steps")
+    out = []
+    for r in run.metrics:
+        step, v = r.get("step"), r.get("val_loss")
+        if v is None or not isinstance(step, int):
+            continue
+        carried = (
+            out and v == out[-1][1] and isinstance(every, int) and every > 0 and step % every and step != last
+        )
+        if not carried:
+            out.append((step, v))
+    return out
 
 
 def stages_section(run: Run) -> str:
@@ -452,7 +497,9 @@ def stages_section(run: Run) -> str:
                 col,
             )
     fig.update_layout(barmode="stack")
-    fig.update_xaxes(title_text="logged step")
+    # One slot per logged step: on a numeric axis a bar is as wide as the closest two logged steps
+    # are apart, so a stop and resume that logs steps 1 apart drew every bar hair-thin.
+    fig.update_xaxes(title_text="logged step", type="category")
     fig.update_yaxes(title_text="ms per step (mean over the interval)", row=1, col=1)
     note = (
         "<p>Each bar is the mean over its log interval's steady steps (warm-up and instrumented steps "

@@ -218,7 +218,7 @@ class TrainConfig:
         group=DATA,
         action="extend",
         metavar="FILE",
-        none="the last 10% of the training tokens",
+        none="a tenth of the built-in corpus spread over it, or the last 10% of --train-data's tokens",
         help="validation text files",
     )
     tokenizer_name: str = flag(

@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     from minigpt.instruments.predict import split_flags, time_report  # torch's timers: only for --time
 
     try:
-        argv, timing, as_json = split_flags(argv)
+        argv, timing, as_json, remeasure = split_flags(argv)
         cfg = parse_args(argv, prog="python -m minigpt estimate")
         if cfg.device == "cuda" and not torch.cuda.is_available():
             if timing:
@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         if timing:  # --time [--json]: the step's stage times, predicted (minigpt/instruments/predict.py)
             if device == "cpu":  # the rates are measured on the malloc the trainer would run on
                 choose_allocator(cfg.keep_freed_memory)
-            print(time_report(config_shape(cfg), device, amp_dtype, as_json))
+            print(time_report(config_shape(cfg), device, amp_dtype, as_json, remeasure))
             return 0
         print(estimate_report(cfg, device, amp_dtype, amp_note))
     except UsageError as e:

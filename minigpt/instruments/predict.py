@@ -45,7 +45,11 @@ $MINIGPT_CACHE_DIR/STEP_RATES_FILE:
 Nothing is fitted to the stage times it predicts. A rate is its work over the mean time of its
 calls, not the best call: the trainer's stage times are means over a log interval, and on a shared
 machine the prediction then describes the machine as it was when measured, like the stage times
-measured beside it; delete the cache file to measure again.
+measured beside it. A measurement during which other processes used more than LOAD_SHARE of the
+cores (minigpt.instruments.mfu.LoadProbe) says so in the source and is measured again the next
+time the rates are measured; a quiet one replaces it, a busy one never replaces a quiet one.
+`python -m minigpt estimate --time --remeasure` forgets this machine's rates and peak and measures
+both again.
 
 On CUDA the same model runs from the device's data sheet (minigpt.instruments.mfu.PEAK_FLOPS and BANDWIDTH
 below, every product at the dense peak) with the per-op overhead measured on the GPU, and is
@@ -74,7 +78,18 @@ from minigpt.core.config import UsageError
 from minigpt.core.cpu import allocator_in_use
 from minigpt.core.data import cache_dir
 from minigpt.fileio import display_path, write_cache
-from minigpt.instruments.mfu import PEAK_FLOPS, TORCH_DTYPES, machine_key, read_cache
+from minigpt.instruments.mfu import (
+    LOAD_SHARE,
+    PEAK_FLOPS,
+    TORCH_DTYPES,
+    LoadProbe,
+    describe,
+    forget,
+    machine_key,
+    model_workloads,
+    peak_flops,
+    read_cache,
+)
 from minigpt.shape import Shape
 
 STEP_RATES_FILE = "step_rates.json"  # under minigpt.core.data.cache_dir(): one entry per machine and dtype
@@ -477,6 +492,7 @@ class Rates:
     # always the in-cache one): `matmul` holds their geometric mean. Empty where there is one rate
     # (a data sheet, or rates given in a test).
     kernel_bounds: dict[str, tuple[float, float]] = field(default_factory=dict)
+    under_load: str = ""  # what was measured under load, said on its own line (empty: nothing)
 
     def flop_rate(self, kernel: str) -> float:
         return self.matmul.get(kernel, self.matmul.get("*", 0.0))
@@ -737,14 +753,24 @@ def rates_key(device: str, dtype: str) -> str:
     return f"{machine_key(device, dtype)} | {allocator_in_use()} | rates v{RATES_VERSION}"
 
 
-def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True, measure: bool = True) -> Rates:
+def step_rates(
+    device: str,
+    dtype: str,
+    needed: list[str],
+    cache: bool = True,
+    measure: bool = True,
+    remeasure: bool = False,
+) -> Rates:
     """This device's rates for the kernels in `needed`: on the CPU measured once and cached (what
-    the cache lacks is measured and added; with measure=False it raises NoRates instead, for
-    readers that must not load the machine); on CUDA a known GPU's data sheet. Raises NoRates
-    for a GPU in no table."""
+    the cache lacks, or holds only as measured under load, is measured and added; with
+    measure=False it raises NoRates instead, for readers that must not load the machine); on CUDA
+    a known GPU's data sheet. Raises NoRates for a GPU in no table. `remeasure`: forget this
+    machine's cached rates for the dtype first."""
     if device == "cuda":
         return _table_rates(dtype, cache)
     key, path = rates_key(device, dtype), cache_dir() / STEP_RATES_FILE
+    if cache and remeasure:
+        forget(path, key)
     known = read_cache(path).get(key, {}) if cache else {}
     wanted = ["bandwidth", "exp", "overhead", *needed]
     if not measure and (missing := [n for n in wanted if n not in known]):
@@ -752,25 +778,16 @@ def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True, m
             f"no measured rates for {len(missing)} of this step's kernels on this machine in {dtype} "
             f"({path}); measure them with python -m minigpt estimate --time and the run's flags"
         )
-    fresh: dict[str, dict] = {}
-    evict = cache_evictor(device) if any(n not in known for n in needed) else None
-    for name in wanted:
-        if name in known:
-            continue
-        if name == "bandwidth":
-            entry = {"rounds": measure_bandwidth(device)}
-        elif name == "exp":
-            entry = {"rounds": measure_exp(device)}
-        elif name == "overhead":
-            entry = {"rounds": measure_overhead(device)}
-        else:
-            entry = measure_kernel(device, dtype, name, evict)
-        fresh[name] = {**entry, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    fresh = _measure_missing(device, dtype, wanted, known, needed) if measure else {}
     if cache and fresh:
         entries = read_cache(path)  # again, just before writing: another process may have added rates
-        entries[key] = {**entries.get(key, {}), **fresh}
+        mine = entries.get(key, {})
+        # A figure taken under load replaces none taken quietly; a quiet one replaces any.
+        keep = {n: r for n, r in fresh.items() if not (loaded(r) and n in mine and not loaded(mine[n]))}
+        entries[key] = mine | keep
         cache = write_cache(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")  # or warned
     got = {**known, **fresh}
+    under_load = [n for n in wanted if loaded(got[n])]
     rate = statistics.harmonic_mean  # of rates: the work over the calls' mean time
     # (faster, slower): a kernel timed faster out of cache than in it (noise) keeps the range ordered
     bounds = {
@@ -800,6 +817,13 @@ def step_rates(device: str, dtype: str, needed: list[str], cache: bool = True, m
         f"{len(got['bandwidth']['rounds'])} sizes, exp, per-op overhead "
         f"[{display_path(path) if cache else 'not cached'}]",
         measured=len(fresh),
+        under_load=(
+            f"{len(under_load)} rates measured under load (other processes on "
+            f"{100 * max(got[n]['others'] for n in under_load):.0f}% of the cores): measured again "
+            f"next time, or now with python -m minigpt estimate --time --remeasure"
+            if under_load
+            else ""
+        ),
     )
 
 
@@ -822,6 +846,36 @@ def cuda_overhead(cache: bool = True) -> dict[str, float]:
             entries[key] = {**entries.get(key, {}), "overhead": {**known, "date": date}}
             write_cache(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")  # or warned
     return {k: statistics.fmean(known[k]) for k in ("op", "autograd")}
+
+
+def loaded(entry: dict) -> bool:
+    """A rate measured while other processes used more than LOAD_SHARE of the cores."""
+    return (entry.get("others") or 0.0) > LOAD_SHARE
+
+
+def _measure_missing(device: str, dtype: str, wanted: list[str], known: dict, needed: list[str]) -> dict:
+    """The rates of `wanted` that `known` lacks or holds only as measured under load, each named on
+    stderr as it starts (a minute of silence looks like a hang), and the share of the cores other
+    processes used meanwhile (LoadProbe), recorded in every fresh entry."""
+    todo = [n for n in wanted if n not in known or loaded(known[n])]
+    evict = cache_evictor(device) if any(n in todo for n in needed) else None
+    probe, fresh, t0 = LoadProbe(), {}, time.perf_counter()
+    for i, name in enumerate(todo, 1):
+        elapsed = time.perf_counter() - t0
+        print(f"[rates] {i}/{len(todo)} {name} ({elapsed:.0f} s)", file=sys.stderr, flush=True)
+        if name == "bandwidth":
+            entry = {"rounds": measure_bandwidth(device)}
+        elif name == "exp":
+            entry = {"rounds": measure_exp(device)}
+        elif name == "overhead":
+            entry = {"rounds": measure_overhead(device)}
+        else:
+            entry = measure_kernel(device, dtype, name, evict)
+        fresh[name] = {**entry, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    others = probe.others() if fresh else None
+    for entry in fresh.values():
+        entry["others"] = others
+    return fresh
 
 
 def _table_rates(dtype: str, cache: bool = True) -> Rates:
@@ -898,7 +952,8 @@ class TimePrediction:
             "device": self.rates.device,
             "dtype": self.rates.dtype,
             "tested": self.rates.tested,
-            "rates_source": self.rates.source,
+            "rates_source": self.rates.source
+            + (f"; {self.rates.under_load}" if self.rates.under_load else ""),
             "config": self.config,
         }
 
@@ -943,12 +998,17 @@ def _stage_times(ops: list[Op], rates: Rates, shape: Shape) -> dict[str, StageTi
 
 
 def predict_step(
-    shape: Shape, amp_dtype: str, device: str, cache: bool = True, measure: bool = True
+    shape: Shape,
+    amp_dtype: str,
+    device: str,
+    cache: bool = True,
+    measure: bool = True,
+    remeasure: bool = False,
 ) -> TimePrediction:
     """The predicted stage times of one optimizer step of this shape: every kernel at the geometric
     mean of its in-cache and out-of-cache rates, and the range between the two."""
     ops = step_ops(shape, amp_dtype, device)
-    rates = step_rates(device, amp_dtype, kernels(ops), cache=cache, measure=measure)
+    rates = step_rates(device, amp_dtype, kernels(ops), cache=cache, measure=measure, remeasure=remeasure)
     stages = _stage_times(ops, rates, shape)
     low, high = (_stage_times(ops, rates.at_bound(i), shape) for i in (0, 1))
     # the flags first, then the shape: the order --json prints
@@ -976,6 +1036,7 @@ def format_prediction(pred: TimePrediction) -> str:
             else ""
         ),
         f"Device {r.device}{mark}; rates: {r.source}",
+        *([r.under_load] if r.under_load else []),
         f"  {'stage':16s}{'predicted ms':>14s}{'in cache - out of it':>22s}  {'bound':9s}  "
         "compute / memory / overhead ms",
     ]
@@ -994,19 +1055,32 @@ def format_prediction(pred: TimePrediction) -> str:
     return "\n".join(lines)
 
 
-def time_report(shape: Shape, device: str, amp_dtype: str, as_json: bool) -> str:
-    """What `python -m minigpt estimate --time [--json]` prints for a step of this shape."""
+def time_report(shape: Shape, device: str, amp_dtype: str, as_json: bool, remeasure: bool = False) -> str:
+    """What `python -m minigpt estimate --time [--json] [--remeasure]` prints for a step of this
+    shape. --remeasure forgets this machine's cached rates and MFU peak for the dtype and measures
+    both again (the peak on the model's own units, as the trainer would): the one command that
+    replaces figures taken on a busy machine."""
     if device == "cuda" and not torch.cuda.is_available():  # resolve_device refuses it first
         raise UsageError("--time --device cuda, but no CUDA GPU is visible to PyTorch; use --device cpu")
-    pred = predict_step(shape, amp_dtype, device)
-    return json.dumps(pred.to_record(), indent=1) if as_json else format_prediction(pred)
+    peak_line = ""
+    if remeasure:
+        units = model_workloads(
+            shape.batch_size, shape.seq_len, shape.d_model, shape.d_ff, shape.vocab_size, shape.n_heads
+        )
+        print("[peak] measuring the MFU peak on the model's units", file=sys.stderr, flush=True)
+        peak_line = describe(peak_flops(device, amp_dtype, units, remeasure=True)) + "\n"
+    pred = predict_step(shape, amp_dtype, device, remeasure=remeasure)
+    return json.dumps(pred.to_record(), indent=1) if as_json else peak_line + format_prediction(pred)
 
 
-def split_flags(argv: list[str] | None) -> tuple[list[str], bool, bool]:
-    """(the trainer's flags, --time, --json): the two flags belong to the estimator alone."""
+def split_flags(argv: list[str] | None) -> tuple[list[str], bool, bool, bool]:
+    """(the trainer's flags, --time, --json, --remeasure): those belong to the estimator alone."""
     args = list(sys.argv[1:] if argv is None else argv)
-    rest = [a for a in args if a not in ("--time", "--json")]
-    timing, as_json = "--time" in args, "--json" in args
+    own = ("--time", "--json", "--remeasure")
+    rest = [a for a in args if a not in own]
+    timing, as_json, remeasure = (flag in args for flag in own)
     if as_json and not timing:
         raise UsageError("--json goes with --time (the memory estimate prints a table); add --time")
-    return rest, timing, as_json
+    if remeasure and not timing:
+        raise UsageError("--remeasure goes with --time (the memory estimate measures nothing); add --time")
+    return rest, timing, as_json, remeasure
