@@ -612,16 +612,25 @@ def test_a_tp_that_does_not_fit_names_the_world_size(monkeypatch, world, named):
     assert named in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-def test_a_resumed_run_carries_its_last_validation_loss(tmp_path):
-    """As the run that never stopped does: the step after a resume logs the last evaluation's loss,
-    not null, until the next evaluation."""
-    out = tmp_path / "run"
-    common = [*FAST, "--log-interval", "1", "--eval-interval", "100", "--out-dir", str(out)]
-    assert train_minimal.cli([*common, "--num-steps", "2"]) == 0  # evaluates at its last step
-    assert train_minimal.cli([*common, "--num-steps", "4", "--resume"]) == 0
-    records = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
-    assert records[2]["val_loss"] is not None
-    assert records[3]["val_loss"] == records[2]["val_loss"]
+def test_a_resumed_run_logs_its_validation_loss_as_the_run_that_never_stopped(tmp_path):
+    """The step after a resume logs what an uninterrupted run logs there: no val loss where none was
+    evaluated (a val loss is reported only at the step it was evaluated, never carried as new), and
+    one where both evaluated."""
+    out, whole = tmp_path / "run", tmp_path / "whole"
+    common = [*FAST, "--log-interval", "1", "--eval-interval", "2"]
+    assert train_minimal.cli([*common, "--num-steps", "2", "--out-dir", str(out)]) == 0
+    assert train_minimal.cli([*common, "--num-steps", "4", "--resume", "--out-dir", str(out)]) == 0
+    assert train_minimal.cli([*common, "--num-steps", "4", "--out-dir", str(whole)]) == 0
+
+    def val(folder):
+        return {
+            r["step"]: r["val_loss"]
+            for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())
+        }
+
+    resumed, uninterrupted = val(out), val(whole)
+    assert resumed[3] is None and uninterrupted[3] is None and resumed[2] is not None
+    assert resumed[4] is not None and uninterrupted[4] is not None
 
 
 COUNTS = {
