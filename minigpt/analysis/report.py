@@ -321,7 +321,8 @@ def throughput_rows(t: dict) -> list[tuple[str, str]]:
     startup = (
         OLDER_RUN
         if t["startup_s"] is None
-        else f"{t['startup_s']:.2f}s from the process's start to the loop's (in neither rate)"
+        else f"{t['startup_s']:.2f}s from the script's start (or main()'s call) to the loop's "
+        "(in neither rate)"
     )
     return [
         ("tokens/s in steady state", steady),
