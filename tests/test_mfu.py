@@ -10,6 +10,7 @@ import torch
 
 from minigpt.core.model import GPT, GPTConfig, flops_per_token
 from minigpt.instruments import mfu as M
+from minigpt.instruments.instrument import Interval, StageTimes
 
 # The real probe, kept before the fixture below fakes a quiet machine
 REAL_OTHERS, REAL_NOW = M.LoadProbe.others, M.LoadProbe.__dict__["now"]
@@ -317,12 +318,12 @@ def test_an_achieved_rate_above_the_peak_corrects_it_once_and_in_the_cache(monke
 
 def test_throughput_records_never_show_mfu_above_100(monkeypatch, caplog):
     peak = M.PeakFlops(1e6, "measured now: fake", device="cpu", dtype="fp32")
-    monkeypatch.setattr(M, "keep_best", lambda *a: {})
+    monkeypatch.setattr(M, "keep_best", lambda *a: ({}, True))
     rate = M.Throughput(64, 1, 1000, peak, 0, 10, None, M.RunTotals(64))
-    stages = type("Stages", (), {"host_ms": {}, "device_ms": {}})()
+    stages = StageTimes()
     with caplog.at_level("WARNING", logger="minigpt"):
-        first = rate.record(1, [1.0], 1e-3, None, [0.01], stages, None)  # 6.4 MFLOP/s achieved
-        second = rate.record(2, [1.0], 1e-3, None, [0.02], stages, None)
+        first = rate.record(1, [1.0], 1e-3, None, Interval([0.01], stages), None)  # 6.4 MFLOP/s achieved
+        second = rate.record(2, [1.0], 1e-3, None, Interval([0.02], stages), None)
     assert first.mfu == pytest.approx(1.0) and second.mfu == pytest.approx(0.5)
     assert [r.message.startswith("MFU peak 1e-06 TFLOP/s was below") for r in caplog.records] == [True]
 

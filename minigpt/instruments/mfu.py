@@ -304,7 +304,8 @@ def peak_flops(
         fresh[u.name] = measure(device, dtype, u)
     rates = {**known, **fresh}
     if cache and fresh:
-        rates |= {n: r for n, r in keep_best(key, fresh).items() if n in rates}
+        kept, cache = keep_best(key, fresh)  # cache: False where it could not be written (warned)
+        rates |= {n: r for n, r in kept.items() if n in rates}
     names = [u.name for u in units if u.name not in skipped] + [ACHIEVED] * (ACHIEVED in rates)
     shapes = [{"name": n, **rates[n]} for n in names]
     best = max(shapes, key=lambda s: s["best"])
@@ -341,8 +342,9 @@ def settled(entry: dict | None) -> bool:
     return entry is not None and (entry.get("others") or 0.0) <= LOAD_SHARE
 
 
-def keep_best(key: str, fresh: dict) -> dict:
-    """Merge `fresh` figures into the cache's entry `key` and return that entry. Read again just
+def keep_best(key: str, fresh: dict) -> tuple[dict, bool]:
+    """Merge `fresh` figures into the cache's entry `key`; return that entry and whether the cache
+    could be written (where not, one warning line: the figures are used anyway). Read again just
     before writing (another process may have measured meanwhile) and keep, per unit, the best the
     machine has shown: a figure taken in a busier moment never replaces it. A unit stays marked as
     measured under load only while every figure of it was."""
@@ -356,8 +358,7 @@ def keep_best(key: str, fresh: dict) -> dict:
             kept["others"] = min(old.get("others") or 0.0, r.get("others") or 0.0)
         mine[name] = kept
     entries[key] = mine
-    write_cache(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")  # or warned: used anyway
-    return mine
+    return mine, write_cache(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
 
 
 def forget(path: Path, key: str) -> None:
