@@ -170,6 +170,8 @@ def skeleton(line: str) -> str:
     line = re.sub(r"[0-9a-f]{12,}", "ID", line)
     line = re.sub(r"\[[/~][^\]]*\]", "[PATH]", line)  # a cache or temporary folder's path
     line = re.sub(r"\bwhen: .*", "when: WHERE", line)  # where a peak falls moves with the model's size
+    # where the MFU denominator came from: the cache, or measured now (again, after a busy figure)
+    line = re.sub(r"^(\[T\] MFU peak \S+ TFLOP/s; ).*", r"\1SOURCE", line)
     while (new := re.sub(r"\([^()]*\)", "", line)) != line:
         line = new
     line = re.sub(r"\(.*$", "", line)  # a list cut short by the excerpt's line width
