@@ -310,7 +310,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) ->
                 losses = []
             if ckpt.enabled and (last or stop or cfg.save_interval and step % cfg.save_interval == 0):
                 ckpt.check_finite(losses, step, rate.amp, weights=True)
-                ckpt.save(step, val)
+                ckpt.save(step)
             if stop:
                 return run.stopped(stop_signal, step, log)
 

@@ -64,15 +64,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def run_cli(*args: str, cwd: Path = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run train_minimal.py as a user would, in a fresh process."""
+def run_cli(
+    *args: str, cwd: Path = ROOT, timeout: float = 300, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """Run train_minimal.py as a user would, in a fresh process (`env`: variables to add)."""
     return subprocess.run(
         [sys.executable, str(ROOT / "train_minimal.py"), *args],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=os.environ.copy(),
+        env={**os.environ, **(env or {})},
     )
 
 

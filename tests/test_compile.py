@@ -5,37 +5,19 @@ figures, named "compilation". Slow: torch.compile of even the tiny model takes t
 a 2-core CPU."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, TINY
+from conftest import TINY, run_cli
 
 pytestmark = pytest.mark.slow
 
 
 def test_compile_runs_twice_on_one_cache_and_names_its_compilation(tmp_path):
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     for i in (1, 2):
         out = tmp_path / f"run{i}"
-        flags = ["--device", "cpu", "--compile", "--num-steps", "4", "--log-interval", "2", "--no-checkpoint"]
-        r = subprocess.run(
-            [
-                sys.executable,
-                str(ROOT / "train_minimal.py"),
-                *TINY,
-                *flags,
-                "--no-report",
-                "--out-dir",
-                str(out),
-            ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env=env,
-        )
+        flags = ["--compile", "--num-steps", "4", "--log-interval", "2", "--no-checkpoint"]
+        r = run_cli(*TINY, *flags, "--no-report", "--out-dir", str(out), timeout=600, env=env)
         assert r.returncode == 0, r.stderr[-3000:]
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         left = rows[-1]["run_left_out"]

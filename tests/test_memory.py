@@ -10,13 +10,13 @@ import torch.nn as nn
 from conftest import TINY, fails
 
 import train_minimal
-from minigpt.core.config import parse_args
+from minigpt.core.config import PRESETS, parse_args
 from minigpt.core.model import GPT, GPTConfig
 from minigpt.instruments import estimate
 from minigpt.instruments.estimate import estimate_gpt
 from minigpt.instruments.memory import capture_memory, format_breakdown, format_memory_log, write_memory_trace
 from minigpt.memory_log import LAYOUT, MEMORY_LOG, PEAK_PARTS, SUNBURST_FILES, parse_memory_log
-from minigpt.shape import Shape
+from minigpt.shape import GPT2_VOCAB, Shape, shape_of
 
 SHAPE = dict(
     n_layers=2,
@@ -884,16 +884,7 @@ def test_the_estimate_predicts_the_cuda_loss_paths_peak(monkeypatch, amp, checkp
     assert b.category_total("activations") == e.activations
 
 
-H200_SHAPE = Shape(
-    n_layers=12,
-    d_model=768,
-    n_heads=12,
-    d_ff=3072,
-    seq_len=1024,
-    batch_size=8,
-    vocab_size=50304,
-    max_position_embeddings=1024,
-)
+H200_SHAPE = shape_of(PRESETS["gpt2"], GPT2_VOCAB)  # the H200 runs' --preset gpt2, batch 8
 
 
 @needs_h200_run

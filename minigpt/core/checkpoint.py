@@ -781,9 +781,6 @@ class Checkpointer:
         (check_sharded_path if sharded else check_checkpoint_path)(self.path, cfg.resume)
         self.cfg, self.sharded, self.dist_info = cfg, sharded, dist_info
         self.enabled = not cfg.no_checkpoint
-        # The last evaluation's loss, carried by the checkpoint: a resumed run logs it until its
-        # next evaluation, as the run that never stopped does (None: a checkpoint from before).
-        self.last_val: float | None = None
         # The first file a save writes, probed before the run starts (minigpt.core.runs.RunDir.guard).
         self.probe_path = self.path / SHARDED_META if sharded else self.path
 
@@ -826,7 +823,6 @@ class Checkpointer:
                 "trained with"
             ) from None
         self.batches.position = state["data_position"]
-        self.last_val = state.get("val_loss") if _number(state.get("val_loss")) else None
         per_rank = state.get("rng_per_rank") or []
         # last: building the model drew from the generators
         if len(per_rank) == self.dist_info.world_size:
@@ -844,7 +840,6 @@ class Checkpointer:
         self._check_step(extra["step"])
         self.scaler.load_state_dict(extra["scaler"])
         self.batches.position = extra["data_position"]
-        self.last_val = extra.get("val_loss") if _number(extra.get("val_loss")) else None
         set_rng_state(extra["rng"])  # this rank's own stream (rank 0's after a change of world size)
         return extra["step"]
 
@@ -872,13 +867,12 @@ class Checkpointer:
             raise NonFiniteLoss(f"{where}; {describe_intact(self.path)}; lower --lr{hint}")
         return values
 
-    def save(self, step: int, val_loss: float | None = None) -> None:
+    def save(self, step: int) -> None:
         """Everything a resumed run needs to repeat the uninterrupted one. Called on every rank:
         one file gathers each rank's RNG state (each rank's dropout stream) and rank 0 writes it;
-        shards are written by every rank, each with its own RNG state beside them. `val_loss`: the
-        last evaluation's, which the resumed run logs until it evaluates again."""
+        shards are written by every rank, each with its own RNG state beside them."""
         model, optimizer, scaler = self.model, self.optimizer, self.scaler
-        configs = {"config": self.cfg.to_dict(), "model_config": asdict(model.cfg), "val_loss": val_loss}
+        configs = {"config": self.cfg.to_dict(), "model_config": asdict(model.cfg)}
         if self.sharded:
             extra = {"scaler": scaler.state_dict(), "step": step, "data_position": self.batches.position}
             save_sharded(self.path, model, optimizer, {**extra, "rng": rng_state(), **configs})
