@@ -100,6 +100,9 @@ def test_report_and_compare_of_the_older_folders_rebuild_the_steady_figure(name)
     run = load_run(GPU_RUNS / name)
     t = throughput(run)
     assert t["rebuilt"] and t["run_tokens_per_s"] == pytest.approx(steady_of(run.metrics), rel=1e-9)
+    # the run's MFU is of that steady figure too (the compile run's: 37.2%, not its old 2.2%)
+    mfu = steady_of(run.metrics) * run.config["flops_per_token"] / 989e12
+    assert t["run_mfu"] == pytest.approx(mfu, rel=1e-3)
     page = summary_section(run)
     assert f"{t['run_tokens_per_s']:,.0f}" in page and REBUILT in page
     thr = {r["metric"]: r for r in compare_runs(run.path, run.path)["throughput"]}

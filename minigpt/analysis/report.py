@@ -204,8 +204,9 @@ def throughput(run: Run) -> dict:
     MFU, and what MFU is measured against."""
     m = steady(run.metrics)
     c = run.config
+    figures = run_figures(run.metrics)
     return {
-        **run_figures(run.metrics),
+        **figures,
         "resumed": bool(c.get("config", {}).get("resume")),  # the run's figures count from the resume
         "tokens_per_s": median([r.get("tokens_per_s") for r in m]),
         "tokens_per_s_per_rank": median([r.get("tokens_per_s_per_rank") for r in m]),
@@ -214,18 +215,19 @@ def throughput(run: Run) -> dict:
         "peak_tflops": c["peak_flops"] / 1e12 if isinstance(c.get("peak_flops"), (int, float)) else None,
         "peak_flops_source": c.get("peak_flops_source"),
         "peak_flops_spread": c.get("peak_flops_spread"),
-        **run_mfu(run),
+        **run_mfu(run, figures["run_tokens_per_s"]),
     }
 
 
-def run_mfu(run: Run) -> dict:
-    """The run's MFU and achieved TFLOP/s per device, from its own tokens/s (the last record's
-    run_tokens_per_s, over the data-parallel ranks) and config.json's FLOPs per token, against the
+def run_mfu(run: Run, tps: float | None) -> dict:
+    """The run's MFU and achieved TFLOP/s per device, from its steady tokens/s (`tps`: run_figures',
+    an older run's rebuilt from its intervals after the first; over the data-parallel ranks) and
+    config.json's FLOPs per token, against the
     denominator in force at the end: the last record's achieved over its MFU (the trainer lifts a
     measured peak that a run outran, so config.json's start-up figure may be lower), else
     config.json's. None where a figure is missing."""
     c, last = run.config, (run.metrics[-1] if run.metrics else {})
-    fpt, tps = c.get("flops_per_token"), last.get("run_tokens_per_s")
+    fpt = c.get("flops_per_token")
     world = last.get("world_size") or 1
     if not all(isinstance(x, (int, float)) and x > 0 for x in (fpt, tps, world)):
         return {"run_mfu": None, "run_achieved_tflops": None}
