@@ -89,13 +89,9 @@ def ratio(a, b) -> float | None:
 
 
 def after_warmup(run: Run) -> list[dict]:
-    """The logged intervals with a steady step (the trainer leaves warm-up, compilation and
-    instrumented steps out of an interval's means; an older trainer's first interval held them,
-    and is dropped): the samples of every interval. Unlike report.steady(), a run whose intervals
-    are all left out has none."""
-    if run.metrics and "steady_steps" not in run.metrics[-1]:
-        return run.metrics[1:]
-    return [r for r in run.metrics if r.get("steady_steps")]
+    """The logged intervals with a steady step (report.steady): the samples of every interval.
+    Unlike the report's page, a run whose intervals are all warm-up has none."""
+    return steady(run.metrics, fallback=False)
 
 
 def samples(records: list[dict], key: str, sub: str | None = None) -> list[float]:

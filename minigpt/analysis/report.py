@@ -184,14 +184,17 @@ def median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
-def steady(metrics: list[dict]) -> list[dict]:
+def steady(metrics: list[dict], fallback: bool = True) -> list[dict]:
     """The logged intervals with a steady step: the figures a user compares. A record whose steps
     were all left out (warm-up, compilation, an instrumented step) holds their figures, and is
-    dropped; an older trainer's first interval held its warm-up, and is dropped. A run with no
-    steady interval keeps what it has."""
+    dropped; an older trainer's first interval held its warm-up, and is dropped. With `fallback`,
+    a run with no steady interval keeps what it has (a page draws something); without, it has none
+    (compare's samples)."""
     if metrics and "steady_steps" not in metrics[-1]:  # an older trainer's records
-        return metrics[1:] if len(metrics) > 1 else metrics
-    return [r for r in metrics if r.get("steady_steps")] or metrics
+        kept = metrics[1:]
+    else:
+        kept = [r for r in metrics if r.get("steady_steps")]
+    return kept or (metrics if fallback else [])
 
 
 # ---------------------------------------------------------------------------- figures of one run
