@@ -64,6 +64,9 @@ def test_every_walkthrough_command_runs(tmp_path):
     for cmd in commands(WALKTHROUGH.read_text()):
         needs_cuda = "# needs CUDA" in cmd
         cmd = cmd.split(" # ")[0]
+        needs_shared = "../shared/" in cmd or "nanogpt_shape.py" in cmd  # the GPU runs, nanoGPT's files
+        if needs_shared and not (ROOT.parent / "shared").is_dir():
+            continue  # a clone without ../shared beside it (CI has it): nothing of the project is missing
         if cmd.startswith("nsys ") and shutil.which("nsys") is None:
             continue  # Nsight Systems is not installed here; its trainer flag is checked on its own line
         if (
