@@ -20,57 +20,56 @@ import sys
 import time
 
 IMPORTED_AT = time.time()  # the script's start-up begins here (the interpreter's own ~0.03 s before it)
+# The CPU's malloc is this script's to choose, at its start (minigpt/core/cpu.py, set below): None
+# where main() runs in an interpreter that started otherwise (a notebook, the tests).
+CPU_MALLOC = None
 
 if __name__ == "__main__":  # the CPU's malloc is chosen before torch loads: a re-exec then costs ~0
-    from minigpt.core.cpu import run_under_preferred_allocator
+    from minigpt.core import cpu as CPU_MALLOC
     from minigpt.errors import exit_quietly_on_interrupt
 
     exit_quietly_on_interrupt("train_minimal.py")  # a Ctrl-C while torch imports: one line, status 130
 
-    run_under_preferred_allocator(sys.argv[1:], IMPORTED_AT)
+    CPU_MALLOC.run_under_preferred_allocator(sys.argv[1:], IMPORTED_AT)
+    IMPORTED_AT = CPU_MALLOC.script_started_at(IMPORTED_AT)  # the first process's start, through the re-exec
 
 import logging
 import math
+import os
 from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from typing import NamedTuple
 
 import torch
-from torch.distributed.elastic.multiprocessing import errors
 
 from minigpt import paths
-from minigpt.analysis.report import write_report
-from minigpt.core import distributed, parallel
 from minigpt.core.checkpoint import Checkpointer, NonFiniteLoss
 from minigpt.core.config import (
     TrainConfig,
     UsageError,
     check_cuda_features,
     parse_args,
-    profile_ranks,
     resolve_amp,
     resolve_device,
+    shape_of,
 )
-from minigpt.core.cpu import choose_allocator, outlast_step, release_freed_memory, script_started_at
 from minigpt.core.data import Batches, Data, load_data
 from minigpt.core.model import GPT, GPTConfig
 from minigpt.core.runs import RunDir, stop_on_signals
-from minigpt.errors import INTERRUPTED, INTERRUPTED_LINE
-from minigpt.instruments.estimate import estimate_gpt, estimate_report, fit_batch_size
+from minigpt.errors import INTERRUPTED, INTERRUPTED_LINE, LostRank
 from minigpt.instruments.instrument import Instruments
 from minigpt.instruments.metrics import (
+    TORCH_DTYPES,
     JsonlWriter,
+    RunTotals,
     TensorBoardLogger,
+    Throughput,
+    device_peak,
     evaluation_notice,
     format_log_line,
-    forward_ms,
+    format_stages,
 )
-from minigpt.instruments.mfu import TORCH_DTYPES, Throughput, mfu_peak
-from minigpt.instruments.per_rank import per_rank_memory_estimate
-from minigpt.instruments.predict import NoRates, predict_step
-from minigpt.instruments.straggler import StragglerDetector, format_report, parse_slow_rank, score_interval
-from minigpt.shape import shape_of
-from minigpt.stages import STAGE_NAMES
+from minigpt.ranks import DistInfo, Plan
 
 
 def get_lr(step: int, cfg: TrainConfig) -> float:
@@ -93,7 +92,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
     return lr
 
 
-def configure_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: str) -> torch.optim.AdamW:
+def configure_optimizer(model: torch.nn.Module, cfg: TrainConfig, sharded: bool) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices (linear weights, embeddings) only, not on biases and
     LayerNorm gains; the fused kernel, on the CPU too (benchmarks/results/cpu-small.md)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -101,9 +100,11 @@ def configure_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: str) -
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    # Under --fsdp/--tp each group must hold one kind of tensor (plain, or DTensors of one mesh) for
-    # the fused kernel: split_by_mesh splits them (a no-op for plain parameters).
-    return torch.optim.AdamW(parallel.split_by_mesh(groups), lr=cfg.lr, betas=(0.9, 0.95), fused=True)
+    if sharded:  # the fused kernel takes one kind of tensor per group: plain, or DTensors of one mesh
+        from minigpt.core.parallel import split_by_mesh
+
+        groups = split_by_mesh(groups)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=True)
 
 
 @torch.no_grad()
@@ -113,32 +114,19 @@ def evaluate(model: GPT, batches: Batches, iters: int, device: str, autocast, st
     model.eval()
     losses = []
     while len(losses) < iters and not stop:
-        release_freed_memory()  # CPU: the kept heap's free blocks back to the system (minigpt/core/cpu.py)
+        if CPU_MALLOC:  # the kept heap's free blocks back to the system (minigpt/core/cpu.py)
+            CPU_MALLOC.release_freed_memory()
         x, y = (t.to(device, non_blocking=True) for t in next(batches))
         with autocast:
             losses.append(model(x, y)[1].float())
-    release_freed_memory()
+    if CPU_MALLOC:
+        CPU_MALLOC.release_freed_memory()
     model.train()
     return torch.stack(losses).mean().item() if len(losses) == iters else None
 
 
 def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
     return GPTConfig(**shape_of(cfg, vocab_size).model_kwargs())
-
-
-def predictions(cfg: TrainConfig, model: GPT, amp_dtype: str, device: str, plan) -> tuple:
-    """The predicted memory, shown beside --memory-profiler's measurement (one rank's share under
-    --fsdp/--tp), and the stage times for config.json from cached rates only: measuring would
-    lengthen every start-up (None without them, and under --fsdp/--tp: collectives are not modelled)."""
-    shape = shape_of(cfg, model.cfg.vocab_size)
-    memory = estimate_gpt(shape, amp_dtype, device) if cfg.memory_profiler else None
-    if memory and plan.sharded:
-        memory = per_rank_memory_estimate(memory, plan.dp, plan.tp, plan.fsdp, shape)
-    try:
-        step = None if plan.sharded else predict_step(shape, amp_dtype, device, measure=False)
-    except (NoRates, ValueError, TypeError, KeyError, AttributeError, ArithmeticError):  # a damaged cache
-        step = None
-    return memory, step and {k: v for k, v in step.to_record().items() if k != "config"}
 
 
 def is_log_step(step: int, cfg: TrainConfig) -> bool:
@@ -151,8 +139,8 @@ class Setup(NamedTuple):
 
     cfg: TrainConfig
     device: str
-    dist_info: distributed.DistInfo
-    plan: parallel.Plan
+    dist_info: DistInfo
+    plan: Plan
     data: Data
     model: GPT
     ddp_model: torch.nn.Module  # DDP from 2 ranks on (FSDP and TP wrap the model in place)
@@ -175,23 +163,22 @@ def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
     device = resolve_device(cfg.device)
     check_cuda_features(cfg, device)
     amp_on, amp_dtype, amp_note = resolve_amp(cfg, device)
-    cfg.batch_size, batch_note = fit_batch_size(cfg, device, amp_dtype)  # with --auto-batch-size (CUDA)
-    malloc_note = choose_allocator(cfg.keep_freed_memory) if device == "cpu" else None  # before allocating
-    if cfg.estimate_memory:  # the predicted memory of this configuration: no model, no run directory
-        print(estimate_report(cfg, device, amp_dtype, amp_note))
-        return None
-    slow = parse_slow_rank(cfg.simulate_slow_rank, STAGE_NAMES) if cfg.simulate_slow_rank else None
-    parallel.check_plan(cfg, parallel.world_size_from_env())  # --fsdp / --tp: before any process group
-    # Under torchrun: join the process group (NCCL on CUDA, gloo on the CPU). Otherwise world size 1.
-    dist_info = distributed.setup(device, cfg.ddp_backend, cfg.ddp_timeout)
-    rank, world_size = dist_info.rank, dist_info.world_size
-    distributed.check_same_config(cfg, dist_info)  # ranks started with different flags: one line
-    plan = parallel.make_plan(cfg, rank, world_size, device)  # the (dp, tp) mesh under --fsdp / --tp
-    profile_ranks(cfg.profile_ranks, world_size)  # a rank outside the world: one line, before any work
-    if slow and slow.rank >= world_size:
-        raise UsageError(
-            f"--simulate-slow-rank {cfg.simulate_slow_rank}: no rank {slow.rank} in a world of {world_size}"
-        )
+    batch_note = None
+    if cfg.estimate_memory or cfg.auto_batch_size:  # the estimator, loaded when a flag asks for it
+        from minigpt.instruments.estimate import estimate_report, fit_batch_size
+
+        cfg.batch_size, batch_note = fit_batch_size(cfg, device, amp_dtype)  # --auto-batch-size (CUDA)
+        if cfg.estimate_memory:  # the predicted memory of this configuration: no model, no run directory
+            print(estimate_report(cfg, device, amp_dtype, amp_note))
+            return None
+    malloc_note = None  # before the first big allocation
+    if CPU_MALLOC and device == "cpu":
+        malloc_note = CPU_MALLOC.choose_allocator(cfg.keep_freed_memory)
+    dist_info, plan = DistInfo(), Plan()  # a single process: rank 0 of a world of 1
+    if "WORLD_SIZE" in os.environ or cfg.asks_for_ranks():  # torchrun: the process group and the mesh
+        from minigpt.core.distributed import join
+
+        dist_info, plan = join(cfg, device)
     torch.manual_seed(cfg.seed)  # the same on every rank: the same initial weights
     run = RunDir(cfg, dist_info)  # rank 0's choice of folder, on every rank
     ckpt = Checkpointer(cfg, run.path, plan.sharded, dist_info)  # its path checked
@@ -199,28 +186,41 @@ def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
 
     # ------------------------------------------------------------------ data, model, optimizer
     data = load_data(cfg, plan.dp_rank, pin=device == "cuda")  # the ranks of a tp group share batches
-    inst = Instruments(cfg, device, rank, world_size, run.path, plan.worker, comm=plan.sharded)
+    inst = Instruments(cfg, device, dist_info.rank, dist_info.world_size, run.path, plan.worker, plan.sharded)
     model = GPT(model_config(cfg, data.vocab_size)).to(device)
+    plan_note = None
     if plan.sharded:  # in place, into DTensors: before the optimizer, which must hold those
-        parallel.parallelize(model, cfg, plan.mesh, device, amp_dtype)
+        from minigpt.core.parallel import describe, parallelize
+
+        parallelize(model, cfg, plan.mesh, device, amp_dtype)
+        plan_note = f"{describe(plan, amp_dtype)}; {dist_info.backend} backend"
     if plan.dp_rank:  # different dropout masks per data-parallel rank (a tp group's ranks share theirs)
         torch.manual_seed(cfg.seed + plan.dp_rank)
-    optimizer = configure_optimizer(model, cfg, device)
+    optimizer = configure_optimizer(model, cfg, plan.sharded)
     # fp16 needs loss scaling (its range is narrow); bf16 has fp32's range and needs none.
     scaler = torch.amp.GradScaler(device, enabled=amp_dtype == "fp16")
     autocast = torch.autocast(device, dtype=TORCH_DTYPES[amp_dtype]) if amp_on else nullcontext()
     step = ckpt.restore(model, optimizer, scaler, data.train)  # with --resume; 0 otherwise
-    ddp_model = model if plan.sharded else distributed.wrap_ddp(model, dist_info, device)
+    ddp_model = model
+    if dist_info.enabled and not plan.sharded:  # DDP from 2 ranks on (FSDP and TP wrap in place)
+        from minigpt.core.distributed import wrap_ddp
+
+        ddp_model = wrap_ddp(model, dist_info, device)
     train_model = torch.compile(ddp_model, mode=cfg.compile_mode) if cfg.compile else ddp_model
-    peak = mfu_peak(cfg, model, device, amp_dtype, dist_info)
-    rate = Throughput.of(cfg, plan, model, peak, step, data.train_tokens)
+    peak = device_peak(cfg.peak_tflops, device, dist_info)  # MFU's denominator: the device's fastest dtype
+    tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps  # per rank and step
+    flops = shape_of(cfg, model.cfg.vocab_size).flops_per_token // plan.tp  # a tp group splits the model
+    totals = RunTotals(tokens * plan.dp)
+    rate = Throughput(tokens, plan.dp, flops, peak, amp_dtype, step, cfg.num_steps, data.train_tokens, totals)
 
     # ------------------------------------------------------------------ run directory
     run.repair(step)  # a resumed run repeats the steps after its checkpoint: logged once each
-    memory, step_time = predictions(cfg, model, amp_dtype, device, plan)
-    notes = [amp_note, malloc_note, plan.describe(amp_dtype) if plan.sharded else None, batch_note]
-    log = run.open(model, data, rate, notes, step_time)
-    rate.predicted_ms = (step_time or {}).get("step_ms")  # the last line gives the steady step's share
+    memory = None  # --memory-profiler: the predicted memory, shown beside the measured
+    if cfg.memory_profiler:
+        from minigpt.instruments.estimate import memory_estimate
+
+        memory = memory_estimate(cfg, model.cfg.vocab_size, amp_dtype, device, plan)
+    log = run.open(model, data, rate, [amp_note, malloc_note, plan_note, batch_note])
     inst.attach(model, optimizer, step + 1, memory, ddp_model)  # with DDP: the backward's compute timed apart
     return Setup(cfg, device, dist_info, plan, data, model, ddp_model, train_model, optimizer, scaler,
                  autocast, step, inst, rate, ckpt, run, log)  # fmt: skip
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None, on_step: Callable[[int], None] | None = 
     which tests and notebooks stop or inspect a run at a chosen step (e.g. send SIGTERM in step 4)."""
     # Start-up counts from the script's start (imports included), or from this call when main()
     # runs in an interpreter that imported everything before (a notebook, the tests).
-    started_at = script_started_at(IMPORTED_AT) if __name__ == "__main__" else time.time()
+    started_at = IMPORTED_AT if __name__ == "__main__" else time.time()
     with ExitStack() as held:  # what the run holds until it returns, however it returns: its directory's lock
         s = set_up(argv, held)
         return 0 if s is None else train(s, on_step, started_at)
@@ -243,18 +243,25 @@ def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) ->
      autocast, step, inst, rate, ckpt, run, log) = s  # fmt: skip
     is_main = dist_info.is_main
     metrics_file = JsonlWriter(run.path / paths.METRICS_FILE, enabled=is_main)
-    stragglers_file = JsonlWriter(run.path / paths.STRAGGLERS_FILE, enabled=is_main and dist_info.enabled)
     tensorboard = TensorBoardLogger(run.path / paths.TENSORBOARD_DIR, enabled=is_main, purge_step=step + 1)
-    stragglers = StragglerDetector(cfg.straggler_threshold)
+    # Under torchrun: gradients reduced on the last micro-batch only, one stop for every rank, a
+    # lost rank named, slow ranks reported. A single process needs none of it.
+    lost, ranks = nullcontext(), None
+    clip_grad_norm = torch.nn.utils.clip_grad_norm_
+    if dist_info.enabled:
+        from minigpt.core.distributed import Ranks
+
+        ranks = Ranks(cfg, dist_info, run.path, ddp_model)
+        lost = ranks.watch(ckpt.resume_hint(run.path))  # a rank lost mid-run: one line on the others
+    if plan.sharded:
+        from minigpt.core.parallel import clip_grad_norm  # DTensor gradients too
 
     # ------------------------------------------------------------------ train loop
     model.train()
     losses, val = [], None
     rate.totals.start(started_at)  # start-up ends here: the run-wide figures count from now
     # SIGINT / SIGTERM finish the step in flight, save, and leave; a second Ctrl-C kills at once.
-    # A rank lost mid-run (killed, stopped): one line naming it and how to resume, on the others.
-    lost = distributed.peers_watched(dist_info, ckpt.resume_hint(run.path))
-    with stop_on_signals() as stop_signal, metrics_file, stragglers_file, tensorboard, inst, lost:
+    with stop_on_signals() as stop_signal, metrics_file, tensorboard, inst, lost, ranks or nullcontext():
         while step < cfg.num_steps:
             if on_step:
                 on_step(step + 1)
@@ -265,7 +272,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) ->
                     with inst.stage("data_to_device"):
                         x, y = (t.to(device, non_blocking=True) for t in batch)
                     # DDP all-reduces the gradients in the last micro-batch's backward only.
-                    with distributed.no_grad_sync(ddp_model, sync=micro == cfg.grad_accum_steps - 1):
+                    with ranks.no_grad_sync(micro == cfg.grad_accum_steps - 1) if ranks else nullcontext():
                         with inst.stage("forward"), autocast:
                             # Only the loss is kept: held logits (b x s x vocab) would live
                             # on through the next forward and add to its peak.
@@ -277,16 +284,16 @@ def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) ->
                     lr = set_lr(optimizer, get_lr(step, cfg))
                     if cfg.grad_clip > 0:
                         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-                        parallel.clip_grad_norm(model.parameters(), cfg.grad_clip)  # DTensors too
+                        clip_grad_norm(model.parameters(), cfg.grad_clip)
                     scaler.step(optimizer)
                     scaler.update()
                     optimizer.zero_grad(set_to_none=True)
             step += 1
-            if not losses and device == "cpu" and (ms := outlast_step(inst.step_times[step])):
-                log.info(f"CPU allocator: mimalloc keeps freed pages {ms / 1000:.1f} s, twice the first step")
+            if CPU_MALLOC and len(inst.step_times) == 1:  # mimalloc keeps freed pages longer than a step
+                CPU_MALLOC.outlast_first_step(inst.step_times[step], log)
             losses.append(step_loss)
             last = step == cfg.num_steps
-            stop = distributed.any_rank(bool(stop_signal), dist_info)  # every rank stops at the same step
+            stop = ranks.any(bool(stop_signal)) if ranks else bool(stop_signal)  # all ranks stop at one step
 
             if is_log_step(step, cfg) or stop:  # outside the step: not in its clock nor in its ProfilerStep
                 values = ckpt.check_finite(losses, step, rate.amp)
@@ -294,19 +301,18 @@ def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) ->
                 val = None  # a val loss only at the step it was evaluated: never carried as new
                 # sharded: every rank takes part (the forward has collectives)
                 if (is_main or plan.sharded) and (step % cfg.eval_interval == 0 or last):
-                    batch_ms = forward_ms(interval.stages, interval.step_times, cfg.grad_accum_steps)
-                    if notice := evaluation_notice(cfg.eval_iters, batch_ms):
+                    if notice := evaluation_notice(cfg.eval_iters, interval, cfg.grad_accum_steps):
                         log.info(notice)  # a long evaluation is not silence
                     stop_eval = [] if plan.sharded else stop_signal  # sharded: all ranks, to the end
                     val = evaluate(model, data.make_val(), cfg.eval_iters, device, autocast, stop_eval)
                 logged = rate.record(step, values, lr, val, interval, inst.take_comm())
                 logged.memory_breakdown = inst.take_memory_breakdown()
                 log.info(format_log_line(logged))
+                log.info(format_stages(logged))
                 metrics_file.write(logged)
                 tensorboard.log(logged)
-                for report in score_interval(stragglers, step, interval, dist_info):
-                    log.warning(format_report(report, cfg.straggler_threshold))
-                    stragglers_file.write(report)
+                if ranks:
+                    ranks.report_stragglers(step, interval, log)
                 losses = []
             if ckpt.enabled and (last or stop or cfg.save_interval and step % cfg.save_interval == 0):
                 ckpt.check_finite(losses, step, rate.amp, weights=True)
@@ -315,7 +321,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) ->
                 return run.stopped(stop_signal, step, log)
 
     # ------------------------------------------------------------------ finish
-    run.finish(log, [inst.profiler_cost(), rate.finished(logged, step)], write_report)
+    run.finish(log, inst.profiler_cost(), rate, logged, step, plan.sharded)
     return 0
 
 
@@ -326,16 +332,19 @@ def cli(argv: list[str] | None = None, on_step: Callable[[int], None] | None = N
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (NonFiniteLoss, distributed.LostRank) as e:  # faults: one line, exit status 1
+    except (NonFiniteLoss, LostRank) as e:  # faults: one line, exit status 1
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # outside the loop (in it, a signal stops the run at a step and saves)
         print(f"error: {INTERRUPTED_LINE} (outside the training loop)", file=sys.stderr)
         return INTERRUPTED
     finally:
-        distributed.cleanup()  # on every exit path: a process group left behind hangs or leaks
+        if "minigpt.core.distributed" in sys.modules:  # on every exit path: a process group left behind
+            sys.modules["minigpt.core.distributed"].cleanup()  # hangs or leaks
 
 
 if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing import errors
+
     # errors.record: under torchrun, a failing rank's error reaches the launcher's summary, with its rank.
     sys.exit(errors.record(cli)())

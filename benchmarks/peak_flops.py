@@ -29,8 +29,8 @@ from minigpt.instruments.mfu import UNIT_BUDGET_S
 
 
 def child(preset: str, dtype: str, cache: bool) -> None:
+    from minigpt.core.config import GPT2_PADDED
     from minigpt.instruments.mfu import model_workloads, peak_flops
-    from minigpt.shape import GPT2_PADDED
 
     p = MODEL_PRESETS[preset]
     units = model_workloads(p["batch_size"], p["seq_len"], p["d_model"], p["d_ff"], GPT2_PADDED, p["n_heads"])

@@ -18,13 +18,16 @@ class UsageError(Exception):
     """A mistake the user can fix. The trainer prints it as one line and exits with status 2."""
 
 
+class LostRank(Exception):
+    """A peer process ended or stopped answering mid-run (torchrun): a fault, not a user's mistake
+    (exit 1). Raised by minigpt/core/distributed.py."""
+
+
 class ArgParser(argparse.ArgumentParser):
     """argparse with the project's rule for a bad flag: one line and exit status 2.
     `name_prog`: begin the line with the program's name, as the trainer's own errors do."""
 
-    def __init__(self, *args, name_prog: bool = False, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.name_prog = name_prog
+    name_prog = False
 
     def error(self, message: str) -> None:
         head = f"{self.prog}: " if self.name_prog else ""

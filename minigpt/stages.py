@@ -36,6 +36,9 @@ SPLITS: tuple[Stage, ...] = (Stage("backward_compute", "(bwd compute)", "salmon"
 STEP_RANGE = Stage("train_step", "step", "white", scored=False)  # the range around one whole step
 
 STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
+# Name -> short label (the log line) and colour (NVTX, charts), looked up in the step's hot path.
+LABELS: dict[str, str] = {s.name: s.label for s in (*STAGES, *SPLITS, STEP_RANGE)}
+COLORS: dict[str, str] = {s.name: s.color for s in (*STAGES, *SPLITS, STEP_RANGE)}
 
 
 def stage(name: str) -> Stage:

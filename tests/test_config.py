@@ -157,7 +157,12 @@ def test_new_flags_parse():
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["--peak-tflops", "0"], "--peak-tflops must be positive, got 0.0"),
+        (
+            ["--peak-tflops", "0"],
+            "--peak-tflops must be at least 0.001 (1 GFLOP/s; the figure is in TFLOP/s), got 0.0",
+        ),
+        (["--peak-tflops", "1e-9"], "--peak-tflops must be at least 0.001"),
+        (["--peak-tflops", "1e9"], "--peak-tflops must be at most 1e6"),
         (["--peak-tflops", "inf"], "--peak-tflops must be a finite number"),
         (["--save-interval", "-1"], "--save-interval must not be negative"),
         (["--no-checkpoint", "--save-interval", "10"], "no checkpoint, so --save-interval has nothing to do"),

@@ -12,7 +12,7 @@ import torch
 from conftest import TINY, docs_module
 
 import train_minimal
-from minigpt.instruments import instrument
+from minigpt.instruments import instrument, window
 from minigpt.instruments.instrument import StageTimer
 from minigpt.stages import STAGE_NAMES as STAGES
 
@@ -263,8 +263,12 @@ def test_log_line_and_mfu(tmp_path):
     assert row["achieved_tflops"] == pytest.approx(config["flops_per_token"] * row["tokens_per_s"] / 1e12)
     assert row["tokens_per_s"] == pytest.approx(8 * 16 * 2 / row["step_time_s"])  # every micro-batch counts
     assert row["mfu"] == pytest.approx(config["flops_per_token"] * row["tokens_per_s"] / config["peak_flops"])
-    line = [x for x in (out / "train.log").read_text().splitlines() if "step 4/4" in x][-1]
-    assert "mfu " in line and "host/device ms h2d" in line and "bwd" in line
+    lines = (out / "train.log").read_text().splitlines()
+    at = max(i for i, x in enumerate(lines) if "step 4/4" in x)
+    step_line, stage_line = lines[at].split("] ", 1)[1], lines[at + 1].split("] ", 1)[1]
+    assert "mfu " in step_line and len(step_line) <= 160  # read at a glance
+    # The stages on a line of their own, one number each: on the CPU host and device are one clock.
+    assert stage_line.startswith("  stage ms: h2d ") and " bwd " in stage_line and "/" not in stage_line
 
 
 def test_tensorboard_gets_the_same_figures(tmp_path):
@@ -281,19 +285,23 @@ def test_tensorboard_gets_the_same_figures(tmp_path):
         "train/lr",
         "perf/tokens_per_s",
         "perf/run_tokens_per_s",
-        "perf/mfu",
+        "perf/mfu_percent",
+        "memory/rss_mib",
         "stage_host_ms/forward",
         "stage_device_ms/backward",
     } <= tags
     rows = read_metrics(out)
     assert [e.step for e in events.Scalars("train/loss")] == [r["step"] for r in rows]
     assert events.Scalars("train/loss")[-1].value == pytest.approx(rows[-1]["loss"], rel=1e-6)
+    # in the units a chart reads: MFU in percent, memory in MiB
+    assert events.Scalars("perf/mfu_percent")[-1].value == pytest.approx(100 * rows[-1]["mfu"], rel=1e-6)
+    assert events.Scalars("memory/rss_mib")[-1].value == pytest.approx(rows[-1]["memory"]["rss_bytes"] / 2**20)
 
 
 def test_profiler_schedule_has_megatron_semantics():
     from torch.profiler import ProfilerAction as A
 
-    action = instrument.profiler_schedule(start=3, end=6)
+    action = window.profiler_schedule(start=3, end=6)
     assert [action(n) for n in range(1, 8)] == [
         A.NONE,
         A.WARMUP,
@@ -303,7 +311,7 @@ def test_profiler_schedule_has_megatron_semantics():
         A.NONE,
         A.NONE,
     ]
-    assert instrument.profiler_schedule(1, 2)(1) == A.RECORD_AND_SAVE  # no warm-up step before step 1
+    assert window.profiler_schedule(1, 2)(1) == A.RECORD_AND_SAVE  # no warm-up step before step 1
 
 
 # ---------------------------------------------------------------------------- TensorBoard server
@@ -341,7 +349,9 @@ def test_cuda_stage_times_come_from_events(tmp_path):
     row = read_metrics(out)[-1]
     assert set(row["stage_device_ms"]) == set(STAGES) and row["stage_device_ms"] != row["stage_host_ms"]
     assert row["memory"]["peak_allocated_gib"] > 0 and "alloc_retries" in row["memory"]
-    assert "peak mem" in (out / "train.log").read_text()
+    log = (out / "train.log").read_text()
+    assert "| mem " in log and "(reserved " in log  # the step's peak allocated, and reserved
+    assert "stage ms host/device: h2d " in log  # two clocks on a GPU: the host runs ahead
 
 
 @pytest.mark.cuda
@@ -403,7 +413,7 @@ def test_memory_history_snapshot_and_its_text(tmp_path):
 
 @pytest.mark.cuda
 def test_oom_writes_a_snapshot_before_the_error(tmp_path):
-    history = instrument.MemoryHistory(1000)
+    history = window.MemoryHistory(1000)
     history.start()
     path = tmp_path / "oom.pickle"
     history.dump_on_oom(path)

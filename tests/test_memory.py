@@ -10,13 +10,12 @@ import torch.nn as nn
 from conftest import TINY, fails
 
 import train_minimal
-from minigpt.core.config import PRESETS, parse_args
+from minigpt.core.config import GPT2_VOCAB, PRESETS, Shape, parse_args, shape_of
 from minigpt.core.model import GPT, GPTConfig
 from minigpt.instruments import estimate
 from minigpt.instruments.estimate import estimate_gpt
 from minigpt.instruments.memory import capture_memory, format_breakdown, format_memory_log, write_memory_trace
 from minigpt.memory_log import LAYOUT, MEMORY_LOG, PEAK_PARTS, SUNBURST_FILES, parse_memory_log
-from minigpt.shape import GPT2_VOCAB, Shape, shape_of
 
 SHAPE = dict(
     n_layers=2,
@@ -542,7 +541,7 @@ RSS_CHILD = """
 import json, sys, torch
 from minigpt.instruments.memory import capture_memory, process_memory
 from minigpt.core.model import GPT, GPTConfig
-from minigpt.shape import Shape
+from minigpt.core.config import Shape
 torch.manual_seed(0)
 m = GPT(GPTConfig(vocab_size=32768, max_position_embeddings=64, n_layers=1, n_heads=2, d_model=32, d_ff=64))
 opt = torch.optim.AdamW(m.parameters())

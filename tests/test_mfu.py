@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from minigpt.core.model import GPT, GPTConfig, flops_per_token
+from minigpt.instruments import metrics as X
 from minigpt.instruments import mfu as M
 from minigpt.instruments.instrument import Interval, StageTimes
 
@@ -62,8 +63,8 @@ def test_denominator_is_the_best_unit_and_the_cache_makes_it_hold_still(monkeypa
     monkeypatch.setattr(M, "measure", no_measuring)
     second = M.peak_flops("cpu", "fp32", units())
     assert second.value == first.value and second.spread == first.spread and second.source.startswith("cache")
-    entries = json.loads((tmp_path / "cache" / M.PEAK_CACHE_FILE).read_text())
-    assert list(entries) == [M.machine_key("cpu", "fp32")]
+    entries = json.loads((tmp_path / "cache" / X.PEAK_CACHE_FILE).read_text())
+    assert list(entries) == [X.machine_key("cpu", "fp32")]
     assert f"{torch.get_num_threads()} threads" in list(entries)[0] and torch.__version__ in list(entries)[0]
     assert not list((tmp_path / "cache").glob(".*tmp"))  # written atomically: no leftovers
     with pytest.raises(AssertionError, match="measured again"):  # another dtype is another entry
@@ -83,7 +84,7 @@ def test_new_units_are_measured_and_merged_into_the_cache(monkeypatch):
 
 def test_uncached_measurement_neither_reads_nor_writes(tmp_path):
     peak = M.peak_flops("cpu", "fp32", units(), cache=False)
-    assert "not cached" in peak.source and not (tmp_path / "cache" / M.PEAK_CACHE_FILE).exists()
+    assert "not cached" in peak.source and not (tmp_path / "cache" / X.PEAK_CACHE_FILE).exists()
 
 
 @pytest.mark.parametrize(
@@ -93,12 +94,12 @@ def test_uncached_measurement_neither_reads_nor_writes(tmp_path):
 )
 def test_unreadable_cache_is_measured_again(tmp_path, content):
     """A hand-edited cache is measured again and rewritten, never a traceback."""
-    path = tmp_path / "cache" / M.PEAK_CACHE_FILE
+    path = tmp_path / "cache" / X.PEAK_CACHE_FILE
     path.parent.mkdir(parents=True)
     path.write_text(content)
     peak = M.peak_flops("cpu", "fp32", units())
     assert peak.source.startswith("measured now")
-    assert M.machine_key("cpu", "fp32") in json.loads(path.read_text())
+    assert X.machine_key("cpu", "fp32") in json.loads(path.read_text())
 
 
 def test_mfu_of_a_real_step_is_its_achieved_rate_over_the_units_peak():
@@ -125,9 +126,9 @@ def test_mfu_of_a_real_step_is_its_achieved_rate_over_the_units_peak():
         opt.step()
         opt.zero_grad(set_to_none=True)
         tokens_per_s = x.numel() / (time.perf_counter() - t0)
-        achieved = M.achieved_tflops(flops_per_token(model, SHAPE["seq_len"]), tokens_per_s)
-        assert M.mfu(flops_per_token(model, SHAPE["seq_len"]), tokens_per_s, peak) > 0
-        assert M.mfu(flops_per_token(model, SHAPE["seq_len"]), tokens_per_s, peak.value) == pytest.approx(
+        achieved = X.achieved_tflops(flops_per_token(model, SHAPE["seq_len"]), tokens_per_s)
+        assert X.mfu(flops_per_token(model, SHAPE["seq_len"]), tokens_per_s, peak) > 0
+        assert X.mfu(flops_per_token(model, SHAPE["seq_len"]), tokens_per_s, peak.value) == pytest.approx(
             achieved * 1e12 / peak.value
         )
 
@@ -154,7 +155,7 @@ def test_override_and_gpu_table(monkeypatch):
     ):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, n=name: n)
         peak = M.peak_flops("cuda", "bf16", units())
-        assert peak.value == M.PEAK_FLOPS[gpu]["bf16"] and peak.source == f"table: {gpu} bf16 dense"
+        assert peak.value == X.PEAK_FLOPS[gpu]["bf16"] and peak.source == f"table: {gpu} bf16 dense"
 
 
 def fake_figure(best: float, load: float = 0.5) -> dict:
@@ -171,7 +172,7 @@ def fake_figure(best: float, load: float = 0.5) -> dict:
 def test_a_lower_figure_never_replaces_a_higher_one(monkeypatch, tmp_path):
     """Two processes measure at once; the one that writes last measured in a busier moment. The
     cache keeps each unit's best, and the run uses it: a figure taken under load replaces nothing."""
-    path, key = tmp_path / "cache" / M.PEAK_CACHE_FILE, M.machine_key("cpu", "fp32")
+    path, key = tmp_path / "cache" / X.PEAK_CACHE_FILE, X.machine_key("cpu", "fp32")
 
     def measured_while_another_process_wrote(high: float, mine: float):
         def measure(device, dtype, unit):
@@ -197,7 +198,7 @@ def test_a_lower_figure_never_replaces_a_higher_one(monkeypatch, tmp_path):
 def test_entries_of_the_old_format_are_measured_again(tmp_path):
     """A figure cached before the time and load were recorded (first come, first kept) may have been
     taken under load: it is measured once more instead of being trusted."""
-    path, key = tmp_path / "cache" / M.PEAK_CACHE_FILE, M.machine_key("cpu", "fp32")
+    path, key = tmp_path / "cache" / X.PEAK_CACHE_FILE, X.machine_key("cpu", "fp32")
     path.parent.mkdir(parents=True)
     old = {u.name: {"rounds": [1.0, 2.0], "flops": u.flops, "date": "2026-01-01 00:00 UTC"} for u in units()}
     path.write_text(json.dumps({key: old}))
@@ -209,7 +210,7 @@ def test_entries_of_the_old_format_are_measured_again(tmp_path):
 def test_the_log_line_says_when_and_under_what_load(monkeypatch):
     monkeypatch.setattr(M.os, "getloadavg", lambda: (3.25, 2.0, 1.0))
     peak = M.peak_flops("cpu", "fp32", units())
-    line = M.describe(peak)
+    line = peak.describe()
     assert line.startswith(f"MFU peak {peak.value / 1e12:.3g} TFLOP/s; measured now: ")
     assert f"measured {peak.measured_at} at load 3.25 on {M.os.cpu_count()} cores" in line
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", peak.measured_at)
@@ -261,8 +262,8 @@ def test_a_figure_measured_under_load_is_used_once_said_and_measured_again(monke
     monkeypatch.setattr(M.LoadProbe, "others", lambda self: 0.9)
     busy = M.peak_flops("cpu", "fp32", units())
     assert busy.others == 0.9 and busy.config()["peak_flops_under_load"] == 0.9
-    assert "measured under load: other processes used 90% of the cores" in M.describe(busy)
-    assert "--remeasure" in M.describe(busy)
+    assert "measured under load: other processes used 90% of the cores" in busy.describe()
+    assert "--remeasure" in busy.describe()
     measured = []
     real = M.measure
     monkeypatch.setattr(M, "measure", lambda d, t, u: measured.append(u.name) or real(d, t, u))
@@ -273,8 +274,8 @@ def test_a_figure_measured_under_load_is_used_once_said_and_measured_again(monke
     monkeypatch.setattr(M.LoadProbe, "others", lambda self: 0.02)
     quiet = M.peak_flops("cpu", "fp32", units())
     assert sorted(measured) == sorted(s["name"] for s in busy.shapes)  # every unit, again
-    assert quiet.others is None and "under load" not in M.describe(quiet)
-    cached = json.loads((tmp_path / "cache" / M.PEAK_CACHE_FILE).read_text())[M.machine_key("cpu", "fp32")]
+    assert quiet.others is None and "under load" not in quiet.describe()
+    cached = json.loads((tmp_path / "cache" / X.PEAK_CACHE_FILE).read_text())[X.machine_key("cpu", "fp32")]
     assert all(M.settled(r) for r in cached.values())
     measured.clear()
     assert M.peak_flops("cpu", "fp32", units()).source.startswith("cache") and measured == []
@@ -302,13 +303,13 @@ def test_an_achieved_rate_above_the_peak_corrects_it_once_and_in_the_cache(monke
     peak = M.peak_flops("cpu", "fp32", units())
     low = peak.value
     fpt, tokens_per_s = 1e6, 3 * low / 1e6  # a run at 3x the measured peak
-    assert M.mfu(fpt, tokens_per_s, peak) == pytest.approx(3.0)  # what the old code printed: 300%
+    assert X.mfu(fpt, tokens_per_s, peak) == pytest.approx(3.0)  # what the old code printed: 300%
     note = peak.raise_to(fpt * tokens_per_s)
     assert note and "was below what this run achieved" in note and "measured under load" in note
-    assert M.mfu(fpt, tokens_per_s, peak) == pytest.approx(1.0)
+    assert X.mfu(fpt, tokens_per_s, peak) == pytest.approx(1.0)
     assert peak.raise_to(fpt * tokens_per_s) is None  # no higher: nothing to do
     assert peak.raise_to(2 * fpt * tokens_per_s) is None and peak.value == 2 * fpt * tokens_per_s  # said once
-    assert M.mfu(fpt, 2 * tokens_per_s, peak) == pytest.approx(1.0)
+    assert X.mfu(fpt, 2 * tokens_per_s, peak) == pytest.approx(1.0)
     monkeypatch.setattr(M, "measure", lambda *a: pytest.fail("measured again despite the cache"))
     again = M.peak_flops("cpu", "fp32", units())
     assert again.value == pytest.approx(6 * low) and M.ACHIEVED in again.source
@@ -317,9 +318,9 @@ def test_an_achieved_rate_above_the_peak_corrects_it_once_and_in_the_cache(monke
 
 
 def test_throughput_records_never_show_mfu_above_100(monkeypatch, caplog):
-    peak = M.PeakFlops(1e6, "measured now: fake", device="cpu", dtype="fp32")
+    peak = X.PeakFlops(1e6, "measured now: fake", device="cpu", dtype="fp32")
     monkeypatch.setattr(M, "keep_best", lambda *a: ({}, True))
-    rate = M.Throughput(64, 1, 1000, peak, 0, 10, None, M.RunTotals(64))
+    rate = X.Throughput(64, 1, 1000, peak, "fp32", 0, 10, None, X.RunTotals(64))
     stages = StageTimes()
     with caplog.at_level("WARNING", logger="minigpt"):
         first = rate.record(1, [1.0], 1e-3, None, Interval([0.01], stages), None)  # 6.4 MFLOP/s achieved
@@ -330,7 +331,7 @@ def test_throughput_records_never_show_mfu_above_100(monkeypatch, caplog):
 
 def test_remeasure_forgets_the_machines_figures(monkeypatch, tmp_path):
     M.peak_flops("cpu", "fp32", units())
-    M.PeakFlops(1e6, "cache: x", device="cpu", dtype="fp32").raise_to(1e30)  # a wild achieved figure
+    X.PeakFlops(1e6, "cache: x", device="cpu", dtype="fp32").raise_to(1e30)  # a wild achieved figure
     assert M.peak_flops("cpu", "fp32", units()).value == 1e30
     fresh = M.peak_flops("cpu", "fp32", units(), remeasure=True)
     assert fresh.value < 1e30 and fresh.source.startswith("measured now")
@@ -345,7 +346,7 @@ def test_a_run_against_a_poisoned_cache_never_logs_mfu_above_100(tmp_path, monke
     import train_minimal
 
     monkeypatch.setattr(
-        M, "peak_flops", lambda d, t, *a, **k: M.PeakFlops(1.0, "measured now: fake", device=d, dtype=t)
+        M, "peak_flops", lambda d, t, *a, **k: X.PeakFlops(1.0, "measured now: fake", device=d, dtype=t)
     )
     out = tmp_path / "run"
     flags = ["--num-steps", "6", "--log-interval", "2", "--no-report", "--no-checkpoint"]
@@ -356,5 +357,5 @@ def test_a_run_against_a_poisoned_cache_never_logs_mfu_above_100(tmp_path, monke
     assert log.count("was below what this run achieved") == 1
     shown = [float(x) for x in re.findall(r"mfu ([\d.]+)%", log)]
     assert len(shown) == 3 and max(shown) <= 100.0
-    cached = json.loads((tmp_path / "cache" / M.PEAK_CACHE_FILE).read_text())
+    cached = json.loads((tmp_path / "cache" / X.PEAK_CACHE_FILE).read_text())
     assert any(M.ACHIEVED in units and units[M.ACHIEVED]["best"] > 1.0 for units in cached.values())

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from minigpt.core.model import GPT, GPTConfig, flops_per_token, pad_vocab
+from minigpt.core.config import pad_vocab
+from minigpt.core.model import GPT, GPTConfig, flops_per_token
 
 
 def tiny(**kw) -> GPT:

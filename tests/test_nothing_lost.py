@@ -145,7 +145,7 @@ def test_only_a_page_that_begins_as_minigpts_own_is_replaced(tmp_path_factory, c
 def test_a_memory_snapshot_path_never_replaces_what_is_not_a_snapshot(run, target):
     """CUDA only at run time (--record-memory-history), so checked here as the trainer checks it
     at start-up: a run's files are refused, an earlier snapshot (a pickle) is replaced."""
-    from minigpt.instruments.instrument import SNAPSHOT_MARKER
+    from minigpt.instruments.window import SNAPSHOT_MARKER
 
     with pytest.raises(UsageError, match="name another path") as e:
         check_may_replace(

@@ -10,10 +10,9 @@ import math
 import pytest
 import torch
 
-from minigpt.core.config import UsageError
+from minigpt.core.config import Shape, UsageError
 from minigpt.core.model import GPT, GPTConfig, flops_per_token
 from minigpt.instruments import estimate, mfu, predict
-from minigpt.shape import Shape
 
 SHAPE = dict(
     n_layers=2,

@@ -22,8 +22,9 @@ import train_minimal
 from minigpt.analysis.compare import compare_runs, format_compare, headline
 from minigpt.analysis.report import summary_section
 from minigpt.analysis.runfiles import load_run
-from minigpt.instruments.instrument import PROFILER_STDERR_NOTE
+from minigpt.instruments.instrument import Interval, StageTimes
 from minigpt.instruments.metrics import RunTotals, evaluation_notice
+from minigpt.instruments.window import PROFILER_STDERR_NOTE
 from minigpt.step_record import OLDER_RUN, REBUILT, RUN_KEYS
 
 
@@ -221,9 +222,14 @@ def test_start_up_counts_from_the_scripts_start_not_the_processs_age(tmp_path):
 
 
 def test_a_long_evaluation_is_announced_and_a_short_one_is_not():
-    assert evaluation_notice(20, 1500.0) == "evaluating (20 batches, about 30.0s)..."
-    assert evaluation_notice(20, 10.0) is None
-    assert evaluation_notice(20, None) is None  # no forward time measured: nothing to say
+    """An evaluation batch costs the interval's forward per micro-batch, or a third of a step
+    without stage timing."""
+    slow = Interval([3.0], StageTimes(host_ms={"forward": 1500.0}))
+    assert evaluation_notice(20, slow, 1) == "evaluating (20 batches, about 30.0s)..."
+    assert evaluation_notice(20, slow, 10) is None  # 150 ms per micro-batch
+    assert evaluation_notice(20, Interval([0.03], StageTimes()), 1) is None  # fast, untimed stages
+    assert evaluation_notice(20, Interval([9.0], StageTimes()), 1) == "evaluating (20 batches, about 1.0m)..."
+    assert evaluation_notice(20, Interval([], StageTimes()), 1) is None  # nothing measured: nothing to say
 
 
 def test_a_profiled_run_explains_torchs_stderr_lines_before_they_appear(tmp_path):

@@ -1,4 +1,4 @@
-"""The model's shape from a config (minigpt/shape.py) and what is computed from it: the estimator's
+"""The model's shape from a config (minigpt/core/config.py) and what is computed from it: the estimator's
 bytes, the step-time predictor's op list, the per-rank plans. The pinned figures in
 tests/shape_pins.json were written by the code before the shape module existed; every caller of
 the shape must reproduce them exactly. Rewrite them on purpose only, when a formula changes:
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from minigpt.shape import GPT2_PADDED, GPT2_VOCAB, Shape, pad_vocab, shape_of
+from minigpt.core.config import GPT2_PADDED, GPT2_VOCAB, Shape, pad_vocab, shape_of
 
 ROOT = Path(__file__).resolve().parents[1]
 PINS = Path(__file__).with_name("shape_pins.json")
@@ -101,9 +101,9 @@ def given_rates(device: str, dtype: str, needed, cache=True, measure=True, remea
 def outputs(monkeypatch) -> dict:
     """Everything the pins hold, computed by the code under test."""
     from minigpt.core.checkpoint import model_bytes
+    from minigpt.core.config import param_count as quick_param_count
     from minigpt.core.config import parse_args, quick_bytes
     from minigpt.instruments import estimate, per_rank, predict
-    from minigpt.shape import param_count as quick_param_count
 
     out: dict = {"estimate": {}, "ops": {}, "predict": {}, "per_rank": {}, "comm": {}, "report": {}}
     for name, shape, options in CASES:
@@ -190,7 +190,9 @@ def test_the_parameter_count_and_flops_are_the_built_models(shape):
 
 def test_the_shape_module_loads_no_torch():
     """The estimator's and the size check's arithmetic must not pay torch's import."""
-    code = "import sys, minigpt.shape; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    code = (
+        "import sys, minigpt.core.config; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

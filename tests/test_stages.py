@@ -26,6 +26,8 @@ def test_a_new_stage_reaches_the_log_metrics_tensorboard_stragglers_and_trace(tm
     new = stages.Stage("zero_grad", "zero", "purple")
     monkeypatch.setattr(stages, "STAGES", (*stages.STAGES, new))
     monkeypatch.setattr(stages, "STAGE_NAMES", (*stages.STAGE_NAMES, new.name))
+    monkeypatch.setitem(stages.LABELS, new.name, new.label)  # what the registry's line gives at import
+    monkeypatch.setitem(stages.COLORS, new.name, new.color)
     # ...and one `with` in the loop, in a copy of train_minimal.py.
     source = (ROOT / "train_minimal.py").read_text()
     line = "                    optimizer.zero_grad(set_to_none=True)\n"
@@ -54,7 +56,7 @@ def test_a_new_stage_reaches_the_log_metrics_tensorboard_stragglers_and_trace(tm
     ]
     assert trainer.cli([*TINY, *flags]) == 0
 
-    log_lines = [line for line in (out / "train.log").read_text().splitlines() if "host/device ms" in line]
+    log_lines = [line for line in (out / "train.log").read_text().splitlines() if "stage ms" in line]
     assert log_lines and all(" zero " in line for line in log_lines)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
     assert all("zero_grad" in r["stage_host_ms"] and "zero_grad" in r["stage_device_ms"] for r in rows)

@@ -17,8 +17,7 @@ from minigpt.analysis.compare import compare_runs
 from minigpt.analysis.report import summary_section, throughput
 from minigpt.analysis.runfiles import load_run
 from minigpt.instruments.instrument import Interval, StageTimes
-from minigpt.instruments.metrics import RunTotals
-from minigpt.instruments.mfu import PeakFlops, Throughput
+from minigpt.instruments.metrics import PeakFlops, RunTotals, Throughput
 from minigpt.step_record import REBUILT
 
 GPU_RUNS = Path(__file__).resolve().parents[2] / "shared" / "gpu-runs"
@@ -49,7 +48,15 @@ def replay(rows: list[dict]) -> tuple[Throughput, list]:
     tokens_per_step = round(rows[0]["tokens_per_s"] * rows[0]["step_time_s"])
     peak = PeakFlops(989e12, "table: H200 bf16 dense", device="cpu", dtype="bf16")
     rate = Throughput(
-        tokens_per_step, 1, 855_383_040, peak, 0, rows[-1]["num_steps"], None, RunTotals(tokens_per_step)
+        tokens_per_step,
+        1,
+        855_383_040,
+        peak,
+        "bf16",
+        0,
+        rows[-1]["num_steps"],
+        None,
+        RunTotals(tokens_per_step),
     )
     out, prev = [], 0
     for i, r in enumerate(rows):

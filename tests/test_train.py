@@ -202,10 +202,9 @@ def test_sigterm_during_a_long_evaluation_stops_promptly_and_saves(tmp_path):
 
 def write_step_rates(cache, flags: list[str], rounds):
     """A rate cache (minigpt.instruments.predict) holding every rate the run's step needs, each `rounds`;
-    returns the run's shape (minigpt.shape.shape_of)."""
-    from minigpt.core.config import parse_args
+    returns the run's shape (minigpt.core.config.shape_of)."""
+    from minigpt.core.config import parse_args, shape_of
     from minigpt.instruments import predict
-    from minigpt.shape import shape_of
 
     cfg = parse_args(flags)
     shape = shape_of(cfg, cfg.vocab_size)

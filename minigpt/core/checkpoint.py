@@ -16,13 +16,12 @@ import torch
 
 from minigpt import paths
 from minigpt.core import distributed, parallel
-from minigpt.core.config import TrainConfig, UsageError, format_bytes, machine_ram_bytes
+from minigpt.core.config import TrainConfig, UsageError, format_bytes, machine_ram_bytes, param_count
 from minigpt.core.data import Batches
 from minigpt.core.distributed import DistInfo
 from minigpt.core.model import GPT
 from minigpt.core.torchcompat import dcp_set_element
 from minigpt.fileio import UnreadableFile, atomic_open, read_bounded
-from minigpt.shape import param_count
 
 # The fields that fix the model's shape: a checkpoint whose values differ cannot be loaded.
 SHAPE_FIELDS = ("vocab_size", "max_position_embeddings", "n_layers", "n_heads", "d_model", "d_ff")
@@ -317,7 +316,7 @@ def available_memory_bytes() -> int | None:
 
 def model_bytes(model_config: dict, bytes_per_param: int = WEIGHT_BYTES) -> int:
     """The bytes of a model built from a checkpoint's model_config, torch-free: its parameter
-    count (minigpt.shape.param_count) times bytes_per_param."""
+    count (minigpt.core.config.param_count) times bytes_per_param."""
     c = model_config
     params = param_count(
         c["vocab_size"], c["max_position_embeddings"], c["d_model"], c["d_ff"], c["n_layers"]

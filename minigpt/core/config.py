@@ -1,10 +1,11 @@
-"""TrainConfig, the command line built from it, and the checks that turn a user's mistake into
-one clear line instead of a traceback.
+"""The trainer's flags as one table, the shape of the step they describe, and the checks that turn
+a user's mistake into one line instead of a traceback.
 
-Each flag is defined once, as a field of TrainConfig: its type (the annotation), its default, and
-in the field's metadata its help, its group in --help, its check, and where needed its flag name,
-argparse action, choices and what a None default means. build_parser() and validate() read them
-from `dataclasses.fields(TrainConfig)`; nothing else lists the flags."""
+Each flag is a field of TrainConfig: its type (the annotation), its default, its group and help in
+--help, and where needed its bounds (data: one loop checks them all), its flag name, argparse
+action, choices and what a None default means. The parser and the checks read the table; nothing
+else lists the flags. Shape is the model and batch the flags describe, torch-free: the memory
+estimator, the step-time predictor and the benchmarks compute from it too."""
 
 from __future__ import annotations
 
@@ -15,17 +16,16 @@ import shlex
 import sys
 import typing
 import uuid
-from collections.abc import Callable
-from dataclasses import MISSING, Field, asdict, dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import Field, asdict, dataclass, field, fields
 from decimal import Decimal, InvalidOperation
 
 from minigpt.errors import ArgParser, UsageError
-from minigpt.shape import GPT2_VOCAB, shape_of
 
 # Named model and batch shapes. Explicit flags override them; they override the field defaults.
 PRESETS: dict[str, dict] = {
-    # The default main job: trains in about two minutes on a 2-core CPU. It is also the shape of
-    # the nanoGPT speed comparison in benchmarks/ (4 layers, 4 heads, 256 wide, block 256, batch 8).
+    # The default main job, about a minute on a 2-core CPU; also the shape of the nanoGPT speed
+    # comparison in benchmarks/ (4 layers, 4 heads, 256 wide, block 256, batch 8).
     "small": dict(
         n_layers=4, n_heads=4, d_model=256, d_ff=1024, seq_len=256, batch_size=8, dropout=0.0, lr=1e-3
     ),
@@ -48,82 +48,60 @@ DEFAULT_PRESET = "small"
 TOY_VOCAB_SIZE = 64  # --use-toy-data needs no 50k vocabulary; a small one learns in seconds
 EXTRA_ARGS_ENV = "MINIGPT_ARGS"
 
-# ------------------------------------------------------------------------------------------ checks
-# A check takes a flag's value and returns what is wrong with it ("must be positive"), or None.
-Check = Callable[[typing.Any], "str | None"]
-
-SEED_LIMIT = 2**32  # numpy's and torch's generators take seeds in [0, 2**32) everywhere
+# ------------------------------------------------------------------------------------------ bounds
 INT_LIMIT = 2**63  # every count ends in a C int64 somewhere (torch sizes, seeds, timers)
-MIN_DEVICE_MEMORY_GB = 1 / 1024  # 1 MiB: a smaller figure is a typo (1e-12 GiB), not a device
-# A week: no collective should wait longer, and far beyond it timedelta (at most 1e9 days) and
-# c10d's int64 milliseconds overflow with a traceback.
-MAX_DDP_TIMEOUT_S = 7 * 24 * 3600.0
-BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW's two moments
-ESTIMATE_CAP_BYTES = 2**50  # --estimate-memory answers for other machines: refuse only above 1 PiB
 # Loops that run inside one step before anything is printed (micro-batches, validation batches):
 # beyond this a typo (1e9) hangs the first step with no output, and no real run needs more
 # (nanoGPT's largest: 40 micro-batches, 200 evaluation batches).
 MAX_INNER_LOOP = 65_536
-MAX_DEVICE_MEMORY_GB = 2.0**20  # 1 PiB: far beyond any device; 1e300 overflows an int of bytes
-MAX_SLOW_MS = (
-    3_600_000.0  # an hour per step: --simulate-slow-rank is a teaching aid; time.sleep overflows past ~1e16 s
-)
-MAX_HISTORY_ENTRIES = 2**31 - 1  # the CUDA allocator's history size is a C int
+# A week: no collective should wait longer, and far beyond it timedelta and c10d's int64
+# milliseconds overflow with a traceback.
+MAX_DDP_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_SLOW_MS = 3_600_000.0  # an hour per step: time.sleep overflows past ~1e16 s
+BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW's two moments
+ESTIMATE_CAP_BYTES = 2**50  # --estimate-memory answers for other machines: refuse only above 1 PiB
+GIB_HINT = "the figure is in GiB: 80 for an 80 GB GPU"
 # Flags that name a file or folder: an empty value would silently mean the default.
 PATH_FLAGS = ("out_dir", "checkpoint_path", "memory_snapshot_path", "train_data", "val_data")
 
 
-def positive(v) -> str | None:
-    return None if v is None or v > 0 else "must be positive"
+@dataclass(frozen=True)
+class Bounds:
+    """A numeric flag's range (an open end excludes its value), and the words for a value below or
+    above it."""
 
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    too_low: str = ""
+    too_high: str = ""
 
-def non_negative(v) -> str | None:
-    return None if v is None or v >= 0 else "must not be negative"
-
-
-def between(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> Check:
-    def check(v) -> str | None:
-        if v is None or (lo < v if lo_open else lo <= v) and (v < hi if hi_open else v <= hi):
-            return None
-        return f"must be in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-
-    return check
-
-
-def seed(v) -> str | None:
-    return None if v is None or 0 <= v < SEED_LIMIT else "must be in [0, 2**32)"
-
-
-def memory_gb(v) -> str | None:
-    if v is None or MIN_DEVICE_MEMORY_GB <= v <= MAX_DEVICE_MEMORY_GB:
+    def problem(self, v) -> str | None:
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return self.too_low
+        if self.hi is not None and (v >= self.hi if self.hi_open else v > self.hi):
+            return self.too_high
         return None
-    if v > MAX_DEVICE_MEMORY_GB:
-        return (
-            f"must be at most {MAX_DEVICE_MEMORY_GB:.0f} (1 PiB; the figure is in GiB: 80 for an 80 GB GPU)"
-        )
-    return "must be at least 1 MiB, i.e. 0.0009765625 (the figure is in GiB: 80 for an 80 GB GPU)"
 
 
-def inner_loop(v) -> str | None:
-    if v is None:
-        return None
-    if v <= 0:
-        return "must be positive"
-    return None if v <= MAX_INNER_LOOP else f"must be at most {MAX_INNER_LOOP} (it runs inside every step)"
-
-
-def history_entries(v) -> str | None:
-    if v is None:
-        return None
-    if v <= 0:
-        return "must be positive"
-    return None if v <= MAX_HISTORY_ENTRIES else f"must be at most {MAX_HISTORY_ENTRIES} (a C int)"
-
-
-def timeout(v) -> str | None:
-    if not v > 0:
-        return "must be positive"
-    return None if v <= MAX_DDP_TIMEOUT_S else f"must be at most a week ({MAX_DDP_TIMEOUT_S:.0f} s)"
+POSITIVE = Bounds(0, lo_open=True, too_low="must be positive")
+NON_NEGATIVE = Bounds(0, too_low="must not be negative")
+SEED = Bounds(0, 2**32, hi_open=True, too_low="must be in [0, 2**32)", too_high="must be in [0, 2**32)")
+INNER_LOOP = Bounds(
+    0,
+    MAX_INNER_LOOP,
+    lo_open=True,
+    too_low="must be positive",
+    too_high=f"must be at most {MAX_INNER_LOOP} (it runs inside every step)",
+)
+# A peak below a GFLOP/s or above an exaFLOP/s is a typo: MFU against it reads 10^9 %, or 0.
+PEAK_TFLOPS = Bounds(
+    0.001,
+    1e6,
+    too_low="must be at least 0.001 (1 GFLOP/s; the figure is in TFLOP/s)",
+    too_high="must be at most 1e6 (an exaFLOP/s; the figure is in TFLOP/s)",
+)
 
 
 def parse_int(text: str) -> int:
@@ -142,385 +120,224 @@ def parse_int(text: str) -> int:
     return int(value)
 
 
-# ------------------------------------------------------------------------------------------ fields
-# What flag() takes beside help and group: check (a value's own check), name (the flag when it is
-# not --field-name), argparse's action, choices and metavar, and none (what a default of None
-# means, for --help).
-FLAG_OPTIONS = ("check", "name", "action", "choices", "metavar", "none")
+# ------------------------------------------------------------------------------------------ the table
+# What flag() takes beside its default, group, help and bounds: name (the flag when it is not
+# --field-name), argparse's action, choices and metavar, and none (what a default of None means).
+FLAG_OPTIONS = ("name", "action", "choices", "metavar", "none")
 
 
-def flag(default=MISSING, *, help: str, group: str, factory=None, **options) -> Field:
+def flag(default, group: str, help: str, bounds: Bounds | None = None, **options) -> Field:
     """A TrainConfig field that is also a flag; `options` from FLAG_OPTIONS."""
     unknown = sorted(set(options) - set(FLAG_OPTIONS))
     if unknown:
         raise TypeError(f"flag() has no option {', '.join(unknown)}; it takes {', '.join(FLAG_OPTIONS)}")
-    meta = {"help": help, "group": group, **dict.fromkeys(FLAG_OPTIONS), **options}
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
+    meta = {"help": help, "group": group, "bounds": bounds, **dict.fromkeys(FLAG_OPTIONS), **options}
+    if default is list:
+        return field(default_factory=list, metadata=meta)
     return field(default=default, metadata=meta)
 
 
 MODEL, DATA, TRAIN, CKPT, LOG = "model", "data", "training", "checkpointing", "logging"
 INSTR, MEM, DIST = "instrumentation", "memory", "distributed (under torchrun)"
+SWITCH, BOTH = "store_true", argparse.BooleanOptionalAction
+UNIT = Bounds(0, 1, hi_open=True, too_low="must be in [0, 1)", too_high="must be in [0, 1)")
+SCORE = Bounds(0, 1, lo_open=True, too_low="must be in (0, 1]", too_high="must be in (0, 1]")
+ENTRIES = Bounds(
+    0, 2**31 - 1, lo_open=True, too_low="must be positive", too_high=f"must be at most {2**31 - 1} (a C int)"
+)
+WEEK = Bounds(
+    0,
+    MAX_DDP_TIMEOUT_S,
+    lo_open=True,
+    too_low="must be positive",
+    too_high=f"must be at most a week ({MAX_DDP_TIMEOUT_S:.0f} s)",
+)
+GIB = Bounds(
+    1 / 1024,
+    2.0**20,
+    too_low=f"must be at least 1 MiB, i.e. 0.0009765625 ({GIB_HINT})",
+    too_high=f"must be at most 1048576 (1 PiB; {GIB_HINT})",
+)
+SCHEDULES, DEVICES, MODES = (
+    ["cosine", "linear", "constant"],
+    ["auto", "cpu", "cuda"],
+    ["default", "reduce-overhead", "max-autotune"],
+)
 
 
 @dataclass
 class TrainConfig:
+    """Every flag of train_minimal.py: `--n-layers` is n_layers. Presets set some of them first."""
+
     # model
     preset: str = flag(
-        DEFAULT_PRESET,
-        group=MODEL,
-        choices=sorted(PRESETS),
-        help="model and batch shape; the table below lists what each sets",
+        DEFAULT_PRESET, MODEL, "model and batch shape (the presets below)", choices=sorted(PRESETS)
     )
     vocab_size: int | None = flag(
-        None,
-        group=MODEL,
-        check=positive,
-        metavar="N",
-        none="the tokenizer's, padded to a multiple of 64",
-        help="vocabulary size",
+        None, MODEL, "vocabulary size", POSITIVE, none="the tokenizer's, padded to 64"
     )
-    max_position_embeddings: int | None = flag(
-        None,
-        group=MODEL,
-        check=positive,
-        metavar="N",
-        none="--seq-len",
-        help="longest sequence the model can take",
-    )
-    n_layers: int = flag(4, group=MODEL, check=positive, metavar="N", help="transformer blocks")
-    n_heads: int = flag(4, group=MODEL, check=positive, metavar="N", help="attention heads")
-    d_model: int = flag(256, group=MODEL, check=positive, metavar="N", help="residual stream width")
-    d_ff: int | None = flag(
-        None, group=MODEL, check=positive, metavar="N", none="4 * d_model", help="MLP width"
-    )
-    dropout: float = flag(
-        0.0, group=MODEL, check=between(0, 1, hi_open=True), metavar="P", help="dropout probability"
-    )
-    use_activation_checkpoint: bool = flag(
-        False,
-        group=MODEL,
-        action="store_true",
-        help="recompute each block's activations in backward (less memory, more time)",
-    )
+    max_position_embeddings: int | None = flag(None, MODEL, "longest sequence", POSITIVE, none="--seq-len")
+    n_layers: int = flag(4, MODEL, "transformer blocks", POSITIVE)
+    n_heads: int = flag(4, MODEL, "attention heads", POSITIVE)
+    d_model: int = flag(256, MODEL, "residual stream width", POSITIVE)
+    d_ff: int | None = flag(None, MODEL, "MLP width", POSITIVE, none="4 * d_model")
+    dropout: float = flag(0.0, MODEL, "dropout probability", UNIT, metavar="P")
+    use_activation_checkpoint: bool = flag(False, MODEL, "recompute activations in backward", action=SWITCH)
     # data. Several files, or the flag given twice: the blog passes its files that way.
     train_data: list[str] = flag(
-        factory=list,
-        group=DATA,
+        list,
+        DATA,
+        "text files to train on (UTF-8, at most 1 GiB each)",
         action="extend",
         metavar="FILE",
         none="the built-in corpus",
-        help="text files to train on (UTF-8, at most 1 GiB each: minigpt.core.data.MAX_TEXT_BYTES)",
     )
     val_data: list[str] = flag(
-        factory=list,
-        group=DATA,
+        list,
+        DATA,
+        "validation text files",
         action="extend",
         metavar="FILE",
-        none="a tenth of the built-in corpus spread over it, or the last 10% of --train-data's tokens",
-        help="validation text files",
+        none="a tenth of the built-in corpus, or the last 10% of --train-data's tokens",
     )
-    tokenizer_name: str = flag(
-        "gpt2", group=DATA, metavar="NAME", help="tiktoken encoding (gpt2 works offline)"
-    )
-    use_toy_data: bool = flag(
-        False, group=DATA, action="store_true", help="synthetic, learnable sequences: a smoke test"
-    )
-    max_tokens: int | None = flag(
-        None,
-        group=DATA,
-        check=positive,
-        metavar="N",
-        none="all of them",
-        help="use at most this many training tokens",
-    )
-    data_seed: int | None = flag(
-        None, group=DATA, check=seed, metavar="N", none="--seed", help="seed of the batch order"
-    )
-    seq_len: int = flag(256, group=DATA, check=positive, metavar="N", help="tokens per sequence")
+    tokenizer_name: str = flag("gpt2", DATA, "tiktoken encoding (gpt2 works offline)", metavar="NAME")
+    use_toy_data: bool = flag(False, DATA, "synthetic, learnable sequences: a smoke test", action=SWITCH)
+    max_tokens: int | None = flag(None, DATA, "use at most this many training tokens", POSITIVE, none="all")
+    data_seed: int | None = flag(None, DATA, "seed of the batch order", SEED, none="--seed")
+    seq_len: int = flag(256, DATA, "tokens per sequence", POSITIVE)
     # training
-    batch_size: int = flag(8, group=TRAIN, check=positive, metavar="N", help="sequences per micro-batch")
-    # Off by default until a GPU measures what it buys (the predicted gain is in README "GPU speed").
+    batch_size: int = flag(8, TRAIN, "sequences per micro-batch", POSITIVE)
     auto_batch_size: bool = flag(
-        False,
-        group=TRAIN,
-        action="store_true",
-        help="CUDA: the largest power-of-two micro-batch from --batch-size up whose predicted peak fits "
-        "in 80%% of the GPU (--device-memory-gb to override), named in the log",
+        False, TRAIN, "CUDA: the largest micro-batch that fits 80% of the GPU", action=SWITCH
     )
-    grad_accum_steps: int = flag(
-        1,
-        group=TRAIN,
-        check=inner_loop,
-        metavar="N",
-        help=f"micro-batches per optimizer step (at most {MAX_INNER_LOOP})",
-    )
-    num_steps: int = flag(
-        60,
-        group=TRAIN,
-        check=positive,
-        metavar="N",  # about two minutes on 2 CPU cores
-        help="optimizer steps",
-    )
-    lr: float = flag(1e-3, group=TRAIN, check=positive, metavar="LR", help="peak learning rate")
-    min_lr: float | None = flag(
-        None,
-        group=TRAIN,
-        metavar="LR",
-        none="--lr / 10",  # checked against lr
-        help="final learning rate",
-    )
-    lr_scheduler: str = flag(
-        "cosine", group=TRAIN, choices=["cosine", "linear", "constant"], help="decay after the warm-up"
-    )
+    grad_accum_steps: int = flag(1, TRAIN, "micro-batches per optimizer step", INNER_LOOP)
+    num_steps: int = flag(60, TRAIN, "optimizer steps", POSITIVE)
+    lr: float = flag(1e-3, TRAIN, "peak learning rate", POSITIVE, metavar="LR")
+    min_lr: float | None = flag(None, TRAIN, "final learning rate", metavar="LR", none="--lr / 10")
+    lr_scheduler: str = flag("cosine", TRAIN, "decay after the warm-up", choices=SCHEDULES)
     warmup_steps: int | None = flag(
-        None,
-        group=TRAIN,
-        check=non_negative,
-        metavar="N",
-        none="10% of --num-steps, at most 100",
-        help="linear warm-up steps",
+        None, TRAIN, "linear warm-up steps", NON_NEGATIVE, none="10% of --num-steps, at most 100"
     )
-    weight_decay: float = flag(
-        0.1, group=TRAIN, check=non_negative, metavar="X", help="AdamW decay, on matrices only"
-    )
-    grad_clip: float = flag(
-        1.0, group=TRAIN, check=non_negative, metavar="X", help="max gradient norm; 0 turns clipping off"
-    )
-    seed: int = flag(1337, group=TRAIN, check=seed, metavar="N", help="seed of the weights and dropout")
-    device: str = flag(
-        "auto",
-        group=TRAIN,
-        choices=["auto", "cpu", "cuda"],
-        help="auto: cuda where a GPU is visible, else cpu",
-    )
+    weight_decay: float = flag(0.1, TRAIN, "AdamW decay, on matrices only", NON_NEGATIVE)
+    grad_clip: float = flag(1.0, TRAIN, "max gradient norm; 0 turns clipping off", NON_NEGATIVE)
+    seed: int = flag(1337, TRAIN, "seed of the weights and dropout", SEED)
+    device: str = flag("auto", TRAIN, "auto: cuda where a GPU is visible, else cpu", choices=DEVICES)
     amp: bool | None = flag(
-        None,
-        group=TRAIN,
-        action=argparse.BooleanOptionalAction,
-        none="on where the device has native bf16",
-        help="autocast; --no-amp: fp32",
+        None, TRAIN, "autocast; --no-amp: fp32", action=BOTH, none="on where bf16 is native"
     )
     amp_dtype: str = flag(
-        "bf16",
-        group=TRAIN,
-        choices=["bf16", "fp16"],
-        help="autocast dtype; fp16 uses a GradScaler (CUDA only)",
+        "bf16", TRAIN, "autocast dtype; fp16 (CUDA) uses a GradScaler", choices=["bf16", "fp16"]
     )
-    compile: bool = flag(False, group=TRAIN, action="store_true", help="torch.compile the model")
-    compile_mode: str = flag(
-        "default",
-        group=TRAIN,
-        choices=["default", "reduce-overhead", "max-autotune"],
-        help="torch.compile's mode under --compile: reduce-overhead replays CUDA graphs (fewer "
-        "launches), max-autotune also times kernel choices (a longer compilation)",
-    )
+    compile: bool = flag(False, TRAIN, "torch.compile the model", action=SWITCH)
+    compile_mode: str = flag("default", TRAIN, "torch.compile's mode under --compile", choices=MODES)
     keep_freed_memory: bool = flag(
         True,
-        group=TRAIN,
+        TRAIN,
+        "CPU: glibc malloc's defaults (minigpt/core/cpu.py)",
         name="--no-keep-freed-memory",
         action="store_false",
-        help="CPU: leave glibc malloc's defaults (each step's big tensors then "
-        "page-fault anew; by default freed blocks are kept, minigpt/core/cpu.py)",
     )
-    chunked_loss: bool = flag(
-        False,
-        group=TRAIN,
-        action=argparse.BooleanOptionalAction,
-        help="compute the LM head and cross-entropy in chunks of the sequence, "
-        "so the full logits never exist at once (less memory)",
-    )
+    chunked_loss: bool = flag(False, TRAIN, "LM head and loss in chunks: no full logits", action=BOTH)
     # checkpointing
     checkpoint_path: str | None = flag(
-        None, group=CKPT, metavar="PATH", none="<out-dir>/checkpoints/ckpt.pt", help="checkpoint file"
+        None, CKPT, "checkpoint file", metavar="PATH", none="<out-dir>/checkpoints/ckpt.pt"
     )
     resume: bool = flag(
-        False,
-        group=CKPT,
-        action="store_true",
-        help="continue from --checkpoint-path (without --out-dir: the latest run in runs/)",
+        False, CKPT, "continue from --checkpoint-path (or the latest run in runs/)", action=SWITCH
     )
-    save_interval: int = flag(
-        50,
-        group=CKPT,
-        check=non_negative,
-        metavar="N",
-        help="steps between checkpoints; 0: none between, still one at the end and on a signal",
-    )
+    save_interval: int = flag(50, CKPT, "steps between checkpoints (0: at the end only)", NON_NEGATIVE)
     no_checkpoint: bool = flag(
-        False, group=CKPT, action="store_true", help="never write a checkpoint (--resume still reads one)"
+        False, CKPT, "never write a checkpoint (--resume still reads one)", action=SWITCH
     )
     # logging
-    log_interval: int = flag(10, group=LOG, check=positive, metavar="N", help="steps between log lines")
-    eval_interval: int = flag(
-        20, group=LOG, check=positive, metavar="N", help="steps between evaluations (and one at the end)"
-    )
-    eval_iters: int = flag(
-        10,
-        group=LOG,
-        check=inner_loop,
-        metavar="N",
-        help=f"validation batches per evaluation (at most {MAX_INNER_LOOP})",
-    )
-    out_dir: str | None = flag(None, group=LOG, metavar="DIR", none="runs/<date-time>", help="run directory")
-    no_report: bool = flag(False, group=LOG, action="store_true", help="do not write report.html at the end")
+    log_interval: int = flag(10, LOG, "steps between log lines", POSITIVE)
+    eval_interval: int = flag(20, LOG, "steps between evaluations (and one at the end)", POSITIVE)
+    eval_iters: int = flag(10, LOG, "validation batches per evaluation", INNER_LOOP)
+    out_dir: str | None = flag(None, LOG, "run directory", metavar="DIR", none="runs/<date-time>")
+    no_report: bool = flag(False, LOG, "do not write report.html at the end", action=SWITCH)
     # instrumentation
     stage_timing: bool = flag(
         True,
-        group=INSTR,
+        INSTR,
+        "stop timing the stages (their ranges stay)",
         name="--no-stage-timing",
         action="store_false",
-        help="stop timing the stages (their profiler/NVTX ranges stay): for overhead measurements",
     )
     comm_profile: bool = flag(
         True,
-        group=INSTR,
+        INSTR,
+        "--fsdp/--tp: no profiled step for collectives",
         name="--no-comm-profile",
         action="store_false",
-        help="under --fsdp/--tp: do not profile one step per log interval for the stages' time in "
-        "collectives (the log line's 'waiting on collectives')",
     )
     use_profiler: bool = flag(
-        False,
-        group=INSTR,
-        action="store_true",
-        help="torch.profiler trace of steps --profile-step-start..end-1 into <out-dir>/traces/ "
-        "(not with --nsys: each would distort the other)",
+        False, INSTR, "torch.profiler trace of the window into <out-dir>/traces/", action=SWITCH
     )
     # Steps 5..6: after the first steps' allocations and warm-up, and with steps 2..3 before them
     # to measure the profiler's cost.
-    profile_step_start: int = flag(5, group=INSTR, metavar="N", help="first profiled step")
-    profile_step_end: int = flag(7, group=INSTR, metavar="N", help="step after the last profiled one")
-    profile_ranks: str = flag(
-        "0", group=INSTR, metavar="RANKS", help="ranks that profile: a list like 0,1, or all"
-    )
+    profile_step_start: int = flag(5, INSTR, "first profiled step")
+    profile_step_end: int = flag(7, INSTR, "step after the last profiled one")
+    profile_ranks: str = flag("0", INSTR, "ranks that profile: a list like 0,1, or all", metavar="RANKS")
     profile_with_stack: bool = flag(
-        False, group=INSTR, action="store_true", help="record Python stacks (larger, slower traces)"
+        False, INSTR, "record Python stacks (larger, slower traces)", action=SWITCH
     )
     profile_record_shapes: bool = flag(
-        False, group=INSTR, action="store_true", help="record operator input shapes (larger traces)"
+        False, INSTR, "record operator input shapes (larger traces)", action=SWITCH
     )
-    profile_with_flops: bool = flag(
-        False,
-        group=INSTR,
-        action="store_true",
-        help="estimate FLOPs of matmuls and convolutions in the trace",
-    )
-    profile_with_modules: bool = flag(
-        False, group=INSTR, action="store_true", help="record the nn.Module hierarchy of each operator"
-    )
-    nsys: bool = flag(
-        False,
-        group=INSTR,
-        action="store_true",
-        help="cudaProfilerStart/Stop around the profile window, for nsys --capture-range=cudaProfilerApi "
-        "(CUDA; not with --use-profiler: each would distort the other)",
-    )
-    record_memory_history: bool = flag(
-        False,
-        group=INSTR,
-        action="store_true",
-        help="CUDA allocation history; snapshot at the end of the window or run, and on OOM",
-    )
-    memory_history_entries: int = flag(
-        100_000, group=INSTR, check=history_entries, metavar="N", help="allocations kept in the history"
-    )
+    profile_with_flops: bool = flag(False, INSTR, "estimate the FLOPs of matmuls in the trace", action=SWITCH)
+    profile_with_modules: bool = flag(False, INSTR, "record each operator's nn.Module", action=SWITCH)
+    nsys: bool = flag(False, INSTR, "CUDA: cudaProfilerStart/Stop around the window, for nsys", action=SWITCH)
+    record_memory_history: bool = flag(False, INSTR, "CUDA allocation history and snapshots", action=SWITCH)
+    memory_history_entries: int = flag(100_000, INSTR, "allocations kept in the history", ENTRIES)
     memory_snapshot_path: str | None = flag(
         None,
-        group=INSTR,
+        INSTR,
+        "where the memory snapshot goes",
         metavar="PATH",
         none="<out-dir>/snapshots/rank{R}_snapshot.pickle",
-        help="where the memory snapshot goes",
     )
     peak_tflops: float | None = flag(
         None,
-        group=INSTR,
-        check=positive,
+        INSTR,
+        "the MFU denominator, TFLOP/s of one device",
+        PEAK_TFLOPS,
         metavar="X",
-        none="a known GPU's data sheet, else a GEMM timed on this machine",
-        help="peak TFLOP/s of one device: the MFU denominator, set by hand",
+        none="the data sheet's, or this CPU's measured peak",
     )
     # memory (minigpt/instruments/memory.py, minigpt/instruments/estimate.py)
-    memory_profiler: bool = flag(
-        False,
-        group=MEM,
-        action="store_true",
-        help="measure one step: params, grads, optimizer state, saved activations "
-        "per module; writes <out-dir>/memory_trace/rank{R}_dp{R}/",
-    )
+    memory_profiler: bool = flag(False, MEM, "measure one step's memory, by what holds it", action=SWITCH)
     # After warm-up, like the trace; with --use-profiler the step after its window, since the
     # measurement runs a profiler of its own and two cannot record at once.
     memory_profile_step: int | None = flag(
         None,
-        group=MEM,
+        MEM,
+        "the measured step",
         metavar="N",
         none="--profile-step-start, or --profile-step-end with --use-profiler",
-        help="the measured step",
     )
     estimate_memory: bool = flag(
-        False,
-        group=MEM,
-        action="store_true",
-        help="print the predicted memory of this configuration and exit (builds no model)",
+        False, MEM, "print the predicted memory and exit (builds nothing)", action=SWITCH
     )
     device_memory_gb: float | None = flag(
         None,
-        group=MEM,
-        check=memory_gb,
+        MEM,
+        "GiB the estimate must fit in",
+        GIB,
         metavar="GIB",
-        none="the GPU's memory on CUDA, else this machine's RAM",
-        help="GiB the estimate must fit in",
+        none="the GPU's memory, else this machine's RAM",
     )
     # distributed (torchrun)
     ddp_backend: str | None = flag(
-        None,
-        group=DIST,
-        choices=["nccl", "gloo"],
-        none="nccl on CUDA, gloo on the CPU",
-        help="process group backend",
+        None, DIST, "process group backend", choices=["nccl", "gloo"], none="nccl on CUDA, else gloo"
     )
-    ddp_timeout: float = flag(
-        300.0,
-        group=DIST,
-        check=timeout,
-        metavar="S",
-        help="seconds a collective may wait for a missing rank before the job fails",
-    )
-    straggler_threshold: float = flag(
-        0.75,
-        group=DIST,
-        check=between(0, 1, lo_open=True),
-        metavar="X",
-        help="report a rank whose relative or individual score falls below this",
-    )
+    ddp_timeout: float = flag(300.0, DIST, "seconds a collective waits for a missing rank", WEEK, metavar="S")
+    straggler_threshold: float = flag(0.75, DIST, "report a rank whose score falls below this", SCORE)
     simulate_slow_rank: str | None = flag(
-        None,
-        group=DIST,
-        metavar="R:MS[:STAGE]",
-        none="off",
-        help="teaching/testing aid: rank R sleeps MS ms in STAGE (default forward) every step",
+        None, DIST, "rank R sleeps MS ms in STAGE (forward) each step", metavar="R:MS[:STAGE]", none="off"
     )
-    fsdp: bool = flag(
-        False,
-        group=DIST,
-        action="store_true",
-        help="shard parameters, gradients and optimizer state over the ranks (FSDP2)",
-    )
-    tp: int = flag(
-        1,
-        group=DIST,
-        check=positive,
-        metavar="N",
-        help="tensor-parallel degree: split each block's heads and MLP over N ranks",
-    )
-    use_tensor_parallel: bool = flag(
-        False,
-        group=DIST,
-        action="store_true",
-        help="tensor parallelism over the ranks of one node (the blog's flag; "
-        "the degree is the node's size, so not with --tp)",
-    )
+    fsdp: bool = flag(False, DIST, "shard parameters, gradients and optimizer state (FSDP2)", action=SWITCH)
+    tp: int = flag(1, DIST, "tensor-parallel degree: heads and MLP over N ranks", POSITIVE)
+    use_tensor_parallel: bool = flag(False, DIST, "tensor parallelism over one node's ranks", action=SWITCH)
 
     # Not a flag: an id drawn by parse_args and recorded in config.json and in every checkpoint
     # (to_dict), so a --resume can tell this run's checkpoint from another's (check_own_run in
@@ -529,6 +346,11 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "run_id": self.run_id}
+
+    def asks_for_ranks(self) -> bool:
+        """A flag that needs the job's ranks (their checks, a mesh) even in a single process."""
+        ranks = self.fsdp or self.tp != 1 or self.use_tensor_parallel or self.simulate_slow_rank
+        return bool(ranks or self.profile_ranks.strip() != "0")
 
 
 _TYPES = typing.get_type_hints(TrainConfig)
@@ -547,8 +369,10 @@ def base_type(f: Field) -> type:
     return args[0] if args else hint
 
 
-def field_default(f: Field):
-    return f.default_factory() if f.default_factory is not MISSING else f.default
+# Per field, once at import: (field, flag, kind, bounds) for the checks' one loop; the flags that
+# take a --no- form.
+CHECKED = [(f, flag_name(f), base_type(f), f.metadata["bounds"]) for f in fields(TrainConfig)]
+BOTH_WAYS = [flag_name(f) for f in fields(TrainConfig) if f.metadata["action"] is BOTH]
 
 
 # ------------------------------------------------------------------------------------------ parser
@@ -568,7 +392,7 @@ def default_help(f: Field) -> str:
         return ""  # a switch: off unless given
     if f.name in PRESETS[DEFAULT_PRESET]:
         return f" (default: {_show(PRESETS[DEFAULT_PRESET][f.name])}, from --preset {DEFAULT_PRESET})"
-    value = field_default(f)
+    value = [] if f.default_factory is list else f.default
     shown = meta["none"] if meta["none"] is not None and value in (None, []) else _show(value)
     by_presets = [p for p in PRESETS if f.name in PRESETS[p]]
     return f" (default: {shown}" + (f"; set by --preset {', '.join(by_presets)}" if by_presets else "") + ")"
@@ -583,49 +407,56 @@ def presets_table() -> str:
     return "\n".join(lines)
 
 
-def build_parser(prog: str = "train_minimal.py") -> argparse.ArgumentParser:
-    """One argument per TrainConfig field. Every argument's parse default is SUPPRESS, so the
-    namespace holds exactly the flags the user gave (they beat the preset, which beats the field
-    defaults); --help shows the real defaults, written into each help text."""
-    epilog = (
-        presets_table() + "\n\n"
-        f"${EXTRA_ARGS_ENV}: flags in it are appended to the command line, so they win over the same\n"
-        "flags given there: a way to scale every command of a script down to a quick run, e.g.\n"
-        f'  {EXTRA_ARGS_ENV}="--preset tiny --num-steps 8" python train_minimal.py'
+def argument(f: Field) -> tuple[str, dict]:
+    """argparse's add_argument for one field. Every parse default is SUPPRESS, so the namespace
+    holds exactly the flags the user gave (they beat the preset, which beats the field defaults);
+    --help shows the real defaults, written into each help text."""
+    meta, kind = f.metadata, base_type(f)
+    kwargs = dict(
+        dest=f.name, default=argparse.SUPPRESS, help=(meta["help"] + default_help(f)).replace("%", "%%")
     )
+    if meta["action"] is not None:
+        kwargs["action"] = meta["action"]
+    if kind is list:
+        kwargs["nargs"] = "+"
+    elif kind in (int, float):
+        kwargs["type"] = parse_int if kind is int else float
+    kwargs.update({key: meta[key] for key in ("choices", "metavar") if meta[key] is not None})
+    if kind in (int, float) and "metavar" not in kwargs:
+        kwargs["metavar"] = "N" if kind is int else "X"
+    return flag_name(f), kwargs
+
+
+ARGUMENTS = [(f.metadata["group"], *argument(f)) for f in fields(TrainConfig)]  # once, at import
+EPILOG = (
+    presets_table() + "\n\n"
+    f"${EXTRA_ARGS_ENV}: flags in it are appended to the command line, so they win over the same\n"
+    "flags given there: a way to scale every command of a script down to a quick run, e.g.\n"
+    f'  {EXTRA_ARGS_ENV}="--preset tiny --num-steps 8" python train_minimal.py'
+)
+
+
+def build_parser(prog: str = "train_minimal.py") -> argparse.ArgumentParser:
+    """One argument per TrainConfig field, grouped as --help shows them."""
     p = ArgParser(
         prog=prog,
-        name_prog=True,
         description="Train a GPT and see where the time and memory go.",
-        epilog=epilog,
+        epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
+    p.name_prog = True
     groups: dict[str, argparse._ArgumentGroup] = {}
-    for f in fields(TrainConfig):
-        meta = f.metadata
-        if meta["group"] not in groups:
-            groups[meta["group"]] = p.add_argument_group(meta["group"])
-        kwargs: dict = dict(
-            dest=f.name, default=argparse.SUPPRESS, help=(meta["help"] + default_help(f)).replace("%", "%%")
-        )
-        kind = base_type(f)
-        if meta["action"] is not None:
-            kwargs["action"] = meta["action"]
-        if kind is list:
-            kwargs["nargs"] = "+"
-        elif kind in (int, float):
-            kwargs["type"] = parse_int if kind is int else float
-        for key in ("choices", "metavar"):
-            if meta[key] is not None:
-                kwargs[key] = meta[key]
-        groups[meta["group"]].add_argument(flag_name(f), **kwargs)
+    for group, name, kwargs in ARGUMENTS:
+        if group not in groups:
+            groups[group] = p.add_argument_group(group)
+        groups[group].add_argument(name, **kwargs)
     return p
 
 
 # ------------------------------------------------------------------------------------------ parse
 def parse_args(argv: list[str] | None = None, prog: str = "train_minimal.py") -> TrainConfig:
-    """Flags over preset over defaults, then validated. Raises UsageError.
+    """Flags over preset over defaults, then checked. Raises UsageError.
 
     Flags in the environment variable MINIGPT_ARGS are appended to the command line, so they win
     over the same flags given there: a way to scale every command of a script or of the
@@ -644,17 +475,12 @@ def parse_args(argv: list[str] | None = None, prog: str = "train_minimal.py") ->
     preset = given.get("preset", DEFAULT_PRESET)
     cfg = TrainConfig(**{**PRESETS[preset], **given, "preset": preset})
     check_fields(cfg)  # before anything is derived from a value, so a bad one is blamed on its own flag
-    if cfg.d_ff is None:
-        cfg.d_ff = 4 * cfg.d_model
-    if cfg.max_position_embeddings is None:
-        cfg.max_position_embeddings = cfg.seq_len
-    if cfg.min_lr is None:
-        cfg.min_lr = cfg.lr / 10
-    if cfg.warmup_steps is None:
-        # Warm-up that fits the run: a short run would otherwise never reach its peak lr.
-        cfg.warmup_steps = min(100, cfg.num_steps // 10)
-    if cfg.data_seed is None:
-        cfg.data_seed = cfg.seed
+    cfg.d_ff = cfg.d_ff or 4 * cfg.d_model
+    cfg.max_position_embeddings = cfg.max_position_embeddings or cfg.seq_len
+    cfg.min_lr = cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr
+    # Warm-up that fits the run: a short run would otherwise never reach its peak lr.
+    cfg.warmup_steps = min(100, cfg.num_steps // 10) if cfg.warmup_steps is None else cfg.warmup_steps
+    cfg.data_seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
     if cfg.use_toy_data and cfg.vocab_size is None:
         cfg.vocab_size = TOY_VOCAB_SIZE
     validate(cfg, given=set(given))
@@ -664,39 +490,80 @@ def parse_args(argv: list[str] | None = None, prog: str = "train_minimal.py") ->
     return cfg
 
 
+# Flags that only make sense beside another (the first needs the second), and pairs that exclude
+# each other: what argparse would take silently. Checked only where the user gave the first.
+NEEDS = [
+    (
+        "memory_snapshot_path",
+        "record_memory_history",
+        "--memory-snapshot-path names where --record-memory-history's snapshot goes; "
+        "add --record-memory-history, or drop --memory-snapshot-path",
+    ),
+    ("memory_profile_step", "memory_profiler", "--memory-profile-step needs --memory-profiler"),
+]
+EXCLUDE = [
+    (
+        "nsys",
+        "use_profiler",
+        "--nsys and --use-profiler exclude each other (both capture the same steps, and "
+        "each distorts the other); pick one",
+    ),
+    ("use_toy_data", "train_data", "--use-toy-data generates its own data; drop --train-data/--val-data"),
+    ("use_toy_data", "val_data", "--use-toy-data generates its own data; drop --train-data/--val-data"),
+    (
+        "use_toy_data",
+        "max_tokens",
+        "--use-toy-data generates its own tokens, which --max-tokens would not change; drop it",
+    ),
+]
+
+
 def check_alternatives(words: list[str], where: str) -> None:
     """A flag and its --no- form (--amp --no-amp) given together, in one place: argparse would let
     the last win silently, while --help shows them as alternatives."""
     words = words[: words.index("--")] if "--" in words else words
-    for f in fields(TrainConfig):
-        if f.metadata["action"] is argparse.BooleanOptionalAction:
-            yes = flag_name(f)
-            no = f"--no-{yes[2:]}"
-            if yes in words and no in words:
-                raise UsageError(f"{yes} and {no} are alternatives, both given {where}; keep one")
+    for yes in BOTH_WAYS:
+        if yes in words and f"--no-{yes[2:]}" in words:
+            raise UsageError(f"{yes} and --no-{yes[2:]} are alternatives, both given {where}; keep one")
 
 
-def check_text(f: Field, value) -> None:
+def check_fields(cfg: TrainConfig) -> None:
+    """Each flag on its own: text without NUL and paths not empty; numbers finite, within their
+    bounds, and ints that fit an int64."""
+    for f, name, kind, bounds in CHECKED:
+        value = getattr(cfg, f.name)
+        if isinstance(value, (str, list)):
+            check_text(f, name, value)
+        elif value is not None and kind in (int, float):
+            problem = bounds.problem(value) if bounds else None
+            if kind is float and not math.isfinite(value):
+                problem = "must be a finite number"  # NaN passes every comparison unnoticed
+            elif not problem and not -INT_LIMIT < value < INT_LIMIT:
+                problem = "is out of range (a 64-bit integer)"
+            if problem:
+                raise UsageError(f"{name} {problem}, got {value}")
+    if cfg.simulate_slow_rank:
+        check_slow_rank(cfg.simulate_slow_rank)
+
+
+def check_text(f: Field, name: str, value) -> None:
     """A path flag given as "" would silently mean its default (runs/<date-time>, the run's own
     checkpoint): refused. A NUL byte cannot be in a path or a name (the OS refuses it with a
     ValueError deep inside open())."""
-    texts = value if isinstance(value, list) else [value] if isinstance(value, str) else []
-    for text in texts:
+    for text in value if isinstance(value, list) else [value]:
         if "\0" in text:
-            raise UsageError(f"{flag_name(f)} holds a NUL byte, which no file name or value may hold")
+            raise UsageError(f"{name} holds a NUL byte, which no file name or value may hold")
         if f.name in PATH_FLAGS and not text.strip():
             default = f.metadata["none"]
             raise UsageError(
-                f"{flag_name(f)} is empty; name a path"
+                f"{name} is empty; name a path"
                 + (f", or leave the flag out for the default ({default})" if default else "")
             )
 
 
-def check_slow_rank(spec: str | None) -> None:
-    """--simulate-slow-rank's numbers bounded (the format itself: straggler.parse_slow_rank):
-    a delay of 1e99 ms overflows time.sleep with a traceback in the first step."""
-    if spec is None:
-        return
+def check_slow_rank(spec: str) -> None:
+    """--simulate-slow-rank's numbers bounded (the format itself: straggler.parse_slow_rank): a delay
+    of 1e99 ms overflows time.sleep with a traceback in the first step."""
     parts = spec.split(":")
     try:
         rank, ms = int(parts[0]), float(parts[1])
@@ -710,29 +577,20 @@ def check_slow_rank(spec: str | None) -> None:
         )
 
 
-def check_fields(cfg: TrainConfig) -> None:
-    """Each flag on its own: finite floats, the field's own check, ints that fit an int64, no
-    empty path, no NUL byte."""
-    check_slow_rank(cfg.simulate_slow_rank)
-    for f in fields(TrainConfig):
-        value, kind, check = getattr(cfg, f.name), base_type(f), f.metadata["check"]
-        check_text(f, value)
-        if value is None or kind not in (int, float):
-            continue
-        if kind is float and not math.isfinite(value):
-            problem = "must be a finite number"  # NaN passes every comparison check unnoticed
-        else:
-            problem = check(value) if check else None
-        if not problem and kind is int and not -INT_LIMIT < value < INT_LIMIT:
-            problem = "is out of range (a 64-bit integer)"
-        if problem:
-            raise UsageError(f"{flag_name(f)} {problem}, got {value}")
-
-
 def validate(cfg: TrainConfig, given: set[str] | frozenset[str] = frozenset()) -> None:
     """Every field's own check, then the checks across fields. `given`: the fields set on the
     command line (a few checks refuse a combination only when the user asked for both)."""
     check_fields(cfg)
+    for first, second, why in NEEDS:
+        if getattr(cfg, first) is not None and not getattr(cfg, second):
+            raise UsageError(why)
+    for first, second, why in EXCLUDE:
+        if getattr(cfg, first) and getattr(cfg, second) not in (None, False, []):
+            raise UsageError(why)
+    if cfg.use_toy_data and "tokenizer_name" in given:
+        raise UsageError(
+            "--use-toy-data generates its own tokens, which --tokenizer-name would not change; drop it"
+        )
     if not 0 <= cfg.min_lr <= cfg.lr:
         raise UsageError(f"--min-lr must be between 0 and --lr ({cfg.lr}), got {cfg.min_lr}")
     if cfg.d_model % cfg.n_heads:
@@ -742,6 +600,28 @@ def validate(cfg: TrainConfig, given: set[str] | frozenset[str] = frozenset()) -
             f"--seq-len ({cfg.seq_len}) is larger than --max-position-embeddings "
             f"({cfg.max_position_embeddings}); lower --seq-len or raise the other"
         )
+    if cfg.use_profiler or cfg.nsys or cfg.record_memory_history or cfg.memory_profiler:
+        check_windows(cfg)
+    if cfg.profile_ranks.strip() != "0":
+        profile_ranks(cfg.profile_ranks, world_size=None)  # the format; the range is checked at start-up
+    if cfg.no_checkpoint and "save_interval" in given:
+        raise UsageError(
+            "--no-checkpoint writes no checkpoint, so --save-interval has nothing to do; drop one of them"
+        )
+    if cfg.no_checkpoint and cfg.checkpoint_path is not None and not cfg.resume:
+        raise UsageError(
+            "--no-checkpoint writes no checkpoint, and without --resume --checkpoint-path "
+            "only says where to write one; drop one of them"
+        )
+    if cfg.compile_mode != "default" and not cfg.compile:
+        raise UsageError(f"--compile-mode {cfg.compile_mode} without --compile: add --compile")
+    if cfg.asks_for_ranks() or cfg.compile:
+        check_parallel(cfg, given)
+    check_size(cfg)
+
+
+def check_windows(cfg: TrainConfig) -> None:
+    """The profile window and the measured memory step lie within the run's steps."""
     if cfg.use_profiler or cfg.nsys or cfg.record_memory_history:
         s, e = cfg.profile_step_start, cfg.profile_step_end
         if not 1 <= s < e <= cfg.num_steps:
@@ -749,24 +629,6 @@ def validate(cfg: TrainConfig, given: set[str] | frozenset[str] = frozenset()) -
                 f"the profile window needs 1 <= --profile-step-start < --profile-step-end <= "
                 f"--num-steps; got start {s}, end {e}, num-steps {cfg.num_steps}"
             )
-    if cfg.nsys and cfg.use_profiler:
-        raise UsageError(
-            "--nsys and --use-profiler exclude each other (both capture the same steps, "
-            "and each distorts the other); pick one"
-        )
-    profile_ranks(cfg.profile_ranks, world_size=None)  # the format; the range is checked at start-up
-    if cfg.use_toy_data and (cfg.train_data or cfg.val_data):
-        raise UsageError("--use-toy-data generates its own data; drop --train-data/--val-data")
-    if cfg.use_toy_data and ("tokenizer_name" in given or cfg.max_tokens is not None):
-        which = "--tokenizer-name" if "tokenizer_name" in given else "--max-tokens"
-        raise UsageError(f"--use-toy-data generates its own tokens, which {which} would not change; drop it")
-    if cfg.memory_snapshot_path is not None and not cfg.record_memory_history:
-        raise UsageError(
-            "--memory-snapshot-path names where --record-memory-history's snapshot goes; "
-            "add --record-memory-history, or drop --memory-snapshot-path"
-        )
-    if cfg.memory_profile_step is not None and not cfg.memory_profiler:
-        raise UsageError("--memory-profile-step needs --memory-profiler")
     if cfg.memory_profiler:
         default = cfg.profile_step_end if cfg.use_profiler else cfg.profile_step_start
         step = cfg.memory_profile_step if cfg.memory_profile_step is not None else default
@@ -781,17 +643,6 @@ def validate(cfg: TrainConfig, given: set[str] | frozenset[str] = frozenset()) -
                 f"{which} is {step}, outside the run's steps 1..{cfg.num_steps}; "
                 "pass --memory-profile-step N within them"
             )
-    if cfg.no_checkpoint and "save_interval" in given:
-        raise UsageError(
-            "--no-checkpoint writes no checkpoint, so --save-interval has nothing to do; drop one of them"
-        )
-    if cfg.no_checkpoint and cfg.checkpoint_path is not None and not cfg.resume:
-        raise UsageError(
-            "--no-checkpoint writes no checkpoint, and without --resume --checkpoint-path "
-            "only says where to write one; drop one of them"
-        )
-    check_parallel(cfg, given)
-    check_size(cfg)
 
 
 def check_parallel(cfg: TrainConfig, given: set[str] | frozenset[str]) -> None:
@@ -828,71 +679,12 @@ def check_parallel(cfg: TrainConfig, given: set[str] | frozenset[str]) -> None:
         ]
         if on
     ]
-    if cfg.compile_mode != "default" and not cfg.compile:
-        raise UsageError(f"--compile-mode {cfg.compile_mode} without --compile: add --compile")
     if cfg.compile and sharded:
         raise UsageError(
             f"--compile with {' and '.join(sharded)} is not supported: torch.compile of "
             "sharded (DTensor) modules needs per-block compilation, which this trainer does "
             "not do; drop --compile"
         )
-
-
-# ------------------------------------------------------------------------------------------ size
-def machine_ram_bytes() -> int | None:
-    """Physical RAM, from sysconf (no psutil, no torch); None where the OS does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def quick_bytes(cfg: TrainConfig) -> dict[str, int]:
-    """The bytes of a training step, roughly and cheaply, by what needs them: parameters x 16 bytes (fp32
-    weights, gradients, AdamW's two moments), the fp32 logits (4 b s V, unless --chunked-loss),
-    and the blocks' saved fp32 activations (about 68 b s d per layer; SDPA keeps no s x s
-    matrix). Only to refuse absurd sizes before anything is built: minigpt/instruments/estimate.py is the
-    real estimate."""
-    shape = shape_of(cfg, cfg.vocab_size or GPT2_VOCAB)
-    params = shape.params
-    logits = 0 if cfg.chunked_loss else 4 * shape.tokens * shape.vocab_size
-    activations = 68 * shape.tokens * shape.d_model * shape.n_layers
-    return {
-        f"for {params:.3g} parameters at {BYTES_PER_PARAM} bytes each": params * BYTES_PER_PARAM,
-        "of logits": logits,
-        "of activations": activations,
-    }
-
-
-def check_size(cfg: TrainConfig) -> None:
-    """Refuse a configuration whose quick count exceeds this machine's RAM: the trainer builds
-    the whole model in this process before moving or sharding it, so more cannot run (and a
-    typo like --vocab-size 1e13 should not be found by the kernel's OOM killer). --estimate-memory
-    builds nothing and answers for other machines, so it is refused only above 1 PiB."""
-    terms = quick_bytes(cfg)
-    need = sum(terms.values())
-    if cfg.estimate_memory:
-        limit, what = ESTIMATE_CAP_BYTES, "1 PiB, the cap of --estimate-memory"
-    else:
-        ram = machine_ram_bytes()
-        if ram is None:
-            return
-        limit, what = ram, f"this machine's {format_bytes(ram)} of RAM"
-    if need > limit:
-        parts = ", ".join(f"{format_bytes(n)} {label}" for label, n in terms.items())
-        raise UsageError(
-            f"this configuration needs about {format_bytes(need)} ({parts}), more than {what}; "
-            "lower --vocab-size, --d-model, --d-ff, --n-layers, --max-position-embeddings, "
-            "--batch-size or --seq-len"
-        )
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if n < 1024 or unit == "PiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def profile_ranks(spec: str, world_size: int | None) -> list[int] | None:
@@ -911,6 +703,59 @@ def profile_ranks(spec: str, world_size: int | None) -> list[int] | None:
     return ranks
 
 
+# ------------------------------------------------------------------------------------------ size
+def machine_ram_bytes() -> int | None:
+    """Physical RAM, from sysconf (no psutil, no torch); None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def quick_bytes(cfg: TrainConfig) -> dict[str, int]:
+    """The bytes of a training step, roughly and cheaply, by what needs them: parameters x 16 bytes
+    (fp32 weights, gradients, AdamW's two moments), the fp32 logits (4 b s V, unless --chunked-loss),
+    and the blocks' saved fp32 activations (about 68 b s d per layer; SDPA keeps no s x s matrix).
+    Only to refuse absurd sizes before anything is built: minigpt/instruments/estimate.py is the
+    real estimate."""
+    shape = shape_of(cfg, cfg.vocab_size or GPT2_VOCAB)
+    params = shape.params
+    return {
+        f"for {params:.3g} parameters at {BYTES_PER_PARAM} bytes each": params * BYTES_PER_PARAM,
+        "of logits": 0 if cfg.chunked_loss else 4 * shape.tokens * shape.vocab_size,
+        "of activations": 68 * shape.tokens * shape.d_model * shape.n_layers,
+    }
+
+
+def check_size(cfg: TrainConfig) -> None:
+    """Refuse a configuration whose quick count exceeds this machine's RAM: the trainer builds
+    the whole model in this process before moving or sharding it, so more cannot run (and a
+    typo like --vocab-size 1e13 should not be found by the kernel's OOM killer). --estimate-memory
+    builds nothing and answers for other machines, so it is refused only above 1 PiB."""
+    terms = quick_bytes(cfg)
+    need = sum(terms.values())
+    limit, what = ESTIMATE_CAP_BYTES, "1 PiB, the cap of --estimate-memory"
+    if not cfg.estimate_memory:
+        limit = machine_ram_bytes() or ESTIMATE_CAP_BYTES
+        what = f"this machine's {format_bytes(limit)} of RAM"
+    if need > limit:
+        parts = ", ".join(f"{format_bytes(n)} {label}" for label, n in terms.items() if n)
+        raise UsageError(
+            f"this configuration needs about {format_bytes(need)} ({parts}), more than {what}; "
+            "lower --vocab-size, --d-model, --d-ff, --n-layers, --max-position-embeddings, "
+            "--batch-size or --seq-len"
+        )
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+# ------------------------------------------------------------------------------------------ device
 def check_cuda_features(cfg: TrainConfig, device: str) -> None:
     """--nsys and --record-memory-history drive CUDA's profiler and allocator: nothing to do on a CPU."""
     if device == "cuda":
@@ -944,6 +789,17 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
+def cpu_bf16_features() -> dict[str, bool]:
+    """{"avx512_bf16": ..., "amx": ...}: the instructions that make bf16 native on this CPU (torch's
+    private checks, the ones its own CPU kernels use)."""
+    import torch
+
+    return {
+        "avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
+        "amx": bool(torch.cpu._is_amx_tile_supported()),
+    }
+
+
 def resolve_amp(cfg: TrainConfig, device: str) -> tuple[bool, str, str]:
     """Decide autocast: (enabled, dtype 'bf16'|'fp16'|'fp32', a note for the log).
 
@@ -956,21 +812,18 @@ def resolve_amp(cfg: TrainConfig, device: str) -> tuple[bool, str, str]:
     if device == "cpu":
         if cfg.amp_dtype == "fp16":
             raise UsageError("--amp-dtype fp16 needs CUDA (its GradScaler); use bf16 on the CPU")
-        from minigpt.core.torchcompat import cpu_bf16_features
-
-        native = any(cpu_bf16_features().values())
-        if native:
+        if any(cpu_bf16_features().values()):
             return True, "bf16", "AMP on: bf16 autocast (this CPU has native bf16)"
         if cfg.amp:
             return (
                 True,
                 "bf16",
-                ("AMP on as asked, but this CPU has no native bf16: expect it slower than fp32"),
+                "AMP on as asked, but this CPU has no native bf16: expect it slower than fp32",
             )
         return (
             False,
             "fp32",
-            ("AMP off: this CPU has no native bf16 (AVX512-BF16/AMX), so fp32 is faster; --amp forces it"),
+            "AMP off: this CPU has no native bf16 (AVX512-BF16/AMX), so fp32 is faster; --amp forces it",
         )
     if cfg.amp_dtype == "bf16" and not torch.cuda.is_bf16_supported():
         if cfg.amp:
@@ -978,3 +831,110 @@ def resolve_amp(cfg: TrainConfig, device: str) -> tuple[bool, str, str]:
         return True, "fp16", "AMP on: this GPU lacks bf16, using fp16 with a GradScaler"
     scaler = " with a GradScaler" if cfg.amp_dtype == "fp16" else ""
     return True, cfg.amp_dtype, f"AMP on: {cfg.amp_dtype} autocast{scaler}"
+
+
+# ------------------------------------------------------------------------------------------ shape
+MiB = 2**20  # the byte units the estimates are printed in (memory.log's "MiB")
+GiB = 2**30
+VOCAB_MULTIPLE = 64  # matrix sizes that are multiples of 64 run faster
+GPT2_VOCAB = 50257  # the gpt2 tokenizer's ids
+
+
+def pad_vocab(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """Round the vocabulary up: matrix sizes that are multiples of 64 run faster (50257 -> 50304)."""
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+GPT2_PADDED = pad_vocab(GPT2_VOCAB)  # 50304: the vocabulary of every preset trained on gpt2 tokens
+
+
+def block_param_sizes(d_model: int, d_ff: int) -> list[int]:
+    """Elements of each parameter tensor of one block, in the module's order: ln_1, qkv, attn.proj,
+    ln_2, mlp.fc, mlp.proj (weights, then biases)."""
+    h, f = d_model, d_ff
+    return [h, h, 3 * h * h, 3 * h, h * h, h, h, h, f * h, f, h * f, h]
+
+
+def param_count(vocab_size: int, positions: int, d_model: int, d_ff: int, n_layers: int) -> int:
+    """Parameters of a GPT of this shape (embeddings, blocks, final LayerNorm; the head is tied to
+    the token embedding and counted once). Closed form in exact integers: it also sizes absurd
+    shapes, which check_size refuses before anything is built."""
+    return (vocab_size + positions) * d_model + n_layers * sum(block_param_sizes(d_model, d_ff)) + 2 * d_model
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One training step's shape: GPTConfig's fields (minigpt/core/model.py, the vocabulary padded) and
+    the batch: batch_size sequences of seq_len tokens, grad_accum_steps micro-batches a step."""
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    d_ff: int
+    seq_len: int
+    batch_size: int
+    vocab_size: int  # padded (pad_vocab)
+    max_position_embeddings: int
+    dropout: float = 0.0
+    activation_checkpoint: bool = False
+    chunked_loss: bool = False
+    grad_accum_steps: int = 1
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch (b x s): the rows of every activation and of the logits."""
+        return self.batch_size * self.seq_len
+
+    @property
+    def params(self) -> int:
+        """Every parameter, the tied head once: GPT.num_params(non_embedding=False)."""
+        return param_count(
+            self.vocab_size, self.max_position_embeddings, self.d_model, self.d_ff, self.n_layers
+        )
+
+    @property
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6N for the matrix products of forward and backward (N without
+        the position embedding, which costs no FLOPs), plus 12 * L * d * T for the attention
+        scores and their use (PaLM appendix B; nanoGPT's estimate_mfu)."""
+        n = self.params - self.max_position_embeddings * self.d_model
+        return 6 * n + 12 * self.n_layers * self.d_model * self.seq_len
+
+    def param_sizes(self) -> list[int]:
+        """Elements of each parameter tensor (the tied head is the embedding's): what the optimizer
+        and the gradient clipping loop over, a tensor at a time."""
+        blocks = block_param_sizes(self.d_model, self.d_ff) * self.n_layers
+        return [
+            self.vocab_size * self.d_model,
+            self.max_position_embeddings * self.d_model,
+            *blocks,
+            self.d_model,
+            self.d_model,
+        ]
+
+    def model_kwargs(self) -> dict:
+        """GPTConfig's arguments: minigpt.core.model.GPT(GPTConfig(**shape.model_kwargs()))."""
+        return {k: v for k, v in asdict(self).items() if k not in BATCH_FIELDS}
+
+
+BATCH_FIELDS = ("seq_len", "batch_size", "grad_accum_steps")  # the rest are GPTConfig's
+
+
+def shape_of(cfg, vocab_size: int, **changes) -> Shape:
+    """The step shape of a TrainConfig, or of a preset (a dict of the same names), with the
+    vocabulary padded. What parse_args resolves is resolved the same way here for a preset: d_ff
+    defaults to 4 x d_model, the positions to seq_len. `changes` override the config's values
+    before that (a benchmark's own batch and sequence length)."""
+    get = cfg.get if isinstance(cfg, Mapping) else lambda k, default=None: getattr(cfg, k, default)
+    names = ("n_layers", "d_model", "n_heads", "d_ff", "seq_len", "batch_size", "max_position_embeddings")
+    v = {k: get(k) for k in names}
+    v.update(
+        dropout=get("dropout", 0.0),
+        activation_checkpoint=bool(get("use_activation_checkpoint", False)),
+        chunked_loss=bool(get("chunked_loss", False)),
+        grad_accum_steps=get("grad_accum_steps", 1),
+    )
+    v.update(changes)
+    v["d_ff"] = v["d_ff"] or 4 * v["d_model"]
+    v["max_position_embeddings"] = v["max_position_embeddings"] or v["seq_len"]
+    return Shape(**v, vocab_size=pad_vocab(vocab_size))

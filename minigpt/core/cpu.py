@@ -155,6 +155,12 @@ def outlast_step(step_s: float) -> int | None:
     return wanted
 
 
+def outlast_first_step(step_s: float, log) -> None:
+    """After the process's first step: outlast_step, and the log's line when it changed the delay."""
+    if ms := outlast_step(step_s):
+        log.info(f"CPU allocator: mimalloc keeps freed pages {ms / 1000:.1f} s, twice the first step")
+
+
 def run_under_preferred_allocator(argv: list[str], started_at: float | None = None) -> None:
     """CPU runs: replace this process (same pid, same arguments) by one with the preferred malloc
     preloaded; a running process cannot swap its malloc. Returns when there is nothing to do.

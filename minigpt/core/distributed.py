@@ -22,7 +22,6 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -30,23 +29,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-
-@dataclass
-class DistInfo:
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    backend: str | None = None  # None: a single process, no process group
-    host: str = socket.gethostname()
-    control: object = None  # the gloo group for host-side control messages
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+from minigpt.errors import LostRank
+from minigpt.ranks import DistInfo
 
 
 def launched_by_torchrun() -> bool:
@@ -70,7 +54,8 @@ def setup(device: str, backend: str | None, timeout_s: float) -> DistInfo:
         backend, timeout=timeout, device_id=torch.device("cuda", local_rank) if backend == "nccl" else None
     )
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
-    return DistInfo(rank, local_rank, world_size, backend, socket.gethostname(), control)
+    host = socket.gethostname()
+    return DistInfo(rank, local_rank, world_size, backend, host, control, rank == 0, world_size > 1)
 
 
 def check_one_gpu_per_rank(local_rank: int) -> None:
@@ -196,10 +181,6 @@ BACKEND_ERROR = re.compile(
 )
 
 
-class LostRank(Exception):
-    """A peer process ended or stopped answering mid-run: a fault, not a user's mistake (exit 1)."""
-
-
 def lost_ranks(info: DistInfo, wait_s: float = CHECK_IN_S) -> list[int] | None:
     """The ranks that did not answer, after a collective failed. Every survivor writes a key of its
     own in torchrun's store (its agent hosts it, so it outlives any rank) and waits
@@ -245,3 +226,63 @@ def peers_watched(info: DistInfo, resume: str) -> Iterator[None]:
             f"rank {info.rank}: lost rank{'s' if len(lost) > 1 else ''} {names} (the process ended or "
             f"stopped answering; its own output, above, or the launcher's summary says why); {resume}"
         ) from e
+
+
+def join(cfg, device: str):
+    """Under torchrun, or with a parallel flag: the checks that need the world, the process group
+    (NCCL on CUDA, gloo on the CPU) and the (dp, tp) mesh. Returns (DistInfo, Plan). A single
+    process with none of these flags never comes here: it is rank 0 of 1 (minigpt/ranks.py)."""
+    from minigpt.core import parallel
+    from minigpt.core.config import UsageError, profile_ranks
+    from minigpt.instruments.straggler import parse_slow_rank
+    from minigpt.stages import STAGE_NAMES
+
+    slow = parse_slow_rank(cfg.simulate_slow_rank, STAGE_NAMES) if cfg.simulate_slow_rank else None
+    parallel.check_plan(cfg, parallel.world_size_from_env())  # --fsdp / --tp: before any process group
+    info = setup(device, cfg.ddp_backend, cfg.ddp_timeout)
+    check_same_config(cfg, info)  # ranks started with different flags: one line
+    plan = parallel.make_plan(cfg, info.rank, info.world_size, device)  # the (dp, tp) mesh
+    profile_ranks(cfg.profile_ranks, info.world_size)  # a rank outside the world: one line, before any work
+    if slow and slow.rank >= info.world_size:
+        raise UsageError(
+            f"--simulate-slow-rank {cfg.simulate_slow_rank}: no rank {slow.rank} in a world of "
+            f"{info.world_size}"
+        )
+    return info, plan
+
+
+class Ranks:
+    """What the training loop does with the other ranks, in one object: gradients reduced on the
+    last micro-batch only, one stop for every rank, a lost rank named, slow ranks reported
+    (minigpt/instruments/straggler.py; stragglers.jsonl on rank 0)."""
+
+    def __init__(self, cfg, info: DistInfo, out_dir, model: torch.nn.Module):
+        from minigpt import paths
+        from minigpt.instruments.metrics import JsonlWriter
+        from minigpt.instruments.straggler import StragglerDetector
+
+        self.info, self.model, self.threshold = info, model, cfg.straggler_threshold
+        self.detector = StragglerDetector(cfg.straggler_threshold)
+        self.file = JsonlWriter(out_dir / paths.STRAGGLERS_FILE, enabled=info.is_main)
+
+    def no_grad_sync(self, sync: bool):
+        return no_grad_sync(self.model, sync)
+
+    def any(self, flag: bool) -> bool:
+        return any_rank(flag, self.info)
+
+    def watch(self, resume: str):
+        return peers_watched(self.info, resume)
+
+    def report_stragglers(self, step: int, interval, log) -> None:
+        from minigpt.instruments.straggler import format_report, score_interval
+
+        for report in score_interval(self.detector, step, interval, self.info):
+            log.warning(format_report(report, self.threshold))
+            self.file.write(report)
+
+    def __enter__(self) -> Ranks:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.__exit__(*exc)

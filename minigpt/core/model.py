@@ -15,8 +15,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from minigpt.shape import pad_vocab as pad_vocab  # callers pad before they build: vocab_size is padded
-
 
 @dataclass
 class GPTConfig:

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from minigpt.core.config import UsageError
+from minigpt.ranks import Plan
 
 # Tensor parallelism inside each block: the first matrix of each pair split by its output columns,
 # the second by its input rows, so each pair costs one all-reduce forward and one backward
@@ -131,41 +131,18 @@ def worker_name(rank: int, mesh) -> str:
     return f"rank{rank}_dp{dp}" + (f"_tp{t}" if tp > 1 else "")
 
 
-@dataclass
-class Plan:
-    """How this run is split, for the trainer: the mesh and this rank's place in it."""
-
-    mesh: object  # DeviceMesh, or None for a single process
-    rank: int
-    dp_rank: int
-    dp: int
-    tp_rank: int
-    tp: int
-    fsdp: bool
-
-    @property
-    def sharded(self) -> bool:
-        """FSDP or TP: DTensor parameters, sharded checkpoints, parallel.clip_grad_norm."""
-        return self.fsdp or self.tp > 1
-
-    @property
-    def worker(self) -> str:
-        return worker_name(self.rank, self.mesh)
-
-    def describe(self, amp_dtype: str) -> str:
-        """The log line."""
-        if not self.sharded:
-            return f"DDP: {self.dp} ranks"
-        parts = []
-        if self.fsdp:
-            mp = "bf16 params, fp32 reduce" if amp_dtype == "bf16" else "fp32"
-            parts.append(f"FSDP2 over dp {self.dp} ({mp})")
-        if self.tp > 1:
-            parts.append(
-                f"tensor parallel {self.tp} (qkv, mlp.fc column-wise; attn.proj, mlp.proj row-wise; "
-                "embeddings and head replicated)"
-            )
-        return "; ".join(parts) + f"; mesh dp {self.dp} x tp {self.tp}; this rank {self.worker}"
+def describe(plan: Plan, amp_dtype: str) -> str:
+    """The log line of a sharded plan (--fsdp / --tp)."""
+    parts = []
+    if plan.fsdp:
+        mp = "bf16 params, fp32 reduce" if amp_dtype == "bf16" else "fp32"
+        parts.append(f"FSDP2 over dp {plan.dp} ({mp})")
+    if plan.tp > 1:
+        parts.append(
+            f"tensor parallel {plan.tp} (qkv, mlp.fc column-wise; attn.proj, mlp.proj row-wise; "
+            "embeddings and head replicated)"
+        )
+    return "; ".join(parts) + f"; mesh dp {plan.dp} x tp {plan.tp}; this rank {plan.worker}"
 
 
 def make_plan(cfg, rank: int, world_size: int, device: str) -> Plan:
@@ -174,10 +151,10 @@ def make_plan(cfg, rank: int, world_size: int, device: str) -> Plan:
     tp = tp_degree(cfg, world_size) if world_size > 1 else 1
     fsdp = bool(getattr(cfg, "fsdp", False)) and world_size > 1
     if not (fsdp or tp > 1):  # DDP or one process: no mesh (and no sub-groups) needed
-        return Plan(None, rank, rank, world_size, 0, 1, False)
+        return Plan(None, rank, rank, world_size, worker=worker_name(rank, None))
     mesh = build_mesh(world_size, tp, device)
     dp_rank, dp, tp_rank, tp = mesh_coords(rank, mesh)
-    return Plan(mesh, rank, dp_rank, dp, tp_rank, tp, fsdp)
+    return Plan(mesh, rank, dp_rank, dp, tp_rank, tp, fsdp, True, worker_name(rank, mesh))
 
 
 def _group_qkv_by_rank(linear: nn.Linear, n_heads: int, tp: int) -> None:

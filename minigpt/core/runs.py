@@ -52,8 +52,6 @@ class RunRate(Protocol):
 
     def config(self) -> dict: ...
 
-    def describe_peak(self) -> str: ...
-
 
 LOCK_FILE = ".lock"  # in the run directory; holds the PID of the trainer that owns it
 # Pseudo file systems: the kernel's views, never a place for a run's files.
@@ -467,7 +465,9 @@ class RunDir:
 
     def __init__(self, cfg: TrainConfig, dist_info: DistInfo):
         self.cfg, self.dist_info = cfg, dist_info
-        self.path = Path(distributed.gather(str(resolve_out_dir(cfg)), dist_info)[0])  # rank 0's choice
+        self.path = resolve_out_dir(cfg)
+        if dist_info.enabled:  # every rank writes to rank 0's choice
+            self.path = Path(distributed.gather(str(self.path), dist_info)[0])
         self.checkpoint: Path | None = None
         self.cleaned: list[str] = []  # what a killed earlier run left, and what was done about it
 
@@ -495,13 +495,10 @@ class RunDir:
             if dropped := repair_jsonl(self.path / name, step):
                 self.cleaned.append(f"dropped {dropped} line(s) of {name} past step {step} or cut short")
 
-    def open(
-        self, model: GPT, data: Data, rate: RunRate, notes: list[str | None], predicted_step: dict | None
-    ) -> logging.Logger:
+    def open(self, model: GPT, data: Data, rate: RunRate, notes: list[str | None]) -> logging.Logger:
         """Create the folder, write config.json (rank 0) and say what this run is: the lines every
         log starts with. `notes`: the AMP decision in words, then the CPU allocator's setting and
-        the parallel plan, when there are; `predicted_step`: the step's predicted stage times
-        (minigpt.instruments.predict), kept in config.json beside what the run measures. Returns the logger
+        the parallel plan and --auto-batch-size's choice, when there are. Returns the logger
         (rank 0 writes the log, metrics, TensorBoard, checkpoints)."""
         cfg, info, device, (amp_note, *notes) = self.cfg, self.dist_info, rate.device, notes
         self.path.mkdir(parents=True, exist_ok=True)
@@ -510,6 +507,7 @@ class RunDir:
             torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or platform.machine())
         )
         n_params = model.num_params(non_embedding=False)
+        config = None
         if info.is_main:
             config = {
                 "config": cfg.to_dict(),
@@ -527,8 +525,6 @@ class RunDir:
                     "python": platform.python_version(),
                 },
             }
-            if predicted_step is not None:
-                config["predicted_step"] = predicted_step
             atomic_write(self.path / paths.CONFIG_FILE, json.dumps(config, indent=2) + "\n")
         log.info(f"Training started; run directory {self.path}")
         if os.environ.get(EXTRA_ARGS_ENV):
@@ -536,8 +532,7 @@ class RunDir:
         log.info(f"Device: {device} ({device_name}), torch {torch.__version__}; {amp_note}")
         for line in self.header(model, data, rate, notes, n_params):
             log.info(line)
-        if predicted_step:
-            log.info(predicted_line(predicted_step))
+        self.config, self.vocab_size = config, model.cfg.vocab_size
         return log
 
     def header(
@@ -570,7 +565,7 @@ class RunDir:
             *filter(None, more),  # --auto-batch-size's choice
             f"Batch: {cfg.batch_size} x {cfg.seq_len} tokens x {cfg.grad_accum_steps} accumulation = "
             f"{rate.tokens_per_step:,} tokens per step per rank; {cfg.num_steps} steps",
-            rate.describe_peak(),
+            *rate.peak.describe().split("\n"),
             f"Resumed from {self.checkpoint} at step {rate.start_step}"
             if cfg.resume
             else "Starting from scratch",
@@ -594,13 +589,28 @@ class RunDir:
         return 128 + signum
 
     def finish(
-        self, log: logging.Logger, summary: list[str | None], write_report: Callable[[Path], Path]
+        self, log: logging.Logger, profiler_cost: str | None, rate, last, step: int, sharded: bool
     ) -> None:
-        """The run's last lines: `summary` (the profiler's cost, the run's figures), the report,
-        and what to open next."""
-        for line in filter(None, summary):
-            log.info(line)
+        """The run's last lines: the profiler's cost, the predicted step beside the measured one,
+        the run's figures, the report, and what to open next. What only the end needs (the
+        predictor, the report's code) is loaded here."""
+        from minigpt.instruments.predict import run_prediction
+
+        if profiler_cost:
+            log.info(profiler_cost)
+        # From cached rates only, None without them (measuring would lengthen the run's end), and under
+        # --fsdp/--tp (collectives are not modelled).
+        prediction = None if sharded else run_prediction(self.cfg, self.vocab_size, last.amp, rate.device)
+        if prediction:
+            log.info(predicted_line(prediction))
+            if self.config is not None:  # kept in config.json beside what the run measured
+                self.config["predicted_step"] = prediction
+                atomic_write(self.path / paths.CONFIG_FILE, json.dumps(self.config, indent=2) + "\n")
+            rate.predicted_ms = prediction.get("step_ms")
+        log.info(rate.finished(last, step))
         if not self.cfg.no_report:
+            from minigpt.analysis.report import write_report
+
             self.report(log, write_report)
         out_dir, ckpt = self.path, self.checkpoint
         log.info(f"Checkpoint: {ckpt}" if ckpt.exists() else "Checkpoint: none (--no-checkpoint)")
@@ -622,7 +632,8 @@ class RunDir:
     def report(self, log: logging.Logger, write_report: Callable[[Path], Path]) -> None:
         """report.html: the run in one offline page, written by rank 0 once every rank's trace is
         on disk. A report that cannot be made costs a warning, never the run that trained."""
-        distributed.barrier(self.dist_info)
+        if self.dist_info.enabled:
+            distributed.barrier(self.dist_info)
         if self.dist_info.is_main:
             try:
                 page = write_report(self.path)

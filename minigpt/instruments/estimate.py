@@ -16,10 +16,19 @@ from functools import partial
 
 import torch
 
-from minigpt.core.config import UsageError, machine_ram_bytes, parse_args, resolve_amp, resolve_device
+from minigpt.core.config import (
+    GiB,
+    MiB,
+    Shape,
+    UsageError,
+    machine_ram_bytes,
+    parse_args,
+    resolve_amp,
+    resolve_device,
+    shape_of,
+)
 from minigpt.core.cpu import choose_allocator
 from minigpt.core.model import LOSS_CHUNK_ELEMENTS, LOSS_ROWS
-from minigpt.shape import GiB, MiB, Shape, shape_of
 
 # ---------------------------------------------------------------------------- the estimator (GPT)
 
@@ -542,3 +551,15 @@ def fit_batch_size(cfg, device: str, amp_dtype: str) -> tuple[int, str | None]:
         f"{b * shape.seq_len * shape.grad_accum_steps:,} tokens a step: the learning rate was set for "
         f"{shape.tokens * shape.grad_accum_steps:,}"
     )
+
+
+def memory_estimate(cfg, vocab_size: int, amp_dtype: str, device: str, plan):
+    """The trainer's --memory-profiler: the predicted memory shown beside the measured one (one
+    rank's share under --fsdp/--tp)."""
+    shape = shape_of(cfg, vocab_size)
+    memory = estimate_gpt(shape, amp_dtype, device)
+    if plan.sharded:
+        from minigpt.instruments.per_rank import per_rank_memory_estimate
+
+        memory = per_rank_memory_estimate(memory, plan.dp, plan.tp, plan.fsdp, shape)
+    return memory

@@ -1,18 +1,255 @@
-"""What a run reports: the log line (console and train.log), metrics.jsonl, TensorBoard scalars,
-and MFU. Knows nothing of GPT: figures come in as plain dicts and numbers."""
+"""What a run reports, and the figures behind it: throughput in steady state and end to end, MFU,
+memory, the log lines (console and train.log), metrics.jsonl and TensorBoard scalars. Knows
+nothing of GPT: figures come in as numbers and the instruments' stage times.
+
+MFU is the model's training FLOPs per second over one denominator per device, the peak of its
+fastest dtype (bf16 where the hardware has it natively, as nanoGPT and torchtitan count), so it
+ranks runs as tokens/s does, whatever dtype each trains in. The peak comes from, in order:
+--peak-tflops; a known GPU's data sheet (PEAK_FLOPS); this CPU's measured peak, read from the cache
+that minigpt/instruments/mfu.py writes when it measures (once per machine, loaded only then)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from minigpt.fileio import DiskFull, disk_full_message, is_disk_full
-from minigpt.stages import label
-from minigpt.step_record import MEMORY_BREAKDOWN_KEYS, StepRecord, describe_left_out, step_list
+from minigpt.stages import LABELS
+from minigpt.step_record import MEMORY_BREAKDOWN_KEYS, StepRecord, describe_left_out
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# Dense peak FLOP/s per GPU from the vendors' data sheets (no 2:4 sparsity), by dtype. fp32 means
+# plain fp32 (TF32 off, PyTorch's default for matmuls). MFU divides by the fastest (DEVICE_DTYPE).
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},  # SXM
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
+    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
+    "A10": {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12},
+    "V100": {"fp16": 125e12, "fp32": 15.7e12},
+}
+PEAK_CACHE_FILE = "peak_flops.json"  # under data.cache_dir(): one entry per machine, dtype, torch
+CACHE_LIMIT = 4 * 2**20  # the cache holds a few KiB; a larger file is not ours
+# The units whose best rate is a CPU's peak: two square products, machine-wide, whatever model
+# trains (mfu.py measures them, and an achieved rate above them lifts the peak: ACHIEVED).
+SQUARE_UNITS = ("matmul 1024x1024x1024", "matmul 2048x2048x2048")
+ACHIEVED = "achieved by a run"
+LOAD_SHARE = 0.25  # a unit timed while other processes took more of the cores is measured again
+
+
+@dataclass
+class PeakFlops:
+    """The MFU denominator of one device: FLOP/s, where it comes from, the dtype it is the peak
+    of, and for a measured one its winning unit's median and best call, when, and under what load."""
+
+    value: float
+    source: str
+    spread: tuple[float, float] | None = None  # measured: the winning unit's (median call, best call)
+    shapes: list[dict] = field(default_factory=list)
+    measured_at: str | None = None  # measured: when the winning unit was timed (UTC)
+    load: float | None = None  # measured: the 1-minute load average then (os.getloadavg)
+    device: str = "cpu"
+    dtype: str = "fp32"  # the dtype this is the peak of: the device's fastest
+    others: float | None = None  # measured under load: the share of the cores other processes used
+
+    def config(self) -> dict:
+        """The keys config.json carries."""
+        return {
+            "peak_flops": self.value,
+            "peak_flops_dtype": self.dtype,
+            "peak_flops_source": self.source,
+            "peak_flops_spread": list(self.spread) if self.spread else None,
+            "peak_flops_measured_at": self.measured_at,
+            "peak_flops_load": self.load,
+            "peak_flops_under_load": self.others,
+        }
+
+    def describe(self) -> str:
+        """The log's line: the denominator, its dtype and source; a second when measured under load."""
+        line = f"MFU peak {self.value / 1e12:.3g} TFLOP/s ({self.dtype}, the device's fastest); {self.source}"
+        if self.others is not None:
+            line += (
+                f"\nMFU peak measured under load: other processes used {100 * self.others:.0f}% of the "
+                "cores while it was timed, so it may be low and MFU high; it is measured again at the "
+                "next start that finds the machine quieter (or now: python -m minigpt estimate --time "
+                "--remeasure)"
+            )
+        return line
+
+    def raise_to(self, achieved: float) -> str | None:
+        """A rate the run has `achieved` (FLOP/s per device) above a measured peak proves the peak
+        low (taken under load): lift it, here and in the cache, so MFU never passes 100%; the line
+        saying so the first time. A --peak-tflops figure and a data sheet are not touched."""
+        if achieved <= self.value or not self.source.startswith(("measured", "cache", ACHIEVED)):
+            return None
+        from minigpt.instruments.mfu import keep_achieved  # the cache's writer
+
+        first = not self.source.startswith(ACHIEVED)
+        note = (
+            f"MFU peak {self.value / 1e12:.3g} TFLOP/s was below what this run achieved "
+            f"({achieved / 1e12:.3g} TFLOP/s): it was measured under load; the peak is now the best "
+            f"rate the run achieves, {keep_achieved(self.device, self.dtype, achieved)}"
+        )
+        if first:
+            self.source = f"{ACHIEVED} (the measured peak was lower); was: {self.source}"
+        self.value = achieved
+        return note if first else None
+
+
+def fastest_dtype(device: str) -> str:
+    """The dtype of the device's peak: bf16 on a GPU (fp16 on one without bf16) and on a CPU with
+    native bf16 (AVX512-BF16, AMX); fp32 on other CPUs."""
+    from minigpt.core.config import cpu_bf16_features
+
+    if device == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "bf16" if any(cpu_bf16_features().values()) else "fp32"
+
+
+def machine_key(device: str, dtype: str) -> str:
+    """The cache's key: the device (its name; a CPU's model, cores and threads), the dtype, torch."""
+    if device == "cuda":
+        where = torch.cuda.get_device_name()
+    else:
+        where = f"{cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+    return f"{device}: {where} | {dtype} | torch {torch.__version__}"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown CPU"
+
+
+def cached_peak(path: Path, key: str) -> PeakFlops | None:
+    """The machine's peak from the cache: the best of its square units and any rate a run achieved,
+    each a finite positive figure timed on a quiet machine. None where one is missing, damaged or
+    was measured under load: then mfu.py measures it."""
+    try:
+        with open(path, "rb") as f:
+            entry = json.loads(f.read(CACHE_LIMIT + 1)).get(key)
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return None
+    units = [entry.get(n) for n in (*SQUARE_UNITS, ACHIEVED)] if isinstance(entry, dict) else [None]
+    if not all(isinstance(u, dict) for u in units[:2]):
+        return None
+    good = [u for u in units if isinstance(u, dict) and good_rate(u)]
+    if len(good) < len(units) - units.count(None) or not good:  # a damaged or busy unit: measure again
+        return None
+    best = max(good, key=lambda u: u["best"])
+    name = next(n for n, u in zip((*SQUARE_UNITS, ACHIEVED), units) if u is best)
+    where = f"~/{path.relative_to(Path.home())}" if path.is_relative_to(Path.home()) else str(path)
+    source = f"cache: {name}, measured {best.get('date')} [{where}]"
+    return PeakFlops(best["best"], source, (best["median"], best["best"]), measured_at=best.get("date"),
+                     load=best.get("load"), dtype=key.split(" | ")[1])  # fmt: skip
+
+
+def good_rate(u: dict) -> bool:
+    """A cached unit that stands: a finite, positive best and median (FLOP/s), timed while other
+    processes left the cores alone."""
+    rates = [u.get("best"), u.get("median")]
+    if not all(isinstance(r, (int, float)) and math.isfinite(r) and 1e6 < r < 1e18 for r in rates):
+        return False
+    return isinstance(u.get("others") or 0.0, (int, float)) and (u.get("others") or 0.0) <= LOAD_SHARE
+
+
+def device_peak(override_tflops: float | None, device: str, info=None) -> PeakFlops:
+    """The MFU denominator: --peak-tflops, a known GPU's data sheet, or this CPU's cached peak
+    (measured once, by minigpt/instruments/mfu.py, when the cache has none). Under torchrun
+    (`info`, a DistInfo), rank 0 measures alone and the others read its cache: measured together
+    they would share the cores and cache a low figure."""
+    dtype = fastest_dtype(device)
+    if override_tflops is not None:
+        return PeakFlops(override_tflops * 1e12, "override: --peak-tflops", device=device, dtype=dtype)
+    if device == "cuda" and (from_table := table_peak(device, dtype)):
+        return PeakFlops(*from_table, device=device, dtype=dtype)
+    from minigpt.core.data import cache_dir
+
+    if info is not None and info.enabled:
+        from minigpt.instruments.mfu import ranked_peak
+
+        return ranked_peak(device, dtype, info)
+    peak = cached_peak(cache_dir() / PEAK_CACHE_FILE, machine_key(device, dtype))
+    if peak is None:
+        from minigpt.instruments.mfu import peak_flops  # measures, and caches for the next run
+
+        peak = peak_flops(device, dtype)
+    peak.device = device
+    return peak
+
+
+def table_peak(device: str, dtype: str) -> tuple[float, str] | None:
+    """A known GPU's data-sheet peak in `dtype`, and its source; None for another device."""
+    import re
+
+    name = torch.cuda.get_device_name()
+    # Whole words, longest names first: "H100 PCIe" before "H100"; "L4" is not "L40S", "A10" not "A10G".
+    for gpu in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if re.search(rf"\b{re.escape(gpu)}\b", name) and dtype in PEAK_FLOPS[gpu]:
+            return PEAK_FLOPS[gpu][dtype], f"table: {gpu} {dtype} dense"
+    return None
+
+
+def mfu(flops_per_token: float, tokens_per_s_per_device: float, peak: float | PeakFlops) -> float:
+    """Model FLOPs utilisation: the training FLOPs the model needs per second over the peak.
+    Tokens/s is per device, so under DDP pass the job's figure divided by the world size, and
+    count every micro-batch of gradient accumulation in the tokens."""
+    value = peak.value if isinstance(peak, PeakFlops) else peak
+    return achieved_tflops(flops_per_token, tokens_per_s_per_device) * 1e12 / value
+
+
+def achieved_tflops(flops_per_token: float, tokens_per_s_per_device: float) -> float:
+    """The model's training TFLOP/s per device: needs no denominator, so it is as steady as tokens/s."""
+    return flops_per_token * tokens_per_s_per_device / 1e12
+
+
+def process_memory() -> dict[str, int]:
+    """The process as the operating system sees it: resident memory now and its peak since the
+    start, both from one read of /proc/self/status (VmRSS, VmHWM), where the kernel takes the peak
+    as the larger of its high-water mark and the resident size at that moment: so rss <= peak on
+    every record. Elsewhere (not Linux) getrusage alone."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS:", "VmHWM:")))
+        rss, peak = (int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM"))  # kB
+    except (OSError, ValueError, KeyError, IndexError):  # not Linux
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        rss = peak
+    return {"rss_bytes": rss, "rss_peak_bytes": max(rss, peak)}
+
+
+def cuda_memory_report(reset: bool = True) -> dict[str, float]:
+    """Peak allocated and reserved memory since the last report, allocator retries and OOMs, as
+    torchtitan reports them. Resets the peaks so each log interval shows its own."""
+    stats = torch.cuda.memory_stats()
+    report = {
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        "alloc_retries": stats.get("num_alloc_retries", 0),
+        "ooms": stats.get("num_ooms", 0),
+    }
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return report
+
+
+# ---------------------------------------------------------------------------- the run's figures
 
 
 def format_duration(seconds: float) -> str:
@@ -41,14 +278,12 @@ class RunTotals:
 
     def start(self, started_at: float | None = None) -> None:
         """Call as the loop starts. `started_at`: time.time() as the run's start-up began (the
-        script's start, or main()'s call in a running interpreter); None: not measured. Not the
-        process's age: `bash -c "pip install ... && python train_minimal.py"` runs python in bash's
-        process, and a notebook's kernel is as old as the notebook."""
+        script's start, or main()'s call in a running interpreter); None: not measured."""
         self.t_start = time.perf_counter()
         self.startup_s = None if started_at is None else round(max(0.0, time.time() - started_at), 2)
 
     def add(self, steady: list[float], left_out: list[dict] = ()) -> None:
-        """An interval: its steady steps' times (seconds), and its left-out steps ({"step", "s", "why"})."""
+        """An interval's steady step times (seconds), and its left-out steps {"step", "s", "why"}."""
         self.steps += len(steady)
         self.step_time_s += sum(steady)
         for x in left_out:
@@ -56,41 +291,158 @@ class RunTotals:
             e["steps"].append(x["step"])
             e["s"] += x["s"]
 
-    @property
-    def tokens(self) -> int:
-        return self.steps * self.tokens_per_step
-
-    @property
-    def left_out_s(self) -> float:
-        return sum(e["s"] for e in self.left_out.values())
-
-    @property
-    def tokens_trained(self) -> int:
-        return (self.steps + sum(len(e["steps"]) for e in self.left_out.values())) * self.tokens_per_step
-
     def figures(self) -> dict:
-        """The StepRecord fields of RUN_KEYS, and run_left_out, now."""
+        """The run so far, under StepRecord's run-wide keys."""
         elapsed = time.perf_counter() - self.t_start
+        left_steps = sum(len(e["steps"]) for e in self.left_out.values())
+        tokens, trained = self.steps * self.tokens_per_step, (self.steps + left_steps) * self.tokens_per_step
         return {
-            "run_tokens": self.tokens,
+            "run_tokens": tokens,
             "run_steps": self.steps,
             "run_step_time_s": self.step_time_s,
-            "run_tokens_per_s": self.tokens / self.step_time_s if self.step_time_s > 0 else None,
-            "tokens_trained": self.tokens_trained,
-            "tokens_per_s_e2e": self.tokens_trained / elapsed if elapsed > 0 else 0.0,
+            "run_tokens_per_s": tokens / self.step_time_s if self.step_time_s > 0 else None,
+            "tokens_trained": trained,
+            "tokens_per_s_e2e": trained / elapsed if elapsed > 0 else 0.0,
             "elapsed_s": elapsed,
             "startup_s": self.startup_s,
             "run_left_out": {k: {"steps": list(e["steps"]), "s": e["s"]} for k, e in self.left_out.items()},
         }
 
     def eta_s(self, steps_left: int, elapsed: float) -> float:
-        """The remaining steps at the end-to-end pace of the steps after warm-up: the loop's time
-        less the left-out steps', over the steady steps (evaluations and logging included); every
-        step's pace while none is steady."""
+        """The remaining steps at the end-to-end pace of the steps after warm-up (their time is the
+        loop's so far, less the left-out steps'), or of the left-out ones while there are no others."""
+        left_s = sum(e["s"] for e in self.left_out.values())
         if self.steps:
-            return steps_left * max(0.0, elapsed - self.left_out_s) / self.steps
+            return steps_left * max(0.0, elapsed - left_s) / self.steps
         done = sum(len(e["steps"]) for e in self.left_out.values())
         return steps_left * elapsed / done if done else 0.0
+
+
+@dataclass
+class Throughput:
+    """What turns the loop's clocks into a StepRecord: this run's constants, and the run-wide
+    totals (RunTotals) that every record carries."""
+
+    tokens_per_step: int  # per rank: batch x seq_len x accumulation
+    world_size: int  # the data-parallel ranks: a tp group's ranks share one batch
+    flops_per_token: int  # per device: a tp group's devices split the model
+    peak: PeakFlops
+    amp: str  # the dtype the model trains in: "bf16", "fp16" or "fp32"
+    start_step: int
+    num_steps: int
+    train_tokens: int | None  # the epoch's length; None for toy data, which has no epochs
+    totals: RunTotals
+    predicted_ms: float | None = None  # the predicted step (config.json's predicted_step), when there is one
+
+    @property
+    def device(self) -> str:
+        return self.peak.device
+
+    def config(self) -> dict:
+        """The keys config.json carries."""
+        return {"flops_per_token": self.flops_per_token, **self.peak.config()}
+
+    def finished(self, last: StepRecord, step: int) -> str:
+        """The run's last line, from its last record: the steps since the start or the resume, and
+        the steady step against the predicted one (predicted_ms, config.json's) where there is one."""
+        share = None
+        if self.predicted_ms and last.run_steps:
+            steady_ms = 1000 * last.run_step_time_s / last.run_steps
+            share = (
+                f"a steady step of {steady_ms:.1f} ms, {steady_ms / self.predicted_ms:.0%} of the "
+                f"predicted {self.predicted_ms:.1f}"
+            )
+        return format_finished(last, step - self.start_step, self.start_step, share)
+
+    def record(
+        self, step: int, losses: list[float], lr: float, val: float | None, interval, comm=None
+    ) -> StepRecord:
+        """The interval's record. `interval`: Instruments.interval()'s steady step times, their
+        StageTimes and the steps left out (minigpt/instruments/instrument.py); `comm`: under FSDP/TP,
+        (the profiled step, its ms in collectives per stage); under DDP the backward's wait for the
+        all-reduce is split off instead."""
+        step_times, stages = interval.step_times, interval.stages
+        step_time = sum(step_times) / len(step_times)
+        per_rank = self.tokens_per_step / step_time
+        # An achieved rate above the denominator proves the denominator wrong: said once, corrected.
+        if note := self.peak.raise_to(achieved_tflops(self.flops_per_token, per_rank) * 1e12):
+            logging.getLogger("minigpt").warning(note)
+        self.totals.add(interval.steady, interval.left_out)
+        run = self.totals.figures()  # run_tokens, run_tokens_per_s, tokens_per_s_e2e, elapsed_s, ...
+        comm_step, comm_ms = comm or (None, {})
+        if "backward_compute" in stages.host_ms:  # DDP: every step's wait, averaged like the stages
+            comm_ms = {"backward": stages.host_ms["backward"] - stages.host_ms["backward_compute"]}
+        tokens = step * self.tokens_per_step * self.world_size
+        return StepRecord(
+            step=step,
+            num_steps=self.num_steps,
+            loss=sum(losses) / len(losses),
+            lr=lr,
+            epoch=1 + tokens // self.train_tokens if self.train_tokens else 1,
+            step_time_s=step_time,
+            tokens_per_s=self.world_size * per_rank,
+            tokens_per_s_per_rank=per_rank,
+            **run,
+            world_size=self.world_size,
+            val_loss=val,
+            val_ppl=None if val is None else math.exp(min(val, 700.0)),  # exp overflows past ~709
+            eta_s=self.totals.eta_s(self.num_steps - step, run["elapsed_s"]),
+            amp=self.amp,
+            mfu=mfu(self.flops_per_token, per_rank, self.peak.value),
+            achieved_tflops=achieved_tflops(self.flops_per_token, per_rank),
+            stage_host_ms=stages.host_ms,
+            stage_device_ms=stages.device_ms,
+            stage_comm_ms=comm_ms,
+            comm_step=comm_step,
+            memory=cuda_memory_report() if self.device == "cuda" else process_memory(),
+            left_out=interval.left_out,
+            steady_steps=len(interval.steady),
+        )
+
+
+# ---------------------------------------------------------------------------- the log's lines
+
+
+def format_log_line(m: StepRecord) -> str:
+    """The step's line, read at a glance: step, losses, step time, tokens/s, MFU, memory. The
+    stage times follow on a line of their own (format_stages); the rest is in metrics.jsonl."""
+    val = f" | val {m.val_loss:.4f}" if m.val_loss is not None else ""
+    # A step time of left-out steps only (the interval's every step was: warm-up) is theirs, and says so.
+    steady = "" if m.steady_steps else f" ({', '.join(x['why'] for x in m.left_out)}, not steady)"
+    rate = f"{m.tokens_per_s:,.0f} tok/s" + (f" ({m.world_size} ranks)" if m.world_size > 1 else "")
+    mfu_text = f" | mfu {100 * m.mfu:.1f}%" if m.mfu is not None else ""
+    mem = m.memory
+    if "peak_allocated_gib" in mem:
+        memory = f"mem {mem['peak_allocated_gib']:.2f} GiB (reserved {mem['peak_reserved_gib']:.2f})"
+    else:  # what the machine sees: the tensors and malloc's cache, the interpreter, the libraries
+        memory = f"rss {mem.get('rss_bytes', 0) / 2**30:.2f} GiB"
+    return (
+        f"step {m.step}/{m.num_steps} | loss {m.loss:.4f}{val} | "
+        f"{1000 * m.step_time_s:.0f} ms/step{steady} | {rate}{mfu_text} | {memory}"
+    )
+
+
+def format_stages(m: StepRecord) -> str:
+    """The stages' mean times: one number each where host and device share a clock (the CPU), host/
+    device on a GPU, where the host runs ahead and waits later; then what was left out and why."""
+    host, device = m.stage_host_ms, m.stage_device_ms
+    same = host == device
+    times = " ".join(
+        f"{LABELS.get(k, k)} {v:.1f}"
+        if same
+        else f"{LABELS.get(k, k)} {v:.1f}/{device.get(k, float('nan')):.1f}"
+        for k, v in host.items()
+    )
+    line = f"  stage ms{'' if same else ' host/device'}: {times}" if host else "  stages not timed"
+    if m.stage_comm_ms:
+        comm = " ".join(f"{LABELS.get(k, k)} {v:.1f}" for k, v in m.stage_comm_ms.items())
+        line += f" | in collectives{f' (step {m.comm_step})' if m.comm_step else ''}: {comm}"
+    for x in m.left_out:
+        line += f" | left out: step {x['step']} {x['s']:.2f}s ({x['why']})"
+    peak = (m.memory_breakdown or {}).get("peak")
+    if peak:
+        line += f" | allocator peak {peak / 2**20:,.1f} MiB in step {m.memory_breakdown['step']}"
+    return line
 
 
 def format_finished(r: StepRecord, steps: int, resumed_at: int = 0, prediction: str | None = None) -> str:
@@ -121,67 +473,22 @@ def format_finished(r: StepRecord, steps: int, resumed_at: int = 0, prediction: 
     )
 
 
-def forward_ms(stages, step_times: list[float], grad_accum_steps: int) -> float | None:
-    """One batch's forward time in the interval (ms), what an evaluation batch costs: the forward
-    stage per micro-batch (`stages`: the interval's StageTimes), or a third of a step without
-    stage timing."""
-    if "forward" in stages.host_ms:
-        return stages.host_ms["forward"] / grad_accum_steps
-    return 1000 * sum(step_times) / len(step_times) / 3 / grad_accum_steps if step_times else None
-
-
-def evaluation_notice(batches: int, forward_ms: float | None, threshold_s: float = 5.0) -> str | None:
-    """A line before an evaluation expected to take `threshold_s` or more (at `forward_ms` per
-    batch, the interval's forward time), so a long one is not minutes of silence; None otherwise."""
-    if forward_ms is None or batches * forward_ms / 1000 < threshold_s:
-        return None
-    return f"evaluating ({batches} batches, about {format_duration(batches * forward_ms / 1000)})..."
-
-
-def format_log_line(m: StepRecord) -> str:
-    """One line per log interval, in the spirit of the blog's trainer."""
-    val = "n/a" if m.val_loss is None else f"{m.val_loss:.4f}"
-    ppl = "n/a" if m.val_ppl is None else f"{m.val_ppl:.1f}"
-    line = (
-        f"epoch {m.epoch} step {m.step}/{m.num_steps} | lr {m.lr:.2e} | step {m.step_time_s * 1000:.0f}ms | "
-        + "".join(f"left out: {step_list([x['step']])} {x['s']:.2f}s ({x['why']}) | " for x in m.left_out)
-        + f"{m.tokens_per_s:,.0f} tok/s per step, {m.tokens_per_s_e2e:,.0f} end to end | "
-        + (f"{m.tokens_per_s_per_rank:,.0f} tok/s/rank x {m.world_size} | " if m.world_size > 1 else "")
-        + (f"mfu {100 * m.mfu:.1f}% ({m.achieved_tflops:.2f} TFLOP/s) | " if m.mfu is not None else "")
-        + f"train loss {m.loss:.4f} | val loss {val} | val ppl {ppl} | "
-        f"elapsed {format_duration(m.elapsed_s)} | eta {format_duration(m.eta_s)} | amp {m.amp}"
+def evaluation_notice(batches: int, interval, grad_accum_steps: int, threshold_s: float = 5.0) -> str | None:
+    """A line before an evaluation expected to take `threshold_s` or more, so a long one is not
+    minutes of silence: one batch costs the interval's forward per micro-batch (a third of a step
+    without stage timing). None otherwise."""
+    forward = interval.stages.host_ms.get("forward")
+    if forward is None and interval.step_times:
+        forward = 1000 * sum(interval.step_times) / len(interval.step_times) / 3
+    seconds = batches * (forward or 0.0) / grad_accum_steps / 1000
+    return (
+        f"evaluating ({batches} batches, about {format_duration(seconds)})..."
+        if seconds >= threshold_s
+        else None
     )
-    if m.stage_host_ms:  # host/device ms per stage: on a GPU they differ, the host runs ahead and waits later
-        line += " | host/device ms " + " ".join(
-            f"{label(k)} {v:.1f}/{m.stage_device_ms.get(k, float('nan')):.1f}"
-            for k, v in m.stage_host_ms.items()
-        )
-    if m.stage_comm_ms:
-        line += (
-            " | waiting on collectives ms "
-            + (f"(step {m.comm_step}) " if m.comm_step else "")
-            + " ".join(f"{label(k)} {v:.1f}" for k, v in m.stage_comm_ms.items())
-        )
-    mem = m.memory
-    if "peak_allocated_gib" in mem:
-        line += (
-            f" | peak mem {mem['peak_allocated_gib']:.2f}/{mem['peak_reserved_gib']:.2f} GiB alloc/reserved"
-        )
-    elif mem.get("rss_bytes"):
-        # What the machine sees. Above the tensors it holds malloc's cached and retained blocks,
-        # the interpreter and the libraries: the allocator's own peak is --memory-profiler's figure.
-        line += f" | rss {mem['rss_bytes'] / 2**30:.2f} GiB, peak {mem['rss_peak_bytes'] / 2**30:.2f} GiB"
-        peak = (m.memory_breakdown or {}).get("peak")
-        if peak:
-            line += (
-                f" (allocator peak {peak / 2**20:,.1f} MiB in step {m.memory_breakdown['step']}; the rest is "
-                "malloc's caching and retention, the interpreter, the libraries)"
-            )
-    return line
 
 
-def perplexity(loss: float) -> float:
-    return math.exp(min(loss, 700.0))  # exp overflows a float past ~709
+# ---------------------------------------------------------------------------- metrics.jsonl
 
 
 class JsonlWriter:
@@ -196,7 +503,9 @@ class JsonlWriter:
 
     def write(self, record: dict | StepRecord) -> None:
         if self.f:
-            line = json.dumps(record.to_json() if isinstance(record, StepRecord) else record) + "\n"
+            if isinstance(record, StepRecord):
+                record = {k: v for k, v in asdict(record).items() if v is not None or k != "memory_breakdown"}
+            line = json.dumps(record) + "\n"
             try:
                 self.f.write(line)
                 self.f.flush()
@@ -223,7 +532,8 @@ class JsonlWriter:
 
 
 class TensorBoardLogger:
-    """Scalars for `tensorboard --logdir <out-dir>`: the same figures as metrics.jsonl."""
+    """Scalars for `tensorboard --logdir <out-dir>`: the figures of metrics.jsonl, in the units a
+    chart reads (MFU in percent, memory in MiB)."""
 
     def __init__(self, log_dir: Path, enabled: bool = True, purge_step: int | None = None):
         """`purge_step`: on resume, the first step trained again; TensorBoard hides what an earlier
@@ -259,7 +569,7 @@ class TensorBoardLogger:
             "perf/tokens_per_s_e2e": r.tokens_per_s_e2e,
             "perf/run_tokens_per_s": r.run_tokens_per_s,  # the run so far, in steady state
             "perf/tokens_per_s_per_rank": r.tokens_per_s_per_rank,
-            "perf/mfu": r.mfu,
+            "perf/mfu_percent": None if r.mfu is None else 100 * r.mfu,
             "perf/achieved_tflops": r.achieved_tflops,
             "perf/step_time_ms": 1000 * r.step_time_s,
         }
@@ -271,11 +581,12 @@ class TensorBoardLogger:
             for stage, ms in figures.items():
                 scalars[f"stage_{kind}_ms/{stage}"] = ms
         for key, value in r.memory.items():
-            scalars[f"memory/{key}"] = value
+            scalars[f"memory/{key.replace('_bytes', '_mib')}"] = (
+                value / 2**20 if key.endswith("_bytes") else value
+            )
         for tag, value in scalars.items():
             if value is not None:
                 self.writer.add_scalar(tag, value, r.step)
-        # The measured memory breakdown (bytes, see instruments/memory.py), in MiB at the measured step.
         breakdown = r.memory_breakdown or {}
         for prefix, figures in (
             ("memory_breakdown", breakdown),

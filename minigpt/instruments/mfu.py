@@ -53,30 +53,28 @@ is the user's word and is not checked.
 from __future__ import annotations
 
 import json
-import logging
 import os
-import platform
-import re
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-from minigpt.core import distributed
-from minigpt.core.config import TrainConfig
 from minigpt.core.data import cache_dir
-from minigpt.core.distributed import DistInfo
-from minigpt.core.model import GPT
 from minigpt.fileio import UnreadableFile, display_path, read_bounded, write_cache
-from minigpt.instruments.instrument import cuda_memory_report
-from minigpt.instruments.memory import process_memory
-from minigpt.instruments.metrics import RunTotals, StepRecord, format_finished, perplexity
-from minigpt.shape import shape_of
+from minigpt.instruments.metrics import (
+    ACHIEVED,
+    CACHE_LIMIT,
+    LOAD_SHARE,
+    PEAK_CACHE_FILE,
+    TORCH_DTYPES,
+    PeakFlops,
+    machine_key,
+    table_peak,
+)
 
-PEAK_CACHE_FILE = "peak_flops.json"  # under data.cache_dir(): one entry per machine, dtype, torch
 # Each unit is timed in many short calls for this long (wall clock) after a warm-up, and its best
 # call is kept: on a busy machine a short call often fits in a slice where the process had the
 # cores, a long one rarely does. 0.25 s for each of ~8 units (0.5 s for the square products) keeps
@@ -94,33 +92,13 @@ SKIP_PREDICTED_S = 10.0
 # MFLOP) are all overhead and, under load, spin-waiting; a prediction from them would skip a square
 # product that takes milliseconds, and the denominator would fall by orders of magnitude.
 PREDICT_WITHIN = 64
-# The MFU and step-rate caches hold a few dozen entries (a few KiB); a larger file is not ours.
-CACHE_LIMIT = 4 * 2**20
 # A measurement is "under load" when other processes used more than this share of the machine's
 # cores while it was timed (LoadProbe: /proc/stat's busy time less this process's CPU time). Why
 # not os.getloadavg: it is a 1-minute average that counts this process's own threads and lags, so
 # just after a run ends a quiet machine reads ~2 on 2 cores, and a neighbour that starts mid-
 # measurement barely shows. Why a quarter: a neighbour on one of 2 cores (0.5) cost the 2048^3
 # product 2-5x here; jiffies (10 ms) and our own short idle waits keep a quiet machine under 0.1.
-LOAD_SHARE = 0.25
 QUIET_WINDOW_S = 0.3  # how long a start looks at the load before measuring a busy figure again
-# The cache's entry for the best rate a run has achieved on this machine: a lower bound of the peak
-# (see "Why MFU cannot pass 100%"), so the denominator is never below it.
-ACHIEVED = "achieved by a run"
-
-# Dense peak FLOP/s per GPU from the vendors' data sheets (no 2:4 sparsity), by AMP dtype.
-# fp32 means plain fp32 (TF32 off, PyTorch's default for matmuls).
-PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},  # SXM
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
-    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
-    "A10": {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12},
-    "V100": {"fp16": 125e12, "fp32": 15.7e12},
-}
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -165,101 +143,6 @@ def model_workloads(
     ]
 
 
-@dataclass
-class PeakFlops:
-    """The MFU denominator of one device: FLOP/s, where it comes from and, when measured, the
-    winning unit's median and best call, when and under what load it was timed, and each unit's
-    best rate."""
-
-    value: float
-    source: str
-    spread: tuple[float, float] | None = None  # measured: the winning unit's (median call, best call)
-    shapes: list[dict] = field(default_factory=list)
-    measured_at: str | None = None  # measured: when the winning unit was timed (UTC)
-    load: float | None = None  # measured: the 1-minute load average then (os.getloadavg)
-    device: str = "cpu"  # what the peak is of: the device and the dtype the model trains in
-    dtype: str = "fp32"
-    others: float | None = None  # measured under load: the share of the cores other processes used
-
-    def config(self) -> dict:
-        """The keys config.json carries."""
-        return {
-            "peak_flops": self.value,
-            "peak_flops_source": self.source,
-            "peak_flops_spread": list(self.spread) if self.spread else None,
-            "peak_flops_measured_at": self.measured_at,
-            "peak_flops_load": self.load,
-            "peak_flops_under_load": self.others,
-        }
-
-    def raise_to(self, achieved: float, cache: bool = True) -> str | None:
-        """Lift the denominator to a rate the run has `achieved` (FLOP/s per device) when that is
-        above it: the measured peak was then wrong (taken under load), and is corrected here and in
-        the cache, so MFU stays at or below 100%. Returns the line saying so the first time, else
-        None. A user's --peak-tflops is their word, and a GPU's data sheet is the hardware's:
-        neither is touched."""
-        if achieved <= self.value or not self.source.startswith(("measured", "cache", ACHIEVED)):
-            return None
-        first = not self.source.startswith(ACHIEVED)
-        note = (
-            f"MFU peak {self.value / 1e12:.3g} TFLOP/s was below what this run achieved "
-            f"({achieved / 1e12:.3g} TFLOP/s): it was measured under load; the peak is now the "
-            "best rate the run achieves"
-        )
-        if first:
-            self.source = f"{ACHIEVED} (the measured peak was lower); was: {self.source}"
-        self.value = achieved
-        if cache:
-            entry = {"flops": 0, "best": achieved, "median": achieved, "calls": 1, "cores": os.cpu_count()}
-            entry |= {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "load": None}
-            keep_best(machine_key(self.device, self.dtype), {ACHIEVED: entry})
-            note += f", kept in {display_path(cache_dir() / PEAK_CACHE_FILE)}"
-        return note if first else None
-
-
-def mfu(flops_per_token: float, tokens_per_s_per_device: float, peak: float | PeakFlops) -> float:
-    """Model FLOPs utilisation: the training FLOPs the model needs per second over the peak.
-    Tokens/s is per device, so under DDP pass the job's figure divided by the world size, and
-    count every micro-batch of gradient accumulation in the tokens."""
-    value = peak.value if isinstance(peak, PeakFlops) else peak
-    return achieved_tflops(flops_per_token, tokens_per_s_per_device) * 1e12 / value
-
-
-def achieved_tflops(flops_per_token: float, tokens_per_s_per_device: float) -> float:
-    """The model's training TFLOP/s per device: needs no denominator, so it is as steady as tokens/s."""
-    return flops_per_token * tokens_per_s_per_device / 1e12
-
-
-def machine_key(device: str, dtype: str) -> str:
-    """What a measured peak belongs to: the processor, the threads torch uses, the dtype, torch."""
-    if device == "cuda":
-        where = f"{torch.cuda.get_device_name()}"
-    else:
-        where = f"{cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
-    return f"{device}: {where} | {dtype} | torch {torch.__version__}"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def table_peak(device: str, dtype: str) -> tuple[float, str] | None:
-    if device != "cuda":
-        return None
-    name = torch.cuda.get_device_name()
-    # Whole words, longest names first: "H100 PCIe" before "H100"; "L4" is not "L40S", "A10" not "A10G".
-    for gpu in sorted(PEAK_FLOPS, key=len, reverse=True):
-        if re.search(rf"\b{re.escape(gpu)}\b", name) and dtype in PEAK_FLOPS[gpu]:
-            return PEAK_FLOPS[gpu][dtype], f"table: {gpu} {dtype} dense"
-    return None
-
-
 def peak_flops(
     device: str,
     dtype: str,
@@ -276,7 +159,7 @@ def peak_flops(
         if not override_tflops > 0:
             raise ValueError(f"--peak-tflops must be positive, got {override_tflops}")
         return PeakFlops(override_tflops * 1e12, "override: --peak-tflops", device=device, dtype=dtype)
-    from_table = table_peak(device, dtype)
+    from_table = table_peak(device, dtype) if device == "cuda" else None
     if from_table:
         return PeakFlops(*from_table, device=device, dtype=dtype)
     units = [Workload("matmul", (n, n, n)) for n in SQUARE_SIZES] + list(dict.fromkeys(workloads or []))
@@ -510,127 +393,22 @@ def machine_busy_s() -> float | None:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def describe(peak: PeakFlops) -> str:
-    """One line for the log: the denominator and its source (for a measured one: the unit, when,
-    under what load, and the median call beside the best); a second when it was measured under
-    load, which this run uses but the cache does not keep as the machine's figure."""
-    line = f"MFU peak {peak.value / 1e12:.3g} TFLOP/s; {peak.source}"
-    if peak.others is not None:
-        line += (
-            f"\nMFU peak measured under load: other processes used {100 * peak.others:.0f}% of the "
-            f"cores while it was timed, so it may be low and MFU high; it is measured again at the "
-            f"next start that finds the machine quieter (or now: python -m minigpt estimate --time "
-            f"--remeasure)"
-        )
-    return line
+def keep_achieved(device: str, dtype: str, achieved: float) -> str:
+    """Cache a rate a run achieved above the measured peak (PeakFlops.raise_to): a lower bound of
+    the machine's peak, so the denominator is never below it again. Returns where it was kept."""
+    entry = {"flops": 0, "best": achieved, "median": achieved, "calls": 1, "cores": os.cpu_count()}
+    entry |= {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "load": None}
+    keep_best(machine_key(device, dtype), {ACHIEVED: entry})
+    return f"kept in {display_path(cache_dir() / PEAK_CACHE_FILE)}"
 
 
-def mfu_peak(cfg: TrainConfig, model: GPT, device: str, amp_dtype: str, dist_info: DistInfo) -> PeakFlops:
-    """The trainer's MFU denominator: --peak-tflops, a known GPU's data sheet, or this machine's
-    best rate on the model's own units, measured once and cached. Rank 0 measures alone and the
-    others read its cache: measured together they would share the cores and cache a low figure."""
-    units = model_workloads(
-        cfg.batch_size, cfg.seq_len, cfg.d_model, cfg.d_ff, model.cfg.vocab_size, cfg.n_heads
-    )
-    if not dist_info.is_main:
-        distributed.barrier(dist_info)
-    peak = peak_flops(device, amp_dtype, units, override_tflops=cfg.peak_tflops)
-    if dist_info.is_main:
-        distributed.barrier(dist_info)
+def ranked_peak(device: str, dtype: str, info) -> PeakFlops:
+    """Under torchrun: rank 0 measures (or reads the cache) alone, then the others read its cache."""
+    from minigpt.core.distributed import barrier
+
+    if not info.is_main:
+        barrier(info)
+    peak = peak_flops(device, dtype)
+    if info.is_main:
+        barrier(info)
     return peak
-
-
-@dataclass
-class Throughput:
-    """What turns the loop's clocks into a StepRecord (minigpt.instruments.metrics): this run's constants,
-    and the run-wide totals (RunTotals) that every record carries."""
-
-    tokens_per_step: int  # per rank: batch x seq_len x accumulation
-    world_size: int  # the data-parallel ranks: a tp group's ranks share one batch
-    flops_per_token: int  # per device: a tp group's devices split the model
-    peak: PeakFlops
-    start_step: int
-    num_steps: int
-    train_tokens: int | None  # the epoch's length; None for toy data, which has no epochs
-    totals: RunTotals
-    predicted_ms: float | None = None  # the predicted step (config.json's predicted_step), when there is one
-
-    @classmethod
-    def of(cls, cfg: TrainConfig, plan, model: GPT, peak: PeakFlops, step: int, train_tokens: int | None):
-        """`plan`: the parallel plan (minigpt.core.parallel), for its data- and tensor-parallel degrees."""
-        tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps
-        fpt = shape_of(cfg, model.cfg.vocab_size).flops_per_token // plan.tp
-        return cls(tokens, plan.dp, fpt, peak, step, cfg.num_steps, train_tokens, RunTotals(tokens * plan.dp))
-
-    @property
-    def device(self) -> str:
-        return self.peak.device
-
-    @property
-    def amp(self) -> str:
-        """The dtype the model trains in: "bf16", "fp16" or "fp32"."""
-        return self.peak.dtype
-
-    def config(self) -> dict:
-        """The keys config.json carries."""
-        return {"flops_per_token": self.flops_per_token, **self.peak.config()}
-
-    def describe_peak(self) -> str:
-        return describe(self.peak)
-
-    def finished(self, last: StepRecord, step: int) -> str:
-        """The run's last line, from its last record: the steps since the start or the resume, and
-        the steady step against the predicted one (predicted_ms, config.json's) where there is one."""
-        predicted_ms, share = self.predicted_ms, None
-        if predicted_ms and last.run_steps:
-            steady_ms = 1000 * last.run_step_time_s / last.run_steps
-            share = (
-                f"a steady step of {steady_ms:.1f} ms, {steady_ms / predicted_ms:.0%} of the "
-                f"predicted {predicted_ms:.1f}"
-            )
-        return format_finished(last, step - self.start_step, self.start_step, share)
-
-    def record(
-        self, step: int, losses: list[float], lr: float, val: float | None, interval, comm
-    ) -> StepRecord:
-        """The interval's record. `interval`: Instruments.interval()'s steady step times, their
-        StageTimes and the steps left out (minigpt/instruments/instrument.py); `comm`: under FSDP/TP,
-        (the profiled step, its ms in collectives per stage) from Instruments.take_comm; under DDP
-        the backward's wait for the all-reduce is split off instead."""
-        step_times, stages = interval.step_times, interval.stages
-        step_time = sum(step_times) / len(step_times)
-        per_rank = self.tokens_per_step / step_time
-        # An achieved rate above the denominator proves the denominator wrong: said once, corrected.
-        if note := self.peak.raise_to(achieved_tflops(self.flops_per_token, per_rank) * 1e12):
-            logging.getLogger("minigpt").warning(note)
-        self.totals.add(interval.steady, interval.left_out)
-        run = self.totals.figures()  # run_tokens, run_tokens_per_s, tokens_per_s_e2e, elapsed_s, ...
-        comm_step, comm_ms = comm or (None, {})
-        if "backward_compute" in stages.host_ms:  # DDP: every step's wait, averaged like the stages
-            comm_ms = {"backward": stages.host_ms["backward"] - stages.host_ms["backward_compute"]}
-        epoch_tokens = self.train_tokens
-        return StepRecord(
-            step=step,
-            num_steps=self.num_steps,
-            loss=sum(losses) / len(losses),
-            lr=lr,
-            epoch=1 + step * self.tokens_per_step * self.world_size // epoch_tokens if epoch_tokens else 1,
-            step_time_s=step_time,
-            tokens_per_s=self.world_size * per_rank,
-            tokens_per_s_per_rank=per_rank,
-            **run,
-            world_size=self.world_size,
-            val_loss=val,
-            val_ppl=None if val is None else perplexity(val),
-            eta_s=self.totals.eta_s(self.num_steps - step, run["elapsed_s"]),
-            amp=self.amp,
-            mfu=mfu(self.flops_per_token, per_rank, self.peak.value),
-            achieved_tflops=achieved_tflops(self.flops_per_token, per_rank),
-            stage_host_ms=stages.host_ms,
-            stage_device_ms=stages.device_ms,
-            stage_comm_ms=comm_ms,
-            comm_step=comm_step,
-            memory=cuda_memory_report() if self.device == "cuda" else process_memory(),
-            left_out=interval.left_out,
-            steady_steps=len(interval.steady),
-        )

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from minigpt.core.config import GPT2_VOCAB, Shape, shape_of
 from minigpt.instruments.estimate import MemoryEstimate, estimate_gpt
-from minigpt.shape import GPT2_VOCAB, Shape, shape_of
 
 
 def tp_replicated_params(shape: Shape) -> int:

@@ -5,7 +5,7 @@
     python -m minigpt estimate --time --use-activation-checkpoint --chunked-loss
 
 The model is a roofline over the step's own ops. `step_ops` lists every op one training step of
-minigpt/core/model.py runs, from the shape alone (minigpt/shape.py): its FLOPs (matrix products and
+minigpt/core/model.py runs, from the shape alone (minigpt/core/config.py): its FLOPs (matrix products and
 attention, counted as `Shape.flops_per_token` counts them), the bytes it reads and writes
 (dtype-aware: autocast casts weights and inputs to bf16, LayerNorm and the log-softmax stay fp32),
 its transcendental evaluations (exp, tanh) and its launches. An op takes
@@ -51,7 +51,7 @@ time the rates are measured; a quiet one replaces it, a busy one never replaces 
 `python -m minigpt estimate --time --remeasure` forgets this machine's rates and peak and measures
 both again.
 
-On CUDA the same model runs from the device's data sheet (minigpt.instruments.mfu.PEAK_FLOPS and BANDWIDTH
+On CUDA the same model runs from the device's data sheet (minigpt.instruments.metrics.PEAK_FLOPS and BANDWIDTH
 below, every product at the dense peak) with the per-op overhead measured on the GPU, and is
 marked untested: no GPU has checked it yet. A GPU in neither table has no rates: one line, exit 2.
 """
@@ -74,23 +74,12 @@ from pathlib import Path
 import torch
 
 from minigpt.core import model as model_module
-from minigpt.core.config import UsageError
+from minigpt.core.config import Shape, UsageError, shape_of
 from minigpt.core.cpu import allocator_in_use
 from minigpt.core.data import cache_dir
 from minigpt.fileio import display_path, write_cache
-from minigpt.instruments.mfu import (
-    LOAD_SHARE,
-    PEAK_FLOPS,
-    TORCH_DTYPES,
-    LoadProbe,
-    describe,
-    forget,
-    machine_key,
-    model_workloads,
-    peak_flops,
-    read_cache,
-)
-from minigpt.shape import Shape
+from minigpt.instruments.metrics import LOAD_SHARE, PEAK_FLOPS, TORCH_DTYPES, machine_key
+from minigpt.instruments.mfu import LoadProbe, forget, model_workloads, peak_flops, read_cache
 
 STEP_RATES_FILE = "step_rates.json"  # under minigpt.core.data.cache_dir(): one entry per machine and dtype
 RATES_VERSION = 4  # how the rates are measured: a change makes new entries, never reads old ones
@@ -124,7 +113,7 @@ EVICTED_CALLS = 10  # timed calls per kernel when each is preceded by an evictio
 # (max, sum of exps, the output; or the gradient's sum, then the gradient and the output) and write once.
 LN_PASSES = 3
 
-# Memory bandwidth per GPU from the vendors' data sheets (bytes/s), keyed as mfu.PEAK_FLOPS.
+# Memory bandwidth per GPU from the vendors' data sheets (bytes/s), keyed as metrics.PEAK_FLOPS.
 # A100: the 40 GB part's figure (the 80 GB part's 2.0 TB/s would only lower the prediction).
 BANDWIDTH: dict[str, float] = {
     "H200": 4.8e12,
@@ -884,7 +873,7 @@ def _table_rates(dtype: str, cache: bool = True) -> Rates:
     peak = PEAK_FLOPS.get(known[0], {}).get(dtype) if known else None
     if known is None or peak is None:
         raise NoRates(
-            f"no rates for {name} in {dtype}: it is in neither minigpt.instruments.mfu.PEAK_FLOPS nor "
+            f"no rates for {name} in {dtype}: it is in neither minigpt.instruments.metrics.PEAK_FLOPS nor "
             "minigpt.instruments.predict.BANDWIDTH; add its data-sheet peak FLOP/s and bandwidth there"
         )
     overhead = cuda_overhead(cache)
@@ -1068,7 +1057,7 @@ def time_report(shape: Shape, device: str, amp_dtype: str, as_json: bool, remeas
             shape.batch_size, shape.seq_len, shape.d_model, shape.d_ff, shape.vocab_size, shape.n_heads
         )
         print("[peak] measuring the MFU peak on the model's units", file=sys.stderr, flush=True)
-        peak_line = describe(peak_flops(device, amp_dtype, units, remeasure=True)) + "\n"
+        peak_line = peak_flops(device, amp_dtype, units, remeasure=True).describe() + "\n"
     pred = predict_step(shape, amp_dtype, device, remeasure=remeasure)
     return json.dumps(pred.to_record(), indent=1) if as_json else peak_line + format_prediction(pred)
 
@@ -1084,3 +1073,13 @@ def split_flags(argv: list[str] | None) -> tuple[list[str], bool, bool, bool]:
     if remeasure and not timing:
         raise UsageError("--remeasure goes with --time (the memory estimate measures nothing); add --time")
     return rest, timing, as_json, remeasure
+
+
+def run_prediction(cfg, vocab_size: int, amp_dtype: str, device: str) -> dict | None:
+    """A trainer run's predicted step for config.json and its last lines, from cached rates only
+    (measuring would lengthen the run), or None where there are none or the cache is damaged."""
+    try:
+        step = predict_step(shape_of(cfg, vocab_size), amp_dtype, device, measure=False)
+    except (NoRates, ValueError, TypeError, KeyError, AttributeError, ArithmeticError):
+        return None
+    return {k: v for k, v in step.to_record().items() if k != "config"}

@@ -1,0 +1,416 @@
+"""The instruments a flag turns on, beside the training step: the profiler window
+(--use-profiler), the Nsight capture range (--nsys), CUDA memory history and snapshots
+(--record-memory-history), the one-step memory capture (--memory-profiler) and, under --fsdp/--tp,
+the profiled step that times the collectives (CommProbe). Instruments (instrument.py) loads this
+module only when one of them is asked for, and calls its Window around every step.
+
+- `make_profiler` builds a torch.profiler window with Megatron's semantics (steps S..E-1).
+- `NsysCaptureRange` calls cudaProfilerStart/Stop around the same window for `nsys --capture-range`.
+- `MemoryHistory` records CUDA allocations of the training steps and dumps snapshots (read offline
+  by `python -m minigpt snapshot`).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import statistics
+from collections.abc import Callable
+from contextlib import ExitStack, nullcontext
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerAction, ProfilerActivity, tensorboard_trace_handler
+
+from minigpt import paths
+from minigpt.core import torchcompat
+from minigpt.core.config import profile_ranks
+from minigpt.core.runs import probe_writable
+from minigpt.fileio import atomic_open, atomic_write, check_may_replace
+from minigpt.instruments.metrics import process_memory
+from minigpt.memory_snapshot import peak_text
+
+SNAPSHOT_MARKER = b"\x80"  # how a pickle of protocol 2 or later begins: what a memory snapshot is
+
+
+# ---------------------------------------------------------------------------- profiler window
+
+
+def profiler_schedule(start: int, end: int) -> Callable[[int], ProfilerAction]:
+    """What the profiler does during training step n (1-based, Megatron's semantics): record steps
+    start..end-1, after one warm-up step before `start` when there is one (the first profiled
+    step would otherwise carry the profiler's own start-up cost), then nothing (repeat=1)."""
+
+    def action(n: int) -> ProfilerAction:
+        if n == start - 1:
+            return ProfilerAction.WARMUP
+        if start <= n < end - 1:
+            return ProfilerAction.RECORD
+        if n == end - 1:
+            return ProfilerAction.RECORD_AND_SAVE
+        return ProfilerAction.NONE
+
+    return action
+
+
+# Said once before a profiler with memory events starts (--use-profiler, --memory-profiler): torch
+# writes these lines to stderr from C++ (Kineto's USDT markers at every start and stop; c10's
+# ProfiledCPUMemoryReporter, once per 1000 frees of a block it never saw allocated), and they look
+# like trouble. Checked on the tiny preset: with them the trace is written whole, its operators and
+# times complete, and --memory-profiler's measured peak still equals the estimate; what is missing
+# is the free of a block allocated before the recording, in the trace's memory timeline. Silencing
+# them would mean closing fd 2 around the steps, which would hide a real error as well.
+PROFILER_STDERR_NOTE = (
+    "Profiler: torch prints to stderr, from C++, 'USDT: ... profiler_start' and '... profiler_stop' "
+    "(Kineto marking where a recording starts and stops; no setting turns them off) and "
+    "'CPUAllocator.cpp ... Memory block of unknown size was allocated before the profiling started' "
+    "(a tensor made before the recording was freed during it: that one free is missing from the "
+    "trace's memory timeline). Both are harmless: the trace, its operators and its times are complete."
+)
+
+
+def profiler_options(cfg) -> dict[str, bool]:
+    """torch.profiler's recording options from the flags. Memory events are always on: TensorBoard's
+    Memory view and the report's memory timeline need them. The others are opt-in, each priced in
+    benchmarks/results/overhead-cpu-small.md: shapes, FLOPs and module names grow the trace and
+    slow the profiled steps; Python stacks most of all."""
+    return {
+        "profile_memory": True,
+        "record_shapes": cfg.profile_record_shapes,
+        "with_flops": cfg.profile_with_flops,
+        "with_modules": cfg.profile_with_modules,
+        "with_stack": cfg.profile_with_stack,
+    }
+
+
+def make_profiler(
+    trace_dir: Path,
+    worker: str,
+    first_step: int,
+    window: range,
+    device: str,
+    options: dict[str, bool] | None = None,
+    on_window_end: Callable | None = None,
+) -> torch.profiler.profile:
+    """A torch.profiler window over training steps `window` (start..end-1), whose trace lands in trace_dir as
+    {worker}.*.pt.trace.json.gz (worker: rank{R}_dp{d}), the naming torch-tb-profiler groups by
+    worker (and its Distributed view by rank). `first_step` is the training step the loop runs
+    next (1-based; later than 1 after --resume): the trace's ProfilerStep#N markers then carry the
+    training step numbers of the log."""
+    # gzip: LLM traces reach hundreds of MB of repetitive JSON; torch-tb-profiler, Perfetto
+    # and chrome://tracing all read .json.gz.
+    write_trace = tensorboard_trace_handler(str(trace_dir), worker_name=worker, use_gzip=True)
+
+    def on_trace_ready(prof: torch.profiler.profile) -> None:
+        write_trace(prof)
+        if on_window_end is not None:
+            on_window_end(prof)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    schedule = profiler_schedule(window.start, window.stop)
+    prof = torch.profiler.profile(
+        activities=activities,
+        schedule=schedule,
+        on_trace_ready=on_trace_ready,
+        **(options or {"profile_memory": True}),
+    )
+    # The profiler counts its steps from 0; start its count at the training step instead, before
+    # it is entered (its action for the current step is derived from the count).
+    torchcompat.start_profiler_count(prof, first_step, schedule(first_step))
+    return prof
+
+
+def top_operators(prof: torch.profiler.profile, device: str, rows: int = 20) -> str:
+    """The profiler's operator table, sorted by device time on a GPU and by host time otherwise."""
+    sort_by = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort_by, row_limit=rows)
+
+
+def has_device_kernels(prof: torch.profiler.profile) -> bool:
+    """False on a GPU run means CUPTI recorded nothing: a broken set-up that otherwise goes unseen."""
+    return any(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+
+
+# ---------------------------------------------------------------------------- Nsight Systems
+
+
+class NsysCaptureRange:
+    """cudaProfilerStart at step `start`, cudaProfilerStop before step `end`, and in between
+    emit_nvtx, so every aten op is an NVTX range too. Run under
+    `nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop`."""
+
+    def __init__(self, start: int, end: int):
+        self.start, self.end = start, end
+        self.emit: torch.autograd.profiler.emit_nvtx | None = None
+
+    def before_step(self, step: int) -> None:
+        """Call before running training step `step` (1-based)."""
+        if step == self.start:
+            torch.cuda.cudart().cudaProfilerStart()
+            self.emit = torch.autograd.profiler.emit_nvtx(record_shapes=True)
+            self.emit.__enter__()
+        elif step == self.end:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.emit is not None:
+            torch.cuda.synchronize()  # let the window's kernels finish inside the capture
+            self.emit.__exit__(None, None, None)
+            self.emit = None
+            torch.cuda.cudart().cudaProfilerStop()
+
+
+# ---------------------------------------------------------------------------- CUDA memory
+
+
+class MemoryHistory:
+    """CUDA memory history (torchcompat.start_memory_history), bounded, with Python stacks only: C++
+    frames make a dump take minutes. Recorded from the first training step. Beside each pickle a
+    text file lists what was live at the recording's peak, with the frames that allocated it;
+    `python -m minigpt snapshot` draws the offline page (pytorch.org/memory_viz reads it too)."""
+
+    def __init__(self, max_entries: int):
+        self.max_entries = max_entries
+        self.started = False
+
+    def start(self) -> None:
+        torchcompat.start_memory_history(self.max_entries)
+        self.started = True
+
+    def dump(self, path: Path) -> Path:
+        snapshot = torchcompat.memory_snapshot()
+        with atomic_open(path) as f:
+            pickle.dump(snapshot, f)
+        atomic_write(path.with_suffix(".txt"), peak_text(snapshot))
+        return path
+
+    def stop(self) -> None:
+        torchcompat.stop_memory_history()
+
+    def dump_on_oom(self, path: Path) -> None:
+        """Write `path` when the allocator runs out of memory, before the error propagates."""
+
+        def observer(device, alloc, device_alloc, device_free):
+            self.dump(path)
+
+        torchcompat.attach_oom_observer(observer)
+
+
+# ---------------------------------------------------------------------------- the window
+
+
+class Window:
+    """The flag-driven instruments of a run, one object the step calls: before each step, around
+    it (the memory capture), after it; which steps they slow on purpose (left out of the steady
+    figures); and their outputs and log lines. `cfg` is a TrainConfig; only its instrumentation
+    flags are read."""
+
+    def __init__(self, cfg, device: str, rank: int, world_size: int, out_dir: Path, worker: str, comm: bool):
+        """`worker` names this rank's trace and memory files (rank{R}_dp{d}). `comm`: the step's
+        collectives are issued by the model itself (FSDP, TP), not by a DDP wrapper whose backward
+        can be split: profile one step per log interval for them (CommProbe)."""
+        self.cfg, self.device, self.rank, self.out_dir, self.worker = cfg, device, rank, out_dir, worker
+        self.log = logging.getLogger("minigpt")
+        ranks = profile_ranks(cfg.profile_ranks, world_size)
+        self.profiled = ranks is None or rank in ranks  # takes part in --use-profiler, --nsys, memory history
+        self.window = range(cfg.profile_step_start, cfg.profile_step_end)
+        snapshot = Path(cfg.memory_snapshot_path or out_dir / paths.SNAPSHOT_FILE.format(rank=rank))
+        if cfg.memory_snapshot_path and world_size > 1:  # one file per rank, never overwritten by another
+            snapshot = snapshot.with_name(f"rank{rank}_{snapshot.name}")
+        self.snapshot_path, self._snapshot_dumped = snapshot, False
+        self.memory_history = None
+        if cfg.record_memory_history and self.profiled:
+            if cfg.memory_snapshot_path:  # a path of the user's: refused now, not when the window ends
+                probe_writable(snapshot, "--memory-snapshot-path")
+                # and never over a file that is not a pickle (a snapshot is one): a run's config,
+                # its metrics, a checkpoint (a zip)
+                check_may_replace(
+                    snapshot, SNAPSHOT_MARKER, "--memory-snapshot-path", "minigpt", fix="name another path"
+                )
+            # The OOM observer from now on (an OOM while building still leaves the segments); the
+            # history itself from the first step: the entries are training steps only.
+            self.memory_history = MemoryHistory(cfg.memory_history_entries)
+            self.memory_history.dump_on_oom(out_dir / paths.OOM_SNAPSHOT_FILE.format(rank=rank))
+        self.profiler = self.nsys = None
+        self.memory_step: int | None = None
+        self.memory_breakdown: dict | None = None  # the measured step's record, for the next log line
+        self._rss_before_window: int | None = None
+        self.comm = None
+        if comm and cfg.comm_profile and cfg.stage_timing:
+            from minigpt.instruments.commprobe import CommProbe
+
+            self.comm = CommProbe(cfg)
+        self._exit = ExitStack()
+        self._probed = False
+
+    def attach(self, model, optimizer, first_step: int, memory_estimate=None) -> None:
+        """The model and optimizer the step trains; `first_step` is the step the loop runs next
+        (1-based; later after --resume). Sets up the profiler window and the memory capture."""
+        cfg, window = self.cfg, self.window
+        self.model, self.optimizer, self.first_step = model, optimizer, first_step
+        self.memory_estimate = memory_estimate
+        if cfg.use_profiler and self.profiled and first_step <= window.start:
+            self.profiler = make_profiler(
+                self.out_dir / paths.TRACE_DIR,
+                self.worker,
+                first_step,
+                window,
+                self.device,
+                profiler_options(cfg),
+                self._window_done,
+            )
+        if cfg.nsys and self.profiled and first_step <= window.start:
+            self.nsys = NsysCaptureRange(window.start, window.stop)
+        if (cfg.use_profiler or cfg.nsys) and first_step > window.start:
+            self.log.warning(
+                f"the profile window starts at step {window.start}, but this run resumes at step "
+                f"{first_step}: nothing is profiled (pass a later --profile-step-start/-end)"
+            )
+        if cfg.memory_profiler and self.profiled:
+            if first_step <= cfg.memory_profile_step:
+                self.memory_step = cfg.memory_profile_step
+            else:
+                self.log.warning(
+                    f"--memory-profiler: step {cfg.memory_profile_step} was done before the resume "
+                    f"at step {first_step}; nothing is measured (pass a later --memory-profile-step)"
+                )
+        if self.profiler is not None or self.memory_step is not None:
+            self.log.info(PROFILER_STDERR_NOTE)
+
+    # -- around each step
+    def before_step(self, n: int):
+        """Before training step `n` (outside its clock): the profiler's ProfilerStep#n range, Nsight's
+        capture range, the memory history's start, the collectives' probe. Returns the context the
+        step runs in: the memory capture of the measured step, else nothing."""
+        if self.profiler is not None and n > self.first_step:
+            self.profiler.step()  # opens ProfilerStep#n here, after the evaluation and logging of n-1
+        if n == self.window.start and self.profiler is not None:
+            self._rss_before_window = process_memory()["rss_peak_bytes"]
+        if self.nsys:
+            self.nsys.before_step(n)
+        if self.memory_history and not self.memory_history.started:
+            self.memory_history.start()  # the first step's allocations on: the recording is training
+        self._probed = self.comm is not None and self.comm.start(n, self.first_step)  # outside the clock
+        return self._capture() if n == self.memory_step else nullcontext()
+
+    def end_probe(self, n: int) -> None:
+        if self._probed:
+            self.comm.stop(n)
+
+    def after_step(self, n: int, capture) -> None:
+        """After the step's clock, outside the ProfilerStep range: writing a trace, snapshot or chart
+        is not training."""
+        if self.profiler is not None:  # ProfilerStep#n closed now: what runs between steps stays outside
+            torchcompat.close_profiler_step(self.profiler)
+        if self.memory_history and n == self.window.stop - 1:  # the end of the window: a snapshot of it
+            self.memory_history.dump(self.snapshot_path)
+            self._snapshot_dumped = True
+        if n == self.memory_step:
+            self._write_memory(capture.breakdown)
+
+    def instrumented(self, n: int) -> str | None:
+        """The instrument that slows step `n` on purpose, known before it runs, or None."""
+        if n == self.memory_step:
+            return "memory profiler"
+        w = self.window
+        if self.profiler is not None and (n in w or n == w.start - 1 >= self.first_step):
+            return "profiler"
+        if self.nsys is not None and n in w:
+            return "nsys"
+        return None
+
+    # -- the profiler window
+    def _window_done(self, prof: torch.profiler.profile) -> None:
+        ops = top_operators(prof, self.device)
+        ops_path = self.out_dir / paths.OPS_FILE.format(rank=self.rank)
+        atomic_write(ops_path, ops)
+        w = self.window
+        self.log.info(f"Profiled steps {w.start}-{w.stop - 1}; top operators (also in {ops_path}):\n{ops}")
+        if self.device == "cuda" and not has_device_kernels(prof):
+            self.log.warning(
+                "WARNING: the trace holds no CUDA kernel events: CUPTI recorded nothing "
+                "(check that the CUDA profiling libraries match the driver)"
+            )
+        self.log.info(
+            f"View the trace: python -m minigpt traces {self.out_dir / paths.TRACE_DIR}, or open "
+            f"{self.out_dir / paths.TRACE_DIR}/*.json.gz in ui.perfetto.dev, or tensorboard --logdir "
+            f"{self.out_dir}"
+        )
+
+    def profiler_cost(self, step_times: dict[int, float]) -> str | None:
+        """The profiled steps' median time against the median of the unprofiled ones, and the process's
+        peak memory before and after the window. Not step 1 (it allocates everything), not the
+        profiler's warm-up step; at least three unprofiled steps, or the line says it is not priced."""
+        if self.profiler is None:
+            return None
+        w = self.window
+        during = [t for s, t in step_times.items() if s in w]
+        before = [t for s, t in step_times.items() if s != 1 and s != w.start - 1 and s not in w]
+        if not during:
+            return None
+        rss = ""
+        if self._rss_before_window:
+            after = process_memory()["rss_peak_bytes"]
+            rss = (
+                f"; process peak memory {self._rss_before_window / 2**30:.2f} GiB before the window, "
+                f"{after / 2**30:.2f} GiB after"
+            )
+        if len(before) < 3:
+            return (
+                f"Profiler cost: not priced: {len(before)} unprofiled step(s) to compare with, 3 needed "
+                f"(step 1 and the warm-up step before the window do not count; run more steps){rss}"
+            )
+        d, b = statistics.median(during), statistics.median(before)
+        return (
+            f"Profiler cost: {1000 * d:.0f} ms/step profiled (median of {len(during)}) vs {1000 * b:.0f} "
+            f"ms/step unprofiled (median of {len(before)}): {d / b:.2f}x{rss}"
+        )
+
+    # -- the one-step memory capture
+    def _capture(self):
+        from minigpt.instruments.memory import capture_memory
+
+        return capture_memory(self.model, self.optimizer, self.memory_step)
+
+    def _write_memory(self, breakdown) -> None:
+        from minigpt.instruments.memory import format_breakdown, write_memory_trace
+
+        folder = self.out_dir / paths.MEMORY_TRACE_DIR.format(worker=self.worker)
+        write_memory_trace(breakdown, folder, self.memory_estimate, run_dir=self.out_dir)
+        self.log.info(
+            f"{format_breakdown(breakdown, self.memory_estimate)}\n  memory.log and sunburst charts: {folder}"
+        )
+        self.memory_breakdown = breakdown.to_record(self.memory_estimate)
+
+    def take_comm(self) -> tuple[int, dict[str, float]] | None:
+        """(the profiled step, its ms in collectives per stage) of the interval, once; None when no
+        step of it was profiled (or no CommProbe)."""
+        return self.comm.take() if self.comm else None
+
+    def take_memory_breakdown(self) -> dict | None:
+        """The measured step's figures once, for the first log line after it."""
+        record, self.memory_breakdown = self.memory_breakdown, None
+        return record
+
+    # -- entering and leaving
+    def __enter__(self) -> Window:
+        if self.profiler is not None:
+            self._exit.enter_context(self.profiler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """On every exit, a failing step's too: the profiler stops and writes its trace, the Nsight
+        range closes, the memory history leaves its snapshot."""
+        try:
+            self._exit.close()
+        finally:
+            if self.nsys:
+                self.nsys.stop()
+            if self.memory_history:
+                if not self._snapshot_dumped:  # the run ended before the window did
+                    self.memory_history.dump(self.snapshot_path)
+                self.memory_history.stop()
+                self.log.info(
+                    f"CUDA memory snapshot: {self.snapshot_path} (offline page: python -m minigpt "
+                    f"snapshot {self.snapshot_path}; the report links it; .txt: what was live at its peak)"
+                )
