@@ -43,7 +43,6 @@ from typing import NamedTuple
 import torch
 
 from minigpt import paths
-from minigpt.core.checkpoint import Checkpointer, NonFiniteLoss
 from minigpt.core.config import (
     TrainConfig,
     UsageError,
@@ -56,7 +55,7 @@ from minigpt.core.config import (
 from minigpt.core.data import Batches, Data, load_data
 from minigpt.core.model import GPT, GPTConfig
 from minigpt.core.runs import RunDir, stop_on_signals
-from minigpt.errors import INTERRUPTED, INTERRUPTED_LINE, LostRank
+from minigpt.errors import INTERRUPTED, INTERRUPTED_LINE, LostRank, NonFiniteLoss
 from minigpt.instruments.instrument import Instruments
 from minigpt.instruments.metrics import (
     TORCH_DTYPES,
@@ -151,7 +150,6 @@ class Setup(NamedTuple):
     step: int  # the checkpoint's step, 0 for a fresh run
     inst: Instruments
     rate: Throughput
-    ckpt: Checkpointer
     run: RunDir
     log: logging.Logger
 
@@ -180,9 +178,8 @@ def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
 
         dist_info, plan = join(cfg, device)
     torch.manual_seed(cfg.seed)  # the same on every rank: the same initial weights
-    run = RunDir(cfg, dist_info)  # rank 0's choice of folder, on every rank
-    ckpt = Checkpointer(cfg, run.path, plan.sharded, dist_info)  # its path checked
-    run.guard(ckpt, held)  # rank 0: every output path probed, the folder locked, stale files removed
+    run = RunDir(cfg, dist_info, plan.sharded)  # rank 0's folder on every rank, and the checkpoint's path
+    run.guard(held)  # rank 0: every output path probed, the folder locked, stale files removed
 
     # ------------------------------------------------------------------ data, model, optimizer
     data = load_data(cfg, plan.dp_rank, pin=device == "cuda")  # the ranks of a tp group share batches
@@ -200,7 +197,7 @@ def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
     # fp16 needs loss scaling (its range is narrow); bf16 has fp32's range and needs none.
     scaler = torch.amp.GradScaler(device, enabled=amp_dtype == "fp16")
     autocast = torch.autocast(device, dtype=TORCH_DTYPES[amp_dtype]) if amp_on else nullcontext()
-    step = ckpt.restore(model, optimizer, scaler, data.train)  # with --resume; 0 otherwise
+    step = run.restore(model, optimizer, scaler, data.train)  # with --resume; 0 otherwise
     ddp_model = model
     if dist_info.enabled and not plan.sharded:  # DDP from 2 ranks on (FSDP and TP wrap in place)
         from minigpt.core.distributed import wrap_ddp
@@ -214,7 +211,6 @@ def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
     rate = Throughput(tokens, plan.dp, flops, peak, amp_dtype, step, cfg.num_steps, data.train_tokens, totals)
 
     # ------------------------------------------------------------------ run directory
-    run.repair(step)  # a resumed run repeats the steps after its checkpoint: logged once each
     memory = None  # --memory-profiler: the predicted memory, shown beside the measured
     if cfg.memory_profiler:
         from minigpt.instruments.estimate import memory_estimate
@@ -223,7 +219,7 @@ def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
     log = run.open(model, data, rate, [amp_note, malloc_note, plan_note, batch_note])
     inst.attach(model, optimizer, step + 1, memory, ddp_model)  # with DDP: the backward's compute timed apart
     return Setup(cfg, device, dist_info, plan, data, model, ddp_model, train_model, optimizer, scaler,
-                 autocast, step, inst, rate, ckpt, run, log)  # fmt: skip
+                 autocast, step, inst, rate, run, log)  # fmt: skip
 
 
 def main(argv: list[str] | None = None, on_step: Callable[[int], None] | None = None) -> int:
@@ -240,7 +236,7 @@ def main(argv: list[str] | None = None, on_step: Callable[[int], None] | None = 
 def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) -> int:
     """The loop, with what set_up() built under the names it reads."""
     (cfg, device, dist_info, plan, data, model, ddp_model, train_model, optimizer, scaler,
-     autocast, step, inst, rate, ckpt, run, log) = s  # fmt: skip
+     autocast, step, inst, rate, run, log) = s  # fmt: skip
     is_main = dist_info.is_main
     metrics_file = JsonlWriter(run.path / paths.METRICS_FILE, enabled=is_main)
     tensorboard = TensorBoardLogger(run.path / paths.TENSORBOARD_DIR, enabled=is_main, purge_step=step + 1)
@@ -252,7 +248,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) ->
         from minigpt.core.distributed import Ranks
 
         ranks = Ranks(cfg, dist_info, run.path, ddp_model)
-        lost = ranks.watch(ckpt.resume_hint(run.path))  # a rank lost mid-run: one line on the others
+        lost = ranks.watch(run.resume_hint())  # a rank lost mid-run: one line on the others
     if plan.sharded:
         from minigpt.core.parallel import clip_grad_norm  # DTensor gradients too
 
@@ -296,7 +292,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) ->
             stop = ranks.any(bool(stop_signal)) if ranks else bool(stop_signal)  # all ranks stop at one step
 
             if is_log_step(step, cfg) or stop:  # outside the step: not in its clock nor in its ProfilerStep
-                values = ckpt.check_finite(losses, step, rate.amp)
+                values = run.check_finite(losses, step, rate.amp)
                 interval = inst.interval()  # the steady steps' times; warm-up and instrumented ones apart
                 val = None  # a val loss only at the step it was evaluated: never carried as new
                 # sharded: every rank takes part (the forward has collectives)
@@ -314,14 +310,14 @@ def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) ->
                 if ranks:
                     ranks.report_stragglers(step, interval, log)
                 losses = []
-            if ckpt.enabled and (last or stop or cfg.save_interval and step % cfg.save_interval == 0):
-                ckpt.check_finite(losses, step, rate.amp, weights=True)
-                ckpt.save(step)
+            if run.saves and (last or stop or cfg.save_interval and step % cfg.save_interval == 0):
+                run.check_finite(losses, step, rate.amp)  # the steps since the log line, before a save
+                run.save(step)
             if stop:
                 return run.stopped(stop_signal, step, log)
 
     # ------------------------------------------------------------------ finish
-    run.finish(log, inst.profiler_cost(), rate, logged, step, plan.sharded)
+    run.finish(log, inst.profiler_cost(), rate, logged, step)
     return 0
 
 

@@ -18,6 +18,11 @@ class UsageError(Exception):
     """A mistake the user can fix. The trainer prints it as one line and exits with status 2."""
 
 
+class NonFiniteLoss(Exception):
+    """The loss or the weights became NaN or inf: the run stops (exit status 1) rather than train
+    on garbage, and says that its last good checkpoint was kept."""
+
+
 class LostRank(Exception):
     """A peer process ended or stopped answering mid-run (torchrun): a fault, not a user's mistake
     (exit 1). Raised by minigpt/core/distributed.py."""

@@ -295,7 +295,9 @@ def test_tensorboard_gets_the_same_figures(tmp_path):
     assert events.Scalars("train/loss")[-1].value == pytest.approx(rows[-1]["loss"], rel=1e-6)
     # in the units a chart reads: MFU in percent, memory in MiB
     assert events.Scalars("perf/mfu_percent")[-1].value == pytest.approx(100 * rows[-1]["mfu"], rel=1e-6)
-    assert events.Scalars("memory/rss_mib")[-1].value == pytest.approx(rows[-1]["memory"]["rss_bytes"] / 2**20)
+    assert events.Scalars("memory/rss_mib")[-1].value == pytest.approx(
+        rows[-1]["memory"]["rss_bytes"] / 2**20
+    )
 
 
 def test_profiler_schedule_has_megatron_semantics():

@@ -18,10 +18,18 @@ from minigpt import paths
 from minigpt.core import distributed, parallel
 from minigpt.core.config import TrainConfig, UsageError, format_bytes, machine_ram_bytes, param_count
 from minigpt.core.data import Batches
-from minigpt.core.distributed import DistInfo
 from minigpt.core.model import GPT
+from minigpt.core.runs import (
+    atomic_open,
+    atomic_write,
+    check_checkpoint_path,
+    describe_intact,
+    directory_message,
+)
 from minigpt.core.torchcompat import dcp_set_element
-from minigpt.fileio import UnreadableFile, atomic_open, read_bounded
+from minigpt.errors import NonFiniteLoss
+from minigpt.fileio import UnreadableFile, read_bounded
+from minigpt.ranks import DistInfo
 
 # The fields that fix the model's shape: a checkpoint whose values differ cannot be loaded.
 SHAPE_FIELDS = ("vocab_size", "max_position_embeddings", "n_layers", "n_heads", "d_model", "d_ff")
@@ -120,7 +128,7 @@ def state_crc(obj, crc: int = 0) -> int:
 def save_checkpoint(path: str | Path, state: dict) -> None:
     """Write to a temporary file beside the target, flush it to disk, then rename it into place:
     a crash mid-write leaves the previous checkpoint whole, and a full disk ends as one line
-    (minigpt.fileio.DiskFull) with the previous checkpoint whole. The state goes with its checksum
+    (minigpt.core.runs.DiskFull) with the previous checkpoint whole. The state goes with its checksum
     (CHECKSUM_KEY), which check_whole verifies on load."""
     body = {k: v for k, v in state.items() if k != CHECKSUM_KEY}
     with atomic_open(path, size_hint=state_nbytes(state)) as f:
@@ -159,38 +167,73 @@ def check_whole(state: dict, path: str | Path) -> None:
         raise UsageError(f"checkpoint {path} is damaged: {name} holds NaN or inf; {fix}")
 
 
-def describe_intact(path: str | Path) -> str:
-    """What a run that stops on an error leaves behind, for its last line: the claim that a good
-    checkpoint survives is made only when there is one."""
-    path = Path(path)
-    if path.is_file():
-        return f"the last good checkpoint ({path}) was left intact"
-    return "no checkpoint had been written yet"
+# Two runs whose checkpoints were written closer together than this cannot be told apart by age.
+AMBIGUOUS_S = 1.0
 
 
-def directory_message(path: Path) -> str:
-    return (
-        f"checkpoint path {path} is a directory, not a checkpoint file; point --checkpoint-path at a "
-        f"file (for example {path / 'ckpt.pt'})"
-    )
-
-
-def check_checkpoint_path(path: str | Path, resume: bool) -> None:
-    """Before anything is built: the one message for each way the checkpoint path can be wrong
-    (a directory gets the same line with or without --resume)."""
-    path = Path(path)
-    if path.is_dir():
-        raise UsageError(directory_message(path))
-    if resume and not path.is_file():
+def latest_run(
+    root: str | Path,
+    checkpoint_file: str | Path = Path("checkpoints") / "ckpt.pt",
+    asker: str = "--resume",
+    flag: str = "--checkpoint-path",
+    purpose: str = "to continue",
+) -> Path:
+    """The run under `root` whose checkpoint was written last (by its mtime, not its name:
+    'runs/long' sorts after 'runs/20261123-...'). Refused when none has one, or when the two
+    newest were written within AMBIGUOUS_S of each other. The messages name who asked (`asker`:
+    the trainer's --resume, sample.py) and the flags that tool takes instead (--out-dir, `flag`)."""
+    root, depth = Path(root), len(Path(checkpoint_file).parts)
+    found = []
+    for ckpt in root.glob(f"*/{checkpoint_file}"):
+        try:
+            found.append((ckpt.stat().st_mtime, ckpt.parents[depth - 1]))
+        except OSError:
+            continue
+    if not found:
         raise UsageError(
-            f"no checkpoint at {path} to resume from; train without --resume first, "
-            "or point --checkpoint-path at one"
+            f"{asker}: no run in {root}/ has a checkpoint ({checkpoint_file}); pass --out-dir or {flag}"
         )
-    if not resume and path.exists():
+    found.sort(key=lambda t: t[0], reverse=True)
+    if len(found) > 1 and found[0][0] - found[1][0] < AMBIGUOUS_S:
         raise UsageError(
-            f"{path} already exists; pass --resume to continue that run, "
-            "or choose another --out-dir / --checkpoint-path"
+            f"{asker}: {found[0][1]} and {found[1][1]} saved their checkpoints within "
+            f"{AMBIGUOUS_S:g}s of each other; pass --out-dir to say which {purpose}"
         )
+    return found[0][1]
+
+
+def repair_jsonl(path: str | Path, last_step: int | None) -> int:
+    """Make a JSON-lines log fit a resume from the checkpoint at `last_step`: drop a partial last
+    line (a crash mid-write, which would fuse with the next record), any line that is not a JSON
+    object, and records past `last_step` (they are trained again, and no step may appear twice).
+    Rewritten atomically, and only when something is dropped. Returns the lines dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    raw = path.read_bytes()
+    lines = raw.split(b"\n")
+    partial = lines.pop()  # b"" when the file ends with a newline
+    dropped = 1 if partial.strip() else 0
+    kept = []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except (ValueError, RecursionError):  # RecursionError: nested too deep to parse
+            dropped += 1
+            continue
+        if not isinstance(rec, dict):
+            dropped += 1
+            continue
+        step = rec.get("step")
+        if last_step is not None and isinstance(step, (int, float)) and step > last_step:
+            dropped += 1
+            continue
+        kept.append(line)
+    if dropped:
+        atomic_write(path, b"".join(line + b"\n" for line in kept))
+    return dropped
 
 
 def _is_int(v) -> bool:
@@ -763,37 +806,41 @@ def check_sharded_path(folder: str | Path, resume: bool) -> None:
 # ---------------------------------------------------------------------------- the trainer's checkpointer
 
 
-class NonFiniteLoss(Exception):
-    """The loss or the weights became NaN or inf: the run stops (exit status 1) rather than train
-    on garbage, and says that its last good checkpoint was kept."""
-
-
 class Checkpointer:
     """The checkpoint a run writes and resumes from: one file written by rank 0, or under
     --fsdp/--tp a folder of shards that every rank writes (DCP). The trainer calls restore() once
     and save() at each save point, and never asks which of the two it is."""
 
-    def __init__(self, cfg: TrainConfig, out_dir: Path, sharded: bool, dist_info: DistInfo):
-        """The path is checked here, before anything is built or the run directory is touched."""
+    def __init__(
+        self, cfg: TrainConfig, out_dir: Path, sharded: bool, dist_info: DistInfo, check: bool = True
+    ):
+        """The path is checked here (`check`), before anything is built or the run directory is
+        touched; the run directory (minigpt/core/runs.py) checked it already when it makes one at
+        its first save."""
         path = Path(cfg.checkpoint_path) if cfg.checkpoint_path else out_dir / paths.CHECKPOINT_FILE
         self.path = sharded_checkpoint_dir(path) if sharded else path
-        (check_sharded_path if sharded else check_checkpoint_path)(self.path, cfg.resume)
+        if check:
+            (check_sharded_path if sharded else check_checkpoint_path)(self.path, cfg.resume)
         self.cfg, self.sharded, self.dist_info = cfg, sharded, dist_info
         self.enabled = not cfg.no_checkpoint
         # The first file a save writes, probed before the run starts (minigpt.core.runs.RunDir.guard).
         self.probe_path = self.path / SHARDED_META if sharded else self.path
 
-    def resume_hint(self, out_dir: Path) -> str:
-        """What to do after a run ended abruptly (a lost rank): where its last save is, how to go on."""
-        if not self.enabled:
-            return "nothing to resume (--no-checkpoint)"
-        where = f"the last checkpoint, if one was saved, is {self.path}"
-        return f"{where}: continue with --resume --out-dir {out_dir}"
+    def hold(self, model: GPT, optimizer: torch.optim.Optimizer, scaler, batches: Batches) -> None:
+        """What save() writes."""
+        self.model, self.optimizer, self.scaler, self.batches = model, optimizer, scaler, batches
+
+    def check_weights(self, step: int) -> None:
+        """Before a save: a checkpoint of non-finite weights would replace the last good one."""
+        if not all(torch.isfinite(parallel.local(p)).all() for p in self.model.parameters()):
+            raise NonFiniteLoss(
+                f"the weights became non-finite at step {step}; {describe_intact(self.path)}; lower --lr"
+            )
 
     def restore(self, model: GPT, optimizer: torch.optim.Optimizer, scaler, batches: Batches) -> int:
         """Hold what save() writes and, with --resume, load the checkpoint into it; return its
         step (0 for a fresh run). Refuses a checkpoint that does not fit the flags."""
-        self.model, self.optimizer, self.scaler, self.batches = model, optimizer, scaler, batches
+        self.hold(model, optimizer, scaler, batches)
         if not self.cfg.resume:
             return 0
         return self._load_shards() if self.sharded else self._load_file()
@@ -841,30 +888,6 @@ class Checkpointer:
         self.batches.position = extra["data_position"]
         set_rng_state(extra["rng"])  # this rank's own stream (rank 0's after a change of world size)
         return extra["step"]
-
-    def check_finite(
-        self, losses: list[torch.Tensor], step: int, amp_dtype: str, weights: bool = False
-    ) -> list[float]:
-        """Read the interval's losses (this syncs) and stop at the first non-finite one, on every
-        rank together (each rank sees only its own loss). Before a save, the weights too (first):
-        a checkpoint of non-finite weights would replace the last good one."""
-        if weights and not all(torch.isfinite(parallel.local(p)).all() for p in self.model.parameters()):
-            raise NonFiniteLoss(
-                f"the weights became non-finite at step {step}; {describe_intact(self.path)}; lower --lr"
-            )
-        if not losses:
-            return []
-        values = torch.stack(losses).tolist()
-        bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
-        if distributed.any_rank(bad is not None, self.dist_info):
-            where = (
-                f"loss is {values[bad]} at step {step - len(values) + bad + 1}"
-                if bad is not None
-                else f"another rank's loss became non-finite by step {step}"
-            )
-            hint = " or use --amp-dtype bf16 (fp16's range is narrow)" if amp_dtype == "fp16" else ""
-            raise NonFiniteLoss(f"{where}; {describe_intact(self.path)}; lower --lr{hint}")
-        return values
 
     def save(self, step: int) -> None:
         """Everything a resumed run needs to repeat the uninterrupted one. Called on every rank:

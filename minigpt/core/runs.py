@@ -1,11 +1,13 @@
-"""The run directory before the first step and after the last: every output path probed, one
-trainer per directory, the run to resume found by its checkpoint's age, files a killed process
-left behind cleaned or repaired, config.json and the lines every log starts and ends with.
-RunDir holds all of it for the trainer.
+"""The run directory, from the choice of its name to its last lines: every output path checked
+before any work (a bad one costs one line, exit 2, not an interval of training and a traceback at
+the first save), one trainer per directory, what a killed process left cleaned up, config.json and
+the lines every log starts and ends with, the checkpoint's save point. RunDir holds all of it for
+the trainer; what only a resume or a save needs is minigpt/core/checkpoint.py, loaded then.
 
-All of it runs before a single step is trained: a path that cannot be written costs one line
-(exit 2), not an interval of training followed by a traceback at the first save.
-"""
+Every file that must survive a crash is written to a temporary name beside the target, flushed,
+then renamed into place (a rename within a folder is atomic): a reader sees the old file or the
+new one, never half of either. A full disk (ENOSPC, or a quota: EDQUOT) is a user's problem with a
+user's fix: one line (DiskFull) naming the file, the space it needed and the space left."""
 
 from __future__ import annotations
 
@@ -16,51 +18,122 @@ import logging
 import os
 import platform
 import re
+import shutil
 import signal
 import stat
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
-
-import torch
+from typing import IO
 
 from minigpt import paths
-from minigpt.core import distributed
 from minigpt.core.config import EXTRA_ARGS_ENV, TrainConfig, UsageError
-from minigpt.core.cpu import preload_hint
-from minigpt.core.distributed import DistInfo
-from minigpt.fileio import atomic_write, file_kind
-
-if TYPE_CHECKING:
-    from minigpt.core.checkpoint import Checkpointer
-    from minigpt.core.data import Data
-    from minigpt.core.model import GPT
-
-
-class RunRate(Protocol):
-    """What the run directory's opening lines read of the run's throughput constants (the
-    instruments' Throughput has them); a protocol, so the core imports nothing of the instruments."""
-
-    device: str
-    amp: str
-    tokens_per_step: int
-    start_step: int
-
-    def config(self) -> dict: ...
-
+from minigpt.errors import NonFiniteLoss
+from minigpt.ranks import DistInfo
 
 LOCK_FILE = ".lock"  # in the run directory; holds the PID of the trainer that owns it
 # Pseudo file systems: the kernel's views, never a place for a run's files.
 PSEUDO_FS = (Path("/proc"), Path("/sys"), Path("/dev"))
-# Two runs whose checkpoints were written closer together than this cannot be told apart by age.
-AMBIGUOUS_S = 1.0
-STALE_TMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.tmp$")  # minigpt.fileio.tmp_path's names
+STALE_TMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.tmp$")  # tmp_path's names
 LOG_FORMAT = "[%(asctime)s] %(message)s"
 LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# The flags that send a file elsewhere, named by a full disk's message: the trainer's by default;
+# a tool that writes where its own flag says (report --out, compare --html) names that flag.
+ELSEWHERE = "--out-dir, --checkpoint-path"
+
+
+# ---------------------------------------------------------------------------- files written whole
+
+
+class DiskFull(UsageError):
+    """No space left (or over quota) while writing a file; the previous file, if any, is whole."""
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def tmp_path(path: Path) -> Path:
+    """The temporary name of `path` while it is written: per process, since ranks may share a
+    folder. clean_stale_tmp() removes the ones a killed process left behind."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def remove(path: Path) -> None:
+    """Remove a file if it is there; never raise (a read-only file system refuses even to remove
+    a file that does not exist, and that must not hide the error being reported)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """An OSError for a full disk, or one wrapped by a library (torch.save re-raises the write
+    error as a RuntimeError whose message carries the errno text)."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
+            return True
+        if isinstance(e, RuntimeError) and any(os.strerror(n) in str(e) for n in DISK_FULL_ERRNOS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def disk_full_message(path: Path, need: int | None, existed: bool, elsewhere: str = ELSEWHERE) -> str:
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        free = f"{format_bytes(shutil.disk_usage(folder).free)} free"
+    except OSError:
+        free = "free space unknown"
+    needs = f"needs about {format_bytes(need)}, " if need else ""
+    kept = f"the previous {path.name} was left intact" if existed else "nothing was written"
+    return (
+        f"no space left on the device while writing {path} ({needs}{free} there); {kept}; "
+        f"free some space or write elsewhere ({elsewhere})"
+    )
+
+
+@contextmanager
+def atomic_open(
+    path: str | Path, mode: str = "wb", size_hint: int | None = None, elsewhere: str = ELSEWHERE
+) -> Iterator[IO]:
+    """open() for writing, with the rename on success; on an error the target is left untouched.
+    size_hint: the bytes about to be written, and `elsewhere` the flags that move the file, for
+    the message when the disk is full."""
+    path = Path(path)
+    existed = path.exists()
+    tmp = tmp_path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        if not is_disk_full(e):
+            raise
+        remove(tmp)  # before measuring what is free
+        raise DiskFull(disk_full_message(path, size_hint, existed, elsewhere)) from None
+    finally:
+        remove(tmp)
+
+
+def atomic_write(path: str | Path, data: bytes | str, elsewhere: str = ELSEWHERE) -> None:
+    size = len(data) if isinstance(data, bytes) else len(data.encode("utf-8"))
+    with atomic_open(path, "wb" if isinstance(data, bytes) else "w", size, elsewhere) as f:
+        f.write(data)
 
 
 def _reason(e: OSError) -> str:
@@ -152,6 +225,8 @@ def check_run_files(out_dir: str | Path) -> None:
         except OSError:  # not there (made when needed), or not reachable (the probes say why)
             continue
         if not (stat.S_ISREG(mode) if want == "file" else stat.S_ISDIR(mode)):
+            from minigpt.fileio import file_kind
+
             kind = "a file" if stat.S_ISREG(mode) else file_kind(mode)
             raise UsageError(
                 f"{out_dir / name} is {kind}, where the run keeps its {name} ({want}); "
@@ -268,37 +343,6 @@ class RunLock:
         self.release()
 
 
-def latest_run(
-    root: str | Path,
-    checkpoint_file: str | Path = Path("checkpoints") / "ckpt.pt",
-    asker: str = "--resume",
-    flag: str = "--checkpoint-path",
-    purpose: str = "to continue",
-) -> Path:
-    """The run under `root` whose checkpoint was written last (by its mtime, not its name:
-    'runs/long' sorts after 'runs/20261123-...'). Refused when none has one, or when the two
-    newest were written within AMBIGUOUS_S of each other. The messages name who asked (`asker`:
-    the trainer's --resume, sample.py) and the flags that tool takes instead (--out-dir, `flag`)."""
-    root, depth = Path(root), len(Path(checkpoint_file).parts)
-    found = []
-    for ckpt in root.glob(f"*/{checkpoint_file}"):
-        try:
-            found.append((ckpt.stat().st_mtime, ckpt.parents[depth - 1]))
-        except OSError:
-            continue
-    if not found:
-        raise UsageError(
-            f"{asker}: no run in {root}/ has a checkpoint ({checkpoint_file}); pass --out-dir or {flag}"
-        )
-    found.sort(key=lambda t: t[0], reverse=True)
-    if len(found) > 1 and found[0][0] - found[1][0] < AMBIGUOUS_S:
-        raise UsageError(
-            f"{asker}: {found[0][1]} and {found[1][1]} saved their checkpoints within "
-            f"{AMBIGUOUS_S:g}s of each other; pass --out-dir to say which {purpose}"
-        )
-    return found[0][1]
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -324,38 +368,38 @@ def clean_stale_tmp(folder: str | Path) -> list[Path]:
     return sorted(removed)
 
 
-def repair_jsonl(path: str | Path, last_step: int | None) -> int:
-    """Make a JSON-lines log fit a resume from the checkpoint at `last_step`: drop a partial last
-    line (a crash mid-write, which would fuse with the next record), any line that is not a JSON
-    object, and records past `last_step` (they are trained again, and no step may appear twice).
-    Rewritten atomically, and only when something is dropped. Returns the lines dropped."""
+def describe_intact(path: str | Path) -> str:
+    """What a run that stops on an error leaves behind, for its last line: the claim that a good
+    checkpoint survives is made only when there is one."""
     path = Path(path)
-    if not path.is_file():
-        return 0
-    raw = path.read_bytes()
-    lines = raw.split(b"\n")
-    partial = lines.pop()  # b"" when the file ends with a newline
-    dropped = 1 if partial.strip() else 0
-    kept = []
-    for line in lines:
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except (ValueError, RecursionError):  # RecursionError: nested too deep to parse
-            dropped += 1
-            continue
-        if not isinstance(rec, dict):
-            dropped += 1
-            continue
-        step = rec.get("step")
-        if last_step is not None and isinstance(step, (int, float)) and step > last_step:
-            dropped += 1
-            continue
-        kept.append(line)
-    if dropped:
-        atomic_write(path, b"".join(line + b"\n" for line in kept))
-    return dropped
+    if path.is_file():
+        return f"the last good checkpoint ({path}) was left intact"
+    return "no checkpoint had been written yet"
+
+
+def directory_message(path: Path) -> str:
+    return (
+        f"checkpoint path {path} is a directory, not a checkpoint file; point --checkpoint-path at a "
+        f"file (for example {path / 'ckpt.pt'})"
+    )
+
+
+def check_checkpoint_path(path: str | Path, resume: bool) -> None:
+    """Before anything is built: the one message for each way the checkpoint path can be wrong
+    (a directory gets the same line with or without --resume)."""
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(directory_message(path))
+    if resume and not path.is_file():
+        raise UsageError(
+            f"no checkpoint at {path} to resume from; train without --resume first, "
+            "or point --checkpoint-path at one"
+        )
+    if not resume and path.exists():
+        raise UsageError(
+            f"{path} already exists; pass --resume to continue that run, "
+            "or choose another --out-dir / --checkpoint-path"
+        )
 
 
 def next_steps(
@@ -388,6 +432,8 @@ def resolve_out_dir(cfg: TrainConfig) -> Path:
     if cfg.out_dir:
         return Path(cfg.out_dir)
     if cfg.resume and not cfg.checkpoint_path:
+        from minigpt.core.checkpoint import latest_run
+
         return latest_run(root, paths.CHECKPOINT_FILE)  # the newest checkpoint, not the last name
     out = root / datetime.now().strftime("%Y%m%d-%H%M%S")
     n = 1
@@ -459,123 +505,192 @@ def predicted_line(p: dict) -> str:
 
 
 class RunDir:
-    """One training run's folder, from the choice of its name to its last lines: guard() before
-    any work, repair() on resume, open() once the model is built (config.json and the log's first
-    lines), then stopped() or finish(). Rank 0 writes; every rank holds the same path."""
+    """One training run's folder and checkpoint, from the choice of their names to the run's last
+    lines: guard() before any work, restore() with --resume, open() once the model is built
+    (config.json and the log's first lines), check_finite() and save() in the loop, then stopped()
+    or finish(). Rank 0 writes; every rank holds the same paths."""
 
-    def __init__(self, cfg: TrainConfig, dist_info: DistInfo):
-        self.cfg, self.dist_info = cfg, dist_info
+    def __init__(self, cfg: TrainConfig, dist_info: DistInfo, sharded: bool):
+        """The run directory and the checkpoint's path, checked before anything is built."""
+        self.cfg, self.dist_info, self.sharded = cfg, dist_info, sharded
         self.path = resolve_out_dir(cfg)
         if dist_info.enabled:  # every rank writes to rank 0's choice
-            self.path = Path(distributed.gather(str(self.path), dist_info)[0])
-        self.checkpoint: Path | None = None
-        self.cleaned: list[str] = []  # what a killed earlier run left, and what was done about it
+            from minigpt.core.distributed import gather
 
-    def guard(self, ckpt: Checkpointer, held: ExitStack) -> None:
-        """Before any work, on rank 0: every output path probed (a bad one costs one line, not an
+            self.path = Path(gather(str(self.path), dist_info)[0])
+        checkpoint = Path(cfg.checkpoint_path) if cfg.checkpoint_path else self.path / paths.CHECKPOINT_FILE
+        self.saves = not cfg.no_checkpoint
+        self.checkpoint = self.probe = checkpoint  # the first file a save writes, probed by guard()
+        if sharded:  # a folder of shards (DCP), written by every rank
+            from minigpt.core.checkpoint import SHARDED_META, check_sharded_path, sharded_checkpoint_dir
+
+            self.checkpoint = sharded_checkpoint_dir(checkpoint)
+            self.probe = self.checkpoint / SHARDED_META
+            check_sharded_path(self.checkpoint, cfg.resume)
+        else:
+            check_checkpoint_path(checkpoint, cfg.resume)
+        self.cleaned: list[str] = []  # what a killed earlier run left, and what was done about it
+        self.ckpt = None  # minigpt/core/checkpoint.py's Checkpointer: with --resume, or at the first save
+
+    def guard(self, held: ExitStack) -> None:
+        """Before any work, on rank 0: every output path checked (a bad one costs one line, not an
         interval of training and a traceback at the first save), the run directory locked for this
         trainer alone (held until the run returns), and what a killed earlier run left cleaned up."""
-        self.checkpoint = ckpt.path
         if not self.dist_info.is_main:
             return
         check_out_dir(self.path)
         check_run_files(self.path)
-        if ckpt.enabled:
-            probe_writable(ckpt.probe_path, "--checkpoint-path")
-        held.enter_context(RunLock(self.path, ckpt.path if ckpt.enabled else None))
-        stale = clean_stale_tmp(ckpt.path.parent) + clean_stale_tmp(self.path)
+        if self.saves:
+            probe_writable(self.probe, "--checkpoint-path")
+        held.enter_context(RunLock(self.path, self.checkpoint if self.saves else None))
+        stale = clean_stale_tmp(self.checkpoint.parent) + clean_stale_tmp(self.path)
         self.cleaned = [f"removed {p}, a save killed midway" for p in stale]
 
-    def repair(self, step: int) -> None:
-        """On resume, rank 0: drop metrics and straggler lines past the checkpoint's step, or cut
-        short by a crash, so that no step appears twice (the steps after it are trained again)."""
-        if not (self.dist_info.is_main and self.cfg.resume):
-            return
-        for name in (paths.METRICS_FILE, paths.STRAGGLERS_FILE):
-            if dropped := repair_jsonl(self.path / name, step):
-                self.cleaned.append(f"dropped {dropped} line(s) of {name} past step {step} or cut short")
+    # -- the checkpoint
+    def restore(self, model, optimizer, scaler, batches) -> int:
+        """The step to continue from: the checkpoint's with --resume (loaded into the model, the
+        optimizer, the scaler and the batches, and checked against the flags), else 0. On resume,
+        rank 0 also drops the metrics and straggler lines past that step, or cut short by a crash,
+        so that no step appears twice (the steps after it are trained again)."""
+        self.held = (model, optimizer, scaler, batches)  # what a save writes
+        if not self.cfg.resume:
+            return 0
+        from minigpt.core.checkpoint import Checkpointer, repair_jsonl
 
-    def open(self, model: GPT, data: Data, rate: RunRate, notes: list[str | None]) -> logging.Logger:
+        self.ckpt = Checkpointer(self.cfg, self.path, self.sharded, self.dist_info)
+        step = self.ckpt.restore(model, optimizer, scaler, batches)
+        for name in (paths.METRICS_FILE, paths.STRAGGLERS_FILE):
+            if self.dist_info.is_main and (dropped := repair_jsonl(self.path / name, step)):
+                self.cleaned.append(f"dropped {dropped} line(s) of {name} past step {step} or cut short")
+        return step
+
+    def check_finite(self, losses: list, step: int, amp_dtype: str) -> list[float]:
+        """Read the interval's losses (this syncs) and stop at the first non-finite one, on every
+        rank together (each rank sees only its own loss): the last good checkpoint is kept."""
+        import torch
+
+        values = torch.stack(losses).tolist() if losses else []
+        bad = next((i for i, v in enumerate(values) if v != v or abs(v) == float("inf")), None)
+        if self.dist_info.enabled:
+            from minigpt.core.distributed import any_rank
+
+            if any_rank(bad is not None, self.dist_info) and bad is None:
+                raise NonFiniteLoss(
+                    f"another rank's loss became non-finite by step {step}; "
+                    f"{describe_intact(self.checkpoint)}; lower --lr"
+                )
+        if bad is not None:
+            hint = " or use --amp-dtype bf16 (fp16's range is narrow)" if amp_dtype == "fp16" else ""
+            raise NonFiniteLoss(
+                f"loss is {values[bad]} at step {step - len(values) + bad + 1}; "
+                f"{describe_intact(self.checkpoint)}; lower --lr{hint}"
+            )
+        return values
+
+    def save(self, step: int) -> None:
+        """The checkpoint at this step, if its weights are finite (a checkpoint of non-finite
+        weights would replace the last good one): everything a resumed run needs to repeat the
+        uninterrupted one (minigpt/core/checkpoint.py)."""
+        if self.ckpt is None:
+            from minigpt.core.checkpoint import Checkpointer
+
+            self.ckpt = Checkpointer(self.cfg, self.path, self.sharded, self.dist_info, check=False)
+            self.ckpt.hold(*self.held)
+        self.ckpt.check_weights(step)
+        self.ckpt.save(step)
+
+    def resume_hint(self) -> str:
+        """What to do after a run ended abruptly (a lost rank): where its last save is, how to go on."""
+        if not self.saves:
+            return "nothing to resume (--no-checkpoint)"
+        where = f"the last checkpoint, if one was saved, is {self.checkpoint}"
+        return f"{where}: continue with --resume --out-dir {self.path}"
+
+    # -- the log's first and last lines
+    def open(self, model, data, rate, notes: list[str | None]) -> logging.Logger:
         """Create the folder, write config.json (rank 0) and say what this run is: the lines every
-        log starts with. `notes`: the AMP decision in words, then the CPU allocator's setting and
-        the parallel plan and --auto-batch-size's choice, when there are. Returns the logger
-        (rank 0 writes the log, metrics, TensorBoard, checkpoints)."""
+        log starts with. `notes`: the AMP decision in words, then the CPU allocator's setting,
+        the parallel plan and --auto-batch-size's choice, when there are. `rate`: the run's
+        Throughput (minigpt/instruments/metrics.py). Returns the logger (rank 0 writes the log)."""
+        import torch
+
         cfg, info, device, (amp_note, *notes) = self.cfg, self.dist_info, rate.device, notes
         self.path.mkdir(parents=True, exist_ok=True)
         log = setup_logging(self.path / paths.LOG_FILE, info.rank)
         device_name = (
-            torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or platform.machine())
+            torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
         )
         n_params = model.num_params(non_embedding=False)
-        config = None
+        versions = {
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "python": platform.python_version(),
+        }
+        self.config = {
+            "config": cfg.to_dict(),
+            "model": asdict(model.cfg),
+            "device": device,
+            "device_name": device_name,
+            "amp": rate.amp,
+            "params": n_params,
+            **rate.config(),
+            "world_size": info.world_size,
+            "ddp_backend": info.backend,
+            "versions": versions,
+        }
         if info.is_main:
-            config = {
-                "config": cfg.to_dict(),
-                "model": asdict(model.cfg),
-                "device": device,
-                "device_name": device_name,
-                "amp": rate.amp,
-                "params": n_params,
-                **rate.config(),
-                "world_size": info.world_size,
-                "ddp_backend": info.backend,
-                "versions": {
-                    "torch": torch.__version__,
-                    "cuda": torch.version.cuda,
-                    "python": platform.python_version(),
-                },
-            }
-            atomic_write(self.path / paths.CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+            atomic_write(self.path / paths.CONFIG_FILE, json.dumps(self.config, indent=2) + "\n")
         log.info(f"Training started; run directory {self.path}")
         if os.environ.get(EXTRA_ARGS_ENV):
             log.info(f"Flags appended from ${EXTRA_ARGS_ENV}: {os.environ[EXTRA_ARGS_ENV]}")
         log.info(f"Device: {device} ({device_name}), torch {torch.__version__}; {amp_note}")
         for line in self.header(model, data, rate, notes, n_params):
             log.info(line)
-        self.config, self.vocab_size = config, model.cfg.vocab_size
+        self.vocab_size = model.cfg.vocab_size
         return log
 
-    def header(
-        self, model: GPT, data: Data, rate: RunRate, notes: list[str | None], n_params: int
-    ) -> list[str]:
+    def header(self, model, data, rate, notes: list[str | None], n_params: int) -> list[str]:
         """The log's first lines after the device: the CPU allocator, the ranks, the data, the
         model, the batch, the MFU peak, where the run starts and what was cleaned up."""
-        cfg, info, (malloc_note, plan_note, *more) = self.cfg, self.dist_info, notes
-        lines = []
+        cfg, info, (malloc_note, plan_note, batch_note) = self.cfg, self.dist_info, notes
+        lines = [malloc_note] if malloc_note else []
         if malloc_note:
-            lines.append(malloc_note)
-            if hint := preload_hint():
-                lines.append(f"CPU allocator: {hint}")
-        if plan_note:  # --fsdp / --tp
-            lines.append(f"{plan_note}; {info.backend} backend")
-        elif info.world_size > 1:
-            lines.append(
-                f"DDP: {info.world_size} ranks, {info.backend} backend; every rank draws its own batches"
-            )
+            from minigpt.core.cpu import preload_hint
+
+            lines += [f"CPU allocator: {hint}"] if (hint := preload_hint()) else []
+        if plan_note or info.world_size > 1:  # --fsdp / --tp, or DDP
+            ddp = f"DDP: {info.world_size} ranks, {info.backend} backend; every rank draws its own batches"
+            lines.append(f"{plan_note}; {info.backend} backend" if plan_note else ddp)
         tokens = data.train_tokens
         counts = (
             "" if tokens is None else f"; {tokens:,} training tokens, {data.val_tokens:,} validation tokens"
+        )
+        checkpointing = ", activation checkpointing" if cfg.use_activation_checkpoint else ""
+        start = (
+            f"Resumed from {self.checkpoint} at step {rate.start_step}"
+            if cfg.resume
+            else "Starting from scratch"
         )
         return [
             *lines,
             f"Data: {data.name}{counts}",
             f"Model: {cfg.n_layers} layers, {cfg.n_heads} heads, d_model {cfg.d_model}, d_ff {cfg.d_ff}, "
-            f"vocab {model.cfg.vocab_size}, {n_params / 1e6:.2f}M parameters"
-            + (", activation checkpointing" if cfg.use_activation_checkpoint else ""),
-            *filter(None, more),  # --auto-batch-size's choice
+            f"vocab {model.cfg.vocab_size}, {n_params / 1e6:.2f}M parameters{checkpointing}",
+            *([batch_note] if batch_note else []),  # --auto-batch-size's choice
             f"Batch: {cfg.batch_size} x {cfg.seq_len} tokens x {cfg.grad_accum_steps} accumulation = "
             f"{rate.tokens_per_step:,} tokens per step per rank; {cfg.num_steps} steps",
             *rate.peak.describe().split("\n"),
-            f"Resumed from {self.checkpoint} at step {rate.start_step}"
-            if cfg.resume
-            else "Starting from scratch",
+            start,
             *(f"Cleaned up after an earlier run: {line}" for line in self.cleaned),
         ]
 
     def stopped(self, stop_signal: list[int], step: int, log: logging.Logger) -> int:
         """After a SIGINT/SIGTERM (on any rank) and the save: say how to continue; exit status
         128 + signal."""
-        distributed.barrier(self.dist_info)  # no rank leaves (and gets torn down) before the save is done
+        if self.dist_info.enabled:  # no rank leaves (and gets torn down) before the save is done
+            from minigpt.core.distributed import barrier
+
+            barrier(self.dist_info)
         signum = stop_signal[0] if stop_signal else signal.SIGTERM  # another rank's signal
         saved = (
             "no checkpoint (--no-checkpoint)"
@@ -588,9 +703,7 @@ class RunDir:
         )
         return 128 + signum
 
-    def finish(
-        self, log: logging.Logger, profiler_cost: str | None, rate, last, step: int, sharded: bool
-    ) -> None:
+    def finish(self, log: logging.Logger, profiler_cost: str | None, rate, last, step: int) -> None:
         """The run's last lines: the profiler's cost, the predicted step beside the measured one,
         the run's figures, the report, and what to open next. What only the end needs (the
         predictor, the report's code) is loaded here."""
@@ -600,18 +713,18 @@ class RunDir:
             log.info(profiler_cost)
         # From cached rates only, None without them (measuring would lengthen the run's end), and under
         # --fsdp/--tp (collectives are not modelled).
-        prediction = None if sharded else run_prediction(self.cfg, self.vocab_size, last.amp, rate.device)
+        prediction = (
+            None if self.sharded else run_prediction(self.cfg, self.vocab_size, last.amp, rate.device)
+        )
         if prediction:
             log.info(predicted_line(prediction))
-            if self.config is not None:  # kept in config.json beside what the run measured
-                self.config["predicted_step"] = prediction
+            self.config["predicted_step"] = prediction  # kept in config.json beside what the run measured
+            if self.dist_info.is_main:
                 atomic_write(self.path / paths.CONFIG_FILE, json.dumps(self.config, indent=2) + "\n")
             rate.predicted_ms = prediction.get("step_ms")
         log.info(rate.finished(last, step))
         if not self.cfg.no_report:
-            from minigpt.analysis.report import write_report
-
-            self.report(log, write_report)
+            self.report(log)
         out_dir, ckpt = self.path, self.checkpoint
         log.info(f"Checkpoint: {ckpt}" if ckpt.exists() else "Checkpoint: none (--no-checkpoint)")
         log.info(f"Run directory: {out_dir} ({paths.LOG_FILE}, {paths.METRICS_FILE}, {paths.CONFIG_FILE})")
@@ -629,12 +742,16 @@ class RunDir:
             ):
                 log.info(line)
 
-    def report(self, log: logging.Logger, write_report: Callable[[Path], Path]) -> None:
+    def report(self, log: logging.Logger) -> None:
         """report.html: the run in one offline page, written by rank 0 once every rank's trace is
         on disk. A report that cannot be made costs a warning, never the run that trained."""
         if self.dist_info.enabled:
-            distributed.barrier(self.dist_info)
+            from minigpt.core.distributed import barrier
+
+            barrier(self.dist_info)
         if self.dist_info.is_main:
+            from minigpt.analysis.report import write_report
+
             try:
                 page = write_report(self.path)
                 log.info(f"Report: {page} (one offline page; python -m minigpt report rewrites it)")

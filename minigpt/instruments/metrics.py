@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from minigpt.fileio import DiskFull, disk_full_message, is_disk_full
+from minigpt.core.runs import DiskFull, disk_full_message, is_disk_full
 from minigpt.stages import LABELS
 from minigpt.step_record import MEMORY_BREAKDOWN_KEYS, StepRecord, describe_left_out
 

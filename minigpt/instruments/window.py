@@ -25,8 +25,8 @@ from torch.profiler import ProfilerAction, ProfilerActivity, tensorboard_trace_h
 from minigpt import paths
 from minigpt.core import torchcompat
 from minigpt.core.config import profile_ranks
-from minigpt.core.runs import probe_writable
-from minigpt.fileio import atomic_open, atomic_write, check_may_replace
+from minigpt.core.runs import atomic_open, atomic_write, probe_writable
+from minigpt.fileio import check_may_replace
 from minigpt.instruments.metrics import process_memory
 from minigpt.memory_snapshot import peak_text
 
