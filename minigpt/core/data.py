@@ -29,9 +29,7 @@ import numpy as np
 import torch
 
 from minigpt.core.config import TrainConfig, UsageError
-from minigpt.core.progress import Progress, progress_enabled
 from minigpt.core.runs import atomic_write
-from minigpt.fileio import file_kind
 
 EOT = 50256  # GPT-2's <|endoftext|>, placed between documents
 GPT2_N_VOCAB = 50257  # GPT-2's ids: its 50,256 BPE tokens and <|endoftext|>
@@ -190,6 +188,8 @@ def encode_text(
     enc = build_tokenizer(tokenizer_name)
     if len(text) <= TOKENIZE_CHUNK_CHARS:
         return enc.encode_ordinary(text)
+    from minigpt.core.progress import Progress, progress_enabled  # tokenising: not every start
+
     enabled = progress_enabled() if show_progress is None else show_progress
     ids: list[int] = []
     with Progress(len(text), enabled, desc=f"tokenising {desc}", unit="char", unit_scale=True) as bar:
@@ -252,6 +252,8 @@ def check_regular_file(path: Path) -> None:
     if stat.S_ISDIR(mode):
         raise UsageError(f"data file {path} is a directory; pass the text files inside it")
     if not stat.S_ISREG(mode):
+        from minigpt.fileio import file_kind
+
         raise UsageError(f"data file {path} is {file_kind(mode)}, not a regular file; pass a text file")
 
 

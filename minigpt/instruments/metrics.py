@@ -48,6 +48,18 @@ ACHIEVED = "achieved by a run"
 LOAD_SHARE = 0.25  # a unit timed while other processes took more of the cores is measured again
 
 
+# PeakFlops' fields under the keys config.json carries them.
+PEAK_KEYS = {
+    "value": "peak_flops",
+    "dtype": "peak_flops_dtype",
+    "source": "peak_flops_source",
+    "spread": "peak_flops_spread",
+    "measured_at": "peak_flops_measured_at",
+    "load": "peak_flops_load",
+    "others": "peak_flops_under_load",
+}
+
+
 @dataclass
 class PeakFlops:
     """The MFU denominator of one device: FLOP/s, where it comes from, the dtype it is the peak
@@ -64,16 +76,8 @@ class PeakFlops:
     others: float | None = None  # measured under load: the share of the cores other processes used
 
     def config(self) -> dict:
-        """The keys config.json carries."""
-        return {
-            "peak_flops": self.value,
-            "peak_flops_dtype": self.dtype,
-            "peak_flops_source": self.source,
-            "peak_flops_spread": list(self.spread) if self.spread else None,
-            "peak_flops_measured_at": self.measured_at,
-            "peak_flops_load": self.load,
-            "peak_flops_under_load": self.others,
-        }
+        """The keys config.json carries (PEAK_KEYS)."""
+        return {key: getattr(self, name) for name, key in PEAK_KEYS.items()}
 
     def describe(self) -> str:
         """The log's line: the denominator, its dtype and source; a second when measured under load."""
@@ -136,34 +140,36 @@ def cpu_model() -> str:
 
 def cached_peak(path: Path, key: str) -> PeakFlops | None:
     """The machine's peak from the cache: the best of its square units and any rate a run achieved,
-    each a finite positive figure timed on a quiet machine. None where one is missing, damaged or
-    was measured under load: then mfu.py measures it."""
+    each a finite positive figure timed on a quiet machine. None where a square unit is missing,
+    or one is damaged or was measured under load: mfu.py measures them then."""
     try:
         with open(path, "rb") as f:
-            entry = json.loads(f.read(CACHE_LIMIT + 1)).get(key)
-    except (OSError, ValueError, RecursionError, AttributeError):
+            entry = json.loads(f.read(CACHE_LIMIT + 1))[key]
+        units = {name: entry[name] for name in (*SQUARE_UNITS, ACHIEVED) if name in entry}
+    except (OSError, ValueError, RecursionError, KeyError, TypeError):
         return None
-    units = [entry.get(n) for n in (*SQUARE_UNITS, ACHIEVED)] if isinstance(entry, dict) else [None]
-    if not all(isinstance(u, dict) for u in units[:2]):
+    if not set(SQUARE_UNITS) <= units.keys() or not all(good_rate(u) for u in units.values()):
         return None
-    good = [u for u in units if isinstance(u, dict) and good_rate(u)]
-    if len(good) < len(units) - units.count(None) or not good:  # a damaged or busy unit: measure again
-        return None
-    best = max(good, key=lambda u: u["best"])
-    name = next(n for n, u in zip((*SQUARE_UNITS, ACHIEVED), units) if u is best)
+    name, best = max(units.items(), key=lambda kv: kv[1]["best"])
     where = f"~/{path.relative_to(Path.home())}" if path.is_relative_to(Path.home()) else str(path)
     source = f"cache: {name}, measured {best.get('date')} [{where}]"
-    return PeakFlops(best["best"], source, (best["median"], best["best"]), measured_at=best.get("date"),
-                     load=best.get("load"), dtype=key.split(" | ")[1])  # fmt: skip
+    spread = (best["median"], best["best"])
+    return PeakFlops(best["best"], source, spread, measured_at=best.get("date"), load=best.get("load"))
 
 
-def good_rate(u: dict) -> bool:
-    """A cached unit that stands: a finite, positive best and median (FLOP/s), timed while other
-    processes left the cores alone."""
-    rates = [u.get("best"), u.get("median")]
-    if not all(isinstance(r, (int, float)) and math.isfinite(r) and 1e6 < r < 1e18 for r in rates):
+def good_rate(u) -> bool:
+    """A cached unit that stands: plausible (below), and timed while other processes left the cores
+    alone (LOAD_SHARE)."""
+    return plausible(u) and (u.get("others") or 0.0) <= LOAD_SHARE
+
+
+def plausible(u) -> bool:
+    """A cached unit whose best and median FLOP/s are numbers between a MFLOP/s and an exaFLOP/s (a
+    hand-edited 1e-300, NaN or "fast" is none), and whose load share, if any, is a number."""
+    figures = [u.get("best"), u.get("median"), u.get("others") or 0.0] if isinstance(u, dict) else [None]
+    if not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in figures):
         return False
-    return isinstance(u.get("others") or 0.0, (int, float)) and (u.get("others") or 0.0) <= LOAD_SHARE
+    return 1e6 < figures[1] <= figures[0] < 1e18
 
 
 def device_peak(override_tflops: float | None, device: str, info=None) -> PeakFlops:
@@ -186,8 +192,8 @@ def device_peak(override_tflops: float | None, device: str, info=None) -> PeakFl
     if peak is None:
         from minigpt.instruments.mfu import peak_flops  # measures, and caches for the next run
 
-        peak = peak_flops(device, dtype)
-    peak.device = device
+        return peak_flops(device, dtype)
+    peak.device, peak.dtype = device, dtype
     return peak
 
 
@@ -531,6 +537,22 @@ class JsonlWriter:
 # ---------------------------------------------------------------------------- TensorBoard
 
 
+# StepRecord's figures as TensorBoard charts them: the tag, and the factor to the chart's unit.
+TB_SCALARS = {
+    "loss": ("train/loss", 1),
+    "val_loss": ("val/loss", 1),
+    "val_ppl": ("val/ppl", 1),
+    "lr": ("train/lr", 1),
+    "tokens_per_s": ("perf/tokens_per_s", 1),
+    "tokens_per_s_e2e": ("perf/tokens_per_s_e2e", 1),
+    "run_tokens_per_s": ("perf/run_tokens_per_s", 1),  # the run so far, in steady state
+    "tokens_per_s_per_rank": ("perf/tokens_per_s_per_rank", 1),
+    "mfu": ("perf/mfu_percent", 100),
+    "achieved_tflops": ("perf/achieved_tflops", 1),
+    "step_time_s": ("perf/step_time_ms", 1000),
+}
+
+
 class TensorBoardLogger:
     """Scalars for `tensorboard --logdir <out-dir>`: the figures of metrics.jsonl, in the units a
     chart reads (MFU in percent, memory in MiB)."""
@@ -560,33 +582,17 @@ class TensorBoardLogger:
             raise
 
     def _log(self, r: StepRecord) -> None:
-        scalars = {
-            "train/loss": r.loss,
-            "val/loss": r.val_loss,
-            "val/ppl": r.val_ppl,
-            "train/lr": r.lr,
-            "perf/tokens_per_s": r.tokens_per_s,
-            "perf/tokens_per_s_e2e": r.tokens_per_s_e2e,
-            "perf/run_tokens_per_s": r.run_tokens_per_s,  # the run so far, in steady state
-            "perf/tokens_per_s_per_rank": r.tokens_per_s_per_rank,
-            "perf/mfu_percent": None if r.mfu is None else 100 * r.mfu,
-            "perf/achieved_tflops": r.achieved_tflops,
-            "perf/step_time_ms": 1000 * r.step_time_s,
-        }
-        for kind, figures in (
-            ("host", r.stage_host_ms),
-            ("device", r.stage_device_ms),
-            ("comm", r.stage_comm_ms),
-        ):
-            for stage, ms in figures.items():
-                scalars[f"stage_{kind}_ms/{stage}"] = ms
-        for key, value in r.memory.items():
-            scalars[f"memory/{key.replace('_bytes', '_mib')}"] = (
-                value / 2**20 if key.endswith("_bytes") else value
+        for key, (tag, scale) in TB_SCALARS.items():
+            if (value := getattr(r, key)) is not None:
+                self.writer.add_scalar(tag, value * scale, r.step)
+        for kind in ("host", "device", "comm"):
+            for stage, ms in getattr(r, f"stage_{kind}_ms").items():
+                self.writer.add_scalar(f"stage_{kind}_ms/{stage}", ms, r.step)
+        for key, value in r.memory.items():  # bytes in MiB
+            mib = key.endswith("_bytes")
+            self.writer.add_scalar(
+                f"memory/{key.replace('_bytes', '_mib')}", value / 2**20 if mib else value, r.step
             )
-        for tag, value in scalars.items():
-            if value is not None:
-                self.writer.add_scalar(tag, value, r.step)
         breakdown = r.memory_breakdown or {}
         for prefix, figures in (
             ("memory_breakdown", breakdown),

@@ -72,6 +72,7 @@ from minigpt.instruments.metrics import (
     TORCH_DTYPES,
     PeakFlops,
     machine_key,
+    plausible,
     table_peak,
 )
 
@@ -251,10 +252,13 @@ def forget(path: Path, key: str) -> None:
         write_cache(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")  # or warned
 
 
-def current(entries: dict) -> dict:
+def current(entries) -> dict:
     """The cached units measured the current way (best of many short calls, with the time and load
-    recorded); older entries count as not measured, so they are measured once more."""
-    return {n: r for n, r in entries.items() if isinstance(r, dict) and {"best", "median", "calls"} <= set(r)}
+    recorded) whose figures are plausible; older or damaged entries count as not measured, so they
+    are measured once more."""
+    if not isinstance(entries, dict):
+        return {}
+    return {n: r for n, r in entries.items() if plausible(r) and {"best", "median", "calls"} <= set(r)}
 
 
 def read_cache(path: Path) -> dict:
