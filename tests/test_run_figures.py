@@ -21,11 +21,10 @@ from test_train import sigterm_at
 import train_minimal
 from minigpt.analysis.compare import compare_runs, format_compare, headline
 from minigpt.analysis.report import summary_section
-from minigpt.analysis.runfiles import load_run
+from minigpt.analysis.runfiles import OLDER_RUN, REBUILT, RUN_KEYS, load_run
 from minigpt.instruments.instrument import Interval, StageTimes
 from minigpt.instruments.metrics import RunTotals, evaluation_notice
 from minigpt.instruments.window import PROFILER_STDERR_NOTE
-from minigpt.step_record import OLDER_RUN, REBUILT, RUN_KEYS
 
 
 def read_metrics(out):

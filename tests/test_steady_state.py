@@ -15,10 +15,9 @@ import pytest
 
 from minigpt.analysis.compare import compare_runs
 from minigpt.analysis.report import summary_section, throughput
-from minigpt.analysis.runfiles import load_run
+from minigpt.analysis.runfiles import REBUILT, load_run
 from minigpt.instruments.instrument import Interval, StageTimes
 from minigpt.instruments.metrics import PeakFlops, RunTotals, Throughput
-from minigpt.step_record import REBUILT
 
 GPU_RUNS = Path(__file__).resolve().parents[2] / "shared" / "gpu-runs"
 # folder -> (the old last line's tokens/s, step 1's seconds as the issue derived them)

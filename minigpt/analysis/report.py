@@ -21,7 +21,15 @@ import statistics
 import sys
 from pathlib import Path
 
-from minigpt.analysis.runfiles import Run, RunError, load_run, timeline_events
+from minigpt.analysis.runfiles import (
+    OLDER_RUN,
+    REBUILT,
+    Run,
+    RunError,
+    load_run,
+    run_figures,
+    timeline_events,
+)
 from minigpt.core.runs import ELSEWHERE, atomic_write
 from minigpt.errors import ArgParser, UsageError
 from minigpt.fileio import check_may_replace
@@ -39,7 +47,7 @@ from minigpt.memory_log import (
 from minigpt.paths import METRICS_FILE, REPORT_FILE
 from minigpt.plotlyjs import script_tag, write_plotly_js
 from minigpt.stages import STAGE_NAMES, color, label, split_parent
-from minigpt.step_record import MEMORY_BREAKDOWN_KEYS, OLDER_RUN, REBUILT, describe_left_out, run_figures
+from minigpt.step_record import MEMORY_BREAKDOWN_KEYS, describe_left_out
 
 MB = 1024 * 1024
 TOP_ROWS = 15  # operators and kernels drawn and listed per trace

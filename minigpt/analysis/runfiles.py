@@ -50,6 +50,58 @@ _RANK = re.compile(r"rank(\d+)")
 MAX_DEPTH = 8  # nesting a run's files never exceed (metrics: a record, its memory_breakdown, ...)
 
 
+# The run-wide keys a reader takes from metrics.jsonl's last record; OLDER_RUN stands for one that
+# a trainer before them did not write.
+RUN_KEYS = (
+    "run_tokens",
+    "run_steps",
+    "run_step_time_s",
+    "run_tokens_per_s",
+    "tokens_trained",
+    "tokens_per_s_e2e",
+    "elapsed_s",
+    "startup_s",
+)
+OLDER_RUN = "n/a (older run)"
+# An older trainer's run_* figures counted every step, warm-up included (a --compile run's step 1
+# took 18.4 s of its 19.6): its steady figure is rebuilt from the log intervals after the first,
+# and says so.
+REBUILT = "rebuilt from the logged intervals after the first (an older run: its warm-up was not kept apart)"
+
+
+def run_figures(records: list[dict]) -> dict:
+    """The run's figures (RUN_KEYS, and run_left_out) as metrics.jsonl's last record holds them;
+    None for a key an older trainer did not write. For such a run the steady figures are rebuilt
+    from the intervals after the first (`rebuilt` is then True): its own run_* counted warm-up."""
+    last = records[-1] if records else {}
+    figures = {k: last.get(k) if isinstance(last.get(k), (int, float)) else None for k in RUN_KEYS}
+    left = last.get("run_left_out")
+    figures["run_left_out"] = left if isinstance(left, dict) else {}
+    figures["rebuilt"] = bool(records) and "run_steps" not in last
+    if figures["rebuilt"]:  # its run_tokens were every step's
+        figures["tokens_trained"] = figures["run_tokens"]
+        figures.update(_steady_of_older_run(records))
+    return figures
+
+
+def _steady_of_older_run(records: list[dict]) -> dict:
+    """tokens and seconds of the intervals after the first, from their steps and mean step times."""
+    tokens = seconds = steps = 0
+    for prev, r in zip(records, records[1:]):
+        n = r.get("step", 0) - prev.get("step", 0)
+        t, tps = r.get("step_time_s"), r.get("tokens_per_s")
+        if n > 0 and isinstance(t, (int, float)) and isinstance(tps, (int, float)) and t > 0:
+            steps, seconds, tokens = steps + n, seconds + n * t, tokens + n * tps * t
+    if not steps:
+        return {"run_tokens": None, "run_steps": None, "run_step_time_s": None, "run_tokens_per_s": None}
+    return {
+        "run_tokens": round(tokens),
+        "run_steps": steps,
+        "run_step_time_s": seconds,
+        "run_tokens_per_s": tokens / seconds,
+    }
+
+
 def _value_problem(value, depth: int = 0) -> str | None:
     """JSON as a run writes it: finite numbers, strings, booleans, null, and lists and objects
     nested at most MAX_DEPTH deep. NaN and Infinity parse (json allows them) but no run writes them."""

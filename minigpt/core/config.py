@@ -57,7 +57,6 @@ MAX_INNER_LOOP = 65_536
 # A week: no collective should wait longer, and far beyond it timedelta and c10d's int64
 # milliseconds overflow with a traceback.
 MAX_DDP_TIMEOUT_S = 7 * 24 * 3600.0
-MAX_SLOW_MS = 3_600_000.0  # an hour per step: time.sleep overflows past ~1e16 s
 BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW's two moments
 ESTIMATE_CAP_BYTES = 2**50  # --estimate-memory answers for other machines: refuse only above 1 PiB
 GIB_HINT = "the figure is in GiB: 80 for an 80 GB GPU"
@@ -543,6 +542,8 @@ def check_fields(cfg: TrainConfig) -> None:
             if problem:
                 raise UsageError(f"{name} {problem}, got {value}")
     if cfg.simulate_slow_rank:
+        from minigpt.instruments.straggler import check_slow_rank
+
         check_slow_rank(cfg.simulate_slow_rank)
 
 
@@ -559,22 +560,6 @@ def check_text(f: Field, name: str, value) -> None:
                 f"{name} is empty; name a path"
                 + (f", or leave the flag out for the default ({default})" if default else "")
             )
-
-
-def check_slow_rank(spec: str) -> None:
-    """--simulate-slow-rank's numbers bounded (the format itself: straggler.parse_slow_rank): a delay
-    of 1e99 ms overflows time.sleep with a traceback in the first step."""
-    parts = spec.split(":")
-    try:
-        rank, ms = int(parts[0]), float(parts[1])
-    except (ValueError, IndexError):
-        return  # parse_slow_rank names the format
-    if not -INT_LIMIT < rank < 2**31:
-        raise UsageError(f"--simulate-slow-rank {spec}: the rank must be below 2**31")
-    if math.isfinite(ms) and ms > MAX_SLOW_MS:
-        raise UsageError(
-            f"--simulate-slow-rank {spec}: the delay must be at most {MAX_SLOW_MS:.0f} ms (an hour per step)"
-        )
 
 
 def validate(cfg: TrainConfig, given: set[str] | frozenset[str] = frozenset()) -> None:
@@ -601,8 +586,12 @@ def validate(cfg: TrainConfig, given: set[str] | frozenset[str] = frozenset()) -
             f"({cfg.max_position_embeddings}); lower --seq-len or raise the other"
         )
     if cfg.use_profiler or cfg.nsys or cfg.record_memory_history or cfg.memory_profiler:
+        from minigpt.instruments.window import check_windows
+
         check_windows(cfg)
     if cfg.profile_ranks.strip() != "0":
+        from minigpt.instruments.window import profile_ranks
+
         profile_ranks(cfg.profile_ranks, world_size=None)  # the format; the range is checked at start-up
     if cfg.no_checkpoint and "save_interval" in given:
         raise UsageError(
@@ -616,91 +605,10 @@ def validate(cfg: TrainConfig, given: set[str] | frozenset[str] = frozenset()) -
     if cfg.compile_mode != "default" and not cfg.compile:
         raise UsageError(f"--compile-mode {cfg.compile_mode} without --compile: add --compile")
     if cfg.asks_for_ranks() or cfg.compile:
+        from minigpt.core.parallel import check_parallel
+
         check_parallel(cfg, given)
     check_size(cfg)
-
-
-def check_windows(cfg: TrainConfig) -> None:
-    """The profile window and the measured memory step lie within the run's steps."""
-    if cfg.use_profiler or cfg.nsys or cfg.record_memory_history:
-        s, e = cfg.profile_step_start, cfg.profile_step_end
-        if not 1 <= s < e <= cfg.num_steps:
-            raise UsageError(
-                f"the profile window needs 1 <= --profile-step-start < --profile-step-end <= "
-                f"--num-steps; got start {s}, end {e}, num-steps {cfg.num_steps}"
-            )
-    if cfg.memory_profiler:
-        default = cfg.profile_step_end if cfg.use_profiler else cfg.profile_step_start
-        step = cfg.memory_profile_step if cfg.memory_profile_step is not None else default
-        if not 1 <= step <= cfg.num_steps:
-            which = (
-                "--memory-profile-step"
-                if cfg.memory_profile_step is not None
-                else "--memory-profile-step (default: --profile-step-start, or "
-                "--profile-step-end with --use-profiler)"
-            )
-            raise UsageError(
-                f"{which} is {step}, outside the run's steps 1..{cfg.num_steps}; "
-                "pass --memory-profile-step N within them"
-            )
-
-
-def check_parallel(cfg: TrainConfig, given: set[str] | frozenset[str]) -> None:
-    """What FSDP and tensor parallelism need that is known without the world size."""
-    if cfg.use_tensor_parallel and "tp" in given:
-        raise UsageError(
-            "--use-tensor-parallel takes the tensor-parallel degree from the node's size; "
-            "--tp sets it by hand: pass one of them"
-        )
-    if cfg.tp > 1:
-        # torchrun's world size, known here from its environment: a --tp that does not divide it
-        # is the first thing wrong, whatever the model's shape
-        world = os.environ.get("WORLD_SIZE", "")
-        ranks = f"; this launch has {world} rank(s)" if world.isdigit() else ""
-        if world.isdigit() and int(world) % cfg.tp:
-            raise UsageError(
-                f"--tp {cfg.tp} does not divide the world size {world} (the ranks torchrun started): "
-                "use a --tp that divides the number of processes"
-            )
-        if cfg.n_heads % cfg.tp:
-            raise UsageError(
-                f"--tp {cfg.tp} must divide --n-heads {cfg.n_heads}: each rank holds whole heads{ranks}"
-            )
-        if cfg.d_ff % cfg.tp:
-            raise UsageError(
-                f"--tp {cfg.tp} must divide --d-ff {cfg.d_ff}: each rank holds an equal slice of the MLP"
-            )
-    sharded = [
-        name
-        for name, on in [
-            ("--fsdp", cfg.fsdp),
-            ("--tp", cfg.tp > 1),
-            ("--use-tensor-parallel", cfg.use_tensor_parallel),
-        ]
-        if on
-    ]
-    if cfg.compile and sharded:
-        raise UsageError(
-            f"--compile with {' and '.join(sharded)} is not supported: torch.compile of "
-            "sharded (DTensor) modules needs per-block compilation, which this trainer does "
-            "not do; drop --compile"
-        )
-
-
-def profile_ranks(spec: str, world_size: int | None) -> list[int] | None:
-    """Parse --profile-ranks: 'all' (None: every rank) or a comma-separated list of ranks."""
-    if spec.strip() == "all":
-        return None
-    try:
-        ranks = sorted({int(r) for r in spec.split(",")})
-    except ValueError:
-        raise UsageError(f"--profile-ranks must be 'all' or a list like 0,1; got {spec!r}") from None
-    if world_size is not None and any(not 0 <= r < world_size for r in ranks):
-        raise UsageError(
-            f"--profile-ranks {spec} names a rank outside 0..{world_size - 1} "
-            f"(the world size is {world_size})"
-        )
-    return ranks
 
 
 # ------------------------------------------------------------------------------------------ size

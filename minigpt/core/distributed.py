@@ -233,8 +233,9 @@ def join(cfg, device: str):
     (NCCL on CUDA, gloo on the CPU) and the (dp, tp) mesh. Returns (DistInfo, Plan). A single
     process with none of these flags never comes here: it is rank 0 of 1 (minigpt/ranks.py)."""
     from minigpt.core import parallel
-    from minigpt.core.config import UsageError, profile_ranks
+    from minigpt.core.config import UsageError
     from minigpt.instruments.straggler import parse_slow_rank
+    from minigpt.instruments.window import profile_ranks
     from minigpt.stages import STAGE_NAMES
 
     slow = parse_slow_rank(cfg.simulate_slow_rank, STAGE_NAMES) if cfg.simulate_slow_rank else None

@@ -18,10 +18,11 @@ Knows nothing of GPT.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
-from minigpt.core.config import UsageError
+from minigpt.core.config import INT_LIMIT, UsageError
 from minigpt.stages import scored_stages, split_parent
 
 
@@ -32,6 +33,25 @@ class SlowRank:
     rank: int
     ms: float
     stage: str = "forward"
+
+
+MAX_SLOW_MS = 3_600_000.0  # an hour per step: time.sleep overflows past ~1e16 s
+
+
+def check_slow_rank(spec: str) -> None:
+    """--simulate-slow-rank's numbers bounded (the format itself: straggler.parse_slow_rank): a delay
+    of 1e99 ms overflows time.sleep with a traceback in the first step."""
+    parts = spec.split(":")
+    try:
+        rank, ms = int(parts[0]), float(parts[1])
+    except (ValueError, IndexError):
+        return  # parse_slow_rank names the format
+    if not -INT_LIMIT < rank < 2**31:
+        raise UsageError(f"--simulate-slow-rank {spec}: the rank must be below 2**31")
+    if math.isfinite(ms) and ms > MAX_SLOW_MS:
+        raise UsageError(
+            f"--simulate-slow-rank {spec}: the delay must be at most {MAX_SLOW_MS:.0f} ms (an hour per step)"
+        )
 
 
 def parse_slow_rank(spec: str, stages: tuple[str, ...]) -> SlowRank:
