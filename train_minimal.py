@@ -42,7 +42,6 @@ from typing import NamedTuple
 
 import torch
 
-from minigpt import paths
 from minigpt.core.config import (
     TrainConfig,
     UsageError,
@@ -59,14 +58,11 @@ from minigpt.errors import INTERRUPTED, INTERRUPTED_LINE, LostRank, NonFiniteLos
 from minigpt.instruments.instrument import Instruments
 from minigpt.instruments.metrics import (
     TORCH_DTYPES,
-    JsonlWriter,
+    Outputs,
     RunTotals,
-    TensorBoardLogger,
     Throughput,
     device_peak,
     evaluation_notice,
-    format_log_line,
-    format_stages,
 )
 from minigpt.ranks import DistInfo, Plan
 
@@ -144,6 +140,8 @@ class Setup(NamedTuple):
     model: GPT
     ddp_model: torch.nn.Module  # DDP from 2 ranks on (FSDP and TP wrap the model in place)
     train_model: torch.nn.Module  # ddp_model, compiled under --compile
+    ranks: object  # the other ranks, under torchrun (minigpt/instruments/straggler.py's Ranks); else None
+    clip_grad_norm: Callable  # torch's, or for DTensor gradients minigpt/core/parallel.py's
     optimizer: torch.optim.AdamW
     scaler: torch.amp.GradScaler
     autocast: object
@@ -204,6 +202,16 @@ def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
 
         ddp_model = wrap_ddp(model, dist_info, device)
     train_model = torch.compile(ddp_model, mode=cfg.compile_mode) if cfg.compile else ddp_model
+    # Under torchrun: gradients reduced on the last micro-batch only, one stop for every rank, a
+    # lost rank named, slow ranks reported (minigpt/instruments/straggler.py). A single process: none.
+    ranks = None
+    if dist_info.enabled:
+        from minigpt.instruments.straggler import Ranks
+
+        ranks = Ranks(cfg, dist_info, run.path, ddp_model)
+    clip_grad_norm = torch.nn.utils.clip_grad_norm_
+    if plan.sharded:
+        from minigpt.core.parallel import clip_grad_norm  # DTensor gradients too
     peak = device_peak(cfg.peak_tflops, device, dist_info)  # MFU's denominator: the device's fastest dtype
     tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps  # per rank and step
     flops = shape_of(cfg, model.cfg.vocab_size).flops_per_token // plan.tp  # a tp group splits the model
@@ -218,8 +226,8 @@ def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
         memory = memory_estimate(cfg, model.cfg.vocab_size, amp_dtype, device, plan)
     log = run.open(model, data, rate, [amp_note, malloc_note, plan_note, batch_note])
     inst.attach(model, optimizer, step + 1, memory, ddp_model)  # with DDP: the backward's compute timed apart
-    return Setup(cfg, device, dist_info, plan, data, model, ddp_model, train_model, optimizer, scaler,
-                 autocast, step, inst, rate, run, log)  # fmt: skip
+    return Setup(cfg, device, dist_info, plan, data, model, ddp_model, train_model, ranks, clip_grad_norm,
+                 optimizer, scaler, autocast, step, inst, rate, run, log)  # fmt: skip
 
 
 def main(argv: list[str] | None = None, on_step: Callable[[int], None] | None = None) -> int:
@@ -235,29 +243,20 @@ def main(argv: list[str] | None = None, on_step: Callable[[int], None] | None = 
 
 def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) -> int:
     """The loop, with what set_up() built under the names it reads."""
-    (cfg, device, dist_info, plan, data, model, ddp_model, train_model, optimizer, scaler,
-     autocast, step, inst, rate, run, log) = s  # fmt: skip
+    (cfg, device, dist_info, plan, data, model, ddp_model, train_model, ranks, clip_grad_norm,
+     optimizer, scaler, autocast, step, inst, rate, run, log) = s  # fmt: skip
     is_main = dist_info.is_main
-    metrics_file = JsonlWriter(run.path / paths.METRICS_FILE, enabled=is_main)
-    tensorboard = TensorBoardLogger(run.path / paths.TENSORBOARD_DIR, enabled=is_main, purge_step=step + 1)
-    # Under torchrun: gradients reduced on the last micro-batch only, one stop for every rank, a
-    # lost rank named, slow ranks reported. A single process needs none of it.
-    lost, ranks = nullcontext(), None
-    clip_grad_norm = torch.nn.utils.clip_grad_norm_
-    if dist_info.enabled:
-        from minigpt.core.distributed import Ranks
-
-        ranks = Ranks(cfg, dist_info, run.path, ddp_model)
-        lost = ranks.watch(run.resume_hint())  # a rank lost mid-run: one line on the others
-    if plan.sharded:
-        from minigpt.core.parallel import clip_grad_norm  # DTensor gradients too
+    outputs = Outputs(
+        run.path, log, is_main, purge_step=step + 1
+    )  # the log's lines, metrics.jsonl, TensorBoard
+    lost = ranks.watch(run.resume_hint()) if ranks else None  # a rank lost mid-run: one line on the others
 
     # ------------------------------------------------------------------ train loop
     model.train()
     losses, val = [], None
     rate.totals.start(started_at)  # start-up ends here: the run-wide figures count from now
     # SIGINT / SIGTERM finish the step in flight, save, and leave; a second Ctrl-C kills at once.
-    with stop_on_signals() as stop_signal, metrics_file, tensorboard, inst, lost, ranks or nullcontext():
+    with stop_on_signals() as stop_signal, outputs, inst, lost or nullcontext(), ranks or nullcontext():
         while step < cfg.num_steps:
             if on_step:
                 on_step(step + 1)
@@ -303,10 +302,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) ->
                     val = evaluate(model, data.make_val(), cfg.eval_iters, device, autocast, stop_eval)
                 logged = rate.record(step, values, lr, val, interval, inst.take_comm())
                 logged.memory_breakdown = inst.take_memory_breakdown()
-                log.info(format_log_line(logged))
-                log.info(format_stages(logged))
-                metrics_file.write(logged)
-                tensorboard.log(logged)
+                outputs.write(logged)
                 if ranks:
                     ranks.report_stragglers(step, interval, log)
                 losses = []
@@ -317,7 +313,10 @@ def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) ->
                 return run.stopped(stop_signal, step, log)
 
     # ------------------------------------------------------------------ finish
-    run.finish(log, inst.profiler_cost(), rate, logged, step)
+    from minigpt.analysis.report import write_report  # what only the end needs, loaded at the end
+    from minigpt.instruments.predict import run_prediction
+
+    run.finish(log, inst.profiler_cost(), rate, logged, step, run_prediction, write_report)
     return 0
 
 

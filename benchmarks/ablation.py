@@ -68,7 +68,7 @@ from common import (
 )
 
 from minigpt.analysis.compare import compare_runs, headline
-from minigpt.core.runs import atomic_write
+from minigpt.fileio import atomic_write
 from minigpt.instruments.predict import PREDICTED_STAGES as PREDICTED
 from minigpt.stages import color as stage_color
 

@@ -42,7 +42,7 @@ from common import (
     write_md,
 )
 
-from minigpt.core.runs import atomic_write
+from minigpt.fileio import atomic_write
 
 MIB = 2**20
 CASES = [("small", 8, 256), ("gpt2", 1, 256)]

@@ -51,7 +51,7 @@ def machine(device: str = "auto") -> dict:
     import torch
 
     from minigpt.core.torchcompat import cpu_bf16_features
-    from minigpt.instruments.mfu import cpu_model
+    from minigpt.instruments.metrics import cpu_model
 
     info = {
         "torch": torch.__version__,
@@ -212,14 +212,14 @@ def keeping(meta: dict, earlier: dict) -> dict:
 
 
 def save_json(stem: Path, data: dict) -> None:
-    from minigpt.core.runs import atomic_write
+    from minigpt.fileio import atomic_write
 
     atomic_write(stem.with_suffix(".json"), json.dumps(data, indent=2) + "\n")
 
 
 def write_md(path: Path, table: str) -> None:
     """A table, written whole or not at all, and printed for the console."""
-    from minigpt.core.runs import atomic_write
+    from minigpt.fileio import atomic_write
 
     atomic_write(path, table)
     print(table)
@@ -228,7 +228,7 @@ def write_md(path: Path, table: str) -> None:
 def write_table(stem: Path, data: dict, table: str) -> None:
     """The results .json and its table (.md) beside it, each written whole or not at all; the
     table is printed too, for the console."""
-    from minigpt.core.runs import atomic_write
+    from minigpt.fileio import atomic_write
 
     save_json(stem, data)
     atomic_write(stem.with_suffix(".md"), table)

@@ -49,8 +49,8 @@ from torch.autograd.profiler import record_function
 from minigpt.core.config import GPT2_VOCAB, PRESETS, Shape
 from minigpt.core.config import shape_of as config_shape
 from minigpt.core.model import GPT, GPTConfig
-from minigpt.core.runs import atomic_write
 from minigpt.core.torchcompat import dispatch_mode_base
+from minigpt.fileio import atomic_write
 from minigpt.instruments.estimate import estimate_gpt
 from minigpt.instruments.memory import PEAK_PARTS, MemoryBreakdown, capture_memory
 from minigpt.stages import STAGE_NAMES

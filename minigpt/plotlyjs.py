@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from minigpt.core.runs import ELSEWHERE, atomic_write
+from minigpt.fileio import ELSEWHERE, atomic_write
 from minigpt.paths import PLOTLY_JS_FILE
 
 

@@ -70,7 +70,7 @@ def test_ranks_stay_identical_and_rank_0_alone_writes(tmp_path):
     assert "backward_compute" in rows[-1]["stage_host_ms"]
     log = (out / "train.log").read_text()
     assert log.count("Training finished") == 1 and "DDP: 2 ranks, gloo backend" in log
-    assert "tok/s/rank x 2" in log
+    assert "tok/s (2 ranks)" in log
     assert json.loads((out / "config.json").read_text())["world_size"] == 2
     assert list((out / "checkpoints").iterdir()) == [out / "checkpoints" / "ckpt.pt"]
 

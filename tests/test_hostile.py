@@ -384,7 +384,7 @@ def test_ranks_with_different_flags_are_refused_naming_the_flag(monkeypatch, fla
     setattr(other, flag, value)
     monkeypatch.setattr(distributed, "gather", lambda obj, info: [mine.to_dict(), other.to_dict()])
     with pytest.raises(UsageError) as e:
-        distributed.check_same_config(mine, distributed.DistInfo(rank=0, world_size=2))
+        distributed.check_same_config(mine, distributed.DistInfo(rank=0, world_size=2, enabled=True))
     msg = one_line(e)
     assert config.flag_name(next(f for f in config.fields(TrainConfig) if f.name == flag)) in msg
     assert "rank 1" in msg
@@ -394,7 +394,9 @@ def test_ranks_with_the_same_flags_share_rank_0s_run_id(monkeypatch):
     first, second = config.parse_args([*TINY]), config.parse_args([*TINY])
     assert first.run_id != second.run_id  # each process draws its own
     monkeypatch.setattr(distributed, "gather", lambda obj, info: [first.to_dict(), second.to_dict()])
-    distributed.check_same_config(second, distributed.DistInfo(rank=1, world_size=2))
+    distributed.check_same_config(
+        second, distributed.DistInfo(rank=1, world_size=2, is_main=False, enabled=True)
+    )
     assert second.run_id == first.run_id
 
 

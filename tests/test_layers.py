@@ -25,7 +25,7 @@ BASE = (
     "errors",
     "memory_log",
     "step_record",
-    "shape",
+    "ranks",
     "plotlyjs",
     "memory_snapshot",
 )

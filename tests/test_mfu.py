@@ -211,7 +211,9 @@ def test_the_log_line_says_when_and_under_what_load(monkeypatch):
     monkeypatch.setattr(M.os, "getloadavg", lambda: (3.25, 2.0, 1.0))
     peak = M.peak_flops("cpu", "fp32", units())
     line = peak.describe()
-    assert line.startswith(f"MFU peak {peak.value / 1e12:.3g} TFLOP/s; measured now: ")
+    assert line.startswith(
+        f"MFU peak {peak.value / 1e12:.3g} TFLOP/s (fp32, the device's fastest); measured now: "
+    )
     assert f"measured {peak.measured_at} at load 3.25 on {M.os.cpu_count()} cores" in line
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", peak.measured_at)
     assert (

@@ -12,7 +12,7 @@ import torch
 
 from minigpt.core.config import Shape, UsageError
 from minigpt.core.model import GPT, GPTConfig, flops_per_token
-from minigpt.instruments import estimate, mfu, predict
+from minigpt.instruments import estimate, metrics, predict
 
 SHAPE = dict(
     n_layers=2,
@@ -285,12 +285,14 @@ def test_remeasure_goes_with_time_and_measures_the_peak_too(tmp_path, monkeypatc
     )
     peaks = []
     monkeypatch.setattr(
-        predict, "peak_flops", lambda *a, **k: peaks.append(k) or mfu.PeakFlops(1e12, "measured now: x")
+        predict, "peak_flops", lambda *a, **k: peaks.append(k) or metrics.PeakFlops(1e12, "measured now: x")
     )
     flags = ["--time", "--remeasure", "--preset", "tiny", "--vocab-size", "64", "--no-amp"]
     assert estimate.main(flags) == 0
     out = capsys.readouterr().out
-    assert peaks == [{"remeasure": True}] and out.startswith("MFU peak 1 TFLOP/s; measured now: x\n")
+    assert peaks == [{"remeasure": True}] and out.startswith(
+        "MFU peak 1 TFLOP/s (fp32, the device's fastest); measured now: x\n"
+    )
 
 
 def test_cached_rates_are_reused_without_measuring_again(tmp_path, monkeypatch, counted):

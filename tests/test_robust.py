@@ -30,9 +30,7 @@ from minigpt.core.model import GPT, GPTConfig
 from minigpt.core.progress import Progress, progress_enabled
 from minigpt.core.runs import (
     LOCK_FILE,
-    DiskFull,
     RunLock,
-    atomic_write,
     check_out_dir,
     clean_stale_tmp,
     latest_run,
@@ -40,6 +38,7 @@ from minigpt.core.runs import (
     probe_writable,
     repair_jsonl,
 )
+from minigpt.fileio import DiskFull, atomic_write
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -86,8 +86,9 @@ def test_the_last_line_says_the_last_records_figures(real_run):
     )
     assert f"{last['tokens_per_s_e2e']:,.0f} tokens/s end to end ({last['elapsed_s']:.2f}s of loop" in line
     assert re.search(r"start-up \d+\.\ds before the loop, in neither figure$", line)
-    first = next(x for x in stdout.splitlines() if " step 4/10 " in x)
-    assert f"left out: step 1 {rows_first_left(out):.2f}s (warm-up)" in first
+    lines = stdout.splitlines()
+    at = next(i for i, x in enumerate(lines) if " step 4/10 " in x)
+    assert f"left out: step 1 {rows_first_left(out):.2f}s (warm-up)" in lines[at + 1]  # the stage line
 
 
 def rows_first_left(out) -> float:

@@ -830,7 +830,7 @@ def main(argv: list[str] | None = None) -> int:
         d = compare_loaded(a, b, args.allow_different)
         if args.html is not None:
             write_page(args.html, compare_html(d, a, b), "--html", args.force)
-    except (RunError, UsageError, OSError) as e:  # UsageError: a full disk (runs.DiskFull)
+    except (RunError, UsageError, OSError) as e:  # UsageError: a full disk (fileio.DiskFull)
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:

@@ -30,9 +30,8 @@ from minigpt.analysis.runfiles import (
     run_figures,
     timeline_events,
 )
-from minigpt.core.runs import ELSEWHERE, atomic_write
 from minigpt.errors import ArgParser, UsageError
-from minigpt.fileio import check_may_replace
+from minigpt.fileio import ELSEWHERE, atomic_write, check_may_replace
 from minigpt.memory_log import (
     CATEGORIES,
     PEAK_PART_NAMES,
@@ -1213,7 +1212,7 @@ def write_report(
     if SHARED_PLOTLY in text:  # one copy beside the page: the run folder's, which the charts share
         try:
             js = write_plotly_js(out.parent, elsewhere)
-        except UsageError as e:  # a full disk (runs.DiskFull), its message naming the way out
+        except UsageError as e:  # a full disk (fileio.DiskFull), its message naming the way out
             raise RunError(f"cannot write {out}: {e}") from None
         except OSError as e:
             why = f"its plotly.min.js beside it: {e.strerror or type(e).__name__}"
@@ -1237,7 +1236,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is not None and args.out.is_dir():
             raise RunError(f"--out {args.out} is a folder; give a file name such as {args.out / REPORT_FILE}")
         path = write_report(args.run, args.out, "--out", args.force)
-    except (RunError, UsageError, OSError) as e:  # UsageError: a full disk (runs.DiskFull)
+    except (RunError, UsageError, OSError) as e:  # UsageError: a full disk (fileio.DiskFull)
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"report: {path}")

@@ -23,8 +23,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from minigpt.analysis import traces
-from minigpt.core.runs import format_bytes
-from minigpt.fileio import UnreadableFile, file_kind, read_bounded
+from minigpt.fileio import UnreadableFile, file_kind, format_bytes, read_bounded
 from minigpt.memory_log import MEMORY_LOG, parse_memory_log
 from minigpt.paths import (
     CONFIG_FILE,

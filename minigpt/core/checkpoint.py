@@ -19,16 +19,10 @@ from minigpt.core import distributed, parallel
 from minigpt.core.config import TrainConfig, UsageError, format_bytes, machine_ram_bytes, param_count
 from minigpt.core.data import Batches
 from minigpt.core.model import GPT
-from minigpt.core.runs import (
-    atomic_open,
-    atomic_write,
-    check_checkpoint_path,
-    describe_intact,
-    directory_message,
-)
+from minigpt.core.runs import check_checkpoint_path, describe_intact, directory_message
 from minigpt.core.torchcompat import dcp_set_element
 from minigpt.errors import NonFiniteLoss
-from minigpt.fileio import UnreadableFile, read_bounded
+from minigpt.fileio import UnreadableFile, atomic_open, atomic_write, read_bounded
 from minigpt.ranks import DistInfo
 
 # The fields that fix the model's shape: a checkpoint whose values differ cannot be loaded.
@@ -128,7 +122,7 @@ def state_crc(obj, crc: int = 0) -> int:
 def save_checkpoint(path: str | Path, state: dict) -> None:
     """Write to a temporary file beside the target, flush it to disk, then rename it into place:
     a crash mid-write leaves the previous checkpoint whole, and a full disk ends as one line
-    (minigpt.core.runs.DiskFull) with the previous checkpoint whole. The state goes with its checksum
+    (minigpt.fileio.DiskFull) with the previous checkpoint whole. The state goes with its checksum
     (CHECKSUM_KEY), which check_whole verifies on load."""
     body = {k: v for k, v in state.items() if k != CHECKSUM_KEY}
     with atomic_open(path, size_hint=state_nbytes(state)) as f:

@@ -542,7 +542,7 @@ def check_fields(cfg: TrainConfig) -> None:
             if problem:
                 raise UsageError(f"{name} {problem}, got {value}")
     if cfg.simulate_slow_rank:
-        from minigpt.instruments.straggler import check_slow_rank
+        from minigpt.core.distributed import check_slow_rank
 
         check_slow_rank(cfg.simulate_slow_rank)
 
@@ -586,11 +586,9 @@ def validate(cfg: TrainConfig, given: set[str] | frozenset[str] = frozenset()) -
             f"({cfg.max_position_embeddings}); lower --seq-len or raise the other"
         )
     if cfg.use_profiler or cfg.nsys or cfg.record_memory_history or cfg.memory_profiler:
-        from minigpt.instruments.window import check_windows
-
         check_windows(cfg)
     if cfg.profile_ranks.strip() != "0":
-        from minigpt.instruments.window import profile_ranks
+        from minigpt.core.distributed import profile_ranks
 
         profile_ranks(cfg.profile_ranks, world_size=None)  # the format; the range is checked at start-up
     if cfg.no_checkpoint and "save_interval" in given:
@@ -609,6 +607,31 @@ def validate(cfg: TrainConfig, given: set[str] | frozenset[str] = frozenset()) -
 
         check_parallel(cfg, given)
     check_size(cfg)
+
+
+def check_windows(cfg: TrainConfig) -> None:
+    """The profile window and the measured memory step lie within the run's steps."""
+    if cfg.use_profiler or cfg.nsys or cfg.record_memory_history:
+        s, e = cfg.profile_step_start, cfg.profile_step_end
+        if not 1 <= s < e <= cfg.num_steps:
+            raise UsageError(
+                f"the profile window needs 1 <= --profile-step-start < --profile-step-end <= "
+                f"--num-steps; got start {s}, end {e}, num-steps {cfg.num_steps}"
+            )
+    if cfg.memory_profiler:
+        default = cfg.profile_step_end if cfg.use_profiler else cfg.profile_step_start
+        step = cfg.memory_profile_step if cfg.memory_profile_step is not None else default
+        if not 1 <= step <= cfg.num_steps:
+            which = (
+                "--memory-profile-step"
+                if cfg.memory_profile_step is not None
+                else "--memory-profile-step (default: --profile-step-start, or "
+                "--profile-step-end with --use-profiler)"
+            )
+            raise UsageError(
+                f"{which} is {step}, outside the run's steps 1..{cfg.num_steps}; "
+                "pass --memory-profile-step N within them"
+            )
 
 
 # ------------------------------------------------------------------------------------------ size

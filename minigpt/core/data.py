@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from minigpt.core.config import TrainConfig, UsageError
-from minigpt.core.runs import atomic_write
+from minigpt.fileio import atomic_write
 
 EOT = 50256  # GPT-2's <|endoftext|>, placed between documents
 GPT2_N_VOCAB = 50257  # GPT-2's ids: its 50,256 BPE tokens and <|endoftext|>
@@ -160,7 +160,7 @@ def _write_builtin(name: str, text: str) -> Path:
             if not path.is_file() or path.read_text(encoding="utf-8") != text:
                 atomic_write(path, text.encode("utf-8"))
             return path
-        except (OSError, UnicodeDecodeError, UsageError) as e:  # UsageError: minigpt.core.runs.DiskFull
+        except (OSError, UnicodeDecodeError, UsageError) as e:  # UsageError: minigpt.fileio.DiskFull
             note(f"cannot write the built-in corpus to {path} ({getattr(e, 'strerror', None) or e})")
     raise UsageError(f"no writable folder for the built-in corpus; set ${CACHE_ENV} to one")
 
@@ -298,7 +298,7 @@ def tokenize_file(
     array = np.asarray(ids, dtype=np.uint16)
     try:
         write_token_file(cached, array)
-    except (OSError, UsageError) as e:  # UsageError: minigpt.core.runs.DiskFull, already one line
+    except (OSError, UsageError) as e:  # UsageError: minigpt.fileio.DiskFull, already one line
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         note(
             f"token cache {cached.parent} cannot be written ({reason}); tokenised in memory this time "

@@ -15,6 +15,7 @@ through gloo never make the host wait for the GPU, so they cost no synchronisati
 from __future__ import annotations
 
 import gc
+import math
 import os
 import re
 import socket
@@ -22,6 +23,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -29,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from minigpt.core.config import INT_LIMIT, UsageError
 from minigpt.errors import LostRank
 from minigpt.ranks import DistInfo
 
@@ -228,14 +231,77 @@ def peers_watched(info: DistInfo, resume: str) -> Iterator[None]:
         ) from e
 
 
+# ---------------------------------------------------------------------------- the rank flags
+
+
+@dataclass
+class SlowRank:
+    """--simulate-slow-rank R:MS[:STAGE]: rank R sleeps MS milliseconds inside STAGE each step."""
+
+    rank: int
+    ms: float
+    stage: str = "forward"
+
+
+MAX_SLOW_MS = 3_600_000.0  # an hour per step: time.sleep overflows past ~1e16 s
+
+
+def check_slow_rank(spec: str) -> None:
+    """--simulate-slow-rank's numbers bounded (the format itself: straggler.parse_slow_rank): a delay
+    of 1e99 ms overflows time.sleep with a traceback in the first step."""
+    parts = spec.split(":")
+    try:
+        rank, ms = int(parts[0]), float(parts[1])
+    except (ValueError, IndexError):
+        return  # parse_slow_rank names the format
+    if not -INT_LIMIT < rank < 2**31:
+        raise UsageError(f"--simulate-slow-rank {spec}: the rank must be below 2**31")
+    if math.isfinite(ms) and ms > MAX_SLOW_MS:
+        raise UsageError(
+            f"--simulate-slow-rank {spec}: the delay must be at most {MAX_SLOW_MS:.0f} ms (an hour per step)"
+        )
+
+
+def parse_slow_rank(spec: str, stages: tuple[str, ...]) -> SlowRank:
+    parts = spec.split(":")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError
+        slow = SlowRank(int(parts[0]), float(parts[1]), *parts[2:])
+    except ValueError:
+        raise UsageError(
+            f"--simulate-slow-rank takes RANK:MS or RANK:MS:STAGE (e.g. 1:200:forward); got {spec!r}"
+        ) from None
+    if slow.rank < 0 or not 0 < slow.ms < float("inf"):
+        raise UsageError(f"--simulate-slow-rank {spec}: the rank must be >= 0 and the delay positive")
+    if slow.stage not in stages:
+        raise UsageError(
+            f"--simulate-slow-rank {spec}: unknown stage {slow.stage!r}; one of {', '.join(stages)}"
+        )
+    return slow
+
+
+def profile_ranks(spec: str, world_size: int | None) -> list[int] | None:
+    """Parse --profile-ranks: 'all' (None: every rank) or a comma-separated list of ranks."""
+    if spec.strip() == "all":
+        return None
+    try:
+        ranks = sorted({int(r) for r in spec.split(",")})
+    except ValueError:
+        raise UsageError(f"--profile-ranks must be 'all' or a list like 0,1; got {spec!r}") from None
+    if world_size is not None and any(not 0 <= r < world_size for r in ranks):
+        raise UsageError(
+            f"--profile-ranks {spec} names a rank outside 0..{world_size - 1} "
+            f"(the world size is {world_size})"
+        )
+    return ranks
+
+
 def join(cfg, device: str):
     """Under torchrun, or with a parallel flag: the checks that need the world, the process group
     (NCCL on CUDA, gloo on the CPU) and the (dp, tp) mesh. Returns (DistInfo, Plan). A single
     process with none of these flags never comes here: it is rank 0 of 1 (minigpt/ranks.py)."""
     from minigpt.core import parallel
-    from minigpt.core.config import UsageError
-    from minigpt.instruments.straggler import parse_slow_rank
-    from minigpt.instruments.window import profile_ranks
     from minigpt.stages import STAGE_NAMES
 
     slow = parse_slow_rank(cfg.simulate_slow_rank, STAGE_NAMES) if cfg.simulate_slow_rank else None
@@ -250,40 +316,3 @@ def join(cfg, device: str):
             f"{info.world_size}"
         )
     return info, plan
-
-
-class Ranks:
-    """What the training loop does with the other ranks, in one object: gradients reduced on the
-    last micro-batch only, one stop for every rank, a lost rank named, slow ranks reported
-    (minigpt/instruments/straggler.py; stragglers.jsonl on rank 0)."""
-
-    def __init__(self, cfg, info: DistInfo, out_dir, model: torch.nn.Module):
-        from minigpt import paths
-        from minigpt.instruments.metrics import JsonlWriter
-        from minigpt.instruments.straggler import StragglerDetector
-
-        self.info, self.model, self.threshold = info, model, cfg.straggler_threshold
-        self.detector = StragglerDetector(cfg.straggler_threshold)
-        self.file = JsonlWriter(out_dir / paths.STRAGGLERS_FILE, enabled=info.is_main)
-
-    def no_grad_sync(self, sync: bool):
-        return no_grad_sync(self.model, sync)
-
-    def any(self, flag: bool) -> bool:
-        return any_rank(flag, self.info)
-
-    def watch(self, resume: str):
-        return peers_watched(self.info, resume)
-
-    def report_stragglers(self, step: int, interval, log) -> None:
-        from minigpt.instruments.straggler import format_report, score_interval
-
-        for report in score_interval(self.detector, step, interval, self.info):
-            log.warning(format_report(report, self.threshold))
-            self.file.write(report)
-
-    def __enter__(self) -> Ranks:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.file.__exit__(*exc)

@@ -2,12 +2,7 @@
 before any work (a bad one costs one line, exit 2, not an interval of training and a traceback at
 the first save), one trainer per directory, what a killed process left cleaned up, config.json and
 the lines every log starts and ends with, the checkpoint's save point. RunDir holds all of it for
-the trainer; what only a resume or a save needs is minigpt/core/checkpoint.py, loaded then.
-
-Every file that must survive a crash is written to a temporary name beside the target, flushed,
-then renamed into place (a rename within a folder is atomic): a reader sees the old file or the
-new one, never half of either. A full disk (ENOSPC, or a quota: EDQUOT) is a user's problem with a
-user's fix: one line (DiskFull) naming the file, the space it needed and the space left."""
+the trainer; what only a resume or a save needs is minigpt/core/checkpoint.py, loaded then."""
 
 from __future__ import annotations
 
@@ -18,122 +13,27 @@ import logging
 import os
 import platform
 import re
-import shutil
 import signal
 import stat
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
-from typing import IO
 
 from minigpt import paths
 from minigpt.core.config import EXTRA_ARGS_ENV, TrainConfig, UsageError
 from minigpt.errors import NonFiniteLoss
+from minigpt.fileio import atomic_write
 from minigpt.ranks import DistInfo
 
 LOCK_FILE = ".lock"  # in the run directory; holds the PID of the trainer that owns it
 # Pseudo file systems: the kernel's views, never a place for a run's files.
 PSEUDO_FS = (Path("/proc"), Path("/sys"), Path("/dev"))
-STALE_TMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.tmp$")  # tmp_path's names
+STALE_TMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.tmp$")  # minigpt.fileio.tmp_path's names
 LOG_FORMAT = "[%(asctime)s] %(message)s"
 LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
-DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-# The flags that send a file elsewhere, named by a full disk's message: the trainer's by default;
-# a tool that writes where its own flag says (report --out, compare --html) names that flag.
-ELSEWHERE = "--out-dir, --checkpoint-path"
-
-
-# ---------------------------------------------------------------------------- files written whole
-
-
-class DiskFull(UsageError):
-    """No space left (or over quota) while writing a file; the previous file, if any, is whole."""
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def tmp_path(path: Path) -> Path:
-    """The temporary name of `path` while it is written: per process, since ranks may share a
-    folder. clean_stale_tmp() removes the ones a killed process left behind."""
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
-
-
-def remove(path: Path) -> None:
-    """Remove a file if it is there; never raise (a read-only file system refuses even to remove
-    a file that does not exist, and that must not hide the error being reported)."""
-    try:
-        path.unlink(missing_ok=True)
-    except OSError:
-        pass
-
-
-def is_disk_full(e: BaseException) -> bool:
-    """An OSError for a full disk, or one wrapped by a library (torch.save re-raises the write
-    error as a RuntimeError whose message carries the errno text)."""
-    while e is not None:
-        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
-            return True
-        if isinstance(e, RuntimeError) and any(os.strerror(n) in str(e) for n in DISK_FULL_ERRNOS):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def disk_full_message(path: Path, need: int | None, existed: bool, elsewhere: str = ELSEWHERE) -> str:
-    folder = path.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    try:
-        free = f"{format_bytes(shutil.disk_usage(folder).free)} free"
-    except OSError:
-        free = "free space unknown"
-    needs = f"needs about {format_bytes(need)}, " if need else ""
-    kept = f"the previous {path.name} was left intact" if existed else "nothing was written"
-    return (
-        f"no space left on the device while writing {path} ({needs}{free} there); {kept}; "
-        f"free some space or write elsewhere ({elsewhere})"
-    )
-
-
-@contextmanager
-def atomic_open(
-    path: str | Path, mode: str = "wb", size_hint: int | None = None, elsewhere: str = ELSEWHERE
-) -> Iterator[IO]:
-    """open() for writing, with the rename on success; on an error the target is left untouched.
-    size_hint: the bytes about to be written, and `elsewhere` the flags that move the file, for
-    the message when the disk is full."""
-    path = Path(path)
-    existed = path.exists()
-    tmp = tmp_path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:
-        if not is_disk_full(e):
-            raise
-        remove(tmp)  # before measuring what is free
-        raise DiskFull(disk_full_message(path, size_hint, existed, elsewhere)) from None
-    finally:
-        remove(tmp)
-
-
-def atomic_write(path: str | Path, data: bytes | str, elsewhere: str = ELSEWHERE) -> None:
-    size = len(data) if isinstance(data, bytes) else len(data.encode("utf-8"))
-    with atomic_open(path, "wb" if isinstance(data, bytes) else "w", size, elsewhere) as f:
-        f.write(data)
 
 
 def _reason(e: OSError) -> str:
@@ -703,12 +603,19 @@ class RunDir:
         )
         return 128 + signum
 
-    def finish(self, log: logging.Logger, profiler_cost: str | None, rate, last, step: int) -> None:
-        """The run's last lines: the profiler's cost, the predicted step beside the measured one,
-        the run's figures, the report, and what to open next. What only the end needs (the
-        predictor, the report's code) is loaded here."""
-        from minigpt.instruments.predict import run_prediction
-
+    def finish(
+        self,
+        log: logging.Logger,
+        profiler_cost: str | None,
+        rate,
+        last,
+        step: int,
+        run_prediction,
+        write_report,
+    ) -> None:
+        """The run's last lines: the profiler's cost, the predicted step beside the measured one
+        (`run_prediction`: minigpt/instruments/predict.py's), the run's figures, the report
+        (`write_report`: minigpt/analysis/report.py's), and what to open next."""
         if profiler_cost:
             log.info(profiler_cost)
         # From cached rates only, None without them (measuring would lengthen the run's end), and under
@@ -724,7 +631,7 @@ class RunDir:
             rate.predicted_ms = prediction.get("step_ms")
         log.info(rate.finished(last, step))
         if not self.cfg.no_report:
-            self.report(log)
+            self.report(log, write_report)
         out_dir, ckpt = self.path, self.checkpoint
         log.info(f"Checkpoint: {ckpt}" if ckpt.exists() else "Checkpoint: none (--no-checkpoint)")
         log.info(f"Run directory: {out_dir} ({paths.LOG_FILE}, {paths.METRICS_FILE}, {paths.CONFIG_FILE})")
@@ -742,7 +649,7 @@ class RunDir:
             ):
                 log.info(line)
 
-    def report(self, log: logging.Logger) -> None:
+    def report(self, log: logging.Logger, write_report: Callable[[Path], Path]) -> None:
         """report.html: the run in one offline page, written by rank 0 once every rank's trace is
         on disk. A report that cannot be made costs a warning, never the run that trained."""
         if self.dist_info.enabled:
@@ -750,8 +657,6 @@ class RunDir:
 
             barrier(self.dist_info)
         if self.dist_info.is_main:
-            from minigpt.analysis.report import write_report
-
             try:
                 page = write_report(self.path)
                 log.info(f"Report: {page} (one offline page; python -m minigpt report rewrites it)")

@@ -206,7 +206,7 @@ class Instruments:
         self.cfg, self.device, self.rank, self.log = cfg, device, rank, logging.getLogger("minigpt")
         sleep_ms = None
         if cfg.simulate_slow_rank:  # --simulate-slow-rank R:MS:STAGE on rank R: the sleep StageTimer adds
-            from minigpt.instruments.straggler import parse_slow_rank
+            from minigpt.core.distributed import parse_slow_rank
 
             slow = parse_slow_rank(cfg.simulate_slow_rank, STAGE_NAMES)
             sleep_ms = {slow.stage: slow.ms} if slow.rank == rank else None

@@ -65,8 +65,8 @@ import torch
 import torch.nn as nn
 
 from minigpt.core import torchcompat
-from minigpt.core.runs import atomic_write
 from minigpt.core.torchcompat import TreeEvent
+from minigpt.fileio import atomic_write
 from minigpt.memory_log import (
     CATEGORIES,
     LAYOUT,

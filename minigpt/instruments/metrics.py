@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from minigpt.core.runs import DiskFull, disk_full_message, is_disk_full
+from minigpt.fileio import DiskFull, disk_full_message, is_disk_full
 from minigpt.stages import LABELS
 from minigpt.step_record import MEMORY_BREAKDOWN_KEYS, StepRecord, describe_left_out
 
@@ -492,6 +492,38 @@ def evaluation_notice(batches: int, interval, grad_accum_steps: int, threshold_s
         if seconds >= threshold_s
         else None
     )
+
+
+# ---------------------------------------------------------------------------- the record's places
+
+
+class Outputs:
+    """Where a logged step goes: its two lines in the log, a line of metrics.jsonl, TensorBoard's
+    scalars (rank 0 writes the files). A context manager: the files close on any exit."""
+
+    def __init__(self, out_dir: Path, log: logging.Logger, enabled: bool, purge_step: int):
+        from minigpt import paths
+
+        self.log = log
+        self.metrics = JsonlWriter(out_dir / paths.METRICS_FILE, enabled=enabled)
+        self.tensorboard = TensorBoardLogger(
+            out_dir / paths.TENSORBOARD_DIR, enabled=enabled, purge_step=purge_step
+        )
+
+    def write(self, record: StepRecord) -> None:
+        self.log.info(format_log_line(record))
+        self.log.info(format_stages(record))
+        self.metrics.write(record)
+        self.tensorboard.log(record)
+
+    def __enter__(self) -> Outputs:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.metrics.__exit__(*exc)
+        finally:
+            self.tensorboard.__exit__(*exc)
 
 
 # ---------------------------------------------------------------------------- metrics.jsonl

@@ -18,59 +18,11 @@ Knows nothing of GPT.
 
 from __future__ import annotations
 
-import math
 import statistics
-from dataclasses import dataclass
 
-from minigpt.core.config import INT_LIMIT, UsageError
+from minigpt import paths
+from minigpt.core import distributed
 from minigpt.stages import scored_stages, split_parent
-
-
-@dataclass
-class SlowRank:
-    """--simulate-slow-rank R:MS[:STAGE]: rank R sleeps MS milliseconds inside STAGE each step."""
-
-    rank: int
-    ms: float
-    stage: str = "forward"
-
-
-MAX_SLOW_MS = 3_600_000.0  # an hour per step: time.sleep overflows past ~1e16 s
-
-
-def check_slow_rank(spec: str) -> None:
-    """--simulate-slow-rank's numbers bounded (the format itself: straggler.parse_slow_rank): a delay
-    of 1e99 ms overflows time.sleep with a traceback in the first step."""
-    parts = spec.split(":")
-    try:
-        rank, ms = int(parts[0]), float(parts[1])
-    except (ValueError, IndexError):
-        return  # parse_slow_rank names the format
-    if not -INT_LIMIT < rank < 2**31:
-        raise UsageError(f"--simulate-slow-rank {spec}: the rank must be below 2**31")
-    if math.isfinite(ms) and ms > MAX_SLOW_MS:
-        raise UsageError(
-            f"--simulate-slow-rank {spec}: the delay must be at most {MAX_SLOW_MS:.0f} ms (an hour per step)"
-        )
-
-
-def parse_slow_rank(spec: str, stages: tuple[str, ...]) -> SlowRank:
-    parts = spec.split(":")
-    try:
-        if len(parts) not in (2, 3):
-            raise ValueError
-        slow = SlowRank(int(parts[0]), float(parts[1]), *parts[2:])
-    except ValueError:
-        raise UsageError(
-            f"--simulate-slow-rank takes RANK:MS or RANK:MS:STAGE (e.g. 1:200:forward); got {spec!r}"
-        ) from None
-    if slow.rank < 0 or not 0 < slow.ms < float("inf"):
-        raise UsageError(f"--simulate-slow-rank {spec}: the rank must be >= 0 and the delay positive")
-    if slow.stage not in stages:
-        raise UsageError(
-            f"--simulate-slow-rank {spec}: unknown stage {slow.stage!r}; one of {', '.join(stages)}"
-        )
-    return slow
 
 
 def rank_figures(
@@ -160,3 +112,36 @@ def format_report(r: dict, threshold: float) -> str:
         f"{threshold:.2f}); {r['stage']} grew most: {r['stage_ms']:.1f} ms vs "
         f"{r['reference_stage_ms']:.1f} ms"
     )
+
+
+class Ranks:
+    """What the training loop does with the other ranks, in one object: gradients reduced on the
+    last micro-batch only, one stop for every rank, a lost rank named, slow ranks reported
+    (minigpt/instruments/straggler.py; stragglers.jsonl on rank 0)."""
+
+    def __init__(self, cfg, info, out_dir, model):
+        from minigpt.instruments.metrics import JsonlWriter
+
+        self.info, self.model, self.threshold = info, model, cfg.straggler_threshold
+        self.detector = StragglerDetector(cfg.straggler_threshold)
+        self.file = JsonlWriter(out_dir / paths.STRAGGLERS_FILE, enabled=info.is_main)
+
+    def no_grad_sync(self, sync: bool):
+        return distributed.no_grad_sync(self.model, sync)
+
+    def any(self, flag: bool) -> bool:
+        return distributed.any_rank(flag, self.info)
+
+    def watch(self, resume: str):
+        return distributed.peers_watched(self.info, resume)
+
+    def report_stragglers(self, step: int, interval, log) -> None:
+        for report in score_interval(self.detector, step, interval, self.info):
+            log.warning(format_report(report, self.threshold))
+            self.file.write(report)
+
+    def __enter__(self) -> Ranks:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.__exit__(*exc)

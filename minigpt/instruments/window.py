@@ -24,9 +24,9 @@ from torch.profiler import ProfilerAction, ProfilerActivity, tensorboard_trace_h
 
 from minigpt import paths
 from minigpt.core import torchcompat
-from minigpt.core.config import UsageError
-from minigpt.core.runs import atomic_open, atomic_write, probe_writable
-from minigpt.fileio import check_may_replace
+from minigpt.core.distributed import profile_ranks
+from minigpt.core.runs import probe_writable
+from minigpt.fileio import atomic_open, atomic_write, check_may_replace
 from minigpt.instruments.metrics import process_memory
 from minigpt.memory_snapshot import peak_text
 
@@ -194,50 +194,6 @@ class MemoryHistory:
             self.dump(path)
 
         torchcompat.attach_oom_observer(observer)
-
-
-# ---------------------------------------------------------------------------- the flags' checks
-
-
-def check_windows(cfg) -> None:
-    """The profile window and the measured memory step lie within the run's steps."""
-    if cfg.use_profiler or cfg.nsys or cfg.record_memory_history:
-        s, e = cfg.profile_step_start, cfg.profile_step_end
-        if not 1 <= s < e <= cfg.num_steps:
-            raise UsageError(
-                f"the profile window needs 1 <= --profile-step-start < --profile-step-end <= "
-                f"--num-steps; got start {s}, end {e}, num-steps {cfg.num_steps}"
-            )
-    if cfg.memory_profiler:
-        default = cfg.profile_step_end if cfg.use_profiler else cfg.profile_step_start
-        step = cfg.memory_profile_step if cfg.memory_profile_step is not None else default
-        if not 1 <= step <= cfg.num_steps:
-            which = (
-                "--memory-profile-step"
-                if cfg.memory_profile_step is not None
-                else "--memory-profile-step (default: --profile-step-start, or "
-                "--profile-step-end with --use-profiler)"
-            )
-            raise UsageError(
-                f"{which} is {step}, outside the run's steps 1..{cfg.num_steps}; "
-                "pass --memory-profile-step N within them"
-            )
-
-
-def profile_ranks(spec: str, world_size: int | None) -> list[int] | None:
-    """Parse --profile-ranks: 'all' (None: every rank) or a comma-separated list of ranks."""
-    if spec.strip() == "all":
-        return None
-    try:
-        ranks = sorted({int(r) for r in spec.split(",")})
-    except ValueError:
-        raise UsageError(f"--profile-ranks must be 'all' or a list like 0,1; got {spec!r}") from None
-    if world_size is not None and any(not 0 <= r < world_size for r in ranks):
-        raise UsageError(
-            f"--profile-ranks {spec} names a rank outside 0..{world_size - 1} "
-            f"(the world size is {world_size})"
-        )
-    return ranks
 
 
 # ---------------------------------------------------------------------------- the window
