@@ -18,25 +18,19 @@ from conftest import TINY
 
 import train_minimal
 from minigpt.core import data
-from minigpt.core.checkpoint import (
-    check_checkpoint_path,
-    describe_intact,
-    load_checkpoint,
-    rng_state,
-    save_checkpoint,
-)
+from minigpt.core.checkpoint import latest_run, load_checkpoint, repair_jsonl, rng_state, save_checkpoint
 from minigpt.core.config import UsageError
 from minigpt.core.model import GPT, GPTConfig
 from minigpt.core.progress import Progress, progress_enabled
 from minigpt.core.runs import (
     LOCK_FILE,
     RunLock,
+    check_checkpoint_path,
     check_out_dir,
     clean_stale_tmp,
-    latest_run,
+    describe_intact,
     next_steps,
     probe_writable,
-    repair_jsonl,
 )
 from minigpt.fileio import DiskFull, atomic_write
 
