@@ -173,14 +173,23 @@ def _fields_problem(item, where: str, fields: dict, required: tuple[str, ...] = 
         if key not in item:
             return f"{where} has no {key!r}"
     for key, ok in fields.items():
-        if key in item and item[key] is not None and not ok(item[key]):
+        if key in item and not ok(item[key]):
             return f"{where}'s {key!r} is {_what(item[key])}"
     return _frames_problem(item.get("frames"), where)
 
 
 _SEGMENT = {"device": _is_int, "total_size": _is_int}
-_BLOCK = {"size": _is_int, "requested_size": _is_int, "address": lambda v: _is_int(v, 2**64)}
-_EVENT = {"size": _is_int, "addr": _BLOCK["address"], "time_us": _is_time, "action": str.__instancecheck__}
+_BLOCK = {
+    "size": _is_int,
+    "requested_size": lambda v: v is None or _is_int(v),  # None or 0: the block's size stands for it
+    "address": lambda v: _is_int(v, 2**64),
+}
+_EVENT = {
+    "size": _is_int,
+    "addr": _BLOCK["address"],
+    "time_us": _is_time,
+    "action": lambda v: isinstance(v, str),
+}
 _ANNOTATION = {"time_us": _is_time}
 
 
