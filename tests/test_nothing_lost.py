@@ -244,6 +244,12 @@ DAMAGE = [
 
 @pytest.mark.parametrize("name, damage, expected", DAMAGE, ids=[d[0] for d in DAMAGE])
 def test_a_damaged_checkpoint_is_refused_by_resume_and_sample(capsys, run, tmp_path, name, damage, expected):
+    refused_by_resume_and_sample(capsys, run, tmp_path, damage, expected)
+
+
+def refused_by_resume_and_sample(capsys, run: Path, tmp_path: Path, damage, expected: str) -> None:
+    """The run's checkpoint damaged: --resume and sample.py each refuse it in one line naming
+    `expected`, and the run directory is as it was (no fresh checksum saved over the damage)."""
     out = copy_run(run, tmp_path)
     ckpt = out / "checkpoints" / "ckpt.pt"
     damage(ckpt)
