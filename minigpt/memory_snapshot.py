@@ -15,6 +15,7 @@ import gzip
 import io
 import pickle
 import pickletools
+import reprlib
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,7 +155,8 @@ def _is_time(v) -> bool:
 
 
 def _what(v) -> str:
-    return f"{type(v).__name__} {v!r}"[:60]
+    """A value for a message, its repr cut short before it is made (a list of millions is not)."""
+    return f"{type(v).__name__} {reprlib.repr(v)}"
 
 
 def _frames_problem(frames, where: str) -> str | None:
