@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -31,6 +33,7 @@ if __name__ == "__main__":
 
 import torch
 
+from minigpt.analysis.guards import check_names
 from minigpt.core.checkpoint import latest_run
 from minigpt.core.config import UsageError, resolve_device
 from minigpt.core.data import EOT, get_tokenizer
@@ -48,6 +51,9 @@ SEPARATOR = "-" * 40
 MIN_TEMPERATURE = 1e-3
 # One command's output: each new token is a forward pass, so 10^14 tokens would never finish.
 MAX_SAMPLES, MAX_NEW_TOKENS = 10_000, 100_000
+# Without a terminal's bar (stderr to a pipe or a log file), a line this often while a sample is
+# drawn: 100,000 tokens take minutes on a CPU, and minutes of silence look like a hang.
+PULSE_S = 10.0
 
 
 class Parser(argparse.ArgumentParser):
@@ -128,6 +134,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def checkpoint_path(args: argparse.Namespace) -> Path:
+    check_names((args.checkpoint, "--checkpoint"), (args.out_dir, "--out-dir"))
     if args.checkpoint:
         return args.checkpoint
     if args.out_dir:
@@ -192,6 +199,26 @@ def sample_text(row: list[int], toy: bool, from_document_start: bool) -> str:
     return utf8_text(get_tokenizer().decode_bytes(row[1 if from_document_start else 0 :]))
 
 
+def pulse(bar: Progress, total: int, desc: str) -> Callable[[], None]:
+    """What to call after each new token: the bar's update on a terminal; elsewhere a line on
+    stderr every PULSE_S seconds saying how far the sample is and how long the rest will take."""
+    if bar.enabled:
+        return bar.update
+    start = last = time.monotonic()
+    done = 0
+
+    def tick() -> None:
+        nonlocal done, last
+        done += 1
+        now = time.monotonic()
+        if now - last >= PULSE_S and done < total:
+            last, rate = now, done / max(now - start, 1e-9)
+            left = (total - done) / rate
+            log(f"{desc}: {done:,} of {total:,} tokens, {rate:,.1f} tokens/s, about {left:,.0f} s left")
+
+    return tick
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = resolve_device(args.device)
@@ -226,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.max_new_tokens,
                     Draw(args.temperature, args.top_k, vocab),
                     generator,
-                    bar.update,
+                    pulse(bar, args.max_new_tokens, f"sample {i + 1}"),
                 )
         if i:
             print(SEPARATOR)

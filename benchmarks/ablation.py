@@ -61,6 +61,8 @@ from common import (
     refuse_if_busy,
     refuse_to_overwrite,
     render,
+    results_file,
+    results_name_arg,
     run_variant,
     save_json,
     stamp,
@@ -498,7 +500,9 @@ def parser() -> Parser:
     )
     p.add_argument("--nproc", type=int, default=1, help="add an AMP + DDP variant with this many processes")
     p.add_argument(
-        "--name", help="results file name after the device (default: the preset and the flags passed through)"
+        "--name",
+        type=results_name_arg,
+        help="results file name after the device (default: the preset and the flags passed through)",
     )
     p.add_argument("--force", action="store_true", help="overwrite results that are already there")
     output_flags(p, "measure nothing: write the .md and .png again from a results .json")
@@ -534,13 +538,13 @@ def main() -> int:
         "warmup": args.warmup,
         "repeats": args.repeats,
     }
-    stem = args.out_dir / f"{device_slug(meta['machine'])}-{meta['name']}"
-    refuse_to_overwrite(p, stem, args.force, "--name NAME to write new results")
+    name = f"{device_slug(meta['machine'])}-{meta['name']}"  # the one file name checked and written
+    refuse_to_overwrite(p, args.out_dir / name, args.force, "--name NAME to write new results")
     meta.update(refuse_if_busy(args.out_dir, args.busy), noisy=args.noisy)
     results, meta["aa"] = measure(p, args, trainer_flags)
     meta["load_end"] = load_average()
     out_dir, noisy = destination(args.out_dir, meta, args.noisy)
-    stem = out_dir / stem.name
+    stem = out_dir / name
     out_dir.mkdir(parents=True, exist_ok=True)
     save_json(stem, {"meta": meta, "results": results})
     write_results(meta, results, stem)
@@ -625,8 +629,8 @@ def explain(results: dict, kept: Path) -> None:
 def write_results(meta: dict, results: dict, stem: Path) -> None:
     """The table (.md) and the chart (.png) of a results .json, beside it."""
     table = markdown(meta, results)
-    atomic_write(stem.with_suffix(".md"), table)
-    chart(meta, results, stem.with_suffix(".png"))
+    atomic_write(results_file(stem, ".md"), table)
+    chart(meta, results, results_file(stem, ".png"))
     print(table)
     print(f"wrote {stem}.md, .png")
 

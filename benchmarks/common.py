@@ -211,10 +211,34 @@ def keeping(meta: dict, earlier: dict) -> dict:
     return {**meta, "earlier": [m for m in before if m.get("command") != meta["command"]]}
 
 
+# A results name (ablation.py --name) is one file name: it goes after the device in
+# <out-dir>/<device>-<name>.{json,md,png}. A slash would move the files elsewhere than the
+# existence check looked, and what is not letters, digits, '.', '_', '+' or '-' (a '..', a space,
+# a control character, '<script>') has no business in a file name a table links.
+RESULTS_NAME = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9._+-]{0,99}")
+RESULTS_SUFFIXES = (".json", ".md", ".png")
+
+
+def results_name_arg(text: str) -> str:
+    """argparse's type for --name: the name as given, or one line saying what a name may hold."""
+    if not RESULTS_NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a results name: give 1 to 100 letters, digits, '.', '_', '+' or '-' "
+            "(no '/', no leading '.'), such as small-fp32"
+        )
+    return text
+
+
+def results_file(stem: Path, suffix: str) -> Path:
+    """stem + suffix: not Path.with_suffix, which would cut a name at its last '.' (lr-0.5 and
+    lr-0.7 would both become lr-0.json)."""
+    return stem.with_name(stem.name + suffix)
+
+
 def save_json(stem: Path, data: dict) -> None:
     from minigpt.fileio import atomic_write
 
-    atomic_write(stem.with_suffix(".json"), json.dumps(data, indent=2) + "\n")
+    atomic_write(results_file(stem, ".json"), json.dumps(data, indent=2) + "\n")
 
 
 def write_md(path: Path, table: str) -> None:
@@ -231,7 +255,7 @@ def write_table(stem: Path, data: dict, table: str) -> None:
     from minigpt.fileio import atomic_write
 
     save_json(stem, data)
-    atomic_write(stem.with_suffix(".md"), table)
+    atomic_write(results_file(stem, ".md"), table)
     print(table)
     print(f"wrote {stem}.json, .md")
 
@@ -265,7 +289,7 @@ def refuse_to_overwrite(
     """Before any run: results already at `stem` (.json, .md, .png) are usually committed figures
     that README cites, and a test run must not replace them (overhead.py once rewrote its .md and
     dropped the section README quotes). One line, exit 2, unless --force."""
-    there = [f for f in (stem.with_suffix(x) for x in (".json", ".md", ".png")) if f.exists()]
+    there = [f for f in (results_file(stem, x) for x in RESULTS_SUFFIXES) if f.exists()]
     if there and not force:
         parser.error(f"{there[0]} is already there; pass {instead}, or --force to overwrite")
 

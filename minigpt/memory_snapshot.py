@@ -14,6 +14,9 @@ from __future__ import annotations
 import gzip
 import io
 import pickle
+import pickletools
+import reprlib
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +25,14 @@ from minigpt.stages import STAGE_NAMES
 from minigpt.stages import STEP_RANGE as _STEP
 
 MiB = 2**20
-SNAPSHOT_LIMIT = 4 << 30  # decompressed: 100,000 entries with Python frames are a few hundred MiB
+# Decompressed bytes: the H200 run's 100,000-entry history with Python frames is 57 MiB.
+SNAPSHOT_LIMIT = 512 * MiB
+# What the unpickler may build, counted before it builds anything (_objects_problem): bytes alone
+# do not bound memory, since one byte of pickle ('}') makes an empty dict of 64 bytes, and a 98 KB
+# gzip of 96 million of them took 8.8 GB. Each unit is an object, a reference or a mark, at most
+# about 72 bytes in memory (a set, 216, counts 3): 32 million is under 2.5 GB, and 2.5 times the
+# 12.9 million of the H200 run's snapshot.
+OBJECT_LIMIT = 32_000_000
 STEP_RANGE = _STEP.name  # the trainer's range around a step
 BEFORE = "(allocated before the recording)"
 
@@ -36,23 +46,186 @@ class _PlainData(pickle.Unpickler):
         raise SnapshotError(f"the pickle names {module}.{name}: a memory snapshot is plain data, not loaded")
 
 
-def load_snapshot(path: str | Path, limit: int = SNAPSHOT_LIMIT) -> dict:
-    """The snapshot at `path` (gzipped or not), as plain dicts and lists. Raises SnapshotError."""
-    raw = read_bounded(path, limit)
-    if raw[:2] == b"\x1f\x8b":
+# The opcode scan's table: for each opcode byte, how its argument is laid out (a fixed number of
+# bytes, or one of the kinds below) and how many units it builds. Opcodes that only fill a container
+# already counted, or frame the stream, build none; those that name code end the scan (_PlainData
+# refuses them before anything after them is built).
+_LINE, _LEN1, _LEN4, _LEN8, _END = -1, -2, -3, -4, -5
+_BUILDS_NOTHING = {"STOP", "POP", "POP_MARK", "FRAME", "PROTO", "APPEND", "APPENDS", "SETITEM", "SETITEMS"}
+_CODE = {
+    "GLOBAL", "STACK_GLOBAL", "INST", "OBJ", "REDUCE", "BUILD", "NEWOBJ", "NEWOBJ_EX", "EXT1", "EXT2",
+    "EXT4", "PERSID", "BINPERSID", "NEXT_BUFFER", "READONLY_BUFFER", "STOP",
+}  # fmt: skip
+_ARG_KIND = {
+    pickletools.UP_TO_NEWLINE: _LINE,
+    pickletools.TAKEN_FROM_ARGUMENT1: _LEN1,
+    pickletools.TAKEN_FROM_ARGUMENT4: _LEN4,
+    pickletools.TAKEN_FROM_ARGUMENT4U: _LEN4,
+    pickletools.TAKEN_FROM_ARGUMENT8U: _LEN8,
+}
+_LAYOUT, _UNITS = [_END] * 256, [0] * 256  # an opcode not in the table ends the scan; pickle refuses it
+for _op in pickletools.opcodes:
+    _code = ord(_op.code)
+    _LAYOUT[_code] = _END if _op.name in _CODE else _ARG_KIND.get(_op.arg.n, _op.arg.n) if _op.arg else 0
+    _UNITS[_code] = 0 if _op.name in _BUILDS_NOTHING else 3 if "SET" in _op.name else 1
+_PUTS = {ord(c) for c in "pqr"}  # PUT, BINPUT, LONG_BINPUT: an index past the memo grows it to twice that
+
+
+def _memo_index(arg: bytes, op: int) -> int:
+    """The memo index of PUT (decimal digits and a newline), BINPUT or LONG_BINPUT (little-endian)."""
+    return int(arg) if op == ord("p") else int.from_bytes(arg, "little")
+
+
+def _objects_problem(raw: bytes, limit: int = OBJECT_LIMIT) -> str | None:
+    """What the pickle would build beyond `limit` units (OBJECT_LIMIT), found by walking its
+    opcodes without building anything; None when it stays within. Stops at the first opcode that
+    names code, or at the end of the bytes: the unpickler refuses those before it gets past them."""
+    layout, units = _LAYOUT, _UNITS
+    pos, n, end = 0, 0, len(raw)
+    try:
+        while pos < end:
+            op = raw[pos]
+            kind = layout[op]
+            pos = start = pos + 1
+            if kind >= 0:
+                pos += kind
+            elif kind == _LEN1:
+                pos += 1 + raw[pos]
+            elif kind == _LEN4:
+                pos += 4 + int.from_bytes(raw[pos : pos + 4], "little")
+            elif kind == _LEN8:
+                pos += 8 + int.from_bytes(raw[pos : pos + 8], "little")
+            elif kind == _LINE:
+                pos = raw.index(b"\n", pos) + 1
+            else:
+                return None
+            n += units[op]
+            if n > limit:
+                return (
+                    f"it would build more than {limit:,} objects (a 100,000-entry history builds about "
+                    "13 million); record fewer with --memory-history-entries"
+                )
+            if op in _PUTS and _memo_index(raw[start:pos], op) > limit:
+                return "it files an object in its memo at an index past any snapshot's objects"
+    except (ValueError, IndexError):  # a truncated argument, a PUT that is no number: pickle names it
+        return None
+    return None
+
+
+def _decompressed(path: str | Path, raw: bytes, limit: int) -> bytes:
+    """The pickle's bytes: gunzipped when they are gzip's, at most `limit` of them."""
+    if raw[:2] != b"\x1f\x8b":
+        return raw
+    try:
         with gzip.GzipFile(fileobj=io.BytesIO(raw)) as f:
             raw = f.read(limit + 1)
-        if len(raw) > limit:
-            raise SnapshotError(f"{path}: more than {limit >> 20} MiB once decompressed")
+    except (OSError, EOFError, zlib.error) as e:  # truncated, or not gzip after its two bytes
+        raise SnapshotError(f"{path}: a damaged or truncated .gz ({type(e).__name__}: {e})") from None
+    if len(raw) > limit:
+        raise SnapshotError(f"{path}: more than {limit >> 20} MiB once decompressed")
+    return raw
+
+
+def load_snapshot(path: str | Path, limit: int = SNAPSHOT_LIMIT, objects: int = OBJECT_LIMIT) -> dict:
+    """The snapshot at `path` (gzipped or not), as plain dicts and lists of the shape replay()
+    reads (shape_problem). Raises SnapshotError, in one line: a snapshot too large in bytes or in
+    objects is refused before it is built."""
+    raw = _decompressed(path, read_bounded(path, limit), limit)
+    if problem := _objects_problem(raw, objects):
+        raise SnapshotError(f"{path}: refused: {problem}")
     try:
         snapshot = _PlainData(io.BytesIO(raw)).load()
     except SnapshotError:
         raise
     except Exception as e:  # a truncated or foreign file: pickle raises many kinds
-        raise SnapshotError(f"{path}: not a memory snapshot ({type(e).__name__}: {e})") from None
+        raise SnapshotError(f"{path}: not a memory snapshot ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(snapshot, dict) or "segments" not in snapshot:
         raise SnapshotError(f"{path}: not a memory snapshot (no 'segments')")
+    if problem := shape_problem(snapshot):
+        raise SnapshotError(f"{path}: not a memory snapshot of torch's layout: {problem}")
     return snapshot
+
+
+def _is_int(v, top: int = 2**63) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < top
+
+
+def _is_time(v) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and not isinstance(v, bool) and abs(v) < 2**63
+
+
+def _what(v) -> str:
+    """A value for a message, its repr cut short before it is made (a list of millions is not)."""
+    return f"{type(v).__name__} {reprlib.repr(v)}"
+
+
+def _frames_problem(frames, where: str) -> str | None:
+    if frames is None:
+        return None
+    if not isinstance(frames, list) or not all(isinstance(f, dict) for f in frames):
+        return f"{where}'s frames are {type(frames).__name__}, not a list of dicts"
+    return None
+
+
+def _fields_problem(item, where: str, fields: dict, required: tuple[str, ...] = ()) -> str | None:
+    """item is a dict whose `fields` (name -> check) hold what they must, `required` ones present."""
+    if not isinstance(item, dict):
+        return f"{where} is {_what(item)}, not a dict"
+    for key in required:
+        if key not in item:
+            return f"{where} has no {key!r}"
+    for key, ok in fields.items():
+        if key in item and not ok(item[key]):
+            return f"{where}'s {key!r} is {_what(item[key])}"
+    return _frames_problem(item.get("frames"), where)
+
+
+_SEGMENT = {"device": _is_int, "total_size": _is_int}
+_BLOCK = {
+    "size": _is_int,
+    "requested_size": lambda v: v is None or _is_int(v),  # None or 0: the block's size stands for it
+    "address": lambda v: _is_int(v, 2**64),
+}
+_EVENT = {
+    "size": _is_int,
+    "addr": _BLOCK["address"],
+    "time_us": _is_time,
+    "action": lambda v: isinstance(v, str),
+}
+_ANNOTATION = {"time_us": _is_time}
+
+
+def shape_problem(snapshot: dict) -> str | None:
+    """The first field of a loaded snapshot that replay() could not read (a list where a number
+    belongs, a block without its size, an annotation without its time), described; None when it
+    has torch's layout. Every field replay() reads is checked here, so no TypeError or KeyError
+    comes out of the replay of a hand-made file."""
+    segments = snapshot.get("segments")
+    if not isinstance(segments, list):
+        return f"'segments' is {_what(segments)}, not a list"
+    for i, seg in enumerate(segments):
+        if problem := _fields_problem(seg, f"segments[{i}]", _SEGMENT):
+            return problem
+        blocks = seg.get("blocks", [])
+        if not isinstance(blocks, list):
+            return f"segments[{i}]'s 'blocks' is {_what(blocks)}, not a list"
+        for j, b in enumerate(blocks):
+            if problem := _fields_problem(b, f"segments[{i}].blocks[{j}]", _BLOCK, ("size", "address")):
+                return problem
+    traces = snapshot.get("device_traces")
+    if traces is not None and not (isinstance(traces, list) and all(isinstance(t, list) for t in traces)):
+        return f"'device_traces' is {_what(traces)}, not a list of lists"
+    for d, events in enumerate(traces or []):
+        for i, e in enumerate(events):
+            if problem := _fields_problem(e, f"device_traces[{d}][{i}]", _EVENT):
+                return problem
+    annotations = snapshot.get("external_annotations")
+    if annotations is not None and not isinstance(annotations, list):
+        return f"'external_annotations' is {_what(annotations)}, not a list"
+    for i, a in enumerate(annotations or []):
+        if problem := _fields_problem(a, f"external_annotations[{i}]", _ANNOTATION, ("time_us",)):
+            return problem
+    return None
 
 
 @dataclass

@@ -26,7 +26,14 @@ from hypothesis import strategies as st
 
 import train_minimal
 from minigpt.analysis import compare, report, traces
-from minigpt.core.checkpoint import CHECKSUM_KEY, load_checkpoint, save_checkpoint, state_crc
+from minigpt.core.checkpoint import (
+    CHECKSUM_KEY,
+    CHECKSUMMED_CONFIG_FIELDS,
+    FORMAT_KEY,
+    load_checkpoint,
+    save_checkpoint,
+    state_crc,
+)
 from minigpt.core.config import UsageError, parse_args
 from minigpt.fileio import check_may_replace
 from sample import cli as sample_cli
@@ -200,9 +207,15 @@ def edited_without_checksum_update(path: Path) -> None:
     torch.save(state, path)
 
 
+def before_checksums(state: dict) -> dict:
+    """A checkpoint as the versions before checksums wrote it: no checksum, no format, and none of
+    the config fields that came after (checkpoint.written_with_checksum)."""
+    config = {k: v for k, v in state["config"].items() if k not in CHECKSUMMED_CONFIG_FIELDS}
+    return {**{k: v for k, v in state.items() if k not in (CHECKSUM_KEY, FORMAT_KEY)}, "config": config}
+
+
 def old_without_checksum_nan(path: Path) -> None:
-    state = torch.load(path, weights_only=True)
-    del state[CHECKSUM_KEY]
+    state = before_checksums(torch.load(path, weights_only=True))
     next(iter(state["model"].values()))[0] = float("nan")
     torch.save(state, path)
 
@@ -231,6 +244,12 @@ DAMAGE = [
 
 @pytest.mark.parametrize("name, damage, expected", DAMAGE, ids=[d[0] for d in DAMAGE])
 def test_a_damaged_checkpoint_is_refused_by_resume_and_sample(capsys, run, tmp_path, name, damage, expected):
+    refused_by_resume_and_sample(capsys, run, tmp_path, damage, expected)
+
+
+def refused_by_resume_and_sample(capsys, run: Path, tmp_path: Path, damage, expected: str) -> None:
+    """The run's checkpoint damaged: --resume and sample.py each refuse it in one line naming
+    `expected`, and the run directory is as it was (no fresh checksum saved over the damage)."""
     out = copy_run(run, tmp_path)
     ckpt = out / "checkpoints" / "ckpt.pt"
     damage(ckpt)
@@ -244,8 +263,7 @@ def test_a_damaged_checkpoint_is_refused_by_resume_and_sample(capsys, run, tmp_p
 
 
 def test_an_old_checkpoint_without_a_checksum_still_loads(run, tmp_path):
-    state = torch.load(run / "checkpoints" / "ckpt.pt", weights_only=True)
-    del state[CHECKSUM_KEY]
+    state = before_checksums(torch.load(run / "checkpoints" / "ckpt.pt", weights_only=True))
     torch.save(state, tmp_path / "old.pt")
     assert load_checkpoint(tmp_path / "old.pt")["step"] == 2
 
@@ -282,7 +300,8 @@ def test_any_overwritten_bytes_are_refused_or_change_nothing(run, where, length,
             assert "\n" not in str(e) and str(path) in str(e), str(e)
             return
     saved = torch.load(run / "checkpoints" / "ckpt.pt", weights_only=True)
-    assert state_crc(state) == saved[CHECKSUM_KEY]["crc32"]  # load_checkpoint drops the proven checksum
+    # load_checkpoint drops the proven checksum and the format it was written in
+    assert state_crc({**state, FORMAT_KEY: saved[FORMAT_KEY]}) == saved[CHECKSUM_KEY]["crc32"]
 
 
 @pytest.mark.parametrize("damage", ["NaN in a shard", "64 zeroed bytes in the extra file"])

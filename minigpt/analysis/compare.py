@@ -35,6 +35,7 @@ import math
 import sys
 from pathlib import Path
 
+from minigpt.analysis.guards import check_names
 from minigpt.analysis.report import (
     MB,
     check_page_path,
@@ -820,6 +821,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     try:
+        check_names((args.run_a, "run_a"), (args.run_b, "run_b"), (args.html, "--html"))
         if args.html is not None and args.html.is_dir():
             raise RunError(
                 f"--html {args.html} is a folder; give a file name such as {args.html / 'compare.html'}"

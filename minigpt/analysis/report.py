@@ -21,6 +21,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from minigpt.analysis.guards import check_names
 from minigpt.analysis.runfiles import (
     OLDER_RUN,
     REBUILT,
@@ -1233,6 +1234,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     try:
+        check_names((args.run, "run"), (args.out, "--out"))
         if args.out is not None and args.out.is_dir():
             raise RunError(f"--out {args.out} is a folder; give a file name such as {args.out / REPORT_FILE}")
         path = write_report(args.run, args.out, "--out", args.force)

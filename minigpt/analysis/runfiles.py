@@ -47,6 +47,9 @@ ALL_ROWS = 100_000
 _RANK = re.compile(r"rank(\d+)")
 
 MAX_DEPTH = 8  # nesting a run's files never exceed (metrics: a record, its memory_breakdown, ...)
+# No figure a run writes comes near this (a petabyte of memory, a quadrillion tokens, 30 million
+# years in seconds); a hand-edited 1e308 does, and two of them summed or averaged are inf on a page.
+ABSURD = 1e15
 
 
 # The run-wide keys a reader takes from metrics.jsonl's last record; OLDER_RUN stands for one that
@@ -102,16 +105,19 @@ def _steady_of_older_run(records: list[dict]) -> dict:
 
 
 def _value_problem(value, depth: int = 0) -> str | None:
-    """JSON as a run writes it: finite numbers, strings, booleans, null, and lists and objects
-    nested at most MAX_DEPTH deep. NaN and Infinity parse (json allows them) but no run writes them."""
+    """JSON as a run writes it: finite numbers within ABSURD, strings, booleans, null, and lists and
+    objects nested at most MAX_DEPTH deep. NaN and Infinity parse (json allows them) but no run
+    writes them."""
     if depth > MAX_DEPTH:
         return f"is nested deeper than {MAX_DEPTH} levels"
     if isinstance(value, float) and not math.isfinite(value):
         return f"is {value}, not a finite number"
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > ABSURD:
+        return f"is {value:.3g}, past any figure a run writes"
     if isinstance(value, dict):
         for k, v in value.items():
             if problem := _value_problem(v, depth + 1):
-                return f"{k!r} {problem}" if depth else problem
+                return f"{k!r} {problem}" if depth else f"field {k!r} {problem}"
     elif isinstance(value, list):
         for v in value:
             if problem := _value_problem(v, depth + 1):
@@ -155,8 +161,15 @@ def metrics_problem(row: dict) -> str | None:
     for name in _METRIC_FIELDS:
         if name in row and (problem := _type_problem(row[name], _METRIC_TYPES[name])):
             return f"field {name!r} {problem}"
-    if row["step"] < 0:
-        return "field 'step' is negative"
+    # A count, a time, a rate or bytes: none is negative. A loss is the model's figure, not the
+    # machine's, and is left as it is.
+    for name in _METRIC_FIELDS:
+        if name in ("loss", "val_loss"):
+            continue
+        value = row.get(name)
+        numbers = value.values() if isinstance(value, dict) and name != "memory_breakdown" else [value]
+        if any(isinstance(v, (int, float)) and v < 0 for v in numbers):
+            return f"field {name!r} is negative"
     return _value_problem(row)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from minigpt.analysis.guards import check_names
 from minigpt.analysis.report import RunError, esc, page, table, write_page
 from minigpt.errors import ArgParser, UsageError
 from minigpt.memory_snapshot import (
@@ -206,15 +207,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     try:
+        check_names((args.path, "path"), (args.out, "--out"))
         pickles = snapshots_of(args.path)
         if args.out is not None and len(pickles) > 1:
             raise RunError(f"--out names one page, but {args.path} holds {len(pickles)} snapshots")
-        for pickle_path in pickles:
-            print(f"snapshot page: {write_snapshot_page(pickle_path, args.out, force=args.force)}")
     except (RunError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
+    status = 0
+    for pickle_path in pickles:  # a bad pickle costs its own page only, and says which it is
+        try:
+            print(f"snapshot page: {write_snapshot_page(pickle_path, args.out, force=args.force)}")
+        except (RunError, UsageError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            status = 2
+    return status
 
 
 if __name__ == "__main__":

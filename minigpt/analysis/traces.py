@@ -94,6 +94,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from minigpt.analysis.guards import name_problem
+
 try:  # the project's one-line refusal of a bad flag; a copy of this file run alone has argparse's own
     from minigpt.errors import ArgParser
 except ImportError:
@@ -1058,6 +1060,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.top < 1:
             raise TraceError("--top must be positive")
+        if problem := name_problem(target):
+            raise TraceError(f"trace: the path {problem}; choose a shorter one")
         summaries, skipped = summarize_all(target, stages, args.top)
     except TraceError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import errno
 import json
 import math
+import os
 import random
+import sys
 import warnings
 import zlib
 from dataclasses import asdict
@@ -99,6 +101,13 @@ def state_nbytes(obj) -> int:
 # (16 M, 195 MB) 47 ms a save and again a load; the load's finiteness check (nonfinite_tensor)
 # 5 ms and 25 ms more. torch.save itself takes longer to write the same bytes.
 CHECKSUM_KEY = "checksum"
+# How a checkpoint that lost its checksum is told from one written before checksums: FORMAT_KEY
+# (inside the checksummed body) says "written with a checksum", and so does a config field that
+# only versions with checksums wrote (CHECKSUMMED_CONFIG_FIELDS: they came after the checksum, and
+# before FORMAT_KEY). Either one and no checksum: damaged (a key renamed or deleted by hand), refused.
+# Neither: an older checkpoint, loaded with one line saying that nothing proves it whole.
+FORMAT_KEY, FORMAT = "format", 2  # 1: before checksums (no FORMAT_KEY)
+CHECKSUMMED_CONFIG_FIELDS = ("compile_mode", "auto_batch_size")
 
 
 def state_crc(obj, crc: int = 0) -> int:
@@ -124,7 +133,7 @@ def save_checkpoint(path: str | Path, state: dict) -> None:
     a crash mid-write leaves the previous checkpoint whole, and a full disk ends as one line
     (minigpt.fileio.DiskFull) with the previous checkpoint whole. The state goes with its checksum
     (CHECKSUM_KEY), which check_whole verifies on load."""
-    body = {k: v for k, v in state.items() if k != CHECKSUM_KEY}
+    body = {**{k: v for k, v in state.items() if k != CHECKSUM_KEY}, FORMAT_KEY: FORMAT}
     with atomic_open(path, size_hint=state_nbytes(state)) as f:
         torch.save({**body, CHECKSUM_KEY: {"crc32": state_crc(body)}}, f)
 
@@ -144,10 +153,25 @@ def nonfinite_tensor(state: dict, keys: tuple[str, ...] = ("model", "optimizer")
     return next((n for k in keys if k in state and (n := walk(state[k], k))), None)
 
 
+def written_with_checksum(state: dict) -> bool:
+    """Whether a checkpoint comes from a version that writes CHECKSUM_KEY (FORMAT_KEY's comment)."""
+    config = state.get("config")
+    later_fields = isinstance(config, dict) and any(k in config for k in CHECKSUMMED_CONFIG_FIELDS)
+    return FORMAT_KEY in state or later_fields
+
+
+def note(message: str) -> None:
+    """One line on stderr that does not stop the load; under torchrun rank 0's alone."""
+    if os.environ.get("RANK", "0") in ("", "0"):
+        print(message, file=sys.stderr, flush=True)
+
+
 def check_whole(state: dict, path: str | Path) -> None:
     """A loaded checkpoint is the one that was saved, and holds no NaN or inf: else one line saying
-    it is damaged. A checkpoint written before checksums (no CHECKSUM_KEY) gets the finiteness
-    check alone: there is nothing to compare its bytes with."""
+    it is damaged. A checkpoint written before checksums (no CHECKSUM_KEY, nothing of a later
+    version: written_with_checksum) gets the finiteness check alone, and a note saying so: there
+    is nothing to compare its bytes with. One of a later version without its checksum is damaged:
+    loading it would let the resumed run write a fresh, valid checksum over the damage."""
     fix = "use an earlier checkpoint, or train without --resume"
     if CHECKSUM_KEY in state:
         saved = state[CHECKSUM_KEY]
@@ -157,12 +181,27 @@ def check_whole(state: dict, path: str | Path) -> None:
                 f"checkpoint {path} is damaged: its contents do not match the checksum written with "
                 f"it (changed on disk or in transit, or edited after it was saved); {fix}"
             )
+    elif written_with_checksum(state):
+        raise UsageError(
+            f"checkpoint {path} is damaged: it was written with a checksum, and its {CHECKSUM_KEY!r} "
+            f"entry is gone (renamed or deleted), so nothing proves its weights whole; {fix}"
+        )
     if name := nonfinite_tensor(state):
         raise UsageError(f"checkpoint {path} is damaged: {name} holds NaN or inf; {fix}")
 
 
 # Two runs whose checkpoints were written closer together than this cannot be told apart by age.
 AMBIGUOUS_S = 1.0
+
+
+def note_unverified(state: dict, path: str | Path) -> None:
+    """The line for a checkpoint that check_whole let through without a checksum, printed after
+    every check of its loader: a refused file's one line is the refusal."""
+    if CHECKSUM_KEY not in state:
+        note(
+            f"note: checkpoint {path} was written before checkpoints carried a checksum: it loads, "
+            "but nothing proves its bytes whole (only that every weight is finite)"
+        )
 
 
 def latest_run(
@@ -327,7 +366,6 @@ def load_checkpoint(path: str | Path) -> dict:
         missing = sorted(REQUIRED_KEYS - state.keys()) if isinstance(state, dict) else sorted(REQUIRED_KEYS)
         raise UsageError(f"{path} is not a minigpt checkpoint (missing {', '.join(missing)})")
     check_whole(state, path)
-    state.pop(CHECKSUM_KEY, None)  # proven; save_checkpoint makes it anew
     problem = _field_problem(state)
     if problem:
         raise UsageError(
@@ -335,6 +373,9 @@ def load_checkpoint(path: str | Path) -> dict:
             "train_minimal.py, or train without --resume"
         )
     check_model_fits(state["model_config"], path)
+    note_unverified(state, path)
+    state.pop(CHECKSUM_KEY, None)  # proven; save_checkpoint makes it anew
+    state.pop(FORMAT_KEY, None)
     return state
 
 
@@ -732,7 +773,9 @@ def load_sharded(
     extra = read_state(extra_file)
     if isinstance(extra, dict):
         check_whole(extra, extra_file)
+        note_unverified(extra, extra_file)
         extra.pop(CHECKSUM_KEY, None)
+        extra.pop(FORMAT_KEY, None)
     return extra
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import codecs
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -31,6 +31,11 @@ def load_model(path: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
             f"d_model {cfg.d_model}; the file was edited or damaged"
         )
     check_train_config(state["config"], path)
+    if problem := weights_problem(cfg, state["model"]):
+        raise UsageError(
+            f"checkpoint {path}: its weights do not fit its model_config ({problem}); "
+            "the file was edited or damaged"
+        )
     cfg.dropout, cfg.activation_checkpoint = 0.0, False  # sampling: no dropout, no backward to save for
     model = GPT(cfg)
     try:
@@ -41,6 +46,34 @@ def load_model(path: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
             f"({str(e).splitlines()[0]}); the file was edited or damaged"
         ) from None
     return model.to(device).eval(), state["config"]
+
+
+def weights_problem(cfg: GPTConfig, weights: dict) -> str | None:
+    """What in a checkpoint's weights does not fit its model_config, found before the model is
+    built: the number of blocks first (a config edited to n_layers 100000 would otherwise build
+    100000 blocks, minutes and gigabytes, before load_state_dict compared anything), then every
+    tensor's name and shape against a one-block model on the meta device (shapes, no memory)."""
+    blocks = {k.split(".")[1] for k in weights if k.startswith("blocks.")}
+    if len(blocks) != cfg.n_layers:
+        return f"they hold {len(blocks)} blocks, its model_config says n_layers {cfg.n_layers}"
+    with torch.device("meta"):
+        one = GPT(replace(cfg, n_layers=1)).state_dict()
+    expected = {k: tuple(t.shape) for k, t in one.items() if not k.startswith("blocks.")}
+    for i in range(cfg.n_layers):
+        expected.update(
+            {
+                f"blocks.{i}.{k.split('.', 2)[2]}": tuple(t.shape)
+                for k, t in one.items()
+                if k.startswith("blocks.")
+            }
+        )
+    for name, shape in expected.items():
+        if name not in weights:
+            return f"{name} is missing"
+        if tuple(weights[name].shape) != shape:
+            return f"{name} has shape {list(weights[name].shape)}, its model_config makes {list(shape)}"
+    extra = sorted(set(weights) - set(expected))
+    return f"{extra[0]} is no weight of this model" if extra else None
 
 
 def check_train_config(train_config: dict, path: str | Path) -> None:

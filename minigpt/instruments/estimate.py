@@ -478,7 +478,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         argv, timing, as_json, remeasure = split_flags(argv)
-        cfg = parse_args(argv, prog="python -m minigpt estimate")
+        # As the trainer's --estimate-memory: nothing is built here, so the flags are refused only
+        # above its cap (1 PiB), not against this machine's RAM; the table then judges them against
+        # the device's memory (--device-memory-gb, the GPU's, or the RAM on a CPU).
+        cfg = parse_args([*argv, "--estimate-memory"], prog="python -m minigpt estimate")
         if cfg.device == "cuda" and not torch.cuda.is_available():
             if timing:
                 raise UsageError(
@@ -498,6 +501,10 @@ def main(argv: list[str] | None = None) -> int:
                 choose_allocator(cfg.keep_freed_memory)
             print(time_report(config_shape(cfg), device, amp_dtype, as_json, remeasure))
             return 0
+        if cfg.auto_batch_size:  # the micro-batch the trainer would choose, and the table for it
+            cfg.estimate_memory = False  # (fit_batch_size keeps the flags' batch for the trainer's)
+            cfg.batch_size, line = fit_batch_size(cfg, device, amp_dtype)
+            print(line)
         print(estimate_report(cfg, device, amp_dtype, amp_note))
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)

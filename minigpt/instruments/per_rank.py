@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from minigpt.core.config import GPT2_VOCAB, Shape, shape_of
+from minigpt.errors import ArgParser
 from minigpt.instruments.estimate import MemoryEstimate, estimate_gpt
 
 
@@ -129,14 +130,38 @@ def comm_model(
     return {"bytes": out, "total_bytes": total, "seconds": total / link_bytes_per_s}
 
 
+# Each number flag's bounds, beside the flags and checked by one loop (number_problem): whole
+# numbers from `low` to `high`; real ones above `low` (0 would divide by zero: compute time over
+# MFU x peak, communication over the link) up to `high`, and finite. No default replaces a value
+# out of bounds: --batch-size 0 is refused, not read as "the preset's".
+NUMBER_BOUNDS = {
+    "gpus": (1, 1 << 20, "a number of GPUs"),
+    "batch_size": (1, 1 << 20, "sequences per data-parallel rank"),
+    "mfu": (0.0, 1.0, "a fraction of the peak (0.4 is 40%)"),
+    "peak_tflops": (0.0, 1e6, "TFLOP/s per GPU"),
+    "link_gb_s": (0.0, 1e6, "GB/s per direction"),
+}
+
+
+def number_problem(args) -> str | None:
+    """The first number flag out of its NUMBER_BOUNDS, as one line naming it and its range."""
+    for dest, (low, high, what) in NUMBER_BOUNDS.items():
+        v = getattr(args, dest)
+        if v is None:
+            continue
+        whole = isinstance(low, int)
+        if not (low <= v <= high if whole else low < v <= high):
+            span = f"from {low:,} to {high:,}" if whole else f"above {low:g}, at most {high:g}"
+            return f"--{dest.replace('_', '-')} {v}: give {what}, {span}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """python -m minigpt parallel [--preset gpt2] [--gpus 8]: the per-GPU memory (the estimator,
     scaled per rank) and the communication model for DDP, FSDP, TP and FSDP x TP."""
-    import argparse
-
     from minigpt.core.config import PRESETS
 
-    p = argparse.ArgumentParser(prog="python -m minigpt parallel", description=main.__doc__)
+    p = ArgParser(prog="python -m minigpt parallel", description=main.__doc__)
     p.add_argument("--preset", default="gpt2", choices=sorted(PRESETS))
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation (compute time)")
@@ -144,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, help="per data-parallel rank (default: the preset's)")
     p.add_argument("--link-gb-s", type=float, default=H100_NVLINK_BYTES_PER_S / 1e9)
     a = p.parse_args(argv)
+    if problem := number_problem(a):
+        p.error(problem)
     pre = PRESETS[a.preset]
-    shape = shape_of(pre, GPT2_VOCAB, batch_size=a.batch_size or pre["batch_size"])
+    shape = shape_of(pre, GPT2_VOCAB, batch_size=pre["batch_size"] if a.batch_size is None else a.batch_size)
     n = a.gpus
     plans = [("DDP", n, 1, False), ("FSDP", n, 1, True), (f"TP {n}", 1, n, False)]
     plans += [(f"FSDP {n // t} x TP {t}", n // t, t, True) for t in (2, 4) if n % t == 0 and n > t]

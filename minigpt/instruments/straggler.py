@@ -6,7 +6,9 @@ scores are computed per rank:
     relative score   = fastest rank's median / this rank's median      (is it slower than the others?)
     individual score = this rank's best median so far / its current one (is it slower than it was?)
 
-A rank scoring below the threshold (default 0.75) on either is reported.
+A rank scoring below the threshold (default 0.75) on either is reported, when its delay matters
+to the step (MIN_DELAY_MS and MIN_DELAY_SHARE below): a score is a ratio, and a ratio of small
+times is noise.
 
 The trap: in DDP the fast ranks wait for the slow one inside the all-reduce, during their own
 backward, so their step and backward times grow as much as the slow rank's. Scoring step times
@@ -23,6 +25,22 @@ import statistics
 from minigpt import paths
 from minigpt.core import distributed
 from minigpt.stages import scored_stages, split_parent
+
+# A score is a ratio, and a ratio of a few milliseconds is noise: on two gloo ranks sharing a quiet
+# 2-core CPU, a 3.8 ms forward became 5.4 ms in one interval (individual score 0.74) and a backward's
+# compute 5.6 ms against 3.8 on the other rank (relative score 0.68), with no rank slowed. So a rank
+# is named only when its delay (its scored time less that of the rank or interval it is compared
+# with) is both over MIN_DELAY_MS, past what a scheduler's hiccup or a clock change costs, and over
+# MIN_DELAY_SHARE of its step, past what the job loses to it (each rank waits for the slowest at the
+# all-reduce, so the step grows by about the delay). A rank 60 ms slow in a 70 ms step passes both.
+MIN_DELAY_MS = 10.0
+MIN_DELAY_SHARE = 0.10
+
+
+def delay_matters(delay_ms: float, step_ms: float) -> bool:
+    """Whether a rank's delay over its reference is large enough to name it (MIN_DELAY_MS and
+    MIN_DELAY_SHARE of its step, both)."""
+    return delay_ms > MIN_DELAY_MS and delay_ms > MIN_DELAY_SHARE * step_ms
 
 
 def rank_figures(
@@ -60,11 +78,17 @@ class StragglerDetector:
                 best = self.best[f["rank"]] = f
             relative = fastest["scored_ms"] / f["scored_ms"]
             individual = best["scored_ms"] / f["scored_ms"]
-            if min(relative, individual) >= self.threshold:
+            # Each score that is low, with the figures it compares against, if the delay matters.
+            low = [
+                (score, ref)
+                for score, ref in ((relative, fastest), (individual, best))
+                if score < self.threshold and delay_matters(f["scored_ms"] - ref["scored_ms"], f["step_ms"])
+            ]
+            if not low:
                 continue
-            # The stage that grew most: against the fastest rank if that is the low score, else
+            # The stage that grew most: against the fastest rank if that is the lower score, else
             # against this rank's own best interval.
-            reference = fastest if relative <= individual else best
+            reference = min(low, key=lambda x: x[0])[1]
             grew = {
                 s: f["stages_ms"].get(s, 0.0) - reference["stages_ms"].get(s, 0.0)
                 for s in scored_stages()
