@@ -105,14 +105,12 @@ def unmarked_text_blocks(root: Path = ROOT) -> list[str]:
 
 
 def copy_repo(dest: Path) -> Path:
-    """The tracked files of this repository in `dest`, with ../shared beside it as beside a clone."""
+    """The tracked files of this repository in `dest`, as a clone holds them."""
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
     for f in files.stdout.split():
         if (ROOT / f).is_file():
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, dest / f)
-    if (ROOT.parent / "shared").is_dir() and not (dest.parent / "shared").exists():
-        (dest.parent / "shared").symlink_to(ROOT.parent / "shared")
     return dest
 
 
