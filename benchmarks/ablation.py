@@ -13,7 +13,11 @@ fp32: the gpt2 preset's at 2 repeats, 5 + 10 steps, fit in about three minutes o
 Each variant runs in a
 fresh process, `--repeats` times in interleaved rounds, for `--steps` measured steps after
 `--warmup`. Trainer flags not known here (--seq-len, --batch-size, --n-layers, ...) are passed
-through to every variant.
+through to every variant. Its time goes to those runs: each is a fresh process (start-up, the
+warm-up steps, one --memory-profiler step, the measured steps). With --predict (CPU), it first
+measures this machine's kernel rates, one `python -m minigpt estimate --time` pass per set of kernels
+(30-75 s each, longer on a busy machine), so the table puts each stage's predicted time beside its
+measurement; without it no rates are measured, and a prediction appears only from rates cached before.
 
 Each round ends with the baseline (fp32) again: the A/A check. Every ratio comes with its 95%
 interval over the repeats (benchmarks/common.py, minigpt.analysis.stats); when the baseline's two copies
@@ -47,6 +51,7 @@ from common import (
     aa_check,
     aa_lines,
     aa_name,
+    busy_warning,
     check_out_dir,
     destination,
     device_slug,
@@ -468,7 +473,10 @@ def chart_figure(meta: dict, results: dict):
     plot_memory(axes[2], results)
     for ax in axes:
         ax.tick_params(axis="x", labelrotation=20, labelsize=8)
-    fig.suptitle(f"{meta['name']} on {machine_line(meta)}\n{meta['command']}", fontsize=9)
+    title = f"{meta['name']} on {machine_line(meta)}\n{meta['command']}"
+    if warning := busy_warning(meta):  # as the table says it: a chart seen alone must say it too
+        title += "\n" + warning.replace(": times", ":\ntimes", 1)
+    fig.suptitle(title, fontsize=9, color="#b00020" if warning else "black")
     return fig
 
 
@@ -497,6 +505,13 @@ def parser() -> Parser:
         help="add fp32 and AMP variants with --chunked-loss (peak and tokens/s against the plain loss)",
     )
     p.add_argument("--nproc", type=int, default=1, help="add an AMP + DDP variant with this many processes")
+    p.add_argument(
+        "--predict",
+        action="store_true",
+        help="CPU: measure this machine's kernel rates first (python -m minigpt estimate --time, about "
+        "30-75 s a pass), so the table puts each stage's predicted time beside its measurement; without "
+        "it, only rates already cached give a prediction",
+    )
     p.add_argument(
         "--name", help="results file name after the device (default: the preset and the flags passed through)"
     )
@@ -557,8 +572,10 @@ def measure(p: Parser, args, trainer_flags: list[str]) -> tuple[dict, list[dict]
     baseline's copy, for the A/A check (returned beside the results). A failing variant ends the
     benchmark with the trainer's own last line (p.error)."""
     listed = variants(args)
-    if not args.gpu:  # a GPU's prediction is its data sheet: the trainer needs no measured rates
-        cache_step_rates([[*PRESETS[args.preset], *trainer_flags, *flags] for _, flags, _ in listed])
+    if args.predict and not args.gpu:  # a GPU's prediction is its data sheet: no rates to measure
+        cache_step_rates(
+            rate_passes([[*PRESETS[args.preset], *trainer_flags, *flags] for _, flags, _ in listed])
+        )
     rounds = [*listed, (aa_name(listed[0][0]), *listed[0][1:])]
     runs: dict[str, list] = {name: [] for name, _, _ in rounds}
     kept = Path(tempfile.mkdtemp(prefix="minigpt-ablation-"))  # the first round's run directories
@@ -594,6 +611,23 @@ def measure(p: Parser, args, trainer_flags: list[str]) -> tuple[dict, list[dict]
     check = aa_check(base, results[base]["tokens_per_s_repeats"], copy, "tokens/s of each repeat")
     print(f"[A/A] {base} against itself: {ratio_text(check)}", flush=True)
     return results, [check]
+
+
+# Flags that change no kernel the step-time model prices: a checkpointed step recomputes the same
+# forward kernels at the same shapes, so its rates are the plain variant's.
+SAME_KERNELS = ("--use-activation-checkpoint",)
+
+
+def rate_passes(flag_sets: list[list[str]]) -> list[list[str]]:
+    """The flag sets whose kernels differ, in order: one `estimate --time` pass each (a pass times
+    what the cache lacks, and, on a busy machine, everything it holds as measured under load)."""
+    seen, out = set(), []
+    for flags in flag_sets:
+        key = tuple(f for f in flags if f not in SAME_KERNELS)
+        if key not in seen:
+            seen.add(key)
+            out.append(flags)
+    return out
 
 
 def cache_step_rates(flag_sets: list[list[str]]) -> None:

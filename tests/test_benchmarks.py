@@ -62,9 +62,8 @@ def test_ablation_writes_json_markdown_and_chart(tmp_path):
     tables = "\n".join(line if line.startswith("|") else "" for line in table.splitlines()).split("\n\n")
     for rows in (t.strip().splitlines() for t in tables if t.strip()):
         assert len({line.count("|") for line in rows}) == 1  # every row as wide as its header: it renders
-    # this machine's step rates were cached before the rounds: each run stored its prediction
-    assert all(r["predicted_step"]["stage_ms"]["forward"] > 0 for r in results.values())
-    assert "forward predicted / measured (error, bound)" in table
+    # no kernel rates measured unless --predict asks (they took most of a CPU ablation's time)
+    assert "[rates]" not in result.stdout + result.stderr
     assert [r["amp"] for r in results.values()] == ["fp32", "fp32", "bf16", "bf16"]
     assert "| fp32 | " in table and "AMP: " in table and torch.__version__ in table and "Command:" in table
     assert (tmp_path / "cpu-tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -305,6 +304,23 @@ def test_ablation_chart_plots_the_numbers_its_table_prints(stem, monkeypatch):
     )
     assert memory.get_label().startswith(ablation.memory_label(results))
     plt.close(fig)
+
+
+def test_a_busy_machine_is_said_on_the_chart_as_in_the_table():
+    """A chart travels without its table: the busy-machine warning of the .md is on the .png too."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ablation = bench_module("ablation")
+    data = json.loads((ROOT / "benchmarks" / "results" / f"{ABLATION_RESULTS[0]}.json").read_text())
+    meta = {**data["meta"], "cores": 2, "load_start": 8.0, "load_end": 0.0}
+    assert "The machine was busy" in ablation.markdown(meta, data["results"])
+    for m, busy in ((meta, True), ({**meta, "load_start": 0.0}, False)):
+        fig = ablation.chart_figure(m, data["results"])
+        assert ("The machine was busy" in fig.get_suptitle()) is busy
+        plt.close(fig)
 
 
 @pytest.mark.parametrize("stem", ABLATION_RESULTS)
@@ -701,6 +717,32 @@ def test_overhead_and_allocator_check_their_baseline_too(monkeypatch, tmp_path, 
     assert (data["meta"]["load_start"], data["meta"]["load_end"]) == (0.25, 0.5)
     table = (committed / "cpu-allocator.md").read_text()
     assert "too noisy to tell" in table and "with `--noisy`" in table
+
+
+def test_the_ablation_measures_kernel_rates_only_when_asked_one_pass_per_kernel_set(monkeypatch, tmp_path):
+    """--predict: one `estimate --time` pass per set of kernels (a checkpointed variant's are the
+    plain one's), before the rounds; without it, none."""
+    ablation = bench_module("ablation")
+    common = bench_module("common")
+    monkeypatch.setattr(common, "load_average", lambda: 0.1)
+    monkeypatch.setattr(ablation, "load_average", lambda: 0.1)
+    cpu = {"torch": "2.13.0+cpu", "python": "3.11.7", "platform": "Linux", "device": "cpu"}
+    cpu.update(device_name="Intel(R) Xeon(R) Processor", cores=2, native_bf16=True)
+    monkeypatch.setattr(common, "machine", lambda device="auto": cpu)
+    monkeypatch.setattr(ablation, "native_bf16", lambda m: True)
+    monkeypatch.setattr(
+        ablation, "run_variant", lambda flags, warmup, steps, nproc=1, keep=None: fake_rows(1e3)
+    )
+    passes = []
+    monkeypatch.setattr(ablation, "cache_step_rates", passes.append)
+    for i, predict in enumerate(([], ["--predict"])):
+        argv = ["ablation.py", "--malloc", "--repeats", "1", "--name", f"r{i}", "--out-dir", str(tmp_path)]
+        monkeypatch.setattr(sys, "argv", argv + predict)
+        assert ablation.main() == 0
+    assert len(passes) == 1  # the run without --predict measured nothing
+    kinds = [("--no-amp" in f, "--no-keep-freed-memory" in f) for f in passes[0]]
+    assert kinds == [(True, False), (False, False), (False, True)]  # fp32, amp, amp under glibc
+    assert not any("--use-activation-checkpoint" in f for f in passes[0])
 
 
 def test_the_gpu_ablation_runs_its_own_rows_without_measuring_rates(monkeypatch, tmp_path, capsys):
