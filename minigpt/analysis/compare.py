@@ -4,7 +4,7 @@
     python -m minigpt compare runs/fp32 runs/amp --json          # one JSON object, for scripts
     python -m minigpt compare runs/fp32 runs/amp --html amp.html # the report, with the second run
 
-What the blog post this project grew from did by hand, screenshot by screenshot, for AMP against
+What the blog post that minigpt's command line follows did by hand, screenshot by screenshot, for AMP against
 fp32: each stage's host and device time in A and in B and their ratio (B / A); the runs' own
 tokens/s in steady state (warm-up left out) and end to end and their start-up (metrics.jsonl's
 last record; an older trainer's steady figure rebuilt from its intervals after the first), the
@@ -15,7 +15,8 @@ traces compare without the operator tables.
 
 Every timing ratio comes with its 95% interval (minigpt.analysis.stats: Welch's t on the log samples), and
 one whose interval holds 1.0 reads "no difference within noise". The samples are the logged
-intervals after the first (warm-up), each the mean of --log-interval steps, and the profiled steps
+intervals that hold a steady step, each the mean of its steady steps (the warm-up and the steps an
+instrument slows are left out of every interval, the first included), and the profiled steps
 of the traces: they measure a run's step-to-step noise, not the noise between processes (repeat
 in fresh processes for that: the benchmarks do). With fewer than stats.MIN_SAMPLES logged intervals
 after warm-up in a run, no ratio is claimed: the output says how many there were and what to
@@ -499,7 +500,7 @@ def headline(d: dict, top: int = 2) -> str:
     else:
         parts = []
         thr = {r["metric"]: r for r in d["throughput"]}
-        # Per step, over the logged intervals after the first (no warm-up in them). The run-wide
+        # Per step, over the logged intervals' steady steps (no warm-up in them). The run-wide
         # figures are one per run, with no interval: they stay in the throughput table.
         if thr.get("tokens_per_s", {}).get("verdict", "-") != "-":
             parts.append(_claim("tokens/s per step", thr["tokens_per_s"]))
@@ -579,11 +580,11 @@ def format_compare(d: dict) -> str:
             f"{r['logged_steps']} logged steps)"
             for k, r in (("A", a), ("B", b))
         ),
-        "ratios are B / A with their 95% interval, over the logged intervals after the first (Welch t: "
-        "each run's step-to-step noise, not the noise between processes; repeat runs for that);",
+        "ratios are B / A with their 95% interval, over the logged intervals' steady steps (warm-up "
+        "left out; Welch t: each run's step-to-step noise, not the noise between processes);",
         'an interval that holds 1.0 reads "no difference within noise". A and B: the run\'s figures from '
-        "its last metrics record; the others the geometric means of the logged intervals after the "
-        "first, whose ratio B/A is (medians where there is no interval)",
+        "its last metrics record; the others the geometric means of the logged intervals' steady steps, "
+        "whose ratio B/A is (medians where there is no interval)",
     ]
     if d["samples"]["shortfall"]:
         out.append(f"no ratio claimed: {d['samples']['shortfall']}")
@@ -656,9 +657,9 @@ def compare_html(d: dict, a: Run, b: Run) -> str:
         parts.append(f'<p class="problem">No ratio claimed: {esc(d["samples"]["shortfall"])}.</p>')
     parts += [f'<p class="problem">{esc(n)}</p>' for n in d["notes"]]
     parts.append(
-        "<p>Ratios are B / A with their 95% interval over the logged intervals after the first (Welch t "
-        "on the log samples: each run's step-to-step noise, not the noise between processes); an "
-        "interval that holds 1.0 reads &ldquo;no difference within noise&rdquo;.</p>"
+        "<p>Ratios are B / A with their 95% interval over the logged intervals' steady steps (warm-up "
+        "left out; Welch t on the log samples: each run's step-to-step noise, not the noise between "
+        "processes); an interval that holds 1.0 reads &ldquo;no difference within noise&rdquo;.</p>"
     )
     parts.append(
         section(
