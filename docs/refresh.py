@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "docs/walkthrough.md", "docs/memory.md", "docs/parallel.md")
+DOCS = ("README.md", "docs/walkthrough.md", "docs/reference.md", "docs/memory.md", "docs/parallel.md")
 
 # The images, drawn after the excerpts (the report and TensorBoard screenshots need the main job's
 # run and runs/prof), each (command, files it writes in the copy); copied back into this repository.
