@@ -142,6 +142,36 @@ def mfu_cell(mfu: float) -> str:
     return f"{100 * mfu:.1f}%" if mfu <= 1 else "n/a (denominator measured under load)"
 
 
+def cached_denominator(results: dict) -> bool:
+    """Whether a CPU's results ran with the MFU denominator measured once and cached (all rows
+    against one figure per dtype), as every result since the measured peak memory: before, each
+    process measured its own at its start."""
+    return any("peak_flops_spread" in str(r) for r in results.values()) or any(
+        (r.get("breakdown_bytes") or {}).get("peak") for r in results.values()
+    )
+
+
+def one_denominator(meta: dict, results: dict) -> tuple[dict[str, float], str | None]:
+    """Each row's MFU against one denominator for the device: the largest peak any row was
+    measured against (the fastest dtype's: bf16's where an AMP row ran), so MFU ranks the rows as
+    tokens/s does. Every row counts the same FLOPs per token, so a row's own peak is its tokens/s
+    per device over its MFU. Returns the rows' MFU against that peak (none for a row whose MFU
+    passed 100%: a denominator measured under load) and the dtype of the row that set it. Not for
+    a CPU's results from before the denominator was cached, whose every process measured its own."""
+    if meta["machine"]["device"] == "cpu" and not cached_denominator(results):
+        return {}, None
+    peaks = {
+        name: tokens_median(s) / s.get("nproc", 1) / s["mfu"]
+        for name, s in results.items()
+        if isinstance(s.get("mfu"), (int, float)) and 0 < s["mfu"] <= 1
+    }
+    if not peaks:
+        return {}, None
+    top = max(peaks, key=peaks.get)
+    mfu = {name: tokens_median(results[name]) / results[name].get("nproc", 1) / peaks[top] for name in peaks}
+    return mfu, results[top]["amp"]
+
+
 def peak_mib(s: dict) -> float | None:
     """The allocator's measured peak of one step (--memory-profiler: max_memory_allocated on CUDA,
     the profiler's memory events on the CPU); for a results file without it, the breakdown's sum
@@ -222,6 +252,8 @@ def findings(results: dict) -> list[str]:
 
 def markdown(meta: dict, results: dict) -> str:
     base = next(iter(results))
+    mfu, mfu_dtype = one_denominator(meta, results)
+    mfu_header = f"MFU against the {mfu_dtype} peak" if mfu_dtype else "MFU"
     lines = [
         *header(f"Ablation: {meta['name']}", meta),
         *load_lines(meta),
@@ -239,7 +271,7 @@ def markdown(meta: dict, results: dict) -> str:
             else ""
         ),
         "",
-        "| variant | AMP | tokens/s (median) | spread | vs baseline | MFU | step ms | "
+        f"| variant | AMP | tokens/s (median) | spread | vs baseline | {mfu_header} | step ms | "
         + " | ".join(f"{s} host / device ms" for s in STAGES)
         + (
             " | peak MiB | activations MiB (share of peak) |"
@@ -256,7 +288,7 @@ def markdown(meta: dict, results: dict) -> str:
             f"| {name} | {s['amp']} | {tokens_median(s):,.0f} | "
             f"{min(reps):,.0f}-{max(reps):,.0f} | "
             f"{vs} | "
-            f"{mfu_cell(s['mfu'])} | {s['step_ms']['median']:.0f} | "
+            f"{mfu_cell(mfu.get(name, s['mfu']))} | {s['step_ms']['median']:.0f} | "
             + " | ".join(f"{stage_ms(s, 'host', st):.1f} / {stage_ms(s, 'device', st):.1f}" for st in STAGES)
             + f" | {'n/a' if pk is None else f'{pk:,.1f}'} | "
             + ("n/a |" if act is None else f"{act:,.1f} ({100 * act / pk:.0f}%) |" if pk else f"{act:,.1f} |")
@@ -298,18 +330,17 @@ def predicted_lines(results: dict) -> list[str]:
 def notes(meta: dict, results: dict) -> list[str]:
     """What the table's figures mean on this device, for these rows: under the findings."""
     lines: list[str] = []
+    mfu_dtype = one_denominator(meta, results)[1]
     if meta["machine"]["device"] == "cpu":
         lines += [
             "",
             "On the CPU a stage's device time is its host time: the CPU runs each op as the host issues it.",
         ]
-        if any("peak_flops_spread" in str(r) for r in results.values()) or any(
-            (r.get("breakdown_bytes") or {}).get("peak") for r in results.values()
-        ):
+        if cached_denominator(results):
             lines += [
                 "",
                 "MFU on the CPU is against this machine's best rate on the model's own units, measured "
-                "once and cached (minigpt/instruments/mfu.py): the same denominator for every row.",
+                "once and cached (minigpt/instruments/mfu.py).",
             ]
         else:
             lines += [
@@ -318,6 +349,13 @@ def notes(meta: dict, results: dict) -> list[str]:
                 "in its dtype), which moved by 10-25% between processes on a shared machine: compare MFU "
                 "across rows only over several repeats, and compare speed by tokens/s.",
             ]
+    if mfu_dtype:
+        lines += [
+            "",
+            f"MFU: every row against one denominator, the {mfu_dtype} peak (the largest any row was "
+            "measured against: a row's own MFU times its own peak over this one), so MFU ranks the rows "
+            "as tokens/s does.",
+        ]
     if any(r["nproc"] > 1 for r in results.values()):
         lines += [
             "",

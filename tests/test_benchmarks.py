@@ -829,3 +829,18 @@ def test_nanogpt_beside_minigpt_on_a_gpu_runs_both_eager_and_compiled(monkeypatc
     results = {name: {"tokens_per_s_rounds": [100.0, 101.0]} for name in found}
     assert nanogpt.against("minigpt train_minimal.py, bf16, compiled", results) != "-"
     assert nanogpt.against("nanoGPT train.py, bf16, compiled", results) == "baseline"
+
+
+def test_the_ablation_puts_every_rows_mfu_against_one_denominator():
+    """fp32 and AMP rows of one machine against one peak, the fastest dtype's (bf16's), so MFU ranks
+    the rows as tokens/s does; an fp32-only table says its MFU is against the fp32 peak."""
+    ablation = bench_module("ablation")
+    data = json.loads((ROOT / "benchmarks" / "results" / "cpu-small.json").read_text())
+    meta, results = data["meta"], data["results"]
+    mfu, dtype = ablation.one_denominator(meta, results)
+    assert dtype == "bf16" and mfu["amp"] == pytest.approx(results["amp"]["mfu"], rel=1e-9)
+    by_tokens = sorted(results, key=lambda n: ablation.tokens_median(results[n]))
+    assert sorted(mfu, key=mfu.get) == by_tokens
+    assert "| MFU against the bf16 peak |" in ablation.markdown(meta, results)
+    fp32 = {n: s for n, s in results.items() if s["amp"] == "fp32"}
+    assert "| MFU against the fp32 peak |" in ablation.markdown(meta, fp32)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -83,6 +84,40 @@ TOO_FEW = "too few samples"
 
 
 MFU_POISONED = "n/a: an MFU above 100% (a denominator measured under load; estimate --time --remeasure)"
+# The dtype of a recorded MFU denominator, as config.json's peak_flops_source names it
+# ("table: H200 fp32 dense", "matmul ... in bf16 on cpu ...").
+PEAK_DTYPE = re.compile(r"\b(bf16|fp16|tf32|fp32)\b")
+
+
+def recorded_peaks(run: Run) -> dict[str, float]:
+    """The peak FLOP/s a run recorded, by dtype: its MFU denominator (config.json's peak_flops,
+    its dtype read from peak_flops_source, "?" where it names none), and any others it recorded
+    under peak_flops_by_dtype."""
+    c = run.config
+    out = {}
+    by_dtype = c.get("peak_flops_by_dtype")
+    if isinstance(by_dtype, dict):
+        out |= {str(k): float(v) for k, v in by_dtype.items() if isinstance(v, (int, float)) and v > 0}
+    v = c.get("peak_flops")
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+        m = PEAK_DTYPE.search(str(c.get("peak_flops_source") or ""))
+        out.setdefault(m.group(1) if m else "?", float(v))
+    return out
+
+
+def one_denominator(a: Run, b: Run) -> tuple[float, str] | None:
+    """One MFU denominator for two runs of one device: the largest peak either recorded, which is
+    the device's fastest dtype's (bf16's where either ran AMP or recorded it), so MFU ranks the
+    runs as tokens/s does. None where a run recorded no denominator."""
+    pa, pb = recorded_peaks(a), recorded_peaks(b)
+    if not pa or not pb:
+        return None
+    dtype, value = max({**pa, **pb}.items(), key=lambda kv: kv[1])
+    return value, dtype
+
+
+def mfu_label(dtype: str) -> str:
+    return "MFU %" if dtype == "?" else f"MFU % against the {dtype} peak"
 
 
 def ratio(a, b) -> float | None:
@@ -378,6 +413,15 @@ def _throughput(a: Run, b: Run, short: bool) -> list[dict]:
     intervals, and the median step time."""
     ta, tb = throughput(a), throughput(b)
     wa, wb = after_warmup(a), after_warmup(b)
+    # MFU against one denominator: each run's own MFU times its denominator over the common one
+    common = one_denominator(a, b)
+    scale = {}
+    if common:
+        for side, t, run in (("a", ta, a), ("b", tb, b)):
+            scale[side] = run.config["peak_flops"] / common[0]
+            t["peak_tflops"] = common[0] / 1e12
+            if t.get("mfu") is not None:
+                t["mfu"] *= scale[side]
     thr = []
     for k in (*RUN_ROWS, *INTERVAL_ROWS):
         if k in RUN_ROWS or ta.get(k) is not None or tb.get(k) is not None:
@@ -386,6 +430,17 @@ def _throughput(a: Run, b: Run, short: bool) -> list[dict]:
                 row["interval"], row["verdict"] = None, ONE_FIGURE if row["ratio"] is not None else "-"
             elif k == "peak_tflops":  # the MFU denominator: a setting or a cached measurement, not a timing
                 row["interval"], row["verdict"] = None, _x(row["ratio"])
+                if common:
+                    own = [r.config["peak_flops"] / 1e12 for r in (a, b)]
+                    row["verdict"] = f"one per device: the {common[1]} peak" + (
+                        f" (recorded: A {own[0]:.3f}, B {own[1]:.3f}; MFU rescaled to it)"
+                        if own[0] != own[1]
+                        else ""
+                    )
+            elif k == "mfu" and common:
+                sa, sb = [x * scale["a"] for x in samples(wa, k)], [x * scale["b"] for x in samples(wb, k)]
+                _set_interval(row, sa, sb, FROM_INTERVALS, short=short)
+                row["label"] = mfu_label(common[1])
             else:
                 _set_interval(row, samples(wa, k), samples(wb, k), FROM_INTERVALS, short=short)
             if k == "mfu" and any(x > 1 for x in (*samples(a.metrics, k), *samples(b.metrics, k))):
@@ -530,6 +585,7 @@ def _throughput_rows(d: dict) -> list[list[str]]:
     rows = []
     for r in d["throughput"]:
         lab, scale, dig = THROUGHPUT_LABELS.get(r["metric"], (r["metric"], 1, 2))
+        lab = r.get("label", lab)
         m = r["metric"]
         rows.append([lab, _run_v(m, r["a"], scale, dig), _run_v(m, r["b"], scale, dig), r["verdict"]])
     return rows
