@@ -274,6 +274,7 @@ def test_sunburst_charts_are_offline_html_with_the_data(written):
         # the folder's one plotly.js, by a relative path: opens offline
         assert 'src="plotly.min.js"' in html and "plotly.js v" not in html
         assert (folder / "plotly.min.js").is_file()
+        assert "%{customdata:.1f} MiB" in html.split('"texttemplate":', 1)[-1][:60], name  # sizes on slices
     assert "param_mem.blocks.0.attn.qkv.weight" in (folder / SUNBURST_FILES["params"]).read_text()
     assert "activation_mem.blocks.1.mlp.gelu" in (folder / SUNBURST_FILES["activations"]).read_text()
     assert "os_state_mem.wte.weight.exp_avg_sq" in (folder / SUNBURST_FILES["optimizer"]).read_text()
