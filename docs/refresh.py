@@ -27,7 +27,7 @@ A table that a benchmark wrote is included, not pasted:
 The commands run in a copy of the repository (their run directories and benchmark outputs land
 there, not here), in the order they appear; then the images are drawn (IMAGES) and copied back.
 Benchmarks are not re-run: their tables are included from benchmarks/results/, which only a
-benchmark command rewrites (timings need a quiet machine; see README "Benchmarks").
+benchmark command rewrites (timings need a quiet machine; see docs/reference.md, "Benchmarks").
 """
 
 from __future__ import annotations
