@@ -13,7 +13,11 @@ fp32: the gpt2 preset's at 2 repeats, 5 + 10 steps, fit in about three minutes o
 Each variant runs in a
 fresh process, `--repeats` times in interleaved rounds, for `--steps` measured steps after
 `--warmup`. Trainer flags not known here (--seq-len, --batch-size, --n-layers, ...) are passed
-through to every variant.
+through to every variant. Its time goes to those runs: each is a fresh process (start-up, the
+warm-up steps, one --memory-profiler step, the measured steps). With --predict (CPU), it first
+measures this machine's kernel rates, one `python -m minigpt estimate --time` pass per set of kernels
+(30-75 s each, longer on a busy machine), so the table puts each stage's predicted time beside its
+measurement; without it no rates are measured, and a prediction appears only from rates cached before.
 
 Each round ends with the baseline (fp32) again: the A/A check. Every ratio comes with its 95%
 interval over the repeats (benchmarks/common.py, minigpt.analysis.stats); when the baseline's two copies
@@ -47,6 +51,7 @@ from common import (
     aa_check,
     aa_lines,
     aa_name,
+    busy_warning,
     check_out_dir,
     destination,
     device_slug,
@@ -139,6 +144,36 @@ def mfu_cell(mfu: float) -> str:
     return f"{100 * mfu:.1f}%" if mfu <= 1 else "n/a (denominator measured under load)"
 
 
+def cached_denominator(results: dict) -> bool:
+    """Whether a CPU's results ran with the MFU denominator measured once and cached (all rows
+    against one figure per dtype), as every result since the measured peak memory: before, each
+    process measured its own at its start."""
+    return any("peak_flops_spread" in str(r) for r in results.values()) or any(
+        (r.get("breakdown_bytes") or {}).get("peak") for r in results.values()
+    )
+
+
+def one_denominator(meta: dict, results: dict) -> tuple[dict[str, float], str | None]:
+    """Each row's MFU against one denominator for the device: the largest peak any row was
+    measured against (the fastest dtype's: bf16's where an AMP row ran), so MFU ranks the rows as
+    tokens/s does. Every row counts the same FLOPs per token, so a row's own peak is its tokens/s
+    per device over its MFU. Returns the rows' MFU against that peak (none for a row whose MFU
+    passed 100%: a denominator measured under load) and the dtype of the row that set it. Not for
+    a CPU's results from before the denominator was cached, whose every process measured its own."""
+    if meta["machine"]["device"] == "cpu" and not cached_denominator(results):
+        return {}, None
+    peaks = {
+        name: tokens_median(s) / s.get("nproc", 1) / s["mfu"]
+        for name, s in results.items()
+        if isinstance(s.get("mfu"), (int, float)) and 0 < s["mfu"] <= 1
+    }
+    if not peaks:
+        return {}, None
+    top = max(peaks, key=peaks.get)
+    mfu = {name: tokens_median(results[name]) / results[name].get("nproc", 1) / peaks[top] for name in peaks}
+    return mfu, results[top]["amp"]
+
+
 def peak_mib(s: dict) -> float | None:
     """The allocator's measured peak of one step (--memory-profiler: max_memory_allocated on CUDA,
     the profiler's memory events on the CPU); for a results file without it, the breakdown's sum
@@ -219,6 +254,8 @@ def findings(results: dict) -> list[str]:
 
 def markdown(meta: dict, results: dict) -> str:
     base = next(iter(results))
+    mfu, mfu_dtype = one_denominator(meta, results)
+    mfu_header = f"MFU against the {mfu_dtype} peak" if mfu_dtype else "MFU"
     lines = [
         *header(f"Ablation: {meta['name']}", meta),
         *load_lines(meta),
@@ -236,7 +273,7 @@ def markdown(meta: dict, results: dict) -> str:
             else ""
         ),
         "",
-        "| variant | AMP | tokens/s (median) | spread | vs baseline | MFU | step ms | "
+        f"| variant | AMP | tokens/s (median) | spread | vs baseline | {mfu_header} | step ms | "
         + " | ".join(f"{s} host / device ms" for s in STAGES)
         + (
             " | peak MiB | activations MiB (share of peak) |"
@@ -253,7 +290,7 @@ def markdown(meta: dict, results: dict) -> str:
             f"| {name} | {s['amp']} | {tokens_median(s):,.0f} | "
             f"{min(reps):,.0f}-{max(reps):,.0f} | "
             f"{vs} | "
-            f"{mfu_cell(s['mfu'])} | {s['step_ms']['median']:.0f} | "
+            f"{mfu_cell(mfu.get(name, s['mfu']))} | {s['step_ms']['median']:.0f} | "
             + " | ".join(f"{stage_ms(s, 'host', st):.1f} / {stage_ms(s, 'device', st):.1f}" for st in STAGES)
             + f" | {'n/a' if pk is None else f'{pk:,.1f}'} | "
             + ("n/a |" if act is None else f"{act:,.1f} ({100 * act / pk:.0f}%) |" if pk else f"{act:,.1f} |")
@@ -295,18 +332,17 @@ def predicted_lines(results: dict) -> list[str]:
 def notes(meta: dict, results: dict) -> list[str]:
     """What the table's figures mean on this device, for these rows: under the findings."""
     lines: list[str] = []
+    mfu_dtype = one_denominator(meta, results)[1]
     if meta["machine"]["device"] == "cpu":
         lines += [
             "",
             "On the CPU a stage's device time is its host time: the CPU runs each op as the host issues it.",
         ]
-        if any("peak_flops_spread" in str(r) for r in results.values()) or any(
-            (r.get("breakdown_bytes") or {}).get("peak") for r in results.values()
-        ):
+        if cached_denominator(results):
             lines += [
                 "",
                 "MFU on the CPU is against this machine's best rate on the model's own units, measured "
-                "once and cached (minigpt/instruments/mfu.py): the same denominator for every row.",
+                "once and cached (minigpt/instruments/mfu.py).",
             ]
         else:
             lines += [
@@ -315,6 +351,13 @@ def notes(meta: dict, results: dict) -> list[str]:
                 "in its dtype), which moved by 10-25% between processes on a shared machine: compare MFU "
                 "across rows only over several repeats, and compare speed by tokens/s.",
             ]
+    if mfu_dtype:
+        lines += [
+            "",
+            f"MFU: every row against one denominator, the {mfu_dtype} peak (the largest any row was "
+            "measured against: a row's own MFU times its own peak over this one), so MFU ranks the rows "
+            "as tokens/s does.",
+        ]
     if any(r["nproc"] > 1 for r in results.values()):
         lines += [
             "",
@@ -470,7 +513,10 @@ def chart_figure(meta: dict, results: dict):
     plot_memory(axes[2], results)
     for ax in axes:
         ax.tick_params(axis="x", labelrotation=20, labelsize=8)
-    fig.suptitle(f"{meta['name']} on {machine_line(meta)}\n{meta['command']}", fontsize=9)
+    title = f"{meta['name']} on {machine_line(meta)}\n{meta['command']}"
+    if warning := busy_warning(meta):  # as the table says it: a chart seen alone must say it too
+        title += "\n" + warning.replace(": times", ":\ntimes", 1)
+    fig.suptitle(title, fontsize=9, color="#b00020" if warning else "black")
     return fig
 
 
@@ -499,6 +545,13 @@ def parser() -> Parser:
         help="add fp32 and AMP variants with --chunked-loss (peak and tokens/s against the plain loss)",
     )
     p.add_argument("--nproc", type=int, default=1, help="add an AMP + DDP variant with this many processes")
+    p.add_argument(
+        "--predict",
+        action="store_true",
+        help="CPU: measure this machine's kernel rates first (python -m minigpt estimate --time, about "
+        "30-75 s a pass), so the table puts each stage's predicted time beside its measurement; without "
+        "it, only rates already cached give a prediction",
+    )
     p.add_argument(
         "--name",
         type=results_name_arg,
@@ -561,8 +614,10 @@ def measure(p: Parser, args, trainer_flags: list[str]) -> tuple[dict, list[dict]
     baseline's copy, for the A/A check (returned beside the results). A failing variant ends the
     benchmark with the trainer's own last line (p.error)."""
     listed = variants(args)
-    if not args.gpu:  # a GPU's prediction is its data sheet: the trainer needs no measured rates
-        cache_step_rates([[*PRESETS[args.preset], *trainer_flags, *flags] for _, flags, _ in listed])
+    if args.predict and not args.gpu:  # a GPU's prediction is its data sheet: no rates to measure
+        cache_step_rates(
+            rate_passes([[*PRESETS[args.preset], *trainer_flags, *flags] for _, flags, _ in listed])
+        )
     rounds = [*listed, (aa_name(listed[0][0]), *listed[0][1:])]
     runs: dict[str, list] = {name: [] for name, _, _ in rounds}
     kept = Path(tempfile.mkdtemp(prefix="minigpt-ablation-"))  # the first round's run directories
@@ -598,6 +653,23 @@ def measure(p: Parser, args, trainer_flags: list[str]) -> tuple[dict, list[dict]
     check = aa_check(base, results[base]["tokens_per_s_repeats"], copy, "tokens/s of each repeat")
     print(f"[A/A] {base} against itself: {ratio_text(check)}", flush=True)
     return results, [check]
+
+
+# Flags that change no kernel the step-time model prices: a checkpointed step recomputes the same
+# forward kernels at the same shapes, so its rates are the plain variant's.
+SAME_KERNELS = ("--use-activation-checkpoint",)
+
+
+def rate_passes(flag_sets: list[list[str]]) -> list[list[str]]:
+    """The flag sets whose kernels differ, in order: one `estimate --time` pass each (a pass times
+    what the cache lacks, and, on a busy machine, everything it holds as measured under load)."""
+    seen, out = set(), []
+    for flags in flag_sets:
+        key = tuple(f for f in flags if f not in SAME_KERNELS)
+        if key not in seen:
+            seen.add(key)
+            out.append(flags)
+    return out
 
 
 def cache_step_rates(flag_sets: list[list[str]]) -> None:

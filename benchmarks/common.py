@@ -411,16 +411,26 @@ def load_lines(meta: dict) -> list[str]:
         f"Load average: {meta['load_start']:.2f} at the start, {meta.get('load_end', float('nan')):.2f} at "
         f"the end, on {cores} cores."
     )
+    if warning := busy_warning(meta):
+        line += f" **{warning}**"
+    return [line, ""]
+
+
+def busy_warning(meta: dict) -> str | None:
+    """The warning a table (and its chart) carries when the machine was busy, else None."""
+    if "load_start" not in meta:
+        return None
+    cores = meta["cores"]
     # At the end the benchmark's own threads count too (one runnable per core): only a load above
     # that, and half the cores more, says other work joined in.
     end_busy = meta.get("load_end", 0) > (1 + BUSY_SHARE) * cores
     if meta["load_start"] > BUSY_SHARE * cores or end_busy:
-        line += (
-            " **The machine was busy (load above half the cores at the start, or other work beside the "
+        return (
+            "The machine was busy (load above half the cores at the start, or other work beside the "
             "benchmark's own threads at the end): times and tokens/s here are not results; counts "
-            "(page faults, bytes) still are.**"
+            "(page faults, bytes) still are."
         )
-    return [line, ""]
+    return None
 
 
 # ----------------------------------------------------------------------------- ratios and their noise

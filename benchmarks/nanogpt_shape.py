@@ -1,14 +1,14 @@
 """minigpt's trainer beside karpathy/nanoGPT's own train.py: same shape, same machine, same hour.
 
-    python benchmarks/nanogpt_shape.py                 # 3 rounds, fp32 and bf16, small shape
-    python benchmarks/nanogpt_shape.py --shape tiny --repeats 1 --steps 2 --warmup 1
-    python benchmarks/nanogpt_shape.py --nanogpt-dir /path/to/nanoGPT
-    python benchmarks/nanogpt_shape.py --shape gpt2 --dtypes bf16 --compile --steps 20 --warmup 10 --repeats 2
-                                                       # on a GPU: "is my speed normal?" on your own card
+    git clone https://github.com/karpathy/nanoGPT ../nanoGPT            # once: its files are not shipped
+    python benchmarks/nanogpt_shape.py --nanogpt ../nanoGPT             # 3 rounds, fp32 and bf16, small shape
+    python benchmarks/nanogpt_shape.py --nanogpt ../nanoGPT --shape tiny --repeats 1 --steps 2 --warmup 1
+    python benchmarks/nanogpt_shape.py --nanogpt ../nanoGPT --shape gpt2 --dtypes bf16 --compile \
+        --steps 20 --warmup 10 --repeats 2          # on a GPU: "is my speed normal?" on your own card
 
 nanoGPT is not part of this repository and is never imported or copied into it. Its train.py,
-model.py and configurator.py (MIT) are read from ../shared/anchors/nanoGPT/ beside the repository
-(or --nanogpt-dir) and copied at run time into a temporary folder, where its data is written in
+model.py and configurator.py (MIT) are read from the clone of karpathy/nanoGPT that --nanogpt
+names and copied at run time into a temporary folder, where its data is written in
 its own format: data/minigpt/train.bin and val.bin, uint16 GPT-2 tokens of minigpt's built-in
 corpus (minigpt.core.data). It runs there as `python train.py --key=value ...` (configurator.py's
 syntax) with the settings that give minigpt's shape: n_layer, n_head, n_embd, block_size,
@@ -70,11 +70,7 @@ import common as bench
 from minigpt.core.config import PRESETS
 
 NANOGPT_FILES = ("train.py", "model.py", "configurator.py", "LICENSE")
-# Where ../shared sits: beside the repository (main checkout) or beside the worktrees' folder.
-NANOGPT_DIRS = (
-    bench.ROOT.parent / "shared" / "anchors" / "nanoGPT",
-    bench.ROOT.parents[1] / "shared" / "anchors" / "nanoGPT",
-)
+NANOGPT_URL = "https://github.com/karpathy/nanoGPT"
 CPU_CTX_LINE = (
     "ctx = nullcontext() if device_type == 'cpu' else "
     "torch.amp.autocast(device_type=device_type, dtype=ptdtype)"
@@ -108,10 +104,22 @@ SHAPES = {
 DATASET = "minigpt"
 
 
-def find_nanogpt(given: Path | None) -> Path | None:
-    for d in [given] if given else NANOGPT_DIRS:
-        if all((d / f).is_file() for f in NANOGPT_FILES[:3]):
-            return d
+def short_env(env: str) -> str:
+    """The environment as a table prints it: a preloaded library by its file name (its folder is
+    the measuring machine's virtual environment, of no use to a reader)."""
+    return re.sub(r"LD_PRELOAD=\S*/", "LD_PRELOAD=.../", env)
+
+
+def nanogpt_missing(given: Path | None) -> str | None:
+    """The one line that says why nanoGPT's files cannot be read, or None when they can."""
+    if given is None:
+        return (
+            "error: this benchmark runs nanoGPT's own train.py, which minigpt does not ship: "
+            f"git clone {NANOGPT_URL} and pass --nanogpt DIR"
+        )
+    missing = [f for f in NANOGPT_FILES[:3] if not (given / f).is_file()]
+    if missing:
+        return f"error: --nanogpt {given} has no {', '.join(missing)}: pass a clone of {NANOGPT_URL}"
     return None
 
 
@@ -225,7 +233,11 @@ def parser() -> argparse.ArgumentParser:
         "--no-malloc-variant", action="store_true", help="leave out nanoGPT with minigpt's malloc setting"
     )
     p.add_argument(
-        "--nanogpt-dir", type=Path, help="a folder with nanoGPT's train.py, model.py, configurator.py"
+        "--nanogpt",
+        dest="nanogpt_dir",
+        type=Path,
+        metavar="DIR",
+        help=f"a clone of {NANOGPT_URL} (its train.py, model.py, configurator.py)",
     )
     p.add_argument(
         "--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: a GPU where one is visible"
@@ -256,15 +268,10 @@ def main() -> int:
         p.error("--steps, --repeats and --warmup must be at least 1")
     if not dtypes or set(dtypes) - {"fp32", "bf16"}:
         p.error(f"--dtypes takes fp32 and/or bf16, got {args.dtypes!r}")
-    src = find_nanogpt(args.nanogpt_dir)
-    if src is None:
-        where = args.nanogpt_dir or " or ".join(map(str, NANOGPT_DIRS))
-        print(
-            f"error: nanoGPT's train.py, model.py and configurator.py not found in {where}; "
-            "pass --nanogpt-dir",
-            file=sys.stderr,
-        )
+    if why := nanogpt_missing(args.nanogpt_dir):
+        print(why, file=sys.stderr)
         return 2
+    src = args.nanogpt_dir.resolve()
     bench.check_out_dir(p, args.out_dir)
     load = bench.refuse_if_busy(args.out_dir, args.busy)
     with tempfile.TemporaryDirectory(prefix="minigpt-nanogpt-") as tmp:
@@ -385,7 +392,7 @@ def markdown(data: dict) -> str:
         + ". Each round runs "
         f"every variant in a fresh process; a run's figure is the median of {meta['steps']} steps after "
         f"{meta['warmup']} (nanoGPT's iteration 0, which evaluates, is always a warm-up). nanoGPT's files: "
-        f"`{meta['nanogpt_dir']}`, copied to a temporary folder at run time.",
+        f"a clone of {NANOGPT_URL} (`--nanogpt`), copied to a temporary folder at run time.",
         "",
         "| variant | tokens/s (median of rounds) | step ms | each round (tokens/s) | vs nanoGPT, same dtype "
         "| params (M) |",
@@ -420,7 +427,8 @@ def markdown(data: dict) -> str:
         lines += [
             "",
             "\"minigpt's malloc\": nanoGPT under the allocator minigpt's trainer chose on this machine "
-            f"(minigpt/core/cpu.py), through its environment: `{meta.get('malloc_env', 'not recorded')}`.",
+            "(minigpt/core/cpu.py), through its environment: "
+            f"`{short_env(meta.get('malloc_env', 'not recorded'))}`.",
         ]
     if meta["extra_flags"]:
         lines += ["", f"Flags from $MINIGPT_ARGS, applied to the minigpt rows only: `{meta['extra_flags']}`"]

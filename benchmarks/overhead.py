@@ -421,7 +421,7 @@ def markdown(data: dict) -> str:
         lines += options_lines(meta, data["profiler_options"], data["default_profiler_options"])
     lines += [
         "",
-        "The machine was shared with other developers' jobs: read the spreads, not only the medians.",
+        "The machine was shared with other jobs: read the spreads, not only the medians.",
     ]
     if meta.get("extra_flags"):
         lines += ["", f"Flags from $MINIGPT_ARGS, applied to every trainer variant: `{meta['extra_flags']}`"]

@@ -235,7 +235,7 @@ def render(data: dict) -> str:
         f"minigpt's GPT, fp32, batch 1 per data-parallel rank, one thread per rank; {data['warmup']} warm-up "
         f"and {data['steps']} timed steps per variant (few: gpt2 takes tens of seconds a step here), "
         f"variants interleaved over {data['repeats']} round(s). The machine was shared with other "
-        "developers' jobs: treat differences under ~20% as noise.",
+        "jobs: treat differences under ~20% as noise.",
         "",
         *([data["note"], ""] if data.get("note") else []),
         "**Caveat: gloo between processes on one 2-core CPU is not NCCL over NVLink.** The collectives "

@@ -123,7 +123,7 @@ def main() -> int:
         "forward and backward, plus 1024^3 and 2048^3 products; each the best of many short calls "
         f"in {UNIT_BUDGET_S} s after a warm-up, timed by the smaller of wall clock and CPU time). "
         "Uncached and cached processes interleave; the cached ones share one fresh cache folder. "
-        "The machine was shared with other developers' jobs.",
+        "The machine was shared with other jobs.",
         "",
         "| mode | TFLOP/s per process | median | max/min | winning unit | 1-min load when measured |",
         "|---|---|---|---|---|---|",

@@ -27,7 +27,7 @@ A table that a benchmark wrote is included, not pasted:
 The commands run in a copy of the repository (their run directories and benchmark outputs land
 there, not here), in the order they appear; then the images are drawn (IMAGES) and copied back.
 Benchmarks are not re-run: their tables are included from benchmarks/results/, which only a
-benchmark command rewrites (timings need a quiet machine; see README "Benchmarks").
+benchmark command rewrites (timings need a quiet machine; see docs/reference.md, "Benchmarks").
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "docs/walkthrough.md", "docs/memory.md", "docs/parallel.md")
+DOCS = ("README.md", "docs/walkthrough.md", "docs/reference.md", "docs/memory.md", "docs/parallel.md")
 
 # The images, drawn after the excerpts (the report and TensorBoard screenshots need the main job's
 # run and runs/prof), each (command, files it writes in the copy); copied back into this repository.
@@ -60,7 +60,7 @@ IMAGES = (
     ),
     (
         f"python docs/tensorboard_screenshots.py runs/prof --out docs/img --scalars-dir {LATEST_RUN}",
-        ("docs/img/tb_profiler.png", "docs/img/tb_scalars.png"),
+        ("docs/img/tb_scalars.png",),  # the Profiler tab's charts need the network: no picture of it
     ),
 )
 
@@ -105,14 +105,12 @@ def unmarked_text_blocks(root: Path = ROOT) -> list[str]:
 
 
 def copy_repo(dest: Path) -> Path:
-    """The tracked files of this repository in `dest`, with ../shared beside it as beside a clone."""
+    """The tracked files of this repository in `dest`, as a clone holds them."""
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
     for f in files.stdout.split():
         if (ROOT / f).is_file():
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, dest / f)
-    if (ROOT.parent / "shared").is_dir() and not (dest.parent / "shared").exists():
-        (dest.parent / "shared").symlink_to(ROOT.parent / "shared")
     return dest
 
 

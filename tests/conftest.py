@@ -8,17 +8,37 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# The real runs on one NVIDIA H200 that the docs cite, committed with them (docs/gpu-runs/README.md).
+GPU_RUNS = ROOT / "docs" / "gpu-runs"
+# A clone of karpathy/nanoGPT, which this repository cannot ship: the tests that run its files read
+# its path from the environment (.ci/run sets it) and skip, saying so, where it is not given.
+NANOGPT_ENV = "MINIGPT_NANOGPT_DIR"
+NANOGPT_DIR = Path(os.environ[NANOGPT_ENV]) if os.environ.get(NANOGPT_ENV) else None
+
+
+def _module_from_file(name: str, folder: str):
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / folder / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before running it: its dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def docs_module(name: str):
     """A script of docs/ (tbserve, refresh, report_screenshots) imported from its file, once: the
     helpers the tests share with the docs' scripts, without putting docs/ on sys.path."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # before running it: its dataclasses look their module up
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return _module_from_file(name, "docs")
+
+
+def bench_module(name: str):
+    """A script of benchmarks/ imported from its file, once, without putting benchmarks/ on
+    sys.path. The scripts import `common` (and make_figures `ablation`) as their neighbours, so
+    those are loaded first, under the names the scripts' imports look up."""
+    for neighbour in ("common", "ablation"):
+        if name != neighbour and (neighbour == "common" or name == "make_figures"):
+            _module_from_file(neighbour, "benchmarks")
+    return _module_from_file(name, "benchmarks")
 
 
 # Toy data and a tiny model, on the CPU: each training run in the tests takes a few seconds. Every

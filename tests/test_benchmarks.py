@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import NANOGPT_DIR, NANOGPT_ENV, ROOT, bench_module
 
 # On the CPU, on a GPU machine too: the tests read cpu-* result files (the GPU's are named for it).
 TINY = [
@@ -62,31 +62,41 @@ def test_ablation_writes_json_markdown_and_chart(tmp_path):
     tables = "\n".join(line if line.startswith("|") else "" for line in table.splitlines()).split("\n\n")
     for rows in (t.strip().splitlines() for t in tables if t.strip()):
         assert len({line.count("|") for line in rows}) == 1  # every row as wide as its header: it renders
-    # this machine's step rates were cached before the rounds: each run stored its prediction
-    assert all(r["predicted_step"]["stage_ms"]["forward"] > 0 for r in results.values())
-    assert "forward predicted / measured (error, bound)" in table
+    # no kernel rates measured unless --predict asks (they took most of a CPU ablation's time)
+    assert "[rates]" not in result.stdout + result.stderr
     assert [r["amp"] for r in results.values()] == ["fp32", "fp32", "bf16", "bf16"]
     assert "| fp32 | " in table and "AMP: " in table and torch.__version__ in table and "Command:" in table
     assert (tmp_path / "cpu-tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_ablation_without_amp_rows_runs_its_variants_in_fp32(tmp_path):
+def test_ablation_without_amp_rows_runs_its_variants_in_fp32(monkeypatch, tmp_path):
     """A CPU without native bf16 leaves the AMP rows out (--amp-rows auto); what is asked for on top
-    runs in fp32 and is compared with fp32."""
-    flags = ("--amp-rows", "off", "--malloc", "--chunked-loss", "--name", "fp32", "--out-dir", str(tmp_path))
-    result = run("ablation.py", *TINY, *flags)
-    assert result.returncode == 0, result.stderr[-3000:]
+    runs in fp32 and is compared with fp32. (The trainer's runs are faked: the test above runs them.)"""
+    ablation = bench_module("ablation")
+    common = bench_module("common")
+    monkeypatch.setattr(common, "load_average", lambda: 0.1)
+    monkeypatch.setattr(ablation, "load_average", lambda: 0.1)
+    calls = []
+
+    def run_variant(flags, warmup, steps, nproc=1, keep=None):
+        calls.append(flags)
+        return fake_rows(1000.0)
+
+    monkeypatch.setattr(ablation, "run_variant", run_variant)
+    flags = ["--amp-rows", "off", "--malloc", "--chunked-loss", "--name", "fp32", "--out-dir", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", ["ablation.py", *TINY, *flags])
+    assert ablation.main() == 0
     data = json.loads((tmp_path / "cpu-fp32.json").read_text())
     names = ["fp32", "fp32 + ckpt", "fp32, malloc defaults", "fp32 + chunked loss"]
     assert list(data["results"]) == names
-    assert {r["amp"] for r in data["results"].values()} == {"fp32"}
+    assert calls and all("--no-amp" in f and "--amp" not in f for f in calls)  # every run in fp32
     table = (tmp_path / "cpu-fp32.md").read_text()
     assert "No AMP rows" in table and "fp32 + chunked loss: " in table and "AMP: " not in table
 
 
 def test_overhead_reports_each_variant(tmp_path):
     result = run(
-        "overhead.py", *TINY, "--parts", "stage-timing", "--micro-steps", "500", "--out-dir", str(tmp_path)
+        "overhead.py", *TINY, "--parts", "stage-timing", "--micro-steps", "100", "--out-dir", str(tmp_path)
     )
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((tmp_path / "overhead-cpu-tiny.json").read_text())
@@ -153,18 +163,15 @@ def test_overhead_prices_each_profiler_option_and_picks_the_defaults_from_the_vi
     assert "## Stage timing" not in table  # --parts options measured only the options
 
 
-NANOGPT_DIRS = (
-    ROOT.parent / "shared" / "anchors" / "nanoGPT",  # beside the repo or its worktrees
-    ROOT.parents[1] / "shared" / "anchors" / "nanoGPT",
-)
-NANOGPT = next((d for d in NANOGPT_DIRS if (d / "train.py").is_file()), None)
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(NANOGPT is None, reason="nanoGPT's files are not in shared/anchors/nanoGPT near the repo")
+@pytest.mark.skipif(
+    NANOGPT_DIR is None, reason=f"${NANOGPT_ENV} does not name a clone of karpathy/nanoGPT (.ci/run sets it)"
+)
 def test_nanogpt_runs_the_real_train_py_beside_minigpt(tmp_path):
     result = run(
         "nanogpt_shape.py",
+        "--nanogpt",
+        str(NANOGPT_DIR),
         "--shape",
         "tiny",
         "--repeats",
@@ -202,9 +209,10 @@ def test_nanogpt_runs_the_real_train_py_beside_minigpt(tmp_path):
 
 
 def test_nanogpt_without_its_files_says_so_in_one_line(tmp_path):
-    result = run("nanogpt_shape.py", "--nanogpt-dir", str(tmp_path))
-    assert result.returncode == 2 and "nanoGPT" in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    for flags in ([], ["--nanogpt", str(tmp_path)]):  # none given, or a folder without them
+        result = run("nanogpt_shape.py", *flags)
+        assert result.returncode == 2 and "nanoGPT" in result.stderr and "--nanogpt" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_ablation_render_rewrites_table_and_chart_without_running(tmp_path):
@@ -282,8 +290,7 @@ def test_ablation_chart_plots_the_numbers_its_table_prints(stem, monkeypatch):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import ablation
+    ablation = bench_module("ablation")
 
     data = json.loads((ROOT / "benchmarks" / "results" / f"{stem}.json").read_text())
     meta, results = data["meta"], data["results"]
@@ -310,6 +317,23 @@ def test_ablation_chart_plots_the_numbers_its_table_prints(stem, monkeypatch):
     plt.close(fig)
 
 
+def test_a_busy_machine_is_said_on_the_chart_as_in_the_table():
+    """A chart travels without its table: the busy-machine warning of the .md is on the .png too."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ablation = bench_module("ablation")
+    data = json.loads((ROOT / "benchmarks" / "results" / f"{ABLATION_RESULTS[0]}.json").read_text())
+    meta = {**data["meta"], "cores": 2, "load_start": 8.0, "load_end": 0.0}
+    assert "The machine was busy" in ablation.markdown(meta, data["results"])
+    for m, busy in ((meta, True), ({**meta, "load_start": 0.0}, False)):
+        fig = ablation.chart_figure(m, data["results"])
+        assert ("The machine was busy" in fig.get_suptitle()) is busy
+        plt.close(fig)
+
+
 @pytest.mark.parametrize("stem", ABLATION_RESULTS)
 def test_ablation_chart_legends_cover_no_bar_and_axes_say_their_units(stem, monkeypatch):
     import matplotlib
@@ -317,8 +341,7 @@ def test_ablation_chart_legends_cover_no_bar_and_axes_say_their_units(stem, monk
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import ablation
+    ablation = bench_module("ablation")
 
     data = json.loads((ROOT / "benchmarks" / "results" / f"{stem}.json").read_text())
     fig = ablation.chart_figure(data["meta"], data["results"])
@@ -348,19 +371,10 @@ def test_make_figures_renders_the_same_bytes_twice(tmp_path):
         assert b"Matplotlib version" not in png
 
 
-def common_module():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import common
-    finally:
-        sys.path.pop(0)
-    return common
-
-
 def test_a_busy_machine_writes_no_committed_results(monkeypatch, tmp_path, capsys):
     """Load above half the cores at the start: nothing goes to benchmarks/results without --busy
     (one line, status 2); elsewhere, or with --busy, the run goes on and its table says so."""
-    common = common_module()
+    common = bench_module("common")
     cores = 4
     monkeypatch.setattr(common.os, "cpu_count", lambda: cores)
     monkeypatch.setattr(common, "load_average", lambda: 0.75 * cores)
@@ -480,7 +494,7 @@ def test_a_mistake_is_one_line_before_any_measuring_and_touches_nothing(tmp_path
 @pytest.mark.parametrize("script", ["overhead.py", "ablation.py"])
 def test_results_already_there_are_not_overwritten_without_force(tmp_path, monkeypatch, script):
     """A committed table that README cites is not replaced by a test run: one line before any run."""
-    common = bench_module("common", monkeypatch)
+    common = bench_module("common")
     stem = f"overhead-{common.device_slug(common.machine())}-tiny" if script == "overhead.py" else None
     stem = stem or f"{common.device_slug(common.machine())}-tiny"
     (tmp_path / f"{stem}.md").write_text("## a section README cites\n")
@@ -493,21 +507,16 @@ def test_results_already_there_are_not_overwritten_without_force(tmp_path, monke
 
 
 def test_the_ablation_table_shows_no_mfu_above_100_percent(monkeypatch):
-    ablation = bench_module("ablation", monkeypatch)
+    ablation = bench_module("ablation")
     assert ablation.mfu_cell(0.238) == "23.8%" and ablation.mfu_cell(1.0) == "100.0%"
     assert ablation.mfu_cell(1.505) == "n/a (denominator measured under load)"
-
-
-def bench_module(name: str, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    return __import__("importlib").import_module(name)
 
 
 QUIET, FAR = [100.0, 101.0, 99.0], [130.0, 131.0, 129.0]  # three repeats each: tight, and 1.3x apart
 
 
 def test_a_ratio_reads_its_interval_or_says_why_it_has_none(monkeypatch):
-    common = bench_module("common", monkeypatch)
+    common = bench_module("common")
     assert common.ratio_text(common.ratio(QUIET, FAR)).startswith("1.30x (1.2")
     assert common.ratio_text(common.ratio(QUIET, [80.0, 125.0, 100.0])) == "no difference within noise"
     one = common.ratio_text(common.ratio([100.0], [164.0]))  # --repeats 1: the ratio, marked as no finding
@@ -524,7 +533,7 @@ def test_a_ratio_reads_its_interval_or_says_why_it_has_none(monkeypatch):
     ],
 )
 def test_the_aa_check_says_whether_the_machine_could_tell(monkeypatch, copy, passed, says):
-    common = bench_module("common", monkeypatch)
+    common = bench_module("common")
     check = common.aa_check("fp32", QUIET[: len(copy)], copy, "tokens/s of each repeat")
     assert check["passed"] is passed
     text = " ".join(common.aa_lines({"aa": [check]}))
@@ -533,7 +542,7 @@ def test_the_aa_check_says_whether_the_machine_could_tell(monkeypatch, copy, pas
 
 
 def test_a_noisy_run_is_not_written_as_committed_results_without_the_flag(monkeypatch, tmp_path):
-    common = bench_module("common", monkeypatch)
+    common = bench_module("common")
     monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
     failed = {"aa": [common.aa_check("fp32", QUIET, FAR, "tokens/s")]}
     elsewhere, line = common.destination(tmp_path / "results", failed, noisy_ok=False)
@@ -567,8 +576,8 @@ def test_ablation_checks_its_baseline_against_itself(
     """Each round ends with the baseline's copy; when it differs from the baseline beyond the interval,
     the results do not go into the committed folder unless --noisy, and the table says so. The load at
     the start and the end is in the results."""
-    ablation = bench_module("ablation", monkeypatch)
-    common = bench_module("common", monkeypatch)
+    ablation = bench_module("ablation")
+    common = bench_module("common")
     committed = tmp_path / "results"
     monkeypatch.setattr(common, "RESULTS", committed)
     monkeypatch.setattr(common, "load_average", lambda: 0.25)
@@ -613,10 +622,10 @@ def test_ablation_checks_its_baseline_against_itself(
 def test_ratio_cells_of_every_benchmark_carry_their_interval(monkeypatch):
     """The committed results rendered again: each ratio cell is a verdict with its interval, "no
     difference within noise", or says it has too few repeats; never a bare percentage."""
-    ablation = bench_module("ablation", monkeypatch)
-    overhead = bench_module("overhead", monkeypatch)
-    nanogpt = bench_module("nanogpt_shape", monkeypatch)
-    allocator = bench_module("allocator", monkeypatch)
+    ablation = bench_module("ablation")
+    overhead = bench_module("overhead")
+    nanogpt = bench_module("nanogpt_shape")
+    allocator = bench_module("allocator")
     results = ROOT / "benchmarks" / "results"
 
     def load(name):
@@ -657,9 +666,9 @@ def test_ratio_cells_of_every_benchmark_carry_their_interval(monkeypatch):
 def test_overhead_and_allocator_check_their_baseline_too(monkeypatch, tmp_path, capsys):
     """The same A/A check and load record in the other two trainer benchmarks, on made-up figures:
     a copy 1.3x off its baseline keeps the results out of the committed folder."""
-    common = bench_module("common", monkeypatch)
-    overhead = bench_module("overhead", monkeypatch)
-    allocator = bench_module("allocator", monkeypatch)
+    common = bench_module("common")
+    overhead = bench_module("overhead")
+    allocator = bench_module("allocator")
     committed = tmp_path / "results"
     monkeypatch.setattr(common, "RESULTS", committed)
     calls = []
@@ -721,13 +730,39 @@ def test_overhead_and_allocator_check_their_baseline_too(monkeypatch, tmp_path, 
     assert "too noisy to tell" in table and "with `--noisy`" in table
 
 
+def test_the_ablation_measures_kernel_rates_only_when_asked_one_pass_per_kernel_set(monkeypatch, tmp_path):
+    """--predict: one `estimate --time` pass per set of kernels (a checkpointed variant's are the
+    plain one's), before the rounds; without it, none."""
+    ablation = bench_module("ablation")
+    common = bench_module("common")
+    monkeypatch.setattr(common, "load_average", lambda: 0.1)
+    monkeypatch.setattr(ablation, "load_average", lambda: 0.1)
+    cpu = {"torch": "2.13.0+cpu", "python": "3.11.7", "platform": "Linux", "device": "cpu"}
+    cpu.update(device_name="Intel(R) Xeon(R) Processor", cores=2, native_bf16=True)
+    monkeypatch.setattr(common, "machine", lambda device="auto": cpu)
+    monkeypatch.setattr(ablation, "native_bf16", lambda m: True)
+    monkeypatch.setattr(
+        ablation, "run_variant", lambda flags, warmup, steps, nproc=1, keep=None: fake_rows(1e3)
+    )
+    passes = []
+    monkeypatch.setattr(ablation, "cache_step_rates", passes.append)
+    for i, predict in enumerate(([], ["--predict"])):
+        argv = ["ablation.py", "--malloc", "--repeats", "1", "--name", f"r{i}", "--out-dir", str(tmp_path)]
+        monkeypatch.setattr(sys, "argv", argv + predict)
+        assert ablation.main() == 0
+    assert len(passes) == 1  # the run without --predict measured nothing
+    kinds = [("--no-amp" in f, "--no-keep-freed-memory" in f) for f in passes[0]]
+    assert kinds == [(True, False), (False, False), (False, True)]  # fp32, amp, amp under glibc
+    assert not any("--use-activation-checkpoint" in f for f in passes[0])
+
+
 def test_the_gpu_ablation_runs_its_own_rows_without_measuring_rates(monkeypatch, tmp_path, capsys):
     """On a GPU (a faked machine: no GPU needed) the ablation's rows are what a GPU user weighs, AMP
     first, with torch.compile and twice the batch, each with its steady tokens/s, MFU, stage times
     and peak; no "[rates]" processes (a GPU's prediction is its data sheet), so the gpt2 preset's
     ablation fits in about three minutes on one H100/H200."""
-    ablation = bench_module("ablation", monkeypatch)
-    common = bench_module("common", monkeypatch)
+    ablation = bench_module("ablation")
+    common = bench_module("common")
     monkeypatch.setattr(common, "load_average", lambda: 0.1)
     monkeypatch.setattr(ablation, "load_average", lambda: 0.1)
     gpu = {"torch": "2.11.0+cu130", "python": "3.12.3", "cuda": "13.0", "platform": "Linux"}
@@ -756,7 +791,7 @@ def test_nanogpt_beside_minigpt_on_a_gpu_runs_both_eager_and_compiled(monkeypatc
     """benchmarks/nanogpt_shape.py on CUDA (the calls only: no GPU needed): nanoGPT's own train.py
     unchanged (it autocasts on a GPU) and minigpt, eager and compiled, at the gpt2 shape; no malloc
     row (a CPU allocator's question); each row against nanoGPT in the same dtype, compiled or not."""
-    nanogpt = bench_module("nanogpt_shape", monkeypatch)
+    nanogpt = bench_module("nanogpt_shape")
     argv = [
         "--shape",
         "gpt2",
@@ -794,3 +829,18 @@ def test_nanogpt_beside_minigpt_on_a_gpu_runs_both_eager_and_compiled(monkeypatc
     results = {name: {"tokens_per_s_rounds": [100.0, 101.0]} for name in found}
     assert nanogpt.against("minigpt train_minimal.py, bf16, compiled", results) != "-"
     assert nanogpt.against("nanoGPT train.py, bf16, compiled", results) == "baseline"
+
+
+def test_the_ablation_puts_every_rows_mfu_against_one_denominator():
+    """fp32 and AMP rows of one machine against one peak, the fastest dtype's (bf16's), so MFU ranks
+    the rows as tokens/s does; an fp32-only table says its MFU is against the fp32 peak."""
+    ablation = bench_module("ablation")
+    data = json.loads((ROOT / "benchmarks" / "results" / "cpu-small.json").read_text())
+    meta, results = data["meta"], data["results"]
+    mfu, dtype = ablation.one_denominator(meta, results)
+    assert dtype == "bf16" and mfu["amp"] == pytest.approx(results["amp"]["mfu"], rel=1e-9)
+    by_tokens = sorted(results, key=lambda n: ablation.tokens_median(results[n]))
+    assert sorted(mfu, key=mfu.get) == by_tokens
+    assert "| MFU against the bf16 peak |" in ablation.markdown(meta, results)
+    fp32 = {n: s for n, s in results.items() if s["amp"] == "fp32"}
+    assert "| MFU against the fp32 peak |" in ablation.markdown(meta, fp32)

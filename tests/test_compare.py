@@ -299,3 +299,28 @@ def test_html_on_a_full_disk_is_one_line_and_exit_2(pair, tmp_path, monkeypatch,
     assert main([str(a), str(b), "--html", "/proc/cmp.html"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: cannot write /proc/cmp.html") and "(--html)" in line
+
+
+def test_mfu_of_two_dtypes_is_against_one_denominator(tmp_path):
+    """An fp32 run measured against the fp32 peak beside an AMP run against bf16's: compare puts
+    both on the device's bf16 peak (the larger recorded), so MFU ranks them as tokens/s does, and
+    says which peak; two fp32 runs stay against the fp32 peak, and say so."""
+    runs = {}
+    for name, tps, peak, dtype in (("fp32", 1000.0, 67e12, "fp32"), ("amp", 2000.0, 989e12, "bf16")):
+        runs[name] = make_run(tmp_path / name, steps=STEPS, tokens_per_s=tps)
+        cfg = json.loads((runs[name] / "config.json").read_text())
+        cfg |= {"peak_flops": peak, "peak_flops_source": f"table: H100 {dtype} dense"}
+        (runs[name] / "config.json").write_text(json.dumps(cfg))
+        rows = [json.loads(x) for x in (runs[name] / "metrics.jsonl").read_text().splitlines()]
+        for r in rows:
+            r["mfu"] = r["tokens_per_s"] * 1e9 / peak  # the trainer's: achieved over its own peak
+        (runs[name] / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    d = compare_runs(runs["fp32"], runs["amp"], allow_different=True)
+    thr = {r["metric"]: r for r in d["throughput"]}
+    assert thr["mfu"]["a"] == pytest.approx(1000.0 * 1e9 / 989e12, rel=1e-6)
+    assert thr["mfu"]["ratio"] == pytest.approx(thr["tokens_per_s"]["ratio"], rel=1e-6)
+    assert thr["peak_tflops"]["a"] == thr["peak_tflops"]["b"] == pytest.approx(989.0)
+    text = format_compare(d)
+    assert "MFU % against the bf16 peak" in text and "one per device: the bf16 peak" in text
+    same = compare_runs(runs["fp32"], runs["fp32"])
+    assert "MFU % against the fp32 peak" in format_compare(same)

@@ -1,4 +1,4 @@
-"""The GPU speed levers built without a GPU, off by default until one measures them (README, "GPU
+"""The GPU speed levers built without a GPU, off by default until one measures them (docs/reference.md, "GPU
 speed"): --auto-batch-size (the micro-batch the estimator says fits) and --compile-mode. Their
 logic runs anywhere: the estimate is arithmetic on shapes, the device's memory a flag."""
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT
 from test_report import gpu_trace_events, make_run
 
-# The layers of minigpt/ (README, Layout): base (minigpt/*.py) is torch-free and shared; core/
+# The layers of minigpt/ (README, "A map of the files"): base (minigpt/*.py) is torch-free and shared; core/
 # imports base; instruments/ imports base and core; analysis/ imports base only.
 BASE = (
     "paths",

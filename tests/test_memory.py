@@ -2,12 +2,11 @@
 
 import json
 from contextlib import nullcontext
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
-from conftest import TINY, fails
+from conftest import GPU_RUNS, TINY, bench_module, fails
 
 import train_minimal
 from minigpt.core.config import GPT2_VOCAB, PRESETS, Shape, parse_args, shape_of
@@ -274,6 +273,7 @@ def test_sunburst_charts_are_offline_html_with_the_data(written):
         # the folder's one plotly.js, by a relative path: opens offline
         assert 'src="plotly.min.js"' in html and "plotly.js v" not in html
         assert (folder / "plotly.min.js").is_file()
+        assert "%{customdata:.1f} MiB" in html.split('"texttemplate":', 1)[-1][:60], name  # sizes on slices
     assert "param_mem.blocks.0.attn.qkv.weight" in (folder / SUNBURST_FILES["params"]).read_text()
     assert "activation_mem.blocks.1.mlp.gelu" in (folder / SUNBURST_FILES["activations"]).read_text()
     assert "os_state_mem.wte.weight.exp_avg_sq" in (folder / SUNBURST_FILES["optimizer"]).read_text()
@@ -707,10 +707,8 @@ def test_shape_only_matmuls_allocate_what_computed_ones_do(monkeypatch, amp):
     without native bf16 cannot afford: the same step must allocate exactly as much, part by part.
     In bf16 the temporaries of a peak inside a product's backward read low by oneDNN's scratch,
     skipped with the arithmetic (ShapeOnlyMatmuls says so): at most one fp32 copy of the weight."""
-    from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    table = __import__("importlib").import_module("estimate_table")
+    table = bench_module("estimate_table")
     calls = []
     dispatch = table.ShapeOnlyMatmuls.__torch_dispatch__
 
@@ -783,8 +781,7 @@ def test_the_estimate_predicts_the_chunked_loss_peak(monkeypatch, amp, checkpoin
 
 # ---------------------------------------------------------------------------- CUDA's loss, named right
 
-H200_MEMORY = Path(__file__).resolve().parents[2] / "shared" / "gpu-runs" / "h200-gpt2-bf16-memory"
-needs_h200_run = pytest.mark.skipif(not H200_MEMORY.is_dir(), reason="../shared/gpu-runs is not here")
+H200_MEMORY = GPU_RUNS / "h200-gpt2-bf16-memory"
 
 
 def cuda_cross_entropy(logits, targets):
@@ -826,7 +823,6 @@ def test_the_cuda_loss_path_names_each_saved_tensor_by_what_its_bytes_are(monkey
     }
 
 
-@needs_h200_run
 def test_the_h200_runs_loss_rows_are_what_the_names_now_say():
     """The H200 run's memory.log (written before the fix) holds two loss rows: 824,180,736 B,
     the bf16 log-probs, and 1,648,427,012 B, labelled "targets" but the fp32 copy of the
@@ -886,7 +882,6 @@ def test_the_estimate_predicts_the_cuda_loss_paths_peak(monkeypatch, amp, checkp
 H200_SHAPE = shape_of(PRESETS["gpt2"], GPT2_VOCAB)  # the H200 runs' --preset gpt2, batch 8
 
 
-@needs_h200_run
 def test_the_estimate_holds_each_part_of_the_h200_runs_measured_memory():
     """gpt2, bf16, batch 8 on an H200: parameters, gradients, optimizer state, activations, the
     temporaries at the peak and the peak itself, each within 10% of what the run measured
@@ -955,7 +950,6 @@ def h200_breakdown():
     )
 
 
-@needs_h200_run
 def test_every_statement_of_the_h200_breakdown_is_what_its_bytes_are():
     """The last line explains max_allocated over the total with terms that add up to it (the NLL
     gradient among the temporaries, the gradients not yet made), names the 79.2 MiB the profiler

@@ -8,13 +8,13 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import GPU_RUNS
 
 from minigpt.analysis import snapshot as page
 from minigpt.memory_snapshot import MiB, SnapshotError, load_snapshot, peak_text, replay
 
-H200 = Path(__file__).resolve().parents[2] / "shared" / "gpu-runs" / "h200-gpt2-bf16-memory"
+H200 = GPU_RUNS / "h200-gpt2-bf16-memory"
 PICKLE = H200 / "snapshots" / "rank0_snapshot.pickle.gz"
-needs_h200 = pytest.mark.skipif(not PICKLE.is_file(), reason="../shared/gpu-runs is not here")
 
 
 def plain(x) -> bool:
@@ -30,7 +30,6 @@ def h200():
     return load_snapshot(PICKLE)
 
 
-@needs_h200
 def test_the_h200_snapshot_loads_as_plain_data_and_replays_to_its_peak(h200):
     """Plain dicts and lists; the replay's peak, in the bytes the tensors asked for (the history's
     unit), is the allocator's max_allocated (8,309.86 MiB, which counts its rounded blocks) less
@@ -51,7 +50,6 @@ def test_the_h200_snapshot_loads_as_plain_data_and_replays_to_its_peak(h200):
     assert sorted(sizes) == [2 * N * V, 4 * N * V, 4 * N * V]  # bf16 log-probs, fp32 copy, NLL gradient
 
 
-@needs_h200
 def test_the_text_beside_a_snapshot_lists_what_is_live_at_the_peak(h200):
     text = peak_text(h200)
     assert text.startswith("peak allocated 8289.4 MiB (recorded step 2, backward)")
@@ -61,7 +59,6 @@ def test_the_text_beside_a_snapshot_lists_what_is_live_at_the_peak(h200):
     assert "minigpt/core/model.py:162 cross_entropy" in rows[1]
 
 
-@needs_h200
 def test_the_snapshot_page_is_offline_and_shows_the_steps_the_peak_and_what_was_live(h200, tmp_path):
     out = page.write_snapshot_page(PICKLE, tmp_path / "s.html")
     html = out.read_text()

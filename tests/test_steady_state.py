@@ -1,4 +1,4 @@
-"""The run's throughput is its steady state, on the real GPU runs of ../shared/gpu-runs/ (an NVIDIA
+"""The run's throughput is its steady state, on the real GPU runs of docs/gpu-runs/ (an NVIDIA
 H200, written by a trainer that still counted warm-up): a --compile run whose step 1 took 18.4 s of
 its 19.6, an eager bf16 run and an fp16 one. Their last lines said 25,141, 258,219 and 172,081
 tokens/s "over the steps alone" against about 430,700, 326,100 and 329,800 in the log intervals
@@ -9,9 +9,9 @@ records) rebuild the steady figure and say so."""
 
 import json
 import time
-from pathlib import Path
 
 import pytest
+from conftest import GPU_RUNS
 
 from minigpt.analysis.compare import compare_runs
 from minigpt.analysis.report import summary_section, throughput
@@ -19,14 +19,12 @@ from minigpt.analysis.runfiles import REBUILT, load_run
 from minigpt.instruments.instrument import Interval, StageTimes
 from minigpt.instruments.metrics import PeakFlops, RunTotals, Throughput
 
-GPU_RUNS = Path(__file__).resolve().parents[2] / "shared" / "gpu-runs"
 # folder -> (the old last line's tokens/s, step 1's seconds as the issue derived them)
 RUNS = {
     "h200-gpt2-bf16-compile": (25_141, 18.4),
     "h200-gpt2-bf16-profiled": (258_219, 0.43),
     "h200-gpt2-fp16": (172_081, 1.39),
 }
-pytestmark = pytest.mark.skipif(not GPU_RUNS.is_dir(), reason="../shared/gpu-runs is not beside the checkout")
 
 
 def records(name: str) -> list[dict]:

@@ -599,6 +599,10 @@ def test_mtia_trace_without_profiler_steps_is_one_window(tmp_path):
                 "args": {"correlation": i},
             },
         ]
+    # MTIA records its waits among its device events: waiting is not busy time (it would fill the
+    # gaps between the three kernels and read 0.28 ms of "union of kernel, memcpy and memset")
+    wait = {"ph": "X", "cat": "mtia_ccp_events", "name": "event_wait", "pid": 1, "tid": 2, "args": {}}
+    events += [{**wait, "ts": 130 + 100 * i, "dur": 20} for i in range(2)]
     path = write_trace(tmp_path / "mtia.json", events)
     s = summary(path)
     assert s["window"] == "whole trace" and s["steps"] == [] and s["cpu_only"] is False

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, docs_module
+from conftest import NANOGPT_DIR, ROOT, docs_module
 
 serve_tensorboard = docs_module("tbserve").serve_tensorboard
 
@@ -53,8 +53,6 @@ def test_every_walkthrough_command_runs(tmp_path):
         if (ROOT / f).is_file():
             (repo / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, repo / f)
-    if (ROOT.parent / "shared").is_dir():  # ../shared beside the copy too, as beside a clone (nanoGPT)
-        (tmp_path / "shared").symlink_to(ROOT.parent / "shared")
     env = {
         **os.environ,
         "MINIGPT_ARGS": SCALE,
@@ -64,9 +62,10 @@ def test_every_walkthrough_command_runs(tmp_path):
     for cmd in commands(WALKTHROUGH.read_text()):
         needs_cuda = "# needs CUDA" in cmd
         cmd = cmd.split(" # ")[0]
-        needs_shared = "../shared/" in cmd or "nanogpt_shape.py" in cmd  # the GPU runs, nanoGPT's files
-        if needs_shared and not (ROOT.parent / "shared").is_dir():
-            continue  # a clone without ../shared beside it (CI has it): nothing of the project is missing
+        if "--nanogpt " in cmd:  # nanoGPT's files: the clone the environment names (.ci/run sets it)
+            if NANOGPT_DIR is None:
+                continue  # not given here: test_benchmarks.py says so in its skip reason
+            cmd = re.sub(r"--nanogpt \S+", f"--nanogpt {NANOGPT_DIR}", cmd)
         if cmd.startswith("nsys ") and shutil.which("nsys") is None:
             continue  # Nsight Systems is not installed here; its trainer flag is checked on its own line
         if (
@@ -141,6 +140,8 @@ def test_tensorboard_profiler_page_in_chromium(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "the PyTorch Profiler tab lists the run (views Overview, Operator" in r.stdout, r.stdout
     assert "the Overview's steps 3, 4 were" in r.stdout, r.stdout
-    for name in ("tb_profiler.png", "tb_scalars.png"):
+    offline = "did not draw, so no tb_profiler.png" in r.stdout  # a spinner is not saved as a picture
+    assert offline != (img / "tb_profiler.png").exists()
+    for name in ("tb_scalars.png",) if offline else ("tb_profiler.png", "tb_scalars.png"):
         data = (img / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000, name  # a real page, not a blank one

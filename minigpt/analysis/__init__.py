@@ -1,1 +1,1 @@
-"""minigpt's analysis: see README, Layout."""
+"""minigpt's analysis: see README, "A map of the files"."""

@@ -4,7 +4,7 @@
     python -m minigpt compare runs/fp32 runs/amp --json          # one JSON object, for scripts
     python -m minigpt compare runs/fp32 runs/amp --html amp.html # the report, with the second run
 
-What the blog post this project grew from did by hand, screenshot by screenshot, for AMP against
+What the blog post that minigpt's command line follows did by hand, screenshot by screenshot, for AMP against
 fp32: each stage's host and device time in A and in B and their ratio (B / A); the runs' own
 tokens/s in steady state (warm-up left out) and end to end and their start-up (metrics.jsonl's
 last record; an older trainer's steady figure rebuilt from its intervals after the first), the
@@ -15,7 +15,8 @@ traces compare without the operator tables.
 
 Every timing ratio comes with its 95% interval (minigpt.analysis.stats: Welch's t on the log samples), and
 one whose interval holds 1.0 reads "no difference within noise". The samples are the logged
-intervals after the first (warm-up), each the mean of --log-interval steps, and the profiled steps
+intervals that hold a steady step, each the mean of its steady steps (the warm-up and the steps an
+instrument slows are left out of every interval, the first included), and the profiled steps
 of the traces: they measure a run's step-to-step noise, not the noise between processes (repeat
 in fresh processes for that: the benchmarks do). With fewer than stats.MIN_SAMPLES logged intervals
 after warm-up in a run, no ratio is claimed: the output says how many there were and what to
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -82,6 +84,40 @@ TOO_FEW = "too few samples"
 
 
 MFU_POISONED = "n/a: an MFU above 100% (a denominator measured under load; estimate --time --remeasure)"
+# The dtype of a recorded MFU denominator, as config.json's peak_flops_source names it
+# ("table: H200 fp32 dense", "matmul ... in bf16 on cpu ...").
+PEAK_DTYPE = re.compile(r"\b(bf16|fp16|tf32|fp32)\b")
+
+
+def recorded_peaks(run: Run) -> dict[str, float]:
+    """The peak FLOP/s a run recorded, by dtype: its MFU denominator (config.json's peak_flops,
+    its dtype read from peak_flops_source, "?" where it names none), and any others it recorded
+    under peak_flops_by_dtype."""
+    c = run.config
+    out = {}
+    by_dtype = c.get("peak_flops_by_dtype")
+    if isinstance(by_dtype, dict):
+        out |= {str(k): float(v) for k, v in by_dtype.items() if isinstance(v, (int, float)) and v > 0}
+    v = c.get("peak_flops")
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+        m = PEAK_DTYPE.search(str(c.get("peak_flops_source") or ""))
+        out.setdefault(m.group(1) if m else "?", float(v))
+    return out
+
+
+def one_denominator(a: Run, b: Run) -> tuple[float, str] | None:
+    """One MFU denominator for two runs of one device: the largest peak either recorded, which is
+    the device's fastest dtype's (bf16's where either ran AMP or recorded it), so MFU ranks the
+    runs as tokens/s does. None where a run recorded no denominator."""
+    pa, pb = recorded_peaks(a), recorded_peaks(b)
+    if not pa or not pb:
+        return None
+    dtype, value = max({**pa, **pb}.items(), key=lambda kv: kv[1])
+    return value, dtype
+
+
+def mfu_label(dtype: str) -> str:
+    return "MFU %" if dtype == "?" else f"MFU % against the {dtype} peak"
 
 
 def ratio(a, b) -> float | None:
@@ -377,6 +413,15 @@ def _throughput(a: Run, b: Run, short: bool) -> list[dict]:
     intervals, and the median step time."""
     ta, tb = throughput(a), throughput(b)
     wa, wb = after_warmup(a), after_warmup(b)
+    # MFU against one denominator: each run's own MFU times its denominator over the common one
+    common = one_denominator(a, b)
+    scale = {}
+    if common:
+        for side, t, run in (("a", ta, a), ("b", tb, b)):
+            scale[side] = run.config["peak_flops"] / common[0]
+            t["peak_tflops"] = common[0] / 1e12
+            if t.get("mfu") is not None:
+                t["mfu"] *= scale[side]
     thr = []
     for k in (*RUN_ROWS, *INTERVAL_ROWS):
         if k in RUN_ROWS or ta.get(k) is not None or tb.get(k) is not None:
@@ -385,6 +430,17 @@ def _throughput(a: Run, b: Run, short: bool) -> list[dict]:
                 row["interval"], row["verdict"] = None, ONE_FIGURE if row["ratio"] is not None else "-"
             elif k == "peak_tflops":  # the MFU denominator: a setting or a cached measurement, not a timing
                 row["interval"], row["verdict"] = None, _x(row["ratio"])
+                if common:
+                    own = [r.config["peak_flops"] / 1e12 for r in (a, b)]
+                    row["verdict"] = f"one per device: the {common[1]} peak" + (
+                        f" (recorded: A {own[0]:.3f}, B {own[1]:.3f}; MFU rescaled to it)"
+                        if own[0] != own[1]
+                        else ""
+                    )
+            elif k == "mfu" and common:
+                sa, sb = [x * scale["a"] for x in samples(wa, k)], [x * scale["b"] for x in samples(wb, k)]
+                _set_interval(row, sa, sb, FROM_INTERVALS, short=short)
+                row["label"] = mfu_label(common[1])
             else:
                 _set_interval(row, samples(wa, k), samples(wb, k), FROM_INTERVALS, short=short)
             if k == "mfu" and any(x > 1 for x in (*samples(a.metrics, k), *samples(b.metrics, k))):
@@ -499,7 +555,7 @@ def headline(d: dict, top: int = 2) -> str:
     else:
         parts = []
         thr = {r["metric"]: r for r in d["throughput"]}
-        # Per step, over the logged intervals after the first (no warm-up in them). The run-wide
+        # Per step, over the logged intervals' steady steps (no warm-up in them). The run-wide
         # figures are one per run, with no interval: they stay in the throughput table.
         if thr.get("tokens_per_s", {}).get("verdict", "-") != "-":
             parts.append(_claim("tokens/s per step", thr["tokens_per_s"]))
@@ -529,6 +585,7 @@ def _throughput_rows(d: dict) -> list[list[str]]:
     rows = []
     for r in d["throughput"]:
         lab, scale, dig = THROUGHPUT_LABELS.get(r["metric"], (r["metric"], 1, 2))
+        lab = r.get("label", lab)
         m = r["metric"]
         rows.append([lab, _run_v(m, r["a"], scale, dig), _run_v(m, r["b"], scale, dig), r["verdict"]])
     return rows
@@ -579,11 +636,11 @@ def format_compare(d: dict) -> str:
             f"{r['logged_steps']} logged steps)"
             for k, r in (("A", a), ("B", b))
         ),
-        "ratios are B / A with their 95% interval, over the logged intervals after the first (Welch t: "
-        "each run's step-to-step noise, not the noise between processes; repeat runs for that);",
+        "ratios are B / A with their 95% interval, over the logged intervals' steady steps (warm-up "
+        "left out; Welch t: each run's step-to-step noise, not the noise between processes);",
         'an interval that holds 1.0 reads "no difference within noise". A and B: the run\'s figures from '
-        "its last metrics record; the others the geometric means of the logged intervals after the "
-        "first, whose ratio B/A is (medians where there is no interval)",
+        "its last metrics record; the others the geometric means of the logged intervals' steady steps, "
+        "whose ratio B/A is (medians where there is no interval)",
     ]
     if d["samples"]["shortfall"]:
         out.append(f"no ratio claimed: {d['samples']['shortfall']}")
@@ -656,9 +713,9 @@ def compare_html(d: dict, a: Run, b: Run) -> str:
         parts.append(f'<p class="problem">No ratio claimed: {esc(d["samples"]["shortfall"])}.</p>')
     parts += [f'<p class="problem">{esc(n)}</p>' for n in d["notes"]]
     parts.append(
-        "<p>Ratios are B / A with their 95% interval over the logged intervals after the first (Welch t "
-        "on the log samples: each run's step-to-step noise, not the noise between processes); an "
-        "interval that holds 1.0 reads &ldquo;no difference within noise&rdquo;.</p>"
+        "<p>Ratios are B / A with their 95% interval over the logged intervals' steady steps (warm-up "
+        "left out; Welch t on the log samples: each run's step-to-step noise, not the noise between "
+        "processes); an interval that holds 1.0 reads &ldquo;no difference within noise&rdquo;.</p>"
     )
     parts.append(
         section(

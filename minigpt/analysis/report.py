@@ -530,7 +530,7 @@ def stages_section(run: Run) -> str:
     return (
         note
         + figure(fig, "stages-plot", 360)
-        + table(["stage, median of steady steps"] + [t for _, t in keys], rows)
+        + table(["stage, median of the intervals' means (ms)"] + [t for _, t in keys], rows)
         + prediction_table(run)
     )
 

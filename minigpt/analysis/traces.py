@@ -49,10 +49,11 @@ Event categories (Kineto's ActivityType names, and the older names torch-tb-prof
   launches       cuda_runtime / Runtime, cuda_driver / Driver, mtia_runtime, xpu_runtime,
                  xpu_driver, privateuse1_runtime, privateuse1_driver, hpu_op (ROCm's HIP calls are
                  recorded as cuda_runtime)
-  device work    kernel / Kernel, mtia_ccp_events (kernels); gpu_memcpy / Memcpy; gpu_memset /
-                 Memset; and any complete event of an unknown category that carries the on-device
-                 conventions (`args.stream`, or a "stream N" thread). gpu_user_annotation is the
-                 projection of host ranges onto the device timeline, not work, and is not counted.
+  device work    kernel / Kernel, mtia_ccp_events (kernels; not MTIA's `event_wait`, a wait);
+                 gpu_memcpy / Memcpy; gpu_memset / Memset; and any complete event of an unknown
+                 category that carries the on-device conventions (`args.stream`, or a "stream N"
+                 thread). gpu_user_annotation is the projection of host ranges onto the device
+                 timeline, not work, and is not counted.
   The device is never identified by vendor: a trace is "CPU only" when it has no device work and no
   launches. Launches without any device work are a GPU trace whose device side was not recorded
   (the profiler ran without CUPTI, i.e. without ProfilerActivity.CUDA): the report says so and
@@ -187,6 +188,9 @@ def is_collective(name: str) -> bool:
 
 
 COMM_KERNEL = re.compile(r"(?:nccl|msccl)\w*kernel|rccl", re.I)
+# A device event that records waiting, not work (MTIA's `event_wait` among its mtia_ccp_events):
+# counted as busy time it would fill the device's idle gaps, so it is left out of device work.
+DEVICE_WAIT = re.compile(r"(?:^|_)wait(?:$|_)", re.I)
 COMM_KINDS = (
     ("all-reduce", re.compile(r"all_?reduce", re.I)),
     ("reduce-scatter", re.compile(r"reduce_?scatter", re.I)),
@@ -352,7 +356,7 @@ def is_device_work(e: dict) -> bool:
     it carries Kineto's on-device conventions (a stream in args, or a "stream N" thread)."""
     cat = e["cat"]
     if cat in DEVICE_CATS:
-        return True
+        return not DEVICE_WAIT.search(e["name"])
     if cat in KNOWN_CATS:
         return False
     tid = e.get("tid")

@@ -1,1 +1,1 @@
-"""minigpt's core: see README, Layout."""
+"""minigpt's core: see README, "A map of the files"."""

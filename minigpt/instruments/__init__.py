@@ -1,1 +1,1 @@
-"""minigpt's instruments: see README, Layout."""
+"""minigpt's instruments: see README, "A map of the files"."""

@@ -1027,6 +1027,8 @@ def _sunburst_html(rows: list[tuple[str, str, str, int]], title: str, plotly_src
     fig = go.Figure(
         sunburst(
             rows,
+            # each slice says its size, as the report's charts do: a slice's area alone reads as a share
+            texttemplate="%{label}<br>%{customdata:.1f} MiB",
             hovertemplate="%{id}<br>%{customdata:.2f} MiB<br>%{percentRoot:.1%} of the chart<extra></extra>",
         )
     )
