@@ -12,6 +12,7 @@ import torch
 from conftest import TINY, docs_module
 
 import train_minimal
+from minigpt.core.config import parse_args
 from minigpt.instruments import instrument, window
 from minigpt.instruments.instrument import StageTimer
 from minigpt.stages import STAGE_NAMES as STAGES
@@ -425,3 +426,22 @@ def test_oom_writes_a_snapshot_before_the_error(tmp_path):
     finally:
         history.stop()
     assert path.exists() and path.with_suffix(".txt").exists()
+
+
+def test_a_long_step_says_it_still_runs_and_falls_silent_when_it_ends(monkeypatch, caplog):
+    """A step longer than HEARTBEAT_S (a 100,000-token sequence on a CPU takes minutes) logs that it
+    still runs, every HEARTBEAT_S, and nothing once it has ended."""
+    monkeypatch.setattr(instrument, "HEARTBEAT_S", 0.2)
+    cfg = parse_args([*TINY, "--num-steps", "2"])
+    inst = instrument.Instruments(cfg, "cpu", 0, 1, None, "rank0_dp0")
+    inst.attach(None, None, first_step=1)
+    with caplog.at_level("INFO", logger="minigpt"):
+        with inst.step(1):
+            time.sleep(0.7)
+        beats = [r.message for r in caplog.records if "still running" in r.message]
+        time.sleep(0.5)
+    assert 2 <= len(beats) <= 4 and beats[0].startswith("step 1 still running after ")
+    assert len([r for r in caplog.records if "still running" in r.message]) == len(beats)
+    with inst.step(2):  # a short step: silent
+        pass
+    assert len([r for r in caplog.records if "still running" in r.message]) == len(beats)

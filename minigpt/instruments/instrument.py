@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -30,6 +31,9 @@ from torch.profiler import record_function
 
 from minigpt.stages import COLORS, STAGE_NAMES, STEP_RANGE
 
+# A step still running after this long says so in the log, and again every as long: a big step
+# (a long sequence, a large batch, a slow machine) is not minutes of silence.
+HEARTBEAT_S = 30.0
 NVTX_DOMAIN = "minigpt"  # one domain: Nsight can filter the project's ranges from PyTorch's own
 
 
@@ -247,9 +251,10 @@ class Instruments:
         profiler's step, the memory capture). `sync` (CUDA) waits for the step's queued work before
         the clock stops: pass it on the steps whose times are logged."""
         capture = self.window.before_step(n) if self.window else nullcontext()
+        t0 = time.perf_counter()
+        self._heartbeat(n, t0)
         try:
             compiled = self._compile_count()
-            t0 = time.perf_counter()
             with capture as cap, self.timer.step():
                 yield
             why = self.left_out(n, self._compile_count() != compiled)
@@ -259,6 +264,8 @@ class Instruments:
                 torch.cuda.synchronize()  # the step's time must include the work still queued
             self.step_times[n] = time.perf_counter() - t0
         finally:
+            self._beating, timer = None, self._beating
+            timer.cancel()
             if self.window:
                 self.window.end_probe(n)
         self._interval.append((n, self.step_times[n], why))
@@ -266,6 +273,18 @@ class Instruments:
             self.progress.update()
         if self.window:
             self.window.after_step(n, cap)
+
+    def _heartbeat(self, n: int, t0: float) -> None:
+        """A timer that logs, every HEARTBEAT_S while step `n` runs, that it still runs."""
+
+        def beat() -> None:
+            if self._beating is not None:  # the step has not ended meanwhile
+                self.log.info(f"step {n} still running after {time.perf_counter() - t0:.0f}s")
+                self._heartbeat(n, t0)
+
+        self._beating = threading.Timer(HEARTBEAT_S, beat)
+        self._beating.daemon = True
+        self._beating.start()
 
     def _compile_count(self) -> int:
         """Under --compile, the graphs torch.compile has compiled so far: a step that moved it
