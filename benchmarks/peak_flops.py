@@ -1,7 +1,7 @@
 """How still the MFU denominator holds: minigpt.instruments.mfu.peak_flops in N fresh processes, without the
 cache (each process measures) and with it (the first fills it, the rest read it).
 
-    python benchmarks/peak_flops.py                    # small preset's units, fp32, 5 processes
+    python benchmarks/peak_flops.py                    # the trainer's denominator, fp32, 5 processes
     python benchmarks/peak_flops.py --preset tiny --processes 2
 
 Uncached, each process measures; how far their figures spread under the machine's load is what
@@ -29,12 +29,11 @@ from minigpt.instruments.mfu import UNIT_BUDGET_S
 
 
 def child(preset: str, dtype: str, cache: bool) -> None:
-    from minigpt.core.config import GPT2_PADDED
-    from minigpt.instruments.mfu import model_workloads, peak_flops
+    """The trainer's denominator: the machine's square products (minigpt.instruments.metrics.device_peak
+    measures them when the cache has none), whatever the preset."""
+    from minigpt.instruments.mfu import peak_flops
 
-    p = MODEL_PRESETS[preset]
-    units = model_workloads(p["batch_size"], p["seq_len"], p["d_model"], p["d_ff"], GPT2_PADDED, p["n_heads"])
-    peak = peak_flops("cpu", dtype, units, cache=cache)
+    peak = peak_flops("cpu", dtype, cache=cache)
     print(
         json.dumps(
             {
