@@ -138,6 +138,7 @@ def test_override_and_gpu_table(monkeypatch):
     assert peak.value == 2.5e12 and peak.source == "override: --peak-tflops" and peak.spread is None
     assert peak.config() == {
         "peak_flops": 2.5e12,
+        "peak_flops_dtype": "fp32",
         "peak_flops_source": "override: --peak-tflops",
         "peak_flops_spread": None,
         "peak_flops_measured_at": None,
@@ -333,10 +334,26 @@ def test_throughput_records_never_show_mfu_above_100(monkeypatch, caplog):
 
 def test_remeasure_forgets_the_machines_figures(monkeypatch, tmp_path):
     M.peak_flops("cpu", "fp32", units())
-    X.PeakFlops(1e6, "cache: x", device="cpu", dtype="fp32").raise_to(1e30)  # a wild achieved figure
-    assert M.peak_flops("cpu", "fp32", units()).value == 1e30
+    X.PeakFlops(1e6, "cache: x", device="cpu", dtype="fp32").raise_to(1e17)  # a wild achieved figure
+    assert M.peak_flops("cpu", "fp32", units()).value == 1e17
     fresh = M.peak_flops("cpu", "fp32", units(), remeasure=True)
-    assert fresh.value < 1e30 and fresh.source.startswith("measured now")
+    assert fresh.value < 1e17 and fresh.source.startswith("measured now")
+
+
+@pytest.mark.parametrize("best", ["fast", float("nan"), 1e-300, 1e30, -1.0, True, None])
+def test_a_hand_edited_cache_is_measured_again_not_believed(tmp_path, best):
+    """A peak cache edited by hand (a best of "fast", NaN, 1e-300...): the trainer's reader and the
+    measuring side both refuse the entry and measure again; MFU never reads 100% of a tiny peak."""
+    key = X.machine_key("cpu", "fp32")
+    unit = {"best": best, "median": 1e12, "calls": 5, "date": "x", "load": 0.1, "cores": 2, "others": 0.0}
+    entry = {name: dict(unit) for name in (*X.SQUARE_UNITS, X.ACHIEVED)}
+    path = tmp_path / "cache" / X.PEAK_CACHE_FILE
+    path.parent.mkdir()
+    path.write_text(json.dumps({key: entry}))
+    assert X.cached_peak(path, key) is None
+    peak = X.device_peak(None, "cpu")  # fp32 or bf16, by this CPU: measured either way
+    assert 1e6 < peak.value < 1e18 and peak.source.startswith("measured now")
+    assert M.peak_flops("cpu", "fp32").value != best
 
 
 def test_a_run_against_a_poisoned_cache_never_logs_mfu_above_100(tmp_path, monkeypatch):

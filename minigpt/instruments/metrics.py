@@ -43,7 +43,8 @@ PEAK_CACHE_FILE = "peak_flops.json"  # under data.cache_dir(): one entry per mac
 CACHE_LIMIT = 4 * 2**20  # the cache holds a few KiB; a larger file is not ours
 # The units whose best rate is a CPU's peak: two square products, machine-wide, whatever model
 # trains (mfu.py measures them, and an achieved rate above them lifts the peak: ACHIEVED).
-SQUARE_UNITS = ("matmul 1024x1024x1024", "matmul 2048x2048x2048")
+SQUARE_SIZES = (1024, 2048)
+SQUARE_UNITS = tuple(f"matmul {n}x{n}x{n}" for n in SQUARE_SIZES)  # mfu.Workload's names
 ACHIEVED = "achieved by a run"
 LOAD_SHARE = 0.25  # a unit timed while other processes took more of the cores is measured again
 

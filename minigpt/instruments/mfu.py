@@ -69,6 +69,7 @@ from minigpt.instruments.metrics import (
     CACHE_LIMIT,
     LOAD_SHARE,
     PEAK_CACHE_FILE,
+    SQUARE_SIZES,
     TORCH_DTYPES,
     PeakFlops,
     machine_key,
@@ -84,7 +85,6 @@ UNIT_BUDGET_S = 0.25
 # ...but at least MIN_CALLS, unless they pass UNIT_LIMIT_S: under a load of 16 on 2 cores a tiny
 # unit's first two calls took 0.25 s. MAX_CALLS bounds the calls of a tiny unit.
 MIN_CALLS, UNIT_LIMIT_S, MAX_CALLS = 5, 2.0, 1000
-SQUARE_SIZES = (1024, 2048)  # machine-wide reference products, beside the model's own units
 # A unit whose warm-up and one timed call would take longer than this at the best rate measured so
 # far is skipped (and named in the source): emulated bf16 on a CPU without native bf16 runs a 2048^3
 # product in about a minute (63 s on the AVX2 machine of benchmarks/results), the LM head longer.
