@@ -1,0 +1,97 @@
+"""The reading path (design: a reader follows one training step in an afternoon): what a default run
+has loaded of the project by its first step, and what it has not. Everything beside the step (the
+profiler window, the memory breakdown, the estimator and predictor, FSDP/TP and stragglers, the
+checkpoint's reader, the report and the other tools) loads only when its flag or its command asks."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from conftest import ROOT
+
+import train_minimal
+
+# What a default run (tiny preset) may have loaded before its first step, and the lines they hold
+# together. The design's budget is 3,000 lines; LOADED_LINES holds what the code is today, so that
+# a change cannot quietly add to it.
+READING_PATH = {
+    "train_minimal.py",
+    "minigpt/__init__.py",
+    "minigpt/core/__init__.py",
+    "minigpt/instruments/__init__.py",
+    "minigpt/core/config.py",
+    "minigpt/core/model.py",
+    "minigpt/core/data.py",
+    "minigpt/core/runs.py",
+    "minigpt/instruments/instrument.py",
+    "minigpt/instruments/metrics.py",
+    "minigpt/fileio.py",
+    "minigpt/step_record.py",
+    "minigpt/stages.py",
+    "minigpt/errors.py",
+    "minigpt/ranks.py",
+    "minigpt/paths.py",
+}
+LOADED_LINES = 4300
+BESIDE = (
+    "minigpt.instruments.window",
+    "minigpt.instruments.memory",
+    "minigpt.instruments.estimate",
+    "minigpt.instruments.predict",
+    "minigpt.instruments.straggler",
+    "minigpt.core.distributed",
+    "minigpt.core.parallel",
+    "minigpt.core.checkpoint",
+    "minigpt.analysis.report",
+    "minigpt.analysis.traces",
+)
+
+
+def forget_beside() -> None:
+    """This interpreter forgets the project's modules beyond the reading path (an earlier run or test
+    loaded them), as a fresh process would not have them."""
+    for name, module in list(sys.modules.items()):
+        f = Path(getattr(module, "__file__", None) or "").resolve()
+        rel = f.relative_to(ROOT).as_posix() if f.is_relative_to(ROOT) else None
+        if name.startswith("minigpt.") and rel not in READING_PATH:
+            del sys.modules[name]
+
+
+def loaded_by_step_1(tmp_path, *flags: str) -> dict[str, int]:
+    """The project's modules a run in this interpreter has loaded as step 1 begins, with their lines."""
+    seen: dict[str, int] = {}
+
+    def on_step(n: int) -> None:
+        if n == 1:
+            for module in list(sys.modules.values()):
+                f = Path(getattr(module, "__file__", None) or "")
+                mine = f.is_absolute() and f.is_file() and f.resolve().is_relative_to(ROOT)
+                if mine and f.suffix == ".py" and not {"tests", ".venv", "site-packages"} & set(f.parts):
+                    seen[f.resolve().relative_to(ROOT).as_posix()] = len(f.read_text().splitlines())
+
+    out = str(tmp_path / "run")
+    assert train_minimal.cli(["--preset", "tiny", "--num-steps", "2", "--out-dir", out, *flags], on_step) == 0
+    return seen
+
+
+def test_a_default_run_loads_the_reading_path_and_nothing_beside_it(tmp_path, monkeypatch):
+    """The second run on a machine: the first measured its MFU peak (minigpt/instruments/mfu.py),
+    once, into the cache the others read (on a quiet machine: a figure taken under load is taken
+    again at a later start)."""
+    from minigpt.instruments import mfu
+
+    monkeypatch.setattr(mfu.LoadProbe, "others", lambda self: 0.0)
+    loaded_by_step_1(tmp_path / "first")
+    forget_beside()
+    seen = loaded_by_step_1(tmp_path)
+    assert set(seen) <= READING_PATH, sorted(set(seen) - READING_PATH)
+    assert sum(seen.values()) <= LOADED_LINES, seen
+
+
+def test_a_flag_loads_its_room(tmp_path):
+    forget_beside()
+    seen = loaded_by_step_1(
+        tmp_path, "--use-profiler", "--profile-step-start", "1", "--profile-step-end", "2"
+    )
+    assert "minigpt/instruments/window.py" in seen and "minigpt/analysis/report.py" not in seen
