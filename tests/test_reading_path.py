@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import ROOT
 
 import train_minimal
@@ -46,6 +47,20 @@ BESIDE = (
     "minigpt.analysis.report",
     "minigpt.analysis.traces",
 )
+
+
+@pytest.fixture(autouse=True)
+def _modules_as_they_were():
+    """The other tests hold the project's modules they imported (and patch them): give those back."""
+    before = {k: v for k, v in sys.modules.items() if k.startswith("minigpt")}
+    yield
+    for name in [k for k in sys.modules if k.startswith("minigpt") and k not in before]:
+        del sys.modules[name]
+    for name, module in before.items():
+        sys.modules[name] = module
+        parent, _, child = name.rpartition(".")
+        if parent in before:
+            setattr(before[parent], child, module)
 
 
 def forget_beside() -> None:
