@@ -194,14 +194,17 @@ def check_whole(state: dict, path: str | Path) -> None:
 AMBIGUOUS_S = 1.0
 
 
-def note_unverified(state: dict, path: str | Path) -> None:
-    """The line for a checkpoint that check_whole let through without a checksum, printed after
-    every check of its loader: a refused file's one line is the refusal."""
+def drop_proof(state: dict, path: str | Path) -> None:
+    """After every check of its loader (a refused file's one line is the refusal): the line for a
+    checkpoint that check_whole let through without a checksum, and the checksum and format taken
+    out of the state (proven; save_checkpoint writes them anew)."""
     if CHECKSUM_KEY not in state:
         note(
             f"note: checkpoint {path} was written before checkpoints carried a checksum: it loads, "
             "but nothing proves its bytes whole (only that every weight is finite)"
         )
+    state.pop(CHECKSUM_KEY, None)
+    state.pop(FORMAT_KEY, None)
 
 
 def latest_run(
@@ -373,9 +376,7 @@ def load_checkpoint(path: str | Path) -> dict:
             "train_minimal.py, or train without --resume"
         )
     check_model_fits(state["model_config"], path)
-    note_unverified(state, path)
-    state.pop(CHECKSUM_KEY, None)  # proven; save_checkpoint makes it anew
-    state.pop(FORMAT_KEY, None)
+    drop_proof(state, path)
     return state
 
 
@@ -773,9 +774,7 @@ def load_sharded(
     extra = read_state(extra_file)
     if isinstance(extra, dict):
         check_whole(extra, extra_file)
-        note_unverified(extra, extra_file)
-        extra.pop(CHECKSUM_KEY, None)
-        extra.pop(FORMAT_KEY, None)
+        drop_proof(extra, extra_file)
     return extra
 
 
