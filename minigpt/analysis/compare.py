@@ -110,8 +110,8 @@ def one_denominator(a: Run, b: Run) -> tuple[float, str] | None:
     the device's fastest dtype's (bf16's where either ran AMP or recorded it), so MFU ranks the
     runs as tokens/s does. None where a run recorded no denominator."""
     pa, pb = recorded_peaks(a), recorded_peaks(b)
-    if not pa or not pb:
-        return None
+    if not all(isinstance(r.config.get("peak_flops"), (int, float)) for r in (a, b)) or not pa or not pb:
+        return None  # a run without its own denominator: its MFU cannot be rescaled
     dtype, value = max({**pa, **pb}.items(), key=lambda kv: kv[1])
     return value, dtype
 
