@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class StepRecord:
     """One logged step: the one definition of what the console line, metrics.jsonl and TensorBoard
-    show. metrics.jsonl holds one of these per line, under these keys (README "Run directory").
-    Times are the means over the steps since the previous record, except the run_* keys,
+    show. metrics.jsonl holds one of these per line, under these keys (docs/reference.md, the run
+    directory). Times are the means over the steps since the previous record, except the run_* keys,
     tokens_per_s_e2e, elapsed_s and startup_s: those are the run so far (RunTotals)."""
 
     step: int  # training steps done (1-based)

@@ -324,3 +324,17 @@ def test_mfu_of_two_dtypes_is_against_one_denominator(tmp_path):
     assert "MFU % against the bf16 peak" in text and "one per device: the bf16 peak" in text
     same = compare_runs(runs["fp32"], runs["fp32"])
     assert "MFU % against the fp32 peak" in format_compare(same)
+
+
+def test_the_peaks_dtype_is_config_jsons_own_key_where_the_run_wrote_it(tmp_path):
+    """A run of this trainer names its denominator's dtype (peak_flops_dtype): a source that names
+    none ("cache: matmul 2048x2048x2048, ...") still says which peak MFU is against."""
+    run = make_run(tmp_path / "r", steps=STEPS)
+    cfg = json.loads((run / "config.json").read_text())
+    cfg |= {
+        "peak_flops": 2e11,
+        "peak_flops_dtype": "bf16",
+        "peak_flops_source": "cache: matmul 2048x2048x2048",
+    }
+    (run / "config.json").write_text(json.dumps(cfg))
+    assert "MFU % against the bf16 peak" in format_compare(compare_runs(run, run))

@@ -84,15 +84,15 @@ TOO_FEW = "too few samples"
 
 
 MFU_POISONED = "n/a: an MFU above 100% (a denominator measured under load; estimate --time --remeasure)"
-# The dtype of a recorded MFU denominator, as config.json's peak_flops_source names it
-# ("table: H200 fp32 dense", "matmul ... in bf16 on cpu ...").
+# The dtype of a recorded MFU denominator: config.json's peak_flops_dtype, or for a run written
+# before that key, as its peak_flops_source names it ("table: H200 fp32 dense", "... in bf16 on cpu").
 PEAK_DTYPE = re.compile(r"\b(bf16|fp16|tf32|fp32)\b")
 
 
 def recorded_peaks(run: Run) -> dict[str, float]:
     """The peak FLOP/s a run recorded, by dtype: its MFU denominator (config.json's peak_flops,
-    its dtype read from peak_flops_source, "?" where it names none), and any others it recorded
-    under peak_flops_by_dtype."""
+    its dtype config.json's peak_flops_dtype, or read from peak_flops_source, "?" where neither
+    names one), and any others it recorded under peak_flops_by_dtype."""
     c = run.config
     out = {}
     by_dtype = c.get("peak_flops_by_dtype")
@@ -100,7 +100,7 @@ def recorded_peaks(run: Run) -> dict[str, float]:
         out |= {str(k): float(v) for k, v in by_dtype.items() if isinstance(v, (int, float)) and v > 0}
     v = c.get("peak_flops")
     if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
-        m = PEAK_DTYPE.search(str(c.get("peak_flops_source") or ""))
+        m = PEAK_DTYPE.search(str(c.get("peak_flops_dtype") or c.get("peak_flops_source") or ""))
         out.setdefault(m.group(1) if m else "?", float(v))
     return out
 

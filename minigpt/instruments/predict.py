@@ -30,10 +30,11 @@ $MINIGPT_CACHE_DIR/STEP_RATES_FILE:
     out of cache (`_timed_as_in_a_step`: before each of EVICTED_CALLS calls the caches are emptied
     and only the input the op before has just written is read back in). In a step a weight, an
     activation saved in the forward or the optimizer's state was last touched a step's traffic
-    ago, some of it still in the last-level cache: on this project's Xeon the small products took
-    about 1.35x their in-cache time in the step and 0.8x their out-of-cache time. Where in the
-    hierarchy each operand sits is not modelled: a kernel runs at the geometric mean of its two
-    rates, and the prediction gives each stage's range with every kernel at one rate or the other;
+    ago, some of it still in the last-level cache: on the Xeon of benchmarks/results/cpu-small.md
+    the small products took about 1.35x their in-cache time in the step and 0.8x their
+    out-of-cache time. Where in the hierarchy each operand sits is not modelled: a kernel runs at
+    the geometric mean of its two rates, and the prediction gives each stage's range with every
+    kernel at one rate or the other;
   - bandwidth: an element-wise add at working sets either side of ATen's grain (one thread, or a
     parallel region) and up to 400 MB (a 2 MB activation stays in cache, a 400 MB logits tensor
     does not), interpolated at each op's own size, on buffers used again and again: an
