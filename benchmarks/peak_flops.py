@@ -1,7 +1,7 @@
 """How still the MFU denominator holds: minigpt.instruments.mfu.peak_flops in N fresh processes, without the
 cache (each process measures) and with it (the first fills it, the rest read it).
 
-    python benchmarks/peak_flops.py                    # the trainer's denominator, fp32, 5 processes
+    python benchmarks/peak_flops.py --dtype bf16       # the trainer's denominator (bf16 where native)
     python benchmarks/peak_flops.py --preset tiny --processes 2
 
 Uncached, each process measures; how far their figures spread under the machine's load is what
@@ -117,12 +117,11 @@ def main() -> int:
     ratio = results["uncached"]["max_over_min"]
     lines = [
         *header(f"MFU denominator over {args.processes} fresh processes: {args.preset}, {args.dtype}", meta),
-        "Each process calls minigpt.instruments.mfu.peak_flops with the preset's units "
-        "(each Linear and attention, "
-        "forward and backward, plus 1024^3 and 2048^3 products; each the best of many short calls "
-        f"in {UNIT_BUDGET_S} s after a warm-up, timed by the smaller of wall clock and CPU time). "
+        "Each process calls minigpt.instruments.mfu.peak_flops as the trainer does when its cache has "
+        "no figure: the 1024^3 and 2048^3 products in the dtype, each the best of many short calls "
+        f"in {2 * UNIT_BUDGET_S} s after a warm-up, timed by the smaller of wall clock and CPU time. "
         "Uncached and cached processes interleave; the cached ones share one fresh cache folder. "
-        "The machine was shared with other jobs.",
+        "The machine's load is in the last column.",
         "",
         "| mode | TFLOP/s per process | median | max/min | winning unit | 1-min load when measured |",
         "|---|---|---|---|---|---|",
