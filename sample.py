@@ -33,13 +33,12 @@ if __name__ == "__main__":
 
 import torch
 
-from minigpt.analysis.guards import check_names
 from minigpt.core.checkpoint import latest_run
 from minigpt.core.config import UsageError, resolve_device
 from minigpt.core.data import EOT, get_tokenizer
 from minigpt.core.progress import Progress, progress_enabled
 from minigpt.core.sample import Draw, generate, load_model, utf8_text, vocab_in_use
-from minigpt.fileio import UnreadableFile, format_bytes, read_bounded
+from minigpt.fileio import UnreadableFile, check_names, format_bytes, read_bounded
 from minigpt.paths import CHECKPOINT_FILE, RUNS_ROOT
 
 FILE_PREFIX = "FILE:"  # --prompt FILE:path reads the prompt from a file

@@ -265,3 +265,15 @@ def test_several_training_files_are_all_used(capsys, text, tmp_path):
     )
     log = (out / "train.log").read_text()
     assert a in log and b in log
+
+
+@pytest.mark.parametrize("flag", ["--out-dir", "--checkpoint-path", "--train-data", "--val-data"])
+@pytest.mark.parametrize("shape", ["name", "path"])
+def test_a_path_too_long_for_the_file_system_is_one_line_naming_its_flag(capsys, tmp_path, flag, shape):
+    """A name past 255 bytes (or a path past 4,096) fails deep inside open() as '[Errno 36]': it is
+    refused as the flags are read, naming the flag, and nothing is written."""
+    long = tmp_path / ("a" * 256) if shape == "name" else tmp_path / "/".join(["b" * 200] * 21)
+    value = str(long / "ckpt.pt") if flag == "--checkpoint-path" else str(long)
+    line = fails(capsys, *TINY, flag, value)
+    assert line.startswith(f"error: {flag}: the path ") and "choose a shorter one" in line
+    assert list(tmp_path.iterdir()) == []

@@ -31,7 +31,7 @@ BASE = (
 )
 ANALYSIS = (
     "analysis",
-    *(f"analysis.{m}" for m in ("traces", "report", "compare", "runfiles", "stats", "snapshot", "guards")),
+    *(f"analysis.{m}" for m in ("traces", "report", "compare", "runfiles", "stats", "snapshot")),
 )
 TOOLS = ("__main__",)  # python -m minigpt TOOL: the tools' one entry
 MODULES = [*BASE, *ANALYSIS, *TOOLS]

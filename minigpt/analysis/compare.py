@@ -37,7 +37,6 @@ import re
 import sys
 from pathlib import Path
 
-from minigpt.analysis.guards import check_names
 from minigpt.analysis.report import (
     MB,
     check_page_path,
@@ -58,6 +57,7 @@ from minigpt.analysis.report import (
 from minigpt.analysis.runfiles import OLDER_RUN, RUN_KEYS, Run, RunError, load_run
 from minigpt.analysis.stats import MIN_SAMPLES, RatioInterval, needed_samples, ratio_interval, verdict
 from minigpt.errors import ArgParser, UsageError
+from minigpt.fileio import check_names
 from minigpt.stages import split_parent
 
 TOP_COMPARE = 15  # operator / kernel rows shown: the largest differences per profiled step

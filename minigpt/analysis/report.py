@@ -21,7 +21,6 @@ import statistics
 import sys
 from pathlib import Path
 
-from minigpt.analysis.guards import check_names
 from minigpt.analysis.runfiles import (
     OLDER_RUN,
     REBUILT,
@@ -32,7 +31,7 @@ from minigpt.analysis.runfiles import (
     timeline_events,
 )
 from minigpt.errors import ArgParser, UsageError
-from minigpt.fileio import ELSEWHERE, atomic_write, check_may_replace
+from minigpt.fileio import ELSEWHERE, atomic_write, check_may_replace, check_names
 from minigpt.memory_log import (
     CATEGORIES,
     PEAK_PART_NAMES,

@@ -14,9 +14,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from minigpt.analysis.guards import check_names
 from minigpt.analysis.report import RunError, esc, page, table, write_page
 from minigpt.errors import ArgParser, UsageError
+from minigpt.fileio import check_names
 from minigpt.memory_snapshot import (
     MiB,
     Replay,

@@ -95,7 +95,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from minigpt.analysis.guards import name_problem
+from minigpt.fileio import name_problem
 
 try:  # the project's one-line refusal of a bad flag; a copy of this file run alone has argparse's own
     from minigpt.errors import ArgParser

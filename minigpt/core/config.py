@@ -21,6 +21,7 @@ from dataclasses import Field, asdict, dataclass, field, fields
 from decimal import Decimal, InvalidOperation
 
 from minigpt.errors import ArgParser, UsageError
+from minigpt.fileio import name_problem
 
 # Named model and batch shapes. Explicit flags override them; they override the field defaults.
 PRESETS: dict[str, dict] = {
@@ -554,6 +555,8 @@ def check_text(f: Field, name: str, value) -> None:
     for text in value if isinstance(value, list) else [value]:
         if "\0" in text:
             raise UsageError(f"{name} holds a NUL byte, which no file name or value may hold")
+        if f.name in PATH_FLAGS and (problem := name_problem(text)):  # a name past 255 bytes: errno 36
+            raise UsageError(f"{name}: the path {problem}; choose a shorter one")
         if f.name in PATH_FLAGS and not text.strip():
             default = f.metadata["none"]
             raise UsageError(
