@@ -323,3 +323,23 @@ def test_more_ranks_than_gpus_is_one_line_naming_both_and_the_ways_out(monkeypat
     assert "\n" not in line and "2 ranks on this machine" in line and "1 visible GPU" in line
     assert "--nproc_per_node 1" in line and "--device cpu" in line
     distributed.check_one_gpu_per_rank(0)  # rank 0 has its GPU
+
+
+def test_a_rank_that_never_joins_is_one_line_not_a_store_error(monkeypatch):
+    """A rank that exits before it joins leaves the others' init_process_group to fail with
+    DistStoreError after --ddp-timeout: each says so in one line (LostRank, exit 1)."""
+    import torch.distributed as dist
+
+    from minigpt.core import distributed
+    from minigpt.errors import LostRank
+
+    def never(*a, **k):
+        raise dist.DistStoreError("Timed out after 30 seconds waiting for clients. 1/2 clients joined.")
+
+    monkeypatch.setattr(dist, "init_process_group", never)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(LostRank) as e:
+        distributed.setup("cpu", None, 30.0)
+    line = str(e.value)
+    assert "\n" not in line and "did not all join" in line and "DistStoreError" in line

@@ -53,9 +53,19 @@ def setup(device: str, backend: str | None, timeout_s: float) -> DistInfo:
         check_one_gpu_per_rank(local_rank)
         torch.cuda.set_device(local_rank)  # "cuda" now means this process's own GPU
     timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(
-        backend, timeout=timeout, device_id=torch.device("cuda", local_rank) if backend == "nccl" else None
-    )
+    try:
+        dist.init_process_group(
+            backend,
+            timeout=timeout,
+            device_id=torch.device("cuda", local_rank) if backend == "nccl" else None,
+        )
+    except dist.DistError as e:  # DistStoreError, DistNetworkError: a rank that never came
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LostRank(
+            f"rank {rank}: the {world_size} ranks of this torchrun job did not all join the process group "
+            f"within --ddp-timeout {timeout_s:g} s (a rank exited or was stopped before it joined: its "
+            f"own output says why) [{type(e).__name__}: {first[:200]}]"
+        ) from None
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     host = socket.gethostname()
     return DistInfo(rank, local_rank, world_size, backend, host, control, rank == 0, world_size > 1)
