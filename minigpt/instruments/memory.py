@@ -49,8 +49,6 @@ from __future__ import annotations
 
 import gc
 import os
-import resource
-import sys
 import threading
 import time
 import weakref
@@ -133,25 +131,6 @@ def _storage_key_and_bytes(t: torch.Tensor) -> tuple[tuple, int]:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def process_memory() -> dict[str, int]:
-    """The process as the operating system sees it: resident memory now and its peak since the
-    start, both from one read of /proc/self/status (VmRSS, VmHWM), where the kernel takes the peak
-    as the larger of its high-water mark and the resident size at that moment: so rss <= peak on
-    every record. (getrusage's ru_maxrss beside statm's resident size was read at two moments from
-    a high-water mark the kernel updates lazily, and fell below the resident size on 33 of 80 log
-    lines.) Elsewhere (not Linux) getrusage alone. Above the allocator's own figures sits what the
-    allocator caches and retains (glibc's kept blocks, see minigpt/core/cpu.py), the interpreter,
-    the libraries' code and the data on the host."""
-    try:
-        with open("/proc/self/status") as f:
-            fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS:", "VmHWM:")))
-        rss, peak = (int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM"))  # kB
-    except (OSError, ValueError, KeyError, IndexError):  # not Linux
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-        rss = peak
-    return {"rss_bytes": rss, "rss_peak_bytes": max(rss, peak)}
 
 
 # ---------------------------------------------------------------------------- the breakdown

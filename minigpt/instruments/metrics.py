@@ -227,7 +227,11 @@ def process_memory() -> dict[str, int]:
     """The process as the operating system sees it: resident memory now and its peak since the
     start, both from one read of /proc/self/status (VmRSS, VmHWM), where the kernel takes the peak
     as the larger of its high-water mark and the resident size at that moment: so rss <= peak on
-    every record. Elsewhere (not Linux) getrusage alone."""
+    every record. (getrusage's ru_maxrss beside statm's resident size was read at two moments from
+    a high-water mark the kernel updates lazily, and fell below the resident size on 33 of 80 log
+    lines.) Elsewhere (not Linux) getrusage alone. Above the allocator's own figures sits what the
+    allocator caches and retains (minigpt/core/cpu.py), the interpreter, the libraries' code and
+    the data on the host."""
     try:
         with open("/proc/self/status") as f:
             fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS:", "VmHWM:")))
