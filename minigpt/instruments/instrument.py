@@ -223,6 +223,8 @@ class Instruments:
 
             self.window = Window(cfg, device, rank, world_size, out_dir, worker, comm)
         self.progress = None  # the bar between log lines, on a terminal: made when the loop starts
+        self._running: tuple[int, float] | None = None  # (step, its start) while a step runs
+        self._stop_watch = threading.Event()
 
     def attach(self, model, optimizer, first_step: int, memory_estimate=None, ddp_model=None) -> None:
         """The model and optimizer the step trains; `first_step` is the step the loop runs next
@@ -252,7 +254,7 @@ class Instruments:
         the clock stops: pass it on the steps whose times are logged."""
         capture = self.window.before_step(n) if self.window else nullcontext()
         t0 = time.perf_counter()
-        self._heartbeat(n, t0)
+        self._running = (n, t0)  # the heartbeat's watcher reads it
         try:
             compiled = self._compile_count()
             with capture as cap, self.timer.step():
@@ -264,8 +266,7 @@ class Instruments:
                 torch.cuda.synchronize()  # the step's time must include the work still queued
             self.step_times[n] = time.perf_counter() - t0
         finally:
-            self._beating, timer = None, self._beating
-            timer.cancel()
+            self._running = None
             if self.window:
                 self.window.end_probe(n)
         self._interval.append((n, self.step_times[n], why))
@@ -274,17 +275,18 @@ class Instruments:
         if self.window:
             self.window.after_step(n, cap)
 
-    def _heartbeat(self, n: int, t0: float) -> None:
-        """A timer that logs, every HEARTBEAT_S while step `n` runs, that it still runs."""
-
-        def beat() -> None:
-            if self._beating is not None:  # the step has not ended meanwhile
-                self.log.info(f"step {n} still running after {time.perf_counter() - t0:.0f}s")
-                self._heartbeat(n, t0)
-
-        self._beating = threading.Timer(HEARTBEAT_S, beat)
-        self._beating.daemon = True
-        self._beating.start()
+    def _watch(self, stop: threading.Event) -> None:
+        """The heartbeat: while a step runs past HEARTBEAT_S, a line every HEARTBEAT_S saying so.
+        One thread for the run, woken a few times a period; a step costs it two assignments."""
+        beats: dict[int, int] = {}  # step -> the lines said for it
+        while not stop.wait(min(1.0, HEARTBEAT_S / 4)):
+            running = self._running
+            if running is not None:
+                n, t0 = running
+                seconds = time.perf_counter() - t0
+                if seconds >= HEARTBEAT_S * (beats.get(n, 0) + 1):
+                    beats[n] = beats.get(n, 0) + 1
+                    self.log.info(f"step {n} still running after {seconds:.0f}s")
 
     def _compile_count(self) -> int:
         """Under --compile, the graphs torch.compile has compiled so far: a step that moved it
@@ -338,6 +340,7 @@ class Instruments:
             if progress_enabled(self.rank):
                 self.progress = Progress(self.cfg.log_interval, True, desc="steps to the next log line")
                 self.progress.attach(self.log)
+        threading.Thread(target=self._watch, args=(self._stop_watch,), daemon=True, name="heartbeat").start()
         if self.window:
             self.window.__enter__()
         return self
@@ -345,6 +348,7 @@ class Instruments:
     def __exit__(self, *exc) -> None:
         """On every exit, a failing step's too: the progress bar closes, and the window's
         instruments write what they hold (minigpt/instruments/window.py)."""
+        self._stop_watch.set()
         try:
             if self.progress:
                 self.progress.__exit__(*exc)
