@@ -16,12 +16,11 @@ from pathlib import Path
 
 import torch
 
-from minigpt import paths
 from minigpt.core import distributed, parallel
 from minigpt.core.config import TrainConfig, UsageError, format_bytes, machine_ram_bytes, param_count
 from minigpt.core.data import Batches
 from minigpt.core.model import GPT
-from minigpt.core.runs import check_checkpoint_path, describe_intact, directory_message
+from minigpt.core.runs import describe_intact, directory_message
 from minigpt.core.torchcompat import dcp_set_element
 from minigpt.errors import NonFiniteLoss
 from minigpt.fileio import UnreadableFile, atomic_open, atomic_write, read_bounded
@@ -847,20 +846,10 @@ class Checkpointer:
     --fsdp/--tp a folder of shards that every rank writes (DCP). The trainer calls restore() once
     and save() at each save point, and never asks which of the two it is."""
 
-    def __init__(
-        self, cfg: TrainConfig, out_dir: Path, sharded: bool, dist_info: DistInfo, check: bool = True
-    ):
-        """The path is checked here (`check`), before anything is built or the run directory is
-        touched; the run directory (minigpt/core/runs.py) checked it already when it makes one at
-        its first save."""
-        path = Path(cfg.checkpoint_path) if cfg.checkpoint_path else out_dir / paths.CHECKPOINT_FILE
-        self.path = sharded_checkpoint_dir(path) if sharded else path
-        if check:
-            (check_sharded_path if sharded else check_checkpoint_path)(self.path, cfg.resume)
-        self.cfg, self.sharded, self.dist_info = cfg, sharded, dist_info
-        self.enabled = not cfg.no_checkpoint
-        # The first file a save writes, probed before the run starts (minigpt.core.runs.RunDir.guard).
-        self.probe_path = self.path / SHARDED_META if sharded else self.path
+    def __init__(self, cfg: TrainConfig, path: Path, sharded: bool, dist_info: DistInfo):
+        """`path`: the checkpoint file, or under --fsdp/--tp its folder of shards, as the run
+        directory resolved and checked it before anything was built (minigpt/core/runs.py)."""
+        self.path, self.cfg, self.sharded, self.dist_info = Path(path), cfg, sharded, dist_info
 
     def hold(self, model: GPT, optimizer: torch.optim.Optimizer, scaler, batches: Batches) -> None:
         """What save() writes."""

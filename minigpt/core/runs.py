@@ -457,7 +457,7 @@ class RunDir:
             return 0
         from minigpt.core.checkpoint import Checkpointer, repair_jsonl
 
-        self.ckpt = Checkpointer(self.cfg, self.path, self.sharded, self.dist_info)
+        self.ckpt = Checkpointer(self.cfg, self.checkpoint, self.sharded, self.dist_info)
         step = self.ckpt.restore(model, optimizer, scaler, batches)
         for name in (paths.METRICS_FILE, paths.STRAGGLERS_FILE):
             if self.dist_info.is_main and (dropped := repair_jsonl(self.path / name, step)):
@@ -494,7 +494,7 @@ class RunDir:
         if self.ckpt is None:
             from minigpt.core.checkpoint import Checkpointer
 
-            self.ckpt = Checkpointer(self.cfg, self.path, self.sharded, self.dist_info, check=False)
+            self.ckpt = Checkpointer(self.cfg, self.checkpoint, self.sharded, self.dist_info)
             self.ckpt.hold(*self.held)
         self.ckpt.check_weights(step)
         self.ckpt.save(step)
