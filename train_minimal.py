@@ -53,12 +53,11 @@ from minigpt.core.config import (
 )
 from minigpt.core.data import Batches, Data, load_data
 from minigpt.core.model import GPT, GPTConfig
-from minigpt.core.runs import RunDir, stop_on_signals
+from minigpt.core.runs import Outputs, RunDir, stop_on_signals
 from minigpt.errors import INTERRUPTED, INTERRUPTED_LINE, LostRank, NonFiniteLoss
-from minigpt.instruments.instrument import Instruments
-from minigpt.instruments.metrics import (
+from minigpt.instruments.instrument import (
     TORCH_DTYPES,
-    Outputs,
+    Instruments,
     RunTotals,
     Throughput,
     device_peak,
@@ -310,13 +309,16 @@ def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) ->
                 run.check_finite(losses, step, rate.amp)  # the steps since the log line, before a save
                 run.save(step)
             if stop:
-                return run.stopped(stop_signal, step, log)
+                from minigpt.core.finish import stopped
+
+                return stopped(run, stop_signal, step, log)
 
     # ------------------------------------------------------------------ finish
     from minigpt.analysis.report import write_report  # what only the end needs, loaded at the end
+    from minigpt.core.finish import finish
     from minigpt.instruments.predict import run_prediction
 
-    run.finish(log, inst.profiler_cost(), rate, logged, step, run_prediction, write_report)
+    finish(run, log, inst.profiler_cost(), rate, logged, run_prediction, write_report)
     return 0
 
 

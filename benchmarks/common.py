@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from minigpt.analysis.stats import MIN_SAMPLES
-from minigpt.instruments.metrics import MEMORY_BREAKDOWN_KEYS
 from minigpt.stages import STAGE_NAMES as STAGES
+from minigpt.step_record import MEMORY_BREAKDOWN_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -51,7 +51,7 @@ def machine(device: str = "auto") -> dict:
     import torch
 
     from minigpt.core.torchcompat import cpu_bf16_features
-    from minigpt.instruments.metrics import cpu_model
+    from minigpt.instruments.instrument import cpu_model
 
     info = {
         "torch": torch.__version__,

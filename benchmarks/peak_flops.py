@@ -29,7 +29,7 @@ from minigpt.instruments.mfu import UNIT_BUDGET_S
 
 
 def child(preset: str, dtype: str, cache: bool) -> None:
-    """The trainer's denominator: the machine's square products (minigpt.instruments.metrics.device_peak
+    """The trainer's denominator: the machine's square products (minigpt.instruments.instrument.device_peak
     measures them when the cache has none), whatever the preset."""
     from minigpt.instruments.mfu import peak_flops
 

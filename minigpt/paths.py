@@ -6,9 +6,10 @@ instruments, the report and the tests import these names; none spells a path aga
 from pathlib import Path
 
 RUNS_ROOT = Path("runs")  # --out-dir's default parent: runs/<date-time>
+LOCK_FILE = ".lock"  # holds the PID of the trainer that owns the run directory
 CONFIG_FILE = "config.json"  # the resolved configuration and versions
 LOG_FILE = "train.log"  # the console log
-METRICS_FILE = "metrics.jsonl"  # one StepRecord per logged step (minigpt/instruments/metrics.py)
+METRICS_FILE = "metrics.jsonl"  # one StepRecord per logged step (minigpt/core/runs.py)
 STRAGGLERS_FILE = "stragglers.jsonl"  # slow-rank reports (minigpt/instruments/straggler.py)
 REPORT_FILE = "report.html"  # the run in one offline page (minigpt/analysis/report.py)
 CHECKPOINT_FILE = Path("checkpoints") / "ckpt.pt"  # written atomically (minigpt/core/checkpoint.py)
@@ -20,6 +21,7 @@ SNAPSHOT_FILE = "snapshots/rank{rank}_snapshot.pickle"
 OOM_SNAPSHOT_FILE = "snapshots/oom_rank{rank}_snapshot.pickle"
 MEMORY_TRACE_DIR = "memory_trace/{worker}"  # memory.log and *_sunburst.html (--memory-profiler)
 PLOTLY_JS_FILE = "plotly.min.js"  # one copy per run folder, which every page with a chart loads
+PSEUDO_FS = (Path("/proc"), Path("/sys"), Path("/dev"))  # the kernel's views: never a place for a run
 
 # The most a reader of a run's files takes (no reader takes more memory than its input's checked
 # size). Far above what a real run writes: config.json is a few KiB; metrics.jsonl about 1.5 KiB a

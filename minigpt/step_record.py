@@ -1,4 +1,4 @@
-"""metrics.jsonl's record, the file format the trainer writes (minigpt.instruments.metrics) and the report and
+"""metrics.jsonl's record, the file format the trainer writes (minigpt.core.runs) and the report and
 minigpt.analysis.compare read: StepRecord's fields are its keys. Standard library only: the analysis tools
 import it without torch."""
 
@@ -103,6 +103,14 @@ def describe_left_out(run_left_out: dict) -> str:
         if isinstance(e, dict) and e.get("steps") and isinstance(e.get("s"), (int, float)):
             parts.append(f"{step_list(e['steps'])}, {e['s']:.2f}s: {LEFT_OUT.get(why, why)}")
     return "; ".join(parts)
+
+
+def format_duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f}m"
+    return f"{seconds / 3600:.2f}h"
 
 
 # Byte figures of record["memory_breakdown"] (and of its "estimate") that TensorBoard plots.

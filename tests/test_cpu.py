@@ -13,7 +13,7 @@ from minigpt.core import cpu
 CHILD = r"""
 import json, torch
 from minigpt.core import cpu
-from minigpt.instruments.metrics import process_memory
+from minigpt.instruments.instrument import process_memory
 
 line = cpu.keep_freed_memory()
 big, pins = [], []
@@ -41,7 +41,7 @@ def test_the_kept_heap_is_given_back_on_request():
 MIMALLOC_CHILD = r"""
 import json, torch
 from minigpt.core import cpu
-from minigpt.instruments.metrics import process_memory
+from minigpt.instruments.instrument import process_memory
 
 line = cpu.keep_freed_memory()
 logits = torch.ones(100 * 2**20)  # 400 MiB: a step's logits

@@ -540,7 +540,7 @@ def test_a_profiler_already_running_leaves_the_peak_unmeasured_and_says_so():
 RSS_CHILD = """
 import json, sys, torch
 from minigpt.instruments.memory import capture_memory
-from minigpt.instruments.metrics import process_memory
+from minigpt.instruments.instrument import process_memory
 from minigpt.core.model import GPT, GPTConfig
 from minigpt.core.config import Shape
 torch.manual_seed(0)
@@ -589,7 +589,7 @@ def test_the_measured_peak_agrees_with_the_kernels_count_of_resident_pages():
 
 
 def test_process_memory_reads_the_resident_set():
-    from minigpt.instruments.metrics import process_memory
+    from minigpt.instruments.instrument import process_memory
 
     m = process_memory()
     assert set(m) == {"rss_bytes", "rss_peak_bytes"}
@@ -599,7 +599,7 @@ def test_process_memory_reads_the_resident_set():
 def test_the_resident_set_never_exceeds_its_peak():
     """Both from one read at one moment: memory that grows, is touched and freed between reads
     (the kernel's high-water mark lags the resident size) never shows rss above its peak."""
-    from minigpt.instruments.metrics import process_memory
+    from minigpt.instruments.instrument import process_memory
 
     held = []
     for i in range(200):
@@ -613,7 +613,7 @@ def test_the_resident_set_never_exceeds_its_peak():
 def test_without_proc_the_peak_comes_from_getrusage(monkeypatch):
     import builtins
 
-    from minigpt.instruments import metrics
+    from minigpt.instruments import instrument as metrics
 
     def no_proc(path, *a, **k):
         raise FileNotFoundError(path)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minigpt.core.model import GPT, GPTConfig, flops_per_token
-from minigpt.instruments import metrics as X
+from minigpt.instruments import instrument as X
 from minigpt.instruments import mfu as M
 from minigpt.instruments.instrument import Interval, StageTimes
 

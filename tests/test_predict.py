@@ -12,7 +12,8 @@ import torch
 
 from minigpt.core.config import Shape, UsageError
 from minigpt.core.model import GPT, GPTConfig, flops_per_token
-from minigpt.instruments import estimate, metrics, predict
+from minigpt.instruments import estimate, predict
+from minigpt.instruments import instrument as metrics
 
 SHAPE = dict(
     n_layers=2,

@@ -20,18 +20,17 @@ import train_minimal
 from minigpt.core import data
 from minigpt.core.checkpoint import latest_run, load_checkpoint, repair_jsonl, rng_state, save_checkpoint
 from minigpt.core.config import UsageError
-from minigpt.core.model import GPT, GPTConfig
-from minigpt.core.progress import Progress, progress_enabled
-from minigpt.core.runs import (
-    LOCK_FILE,
-    RunLock,
+from minigpt.core.finish import next_steps
+from minigpt.core.guards import (
     check_checkpoint_path,
     check_out_dir,
     clean_stale_tmp,
     describe_intact,
-    next_steps,
     probe_writable,
 )
+from minigpt.core.model import GPT, GPTConfig
+from minigpt.core.progress import Progress, progress_enabled
+from minigpt.core.runs import LOCK_FILE, RunLock
 from minigpt.fileio import DiskFull, atomic_write
 
 ROOT = Path(__file__).resolve().parents[1]

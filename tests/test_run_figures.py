@@ -22,8 +22,7 @@ import train_minimal
 from minigpt.analysis.compare import compare_runs, format_compare, headline
 from minigpt.analysis.report import summary_section
 from minigpt.analysis.runfiles import OLDER_RUN, REBUILT, RUN_KEYS, load_run
-from minigpt.instruments.instrument import Interval, StageTimes
-from minigpt.instruments.metrics import RunTotals, evaluation_notice
+from minigpt.instruments.instrument import Interval, RunTotals, StageTimes, evaluation_notice
 from minigpt.instruments.window import PROFILER_STDERR_NOTE
 
 

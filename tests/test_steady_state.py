@@ -16,8 +16,8 @@ from conftest import GPU_RUNS
 from minigpt.analysis.compare import compare_runs
 from minigpt.analysis.report import summary_section, throughput
 from minigpt.analysis.runfiles import REBUILT, load_run
-from minigpt.instruments.instrument import Interval, StageTimes
-from minigpt.instruments.metrics import PeakFlops, RunTotals, Throughput
+from minigpt.core.finish import finished_line
+from minigpt.instruments.instrument import Interval, PeakFlops, RunTotals, StageTimes, Throughput
 
 # folder -> (the old last line's tokens/s, step 1's seconds as the issue derived them)
 RUNS = {
@@ -86,7 +86,7 @@ def test_the_headline_is_within_2_percent_of_steady_state(name):
     assert last.run_left_out["warm-up"]["steps"] == [1]
     assert last.run_left_out["warm-up"]["s"] == pytest.approx(step1, rel=0.03)
     rate.predicted_ms = 23.2
-    line = rate.finished(last, 60)
+    line = finished_line(rate, last, 60)
     assert f"{last.run_tokens_per_s:,.0f} tokens/s in steady state (59 steps in " in line
     assert f"left out: step 1, {last.run_left_out['warm-up']['s']:.2f}s: the first step" in line
     assert "% of the predicted 23.2" in line

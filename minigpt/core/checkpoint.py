@@ -19,8 +19,8 @@ import torch
 from minigpt.core import distributed, parallel
 from minigpt.core.config import TrainConfig, UsageError, format_bytes, machine_ram_bytes, param_count
 from minigpt.core.data import Batches
+from minigpt.core.guards import describe_intact, directory_message
 from minigpt.core.model import GPT
-from minigpt.core.runs import describe_intact, directory_message
 from minigpt.core.torchcompat import dcp_set_element
 from minigpt.errors import NonFiniteLoss
 from minigpt.fileio import UnreadableFile, atomic_open, atomic_write, read_bounded

@@ -21,7 +21,6 @@ from dataclasses import Field, asdict, dataclass, field, fields
 from decimal import Decimal, InvalidOperation
 
 from minigpt.errors import ArgParser, UsageError
-from minigpt.fileio import name_problem
 
 # Named model and batch shapes. Explicit flags override them; they override the field defaults.
 PRESETS: dict[str, dict] = {
@@ -62,6 +61,8 @@ BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW's two moments
 ESTIMATE_CAP_BYTES = 2**50  # --estimate-memory answers for other machines: refuse only above 1 PiB
 GIB_HINT = "the figure is in GiB: 80 for an 80 GB GPU"
 # Flags that name a file or folder: an empty value would silently mean the default.
+# A path of at most this many characters is at most 252 bytes (4 a character in UTF-8): never too long.
+SHORT_PATH = 255 // 4
 PATH_FLAGS = ("out_dir", "checkpoint_path", "memory_snapshot_path", "train_data", "val_data")
 
 
@@ -555,8 +556,11 @@ def check_text(f: Field, name: str, value) -> None:
     for text in value if isinstance(value, list) else [value]:
         if "\0" in text:
             raise UsageError(f"{name} holds a NUL byte, which no file name or value may hold")
-        if f.name in PATH_FLAGS and (problem := name_problem(text)):  # a name past 255 bytes: errno 36
-            raise UsageError(f"{name}: the path {problem}; choose a shorter one")
+        if f.name in PATH_FLAGS and len(text) > SHORT_PATH:  # a name past 255 bytes: errno 36
+            from minigpt.fileio import name_problem
+
+            if problem := name_problem(text):
+                raise UsageError(f"{name}: the path {problem}; choose a shorter one")
         if f.name in PATH_FLAGS and not text.strip():
             default = f.metadata["none"]
             raise UsageError(

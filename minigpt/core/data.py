@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from minigpt.core.config import TrainConfig, UsageError
-from minigpt.fileio import atomic_write
 
 EOT = 50256  # GPT-2's <|endoftext|>, placed between documents
 GPT2_N_VOCAB = 50257  # GPT-2's ids: its 50,256 BPE tokens and <|endoftext|>
@@ -158,6 +157,8 @@ def _write_builtin(name: str, text: str) -> Path:
     ):
         try:
             if not path.is_file() or path.read_text(encoding="utf-8") != text:
+                from minigpt.fileio import atomic_write  # a new cache's file: written whole, or not at all
+
                 atomic_write(path, text.encode("utf-8"))
             return path
         except (OSError, UnicodeDecodeError, UsageError) as e:  # UsageError: minigpt.fileio.DiskFull
@@ -202,6 +203,8 @@ def encode_text(
 def write_token_file(path: Path, ids: np.ndarray) -> None:
     body = ids.astype("<u2").tobytes()
     header = TOKEN_HEADER.pack(TOKEN_MAGIC, len(ids), hashlib.sha256(body).digest())
+    from minigpt.fileio import atomic_write
+
     atomic_write(path, header.ljust(TOKEN_HEADER_SIZE, b"\0") + body)
 
 

@@ -1,22 +1,20 @@
-"""The run directory, from the choice of its name to its last lines: every output path checked
-before any work (a bad one costs one line, exit 2, not an interval of training and a traceback at
-the first save), one trainer per directory, what a killed process left cleaned up, config.json and
-the lines every log starts and ends with, the checkpoint's save point. RunDir holds all of it for
-the trainer; what only a resume or a save needs is minigpt/core/checkpoint.py, loaded then."""
+"""The run directory: its folder and lock, config.json, the log with its first lines and its step
+lines, metrics.jsonl and TensorBoard's scalars, the checks of the losses and the save point. A
+fresh folder (the default) needs no more; a folder used before, a --checkpoint-path of its own or
+a path that cannot be written loads its guards (minigpt/core/guards.py), a resume or a save
+minigpt/core/checkpoint.py, the run's end minigpt/core/finish.py."""
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import logging
 import os
 import platform
-import re
 import signal
-import stat
 import sys
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from datetime import datetime
@@ -25,113 +23,20 @@ from pathlib import Path
 from minigpt import paths
 from minigpt.core.config import EXTRA_ARGS_ENV, TrainConfig, UsageError
 from minigpt.errors import NonFiniteLoss
-from minigpt.fileio import atomic_write
 from minigpt.ranks import DistInfo
+from minigpt.stages import LABELS
+from minigpt.step_record import MEMORY_BREAKDOWN_KEYS, StepRecord
 
-LOCK_FILE = ".lock"  # in the run directory; holds the PID of the trainer that owns it
-# Pseudo file systems: the kernel's views, never a place for a run's files.
-PSEUDO_FS = (Path("/proc"), Path("/sys"), Path("/dev"))
-STALE_TMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.tmp$")  # minigpt.fileio.tmp_path's names
+LOCK_FILE = paths.LOCK_FILE
 LOG_FORMAT = "[%(asctime)s] %(message)s"
 LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
 
 
-def _reason(e: OSError) -> str:
-    if isinstance(e, PermissionError):
-        return "permission denied"
-    if e.errno == errno.EROFS:
-        return "read-only file system"
-    return e.strerror or type(e).__name__
+def disk_full(e: BaseException, path: Path, need: int | None = None):
+    """DiskFull's one line for `e` when it is a full disk (minigpt/fileio.py, loaded then), else None."""
+    from minigpt.fileio import DiskFull, disk_full_message, is_disk_full
 
-
-def _pseudo_fs(path: Path) -> Path | None:
-    resolved = path.resolve()
-    return next((root for root in PSEUDO_FS if resolved == root or root in resolved.parents), None)
-
-
-def probe_writable(path: str | Path, what: str) -> None:
-    """Prove that the file `path` can be written, before any work is done: make its folders,
-    write and remove a temporary file beside it. The target itself is never touched, and folders
-    the probe made are removed again, so a run refused later leaves nothing behind.
-    `what` names the flag, for the message: '--checkpoint-path', 'the token cache'."""
-    path = Path(path)
-    fix = f"choose a {what} in a folder you can write to"
-    root = _pseudo_fs(path)
-    if root is not None:
-        raise UsageError(f"{what} {path} lies under {root}, a kernel file system; {fix}")
-    if path.is_dir():
-        raise UsageError(f"{what} {path} is a directory, not a file; {fix}, and name a file in it")
-    for parent in path.parents:  # the nearest existing ancestor must be a folder
-        if parent.exists() or parent.is_symlink():
-            if not parent.is_dir():
-                raise UsageError(f"{what} {path} cannot be written: {parent} is a file, not a folder; {fix}")
-            break
-    made = [p for p in reversed(path.parents) if not p.exists()]  # outermost first
-    probe = path.with_name(f".{path.name}.probe.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(b"probe")
-    except OSError as e:
-        raise UsageError(f"{what} {path} cannot be written ({_reason(e)}); {fix}") from None
-    finally:
-        try:
-            probe.unlink(missing_ok=True)
-        except OSError:  # a read-only file system refuses even to remove a file that is not there
-            pass
-        for p in reversed(made):  # innermost first; only the empty folders this probe made
-            try:
-                p.rmdir()
-            except OSError:
-                break
-
-
-def check_out_dir(path: str | Path, what: str = "--out-dir") -> None:
-    """An --out-dir that is a file, lies under /proc or /sys, or cannot be written: one line."""
-    path = Path(path)
-    root = _pseudo_fs(path)
-    if root is not None:
-        raise UsageError(
-            f"{what} {path} lies under {root}, a kernel file system; choose a folder such as runs/NAME"
-        )
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"{what} {path} is a file, not a folder; choose another {what}")
-    lock = path / LOCK_FILE
-    if lock.is_dir():
-        raise UsageError(
-            f"{lock}, the lock file that keeps a second trainer out of {path}, is a directory; "
-            "remove it (the trainer makes its lock itself), or choose another --out-dir"
-        )
-    probe_writable(lock, what)
-
-
-# What a run keeps in its directory, by the kind of path it must be: a file at a folder's name (or
-# a folder at a file's) would end a resumed run in a traceback halfway into its start.
-RUN_FILES = (paths.CONFIG_FILE, paths.LOG_FILE, paths.METRICS_FILE, paths.STRAGGLERS_FILE, paths.REPORT_FILE)
-RUN_FOLDERS = (
-    paths.TENSORBOARD_DIR,
-    paths.TRACE_DIR,
-    *(Path(p).parts[0] for p in (paths.SNAPSHOT_FILE, paths.MEMORY_TRACE_DIR, paths.CHECKPOINT_FILE)),
-)
-
-
-def check_run_files(out_dir: str | Path) -> None:
-    """Every file and folder the run will write that is already there has the kind it must have
-    (a regular file, a folder): else one line naming it, before anything is touched."""
-    out_dir = Path(out_dir)
-    for name, want in [*((n, "file") for n in RUN_FILES), *((n, "folder") for n in RUN_FOLDERS)]:
-        try:
-            mode = (out_dir / name).stat().st_mode
-        except OSError:  # not there (made when needed), or not reachable (the probes say why)
-            continue
-        if not (stat.S_ISREG(mode) if want == "file" else stat.S_ISDIR(mode)):
-            from minigpt.fileio import file_kind
-
-            kind = "a file" if stat.S_ISREG(mode) else file_kind(mode)
-            raise UsageError(
-                f"{out_dir / name} is {kind}, where the run keeps its {name} ({want}); "
-                "move it away, or choose another --out-dir"
-            )
+    return DiskFull(disk_full_message(path, need, True)) if is_disk_full(e) else None
 
 
 def checkpoint_lock_path(checkpoint: str | Path) -> Path:
@@ -154,9 +59,13 @@ class _Flock:
     def acquire(self) -> None:
         folder = self.path.parent
         self.made = [p for p in [*reversed(folder.parents), folder] if not p.exists()]
-        folder.mkdir(parents=True, exist_ok=True)
-        while True:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:  # nothing left behind: the caller says why in one line
+            self.remove_made()
+            raise
+        while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -173,6 +82,7 @@ class _Flock:
             if same:
                 break
             os.close(fd)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self.fd = fd
@@ -243,89 +153,6 @@ class RunLock:
         self.release()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
-
-
-def clean_stale_tmp(folder: str | Path) -> list[Path]:
-    """Remove the temporary files (.NAME.<pid>.tmp) that a process killed mid-save left in
-    `folder`, those whose process is gone; a live process's file is a save in progress."""
-    removed = []
-    folder = Path(folder)
-    if not folder.is_dir():
-        return removed
-    for p in folder.iterdir():
-        m = STALE_TMP.match(p.name)
-        if m and p.is_file() and not _alive(int(m["pid"])):
-            p.unlink(missing_ok=True)
-            removed.append(p)
-    return sorted(removed)
-
-
-def describe_intact(path: str | Path) -> str:
-    """What a run that stops on an error leaves behind, for its last line: the claim that a good
-    checkpoint survives is made only when there is one."""
-    path = Path(path)
-    if path.is_file():
-        return f"the last good checkpoint ({path}) was left intact"
-    return "no checkpoint had been written yet"
-
-
-def directory_message(path: Path) -> str:
-    return (
-        f"checkpoint path {path} is a directory, not a checkpoint file; point --checkpoint-path at a "
-        f"file (for example {path / 'ckpt.pt'})"
-    )
-
-
-def check_checkpoint_path(path: str | Path, resume: bool) -> None:
-    """Before anything is built: the one message for each way the checkpoint path can be wrong
-    (a directory gets the same line with or without --resume)."""
-    path = Path(path)
-    if path.is_dir():
-        raise UsageError(directory_message(path))
-    if resume and not path.is_file():
-        raise UsageError(
-            f"no checkpoint at {path} to resume from; train without --resume first, "
-            "or point --checkpoint-path at one"
-        )
-    if not resume and path.exists():
-        raise UsageError(
-            f"{path} already exists; pass --resume to continue that run, "
-            "or choose another --out-dir / --checkpoint-path"
-        )
-
-
-def next_steps(
-    out_dir: str | Path,
-    has_traces: bool,
-    has_report: bool,
-    *,
-    has_checkpoint: bool = True,
-    checkpoint: str | Path | None = None,
-    trace_dir: str = "traces",
-    report_file: str = "report.html",
-) -> list[str]:
-    """The lines every run ends with: what to open or run next, with this run's paths.
-    checkpoint: a --checkpoint-path outside the run directory, which sample.py must be told."""
-    out_dir = Path(out_dir)
-    lines = [f"  scalars:        tensorboard --logdir {out_dir}"]
-    if has_traces:
-        lines.append(f"  trace summary:  python -m minigpt traces {out_dir / trace_dir}")
-    if has_report:
-        lines.append(f"  report:         {out_dir / report_file}")
-    if has_checkpoint:
-        where = f"--checkpoint {checkpoint}" if checkpoint else f"--out-dir {out_dir}"
-        lines.append(f"  text from it:   python sample.py {where}")
-    return ["Next steps:", *lines]
-
-
 def resolve_out_dir(cfg: TrainConfig) -> Path:
     """The run directory. --resume without --out-dir continues the latest run that has a checkpoint."""
     root = paths.RUNS_ROOT
@@ -386,24 +213,6 @@ def stop_on_signals() -> Iterator[list[int]]:
             signal.signal(s, h)
 
 
-def predicted_line(p: dict) -> str:
-    """config.json's predicted_step in one line, with the rates it came from: a data sheet's (a
-    GPU's peak FLOP/s and bandwidth, not checked against a measured step) or this machine's own."""
-    stages = ", ".join(f"{k} {v:.1f}" for k, v in p.get("stage_ms", {}).items())
-    sheet = str(p.get("rates_source", "")).startswith("table")
-    return (
-        f"Predicted step: {p.get('step_ms', 0):.1f} ms ({stages}), "
-        f"{p.get('tokens_per_s', 0):,.0f} tokens/s, from "
-        + (
-            "a data sheet's rates, not yet checked against a measured step"
-            if sheet
-            else "this machine's measured rates"
-        )
-        + f" [{p.get('rates_source', 'source not recorded')}]; "
-        "the last line gives the steady step's share of it"
-    )
-
-
 class RunDir:
     """One training run's folder and checkpoint, from the choice of their names to the run's last
     lines: guard() before any work, restore() with --resume, open() once the model is built
@@ -427,24 +236,33 @@ class RunDir:
             self.checkpoint = sharded_checkpoint_dir(checkpoint)
             self.probe = self.checkpoint / SHARDED_META
             check_sharded_path(self.checkpoint, cfg.resume)
-        else:
+        elif cfg.resume or cfg.checkpoint_path or dist_info.enabled or self.path.exists():
+            from minigpt.core.guards import check_checkpoint_path  # a fresh folder holds no checkpoint
+
             check_checkpoint_path(checkpoint, cfg.resume)
         self.cleaned: list[str] = []  # what a killed earlier run left, and what was done about it
         self.ckpt = None  # minigpt/core/checkpoint.py's Checkpointer: with --resume, or at the first save
 
     def guard(self, held: ExitStack) -> None:
-        """Before any work, on rank 0: every output path checked (a bad one costs one line, not an
-        interval of training and a traceback at the first save), the run directory locked for this
-        trainer alone (held until the run returns), and what a killed earlier run left cleaned up."""
+        """Before any work, on rank 0: the run directory locked for this trainer alone (held until
+        the run returns), which also proves a fresh folder writable. A folder used before, a
+        --checkpoint-path of its own, a kernel file system's path, or a lock that cannot be made
+        get their one line from minigpt/core/guards.py before anything is trained."""
         if not self.dist_info.is_main:
             return
-        check_out_dir(self.path)
-        check_run_files(self.path)
-        if self.saves:
-            probe_writable(self.probe, "--checkpoint-path")
-        held.enter_context(RunLock(self.path, self.checkpoint if self.saves else None))
-        stale = clean_stale_tmp(self.checkpoint.parent) + clean_stale_tmp(self.path)
-        self.cleaned = [f"removed {p}, a save killed midway" for p in stale]
+        resolved = self.path.resolve()
+        used = self.path.exists() or self.path.is_symlink() or self.cfg.checkpoint_path or self.sharded
+        if used or any(root == resolved or root in resolved.parents for root in paths.PSEUDO_FS):
+            from minigpt.core.guards import check_run_dir
+
+            self.cleaned = check_run_dir(self)
+        try:
+            held.enter_context(RunLock(self.path, self.checkpoint if self.saves else None))
+        except OSError:  # a folder that cannot be made or written: the guards say why, in one line
+            from minigpt.core.guards import check_run_dir
+
+            check_run_dir(self)
+            raise
 
     # -- the checkpoint
     def restore(self, model, optimizer, scaler, batches) -> int:
@@ -473,6 +291,7 @@ class RunDir:
         bad = next((i for i, v in enumerate(values) if v != v or abs(v) == float("inf")), None)
         if self.dist_info.enabled:
             from minigpt.core.distributed import any_rank
+            from minigpt.core.guards import describe_intact
 
             if any_rank(bad is not None, self.dist_info) and bad is None:
                 raise NonFiniteLoss(
@@ -480,6 +299,8 @@ class RunDir:
                     f"{describe_intact(self.checkpoint)}; lower --lr"
                 )
         if bad is not None:
+            from minigpt.core.guards import describe_intact
+
             hint = " or use --amp-dtype bf16 (fp16's range is narrow)" if amp_dtype == "fp16" else ""
             raise NonFiniteLoss(
                 f"loss is {values[bad]} at step {step - len(values) + bad + 1}; "
@@ -538,8 +359,16 @@ class RunDir:
             "ddp_backend": info.backend,
             "versions": versions,
         }
-        if info.is_main:
-            atomic_write(self.path / paths.CONFIG_FILE, json.dumps(self.config, indent=2) + "\n")
+        if info.is_main:  # written whole under a temporary name, then renamed into place
+            text, path = json.dumps(self.config, indent=2) + "\n", self.path / paths.CONFIG_FILE
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # minigpt/fileio.py's tmp_path
+            try:
+                tmp.write_text(text, encoding="utf-8")
+                os.replace(tmp, path)
+            except OSError:  # fileio's writer says a full disk in one line, removes tmp, or raises
+                from minigpt.fileio import atomic_write
+
+                atomic_write(path, text)
         log.info(f"Training started; run directory {self.path}")
         if os.environ.get(EXTRA_ARGS_ENV):
             log.info(f"Flags appended from ${EXTRA_ARGS_ENV}: {os.environ[EXTRA_ARGS_ENV]}")
@@ -584,81 +413,225 @@ class RunDir:
             *(f"Cleaned up after an earlier run: {line}" for line in self.cleaned),
         ]
 
-    def stopped(self, stop_signal: list[int], step: int, log: logging.Logger) -> int:
-        """After a SIGINT/SIGTERM (on any rank) and the save: say how to continue; exit status
-        128 + signal."""
-        if self.dist_info.enabled:  # no rank leaves (and gets torn down) before the save is done
-            from minigpt.core.distributed import barrier
 
-            barrier(self.dist_info)
-        signum = stop_signal[0] if stop_signal else signal.SIGTERM  # another rank's signal
-        saved = (
-            "no checkpoint (--no-checkpoint)"
-            if self.cfg.no_checkpoint
-            else f"checkpoint saved to {self.checkpoint}"
+# ---------------------------------------------------------------------------- the log's lines
+
+
+def format_log_line(m: StepRecord) -> str:
+    """The step's line, read at a glance: step, losses, step time, tokens/s, MFU, memory. The
+    stage times follow on a line of their own (format_stages); the rest is in metrics.jsonl."""
+    val = f" | val {m.val_loss:.4f}" if m.val_loss is not None else ""
+    # A step time of left-out steps only (the interval's every step was: warm-up) is theirs, and says so.
+    steady = "" if m.steady_steps else f" ({', '.join(x['why'] for x in m.left_out)}, not steady)"
+    rate = f"{m.tokens_per_s:,.0f} tok/s" + (f" ({m.world_size} ranks)" if m.world_size > 1 else "")
+    mfu_text = f" | mfu {100 * m.mfu:.1f}%" if m.mfu is not None else ""
+    mem = m.memory
+    if "peak_allocated_gib" in mem:
+        memory = f"mem {mem['peak_allocated_gib']:.2f} GiB (reserved {mem['peak_reserved_gib']:.2f})"
+    else:  # what the machine sees: the tensors and malloc's cache, the interpreter, the libraries
+        memory = f"rss {mem.get('rss_bytes', 0) / 2**30:.2f} GiB"
+    return (
+        f"step {m.step}/{m.num_steps} | loss {m.loss:.4f}{val} | "
+        f"{1000 * m.step_time_s:.0f} ms/step{steady} | {rate}{mfu_text} | {memory}"
+    )
+
+
+def format_stages(m: StepRecord) -> str:
+    """The stages' mean times: one number each where host and device share a clock (the CPU), host/
+    device on a GPU, where the host runs ahead and waits later; then what was left out and why."""
+    host, device = m.stage_host_ms, m.stage_device_ms
+    same = host == device
+    times = " ".join(
+        f"{LABELS.get(k, k)} {v:.1f}"
+        if same
+        else f"{LABELS.get(k, k)} {v:.1f}/{device.get(k, float('nan')):.1f}"
+        for k, v in host.items()
+    )
+    line = f"  stage ms{'' if same else ' host/device'}: {times}" if host else "  stages not timed"
+    if m.stage_comm_ms:
+        comm = " ".join(f"{LABELS.get(k, k)} {v:.1f}" for k, v in m.stage_comm_ms.items())
+        line += f" | in collectives{f' (step {m.comm_step})' if m.comm_step else ''}: {comm}"
+    for x in m.left_out:
+        line += f" | left out: step {x['step']} {x['s']:.2f}s ({x['why']})"
+    peak = (m.memory_breakdown or {}).get("peak")
+    if peak:
+        line += f" | allocator peak {peak / 2**20:,.1f} MiB in step {m.memory_breakdown['step']}"
+    return line
+
+
+# ---------------------------------------------------------------------------- the record's places
+
+
+class Outputs:
+    """Where a logged step goes: its two lines in the log, a line of metrics.jsonl, TensorBoard's
+    scalars (rank 0 writes the files). A context manager: the files close on any exit."""
+
+    def __init__(self, out_dir: Path, log: logging.Logger, enabled: bool, purge_step: int):
+        self.log = log
+        self.metrics = JsonlWriter(out_dir / paths.METRICS_FILE, enabled=enabled)
+        self.tensorboard = TensorBoardLogger(
+            out_dir / paths.TENSORBOARD_DIR, enabled=enabled, purge_step=purge_step
         )
-        log.info(
-            f"Stopped by {signal.Signals(signum).name} after step {step}; {saved}. Continue with: "
-            f"python train_minimal.py --resume --out-dir {self.path} (and the same flags)"
-        )
-        return 128 + signum
 
-    def finish(
-        self,
-        log: logging.Logger,
-        profiler_cost: str | None,
-        rate,
-        last,
-        step: int,
-        run_prediction,
-        write_report,
-    ) -> None:
-        """The run's last lines: the profiler's cost, the predicted step beside the measured one
-        (`run_prediction`: minigpt/instruments/predict.py's), the run's figures, the report
-        (`write_report`: minigpt/analysis/report.py's), and what to open next."""
-        if profiler_cost:
-            log.info(profiler_cost)
-        # From cached rates only, None without them (measuring would lengthen the run's end), and under
-        # --fsdp/--tp (collectives are not modelled).
-        prediction = (
-            None if self.sharded else run_prediction(self.cfg, self.vocab_size, last.amp, rate.device)
-        )
-        if prediction:
-            log.info(predicted_line(prediction))
-            self.config["predicted_step"] = prediction  # kept in config.json beside what the run measured
-            if self.dist_info.is_main:
-                atomic_write(self.path / paths.CONFIG_FILE, json.dumps(self.config, indent=2) + "\n")
-            rate.predicted_ms = prediction.get("step_ms")
-        log.info(rate.finished(last, step))
-        if not self.cfg.no_report:
-            self.report(log, write_report)
-        out_dir, ckpt = self.path, self.checkpoint
-        log.info(f"Checkpoint: {ckpt}" if ckpt.exists() else "Checkpoint: none (--no-checkpoint)")
-        log.info(f"Run directory: {out_dir} ({paths.LOG_FILE}, {paths.METRICS_FILE}, {paths.CONFIG_FILE})")
-        if self.dist_info.is_main:
-            has_traces, has_report = (
-                (out_dir / paths.TRACE_DIR).is_dir(),
-                (out_dir / paths.REPORT_FILE).is_file(),
-            )
-            for line in next_steps(
-                out_dir,
-                has_traces,
-                has_report,
-                has_checkpoint=ckpt.is_file(),
-                checkpoint=self.cfg.checkpoint_path,
-            ):
-                log.info(line)
+    def write(self, record: StepRecord) -> None:
+        self.log.info(format_log_line(record))
+        self.log.info(format_stages(record))
+        self.metrics.write(record)
+        self.tensorboard.log(record)
 
-    def report(self, log: logging.Logger, write_report: Callable[[Path], Path]) -> None:
-        """report.html: the run in one offline page, written by rank 0 once every rank's trace is
-        on disk. A report that cannot be made costs a warning, never the run that trained."""
-        if self.dist_info.enabled:
-            from minigpt.core.distributed import barrier
+    def __enter__(self) -> Outputs:
+        return self
 
-            barrier(self.dist_info)
-        if self.dist_info.is_main:
+    def __exit__(self, *exc) -> None:
+        try:
+            self.metrics.__exit__(*exc)
+        finally:
+            self.tensorboard.__exit__(*exc)
+
+
+# ---------------------------------------------------------------------------- metrics.jsonl
+
+
+class JsonlWriter:
+    """Appends one JSON object per line and flushes, so a crash loses at most the current line (a
+    resumed run drops a cut line: minigpt.core.runs.repair_jsonl)."""
+
+    def __init__(self, path: Path, enabled: bool = True):
+        self.f, self.path = None, path
+        if enabled:  # under DDP only rank 0 writes
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.f = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict | StepRecord) -> None:
+        if self.f:
+            if isinstance(record, StepRecord):
+                record = {k: v for k, v in asdict(record).items() if v is not None or k != "memory_breakdown"}
+            line = json.dumps(record) + "\n"
             try:
-                page = write_report(self.path)
-                log.info(f"Report: {page} (one offline page; python -m minigpt report rewrites it)")
-            except Exception as e:  # noqa: BLE001 - the training is done and saved; say what went wrong
-                log.warning(f"report not written: {type(e).__name__}: {e}")
+                self.f.write(line)
+                self.f.flush()
+            except OSError as e:
+                if full := disk_full(e, self.path, len(line)):
+                    raise full from None
+                raise
+
+    def close(self) -> None:
+        if self.f:
+            try:
+                self.f.close()
+            except OSError:  # a full disk was already reported by write(); closing adds nothing
+                pass
+
+    def __enter__(self) -> JsonlWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------- TensorBoard
+
+
+# StepRecord's figures as TensorBoard charts them: the tag, and the factor to the chart's unit.
+TB_SCALARS = {
+    "loss": ("train/loss", 1),
+    "val_loss": ("val/loss", 1),
+    "val_ppl": ("val/ppl", 1),
+    "lr": ("train/lr", 1),
+    "tokens_per_s": ("perf/tokens_per_s", 1),
+    "tokens_per_s_e2e": ("perf/tokens_per_s_e2e", 1),
+    "run_tokens_per_s": ("perf/run_tokens_per_s", 1),  # the run so far, in steady state
+    "tokens_per_s_per_rank": ("perf/tokens_per_s_per_rank", 1),
+    "mfu": ("perf/mfu_percent", 100),
+    "achieved_tflops": ("perf/achieved_tflops", 1),
+    "step_time_s": ("perf/step_time_ms", 1000),
+}
+
+
+class TensorBoardLogger:
+    """Scalars for `tensorboard --logdir <out-dir>`: the figures of metrics.jsonl, in the units a
+    chart reads (MFU in percent, memory in MiB)."""
+
+    def __init__(self, log_dir: Path, enabled: bool = True, purge_step: int | None = None):
+        """`purge_step`: on resume, the first step trained again; TensorBoard hides what an earlier
+        run wrote from there on, so no step is drawn twice."""
+        self.writer, self.log_dir = None, log_dir
+        if enabled:  # under DDP only rank 0 writes
+            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
+
+            if threading.excepthook is not _quiet_full_disk:
+                _quiet_full_disk.previous = threading.excepthook
+                threading.excepthook = _quiet_full_disk
+            self.writer = SummaryWriter(str(log_dir), purge_step=purge_step)
+
+    def log(self, r: StepRecord) -> None:
+        """Write the record's scalars and flush them. A full disk ends as one line (DiskFull):
+        TensorBoard's writer thread fails first, and its error is raised here."""
+        if self.writer is None:
+            return
+        try:
+            self._log(r)
+        except (OSError, RuntimeError) as e:
+            if full := disk_full(e, self.log_dir):
+                raise full from None
+            raise
+
+    def _log(self, r: StepRecord) -> None:
+        for key, (tag, scale) in TB_SCALARS.items():
+            if (value := getattr(r, key)) is not None:
+                self.writer.add_scalar(tag, value * scale, r.step)
+        for kind in ("host", "device", "comm"):
+            for stage, ms in getattr(r, f"stage_{kind}_ms").items():
+                self.writer.add_scalar(f"stage_{kind}_ms/{stage}", ms, r.step)
+        for key, value in r.memory.items():  # bytes in MiB
+            mib = key.endswith("_bytes")
+            self.writer.add_scalar(
+                f"memory/{key.replace('_bytes', '_mib')}", value / 2**20 if mib else value, r.step
+            )
+        breakdown = r.memory_breakdown or {}
+        for prefix, figures in (
+            ("memory_breakdown", breakdown),
+            ("memory_estimate", breakdown.get("estimate") or {}),
+        ):
+            for key in MEMORY_BREAKDOWN_KEYS:
+                if figures.get(key) is not None:
+                    self.writer.add_scalar(
+                        f"{prefix}/{key}_mib", figures[key] / 2**20, breakdown.get("step", r.step)
+                    )
+        self.writer.flush()
+
+    def close(self, error_in_flight: bool = False) -> None:
+        """A full disk met while closing is one line, unless the run is already ending on an error
+        (log() reported it, or another one): then it adds nothing."""
+        if self.writer is None:
+            return
+        try:
+            self.writer.close()
+        except (OSError, RuntimeError) as e:
+            full = disk_full(e, self.log_dir)
+            if full is None:
+                raise
+            if not error_in_flight:
+                raise full from None
+        finally:
+            self.writer = None
+
+    def __enter__(self) -> TensorBoardLogger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(error_in_flight=exc[0] is not None)
+
+
+def _quiet_full_disk(args) -> None:
+    """threading.excepthook: TensorBoard's writer thread dies on a full disk and prints its
+    traceback; TensorBoardLogger.log raises the same error in the loop as one line, so the
+    thread's copy is dropped. Every other thread's error goes to the hook that was there before."""
+    from minigpt.fileio import is_disk_full
+
+    if type(args.thread).__module__.startswith("tensorboard.") and is_disk_full(args.exc_value):
+        return
+    _quiet_full_disk.previous(args)
+
+
+_quiet_full_disk.previous = threading.excepthook

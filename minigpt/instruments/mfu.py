@@ -64,7 +64,7 @@ import torch
 
 from minigpt.core.data import cache_dir
 from minigpt.fileio import UnreadableFile, display_path, read_bounded, write_cache
-from minigpt.instruments.metrics import (
+from minigpt.instruments.instrument import (
     ACHIEVED,
     CACHE_LIMIT,
     LOAD_SHARE,

@@ -52,8 +52,8 @@ time the rates are measured; a quiet one replaces it, a busy one never replaces 
 `python -m minigpt estimate --time --remeasure` forgets this machine's rates and peak and measures
 both again.
 
-On CUDA the same model runs from the device's data sheet (minigpt.instruments.metrics.PEAK_FLOPS and BANDWIDTH
-below, every product at the dense peak) with the per-op overhead measured on the GPU, and is
+On CUDA the same model runs from the device's data sheet (minigpt.instruments.instrument.PEAK_FLOPS
+and BANDWIDTH below, every product at the dense peak) with the per-op overhead measured on the GPU, and is
 marked untested: no GPU has checked it yet. A GPU in neither table has no rates: one line, exit 2.
 """
 
@@ -79,7 +79,7 @@ from minigpt.core.config import Shape, UsageError, shape_of
 from minigpt.core.cpu import allocator_in_use
 from minigpt.core.data import cache_dir
 from minigpt.fileio import display_path, write_cache
-from minigpt.instruments.metrics import LOAD_SHARE, PEAK_FLOPS, TORCH_DTYPES, machine_key
+from minigpt.instruments.instrument import LOAD_SHARE, PEAK_FLOPS, TORCH_DTYPES, machine_key
 from minigpt.instruments.mfu import LoadProbe, forget, model_workloads, peak_flops, read_cache
 
 STEP_RATES_FILE = "step_rates.json"  # under minigpt.core.data.cache_dir(): one entry per machine and dtype
@@ -874,7 +874,7 @@ def _table_rates(dtype: str, cache: bool = True) -> Rates:
     peak = PEAK_FLOPS.get(known[0], {}).get(dtype) if known else None
     if known is None or peak is None:
         raise NoRates(
-            f"no rates for {name} in {dtype}: it is in neither minigpt.instruments.metrics.PEAK_FLOPS nor "
+            f"no rates for {name} in {dtype}: it is in neither minigpt.instruments.instrument.PEAK_FLOPS nor "
             "minigpt.instruments.predict.BANDWIDTH; add its data-sheet peak FLOP/s and bandwidth there"
         )
     overhead = cuda_overhead(cache)

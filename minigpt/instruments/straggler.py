@@ -144,7 +144,7 @@ class Ranks:
     (minigpt/instruments/straggler.py; stragglers.jsonl on rank 0)."""
 
     def __init__(self, cfg, info, out_dir, model):
-        from minigpt.instruments.metrics import JsonlWriter
+        from minigpt.core.runs import JsonlWriter
 
         self.info, self.model, self.threshold = info, model, cfg.straggler_threshold
         self.detector = StragglerDetector(cfg.straggler_threshold)

@@ -25,9 +25,9 @@ from torch.profiler import ProfilerAction, ProfilerActivity, tensorboard_trace_h
 from minigpt import paths
 from minigpt.core import torchcompat
 from minigpt.core.distributed import profile_ranks
-from minigpt.core.runs import probe_writable
+from minigpt.core.guards import probe_writable
 from minigpt.fileio import atomic_open, atomic_write, check_may_replace
-from minigpt.instruments.metrics import process_memory
+from minigpt.instruments.instrument import process_memory
 from minigpt.memory_snapshot import peak_text
 
 SNAPSHOT_MARKER = b"\x80"  # how a pickle of protocol 2 or later begins: what a memory snapshot is

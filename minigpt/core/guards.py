@@ -1,0 +1,186 @@
+"""The run directory's guards for what a fresh folder cannot hold: a folder used before (its files
+of the wrong kind, the temporary files a killed save left), a --checkpoint-path of its own, a
+path under a kernel file system, and the one line for a folder that cannot be written. RunDir
+(minigpt/core/runs.py) loads them when one of those is the case, or when its lock cannot be made."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import stat
+from pathlib import Path
+
+from minigpt import paths
+from minigpt.errors import UsageError
+
+STALE_TMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.tmp$")  # minigpt.fileio.tmp_path's names
+
+
+def _reason(e: OSError) -> str:
+    if isinstance(e, PermissionError):
+        return "permission denied"
+    if e.errno == errno.EROFS:
+        return "read-only file system"
+    return e.strerror or type(e).__name__
+
+
+def _pseudo_fs(path: Path) -> Path | None:
+    resolved = path.resolve()
+    return next((root for root in paths.PSEUDO_FS if resolved == root or root in resolved.parents), None)
+
+
+def probe_writable(path: str | Path, what: str) -> None:
+    """Prove that the file `path` can be written, before any work is done: make its folders,
+    write and remove a temporary file beside it. The target itself is never touched, and folders
+    the probe made are removed again, so a run refused later leaves nothing behind.
+    `what` names the flag, for the message: '--checkpoint-path', 'the token cache'."""
+    path = Path(path)
+    fix = f"choose a {what} in a folder you can write to"
+    root = _pseudo_fs(path)
+    if root is not None:
+        raise UsageError(f"{what} {path} lies under {root}, a kernel file system; {fix}")
+    if path.is_dir():
+        raise UsageError(f"{what} {path} is a directory, not a file; {fix}, and name a file in it")
+    for parent in path.parents:  # the nearest existing ancestor must be a folder
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise UsageError(f"{what} {path} cannot be written: {parent} is a file, not a folder; {fix}")
+            break
+    made = [p for p in reversed(path.parents) if not p.exists()]  # outermost first
+    probe = path.with_name(f".{path.name}.probe.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"probe")
+    except OSError as e:
+        raise UsageError(f"{what} {path} cannot be written ({_reason(e)}); {fix}") from None
+    finally:
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:  # a read-only file system refuses even to remove a file that is not there
+            pass
+        for p in reversed(made):  # innermost first; only the empty folders this probe made
+            try:
+                p.rmdir()
+            except OSError:
+                break
+
+
+def check_out_dir(path: str | Path, what: str = "--out-dir") -> None:
+    """An --out-dir that is a file, lies under /proc or /sys, or cannot be written: one line."""
+    path = Path(path)
+    root = _pseudo_fs(path)
+    if root is not None:
+        raise UsageError(
+            f"{what} {path} lies under {root}, a kernel file system; choose a folder such as runs/NAME"
+        )
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{what} {path} is a file, not a folder; choose another {what}")
+    lock = path / paths.LOCK_FILE
+    if lock.is_dir():
+        raise UsageError(
+            f"{lock}, the lock file that keeps a second trainer out of {path}, is a directory; "
+            "remove it (the trainer makes its lock itself), or choose another --out-dir"
+        )
+    probe_writable(lock, what)
+
+
+# What a run keeps in its directory, by the kind of path it must be: a file at a folder's name (or
+# a folder at a file's) would end a resumed run in a traceback halfway into its start.
+RUN_FILES = (paths.CONFIG_FILE, paths.LOG_FILE, paths.METRICS_FILE, paths.STRAGGLERS_FILE, paths.REPORT_FILE)
+RUN_FOLDERS = (
+    paths.TENSORBOARD_DIR,
+    paths.TRACE_DIR,
+    *(Path(p).parts[0] for p in (paths.SNAPSHOT_FILE, paths.MEMORY_TRACE_DIR, paths.CHECKPOINT_FILE)),
+)
+
+
+def check_run_files(out_dir: str | Path) -> None:
+    """Every file and folder the run will write that is already there has the kind it must have
+    (a regular file, a folder): else one line naming it, before anything is touched."""
+    out_dir = Path(out_dir)
+    for name, want in [*((n, "file") for n in RUN_FILES), *((n, "folder") for n in RUN_FOLDERS)]:
+        try:
+            mode = (out_dir / name).stat().st_mode
+        except OSError:  # not there (made when needed), or not reachable (the probes say why)
+            continue
+        if not (stat.S_ISREG(mode) if want == "file" else stat.S_ISDIR(mode)):
+            from minigpt.fileio import file_kind
+
+            kind = "a file" if stat.S_ISREG(mode) else file_kind(mode)
+            raise UsageError(
+                f"{out_dir / name} is {kind}, where the run keeps its {name} ({want}); "
+                "move it away, or choose another --out-dir"
+            )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def clean_stale_tmp(folder: str | Path) -> list[Path]:
+    """Remove the temporary files (.NAME.<pid>.tmp) that a process killed mid-save left in
+    `folder`, those whose process is gone; a live process's file is a save in progress."""
+    removed = []
+    folder = Path(folder)
+    if not folder.is_dir():
+        return removed
+    for p in folder.iterdir():
+        m = STALE_TMP.match(p.name)
+        if m and p.is_file() and not _alive(int(m["pid"])):
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    return sorted(removed)
+
+
+def describe_intact(path: str | Path) -> str:
+    """What a run that stops on an error leaves behind, for its last line: the claim that a good
+    checkpoint survives is made only when there is one."""
+    path = Path(path)
+    if path.is_file():
+        return f"the last good checkpoint ({path}) was left intact"
+    return "no checkpoint had been written yet"
+
+
+def directory_message(path: Path) -> str:
+    return (
+        f"checkpoint path {path} is a directory, not a checkpoint file; point --checkpoint-path at a "
+        f"file (for example {path / 'ckpt.pt'})"
+    )
+
+
+def check_checkpoint_path(path: str | Path, resume: bool) -> None:
+    """Before anything is built: the one message for each way the checkpoint path can be wrong
+    (a directory gets the same line with or without --resume)."""
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(directory_message(path))
+    if resume and not path.is_file():
+        raise UsageError(
+            f"no checkpoint at {path} to resume from; train without --resume first, "
+            "or point --checkpoint-path at one"
+        )
+    if not resume and path.exists():
+        raise UsageError(
+            f"{path} already exists; pass --resume to continue that run, "
+            "or choose another --out-dir / --checkpoint-path"
+        )
+
+
+def check_run_dir(run) -> list[str]:
+    """Every output path of `run` (a RunDir) checked before any work, on rank 0: the folder, the
+    files an earlier run left in it, the checkpoint's path and its folder. Returns what a killed
+    earlier run left and was removed, for the log's first lines."""
+    check_out_dir(run.path)
+    check_run_files(run.path)
+    if run.saves:
+        probe_writable(run.probe, "--checkpoint-path")
+    stale = clean_stale_tmp(run.checkpoint.parent) + clean_stale_tmp(run.path)
+    return [f"removed {p}, a save killed midway" for p in stale]
