@@ -34,8 +34,8 @@ def test_builtin_validation_is_a_tenth_spread_over_the_corpus():
     """The held-out text is drawn as the training text is: a tenth of the corpus in stretches from
     every part of it, not its alphabetical last tenth (typesseq's tables: 42% whitespace-only
     tokens against the rest's 18-31%), and nothing is in both."""
-    train_file, val_file = data_module.builtin_split()
-    whole, train, val = builtin_corpus().read_text(), train_file.read_text(), val_file.read_text()
+    train, val = data_module.builtin_split()
+    whole = builtin_corpus().read_text()
     assert len(train) + len(val) == len(whole) and 0.08 < len(val) / len(whole) < 0.12
     # the k-th tenth of the held-out text comes from the k-th tenth of the corpus, and not from training
     found = [0]  # each probe searched for after the one before: the corpus repeats some of its tables
@@ -43,23 +43,25 @@ def test_builtin_validation_is_a_tenth_spread_over_the_corpus():
         found.append(whole.find(val[(2 * k + 1) * len(val) // 20 :][:200], found[-1]))
     assert [at * 10 // len(whole) for at in found[1:]] == list(range(10))
 
-    def whitespace_share(path):
-        enc, ids = get_tokenizer(), load_tokens([path]).tolist()
+    def whitespace_share(text):
+        enc = get_tokenizer()
+        ids = data_module.cached_tokens(text.encode(), "probe", "gpt2", "probe").tolist()
         return sum(not enc.decode([i]).strip() for i in ids) / len(ids)
 
-    assert abs(whitespace_share(val_file) - whitespace_share(train_file)) < 0.05
+    assert abs(whitespace_share(val) - whitespace_share(train)) < 0.05
 
 
 def test_default_data_holds_out_the_split_and_a_changed_split_is_tokenised_again(monkeypatch):
     cfg = parse_args(["--max-tokens", "5000"])
     d = data_module.load_data(cfg, 0, pin=False)
-    _, val_file = data_module.builtin_split()
-    assert d.train_tokens == 5000 and d.val_tokens == len(load_tokens([val_file]))  # the cap: training only
-    first = tokenize_file(val_file).filename
+    _, val = data_module.builtin_split()
+    val_ids = data_module.cached_tokens(val.encode(), "pydoc_topics_val", "gpt2", "held out")
+    assert d.train_tokens == 5000 and d.val_tokens == len(val_ids)  # the cap: training only
     monkeypatch.setattr(data_module, "SPLIT_PIECES", 50)  # another split: another text, another token file
     _, other = data_module.builtin_split()
-    assert tokenize_file(other).filename != first
-    assert get_tokenizer().decode(tokenize_file(other).tolist()) == other.read_text()
+    other_ids = data_module.cached_tokens(other.encode(), "pydoc_topics_val", "gpt2", "held out")
+    assert other_ids.filename != val_ids.filename
+    assert get_tokenizer().decode(other_ids.tolist()) == other
 
 
 def test_token_file_is_cached_by_content(tmp_path):

@@ -123,21 +123,18 @@ def builtin_corpus() -> Path:
     return _write_builtin("pydoc_topics.txt", "\n\n".join(builtin_topics()))
 
 
-def builtin_split() -> tuple[Path, Path]:
+def builtin_split() -> tuple[str, str]:
     """The built-in corpus as the trainer splits it: (training text, held-out text). The corpus is
     cut at paragraph breaks into SPLIT_PIECES stretches of about equal length, and the last of
-    every ten is held out: a tenth of the text, spread evenly over it. Two files, so each is
-    tokenised and cached under the hash of its own text: a changed split is a changed text, never
-    a stale token file."""
+    every ten is held out: a tenth of the text, spread evenly over it. Each is tokenised and
+    cached under the hash of its own text: a changed split is a changed text, never a stale
+    token file."""
     text = "\n\n".join(builtin_topics())
     starts = [text.find("\n\n", k * len(text) // SPLIT_PIECES) for k in range(1, SPLIT_PIECES)]
     cuts = [0, *(c for c in starts if c > 0), len(text)]
     pieces = [text[a:b] for a, b in zip(cuts, cuts[1:])]
     held = [k % VAL_EVERY == VAL_EVERY - 1 for k in range(len(pieces))]
-    return (
-        _write_builtin("pydoc_topics_train.txt", "".join(p for p, h in zip(pieces, held) if not h)),
-        _write_builtin("pydoc_topics_val.txt", "".join(p for p, h in zip(pieces, held) if h)),
-    )
+    return "".join(p for p, h in zip(pieces, held) if not h), "".join(p for p, h in zip(pieces, held) if h)
 
 
 def builtin_topics() -> list[str]:
@@ -277,8 +274,16 @@ def tokenize_file(
         raw = path.read_bytes()
     except OSError as e:
         raise UsageError(f"cannot read data file {path} ({e.strerror}); check its permissions") from None
+    return cached_tokens(raw, path.stem, tokenizer_name, path, show_progress)
+
+
+def cached_tokens(
+    raw: bytes, stem: str, tokenizer_name: str, source: str | Path, show_progress: bool | None = None
+) -> np.ndarray:
+    """The ids of a text's bytes `raw`, from the verified cache file named after `stem` and the
+    bytes' hash, tokenised (and cached) on a miss. `source` names the text in messages."""
     digest = hashlib.sha256(raw + tokenizer_name.encode()).hexdigest()[:20]
-    cached = cache_dir() / "tokens" / f"{path.stem}-{digest}.{tokenizer_name}.{TOKEN_SUFFIX}"
+    cached = cache_dir() / "tokens" / f"{stem}-{digest}.{tokenizer_name}.{TOKEN_SUFFIX}"
     n_vocab = tokenizer_vocab(tokenizer_name)
     ids = read_token_file(cached, n_vocab)
     if ids is not None:
@@ -287,15 +292,15 @@ def tokenize_file(
         note(
             f"cached tokens {cached} are damaged (truncated, not matching their hash, ids beyond "
             "the vocabulary, or not a regular file); "
-            f"tokenising {path} again"
+            f"tokenising {source} again"
         )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise UsageError(f"data file {path} is not UTF-8 text (byte {e.start}); convert it first") from None
-    ids = encode_text(text, tokenizer_name, show_progress, desc=path.name)
+        raise UsageError(f"data file {source} is not UTF-8 text (byte {e.start}); convert it first") from None
+    ids = encode_text(text, tokenizer_name, show_progress, desc=Path(source).name)
     if not ids:
-        raise UsageError(f"data file {path} is empty; give some text")
+        raise UsageError(f"data file {source} is empty; give some text")
     if max(ids) >= 2**16:
         raise UsageError(f"tokenizer {tokenizer_name} has ids beyond uint16; use gpt2")
     array = np.asarray(ids, dtype=np.uint16)
@@ -339,9 +344,12 @@ def split_tokens(cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
     if cfg.val_data:
         files = cfg.train_data or [builtin_corpus()]
         return load_tokens(files, name, cfg.max_tokens), load_tokens(cfg.val_data, name)
-    if not cfg.train_data:
+    if not cfg.train_data:  # the built-in corpus: its texts' tokens, cached under their hashes
         train, val = builtin_split()
-        return load_tokens([train], name, cfg.max_tokens), load_tokens([val], name)
+        train_ids = cached_tokens(train.encode(), "pydoc_topics_train", name, "the built-in corpus")
+        return train_ids[: cfg.max_tokens], cached_tokens(
+            val.encode(), "pydoc_topics_val", name, "its held-out text"
+        )
     return split_train_val(load_tokens(cfg.train_data, name, cfg.max_tokens))
 
 
