@@ -181,6 +181,10 @@ def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
     # ------------------------------------------------------------------ data, model, optimizer
     data = load_data(cfg, plan.dp_rank, pin=device == "cuda")  # the ranks of a tp group share batches
     inst = Instruments(cfg, device, dist_info.rank, dist_info.world_size, run.path, plan.worker, plan.sharded)
+    if dist_info.enabled or cfg.simulate_slow_rank:  # a stage's parts timed apart, a rank slowed on purpose
+        from minigpt.instruments.straggler import RankTimer
+
+        inst.timer = RankTimer(device, cfg.stage_timing, cfg.simulate_slow_rank, dist_info.rank)
     model = GPT(model_config(cfg, data.vocab_size)).to(device)
     plan_note = None
     if plan.sharded:  # in place, into DTensors: before the optimizer, which must hold those

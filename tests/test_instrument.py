@@ -229,7 +229,9 @@ def test_stage_uses_process_wide_nvtx_ranges(monkeypatch):
 
 
 def test_stage_timer_splits_and_per_step_figures():
-    timer = StageTimer("cpu", sleep_ms={"forward": 20})
+    from minigpt.instruments.straggler import RankTimer
+
+    timer = RankTimer("cpu", slow_rank="0:20:forward")
     timer.add_split("backward", "backward_compute")
     for _ in range(2):
         with timer.step():

@@ -76,18 +76,14 @@ class Interval:
 
 
 class StageTimer:
-    """Per-stage host and device time of each step, read (and reset) at the log interval.
+    """Per-stage host and device time of each step, read (and reset) at the log interval. Under
+    torchrun the timer is minigpt/instruments/straggler.py's RankTimer, which also times a part of
+    a stage (the backward's compute) and can slow a stage on purpose (--simulate-slow-rank)."""
 
-    `sleep_ms` makes chosen stages slower by sleeping inside them: a teaching and testing aid
-    (--simulate-slow-rank), never on by default."""
-
-    def __init__(self, device: str, enabled: bool = True, sleep_ms: dict[str, float] | None = None):
+    def __init__(self, device: str, enabled: bool = True):
         self.cuda = device == "cuda"
         self.enabled = enabled
-        self.sleep_ms = sleep_ms or {}
         self.open: dict[str, tuple[float, torch.cuda.Event | None]] = {}  # stage -> (start time, start event)
-        self.split_of: dict[str, str] = {}  # stage -> the name of its split (see add_split)
-        self.splits: dict[str, tuple[str, float, torch.cuda.Event | None]] = {}  # split -> (stage, s, event)
         self.step_host: dict[str, float] = defaultdict(float)  # ms of the step in flight
         self.host_steps: list[dict[str, float]] = []
         self.events: list[
@@ -111,51 +107,31 @@ class StageTimer:
         nvtx_range = nvtx.start_range(message=name, color=COLORS.get(name, "grey"), domain=NVTX_DOMAIN)
         timed = timed and self.enabled
         with record_function(name):
-            start = None
-            if timed and self.cuda:
-                start = torch.cuda.Event(enable_timing=True)
-                start.record()
-            t0 = time.perf_counter()
-            self.open[name] = (t0, start)
+            start = self.event() if timed else None
+            self.open[name] = (time.perf_counter(), start)
             try:
-                if name in self.sleep_ms:
-                    time.sleep(self.sleep_ms[name] / 1000)
                 yield
             finally:
-                del self.open[name]
+                t0, _ = self.open.pop(name)
                 if timed:
-                    elapsed = time.perf_counter() - t0
-                    self.step_host[name] += 1000 * elapsed
-                    end = None
-                    if self.cuda:
-                        end = torch.cuda.Event(enable_timing=True)
-                        end.record()
-                        self.events.append((len(self.host_steps), name, start, end))
-                    split = self.split_of.get(name)
-                    if split is not None:  # the split's last mark inside this stage, else all of it
-                        _, seconds, event = self.splits.pop(split, (name, elapsed, end))
-                        self.step_host[split] += 1000 * seconds
-                        if self.cuda:
-                            self.events.append((len(self.host_steps), split, start, event))
+                    self.done(name, time.perf_counter() - t0, start)
                 nvtx.end_range(nvtx_range)
 
-    def add_split(self, stage: str, name: str) -> None:
-        """Time `name`, the part of every `stage` up to its last split() mark; a stage run without a
-        mark counts whole. (Under DDP: the backward's compute, up to the last gradient bucket ready;
-        a micro-step under no_sync has no all-reduce to wait for, so all of it is compute.)"""
-        self.split_of[stage] = name
+    def event(self) -> torch.cuda.Event | None:
+        """A CUDA event recorded now (its time is read at the log interval); None on the CPU."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
-    def split(self, stage: str, name: str) -> None:
-        """Mark, now, the end of `name`: the part of the open `stage` done so far. Called several
-        times in one stage, the last mark counts. Safe from another thread (autograd's)."""
-        if not self.enabled or stage not in self.open:
-            return
-        t0, _ = self.open[stage]
-        event = None
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-        self.splits[name] = (stage, time.perf_counter() - t0, event)
+    def done(self, name: str, seconds: float, start: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        """A stage just ended after `seconds` on the host: its time, into the step in flight."""
+        self.step_host[name] += 1000 * seconds
+        end = self.event()
+        if end is not None:
+            self.events.append((len(self.host_steps), name, start, end))
+        return end
 
     def read(self, left_out: set[int] | None = None) -> StageTimes:
         """The steps completed since the last read, but for those at the indices `left_out` (warm-up
@@ -219,13 +195,7 @@ class Instruments:
         """`worker` names this rank's trace and memory files (rank{R}_dp{d}); `comm`: FSDP or TP,
         whose collectives a profiled step times (minigpt/instruments/window.py)."""
         self.cfg, self.device, self.rank, self.log = cfg, device, rank, logging.getLogger("minigpt")
-        sleep_ms = None
-        if cfg.simulate_slow_rank:  # --simulate-slow-rank R:MS:STAGE on rank R: the sleep StageTimer adds
-            from minigpt.core.distributed import parse_slow_rank
-
-            slow = parse_slow_rank(cfg.simulate_slow_rank, STAGE_NAMES)
-            sleep_ms = {slow.stage: slow.ms} if slow.rank == rank else None
-        self.timer = StageTimer(device, enabled=cfg.stage_timing, sleep_ms=sleep_ms)
+        self.timer = StageTimer(device, enabled=cfg.stage_timing)  # under torchrun: straggler.RankTimer
         self.step_times: dict[int, float] = {}  # host seconds of every step, to price the profiler
         self._interval: list[tuple[int, float, str | None]] = []  # (step, seconds, why left out)
         self.window = None  # the instruments a flag turns on

@@ -21,10 +21,13 @@ Knows nothing of GPT.
 from __future__ import annotations
 
 import statistics
+import time
+from contextlib import contextmanager
 
 from minigpt import paths
 from minigpt.core import distributed
-from minigpt.stages import scored_stages, split_parent
+from minigpt.instruments.instrument import StageTimer
+from minigpt.stages import STAGE_NAMES, scored_stages, split_parent
 
 # A score is a ratio, and a ratio of a few milliseconds is noise: on two gloo ranks sharing a quiet
 # 2-core CPU, a 3.8 ms forward became 5.4 ms in one interval (individual score 0.74) and a backward's
@@ -169,3 +172,50 @@ class Ranks:
 
     def __exit__(self, *exc) -> None:
         self.file.__exit__(*exc)
+
+
+class RankTimer(StageTimer):
+    """The stage timer of a rank among others: it also times a part of a stage, up to a mark inside
+    it (add_split: under DDP, the backward's compute up to the last gradient bucket ready, which a
+    slow peer does not stretch), and it sleeps inside a chosen stage on a chosen rank
+    (--simulate-slow-rank R:MS:STAGE): a teaching and testing aid, never on by default."""
+
+    def __init__(self, device: str, enabled: bool = True, slow_rank: str | None = None, rank: int = 0):
+        super().__init__(device, enabled)
+        self.sleep_ms: dict[str, float] = {}
+        if slow_rank:
+            slow = distributed.parse_slow_rank(slow_rank, STAGE_NAMES)
+            self.sleep_ms = {slow.stage: slow.ms} if slow.rank == rank else {}
+        self.split_of: dict[str, str] = {}  # stage -> the name of its split (see add_split)
+        self.splits: dict[str, tuple[str, float, object]] = {}  # split -> (stage, seconds, event)
+
+    @contextmanager
+    def stage(self, name: str, timed: bool = True):
+        with super().stage(name, timed):
+            if name in self.sleep_ms:
+                time.sleep(self.sleep_ms[name] / 1000)
+            yield
+
+    def done(self, name: str, seconds: float, start):
+        end = super().done(name, seconds, start)
+        split = self.split_of.get(name)
+        if split is not None:  # the split's last mark inside this stage, else all of it
+            _, part, event = self.splits.pop(split, (name, seconds, end))
+            self.step_host[split] += 1000 * part
+            if self.cuda:
+                self.events.append((len(self.host_steps), split, start, event))
+        return end
+
+    def add_split(self, stage: str, name: str) -> None:
+        """Time `name`, the part of every `stage` up to its last split() mark; a stage run without a
+        mark counts whole. (Under DDP: the backward's compute, up to the last gradient bucket ready;
+        a micro-step under no_sync has no all-reduce to wait for, so all of it is compute.)"""
+        self.split_of[stage] = name
+
+    def split(self, stage: str, name: str) -> None:
+        """Mark, now, the end of `name`: the part of the open `stage` done so far. Called several
+        times in one stage, the last mark counts. Safe from another thread (autograd's)."""
+        if not self.enabled or stage not in self.open:
+            return
+        t0, _ = self.open[stage]
+        self.splits[name] = (stage, time.perf_counter() - t0, self.event())
