@@ -264,3 +264,21 @@ def test_config_imports_without_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_what_no_flag_sets_passes_every_check_across_flags():
+    """validate() runs a check across flags (config.ACROSS) only when the user gave one of its
+    flags: sound only while the defaults and every preset, which no flag set, pass every row."""
+    from minigpt.core.config import ACROSS, validate
+
+    assert len(ACROSS) >= 12
+    for preset in [None, *PRESETS]:
+        cfg = parse_args([] if preset is None else ["--preset", preset])
+        validate(cfg, given=None)  # None: every row, asked or not
+
+
+def test_a_check_across_flags_runs_when_either_flag_is_given():
+    """--n-heads alone or --d-model alone asks for the divisibility row."""
+    for argv in (["--n-heads", "3"], ["--preset", "tiny", "--d-model", "66"]):
+        with pytest.raises(UsageError, match="divisible by --n-heads"):
+            parse_args(argv)

@@ -491,34 +491,6 @@ def parse_args(argv: list[str] | None = None, prog: str = "train_minimal.py") ->
     return cfg
 
 
-# Flags that only make sense beside another (the first needs the second), and pairs that exclude
-# each other: what argparse would take silently. Checked only where the user gave the first.
-NEEDS = [
-    (
-        "memory_snapshot_path",
-        "record_memory_history",
-        "--memory-snapshot-path names where --record-memory-history's snapshot goes; "
-        "add --record-memory-history, or drop --memory-snapshot-path",
-    ),
-    ("memory_profile_step", "memory_profiler", "--memory-profile-step needs --memory-profiler"),
-]
-EXCLUDE = [
-    (
-        "nsys",
-        "use_profiler",
-        "--nsys and --use-profiler exclude each other (both capture the same steps, and "
-        "each distorts the other); pick one",
-    ),
-    ("use_toy_data", "train_data", "--use-toy-data generates its own data; drop --train-data/--val-data"),
-    ("use_toy_data", "val_data", "--use-toy-data generates its own data; drop --train-data/--val-data"),
-    (
-        "use_toy_data",
-        "max_tokens",
-        "--use-toy-data generates its own tokens, which --max-tokens would not change; drop it",
-    ),
-]
-
-
 def check_alternatives(words: list[str], where: str) -> None:
     """A flag and its --no- form (--amp --no-amp) given together, in one place: argparse would let
     the last win silently, while --help shows them as alternatives."""
@@ -543,10 +515,6 @@ def check_fields(cfg: TrainConfig) -> None:
                 problem = "is out of range (a 64-bit integer)"
             if problem:
                 raise UsageError(f"{name} {problem}, got {value}")
-    if cfg.simulate_slow_rank:
-        from minigpt.core.distributed import check_slow_rank
-
-        check_slow_rank(cfg.simulate_slow_rank)
 
 
 def check_text(f: Field, name: str, value) -> None:
@@ -569,51 +537,112 @@ def check_text(f: Field, name: str, value) -> None:
             )
 
 
-def validate(cfg: TrainConfig, given: set[str] | frozenset[str] = frozenset()) -> None:
-    """Every field's own check, then the checks across fields. `given`: the fields set on the
-    command line (a few checks refuse a combination only when the user asked for both)."""
+def validate(cfg: TrainConfig, given: set[str] | None = None) -> None:
+    """Every field's own check, then the checks across fields (ACROSS) that a field the user gave
+    asks for, then the size. `given`: the fields set on the command line or in $MINIGPT_ARGS; None
+    asks for every check (the tests hold each preset and the defaults to them all)."""
     check_fields(cfg)
-    for first, second, why in NEEDS:
-        if getattr(cfg, first) is not None and not getattr(cfg, second):
-            raise UsageError(why)
-    for first, second, why in EXCLUDE:
-        if getattr(cfg, first) and getattr(cfg, second) not in (None, False, []):
-            raise UsageError(why)
-    if cfg.use_toy_data and "tokenizer_name" in given:
-        raise UsageError(
-            "--use-toy-data generates its own tokens, which --tokenizer-name would not change; drop it"
-        )
-    if not 0 <= cfg.min_lr <= cfg.lr:
-        raise UsageError(f"--min-lr must be between 0 and --lr ({cfg.lr}), got {cfg.min_lr}")
-    if cfg.d_model % cfg.n_heads:
-        raise UsageError(f"--d-model ({cfg.d_model}) must be divisible by --n-heads ({cfg.n_heads})")
-    if cfg.seq_len > cfg.max_position_embeddings:
-        raise UsageError(
-            f"--seq-len ({cfg.seq_len}) is larger than --max-position-embeddings "
-            f"({cfg.max_position_embeddings}); lower --seq-len or raise the other"
-        )
-    if cfg.use_profiler or cfg.nsys or cfg.record_memory_history or cfg.memory_profiler:
-        check_windows(cfg)
-    if cfg.profile_ranks.strip() != "0":
-        from minigpt.core.distributed import profile_ranks
-
-        profile_ranks(cfg.profile_ranks, world_size=None)  # the format; the range is checked at start-up
-    if cfg.no_checkpoint and "save_interval" in given:
-        raise UsageError(
-            "--no-checkpoint writes no checkpoint, so --save-interval has nothing to do; drop one of them"
-        )
-    if cfg.no_checkpoint and cfg.checkpoint_path is not None and not cfg.resume:
-        raise UsageError(
-            "--no-checkpoint writes no checkpoint, and without --resume --checkpoint-path "
-            "only says where to write one; drop one of them"
-        )
-    if cfg.compile_mode != "default" and not cfg.compile:
-        raise UsageError(f"--compile-mode {cfg.compile_mode} without --compile: add --compile")
-    if cfg.asks_for_ranks() or cfg.compile:
-        from minigpt.core.parallel import check_parallel
-
-        check_parallel(cfg, given)
+    for asked_by, refuse, why in ACROSS:
+        if (given is None or given & asked_by) and refuse(cfg, given or set()):
+            raise UsageError(why(cfg) if callable(why) else why)
     check_size(cfg)
+
+
+def ranks_refused(cfg: TrainConfig, given: set[str]) -> bool:
+    """The checks of the flags that need the job's ranks, in the rooms that own them
+    (minigpt/core/distributed.py, parallel.py: loaded only then); each raises its own one line."""
+    from minigpt.core.distributed import check_slow_rank, profile_ranks
+    from minigpt.core.parallel import check_parallel
+
+    if cfg.simulate_slow_rank:
+        check_slow_rank(cfg.simulate_slow_rank)
+    if cfg.profile_ranks.strip() != "0":
+        profile_ranks(cfg.profile_ranks, world_size=None)  # the format; the range is checked at start-up
+    if cfg.asks_for_ranks() or cfg.compile:
+        check_parallel(cfg, given)
+    return False
+
+
+WINDOW_FLAGS = {"use_profiler", "nsys", "record_memory_history", "memory_profiler"}
+PARALLEL_FLAGS = {"fsdp", "tp", "use_tensor_parallel", "simulate_slow_rank", "profile_ranks", "compile"}
+# The checks across flags, as data: (the fields that ask for the check, when it refuses, why).
+# A row runs when the user gave one of its fields: the defaults and every preset pass every row,
+# so a row no flag asked for would only prove them again. `why`: a text, or one made from cfg.
+ACROSS = [
+    (
+        {"memory_snapshot_path"},
+        lambda c, g: not c.record_memory_history,
+        "--memory-snapshot-path names where --record-memory-history's snapshot goes; "
+        "add --record-memory-history, or drop --memory-snapshot-path",
+    ),
+    (
+        {"memory_profile_step"},
+        lambda c, g: not c.memory_profiler,
+        "--memory-profile-step needs --memory-profiler",
+    ),
+    (
+        {"nsys", "use_profiler"},
+        lambda c, g: c.nsys and c.use_profiler,
+        "--nsys and --use-profiler exclude each other (both capture the same steps, and "
+        "each distorts the other); pick one",
+    ),
+    (
+        {"use_toy_data", "train_data", "val_data"},
+        lambda c, g: c.use_toy_data and (c.train_data or c.val_data),
+        "--use-toy-data generates its own data; drop --train-data/--val-data",
+    ),
+    (
+        {"use_toy_data", "max_tokens"},
+        lambda c, g: c.use_toy_data and c.max_tokens is not None,
+        "--use-toy-data generates its own tokens, which --max-tokens would not change; drop it",
+    ),
+    (
+        {"use_toy_data", "tokenizer_name"},
+        lambda c, g: c.use_toy_data and "tokenizer_name" in g,
+        "--use-toy-data generates its own tokens, which --tokenizer-name would not change; drop it",
+    ),
+    (
+        {"lr", "min_lr"},
+        lambda c, g: not 0 <= c.min_lr <= c.lr,
+        lambda c: f"--min-lr must be between 0 and --lr ({c.lr}), got {c.min_lr}",
+    ),
+    (
+        {"d_model", "n_heads"},
+        lambda c, g: c.d_model % c.n_heads,
+        lambda c: f"--d-model ({c.d_model}) must be divisible by --n-heads ({c.n_heads})",
+    ),
+    (
+        {"seq_len", "max_position_embeddings"},
+        lambda c, g: c.seq_len > c.max_position_embeddings,
+        lambda c: (
+            f"--seq-len ({c.seq_len}) is larger than --max-position-embeddings "
+            f"({c.max_position_embeddings}); lower --seq-len or raise the other"
+        ),
+    ),
+    (
+        {"no_checkpoint", "save_interval"},
+        lambda c, g: c.no_checkpoint and "save_interval" in g,
+        "--no-checkpoint writes no checkpoint, so --save-interval has nothing to do; drop one of them",
+    ),
+    (
+        {"no_checkpoint", "checkpoint_path", "resume"},
+        lambda c, g: c.no_checkpoint and c.checkpoint_path is not None and not c.resume,
+        "--no-checkpoint writes no checkpoint, and without --resume --checkpoint-path "
+        "only says where to write one; drop one of them",
+    ),
+    (
+        {"compile_mode", "compile"},
+        lambda c, g: c.compile_mode != "default" and not c.compile,
+        lambda c: f"--compile-mode {c.compile_mode} without --compile: add --compile",
+    ),
+    # The profile window and the measured memory step within the run's steps (each raises its line).
+    (
+        WINDOW_FLAGS | {"profile_step_start", "profile_step_end", "memory_profile_step"},
+        lambda c, g: check_windows(c),
+        "",
+    ),
+    (PARALLEL_FLAGS | {"compile_mode"}, ranks_refused, ""),
+]
 
 
 def check_windows(cfg: TrainConfig) -> None:
