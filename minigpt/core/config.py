@@ -571,13 +571,13 @@ PARALLEL_FLAGS = {"fsdp", "tp", "use_tensor_parallel", "simulate_slow_rank", "pr
 ACROSS = [
     (
         {"memory_snapshot_path"},
-        lambda c, g: not c.record_memory_history,
+        lambda c, g: c.memory_snapshot_path is not None and not c.record_memory_history,
         "--memory-snapshot-path names where --record-memory-history's snapshot goes; "
         "add --record-memory-history, or drop --memory-snapshot-path",
     ),
     (
         {"memory_profile_step"},
-        lambda c, g: not c.memory_profiler,
+        lambda c, g: c.memory_profile_step is not None and not c.memory_profiler,
         "--memory-profile-step needs --memory-profiler",
     ),
     (
