@@ -437,20 +437,20 @@ EPILOG = (
 )
 
 
+PARSER_OPTIONS = dict(
+    description="Train a GPT and see where the time and memory go.",
+    epilog=EPILOG,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+    allow_abbrev=False,
+)
+
+
 def build_parser(prog: str = "train_minimal.py") -> argparse.ArgumentParser:
     """One argument per TrainConfig field, grouped as --help shows them."""
-    p = ArgParser(
-        prog=prog,
-        description="Train a GPT and see where the time and memory go.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
+    p = ArgParser(prog=prog, **PARSER_OPTIONS)
     p.name_prog = True
-    groups: dict[str, argparse._ArgumentGroup] = {}
+    groups = {group: p.add_argument_group(group) for group in dict.fromkeys(g for g, _, _ in ARGUMENTS)}
     for group, name, kwargs in ARGUMENTS:
-        if group not in groups:
-            groups[group] = p.add_argument_group(group)
         groups[group].add_argument(name, **kwargs)
     return p
 
@@ -700,15 +700,13 @@ def check_size(cfg: TrainConfig) -> None:
     typo like --vocab-size 1e13 should not be found by the kernel's OOM killer). --estimate-memory
     builds nothing and answers for other machines, so it is refused only above 1 PiB."""
     terms = quick_bytes(cfg)
-    need = sum(terms.values())
-    limit, what = ESTIMATE_CAP_BYTES, "1 PiB, the cap of --estimate-memory"
-    if not cfg.estimate_memory:
-        limit = machine_ram_bytes() or ESTIMATE_CAP_BYTES
-        what = f"this machine's {format_bytes(limit)} of RAM"
-    if need > limit:
+    ram = None if cfg.estimate_memory else machine_ram_bytes()
+    if sum(terms.values()) > (ram or ESTIMATE_CAP_BYTES):
+        what = f"this machine's {format_bytes(ram)} of RAM" if ram else "1 PiB, the cap of --estimate-memory"
         parts = ", ".join(f"{format_bytes(n)} {label}" for label, n in terms.items() if n)
         raise UsageError(
-            f"this configuration needs about {format_bytes(need)} ({parts}), more than {what}; "
+            f"this configuration needs about {format_bytes(sum(terms.values()))} ({parts}), "
+            f"more than {what}; "
             "lower --vocab-size, --d-model, --d-ff, --n-layers, --max-position-embeddings, "
             "--batch-size or --seq-len"
         )
@@ -723,27 +721,35 @@ def format_bytes(n: float) -> str:
 
 
 # ------------------------------------------------------------------------------------------ device
+# What only CUDA has, as (field, the value that asks for it, why not on a CPU).
+CUDA_ONLY = [
+    ("ddp_backend", "nccl", "--ddp-backend nccl needs CUDA GPUs; on the CPU use gloo (the default there)"),
+    (
+        "auto_batch_size",
+        True,
+        "--auto-batch-size sizes a GPU's micro-batch from the GPU's memory; on the CPU choose "
+        "--batch-size yourself",
+    ),
+    (
+        "nsys",
+        True,
+        "--nsys needs CUDA: Nsight Systems' capture range is cudaProfilerStart/Stop; "
+        "on the CPU use --use-profiler",
+    ),
+    (
+        "record_memory_history",
+        True,
+        "--record-memory-history needs CUDA: it records the CUDA caching allocator; "
+        "on the CPU see the memory breakdown instead",
+    ),
+]
+
+
 def check_cuda_features(cfg: TrainConfig, device: str) -> None:
-    """--nsys and --record-memory-history drive CUDA's profiler and allocator: nothing to do on a CPU."""
-    if device == "cuda":
-        return
-    if cfg.ddp_backend == "nccl":
-        raise UsageError("--ddp-backend nccl needs CUDA GPUs; on the CPU use gloo (the default there)")
-    if cfg.auto_batch_size:
-        raise UsageError(
-            "--auto-batch-size sizes a GPU's micro-batch from the GPU's memory; on the CPU choose "
-            "--batch-size yourself"
-        )
-    if cfg.nsys:
-        raise UsageError(
-            "--nsys needs CUDA: Nsight Systems' capture range is cudaProfilerStart/Stop; "
-            "on the CPU use --use-profiler"
-        )
-    if cfg.record_memory_history:
-        raise UsageError(
-            "--record-memory-history needs CUDA: it records the CUDA caching allocator; "
-            "on the CPU see the memory breakdown instead"
-        )
+    """A flag that drives what only CUDA has (its profiler range, its allocator, NCCL), on a CPU."""
+    for name, asks, why in CUDA_ONLY:
+        if device != "cuda" and getattr(cfg, name) == asks:
+            raise UsageError(why)
 
 
 def resolve_device(requested: str) -> str:
