@@ -192,6 +192,9 @@ def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
 
         parallelize(model, cfg, plan.mesh, device, amp_dtype)
         plan_note = f"{describe(plan, amp_dtype)}; {dist_info.backend} backend"
+    elif dist_info.world_size > 1:  # DDP: every rank a whole model
+        ddp = f"DDP: {dist_info.world_size} ranks, {dist_info.backend} backend"
+        plan_note = f"{ddp}; every rank draws its own batches"
     if plan.dp_rank:  # different dropout masks per data-parallel rank (a tp group's ranks share theirs)
         torch.manual_seed(cfg.seed + plan.dp_rank)
     optimizer = configure_optimizer(model, cfg, plan.sharded)

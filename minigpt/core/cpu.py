@@ -284,7 +284,8 @@ def choose_allocator(keep_freed: bool) -> str:
     settings) before its first big allocation, and say what was done."""
     global _glibc_setting
     _glibc_setting = "glibc, freed memory kept" if keep_freed else "glibc defaults"
-    return keep_freed_memory() if keep_freed else "CPU allocator: glibc defaults (--no-keep-freed-memory)"
+    note = keep_freed_memory() if keep_freed else "CPU allocator: glibc defaults (--no-keep-freed-memory)"
+    return note + (f"\nCPU allocator: {hint}" if (hint := preload_hint()) else "")
 
 
 def allocator_in_use() -> str:

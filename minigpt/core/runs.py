@@ -45,112 +45,85 @@ def checkpoint_lock_path(checkpoint: str | Path) -> Path:
     return checkpoint.with_name(f".{checkpoint.name}.lock")
 
 
-class _Flock:
-    """An exclusive flock on one lock file, with the holder's PID written inside for the message
-    a second trainer gets. The kernel drops a flock when its holder exits, however it exits
-    (SIGKILL included), so a lock file left by a crash is not a lock: the next trainer takes it.
-    Folders the lock had to create are removed again if they are left empty."""
-
-    def __init__(self, path: Path, busy: str):
-        self.path, self.busy = path, busy  # busy: the message, with {holder} for the PID
-        self.fd: int | None = None
-        self.made: list[Path] = []
-
-    def acquire(self) -> None:
-        folder = self.path.parent
-        self.made = [p for p in [*reversed(folder.parents), folder] if not p.exists()]
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError:  # nothing left behind: the caller says why in one line
-            self.remove_made()
-            raise
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
-                self.remove_made()
-                raise UsageError(self.busy.format(holder=holder)) from None
-            # The holder before us may have removed the file between our open and our flock:
-            # then we hold a lock on a deleted file, which guards nothing. Try again.
-            try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self.fd = fd
-
-    def release(self) -> None:
-        if self.fd is None:
-            return
-        self.path.unlink(missing_ok=True)  # while still locked: no one can be waiting on this inode
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
-        self.fd = None
-        self.remove_made()
-
-    def remove_made(self) -> None:
-        for p in reversed(self.made):  # innermost first, only if the run left them empty
-            try:
-                p.rmdir()
-            except OSError:
-                break
-        self.made = []
-
-
 class RunLock:
     """One trainer per run directory, and one per checkpoint: an exclusive flock on
     <out_dir>/.lock and, when the run writes a checkpoint, on .<name>.lock beside it. Two runs
     with different --out-dir but one --checkpoint-path would otherwise both exit 0 while the
-    second overwrote the first's weights. Held until the run returns; a crash drops both."""
+    second overwrote the first's weights. Each lock file holds its holder's PID, for the message a
+    second trainer gets. The kernel drops a flock when its holder exits, however it exits (SIGKILL
+    included), so a lock file left by a crash is not a lock: the next trainer takes it. Held until
+    the run returns; folders a lock had to create are removed again if they are left empty."""
 
     def __init__(self, out_dir: str | Path, checkpoint: str | Path | None = None):
         self.out_dir = Path(out_dir)
         self.path = self.out_dir / LOCK_FILE
-        self.locks = [
-            _Flock(
-                self.path,
-                f"another trainer (PID {{holder}}) is using {self.out_dir}; wait for it to "
-                "finish, or choose another --out-dir",
-            )
-        ]
+        busy = f"another trainer (PID {{holder}}) is using {self.out_dir}; wait for it to finish, or choose "
+        self.wanted = [(self.path, busy + "another --out-dir")]
         if checkpoint is not None:
-            self.locks.append(
-                _Flock(
-                    checkpoint_lock_path(checkpoint),
-                    f"another trainer (PID {{holder}}) writes its checkpoint to {checkpoint}; wait "
-                    "for it to finish, or choose another --checkpoint-path",
-                )
+            busy = f"another trainer (PID {{holder}}) writes its checkpoint to {checkpoint}; wait for it to "
+            self.wanted.append(
+                (checkpoint_lock_path(checkpoint), busy + "finish, or choose another --checkpoint-path")
             )
+        self.held: list[tuple[Path, int, list[Path]]] = []  # (lock file, its descriptor, folders made)
 
     def acquire(self) -> RunLock:
-        taken: list[_Flock] = []
         try:
-            for lock in self.locks:
-                lock.acquire()
-                taken.append(lock)
+            for path, busy in self.wanted:
+                self.held.append(take_lock(path, busy))
         except BaseException:
-            for lock in reversed(taken):
-                lock.release()
+            self.release()
             raise
         return self
 
     def release(self) -> None:
-        for lock in reversed(self.locks):
-            lock.release()
+        while self.held:
+            path, fd, made = self.held.pop()
+            path.unlink(missing_ok=True)  # while still locked: no one can be waiting on this inode
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            remove_empty(made)
 
     def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def take_lock(path: Path, busy: str) -> tuple[Path, int, list[Path]]:
+    """The flock on `path`, made with its folders; `busy` (with {holder} for the PID) when another
+    process holds it. On any error nothing it made is left."""
+    made = [p for p in [*reversed(path.parent.parents), path.parent] if not p.exists()]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise UsageError(busy.format(holder=holder)) from None
+            # The holder before us may have removed the file between our open and our flock: then
+            # we hold a lock on a file with no name left (no link), which guards nothing. Try again.
+            if os.fstat(fd).st_nlink:
+                break
+            os.close(fd)
+    except BaseException:
+        remove_empty(made)
+        raise
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return path, fd, made
+
+
+def remove_empty(folders: list[Path]) -> None:
+    """Remove `folders` (outermost first), innermost first, as long as each is empty."""
+    for p in reversed(folders):
+        try:
+            p.rmdir()
+        except OSError:
+            break
 
 
 def resolve_out_dir(cfg: TrainConfig) -> Path:
@@ -175,16 +148,11 @@ def setup_logging(log_file: Path | None = None, rank: int = 0) -> logging.Logger
     log = logging.getLogger("minigpt")
     log.handlers.clear()
     log.propagate = False
-    if rank == 0:
-        log.setLevel(logging.INFO)
-        handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
-        if log_file is not None:
-            log_file.parent.mkdir(parents=True, exist_ok=True)
-            handlers.append(logging.FileHandler(log_file, encoding="utf-8"))
-        fmt = LOG_FORMAT
-    else:
-        log.setLevel(logging.WARNING)
-        handlers, fmt = [logging.StreamHandler(sys.stderr)], f"[%(asctime)s] [rank {rank}] %(message)s"
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)]
+    if rank == 0 and log_file is not None:
+        handlers.append(logging.FileHandler(log_file, encoding="utf-8"))
+    fmt = LOG_FORMAT if rank == 0 else f"[%(asctime)s] [rank {rank}] %(message)s"
     for h in handlers:
         h.setFormatter(logging.Formatter(fmt, LOG_DATEFMT))
         log.addHandler(h)
@@ -241,6 +209,7 @@ class RunDir:
 
             check_checkpoint_path(checkpoint, cfg.resume)
         self.cleaned: list[str] = []  # what a killed earlier run left, and what was done about it
+        self.start = "Starting from scratch"  # restore() says where a resumed run starts
         self.ckpt = None  # minigpt/core/checkpoint.py's Checkpointer: with --resume, or at the first save
 
     def guard(self, held: ExitStack) -> None:
@@ -277,6 +246,7 @@ class RunDir:
 
         self.ckpt = Checkpointer(self.cfg, self.checkpoint, self.sharded, self.dist_info)
         step = self.ckpt.restore(model, optimizer, scaler, batches)
+        self.start = f"Resumed from {self.checkpoint} at step {step}"
         for name in (paths.METRICS_FILE, paths.STRAGGLERS_FILE):
             if self.dist_info.is_main and (dropped := repair_jsonl(self.path / name, step)):
                 self.cleaned.append(f"dropped {dropped} line(s) of {name} past step {step} or cut short")
@@ -327,12 +297,12 @@ class RunDir:
         where = f"the last checkpoint, if one was saved, is {self.checkpoint}"
         return f"{where}: continue with --resume --out-dir {self.path}"
 
-    # -- the log's first and last lines
+    # -- the log's first lines
     def open(self, model, data, rate, notes: list[str | None]) -> logging.Logger:
         """Create the folder, write config.json (rank 0) and say what this run is: the lines every
         log starts with. `notes`: the AMP decision in words, then the CPU allocator's setting,
-        the parallel plan and --auto-batch-size's choice, when there are. `rate`: the run's
-        Throughput (minigpt/instruments/metrics.py). Returns the logger (rank 0 writes the log)."""
+        the ranks' plan and --auto-batch-size's choice, when there are. `rate`: the run's
+        Throughput (minigpt/instruments/instrument.py). Returns the logger (rank 0 writes the log)."""
         import torch
 
         cfg, info, device, (amp_note, *notes) = self.cfg, self.dist_info, rate.device, notes
@@ -342,11 +312,6 @@ class RunDir:
             torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
         )
         n_params = model.num_params(non_embedding=False)
-        versions = {
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "python": platform.python_version(),
-        }
         self.config = {
             "config": cfg.to_dict(),
             "model": asdict(model.cfg),
@@ -357,7 +322,11 @@ class RunDir:
             **rate.config(),
             "world_size": info.world_size,
             "ddp_backend": info.backend,
-            "versions": versions,
+            "versions": {
+                "torch": torch.__version__,
+                "cuda": torch.version.cuda,
+                "python": platform.python_version(),
+            },
         }
         if info.is_main:  # written whole under a temporary name, then renamed into place
             text, path = json.dumps(self.config, indent=2) + "\n", self.path / paths.CONFIG_FILE
@@ -379,29 +348,16 @@ class RunDir:
         return log
 
     def header(self, model, data, rate, notes: list[str | None], n_params: int) -> list[str]:
-        """The log's first lines after the device: the CPU allocator, the ranks, the data, the
-        model, the batch, the MFU peak, where the run starts and what was cleaned up."""
-        cfg, info, (malloc_note, plan_note, batch_note) = self.cfg, self.dist_info, notes
-        lines = [malloc_note] if malloc_note else []
-        if malloc_note:
-            from minigpt.core.cpu import preload_hint
-
-            lines += [f"CPU allocator: {hint}"] if (hint := preload_hint()) else []
-        if plan_note or info.world_size > 1:  # --fsdp / --tp, or DDP
-            ddp = f"DDP: {info.world_size} ranks, {info.backend} backend; every rank draws its own batches"
-            lines.append(f"{plan_note}; {info.backend} backend" if plan_note else ddp)
+        """The log's first lines after the device: the notes (the CPU allocator, the ranks' plan),
+        the data, the model, the batch, the MFU peak, where the run starts and what was cleaned up."""
+        cfg, (*notes, batch_note) = self.cfg, notes
         tokens = data.train_tokens
         counts = (
             "" if tokens is None else f"; {tokens:,} training tokens, {data.val_tokens:,} validation tokens"
         )
         checkpointing = ", activation checkpointing" if cfg.use_activation_checkpoint else ""
-        start = (
-            f"Resumed from {self.checkpoint} at step {rate.start_step}"
-            if cfg.resume
-            else "Starting from scratch"
-        )
         return [
-            *lines,
+            *(line for note in notes if note for line in note.split("\n")),
             f"Data: {data.name}{counts}",
             f"Model: {cfg.n_layers} layers, {cfg.n_heads} heads, d_model {cfg.d_model}, d_ff {cfg.d_ff}, "
             f"vocab {model.cfg.vocab_size}, {n_params / 1e6:.2f}M parameters{checkpointing}",
@@ -409,7 +365,7 @@ class RunDir:
             f"Batch: {cfg.batch_size} x {cfg.seq_len} tokens x {cfg.grad_accum_steps} accumulation = "
             f"{rate.tokens_per_step:,} tokens per step per rank; {cfg.num_steps} steps",
             *rate.peak.describe().split("\n"),
-            start,
+            self.start,
             *(f"Cleaned up after an earlier run: {line}" for line in self.cleaned),
         ]
 
