@@ -34,10 +34,10 @@ if __name__ == "__main__":
 import torch
 
 from minigpt.core.checkpoint import latest_run
-from minigpt.core.config import UsageError, resolve_device
-from minigpt.core.data import EOT, get_tokenizer
+from minigpt.core.config import EOT, UsageError, resolve_device
 from minigpt.core.progress import Progress, progress_enabled
 from minigpt.core.sample import Draw, generate, load_model, utf8_text, vocab_in_use
+from minigpt.core.tokens import get_tokenizer
 from minigpt.fileio import UnreadableFile, check_names, format_bytes, read_bounded
 from minigpt.paths import CHECKPOINT_FILE, RUNS_ROOT
 

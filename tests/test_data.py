@@ -3,17 +3,10 @@ import pytest
 import torch
 
 from minigpt.core import data as data_module
-from minigpt.core.config import UsageError, parse_args
-from minigpt.core.data import (
-    EOT,
-    Batches,
-    ToyBatches,
-    builtin_corpus,
-    get_tokenizer,
-    load_tokens,
-    tokenize_file,
-    tokenizer_vocab,
-)
+from minigpt.core import tokens as tokens_module
+from minigpt.core.config import EOT, UsageError, parse_args
+from minigpt.core.data import Batches, ToyBatches, builtin_corpus, load_tokens, tokenize_file, tokenizer_vocab
+from minigpt.core.tokens import get_tokenizer
 
 
 def test_gpt2_ids_are_exact_and_offline():
@@ -159,7 +152,7 @@ def test_cached_tokens_never_build_the_tokenizer(tmp_path, monkeypatch):
     def no_encoder(name="gpt2"):
         raise AssertionError("the encoder was built for cached tokens")
 
-    monkeypatch.setattr(data_module, "build_tokenizer", no_encoder)
+    monkeypatch.setattr(tokens_module, "build_tokenizer", no_encoder)
     again = tokenize_file(text)
     assert np.array_equal(np.asarray(again), np.asarray(first))
 

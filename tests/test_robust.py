@@ -17,7 +17,7 @@ import torch
 from conftest import TINY
 
 import train_minimal
-from minigpt.core import data
+from minigpt.core import data, tokens
 from minigpt.core.checkpoint import latest_run, load_checkpoint, repair_jsonl, rng_state, save_checkpoint
 from minigpt.core.config import UsageError
 from minigpt.core.finish import next_steps
@@ -402,8 +402,8 @@ def test_an_unwritable_or_full_cache_falls_back_to_memory(tmp_path, cache, capsy
     else:
         full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         monkeypatch.setattr("minigpt.fileio.os.fsync", lambda fd: (_ for _ in ()).throw(full))
-    tokens = data.tokenize_file(path)
-    assert data.get_tokenizer().decode(tokens.tolist()) == path.read_text()
+    ids = data.tokenize_file(path)
+    assert tokens.get_tokenizer().decode(ids.tolist()) == path.read_text()
     err = capsys.readouterr().err
     assert "tokenised in memory" in err and len(err.strip().splitlines()) == 1
 
@@ -419,10 +419,10 @@ def test_only_regular_files_are_data(tmp_path):
 
 def test_big_text_is_tokenised_in_pieces_to_the_same_ids(monkeypatch):
     text = data.builtin_corpus().read_text()[:200_000]
-    pieces = data.text_chunks(text, 5_000)
+    pieces = tokens.text_chunks(text, 5_000)
     assert len(pieces) > 10 and "".join(pieces) == text
-    monkeypatch.setattr(data, "TOKENIZE_CHUNK_CHARS", 5_000)
-    assert data.encode_text(text, show_progress=False) == data.get_tokenizer().encode_ordinary(text)
+    monkeypatch.setattr(tokens, "TOKENIZE_CHUNK_CHARS", 5_000)
+    assert tokens.encode_text(text, show_progress=False) == tokens.get_tokenizer().encode_ordinary(text)
 
 
 # ---------------------------------------------------------------------------- the progress bar

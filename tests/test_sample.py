@@ -221,7 +221,8 @@ TEXT = "日本語の文章 🙂👍 naïve café"  # CJK, emoji, accents: GPT-2 
 def test_characters_split_over_tokens_decode_whole():
     """GPT-2's byte-level tokens split a CJK character or an emoji over two or three tokens; the
     sample's text must show the character, never U+FFFD for its halves."""
-    from minigpt.core.data import EOT, get_tokenizer
+    from minigpt.core.config import EOT
+    from minigpt.core.tokens import get_tokenizer
 
     enc = get_tokenizer()
     tokens = enc.encode_ordinary(TEXT)
@@ -240,7 +241,7 @@ def test_characters_split_over_tokens_decode_whole():
 def test_a_sample_cut_inside_a_character_leaves_the_partial_character_out():
     """max_new_tokens can end a sample between the tokens of one character: the complete text up to
     it is shown, not a trailing U+FFFD."""
-    from minigpt.core.data import get_tokenizer
+    from minigpt.core.tokens import get_tokenizer
 
     enc = get_tokenizer()
     tokens = enc.encode_ordinary(TEXT)

