@@ -311,7 +311,7 @@ class RunDir:
         device_name = (
             torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
         )
-        n_params = model.num_params(non_embedding=False)
+        n_params = sum(p.numel() for p in model.parameters())  # the tied head once
         self.config = {
             "config": cfg.to_dict(),
             "model": asdict(model.cfg),
@@ -504,6 +504,32 @@ TB_SCALARS = {
 }
 
 
+def tensorboard_scalars(r: StepRecord) -> Iterator[tuple[str, float, int]]:
+    """(tag, value, step) for each of the record's figures, in the unit a chart reads (TB_SCALARS;
+    stage times in ms, memory in MiB)."""
+    for key, (tag, scale) in TB_SCALARS.items():
+        if (value := getattr(r, key)) is not None:
+            yield tag, value * scale, r.step
+    for kind in ("host", "device", "comm"):
+        for stage, ms in getattr(r, f"stage_{kind}_ms").items():
+            yield f"stage_{kind}_ms/{stage}", ms, r.step
+    for key, value in r.memory.items():  # bytes in MiB
+        yield (
+            f"memory/{key.replace('_bytes', '_mib')}",
+            value / 2**20 if key.endswith("_bytes") else value,
+            r.step,
+        )
+    if r.memory_breakdown:  # --memory-profiler's measured step, and its estimate
+        breakdown = r.memory_breakdown
+        for prefix, figures in (
+            ("memory_breakdown", breakdown),
+            ("memory_estimate", breakdown.get("estimate") or {}),
+        ):
+            for key in MEMORY_BREAKDOWN_KEYS:
+                if figures.get(key) is not None:
+                    yield f"{prefix}/{key}_mib", figures[key] / 2**20, breakdown.get("step", r.step)
+
+
 class TensorBoardLogger:
     """Scalars for `tensorboard --logdir <out-dir>`: the figures of metrics.jsonl, in the units a
     chart reads (MFU in percent, memory in MiB)."""
@@ -526,35 +552,13 @@ class TensorBoardLogger:
         if self.writer is None:
             return
         try:
-            self._log(r)
+            for tag, value, step in tensorboard_scalars(r):
+                self.writer.add_scalar(tag, value, step)
+            self.writer.flush()
         except (OSError, RuntimeError) as e:
             if full := disk_full(e, self.log_dir):
                 raise full from None
             raise
-
-    def _log(self, r: StepRecord) -> None:
-        for key, (tag, scale) in TB_SCALARS.items():
-            if (value := getattr(r, key)) is not None:
-                self.writer.add_scalar(tag, value * scale, r.step)
-        for kind in ("host", "device", "comm"):
-            for stage, ms in getattr(r, f"stage_{kind}_ms").items():
-                self.writer.add_scalar(f"stage_{kind}_ms/{stage}", ms, r.step)
-        for key, value in r.memory.items():  # bytes in MiB
-            mib = key.endswith("_bytes")
-            self.writer.add_scalar(
-                f"memory/{key.replace('_bytes', '_mib')}", value / 2**20 if mib else value, r.step
-            )
-        breakdown = r.memory_breakdown or {}
-        for prefix, figures in (
-            ("memory_breakdown", breakdown),
-            ("memory_estimate", breakdown.get("estimate") or {}),
-        ):
-            for key in MEMORY_BREAKDOWN_KEYS:
-                if figures.get(key) is not None:
-                    self.writer.add_scalar(
-                        f"{prefix}/{key}_mib", figures[key] / 2**20, breakdown.get("step", r.step)
-                    )
-        self.writer.flush()
 
     def close(self, error_in_flight: bool = False) -> None:
         """A full disk met while closing is one line, unless the run is already ending on an error
