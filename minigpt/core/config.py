@@ -61,8 +61,9 @@ BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW's two moments
 ESTIMATE_CAP_BYTES = 2**50  # --estimate-memory answers for other machines: refuse only above 1 PiB
 GIB_HINT = "the figure is in GiB: 80 for an 80 GB GPU"
 # Flags that name a file or folder: an empty value would silently mean the default.
-# A path of at most this many characters is at most 252 bytes (4 a character in UTF-8): never too long.
-SHORT_PATH = 255 // 4
+# A path of at most 255 bytes has no name over 255 bytes and is far below PATH_MAX: never too long
+# (minigpt/fileio.py's name_problem judges a longer one).
+SHORT_PATH = 255
 PATH_FLAGS = ("out_dir", "checkpoint_path", "memory_snapshot_path", "train_data", "val_data")
 
 
@@ -524,7 +525,7 @@ def check_text(f: Field, name: str, value) -> None:
     for text in value if isinstance(value, list) else [value]:
         if "\0" in text:
             raise UsageError(f"{name} holds a NUL byte, which no file name or value may hold")
-        if f.name in PATH_FLAGS and len(text) > SHORT_PATH:  # a name past 255 bytes: errno 36
+        if f.name in PATH_FLAGS and len(os.fsencode(text)) > SHORT_PATH:  # a name past 255 bytes: errno 36
             from minigpt.fileio import name_problem
 
             if problem := name_problem(text):
