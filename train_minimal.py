@@ -192,25 +192,19 @@ def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
 
         parallelize(model, cfg, plan.mesh, device, amp_dtype)
         plan_note = f"{describe(plan, amp_dtype)}; {dist_info.backend} backend"
-    elif dist_info.world_size > 1:  # DDP: every rank a whole model
-        ddp = f"DDP: {dist_info.world_size} ranks, {dist_info.backend} backend"
-        plan_note = f"{ddp}; every rank draws its own batches"
     if plan.dp_rank:  # different dropout masks per data-parallel rank (a tp group's ranks share theirs)
         torch.manual_seed(cfg.seed + plan.dp_rank)
     optimizer = configure_optimizer(model, cfg, plan.sharded)
-    # fp16 needs loss scaling (its range is narrow); bf16 has fp32's range and needs none.
-    scaler = torch.amp.GradScaler(device, enabled=amp_dtype == "fp16")
+    scaler = torch.amp.GradScaler(device, enabled=amp_dtype == "fp16")  # fp16's narrow range: loss scaling
     autocast = torch.autocast(device, dtype=TORCH_DTYPES[amp_dtype]) if amp_on else nullcontext()
     step = run.restore(model, optimizer, scaler, data.train)  # with --resume; 0 otherwise
     ddp_model = model
     if dist_info.enabled and not plan.sharded:  # DDP from 2 ranks on (FSDP and TP wrap in place)
-        from minigpt.core.distributed import wrap_ddp
+        from minigpt.core.distributed import ddp_note, wrap_ddp
 
-        ddp_model = wrap_ddp(model, dist_info, device)
+        ddp_model, plan_note = wrap_ddp(model, dist_info, device), ddp_note(dist_info)
     train_model = torch.compile(ddp_model, mode=cfg.compile_mode) if cfg.compile else ddp_model
-    # Under torchrun: gradients reduced on the last micro-batch only, one stop for every rank, a
-    # lost rank named, slow ranks reported (minigpt/instruments/straggler.py). A single process: none.
-    ranks = None
+    ranks = None  # under torchrun: one grad sync per step, one stop for all, lost and slow ranks named
     if dist_info.enabled:
         from minigpt.instruments.straggler import Ranks
 

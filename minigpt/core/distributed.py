@@ -104,6 +104,13 @@ def wrap_ddp(model: torch.nn.Module, info: DistInfo, device: str) -> torch.nn.Mo
     return DistributedDataParallel(model, device_ids=[info.local_rank] if device == "cuda" else None)
 
 
+def ddp_note(info: DistInfo) -> str | None:
+    """The log's line for DDP (None for a world of one)."""
+    if info.world_size > 1:
+        return f"DDP: {info.world_size} ranks, {info.backend} backend; every rank draws its own batches"
+    return None
+
+
 def no_grad_sync(model: torch.nn.Module, sync: bool):
     """DDP's no_sync() on gradient-accumulation micro-steps: gradients are all-reduced once per
     optimizer step, on the last micro-batch, not on every one. Under FSDP2 (minigpt/core/parallel.py)
