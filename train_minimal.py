@@ -80,12 +80,6 @@ def get_lr(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + decay * (cfg.lr - cfg.min_lr)
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> float:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    return lr
-
-
 def configure_optimizer(model: torch.nn.Module, cfg: TrainConfig, sharded: bool) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices (linear weights, embeddings) only, not on biases and
     LayerNorm gains; the fused kernel, on the CPU too (benchmarks/results/cpu-small.md)."""
@@ -117,10 +111,6 @@ def evaluate(model: GPT, batches: Batches, iters: int, device: str, autocast, st
         CPU_MALLOC.release_freed_memory()
     model.train()
     return torch.stack(losses).mean().item() if len(losses) == iters else None
-
-
-def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
-    return GPTConfig(**shape_of(cfg, vocab_size).model_kwargs())
 
 
 def is_log_step(step: int, cfg: TrainConfig) -> bool:
@@ -185,7 +175,7 @@ def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
         from minigpt.instruments.straggler import RankTimer
 
         inst.timer = RankTimer(device, cfg.stage_timing, cfg.simulate_slow_rank, dist_info.rank)
-    model = GPT(model_config(cfg, data.vocab_size)).to(device)
+    model = GPT(GPTConfig(**shape_of(cfg, data.vocab_size).model_kwargs())).to(device)
     plan_note = None
     if plan.sharded:  # in place, into DTensors: before the optimizer, which must hold those
         from minigpt.core.parallel import describe, parallelize
@@ -276,7 +266,9 @@ def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) ->
                             scaler.scale(loss).backward()
                     step_loss += loss.detach()
                 with inst.stage("optimizer_step"):
-                    lr = set_lr(optimizer, get_lr(step, cfg))
+                    lr = get_lr(step, cfg)
+                    for group in optimizer.param_groups:
+                        group["lr"] = lr
                     if cfg.grad_clip > 0:
                         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
                         clip_grad_norm(model.parameters(), cfg.grad_clip)

@@ -670,8 +670,9 @@ class Throughput:
         step_times, stages = interval.step_times, interval.stages
         step_time = sum(step_times) / len(step_times)
         per_rank = self.tokens_per_step / step_time
+        achieved = achieved_tflops(self.flops_per_token, per_rank)  # per device
         # An achieved rate above the denominator proves the denominator wrong: said once, corrected.
-        if note := self.peak.raise_to(achieved_tflops(self.flops_per_token, per_rank) * 1e12):
+        if achieved * 1e12 > self.peak.value and (note := self.peak.raise_to(achieved * 1e12)):
             logging.getLogger("minigpt").warning(note)
         self.totals.add(interval.steady, interval.left_out)
         run = self.totals.figures()  # run_tokens, run_tokens_per_s, tokens_per_s_e2e, elapsed_s, ...
@@ -694,8 +695,8 @@ class Throughput:
             val_ppl=None if val is None else math.exp(min(val, 700.0)),  # exp overflows past ~709
             eta_s=self.totals.eta_s(self.num_steps - step, run["elapsed_s"]),
             amp=self.amp,
-            mfu=mfu(self.flops_per_token, per_rank, self.peak.value),
-            achieved_tflops=achieved_tflops(self.flops_per_token, per_rank),
+            mfu=achieved * 1e12 / self.peak.value,  # mfu(): the peak as it is after raise_to
+            achieved_tflops=achieved,
             stage_host_ms=stages.host_ms,
             stage_device_ms=stages.device_ms,
             stage_comm_ms=comm_ms,
