@@ -236,9 +236,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) ->
     (cfg, device, dist_info, plan, data, model, ddp_model, train_model, ranks, clip_grad_norm,
      optimizer, scaler, autocast, step, inst, rate, run, log) = s  # fmt: skip
     is_main = dist_info.is_main
-    outputs = Outputs(
-        run.path, log, is_main, purge_step=step + 1
-    )  # the log's lines, metrics.jsonl, TensorBoard
+    outputs = Outputs(run.path, log, is_main, purge_step=step + 1)  # log lines, metrics.jsonl, TensorBoard
     lost = ranks.watch(run.resume_hint()) if ranks else None  # a rank lost mid-run: one line on the others
 
     # ------------------------------------------------------------------ train loop
