@@ -122,6 +122,36 @@ def test_second_trainer_is_refused_with_the_holders_pid(tmp_path):
         proc.wait()
 
 
+def test_a_refused_trainer_removes_no_temporary_file(tmp_path):
+    """Files named as a killed save's are removed only by the trainer that holds the folder's lock:
+    the holder's own save in progress may look like one (its process in another PID namespace)."""
+    run = tmp_path / "run"
+    proc = start_holder(run)
+    try:
+        saving = run / "checkpoints" / ".ckpt.pt.999999.tmp"
+        saving.parent.mkdir(parents=True)
+        saving.write_bytes(b"half a checkpoint")
+        flags = ["--preset", "tiny", "--use-toy-data", "--num-steps", "1", "--out-dir", str(run)]
+        assert train_minimal.cli(flags) == 2
+        assert saving.read_bytes() == b"half a checkpoint"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_write_that_fails_after_the_lock_leaves_nothing(tmp_path, monkeypatch):
+    """A lock whose PID cannot be written (a full disk) is let go, its file and folders removed."""
+    import minigpt.core.runs as runs
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(runs.os, "write", full)
+    with pytest.raises(OSError):
+        RunLock(tmp_path / "new" / "run").acquire()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_lock_left_by_a_killed_trainer_is_not_a_lock(tmp_path):
     run = tmp_path / "run"
     proc = start_holder(run)

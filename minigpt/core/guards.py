@@ -174,13 +174,11 @@ def check_checkpoint_path(path: str | Path, resume: bool) -> None:
         )
 
 
-def check_run_dir(run) -> list[str]:
+def check_run_dir(run) -> None:
     """Every output path of `run` (a RunDir) checked before any work, on rank 0: the folder, the
-    files an earlier run left in it, the checkpoint's path and its folder. Returns what a killed
-    earlier run left and was removed, for the log's first lines."""
+    files an earlier run left in it, the checkpoint's folder. (What a killed earlier run left is
+    removed once the folder is locked: RunDir.guard.)"""
     check_out_dir(run.path)
     check_run_files(run.path)
     if run.saves:
         probe_writable(run.probe, "--checkpoint-path")
-    stale = clean_stale_tmp(run.checkpoint.parent) + clean_stale_tmp(run.path)
-    return [f"removed {p}, a save killed midway" for p in stale]

@@ -94,26 +94,34 @@ def take_lock(path: Path, busy: str) -> tuple[Path, int, list[Path]]:
     """The flock on `path`, made with its folders; `busy` (with {holder} for the PID) when another
     process holds it. On any error nothing it made is left."""
     made = [p for p in [*reversed(path.parent.parents), path.parent] if not p.exists()]
+    fd, locked = None, False
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        while True:
+        while not locked:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
                 raise UsageError(busy.format(holder=holder)) from None
             # The holder before us may have removed the file between our open and our flock: then
-            # we hold a lock on a file with no name left (no link), which guards nothing. Try again.
-            if os.fstat(fd).st_nlink:
-                break
-            os.close(fd)
+            # we hold a lock on a file the path no longer names, which guards nothing. Try again.
+            try:
+                locked = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                pass
+            if not locked:
+                os.close(fd)
+                fd = None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
     except BaseException:
+        if locked:
+            path.unlink(missing_ok=True)  # ours: no one else can be holding it
+        if fd is not None:
+            os.close(fd)
         remove_empty(made)
         raise
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
     return path, fd, made
 
 
@@ -224,7 +232,7 @@ class RunDir:
         if used or any(root == resolved or root in resolved.parents for root in paths.PSEUDO_FS):
             from minigpt.core.guards import check_run_dir
 
-            self.cleaned = check_run_dir(self)
+            check_run_dir(self)
         try:
             held.enter_context(RunLock(self.path, self.checkpoint if self.saves else None))
         except OSError:  # a folder that cannot be made or written: the guards say why, in one line
@@ -232,6 +240,11 @@ class RunDir:
 
             check_run_dir(self)
             raise
+        if used:  # locked: what a killed earlier run left is no live trainer's
+            from minigpt.core.guards import clean_stale_tmp
+
+            stale = clean_stale_tmp(self.checkpoint.parent) + clean_stale_tmp(self.path)
+            self.cleaned = [f"removed {p}, a save killed midway" for p in stale]
 
     # -- the checkpoint
     def restore(self, model, optimizer, scaler, batches) -> int:
@@ -328,7 +341,9 @@ class RunDir:
                 "python": platform.python_version(),
             },
         }
-        if info.is_main:  # written whole under a temporary name, then renamed into place
+        if (
+            info.is_main
+        ):  # written whole under a temporary name, then renamed into place (a crash: old or new)
             text, path = json.dumps(self.config, indent=2) + "\n", self.path / paths.CONFIG_FILE
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # minigpt/fileio.py's tmp_path
             try:
