@@ -137,39 +137,32 @@ class StageTimer:
         """The steps completed since the last read, but for those at the indices `left_out` (warm-up
         and instrumented steps: see Instruments.step), unless every step is left out: then theirs.
         On CUDA call it only after a synchronize: every event recorded so far must have completed."""
-        if not self.enabled or not self.host_steps:
-            self.host_steps.clear()
+        steps, self.host_steps = self.host_steps, []
+        if not self.enabled or not steps:
             self.events.clear()
             return StageTimes()
-        n = len(self.host_steps)
-        host_steps = self.host_steps
-        if self.cuda:
-            device_steps = [defaultdict(float) for _ in host_steps]
-            for i, name, start, end in self.events:
-                if i < len(device_steps):
-                    device_steps[i][name] += start.elapsed_time(end)
-            device_steps = [dict(d) for d in device_steps]
-        else:
-            device_steps = host_steps  # the CPU runs each op as the host issues it
-        keep = [i for i in range(n) if i not in (left_out or ())] or list(range(n))
-        host_steps, device_steps = [host_steps[i] for i in keep], [device_steps[i] for i in keep]
+        device = self.device_steps(len(steps)) if self.cuda else steps  # a CPU runs ops as they are issued
+        keep = [i for i in range(len(steps)) if i not in (left_out or ())] or list(range(len(steps)))
+        host, device = [steps[i] for i in keep], [device[i] for i in keep]
         # The registry's stages in their order, then any other range (a user's own stage) by name.
-        registered = STAGE_NAMES
-        names = [
-            n
-            for n in (*registered, *sorted({k for s in host_steps for k in s} - set(registered)))
-            if any(n in s for s in host_steps)
-        ]
-        kept = len(host_steps)
-        times = StageTimes(
-            host_ms={k: sum(s.get(k, 0.0) for s in host_steps) / kept for k in names},
-            device_ms={k: sum(s.get(k, 0.0) for s in device_steps) / kept for k in names},
-            host_steps=host_steps,
-            device_steps=device_steps,
+        seen = {k for s in host for k in s}
+        names = [*(k for k in STAGE_NAMES if k in seen), *sorted(seen - set(STAGE_NAMES))]
+        return StageTimes(
+            host_ms={k: sum(s.get(k, 0.0) for s in host) / len(host) for k in names},
+            device_ms={k: sum(s.get(k, 0.0) for s in device) / len(host) for k in names},
+            host_steps=host,
+            device_steps=device,
         )
-        self.host_steps, self.events = [], [e for e in self.events if e[0] >= n]
-        self.events = [(i - n, *rest) for i, *rest in self.events]
-        return times
+
+    def device_steps(self, n: int) -> list[dict[str, float]]:
+        """Each of the `n` steps' stage times on the GPU, from their CUDA events (the events of a
+        later step, if any, are kept for the next read)."""
+        steps = [defaultdict(float) for _ in range(n)]
+        for i, name, start, end in self.events:
+            if i < n:
+                steps[i][name] += start.elapsed_time(end)
+        self.events = [(i - n, *rest) for i, *rest in self.events if i >= n]
+        return [dict(d) for d in steps]
 
 
 # ---------------------------------------------------------------------------- the loop's instruments
@@ -237,10 +230,10 @@ class Instruments:
         t0 = time.perf_counter()
         self._running = (n, t0)  # the heartbeat's watcher reads it
         try:
-            compiled = self._compile_count()
+            compiled = self._compile_count() if self.cfg.compile else 0
             with capture as cap, self.timer.step():
                 yield
-            why = self.left_out(n, self._compile_count() != compiled)
+            why = self.left_out(n, self.cfg.compile and self._compile_count() != compiled)
             # A step left out of the steady figures, and the one before it, end with their own work
             # done: a GPU's queued kernels would otherwise be timed in the next step.
             if self.device == "cuda" and (sync or why or self.instrumented(n + 1)):
@@ -272,8 +265,6 @@ class Instruments:
     def _compile_count(self) -> int:
         """Under --compile, the graphs torch.compile has compiled so far: a step that moved it
         compiled (minigpt/core/torchcompat.py)."""
-        if not self.cfg.compile:
-            return 0
         from minigpt.core.torchcompat import compile_count
 
         return compile_count()
