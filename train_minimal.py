@@ -290,8 +290,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) ->
                         log.info(notice)  # a long evaluation is not silence
                     stop_eval = [] if plan.sharded else stop_signal  # sharded: all ranks, to the end
                     val = evaluate(model, data.make_val(), cfg.eval_iters, device, autocast, stop_eval)
-                logged = rate.record(step, values, lr, val, interval, inst.take_comm())
-                logged.memory_breakdown = inst.take_memory_breakdown()
+                logged = rate.record(step, values, lr, val, interval)
                 outputs.write(logged)
                 if ranks:
                     ranks.report_stragglers(step, interval, log)

@@ -326,8 +326,8 @@ def test_throughput_records_never_show_mfu_above_100(monkeypatch, caplog):
     rate = X.Throughput(64, 1, 1000, peak, "fp32", 0, 10, None, X.RunTotals(64))
     stages = StageTimes()
     with caplog.at_level("WARNING", logger="minigpt"):
-        first = rate.record(1, [1.0], 1e-3, None, Interval([0.01], stages), None)  # 6.4 MFLOP/s achieved
-        second = rate.record(2, [1.0], 1e-3, None, Interval([0.02], stages), None)
+        first = rate.record(1, [1.0], 1e-3, None, Interval([0.01], stages))  # 6.4 MFLOP/s achieved
+        second = rate.record(2, [1.0], 1e-3, None, Interval([0.02], stages))
     assert first.mfu == pytest.approx(1.0) and second.mfu == pytest.approx(0.5)
     assert [r.message.startswith("MFU peak 1e-06 TFLOP/s was below") for r in caplog.records] == [True]
 

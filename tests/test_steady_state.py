@@ -67,7 +67,7 @@ def replay(rows: list[dict]) -> tuple[Throughput, list]:
         rate.totals.startup_s = r["startup_s"]
         stages = StageTimes(r["stage_host_ms"], r["stage_device_ms"])
         out.append(
-            rate.record(r["step"], [r["loss"]], r["lr"], r["val_loss"], Interval(steady, stages, left), None)
+            rate.record(r["step"], [r["loss"]], r["lr"], r["val_loss"], Interval(steady, stages, left))
         )
         prev = r["step"]
     return rate, out

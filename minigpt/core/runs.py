@@ -20,6 +20,8 @@ from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 
+import torch
+
 from minigpt import paths
 from minigpt.core.config import EXTRA_ARGS_ENV, TrainConfig, UsageError
 from minigpt.errors import NonFiniteLoss
@@ -268,8 +270,6 @@ class RunDir:
     def check_finite(self, losses: list, step: int, amp_dtype: str) -> list[float]:
         """Read the interval's losses (this syncs) and stop at the first non-finite one, on every
         rank together (each rank sees only its own loss): the last good checkpoint is kept."""
-        import torch
-
         values = torch.stack(losses).tolist() if losses else []
         bad = next((i for i, v in enumerate(values) if v != v or abs(v) == float("inf")), None)
         if self.dist_info.enabled:
@@ -316,8 +316,6 @@ class RunDir:
         log starts with. `notes`: the AMP decision in words, then the CPU allocator's setting,
         the ranks' plan and --auto-batch-size's choice, when there are. `rate`: the run's
         Throughput (minigpt/instruments/instrument.py). Returns the logger (rank 0 writes the log)."""
-        import torch
-
         cfg, info, device, (amp_note, *notes) = self.cfg, self.dist_info, rate.device, notes
         self.path.mkdir(parents=True, exist_ok=True)
         log = setup_logging(self.path / paths.LOG_FILE, info.rank)

@@ -63,11 +63,14 @@ class StageTimes:
 class Interval:
     """What Instruments.interval() returns at a log line: the host seconds of the interval's steady
     steps, their stage times (the left-out steps' when every step is left out), and the steps left
-    out of both, each {"step": n, "s": seconds, "why": a LEFT_OUT key}."""
+    out of both, each {"step": n, "s": seconds, "why": a LEFT_OUT key}; and what a flag's instrument
+    took in it (minigpt/instruments/window.py)."""
 
     steady: list[float]
     stages: StageTimes
     left_out: list[dict] = field(default_factory=list)
+    comm: tuple[int, dict[str, float]] | None = None  # FSDP/TP: a profiled step's ms in collectives
+    memory_breakdown: dict | None = None  # --memory-profiler: its measured step's, once
 
     @property
     def step_times(self) -> list[float]:
@@ -291,16 +294,16 @@ class Instruments:
             self.progress.reset(self.cfg.log_interval)
         out = {i for i, (_, _, why) in enumerate(steps) if why}
         left_out = [{"step": n, "s": t, "why": why} for n, t, why in steps if why]
-        return Interval([t for _, t, why in steps if not why], self.timer.read(out), left_out)
+        interval = Interval([t for _, t, why in steps if not why], self.timer.read(out), left_out)
+        if self.window:
+            interval.comm, interval.memory_breakdown = (
+                self.window.take_comm(),
+                self.window.take_memory_breakdown(),
+            )
+        return interval
 
     def profiler_cost(self) -> str | None:
         return self.window.profiler_cost(self.step_times) if self.window else None
-
-    def take_comm(self) -> tuple[int, dict[str, float]] | None:
-        return self.window.take_comm() if self.window else None
-
-    def take_memory_breakdown(self) -> dict | None:
-        return self.window.take_memory_breakdown() if self.window else None
 
     # -- entering and leaving
     def __enter__(self) -> Instruments:
@@ -652,12 +655,11 @@ class Throughput:
         return {"flops_per_token": self.flops_per_token, **self.peak.config()}
 
     def record(
-        self, step: int, losses: list[float], lr: float, val: float | None, interval, comm=None
+        self, step: int, losses: list[float], lr: float, val: float | None, interval: Interval
     ) -> StepRecord:
-        """The interval's record. `interval`: Instruments.interval()'s steady step times, their
-        StageTimes and the steps left out (minigpt/instruments/instrument.py); `comm`: under FSDP/TP,
-        (the profiled step, its ms in collectives per stage); under DDP the backward's wait for the
-        all-reduce is split off instead."""
+        """The interval's record: Instruments.interval()'s steady step times, their StageTimes, the
+        steps left out, and under FSDP/TP `interval.comm` (the profiled step, its ms in collectives
+        per stage); under DDP the backward's wait for the all-reduce is split off instead."""
         step_times, stages = interval.step_times, interval.stages
         step_time = sum(step_times) / len(step_times)
         per_rank = self.tokens_per_step / step_time
@@ -667,7 +669,7 @@ class Throughput:
             logging.getLogger("minigpt").warning(note)
         self.totals.add(interval.steady, interval.left_out)
         run = self.totals.figures()  # run_tokens, run_tokens_per_s, tokens_per_s_e2e, elapsed_s, ...
-        comm_step, comm_ms = comm or (None, {})
+        comm_step, comm_ms = interval.comm or (None, {})
         if "backward_compute" in stages.host_ms:  # DDP: every step's wait, averaged like the stages
             comm_ms = {"backward": stages.host_ms["backward"] - stages.host_ms["backward_compute"]}
         tokens = step * self.tokens_per_step * self.world_size
@@ -695,6 +697,7 @@ class Throughput:
             memory=cuda_memory_report() if self.device == "cuda" else process_memory(),
             left_out=interval.left_out,
             steady_steps=len(interval.steady),
+            memory_breakdown=interval.memory_breakdown,
         )
 
 
