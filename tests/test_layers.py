@@ -16,8 +16,9 @@ import pytest
 from conftest import ROOT
 from test_report import gpu_trace_events, make_run
 
-# The layers of minigpt/ (README, "A map of the files"): base (minigpt/*.py) is torch-free and shared; core/
-# imports base; instruments/ imports base and core; analysis/ imports base only.
+# The layers of minigpt/ (docs/reference.md, "A map of the files"): base (minigpt/*.py) is
+# torch-free and shared; core/ imports base; instruments/ imports base and core; analysis/ imports
+# base only.
 BASE = (
     "paths",
     "fileio",
@@ -160,10 +161,11 @@ def test_the_trainer_fits_in_350_lines():
 
 
 def layout_rows() -> list[tuple[list[Path], int, bool]]:
-    """README's Layout block, row by row: the files a row names, the count it gives, and whether
-    that count is for each file ("7 each") or for the files together."""
-    text = (ROOT / "README.md").read_text()
-    block = text[text.index("Line counts from `wc -l`") : text.index("Reading order, for the afternoon")]
+    """docs/reference.md's map of the files, row by row: the files a row names, the count it gives,
+    and whether that count is for each file ("7 each") or for the files together."""
+    text = (ROOT / "docs" / "reference.md").read_text()
+    start = text.index("Line counts from `wc -l`")
+    block = text[start : text.index("## Dependencies, and why each", start)]
     rows, folder = [], ""
     for line in block.splitlines():
         if m := re.match(r"^(\S+/)\s", line):
@@ -179,7 +181,7 @@ def lines_in(path: Path) -> int:
     return len(path.read_text().splitlines())
 
 
-def test_readme_layout_gives_each_files_size_as_it_is():
+def test_the_map_gives_each_files_size_as_it_is():
     """The reading order's sizes are what `wc -l` says today, within 5% (an afternoon is only true
     for the sizes it names); the layer totals too."""
     rows = layout_rows()
@@ -189,8 +191,8 @@ def test_readme_layout_gives_each_files_size_as_it_is():
         real = [lines_in(f) for f in files]
         for n in real if each else [sum(real)]:
             if abs(n - count) > 0.05 * n:
-                wrong.append(f"{', '.join(f.name for f in files)}: README says {count}, wc -l {n}")
-    text = (ROOT / "README.md").read_text()
+                wrong.append(f"{', '.join(f.name for f in files)}: the map says {count}, wc -l {n}")
+    text = (ROOT / "docs" / "reference.md").read_text()
     for layer, files in (
         ("base", (ROOT / "minigpt").glob("*.py")),
         *((name, (ROOT / "minigpt" / name).glob("*.py")) for name in ("core", "instruments", "analysis")),
@@ -198,5 +200,5 @@ def test_readme_layout_gives_each_files_size_as_it_is():
         said = int(re.search(rf"\b{layer} ([\d,]+)", text).group(1).replace(",", ""))
         real = sum(lines_in(f) for f in files)
         if abs(real - said) > 0.05 * real:
-            wrong.append(f"{layer}: README says {said} lines, wc -l {real}")
+            wrong.append(f"{layer}: the map says {said} lines, wc -l {real}")
     assert not wrong, "\n".join(wrong)

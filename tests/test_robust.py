@@ -30,8 +30,9 @@ from minigpt.core.guards import (
 )
 from minigpt.core.model import GPT, GPTConfig
 from minigpt.core.progress import Progress, progress_enabled
-from minigpt.core.runs import LOCK_FILE, RunLock
+from minigpt.core.runs import RunLock
 from minigpt.fileio import DiskFull, atomic_write
+from minigpt.paths import LOCK_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 

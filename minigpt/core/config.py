@@ -549,7 +549,7 @@ def validate(cfg: TrainConfig, given: set[str] | None = None) -> None:
     check_size(cfg)
 
 
-def ranks_refused(cfg: TrainConfig, given: set[str]) -> bool:
+def check_ranks(cfg: TrainConfig, given: set[str]) -> None:
     """The checks of the flags that need the job's ranks, in the rooms that own them
     (minigpt/core/distributed.py, parallel.py: loaded only then); each raises its own one line."""
     from minigpt.core.distributed import check_slow_rank, profile_ranks
@@ -561,14 +561,39 @@ def ranks_refused(cfg: TrainConfig, given: set[str]) -> bool:
         profile_ranks(cfg.profile_ranks, world_size=None)  # the format; the range is checked at start-up
     if cfg.asks_for_ranks() or cfg.compile:
         check_parallel(cfg, given)
-    return False
+
+
+def check_windows(cfg: TrainConfig, given: set[str] | None = None) -> None:
+    """The profile window and the measured memory step lie within the run's steps."""
+    if cfg.use_profiler or cfg.nsys or cfg.record_memory_history:
+        s, e = cfg.profile_step_start, cfg.profile_step_end
+        if not 1 <= s < e <= cfg.num_steps:
+            raise UsageError(
+                f"the profile window needs 1 <= --profile-step-start < --profile-step-end <= "
+                f"--num-steps; got start {s}, end {e}, num-steps {cfg.num_steps}"
+            )
+    if cfg.memory_profiler:
+        default = cfg.profile_step_end if cfg.use_profiler else cfg.profile_step_start
+        step = cfg.memory_profile_step if cfg.memory_profile_step is not None else default
+        if not 1 <= step <= cfg.num_steps:
+            which = (
+                "--memory-profile-step"
+                if cfg.memory_profile_step is not None
+                else "--memory-profile-step (default: --profile-step-start, or "
+                "--profile-step-end with --use-profiler)"
+            )
+            raise UsageError(
+                f"{which} is {step}, outside the run's steps 1..{cfg.num_steps}; "
+                "pass --memory-profile-step N within them"
+            )
 
 
 WINDOW_FLAGS = {"use_profiler", "nsys", "record_memory_history", "memory_profiler"}
 PARALLEL_FLAGS = {"fsdp", "tp", "use_tensor_parallel", "simulate_slow_rank", "profile_ranks", "compile"}
 # The checks across flags, as data: (the fields that ask for the check, when it refuses, why).
 # A row runs when the user gave one of its fields: the defaults and every preset pass every row,
-# so a row no flag asked for would only prove them again. `why`: a text, or one made from cfg.
+# so a row no flag asked for would only prove them again. `why`: a text, or one made from cfg; None
+# where the test is a check that raises its own line.
 ACROSS = [
     (
         {"memory_snapshot_path"},
@@ -636,39 +661,11 @@ ACROSS = [
         lambda c, g: c.compile_mode != "default" and not c.compile,
         lambda c: f"--compile-mode {c.compile_mode} without --compile: add --compile",
     ),
-    # The profile window and the measured memory step within the run's steps (each raises its line).
-    (
-        WINDOW_FLAGS | {"profile_step_start", "profile_step_end", "memory_profile_step"},
-        lambda c, g: check_windows(c),
-        "",
-    ),
-    (PARALLEL_FLAGS | {"compile_mode"}, ranks_refused, ""),
+    # Checks that say their own line (why None): the profile window and the measured memory step
+    # within the run's steps; the flags that need the job's ranks, in the rooms that own them.
+    (WINDOW_FLAGS | {"profile_step_start", "profile_step_end", "memory_profile_step"}, check_windows, None),
+    (PARALLEL_FLAGS | {"compile_mode"}, check_ranks, None),
 ]
-
-
-def check_windows(cfg: TrainConfig) -> None:
-    """The profile window and the measured memory step lie within the run's steps."""
-    if cfg.use_profiler or cfg.nsys or cfg.record_memory_history:
-        s, e = cfg.profile_step_start, cfg.profile_step_end
-        if not 1 <= s < e <= cfg.num_steps:
-            raise UsageError(
-                f"the profile window needs 1 <= --profile-step-start < --profile-step-end <= "
-                f"--num-steps; got start {s}, end {e}, num-steps {cfg.num_steps}"
-            )
-    if cfg.memory_profiler:
-        default = cfg.profile_step_end if cfg.use_profiler else cfg.profile_step_start
-        step = cfg.memory_profile_step if cfg.memory_profile_step is not None else default
-        if not 1 <= step <= cfg.num_steps:
-            which = (
-                "--memory-profile-step"
-                if cfg.memory_profile_step is not None
-                else "--memory-profile-step (default: --profile-step-start, or "
-                "--profile-step-end with --use-profiler)"
-            )
-            raise UsageError(
-                f"{which} is {step}, outside the run's steps 1..{cfg.num_steps}; "
-                "pass --memory-profile-step N within them"
-            )
 
 
 # ------------------------------------------------------------------------------------------ size

@@ -29,7 +29,6 @@ from minigpt.ranks import DistInfo
 from minigpt.stages import LABELS
 from minigpt.step_record import MEMORY_BREAKDOWN_KEYS, StepRecord
 
-LOCK_FILE = paths.LOCK_FILE
 LOG_FORMAT = "[%(asctime)s] %(message)s"
 LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
 
@@ -58,7 +57,7 @@ class RunLock:
 
     def __init__(self, out_dir: str | Path, checkpoint: str | Path | None = None):
         self.out_dir = Path(out_dir)
-        self.path = self.out_dir / LOCK_FILE
+        self.path = self.out_dir / paths.LOCK_FILE
         busy = f"another trainer (PID {{holder}}) is using {self.out_dir}; wait for it to finish, or choose "
         self.wanted = [(self.path, busy + "another --out-dir")]
         if checkpoint is not None:
