@@ -688,7 +688,7 @@ class Throughput:
             val_ppl=None if val is None else math.exp(min(val, 700.0)),  # exp overflows past ~709
             eta_s=self.totals.eta_s(self.num_steps - step, run["elapsed_s"]),
             amp=self.amp,
-            mfu=achieved * 1e12 / self.peak.value,  # mfu(): the peak as it is after raise_to
+            mfu=mfu(self.flops_per_token, per_rank, self.peak),  # over the peak as raise_to left it
             achieved_tflops=achieved,
             stage_host_ms=stages.host_ms,
             stage_device_ms=stages.device_ms,
