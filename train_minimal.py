@@ -46,13 +46,13 @@ from minigpt.core.config import (
     TrainConfig,
     UsageError,
     check_cuda_features,
+    pad_vocab,
     parse_args,
     resolve_amp,
     resolve_device,
-    shape_of,
 )
 from minigpt.core.data import Batches, Data, load_data
-from minigpt.core.model import GPT, GPTConfig
+from minigpt.core.model import GPT, GPTConfig, flops_per_token
 from minigpt.core.runs import Outputs, RunDir, stop_on_signals
 from minigpt.errors import INTERRUPTED, INTERRUPTED_LINE, LostRank, NonFiniteLoss
 from minigpt.instruments.instrument import (
@@ -175,7 +175,19 @@ def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
         from minigpt.instruments.straggler import RankTimer
 
         inst.timer = RankTimer(device, cfg.stage_timing, cfg.simulate_slow_rank, dist_info.rank)
-    model = GPT(GPTConfig(**shape_of(cfg, data.vocab_size).model_kwargs())).to(device)
+    model_cfg = GPTConfig(
+        vocab_size=pad_vocab(data.vocab_size),  # 50257 -> 50304: multiples of 64 run faster
+        max_position_embeddings=cfg.max_position_embeddings,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        d_model=cfg.d_model,
+        d_ff=cfg.d_ff,
+        dropout=cfg.dropout,
+        activation_checkpoint=cfg.use_activation_checkpoint,
+        chunked_loss=cfg.chunked_loss,
+    )
+    model = GPT(model_cfg).to(device)
+    flops = flops_per_token(model, cfg.seq_len) // plan.tp  # before sharding; a tp group splits the model
     plan_note = None
     if plan.sharded:  # in place, into DTensors: before the optimizer, which must hold those
         from minigpt.core.parallel import describe, parallelize
@@ -204,7 +216,6 @@ def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
         from minigpt.core.parallel import clip_grad_norm  # DTensor gradients too
     peak = device_peak(cfg.peak_tflops, device, dist_info)  # MFU's denominator: the device's fastest dtype
     tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps  # per rank and step
-    flops = shape_of(cfg, model.cfg.vocab_size).flops_per_token // plan.tp  # a tp group splits the model
     totals = RunTotals(tokens * plan.dp)
     rate = Throughput(tokens, plan.dp, flops, peak, amp_dtype, step, cfg.num_steps, data.train_tokens, totals)
 

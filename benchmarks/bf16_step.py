@@ -40,9 +40,10 @@ import torch
 import torch.nn.functional as F
 
 from minigpt.core import model as model_module
-from minigpt.core.config import GPT2_PADDED, GPT2_VOCAB, PRESETS, shape_of
+from minigpt.core.config import GPT2_PADDED, GPT2_VOCAB, PRESETS
 from minigpt.core.cpu import keep_freed_memory
 from minigpt.core.model import GPT, GPTConfig
+from minigpt.core.shape import shape_of
 
 # An op run inside one of these (forward or backward) counts as the loss's, whatever it is.
 LOSS_RANGES = ("cross_entropy", "CrossEntropy", "NllLoss", "LogSoftmax")

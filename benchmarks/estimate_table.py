@@ -46,9 +46,10 @@ from common import (
 )
 from torch.autograd.profiler import record_function
 
-from minigpt.core.config import GPT2_VOCAB, PRESETS, Shape
-from minigpt.core.config import shape_of as config_shape
+from minigpt.core.config import GPT2_VOCAB, PRESETS
 from minigpt.core.model import GPT, GPTConfig
+from minigpt.core.shape import Shape
+from minigpt.core.shape import shape_of as config_shape
 from minigpt.core.torchcompat import dispatch_mode_base
 from minigpt.fileio import atomic_write
 from minigpt.instruments.estimate import estimate_gpt

@@ -269,12 +269,22 @@ def test_config_imports_without_torch():
 def test_what_no_flag_sets_passes_every_check_across_flags():
     """validate() runs a check across flags (config.ACROSS) only when the user gave one of its
     flags: sound only while the defaults and every preset, which no flag set, pass every row."""
-    from minigpt.core.config import ACROSS, validate
+    from minigpt.core.checks import ACROSS
+    from minigpt.core.config import validate
 
     assert len(ACROSS) >= 12
     for preset in [None, *PRESETS]:
         cfg = parse_args([] if preset is None else ["--preset", preset])
         validate(cfg, given=None)  # None: every row, asked or not
+
+
+def test_the_flags_that_load_the_checks_across_flags_are_the_rows_own():
+    """validate() loads minigpt/core/checks.py when a flag of config.ACROSS_FLAGS is given: every
+    field a row asks for must be there, or its row would never run."""
+    from minigpt.core.checks import ACROSS
+    from minigpt.core.config import ACROSS_FLAGS
+
+    assert set().union(*(asked_by for asked_by, _, _ in ACROSS)) == ACROSS_FLAGS
 
 
 def test_a_check_across_flags_runs_when_either_flag_is_given():

@@ -9,8 +9,9 @@ import torch.nn as nn
 from conftest import GPU_RUNS, TINY, bench_module, fails
 
 import train_minimal
-from minigpt.core.config import GPT2_VOCAB, PRESETS, Shape, parse_args, shape_of
+from minigpt.core.config import GPT2_VOCAB, PRESETS, parse_args
 from minigpt.core.model import GPT, GPTConfig
+from minigpt.core.shape import Shape, shape_of
 from minigpt.instruments import estimate
 from minigpt.instruments.estimate import estimate_gpt
 from minigpt.instruments.memory import capture_memory, format_breakdown, format_memory_log, write_memory_trace

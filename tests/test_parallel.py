@@ -17,8 +17,9 @@ import pytest
 import torch
 from conftest import ROOT, TINY
 
-from minigpt.core.config import Shape, UsageError
+from minigpt.core.config import UsageError
 from minigpt.core.parallel import check_plan, worker_name
+from minigpt.core.shape import Shape
 from minigpt.instruments.estimate import estimate_gpt
 from minigpt.instruments.per_rank import per_rank_estimate
 from minigpt.stages import STAGE_NAMES

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from minigpt.core.config import GPT2_PADDED, GPT2_VOCAB, Shape, pad_vocab, shape_of
+from minigpt.core.config import GPT2_PADDED, GPT2_VOCAB, pad_vocab
+from minigpt.core.shape import Shape, shape_of
 
 ROOT = Path(__file__).resolve().parents[1]
 PINS = Path(__file__).with_name("shape_pins.json")

@@ -16,7 +16,6 @@ import shlex
 import sys
 import typing
 import uuid
-from collections.abc import Mapping
 from dataclasses import Field, asdict, dataclass, field, fields
 from decimal import Decimal, InvalidOperation
 
@@ -539,133 +538,28 @@ def check_text(f: Field, name: str, value) -> None:
 
 
 def validate(cfg: TrainConfig, given: set[str] | None = None) -> None:
-    """Every field's own check, then the checks across fields (ACROSS) that a field the user gave
-    asks for, then the size. `given`: the fields set on the command line or in $MINIGPT_ARGS; None
-    asks for every check (the tests hold each preset and the defaults to them all)."""
+    """Every field's own check, then the checks across fields (minigpt/core/checks.py) that a field
+    the user gave asks for, then the size. `given`: the fields set on the command line or in
+    $MINIGPT_ARGS; None asks for every check (the tests hold each preset and the defaults to them all)."""
     check_fields(cfg)
-    for asked_by, refuse, why in ACROSS:
-        if (given is None or given & asked_by) and refuse(cfg, given or set()):
-            raise UsageError(why(cfg) if callable(why) else why)
+    if given is None or given & ACROSS_FLAGS:
+        from minigpt.core.checks import check_across
+
+        check_across(cfg, given)
     check_size(cfg)
 
 
-def check_ranks(cfg: TrainConfig, given: set[str]) -> None:
-    """The checks of the flags that need the job's ranks, in the rooms that own them
-    (minigpt/core/distributed.py, parallel.py: loaded only then); each raises its own one line."""
-    from minigpt.core.distributed import check_slow_rank, profile_ranks
-    from minigpt.core.parallel import check_parallel
-
-    if cfg.simulate_slow_rank:
-        check_slow_rank(cfg.simulate_slow_rank)
-    if cfg.profile_ranks.strip() != "0":
-        profile_ranks(cfg.profile_ranks, world_size=None)  # the format; the range is checked at start-up
-    if cfg.asks_for_ranks() or cfg.compile:
-        check_parallel(cfg, given)
-
-
-def check_windows(cfg: TrainConfig, given: set[str] | None = None) -> None:
-    """The profile window and the measured memory step lie within the run's steps."""
-    if cfg.use_profiler or cfg.nsys or cfg.record_memory_history:
-        s, e = cfg.profile_step_start, cfg.profile_step_end
-        if not 1 <= s < e <= cfg.num_steps:
-            raise UsageError(
-                f"the profile window needs 1 <= --profile-step-start < --profile-step-end <= "
-                f"--num-steps; got start {s}, end {e}, num-steps {cfg.num_steps}"
-            )
-    if cfg.memory_profiler:
-        default = cfg.profile_step_end if cfg.use_profiler else cfg.profile_step_start
-        step = cfg.memory_profile_step if cfg.memory_profile_step is not None else default
-        if not 1 <= step <= cfg.num_steps:
-            which = (
-                "--memory-profile-step"
-                if cfg.memory_profile_step is not None
-                else "--memory-profile-step (default: --profile-step-start, or "
-                "--profile-step-end with --use-profiler)"
-            )
-            raise UsageError(
-                f"{which} is {step}, outside the run's steps 1..{cfg.num_steps}; "
-                "pass --memory-profile-step N within them"
-            )
-
-
-WINDOW_FLAGS = {"use_profiler", "nsys", "record_memory_history", "memory_profiler"}
-PARALLEL_FLAGS = {"fsdp", "tp", "use_tensor_parallel", "simulate_slow_rank", "profile_ranks", "compile"}
-# The checks across flags, as data: (the fields that ask for the check, when it refuses, why).
-# A row runs when the user gave one of its fields: the defaults and every preset pass every row,
-# so a row no flag asked for would only prove them again. `why`: a text, or one made from cfg; None
-# where the test is a check that raises its own line.
-ACROSS = [
-    (
-        {"memory_snapshot_path"},
-        lambda c, g: c.memory_snapshot_path is not None and not c.record_memory_history,
-        "--memory-snapshot-path names where --record-memory-history's snapshot goes; "
-        "add --record-memory-history, or drop --memory-snapshot-path",
-    ),
-    (
-        {"memory_profile_step"},
-        lambda c, g: c.memory_profile_step is not None and not c.memory_profiler,
-        "--memory-profile-step needs --memory-profiler",
-    ),
-    (
-        {"nsys", "use_profiler"},
-        lambda c, g: c.nsys and c.use_profiler,
-        "--nsys and --use-profiler exclude each other (both capture the same steps, and "
-        "each distorts the other); pick one",
-    ),
-    (
-        {"use_toy_data", "train_data", "val_data"},
-        lambda c, g: c.use_toy_data and (c.train_data or c.val_data),
-        "--use-toy-data generates its own data; drop --train-data/--val-data",
-    ),
-    (
-        {"use_toy_data", "max_tokens"},
-        lambda c, g: c.use_toy_data and c.max_tokens is not None,
-        "--use-toy-data generates its own tokens, which --max-tokens would not change; drop it",
-    ),
-    (
-        {"use_toy_data", "tokenizer_name"},
-        lambda c, g: c.use_toy_data and "tokenizer_name" in g,
-        "--use-toy-data generates its own tokens, which --tokenizer-name would not change; drop it",
-    ),
-    (
-        {"lr", "min_lr"},
-        lambda c, g: not 0 <= c.min_lr <= c.lr,
-        lambda c: f"--min-lr must be between 0 and --lr ({c.lr}), got {c.min_lr}",
-    ),
-    (
-        {"d_model", "n_heads"},
-        lambda c, g: c.d_model % c.n_heads,
-        lambda c: f"--d-model ({c.d_model}) must be divisible by --n-heads ({c.n_heads})",
-    ),
-    (
-        {"seq_len", "max_position_embeddings"},
-        lambda c, g: c.seq_len > c.max_position_embeddings,
-        lambda c: (
-            f"--seq-len ({c.seq_len}) is larger than --max-position-embeddings "
-            f"({c.max_position_embeddings}); lower --seq-len or raise the other"
-        ),
-    ),
-    (
-        {"no_checkpoint", "save_interval"},
-        lambda c, g: c.no_checkpoint and "save_interval" in g,
-        "--no-checkpoint writes no checkpoint, so --save-interval has nothing to do; drop one of them",
-    ),
-    (
-        {"no_checkpoint", "checkpoint_path", "resume"},
-        lambda c, g: c.no_checkpoint and c.checkpoint_path is not None and not c.resume,
-        "--no-checkpoint writes no checkpoint, and without --resume --checkpoint-path "
-        "only says where to write one; drop one of them",
-    ),
-    (
-        {"compile_mode", "compile"},
-        lambda c, g: c.compile_mode != "default" and not c.compile,
-        lambda c: f"--compile-mode {c.compile_mode} without --compile: add --compile",
-    ),
-    # Checks that say their own line (why None): the profile window and the measured memory step
-    # within the run's steps; the flags that need the job's ranks, in the rooms that own them.
-    (WINDOW_FLAGS | {"profile_step_start", "profile_step_end", "memory_profile_step"}, check_windows, None),
-    (PARALLEL_FLAGS | {"compile_mode"}, check_ranks, None),
-]
+# The fields that ask for a check across flags (minigpt/core/checks.py's ACROSS, loaded then): the
+# defaults and every preset pass them all, so a run that gives none of these needs none of them.
+ACROSS_FLAGS = frozenset(
+    {
+        "memory_snapshot_path", "memory_profile_step", "nsys", "use_profiler", "use_toy_data", "train_data",
+        "val_data", "max_tokens", "tokenizer_name", "lr", "min_lr", "d_model", "n_heads", "seq_len",
+        "max_position_embeddings", "no_checkpoint", "save_interval", "checkpoint_path", "resume",
+        "compile_mode", "compile", "record_memory_history", "memory_profiler", "profile_step_start",
+        "profile_step_end", "fsdp", "tp", "use_tensor_parallel", "simulate_slow_rank", "profile_ranks",
+    }
+)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------ size
@@ -683,12 +577,13 @@ def quick_bytes(cfg: TrainConfig) -> dict[str, int]:
     and the blocks' saved fp32 activations (about 68 b s d per layer; SDPA keeps no s x s matrix).
     Only to refuse absurd sizes before anything is built: minigpt/instruments/estimate.py is the
     real estimate."""
-    shape = shape_of(cfg, cfg.vocab_size or GPT2_VOCAB)
-    params = shape.params
+    vocab, tokens, d = pad_vocab(cfg.vocab_size or GPT2_VOCAB), cfg.batch_size * cfg.seq_len, cfg.d_model
+    positions = cfg.max_position_embeddings or cfg.seq_len
+    params = param_count(vocab, positions, d, cfg.d_ff or 4 * d, cfg.n_layers)
     return {
         f"for {params:.3g} parameters at {BYTES_PER_PARAM} bytes each": params * BYTES_PER_PARAM,
-        "of logits": 0 if cfg.chunked_loss else 4 * shape.tokens * shape.vocab_size,
-        "of activations": 68 * shape.tokens * shape.d_model * shape.n_layers,
+        "of logits": 0 if cfg.chunked_loss else 4 * tokens * vocab,
+        "of activations": 68 * tokens * d * cfg.n_layers,
     }
 
 
@@ -832,81 +727,3 @@ def param_count(vocab_size: int, positions: int, d_model: int, d_ff: int, n_laye
     the token embedding and counted once). Closed form in exact integers: it also sizes absurd
     shapes, which check_size refuses before anything is built."""
     return (vocab_size + positions) * d_model + n_layers * sum(block_param_sizes(d_model, d_ff)) + 2 * d_model
-
-
-@dataclass(frozen=True)
-class Shape:
-    """One training step's shape: GPTConfig's fields (minigpt/core/model.py, the vocabulary padded) and
-    the batch: batch_size sequences of seq_len tokens, grad_accum_steps micro-batches a step."""
-
-    n_layers: int
-    d_model: int
-    n_heads: int
-    d_ff: int
-    seq_len: int
-    batch_size: int
-    vocab_size: int  # padded (pad_vocab)
-    max_position_embeddings: int
-    dropout: float = 0.0
-    activation_checkpoint: bool = False
-    chunked_loss: bool = False
-    grad_accum_steps: int = 1
-
-    @property
-    def tokens(self) -> int:
-        """Tokens of one micro-batch (b x s): the rows of every activation and of the logits."""
-        return self.batch_size * self.seq_len
-
-    @property
-    def params(self) -> int:
-        """Every parameter, the tied head once: GPT.num_params(non_embedding=False)."""
-        return param_count(
-            self.vocab_size, self.max_position_embeddings, self.d_model, self.d_ff, self.n_layers
-        )
-
-    @property
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6N for the matrix products of forward and backward (N without
-        the position embedding, which costs no FLOPs), plus 12 * L * d * T for the attention
-        scores and their use (PaLM appendix B; nanoGPT's estimate_mfu)."""
-        n = self.params - self.max_position_embeddings * self.d_model
-        return 6 * n + 12 * self.n_layers * self.d_model * self.seq_len
-
-    def param_sizes(self) -> list[int]:
-        """Elements of each parameter tensor (the tied head is the embedding's): what the optimizer
-        and the gradient clipping loop over, a tensor at a time."""
-        blocks = block_param_sizes(self.d_model, self.d_ff) * self.n_layers
-        return [
-            self.vocab_size * self.d_model,
-            self.max_position_embeddings * self.d_model,
-            *blocks,
-            self.d_model,
-            self.d_model,
-        ]
-
-    def model_kwargs(self) -> dict:
-        """GPTConfig's arguments: minigpt.core.model.GPT(GPTConfig(**shape.model_kwargs()))."""
-        return {k: v for k, v in asdict(self).items() if k not in BATCH_FIELDS}
-
-
-BATCH_FIELDS = ("seq_len", "batch_size", "grad_accum_steps")  # the rest are GPTConfig's
-
-
-def shape_of(cfg, vocab_size: int, **changes) -> Shape:
-    """The step shape of a TrainConfig, or of a preset (a dict of the same names), with the
-    vocabulary padded. What parse_args resolves is resolved the same way here for a preset: d_ff
-    defaults to 4 x d_model, the positions to seq_len. `changes` override the config's values
-    before that (a benchmark's own batch and sequence length)."""
-    get = cfg.get if isinstance(cfg, Mapping) else lambda k, default=None: getattr(cfg, k, default)
-    names = ("n_layers", "d_model", "n_heads", "d_ff", "seq_len", "batch_size", "max_position_embeddings")
-    v = {k: get(k) for k in names}
-    v.update(
-        dropout=get("dropout", 0.0),
-        activation_checkpoint=bool(get("use_activation_checkpoint", False)),
-        chunked_loss=bool(get("chunked_loss", False)),
-        grad_accum_steps=get("grad_accum_steps", 1),
-    )
-    v.update(changes)
-    v["d_ff"] = v["d_ff"] or 4 * v["d_model"]
-    v["max_position_embeddings"] = v["max_position_embeddings"] or v["seq_len"]
-    return Shape(**v, vocab_size=pad_vocab(vocab_size))

@@ -19,16 +19,15 @@ import torch
 from minigpt.core.config import (
     GiB,
     MiB,
-    Shape,
     UsageError,
     machine_ram_bytes,
     parse_args,
     resolve_amp,
     resolve_device,
-    shape_of,
 )
 from minigpt.core.cpu import choose_allocator
 from minigpt.core.model import LOSS_CHUNK_ELEMENTS, LOSS_ROWS
+from minigpt.core.shape import Shape, shape_of
 
 # ---------------------------------------------------------------------------- the estimator (GPT)
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from minigpt.core.config import GPT2_VOCAB, Shape, shape_of
+from minigpt.core.config import GPT2_VOCAB
+from minigpt.core.shape import Shape, shape_of
 from minigpt.errors import ArgParser
 from minigpt.instruments.estimate import MemoryEstimate, estimate_gpt
 

@@ -75,9 +75,10 @@ from pathlib import Path
 import torch
 
 from minigpt.core import model as model_module
-from minigpt.core.config import Shape, UsageError, shape_of
+from minigpt.core.config import UsageError
 from minigpt.core.cpu import allocator_in_use
 from minigpt.core.data import cache_dir
+from minigpt.core.shape import Shape, shape_of
 from minigpt.fileio import display_path, write_cache
 from minigpt.instruments.instrument import LOAD_SHARE, PEAK_FLOPS, TORCH_DTYPES, machine_key
 from minigpt.instruments.mfu import LoadProbe, forget, model_workloads, peak_flops, read_cache
