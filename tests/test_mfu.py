@@ -156,7 +156,7 @@ def test_override_and_gpu_table(monkeypatch):
     ):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, n=name: n)
         peak = M.peak_flops("cuda", "bf16", units())
-        assert peak.value == X.PEAK_FLOPS[gpu]["bf16"] and peak.source == f"table: {gpu} bf16 dense"
+        assert peak.value == M.PEAK_FLOPS[gpu]["bf16"] and peak.source == f"table: {gpu} bf16 dense"
 
 
 def fake_figure(best: float, load: float = 0.5) -> dict:
@@ -307,17 +307,19 @@ def test_an_achieved_rate_above_the_peak_corrects_it_once_and_in_the_cache(monke
     low = peak.value
     fpt, tokens_per_s = 1e6, 3 * low / 1e6  # a run at 3x the measured peak
     assert X.mfu(fpt, tokens_per_s, peak) == pytest.approx(3.0)  # what the old code printed: 300%
-    note = peak.raise_to(fpt * tokens_per_s)
+    note = M.raise_peak(peak, fpt * tokens_per_s)
     assert note and "was below what this run achieved" in note and "measured under load" in note
     assert X.mfu(fpt, tokens_per_s, peak) == pytest.approx(1.0)
-    assert peak.raise_to(fpt * tokens_per_s) is None  # no higher: nothing to do
-    assert peak.raise_to(2 * fpt * tokens_per_s) is None and peak.value == 2 * fpt * tokens_per_s  # said once
+    assert M.raise_peak(peak, fpt * tokens_per_s) is None  # no higher: nothing to do
+    assert (
+        M.raise_peak(peak, 2 * fpt * tokens_per_s) is None and peak.value == 2 * fpt * tokens_per_s
+    )  # said once
     assert X.mfu(fpt, 2 * tokens_per_s, peak) == pytest.approx(1.0)
     monkeypatch.setattr(M, "measure", lambda *a: pytest.fail("measured again despite the cache"))
     again = M.peak_flops("cpu", "fp32", units())
     assert again.value == pytest.approx(6 * low) and M.ACHIEVED in again.source
     override = M.peak_flops("cpu", "fp32", override_tflops=1e-6)
-    assert override.raise_to(1e12) is None  # the user's figure is their word
+    assert M.raise_peak(override, 1e12) is None  # the user's figure is their word
 
 
 def test_throughput_records_never_show_mfu_above_100(monkeypatch, caplog):
@@ -334,7 +336,7 @@ def test_throughput_records_never_show_mfu_above_100(monkeypatch, caplog):
 
 def test_remeasure_forgets_the_machines_figures(monkeypatch, tmp_path):
     M.peak_flops("cpu", "fp32", units())
-    X.PeakFlops(1e6, "cache: x", device="cpu", dtype="fp32").raise_to(1e17)  # a wild achieved figure
+    M.raise_peak(X.PeakFlops(1e6, "cache: x", device="cpu", dtype="fp32"), 1e17)  # a wild achieved figure
     assert M.peak_flops("cpu", "fp32", units()).value == 1e17
     fresh = M.peak_flops("cpu", "fp32", units(), remeasure=True)
     assert fresh.value < 1e17 and fresh.source.startswith("measured now")

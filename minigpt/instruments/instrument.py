@@ -1,23 +1,16 @@
 """What a step measures: its named stages, their host and device times, the steady-state
-interval, and the figures made of them (tokens/s, MFU, memory). Knows nothing of GPT: it works on
-any training step.
+interval, and the figures made of them (tokens/s, MFU, memory). Knows nothing of GPT.
 
-- `Instruments` is what the loop sees: `with inst.step(n):` around a training step and
-  `with inst.stage(name):` around each stage; `inst.interval()` at a log line gives the steady
-  steps' times and the steps left out of them (warm-up, compilation, instrumented steps).
-  Evaluation, logging and checkpoints run between steps, outside the step clock.
-- `StageTimer.stage(name)` opens a `record_function` range (seen by the PyTorch profiler) and an
-  NVTX range of the same name (seen by Nsight Systems), and times the stage on the host and on the
-  device. It never synchronises: CUDA events are read back at the log interval, when the loop
-  syncs anyway. On the CPU the device time is the stage's host time.
-- `Throughput.record()` turns an interval into the step's record (minigpt/step_record.py):
-  tokens/s in steady state and end to end (`RunTotals`), MFU and memory. MFU is the model's
-  training FLOPs per second over one peak per device, that of its fastest dtype (bf16 where the
-  hardware has it natively, as nanoGPT and torchtitan count), so it ranks runs as tokens/s does.
-  The peak comes from --peak-tflops, a known GPU's data sheet (PEAK_FLOPS), or this CPU's measured
-  peak, read from the cache that minigpt/instruments/mfu.py writes (once per machine, loaded then).
-- What a flag turns on (the profiler window, Nsight's range, memory history, the memory capture)
-  is minigpt/instruments/window.py's Window, loaded only then.
+- `Instruments` is what the loop sees: `with inst.step(n):`, `with inst.stage(name):`, and at a
+  log line `inst.interval()`: the steady steps' times and the steps left out of them.
+- `StageTimer.stage(name)` opens a `record_function` range (the PyTorch profiler) and an NVTX range
+  (Nsight Systems) of the same name and times the stage on the host and on the device. It never
+  synchronises: CUDA events are read at the log interval. On the CPU the device time is the host's.
+- `Throughput.record()` turns an interval into the step's record (minigpt/step_record.py). MFU is
+  over the peak of the device's fastest dtype, as nanoGPT and torchtitan count: --peak-tflops, a
+  GPU's data sheet, or this CPU's peak as minigpt/instruments/mfu.py measured and cached it.
+- What a flag turns on (the profiler window, Nsight's range, the memory capture) is
+  minigpt/instruments/window.py's Window, loaded only then.
 """
 
 from __future__ import annotations
@@ -336,18 +329,6 @@ class Instruments:
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-# Dense peak FLOP/s per GPU from the vendors' data sheets (no 2:4 sparsity), by dtype. fp32 means
-# plain fp32 (TF32 off, PyTorch's default for matmuls). MFU divides by the fastest (DEVICE_DTYPE).
-PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},  # SXM
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
-    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
-    "A10": {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12},
-    "V100": {"fp16": 125e12, "fp32": 15.7e12},
-}
 PEAK_CACHE_FILE = "peak_flops.json"  # under data.cache_dir(): one entry per machine, dtype, torch
 CACHE_LIMIT = 4 * 2**20  # the cache holds a few KiB; a larger file is not ours
 # The units whose best rate is a CPU's peak: two square products, machine-wide, whatever model
@@ -400,25 +381,6 @@ class PeakFlops:
                 "--remeasure)"
             )
         return line
-
-    def raise_to(self, achieved: float) -> str | None:
-        """A rate the run has `achieved` (FLOP/s per device) above a measured peak proves the peak
-        low (taken under load): lift it, here and in the cache, so MFU never passes 100%; the line
-        saying so the first time. A --peak-tflops figure and a data sheet are not touched."""
-        if achieved <= self.value or not self.source.startswith(("measured", "cache", ACHIEVED)):
-            return None
-        from minigpt.instruments.mfu import keep_achieved  # the cache's writer
-
-        first = not self.source.startswith(ACHIEVED)
-        note = (
-            f"MFU peak {self.value / 1e12:.3g} TFLOP/s was below what this run achieved "
-            f"({achieved / 1e12:.3g} TFLOP/s): it was measured under load; the peak is now the best "
-            f"rate the run achieves, {keep_achieved(self.device, self.dtype, achieved)}"
-        )
-        if first:
-            self.source = f"{ACHIEVED} (the measured peak was lower); was: {self.source}"
-        self.value = achieved
-        return note if first else None
 
 
 def fastest_dtype(device: str) -> str:
@@ -490,8 +452,11 @@ def device_peak(override_tflops: float | None, device: str, info=None) -> PeakFl
     dtype = fastest_dtype(device)
     if override_tflops is not None:
         return PeakFlops(override_tflops * 1e12, "override: --peak-tflops", device=device, dtype=dtype)
-    if device == "cuda" and (from_table := table_peak(device, dtype)):
-        return PeakFlops(*from_table, device=device, dtype=dtype)
+    if device == "cuda":
+        from minigpt.instruments.mfu import table_peak  # a known GPU's data sheet
+
+        if from_table := table_peak(dtype):
+            return PeakFlops(*from_table, device=device, dtype=dtype)
     from minigpt.core.data import cache_dir
 
     if info is not None and info.enabled:
@@ -505,18 +470,6 @@ def device_peak(override_tflops: float | None, device: str, info=None) -> PeakFl
         return peak_flops(device, dtype)
     peak.device, peak.dtype = device, dtype
     return peak
-
-
-def table_peak(device: str, dtype: str) -> tuple[float, str] | None:
-    """A known GPU's data-sheet peak in `dtype`, and its source; None for another device."""
-    import re
-
-    name = torch.cuda.get_device_name()
-    # Whole words, longest names first: "H100 PCIe" before "H100"; "L4" is not "L40S", "A10" not "A10G".
-    for gpu in sorted(PEAK_FLOPS, key=len, reverse=True):
-        if re.search(rf"\b{re.escape(gpu)}\b", name) and dtype in PEAK_FLOPS[gpu]:
-            return PEAK_FLOPS[gpu][dtype], f"table: {gpu} {dtype} dense"
-    return None
 
 
 def mfu(flops_per_token: float, tokens_per_s_per_device: float, peak: float | PeakFlops) -> float:
@@ -664,9 +617,11 @@ class Throughput:
         step_time = sum(step_times) / len(step_times)
         per_rank = self.tokens_per_step / step_time
         achieved = achieved_tflops(self.flops_per_token, per_rank)  # per device
-        # An achieved rate above the denominator proves the denominator wrong: said once, corrected.
-        if achieved * 1e12 > self.peak.value and (note := self.peak.raise_to(achieved * 1e12)):
-            logging.getLogger("minigpt").warning(note)
+        if achieved * 1e12 > self.peak.value:  # proves the denominator low: said once, corrected
+            from minigpt.instruments.mfu import raise_peak
+
+            if note := raise_peak(self.peak, achieved * 1e12):
+                logging.getLogger("minigpt").warning(note)
         self.totals.add(interval.steady, interval.left_out)
         run = self.totals.figures()  # run_tokens, run_tokens_per_s, tokens_per_s_e2e, elapsed_s, ...
         comm_step, comm_ms = interval.comm or (None, {})
@@ -688,7 +643,7 @@ class Throughput:
             val_ppl=None if val is None else math.exp(min(val, 700.0)),  # exp overflows past ~709
             eta_s=self.totals.eta_s(self.num_steps - step, run["elapsed_s"]),
             amp=self.amp,
-            mfu=mfu(self.flops_per_token, per_rank, self.peak),  # over the peak as raise_to left it
+            mfu=mfu(self.flops_per_token, per_rank, self.peak),  # over the peak as raise_peak left it
             achieved_tflops=achieved,
             stage_host_ms=stages.host_ms,
             stage_device_ms=stages.device_ms,

@@ -41,7 +41,7 @@ processes used more than LOAD_SHARE of the cores (LoadProbe) is said to be, serv
 measured again at the next start that finds the machine quieter (quiet_now), until a quiet figure
 settles it. And a run whose achieved rate
 passes the denominator has proved it low: the run says so once, lifts it to the achieved rate
-(PeakFlops.raise_to) and caches that as ACHIEVED, so MFU never passes 100%, here or later.
+(raise_peak) and caches that as ACHIEVED, so MFU never passes 100%, here or later.
 `python -m minigpt estimate --time --remeasure` forgets the machine's figures and measures again.
 The LayerNorm parameters' share (12*d per layer per
 token of ~6N) is counted FLOPs of a memory-bound op that runs far below any GEMM's rate, so it
@@ -74,9 +74,20 @@ from minigpt.instruments.instrument import (
     PeakFlops,
     machine_key,
     plausible,
-    table_peak,
 )
 
+# Dense peak FLOP/s per GPU from the vendors' data sheets (no 2:4 sparsity), by dtype. fp32 means
+# plain fp32 (TF32 off, PyTorch's default for matmuls). MFU divides by the fastest (DEVICE_DTYPE).
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},  # SXM
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
+    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
+    "A10": {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12},
+    "V100": {"fp16": 125e12, "fp32": 15.7e12},
+}
 # Each unit is timed in many short calls for this long (wall clock) after a warm-up, and its best
 # call is kept: on a busy machine a short call often fits in a slice where the process had the
 # cores, a long one rarely does. 0.25 s for each of ~8 units (0.5 s for the square products) keeps
@@ -160,7 +171,7 @@ def peak_flops(
         if not override_tflops > 0:
             raise ValueError(f"--peak-tflops must be positive, got {override_tflops}")
         return PeakFlops(override_tflops * 1e12, "override: --peak-tflops", device=device, dtype=dtype)
-    from_table = table_peak(device, dtype) if device == "cuda" else None
+    from_table = table_peak(dtype) if device == "cuda" else None
     if from_table:
         return PeakFlops(*from_table, device=device, dtype=dtype)
     units = [Workload("matmul", (n, n, n)) for n in SQUARE_SIZES] + list(dict.fromkeys(workloads or []))
@@ -398,7 +409,7 @@ def machine_busy_s() -> float | None:
 
 
 def keep_achieved(device: str, dtype: str, achieved: float) -> str:
-    """Cache a rate a run achieved above the measured peak (PeakFlops.raise_to): a lower bound of
+    """Cache a rate a run achieved above the measured peak (raise_peak): a lower bound of
     the machine's peak, so the denominator is never below it again. Returns where it was kept."""
     entry = {"flops": 0, "best": achieved, "median": achieved, "calls": 1, "cores": os.cpu_count()}
     entry |= {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "load": None}
@@ -416,3 +427,33 @@ def ranked_peak(device: str, dtype: str, info) -> PeakFlops:
     if info.is_main:
         barrier(info)
     return peak
+
+
+def raise_peak(peak: PeakFlops, achieved: float) -> str | None:
+    """A rate the run has `achieved` (FLOP/s per device) above a measured peak proves the peak
+    low (taken under load): lift it, here and in the cache, so MFU never passes 100%; the line
+    saying so the first time. A --peak-tflops figure and a data sheet are not touched."""
+    if achieved <= peak.value or not peak.source.startswith(("measured", "cache", ACHIEVED)):
+        return None
+    first = not peak.source.startswith(ACHIEVED)
+    note = (
+        f"MFU peak {peak.value / 1e12:.3g} TFLOP/s was below what this run achieved "
+        f"({achieved / 1e12:.3g} TFLOP/s): it was measured under load; the peak is now the best "
+        f"rate the run achieves, {keep_achieved(peak.device, peak.dtype, achieved)}"
+    )
+    if first:
+        peak.source = f"{ACHIEVED} (the measured peak was lower); was: {peak.source}"
+    peak.value = achieved
+    return note if first else None
+
+
+def table_peak(dtype: str) -> tuple[float, str] | None:
+    """A known GPU's data-sheet peak in `dtype`, and its source; None for another device."""
+    import re
+
+    name = torch.cuda.get_device_name()
+    # Whole words, longest names first: "H100 PCIe" before "H100"; "L4" is not "L40S", "A10" not "A10G".
+    for gpu in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if re.search(rf"\b{re.escape(gpu)}\b", name) and dtype in PEAK_FLOPS[gpu]:
+            return PEAK_FLOPS[gpu][dtype], f"table: {gpu} {dtype} dense"
+    return None

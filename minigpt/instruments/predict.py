@@ -52,7 +52,7 @@ time the rates are measured; a quiet one replaces it, a busy one never replaces 
 `python -m minigpt estimate --time --remeasure` forgets this machine's rates and peak and measures
 both again.
 
-On CUDA the same model runs from the device's data sheet (minigpt.instruments.instrument.PEAK_FLOPS
+On CUDA the same model runs from the device's data sheet (minigpt.instruments.mfu.PEAK_FLOPS
 and BANDWIDTH below, every product at the dense peak) with the per-op overhead measured on the GPU, and is
 marked untested: no GPU has checked it yet. A GPU in neither table has no rates: one line, exit 2.
 """
@@ -80,8 +80,8 @@ from minigpt.core.cpu import allocator_in_use
 from minigpt.core.data import cache_dir
 from minigpt.core.shape import Shape, shape_of
 from minigpt.fileio import display_path, write_cache
-from minigpt.instruments.instrument import LOAD_SHARE, PEAK_FLOPS, TORCH_DTYPES, machine_key
-from minigpt.instruments.mfu import LoadProbe, forget, model_workloads, peak_flops, read_cache
+from minigpt.instruments.instrument import LOAD_SHARE, TORCH_DTYPES, machine_key
+from minigpt.instruments.mfu import PEAK_FLOPS, LoadProbe, forget, model_workloads, peak_flops, read_cache
 
 STEP_RATES_FILE = "step_rates.json"  # under minigpt.core.data.cache_dir(): one entry per machine and dtype
 RATES_VERSION = 4  # how the rates are measured: a change makes new entries, never reads old ones
@@ -115,7 +115,7 @@ EVICTED_CALLS = 10  # timed calls per kernel when each is preceded by an evictio
 # (max, sum of exps, the output; or the gradient's sum, then the gradient and the output) and write once.
 LN_PASSES = 3
 
-# Memory bandwidth per GPU from the vendors' data sheets (bytes/s), keyed as metrics.PEAK_FLOPS.
+# Memory bandwidth per GPU from the vendors' data sheets (bytes/s), keyed as mfu.PEAK_FLOPS.
 # A100: the 40 GB part's figure (the 80 GB part's 2.0 TB/s would only lower the prediction).
 BANDWIDTH: dict[str, float] = {
     "H200": 4.8e12,
@@ -875,7 +875,7 @@ def _table_rates(dtype: str, cache: bool = True) -> Rates:
     peak = PEAK_FLOPS.get(known[0], {}).get(dtype) if known else None
     if known is None or peak is None:
         raise NoRates(
-            f"no rates for {name} in {dtype}: it is in neither minigpt.instruments.instrument.PEAK_FLOPS nor "
+            f"no rates for {name} in {dtype}: it is in neither minigpt.instruments.mfu.PEAK_FLOPS nor "
             "minigpt.instruments.predict.BANDWIDTH; add its data-sheet peak FLOP/s and bandwidth there"
         )
     overhead = cuda_overhead(cache)
