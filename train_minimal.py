@@ -80,6 +80,22 @@ def get_lr(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + decay * (cfg.lr - cfg.min_lr)
 
 
+def build_model(cfg: TrainConfig, vocab_size: int, device: str) -> GPT:
+    """GPT-2 in the flags' shape (minigpt/core/model.py)."""
+    config = GPTConfig(
+        vocab_size=pad_vocab(vocab_size),  # 50257 -> 50304: multiples of 64 run faster
+        max_position_embeddings=cfg.max_position_embeddings,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        d_model=cfg.d_model,
+        d_ff=cfg.d_ff,
+        dropout=cfg.dropout,
+        activation_checkpoint=cfg.use_activation_checkpoint,
+        chunked_loss=cfg.chunked_loss,
+    )
+    return GPT(config).to(device)
+
+
 def configure_optimizer(model: torch.nn.Module, cfg: TrainConfig, sharded: bool) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices (linear weights, embeddings) only, not on biases and
     LayerNorm gains; the fused kernel, on the CPU too (benchmarks/results/cpu-small.md)."""
@@ -175,18 +191,7 @@ def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
         from minigpt.instruments.straggler import RankTimer
 
         inst.timer = RankTimer(device, cfg.stage_timing, cfg.simulate_slow_rank, dist_info.rank)
-    model_cfg = GPTConfig(
-        vocab_size=pad_vocab(data.vocab_size),  # 50257 -> 50304: multiples of 64 run faster
-        max_position_embeddings=cfg.max_position_embeddings,
-        n_layers=cfg.n_layers,
-        n_heads=cfg.n_heads,
-        d_model=cfg.d_model,
-        d_ff=cfg.d_ff,
-        dropout=cfg.dropout,
-        activation_checkpoint=cfg.use_activation_checkpoint,
-        chunked_loss=cfg.chunked_loss,
-    )
-    model = GPT(model_cfg).to(device)
+    model = build_model(cfg, data.vocab_size, device)
     flops = flops_per_token(model, cfg.seq_len) // plan.tp  # before sharding; a tp group splits the model
     plan_note = None
     if plan.sharded:  # in place, into DTensors: before the optimizer, which must hold those
@@ -268,8 +273,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) ->
                     # DDP all-reduces the gradients in the last micro-batch's backward only.
                     with ranks.no_grad_sync(micro == cfg.grad_accum_steps - 1) if ranks else nullcontext():
                         with inst.stage("forward"), autocast:
-                            # Only the loss is kept: held logits (b x s x vocab) would live
-                            # on through the next forward and add to its peak.
+                            # only the loss is kept: logits (b x s x vocab) held would add to the next peak
                             loss = train_model(x, y)[1] / cfg.grad_accum_steps  # mean of micro-batches
                         with inst.stage("backward"):
                             scaler.scale(loss).backward()
@@ -327,12 +331,9 @@ def cli(argv: list[str] | None = None, on_step: Callable[[int], None] | None = N
     """main() with the user's mistakes turned into one line on stderr and exit status 2."""
     try:
         return main(argv, on_step)
-    except UsageError as e:
+    except (UsageError, NonFiniteLoss, LostRank) as e:  # a mistake exits 2; a fault (a NaN, a lost rank) 1
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (NonFiniteLoss, LostRank) as e:  # faults: one line, exit status 1
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, UsageError) else 1
     except KeyboardInterrupt:  # outside the loop (in it, a signal stops the run at a step and saves)
         print(f"error: {INTERRUPTED_LINE} (outside the training loop)", file=sys.stderr)
         return INTERRUPTED

@@ -141,7 +141,7 @@ def prepare(src: Path, work: Path) -> int:
 
     import numpy as np
 
-    from minigpt.core.data import builtin_corpus, load_tokens, split_train_val
+    from minigpt.core.tokens import builtin_corpus, load_tokens, split_train_val
 
     train, val = split_train_val(np.asarray(load_tokens([builtin_corpus()])))
     (work / "data" / DATASET).mkdir(parents=True)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from minigpt.core.config import UsageError
-from minigpt.core.data import builtin_corpus, tokenize_file
+from minigpt.core.tokens import builtin_corpus, tokenize_file
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "train.txt"
 

@@ -22,7 +22,7 @@ from conftest import TINY, fails
 import train_minimal
 from minigpt.analysis import compare, report
 from minigpt.analysis.runfiles import RunError, load_run
-from minigpt.core import config, data, distributed
+from minigpt.core import config, data, distributed, tokens
 from minigpt.core.checkpoint import (
     check_extra,
     check_model_fits,
@@ -314,7 +314,7 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 
 def cached_file(text: Path) -> Path:
-    data.tokenize_file(text)
+    tokens.tokenize_file(text)
     (entry,) = (data.cache_dir() / "tokens").iterdir()
     return entry
 
@@ -325,9 +325,9 @@ def test_a_self_consistent_cache_with_an_id_beyond_the_vocabulary_is_redone(tmp_
     text = tmp_path / "t.txt"
     text.write_text("one two three four")
     entry = cached_file(text)
-    good = np.array(data.tokenize_file(text))
-    data.write_token_file(entry, np.array([1, 2, 65535], dtype=np.uint16))  # header and hash agree
-    assert list(data.tokenize_file(text)) == list(good)
+    good = np.array(tokens.tokenize_file(text))
+    tokens.write_token_file(entry, np.array([1, 2, 65535], dtype=np.uint16))  # header and hash agree
+    assert list(tokens.tokenize_file(text)) == list(good)
     assert "tokenising" in capsys.readouterr().err
 
 
@@ -335,11 +335,11 @@ def test_a_fifo_in_the_token_cache_does_not_hang(tmp_path, cache, capsys):
     text = tmp_path / "t.txt"
     text.write_text("one two three four")
     entry = cached_file(text)
-    good = list(data.tokenize_file(text))
+    good = list(tokens.tokenize_file(text))
     entry.unlink()
     os.mkfifo(entry)
     assert data.read_token_file(entry) is None
-    assert list(data.tokenize_file(text)) == good  # tokenised again, the FIFO replaced by a file
+    assert list(tokens.tokenize_file(text)) == good  # tokenised again, the FIFO replaced by a file
     assert entry.is_file()
 
 

@@ -409,8 +409,8 @@ def text_file(tmp_path: Path, text: str = "one two three four five six seven") -
 @pytest.mark.parametrize("damage", ["truncate", "flip", "garbage"])
 def test_a_damaged_cached_file_is_tokenised_again(tmp_path, cache, capsys, damage):
     path = text_file(tmp_path)
-    good = data.tokenize_file(path).tolist()
-    cached = Path(data.tokenize_file(path).filename)
+    good = tokens.tokenize_file(path).tolist()
+    cached = Path(tokens.tokenize_file(path).filename)
     raw = bytearray(cached.read_bytes())
     if damage == "truncate":
         raw = raw[:-2]
@@ -420,7 +420,7 @@ def test_a_damaged_cached_file_is_tokenised_again(tmp_path, cache, capsys, damag
         raw = bytearray(b"\0" * len(raw))
     cached.write_bytes(bytes(raw))
     capsys.readouterr()
-    assert data.tokenize_file(path).tolist() == good
+    assert tokens.tokenize_file(path).tolist() == good
     assert "damaged" in capsys.readouterr().err
     assert data.read_token_file(cached) is not None  # repaired in place
 
@@ -433,7 +433,7 @@ def test_an_unwritable_or_full_cache_falls_back_to_memory(tmp_path, cache, capsy
     else:
         full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         monkeypatch.setattr("minigpt.fileio.os.fsync", lambda fd: (_ for _ in ()).throw(full))
-    ids = data.tokenize_file(path)
+    ids = tokens.tokenize_file(path)
     assert tokens.get_tokenizer().decode(ids.tolist()) == path.read_text()
     err = capsys.readouterr().err
     assert "tokenised in memory" in err and len(err.strip().splitlines()) == 1
@@ -444,12 +444,12 @@ def test_only_regular_files_are_data(tmp_path):
     os.mkfifo(fifo)
     for path, kind in ((Path("/dev/zero"), "character device"), (fifo, "FIFO")):
         with pytest.raises(UsageError) as e:
-            data.tokenize_file(path)  # would read forever, or block, if opened
+            tokens.tokenize_file(path)  # would read forever, or block, if opened
         assert kind in one_line(e)
 
 
 def test_big_text_is_tokenised_in_pieces_to_the_same_ids(monkeypatch):
-    text = data.builtin_corpus().read_text()[:200_000]
+    text = tokens.builtin_corpus().read_text()[:200_000]
     pieces = tokens.text_chunks(text, 5_000)
     assert len(pieces) > 10 and "".join(pieces) == text
     monkeypatch.setattr(tokens, "TOKENIZE_CHUNK_CHARS", 5_000)

@@ -19,7 +19,6 @@ import os
 import stat
 import struct
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minigpt.core.config import EOT, GPT2_VOCAB, TrainConfig, UsageError
+from minigpt.core.config import GPT2_VOCAB, TrainConfig, UsageError
 
 CACHE_ENV = "MINIGPT_CACHE_DIR"  # where token files live; default ~/.cache/minigpt
 # A token file: this header, then the ids (uint16, little-endian). 64 bytes keeps the ids aligned.
@@ -35,10 +34,6 @@ TOKEN_MAGIC = b"MINIGPT-TOKENS-1"
 TOKEN_HEADER = struct.Struct("<16sQ32s")  # magic, number of ids, SHA-256 of the ids' bytes
 TOKEN_HEADER_SIZE = 64
 TOKEN_SUFFIX = "tok"
-# The largest text file --train-data/--val-data take. Tokenising holds the file's bytes, its text
-# and its ids (a Python int each, about 9 bytes of memory per byte of text) at once: 1 GiB of text
-# needs about 12 GiB. Above it: split the file, or cap what is used with --max-tokens after a split.
-MAX_TEXT_BYTES = 1 << 30
 # The built-in corpus's held-out text (builtin_split): the last of every VAL_EVERY stretches of
 # whole paragraphs, SPLIT_PIECES stretches in all. The topics run in alphabetical order, so the
 # corpus's last tenth (typesseq's tables and the topics after it) was 42% whitespace-only tokens
@@ -69,12 +64,6 @@ def note(message: str) -> None:
     print(f"note: {message}", file=sys.stderr, flush=True)
 
 
-def builtin_corpus() -> Path:
-    """Write the built-in corpus to a file and return its path: Python's own documentation topics
-    (`pydoc_data`, shipped with every CPython), real English prose that needs no download."""
-    return _write_builtin("pydoc_topics.txt", "\n\n".join(builtin_topics()))
-
-
 def builtin_split() -> tuple[str, str]:
     """The built-in corpus as the trainer splits it: (training text, held-out text). The corpus is
     cut at paragraph breaks into SPLIT_PIECES stretches of about equal length, and the last of
@@ -94,33 +83,6 @@ def builtin_topics() -> list[str]:
     import pydoc_data.topics
 
     return [pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)]
-
-
-def _write_builtin(name: str, text: str) -> Path:
-    """`text` in the cache folder as `name` (or, when that cannot be written, a temporary one),
-    rewritten only when it differs; its path."""
-    stem, dot, suffix = name.rpartition(".")
-    for path in (
-        cache_dir() / name,
-        Path(tempfile.gettempdir()) / f"minigpt-{os.getuid()}-{stem}{dot}{suffix}",
-    ):
-        try:
-            if not path.is_file() or path.read_text(encoding="utf-8") != text:
-                from minigpt.fileio import atomic_write  # a new cache's file: written whole, or not at all
-
-                atomic_write(path, text.encode("utf-8"))
-            return path
-        except (OSError, UnicodeDecodeError, UsageError) as e:  # UsageError: minigpt.fileio.DiskFull
-            note(f"cannot write the built-in corpus to {path} ({getattr(e, 'strerror', None) or e})")
-    raise UsageError(f"no writable folder for the built-in corpus; set ${CACHE_ENV} to one")
-
-
-def write_token_file(path: Path, ids: np.ndarray) -> None:
-    body = ids.astype("<u2").tobytes()
-    header = TOKEN_HEADER.pack(TOKEN_MAGIC, len(ids), hashlib.sha256(body).digest())
-    from minigpt.fileio import atomic_write
-
-    atomic_write(path, header.ljust(TOKEN_HEADER_SIZE, b"\0") + body)
 
 
 def read_token_file(path: Path, n_vocab: int | None = None) -> np.ndarray | None:
@@ -154,47 +116,6 @@ def read_token_file(path: Path, n_vocab: int | None = None) -> np.ndarray | None
     return ids
 
 
-def check_regular_file(path: Path) -> None:
-    """Only a regular file is data: /dev/zero never ends, a FIFO blocks until someone writes."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        hint = (
-            "; in the repository, python data/prepare.py writes data/train.txt from the built-in corpus"
-            if path.parts[-2:] == ("data", "train.txt")
-            else ""
-        )
-        raise UsageError(f"data file {path} does not exist; pass an existing text file{hint}") from None
-    except OSError as e:
-        raise UsageError(f"cannot read data file {path} ({e.strerror}); check its permissions") from None
-    if stat.S_ISDIR(mode):
-        raise UsageError(f"data file {path} is a directory; pass the text files inside it")
-    if not stat.S_ISREG(mode):
-        from minigpt.fileio import file_kind
-
-        raise UsageError(f"data file {path} is {file_kind(mode)}, not a regular file; pass a text file")
-
-
-def tokenize_file(
-    path: str | Path, tokenizer_name: str = "gpt2", show_progress: bool | None = None
-) -> np.ndarray:
-    """Token ids of a UTF-8 text file, as a read-only uint16 memmap of a verified cache file
-    (keyed by the content's hash); in memory when the cache cannot be written."""
-    path = Path(path)
-    check_regular_file(path)
-    size = path.stat().st_size
-    if size > MAX_TEXT_BYTES:
-        raise UsageError(
-            f"data file {path} is {size / 2**30:.1f} GiB, above the {MAX_TEXT_BYTES / 2**30:.0f} GiB a "
-            "text file may be (it is tokenised in memory); split it into smaller files"
-        )
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise UsageError(f"cannot read data file {path} ({e.strerror}); check its permissions") from None
-    return cached_tokens(raw, path.stem, tokenizer_name, path, show_progress)
-
-
 def cached_tokens(
     raw: bytes, stem: str, tokenizer_name: str, source: str | Path, show_progress: bool | None = None
 ) -> np.ndarray:
@@ -206,52 +127,9 @@ def cached_tokens(
     ids = read_token_file(cached, n_vocab)
     if ids is not None:
         return ids
-    if cached.exists() or cached.is_symlink():
-        note(
-            f"cached tokens {cached} are damaged (truncated, not matching their hash, ids beyond "
-            "the vocabulary, or not a regular file); "
-            f"tokenising {source} again"
-        )
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"data file {source} is not UTF-8 text (byte {e.start}); convert it first") from None
-    from minigpt.core.tokens import encode_text  # a cache's miss: the only time text is tokenised
+    from minigpt.core.tokens import tokenize_into  # a miss: the only time text is tokenised
 
-    ids = encode_text(text, tokenizer_name, show_progress, desc=Path(source).name)
-    if not ids:
-        raise UsageError(f"data file {source} is empty; give some text")
-    if max(ids) >= 2**16:
-        raise UsageError(f"tokenizer {tokenizer_name} has ids beyond uint16; use gpt2")
-    array = np.asarray(ids, dtype=np.uint16)
-    try:
-        write_token_file(cached, array)
-    except (OSError, UsageError) as e:  # UsageError: minigpt.fileio.DiskFull, already one line
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        note(
-            f"token cache {cached.parent} cannot be written ({reason}); tokenised in memory this time "
-            f"(set ${CACHE_ENV} to a writable folder to keep the tokens)"
-        )
-        return array
-    mapped = read_token_file(cached, n_vocab)  # memory-mapped: the pages are shared, not copied, by every run
-    return array if mapped is None else mapped
-
-
-def load_tokens(
-    paths: list[str | Path],
-    tokenizer_name: str = "gpt2",
-    max_tokens: int | None = None,
-    show_progress: bool | None = None,
-) -> np.ndarray:
-    """Tokens of several files, joined by <|endoftext|>, capped at max_tokens. show_progress:
-    a bar over tokenising big files (None: on a terminal, on rank 0)."""
-    parts = [tokenize_file(p, tokenizer_name, show_progress) for p in paths]
-    if len(parts) == 1:
-        tokens = parts[0]
-    else:
-        sep = np.array([EOT], dtype=np.uint16)
-        tokens = np.concatenate([x for part in parts for x in (part, sep)][:-1])
-    return tokens[:max_tokens] if max_tokens else tokens
+    return tokenize_into(cached, raw, tokenizer_name, source, show_progress)
 
 
 def split_tokens(cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -261,22 +139,14 @@ def split_tokens(cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
     a text sorted by topic or date makes that tenth unlike the rest, and --val-data then says
     what is held out. --max-tokens caps the training text."""
     name = cfg.tokenizer_name
-    if cfg.val_data:
-        files = cfg.train_data or [builtin_corpus()]
-        return load_tokens(files, name, cfg.max_tokens), load_tokens(cfg.val_data, name)
-    if not cfg.train_data:  # the built-in corpus: its texts' tokens, cached under their hashes
-        train, val = builtin_split()
-        train_ids = cached_tokens(train.encode(), "pydoc_topics_train", name, "the built-in corpus")
-        return train_ids[: cfg.max_tokens], cached_tokens(
-            val.encode(), "pydoc_topics_val", name, "its held-out text"
-        )
-    return split_train_val(load_tokens(cfg.train_data, name, cfg.max_tokens))
+    if cfg.train_data or cfg.val_data:  # the user's text files (minigpt/core/tokens.py)
+        from minigpt.core.tokens import user_tokens
 
-
-def split_train_val(tokens: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
-    """The last val_fraction of the tokens for validation, the rest for training."""
-    cut = int(len(tokens) * (1 - val_fraction))
-    return tokens[:cut], tokens[cut:]
+        return user_tokens(cfg)
+    train, val = builtin_split()  # the built-in corpus: its texts' tokens, cached under their hashes
+    train_ids = cached_tokens(train.encode(), "pydoc_topics_train", name, "the built-in corpus")
+    val_ids = cached_tokens(val.encode(), "pydoc_topics_val", name, "its held-out text")
+    return train_ids[: cfg.max_tokens], val_ids
 
 
 def check_enough_tokens(tokens: np.ndarray, seq_len: int, what: str) -> None:
