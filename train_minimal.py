@@ -45,7 +45,6 @@ import torch
 from minigpt.core.config import (
     TrainConfig,
     UsageError,
-    check_cuda_features,
     pad_vocab,
     parse_args,
     resolve_amp,
@@ -162,7 +161,6 @@ def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
     restored -> run directory opened. None for --estimate-memory, which builds nothing."""
     cfg = parse_args(argv)
     device = resolve_device(cfg.device)
-    check_cuda_features(cfg, device)
     amp_on, amp_dtype, amp_note = resolve_amp(cfg, device)
     batch_note = None
     if cfg.estimate_memory or cfg.auto_batch_size:  # the estimator, loaded when a flag asks for it

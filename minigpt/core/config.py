@@ -558,6 +558,7 @@ ACROSS_FLAGS = frozenset(
         "max_position_embeddings", "no_checkpoint", "save_interval", "checkpoint_path", "resume",
         "compile_mode", "compile", "record_memory_history", "memory_profiler", "profile_step_start",
         "profile_step_end", "fsdp", "tp", "use_tensor_parallel", "simulate_slow_rank", "profile_ranks",
+        "ddp_backend", "auto_batch_size",
     }
 )  # fmt: skip
 
@@ -614,37 +615,6 @@ def format_bytes(n: float) -> str:
 
 
 # ------------------------------------------------------------------------------------------ device
-# What only CUDA has, as (field, the value that asks for it, why not on a CPU).
-CUDA_ONLY = [
-    ("ddp_backend", "nccl", "--ddp-backend nccl needs CUDA GPUs; on the CPU use gloo (the default there)"),
-    (
-        "auto_batch_size",
-        True,
-        "--auto-batch-size sizes a GPU's micro-batch from the GPU's memory; on the CPU choose "
-        "--batch-size yourself",
-    ),
-    (
-        "nsys",
-        True,
-        "--nsys needs CUDA: Nsight Systems' capture range is cudaProfilerStart/Stop; "
-        "on the CPU use --use-profiler",
-    ),
-    (
-        "record_memory_history",
-        True,
-        "--record-memory-history needs CUDA: it records the CUDA caching allocator; "
-        "on the CPU see the memory breakdown instead",
-    ),
-]
-
-
-def check_cuda_features(cfg: TrainConfig, device: str) -> None:
-    """A flag that drives what only CUDA has (its profiler range, its allocator, NCCL), on a CPU."""
-    for name, asks, why in CUDA_ONLY:
-        if device != "cuda" and getattr(cfg, name) == asks:
-            raise UsageError(why)
-
-
 def resolve_device(requested: str) -> str:
     import torch
 
