@@ -47,13 +47,11 @@ def checkpoint_lock_path(checkpoint: str | Path) -> Path:
 
 
 class RunLock:
-    """One trainer per run directory, and one per checkpoint: an exclusive flock on
-    <out_dir>/.lock and, when the run writes a checkpoint, on .<name>.lock beside it. Two runs
-    with different --out-dir but one --checkpoint-path would otherwise both exit 0 while the
-    second overwrote the first's weights. Each lock file holds its holder's PID, for the message a
-    second trainer gets. The kernel drops a flock when its holder exits, however it exits (SIGKILL
-    included), so a lock file left by a crash is not a lock: the next trainer takes it. Held until
-    the run returns; folders a lock had to create are removed again if they are left empty."""
+    """One trainer per run directory and per checkpoint: an exclusive flock on <out_dir>/.lock and,
+    when the run saves, on .<name>.lock beside the checkpoint (two runs sharing a --checkpoint-path
+    would overwrite each other's weights). Each holds its holder's PID, for the second trainer's
+    message. The kernel drops a flock when its holder exits, SIGKILL included: a lock file left by a
+    crash is no lock. Folders a lock had to create are removed again if left empty."""
 
     def __init__(self, out_dir: str | Path, checkpoint: str | Path | None = None):
         self.out_dir = Path(out_dir)
@@ -170,10 +168,8 @@ def setup_logging(log_file: Path | None = None, rank: int = 0) -> logging.Logger
 
 @contextmanager
 def stop_on_signals() -> Iterator[list[int]]:
-    """Yield a list that receives the number of the first SIGINT/SIGTERM; restore the handlers after.
-
-    A second Ctrl-C kills at once. A repeated SIGTERM is ignored: launchers and schedulers
-    (torchrun, SLURM) often send it to every process twice, and the save must still happen."""
+    """A list that receives the first SIGINT/SIGTERM. A second Ctrl-C kills at once; a repeated
+    SIGTERM is ignored (torchrun and SLURM often send two, and the save must still happen)."""
     received: list[int] = []
 
     def handler(signum, frame):
@@ -191,10 +187,9 @@ def stop_on_signals() -> Iterator[list[int]]:
 
 
 class RunDir:
-    """One training run's folder and checkpoint, from the choice of their names to the run's last
-    lines: guard() before any work, restore() with --resume, open() once the model is built
-    (config.json and the log's first lines), check_finite() and save() in the loop, then stopped()
-    or finish(). Rank 0 writes; every rank holds the same paths."""
+    """One run's folder and checkpoint: guard() before any work, restore() with --resume, open()
+    once the model is built, check_finite() and save() in the loop. Rank 0 writes; every rank
+    holds the same paths."""
 
     def __init__(self, cfg: TrainConfig, dist_info: DistInfo, sharded: bool):
         """The run directory and the checkpoint's path, checked before anything is built."""
@@ -222,10 +217,9 @@ class RunDir:
         self.ckpt = None  # minigpt/core/checkpoint.py's Checkpointer: with --resume, or at the first save
 
     def guard(self, held: ExitStack) -> None:
-        """Before any work, on rank 0: the run directory locked for this trainer alone (held until
-        the run returns), which also proves a fresh folder writable. A folder used before, a
-        --checkpoint-path of its own, a kernel file system's path, or a lock that cannot be made
-        get their one line from minigpt/core/guards.py before anything is trained."""
+        """Rank 0 locks the folder until the run returns, which proves a fresh one writable. A folder
+        used before, a --checkpoint-path, a kernel file system's path or a lock that cannot be made
+        load minigpt/core/guards.py, which says what is wrong in one line."""
         if not self.dist_info.is_main:
             return
         resolved = self.path.resolve()
@@ -249,10 +243,8 @@ class RunDir:
 
     # -- the checkpoint
     def restore(self, model, optimizer, scaler, batches) -> int:
-        """The step to continue from: the checkpoint's with --resume (loaded into the model, the
-        optimizer, the scaler and the batches, and checked against the flags), else 0. On resume,
-        rank 0 also drops the metrics and straggler lines past that step, or cut short by a crash,
-        so that no step appears twice (the steps after it are trained again)."""
+        """The step to continue from: with --resume the checkpoint's (loaded and checked against the
+        flags; the metrics past it dropped, so no step appears twice), else 0."""
         self.held = (model, optimizer, scaler, batches)  # what a save writes
         if not self.cfg.resume:
             return 0
@@ -291,9 +283,7 @@ class RunDir:
         return values
 
     def save(self, step: int) -> None:
-        """The checkpoint at this step, if its weights are finite (a checkpoint of non-finite
-        weights would replace the last good one): everything a resumed run needs to repeat the
-        uninterrupted one (minigpt/core/checkpoint.py)."""
+        """The checkpoint at this step, if its weights are finite (minigpt/core/checkpoint.py)."""
         if self.ckpt is None:
             from minigpt.core.checkpoint import Checkpointer
 
@@ -311,10 +301,8 @@ class RunDir:
 
     # -- the log's first lines
     def open(self, model, data, rate, notes: list[str | None]) -> logging.Logger:
-        """Create the folder, write config.json (rank 0) and say what this run is: the lines every
-        log starts with. `notes`: the AMP decision in words, then the CPU allocator's setting,
-        the ranks' plan and --auto-batch-size's choice, when there are. `rate`: the run's
-        Throughput (minigpt/instruments/instrument.py). Returns the logger (rank 0 writes the log)."""
+        """The folder, config.json (rank 0) and the log's first lines; `notes`: the AMP decision, then
+        the CPU allocator's, the ranks' plan and --auto-batch-size's, where there are."""
         cfg, info, device, (amp_note, *notes) = self.cfg, self.dist_info, rate.device, notes
         self.path.mkdir(parents=True, exist_ok=True)
         log = setup_logging(self.path / paths.LOG_FILE, info.rank)
@@ -338,9 +326,7 @@ class RunDir:
                 "python": platform.python_version(),
             },
         }
-        if (
-            info.is_main
-        ):  # written whole under a temporary name, then renamed into place (a crash: old or new)
+        if info.is_main:  # written whole under a temporary name, then renamed into place
             text, path = json.dumps(self.config, indent=2) + "\n", self.path / paths.CONFIG_FILE
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # minigpt/fileio.py's tmp_path
             try:
@@ -360,8 +346,7 @@ class RunDir:
         return log
 
     def header(self, model, data, rate, notes: list[str | None], n_params: int) -> list[str]:
-        """The log's first lines after the device: the notes (the CPU allocator, the ranks' plan),
-        the data, the model, the batch, the MFU peak, where the run starts and what was cleaned up."""
+        """The notes, the data, the model, the batch, the MFU peak, where the run starts."""
         cfg, (*notes, batch_note) = self.cfg, notes
         tokens = data.train_tokens
         counts = (
@@ -431,30 +416,61 @@ def format_stages(m: StepRecord) -> str:
 
 
 class Outputs:
-    """Where a logged step goes: its two lines in the log, a line of metrics.jsonl, TensorBoard's
+    """Where a logged step goes: its two lines in the log, a line of metrics.jsonl and TensorBoard's
     scalars (rank 0 writes the files). A context manager: the files close on any exit."""
 
     def __init__(self, out_dir: Path, log: logging.Logger, enabled: bool, purge_step: int):
-        self.log = log
+        """`purge_step`: on resume, the first step trained again; TensorBoard hides what an earlier
+        run wrote from there on, so no step is drawn twice."""
+        self.log, self.tb_dir, self.tensorboard = log, out_dir / paths.TENSORBOARD_DIR, None
         self.metrics = JsonlWriter(out_dir / paths.METRICS_FILE, enabled=enabled)
-        self.tensorboard = TensorBoardLogger(
-            out_dir / paths.TENSORBOARD_DIR, enabled=enabled, purge_step=purge_step
-        )
+        if enabled:  # under DDP only rank 0 writes
+            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
+
+            if threading.excepthook is not _quiet_full_disk:
+                _quiet_full_disk.previous = threading.excepthook
+                threading.excepthook = _quiet_full_disk
+            self.tensorboard = SummaryWriter(str(self.tb_dir), purge_step=purge_step)
 
     def write(self, record: StepRecord) -> None:
         self.log.info(format_log_line(record))
         self.log.info(format_stages(record))
         self.metrics.write(record)
-        self.tensorboard.log(record)
+        if self.tensorboard is None:
+            return
+        try:  # a full disk is one line (DiskFull): TensorBoard's writer thread fails first
+            for tag, value, step in tensorboard_scalars(record):
+                self.tensorboard.add_scalar(tag, value, step)
+            self.tensorboard.flush()
+        except (OSError, RuntimeError) as e:
+            if full := disk_full(e, self.tb_dir):
+                raise full from None
+            raise
 
     def __enter__(self) -> Outputs:
         return self
 
     def __exit__(self, *exc) -> None:
         try:
-            self.metrics.__exit__(*exc)
+            self.metrics.close()
         finally:
-            self.tensorboard.__exit__(*exc)
+            self.close_tensorboard(error_in_flight=exc[0] is not None)
+
+    def close_tensorboard(self, error_in_flight: bool) -> None:
+        """A full disk met while closing is one line, unless the run is already ending on an error
+        (write() reported it, or another one): then it adds nothing."""
+        if self.tensorboard is None:
+            return
+        try:
+            self.tensorboard.close()
+        except (OSError, RuntimeError) as e:
+            full = disk_full(e, self.tb_dir)
+            if full is None:
+                raise
+            if not error_in_flight:
+                raise full from None
+        finally:
+            self.tensorboard = None
 
 
 # ---------------------------------------------------------------------------- metrics.jsonl
@@ -542,62 +558,9 @@ def tensorboard_scalars(r: StepRecord) -> Iterator[tuple[str, float, int]]:
                     yield f"{prefix}/{key}_mib", figures[key] / 2**20, breakdown.get("step", r.step)
 
 
-class TensorBoardLogger:
-    """Scalars for `tensorboard --logdir <out-dir>`: the figures of metrics.jsonl, in the units a
-    chart reads (MFU in percent, memory in MiB)."""
-
-    def __init__(self, log_dir: Path, enabled: bool = True, purge_step: int | None = None):
-        """`purge_step`: on resume, the first step trained again; TensorBoard hides what an earlier
-        run wrote from there on, so no step is drawn twice."""
-        self.writer, self.log_dir = None, log_dir
-        if enabled:  # under DDP only rank 0 writes
-            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
-
-            if threading.excepthook is not _quiet_full_disk:
-                _quiet_full_disk.previous = threading.excepthook
-                threading.excepthook = _quiet_full_disk
-            self.writer = SummaryWriter(str(log_dir), purge_step=purge_step)
-
-    def log(self, r: StepRecord) -> None:
-        """Write the record's scalars and flush them. A full disk ends as one line (DiskFull):
-        TensorBoard's writer thread fails first, and its error is raised here."""
-        if self.writer is None:
-            return
-        try:
-            for tag, value, step in tensorboard_scalars(r):
-                self.writer.add_scalar(tag, value, step)
-            self.writer.flush()
-        except (OSError, RuntimeError) as e:
-            if full := disk_full(e, self.log_dir):
-                raise full from None
-            raise
-
-    def close(self, error_in_flight: bool = False) -> None:
-        """A full disk met while closing is one line, unless the run is already ending on an error
-        (log() reported it, or another one): then it adds nothing."""
-        if self.writer is None:
-            return
-        try:
-            self.writer.close()
-        except (OSError, RuntimeError) as e:
-            full = disk_full(e, self.log_dir)
-            if full is None:
-                raise
-            if not error_in_flight:
-                raise full from None
-        finally:
-            self.writer = None
-
-    def __enter__(self) -> TensorBoardLogger:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close(error_in_flight=exc[0] is not None)
-
-
 def _quiet_full_disk(args) -> None:
     """threading.excepthook: TensorBoard's writer thread dies on a full disk and prints its
-    traceback; TensorBoardLogger.log raises the same error in the loop as one line, so the
+    traceback; Outputs.write raises the same error in the loop as one line, so the
     thread's copy is dropped. Every other thread's error goes to the hook that was there before."""
     from minigpt.fileio import is_disk_full
 
