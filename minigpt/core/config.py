@@ -1,11 +1,8 @@
-"""The trainer's flags as one table, the shape of the step they describe, and the checks that turn
-a user's mistake into one line instead of a traceback.
+"""The trainer's flags as one table, and the checks that turn a user's mistake into one line.
 
-Each flag is a field of TrainConfig: its type (the annotation), its default, its group and help in
---help, and where needed its bounds (data: one loop checks them all), its flag name, argparse
-action, choices and what a None default means. The parser and the checks read the table; nothing
-else lists the flags. Shape is the model and batch the flags describe, torch-free: the memory
-estimator, the step-time predictor and the benchmarks compute from it too."""
+Each flag is a field of TrainConfig: its type, default, group and help, and where needed its bounds
+(one loop checks them all), name, argparse action, choices and what a None default means. The
+parser and the checks read the table; nothing else lists the flags. Torch-free."""
 
 from __future__ import annotations
 
@@ -59,17 +56,14 @@ MAX_DDP_TIMEOUT_S = 7 * 24 * 3600.0
 BYTES_PER_PARAM = 16  # fp32 weight + gradient + AdamW's two moments
 ESTIMATE_CAP_BYTES = 2**50  # --estimate-memory answers for other machines: refuse only above 1 PiB
 GIB_HINT = "the figure is in GiB: 80 for an 80 GB GPU"
-# Flags that name a file or folder: an empty value would silently mean the default.
-# A path of at most 255 bytes has no name over 255 bytes and is far below PATH_MAX: never too long
-# (minigpt/fileio.py's name_problem judges a longer one).
+# A path of at most 255 bytes is never too long (minigpt/fileio.py's name_problem judges a longer one).
 SHORT_PATH = 255
 PATH_FLAGS = ("out_dir", "checkpoint_path", "memory_snapshot_path", "train_data", "val_data")
 
 
 @dataclass(frozen=True)
 class Bounds:
-    """A numeric flag's range (an open end excludes its value), and the words for a value below or
-    above it."""
+    """A numeric flag's range (an open end excludes its value), and the words for a value outside."""
 
     lo: float | None = None
     hi: float | None = None
@@ -122,8 +116,8 @@ def parse_int(text: str) -> int:
 
 
 # ------------------------------------------------------------------------------------------ the table
-# What flag() takes beside its default, group, help and bounds: name (the flag when it is not
-# --field-name), argparse's action, choices and metavar, and none (what a default of None means).
+# What flag() takes beside default, group, help and bounds: name (when not --field-name), argparse's
+# action, choices and metavar, and none (what a default of None means).
 FLAG_OPTIONS = ("name", "action", "choices", "metavar", "none")
 
 
@@ -377,45 +371,12 @@ BOTH_WAYS = [flag_name(f) for f in fields(TrainConfig) if f.metadata["action"] i
 
 
 # ------------------------------------------------------------------------------------------ parser
-def _show(value) -> str:
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if isinstance(value, list):
-        return " ".join(value) if value else "none"
-    return str(value)
-
-
-def default_help(f: Field) -> str:
-    """'(default: ...)' for --help: the default preset's value where it sets this field, else the
-    field's default, or what None means."""
-    meta = f.metadata
-    if meta["action"] in ("store_true", "store_false"):
-        return ""  # a switch: off unless given
-    if f.name in PRESETS[DEFAULT_PRESET]:
-        return f" (default: {_show(PRESETS[DEFAULT_PRESET][f.name])}, from --preset {DEFAULT_PRESET})"
-    value = [] if f.default_factory is list else f.default
-    shown = meta["none"] if meta["none"] is not None and value in (None, []) else _show(value)
-    by_presets = [p for p in PRESETS if f.name in PRESETS[p]]
-    return f" (default: {shown}" + (f"; set by --preset {', '.join(by_presets)}" if by_presets else "") + ")"
-
-
-def presets_table() -> str:
-    names = sorted({k for p in PRESETS.values() for k in p}, key=[f.name for f in fields(TrainConfig)].index)
-    flags = {f.name: flag_name(f) for f in fields(TrainConfig)}
-    lines = [f"presets (--preset NAME sets these; flags on the command line win; default {DEFAULT_PRESET}):"]
-    for preset, values in PRESETS.items():
-        lines.append(f"  {preset:6s} " + " ".join(f"{flags[n]} {values[n]}" for n in names if n in values))
-    return "\n".join(lines)
-
-
 def argument(f: Field) -> tuple[str, dict]:
     """argparse's add_argument for one field. Every parse default is SUPPRESS, so the namespace
     holds exactly the flags the user gave (they beat the preset, which beats the field defaults);
-    --help shows the real defaults, written into each help text."""
+    --help writes the defaults into the help texts (FlagParser)."""
     meta, kind = f.metadata, base_type(f)
-    kwargs = dict(
-        dest=f.name, default=argparse.SUPPRESS, help=(meta["help"] + default_help(f)).replace("%", "%%")
-    )
+    kwargs = dict(dest=f.name, default=argparse.SUPPRESS, help=meta["help"].replace("%", "%%"))
     if meta["action"] is not None:
         kwargs["action"] = meta["action"]
     if kind is list:
@@ -429,25 +390,27 @@ def argument(f: Field) -> tuple[str, dict]:
 
 
 ARGUMENTS = [(f.metadata["group"], *argument(f)) for f in fields(TrainConfig)]  # once, at import
-EPILOG = (
-    presets_table() + "\n\n"
-    f"${EXTRA_ARGS_ENV}: flags in it are appended to the command line, so they win over the same\n"
-    "flags given there: a way to scale every command of a script down to a quick run, e.g.\n"
-    f'  {EXTRA_ARGS_ENV}="--preset tiny --num-steps 8" python train_minimal.py'
-)
 
 
-PARSER_OPTIONS = dict(
-    description="Train a GPT and see where the time and memory go.",
-    epilog=EPILOG,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-    allow_abbrev=False,
-)
+class FlagParser(ArgParser):
+    """The trainer's flags. --help adds each one's default and the presets to the text
+    (minigpt/core/flaghelp.py, loaded then)."""
+
+    def format_help(self) -> str:
+        from minigpt.core.flaghelp import add_defaults
+
+        add_defaults(self)
+        return super().format_help()
 
 
 def build_parser(prog: str = "train_minimal.py") -> argparse.ArgumentParser:
     """One argument per TrainConfig field, grouped as --help shows them."""
-    p = ArgParser(prog=prog, **PARSER_OPTIONS)
+    p = FlagParser(
+        prog=prog,
+        description="Train a GPT and see where the time and memory go.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     p.name_prog = True
     groups = {group: p.add_argument_group(group) for group in dict.fromkeys(g for g, _, _ in ARGUMENTS)}
     for group, name, kwargs in ARGUMENTS:
@@ -457,12 +420,8 @@ def build_parser(prog: str = "train_minimal.py") -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------------------------------ parse
 def parse_args(argv: list[str] | None = None, prog: str = "train_minimal.py") -> TrainConfig:
-    """Flags over preset over defaults, then checked. Raises UsageError.
-
-    Flags in the environment variable MINIGPT_ARGS are appended to the command line, so they win
-    over the same flags given there: a way to scale every command of a script or of the
-    walkthrough down to a quick run (MINIGPT_ARGS="--preset tiny --num-steps 8"). --train-data and
-    --val-data add to the files given before them, there as on the command line."""
+    """Flags over preset over defaults, then checked; raises UsageError. $MINIGPT_ARGS is appended
+    to the command line (its flags win): every command of a script scaled down to a quick run."""
     try:
         extra = shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
     except ValueError as e:
@@ -518,9 +477,8 @@ def check_fields(cfg: TrainConfig) -> None:
 
 
 def check_text(f: Field, name: str, value) -> None:
-    """A path flag given as "" would silently mean its default (runs/<date-time>, the run's own
-    checkpoint): refused. A NUL byte cannot be in a path or a name (the OS refuses it with a
-    ValueError deep inside open())."""
+    """A path flag given as "" would silently mean its default: refused. A NUL byte cannot be in a
+    path or a name (open() raises a ValueError deep inside)."""
     for text in value if isinstance(value, list) else [value]:
         if "\0" in text:
             raise UsageError(f"{name} holds a NUL byte, which no file name or value may hold")
@@ -573,11 +531,9 @@ def machine_ram_bytes() -> int | None:
 
 
 def quick_bytes(cfg: TrainConfig) -> dict[str, int]:
-    """The bytes of a training step, roughly and cheaply, by what needs them: parameters x 16 bytes
-    (fp32 weights, gradients, AdamW's two moments), the fp32 logits (4 b s V, unless --chunked-loss),
-    and the blocks' saved fp32 activations (about 68 b s d per layer; SDPA keeps no s x s matrix).
-    Only to refuse absurd sizes before anything is built: minigpt/instruments/estimate.py is the
-    real estimate."""
+    """A training step's bytes, roughly: parameters x 16 (fp32 weights, gradients, AdamW's moments),
+    fp32 logits (4 b s V, unless --chunked-loss), saved activations (~68 b s d per layer). Only to
+    refuse absurd sizes before anything is built: minigpt/instruments/estimate.py estimates."""
     vocab, tokens, d = pad_vocab(cfg.vocab_size or GPT2_VOCAB), cfg.batch_size * cfg.seq_len, cfg.d_model
     positions = cfg.max_position_embeddings or cfg.seq_len
     params = param_count(vocab, positions, d, cfg.d_ff or 4 * d, cfg.n_layers)
@@ -589,10 +545,9 @@ def quick_bytes(cfg: TrainConfig) -> dict[str, int]:
 
 
 def check_size(cfg: TrainConfig) -> None:
-    """Refuse a configuration whose quick count exceeds this machine's RAM: the trainer builds
-    the whole model in this process before moving or sharding it, so more cannot run (and a
-    typo like --vocab-size 1e13 should not be found by the kernel's OOM killer). --estimate-memory
-    builds nothing and answers for other machines, so it is refused only above 1 PiB."""
+    """Refuse a configuration whose quick count exceeds this machine's RAM (the whole model is built
+    here before it moves or is sharded; a typo like --vocab-size 1e13 should not meet the OOM
+    killer). --estimate-memory builds nothing, for any machine: refused only above 1 PiB."""
     terms = quick_bytes(cfg)
     ram = None if cfg.estimate_memory else machine_ram_bytes()
     if sum(terms.values()) > (ram or ESTIMATE_CAP_BYTES):
@@ -637,10 +592,8 @@ def cpu_bf16_features() -> dict[str, bool]:
 
 
 def resolve_amp(cfg: TrainConfig, device: str) -> tuple[bool, str, str]:
-    """Decide autocast: (enabled, dtype 'bf16'|'fp16'|'fp32', a note for the log).
-
-    bf16 is the default where the hardware runs it natively; elsewhere autocast would emulate
-    bf16 and run slower than fp32, so we train in fp32 unless --amp insists."""
+    """(autocast on, dtype 'bf16'|'fp16'|'fp32', a note for the log): bf16 where the hardware runs
+    it natively; elsewhere autocast would emulate bf16, slower than fp32, unless --amp insists."""
     import torch
 
     if cfg.amp is False:

@@ -1,12 +1,8 @@
 """Text in, batches out.
 
-- Text is tokenised (minigpt/core/tokens.py: GPT-2's exact ids, offline) only when its tokens are
-  not cached.
-- Text files are tokenised once into uint16 token files (memory-mapped), cached under the hash
-  of their bytes: an edited file is tokenised again, an unchanged one never. A token file opens
-  with a header (magic, length, SHA-256 of the ids) that is checked on every load: a truncated
-  or corrupt one is tokenised again, never used. A cache that cannot be written (read-only, full)
-  costs a note and an in-memory tokenisation, not the run.
+- Texts are tokenised once (minigpt/core/tokens.py: GPT-2's exact ids, offline) into uint16 token
+  files, memory-mapped and cached under the hash of their bytes. A token file's header (magic,
+  length, SHA-256 of the ids) is checked on every load: a damaged one is tokenised again.
 - Batches are random windows of seq_len + 1 tokens. Batch i of rank r is drawn from a generator
   seeded with (data_seed, r, i), so the data position is one integer and resume is exact.
 """
@@ -34,13 +30,11 @@ TOKEN_MAGIC = b"MINIGPT-TOKENS-1"
 TOKEN_HEADER = struct.Struct("<16sQ32s")  # magic, number of ids, SHA-256 of the ids' bytes
 TOKEN_HEADER_SIZE = 64
 TOKEN_SUFFIX = "tok"
-# The built-in corpus's held-out text (builtin_split): the last of every VAL_EVERY stretches of
-# whole paragraphs, SPLIT_PIECES stretches in all. The topics run in alphabetical order, so the
-# corpus's last tenth (typesseq's tables and the topics after it) was 42% whitespace-only tokens
-# against 18-31% in every other tenth, and the validation loss sat about 1 nat under the training
-# loss. Why not every 10th topic, whole: 79 topics of 0.1 to 62 thousand characters, and every
-# 10th held 2% of the tokens. Stretches of ~4,600 characters (~1,400 tokens, five windows of the
-# default 256) spread over the corpus hold 10%, 24% whitespace-only against training's 26%.
+# The built-in corpus's held-out text (builtin_split): the last of every VAL_EVERY of SPLIT_PIECES
+# stretches of whole paragraphs. Its last tenth alone (typesseq's tables...) was 42% whitespace-only
+# tokens against 18-31% elsewhere, and the validation loss sat ~1 nat under the training loss; every
+# 10th topic held 2% of the tokens. Stretches spread over the corpus hold 10%, 24% whitespace-only
+# against training's 26%.
 SPLIT_PIECES, VAL_EVERY = 100, 10
 
 

@@ -110,17 +110,12 @@ LOSS_ROWS = 8
 
 
 class CrossEntropy(torch.autograd.Function):
-    """F.cross_entropy(logits, targets): the mean over targets that are not -100 (ignore_index),
-    with the softmax in fp32 as under autocast, and less memory traffic.
-
-    F.cross_entropy under the CPU's autocast makes an fp32 copy of all N x V logits (log_softmax is
-    on the CPU's fp32 list), saves fp32 log-probabilities for backward, and in backward writes a
-    dense fp32 gradient, exponentiates the log-probabilities again and copies the result into the
-    logits' dtype: on a CPU these passes over memory cost more than the LM head's matmul. Here
-    LOSS_ROWS rows at a time are made fp32, in cache, and the forward computes both the loss and its
-    gradient, softmax - one-hot (a loss ends the graph: only its scalar gradient is left for
-    backward). The gradient is kept in the logits' dtype (bf16 under autocast), rounded once, as
-    F.cross_entropy's is."""
+    """F.cross_entropy(logits, targets) (mean over targets not -100, softmax in fp32), with less
+    memory traffic. Under the CPU's autocast F.cross_entropy copies all N x V logits to fp32, saves
+    fp32 log-probabilities, and in backward writes a dense fp32 gradient and converts it: on a CPU
+    these passes cost more than the LM head's matmul. Here LOSS_ROWS rows at a time are made fp32,
+    in cache, and the forward computes the loss and its gradient, softmax - one-hot (a loss ends the
+    graph), kept in the logits' dtype, rounded once as F.cross_entropy's is."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -153,16 +148,11 @@ class CrossEntropy(torch.autograd.Function):
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The mean cross-entropy: CrossEntropy on the CPU; F.cross_entropy elsewhere, and for fp16,
-    whose gradient needs the loss scale applied before it is rounded (CrossEntropy rounds it in
-    forward). On CUDA under autocast F.cross_entropy's log_softmax runs in the logits' dtype and
-    saves bf16/fp16 log-probs; nll_loss (on autocast's fp32 list) saves an fp32 copy of them.
-
-    Under torch.compile F.cross_entropy too, on the CPU as well: the compiler fuses its passes
-    itself, and CrossEntropy's backward reads grad_loss.item(), a graph break. The break made the
-    logits' view an output of the first graph, and AOTAutograd's warm cache (torch 2.13) replays
-    such an output alias with a corrupt shape: a second `--compile` run stopped in its first forward
-    ("shape '[2430212884928, 64, 50304]' is invalid"). One graph has no such output."""
+    """The mean cross-entropy: CrossEntropy on the CPU; F.cross_entropy on a GPU, for fp16 (its
+    gradient needs the loss scale before it is rounded) and under torch.compile, which fuses the
+    passes itself: CrossEntropy's grad_loss.item() is a graph break, whose output alias AOTAutograd's
+    warm cache (torch 2.13) replayed with a corrupt shape ("shape '[2430212884928, 64, 50304]' is
+    invalid") in a second `--compile` run."""
     compiling = torch.compiler.is_compiling()
     if logits.device.type == "cpu" and logits.dtype != torch.float16 and not compiling:
         return CrossEntropy.apply(logits, targets)

@@ -54,10 +54,9 @@ class StageTimes:
 
 @dataclass
 class Interval:
-    """What Instruments.interval() returns at a log line: the host seconds of the interval's steady
-    steps, their stage times (the left-out steps' when every step is left out), and the steps left
-    out of both, each {"step": n, "s": seconds, "why": a LEFT_OUT key}; and what a flag's instrument
-    took in it (minigpt/instruments/window.py)."""
+    """A log interval: its steady steps' host seconds, their stage times (the left-out steps' when
+    all are), the steps left out, each {"step", "s", "why": a LEFT_OUT key}, and what a flag's
+    instrument took in it."""
 
     steady: list[float]
     stages: StageTimes
@@ -165,18 +164,9 @@ class StageTimer:
 
 
 class Instruments:
-    """Everything the training loop measures, held in one object beside the loop.
-
-        inst = Instruments(cfg, device=..., rank=..., ...)    # before the model: memory history sees it
-        inst.attach(model, optimizer, first_step=1)
-        with inst:                                            # the profiler window, closed on any exit
-            while step < num_steps:
-                with inst.step(step + 1, sync=log_now):       # the step's clock and ranges
-                    with inst.stage("forward"): ...
-                step += 1
-                figures = inst.interval()                     # at the log interval: stage and step times
-
-    `cfg` is a TrainConfig (minigpt/core/config.py); only its instrumentation flags are read."""
+    """Everything the training loop measures, in one object beside it: `with inst:` around the loop
+    (a flag's window closes on any exit), `with inst.step(n):` and `with inst.stage(name):` in it,
+    `inst.interval()` at a log line. `cfg`: a TrainConfig; only its instrumentation flags are read."""
 
     def __init__(
         self, cfg, device: str, rank: int, world_size: int, out_dir: Path, worker: str, comm: bool = False
@@ -197,10 +187,8 @@ class Instruments:
         self._stop_watch = threading.Event()
 
     def attach(self, model, optimizer, first_step: int, memory_estimate=None, ddp_model=None) -> None:
-        """The model and optimizer the step trains; `first_step` is the step the loop runs next
-        (1-based; later after --resume). Under DDP (`ddp_model`, the wrapper), the backward's compute
-        is timed apart from its all-reduce (backward_compute): the straggler scores use the compute,
-        which a slow peer does not stretch."""
+        """`first_step`: the step the loop runs next (1-based). Under DDP (`ddp_model`) the backward's
+        compute is timed apart from its all-reduce: a slow peer does not stretch it."""
         self.first_step = first_step
         if ddp_model is not model and ddp_model is not None and self.cfg.stage_timing:
             from functools import partial
@@ -266,9 +254,8 @@ class Instruments:
         return compile_count()
 
     def left_out(self, n: int, compiled: bool = False) -> str | None:
-        """Why step `n`, just run, stays out of the steady figures (a LEFT_OUT key), or None: a step
-        during which torch.compile compiled (`compiled`; an evaluation's recompilation falls between
-        steps), the process's first step, and the instrumented ones."""
+        """Why step `n` stays out of the steady figures (a LEFT_OUT key), or None: torch.compile
+        compiled in it, it is the process's first, or an instrument slowed it."""
         if compiled:
             return "compilation"
         if n == self.first_step:
@@ -353,8 +340,8 @@ PEAK_KEYS = {
 
 @dataclass
 class PeakFlops:
-    """The MFU denominator of one device: FLOP/s, where it comes from, the dtype it is the peak
-    of, and for a measured one its winning unit's median and best call, when, and under what load."""
+    """The MFU denominator of one device: FLOP/s, its source and dtype; measured, its winning unit's
+    median and best call, when, and under what load."""
 
     value: float
     source: str
@@ -411,9 +398,8 @@ def cpu_model() -> str:
 
 
 def cached_peak(path: Path, key: str) -> PeakFlops | None:
-    """The machine's peak from the cache: the best of its square units and any rate a run achieved,
-    each a finite positive figure timed on a quiet machine. None where a square unit is missing,
-    or one is damaged or was measured under load: mfu.py measures them then."""
+    """The machine's peak from the cache: the best of its square units and any rate a run achieved.
+    None where a square unit is missing, damaged or timed under load: mfu.py measures them then."""
     try:
         with open(path, "rb") as f:
             entry = json.loads(f.read(CACHE_LIMIT + 1))[key]
@@ -436,8 +422,8 @@ def good_rate(u) -> bool:
 
 
 def plausible(u) -> bool:
-    """A cached unit whose best and median FLOP/s are numbers between a MFLOP/s and an exaFLOP/s (a
-    hand-edited 1e-300, NaN or "fast" is none), and whose load share, if any, is a number."""
+    """A cached unit whose best and median are FLOP/s between a MFLOP/s and an exaFLOP/s (a
+    hand-edited 1e-300, NaN or "fast" is none), its load share a number."""
     figures = [u.get("best"), u.get("median"), u.get("others") or 0.0] if isinstance(u, dict) else [None]
     if not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in figures):
         return False
@@ -446,9 +432,7 @@ def plausible(u) -> bool:
 
 def device_peak(override_tflops: float | None, device: str, info=None) -> PeakFlops:
     """The MFU denominator: --peak-tflops, a known GPU's data sheet, or this CPU's cached peak
-    (measured once, by minigpt/instruments/mfu.py, when the cache has none). Under torchrun
-    (`info`, a DistInfo), rank 0 measures alone and the others read its cache: measured together
-    they would share the cores and cache a low figure."""
+    (mfu.py measures it when the cache has none; under torchrun rank 0 alone, then the others read it)."""
     dtype = fastest_dtype(device)
     if override_tflops is not None:
         return PeakFlops(override_tflops * 1e12, "override: --peak-tflops", device=device, dtype=dtype)
@@ -473,9 +457,8 @@ def device_peak(override_tflops: float | None, device: str, info=None) -> PeakFl
 
 
 def mfu(flops_per_token: float, tokens_per_s_per_device: float, peak: float | PeakFlops) -> float:
-    """Model FLOPs utilisation: the training FLOPs the model needs per second over the peak.
-    Tokens/s is per device, so under DDP pass the job's figure divided by the world size, and
-    count every micro-batch of gradient accumulation in the tokens."""
+    """Model FLOPs utilisation: the model's training FLOPs per second over the peak, per device
+    (every micro-batch's tokens counted)."""
     value = peak.value if isinstance(peak, PeakFlops) else peak
     return achieved_tflops(flops_per_token, tokens_per_s_per_device) * 1e12 / value
 
@@ -486,14 +469,9 @@ def achieved_tflops(flops_per_token: float, tokens_per_s_per_device: float) -> f
 
 
 def process_memory() -> dict[str, int]:
-    """The process as the operating system sees it: resident memory now and its peak since the
-    start, both from one read of /proc/self/status (VmRSS, VmHWM), where the kernel takes the peak
-    as the larger of its high-water mark and the resident size at that moment: so rss <= peak on
-    every record. (getrusage's ru_maxrss beside statm's resident size was read at two moments from
-    a high-water mark the kernel updates lazily, and fell below the resident size on 33 of 80 log
-    lines.) Elsewhere (not Linux) getrusage alone. Above the allocator's own figures sits what the
-    allocator caches and retains (minigpt/core/cpu.py), the interpreter, the libraries' code and
-    the data on the host."""
+    """The process's resident memory now and its peak, from one read of /proc/self/status (VmRSS,
+    VmHWM), so rss <= peak on every record (getrusage beside statm, read at two moments, had the
+    peak below the resident size on 33 of 80 log lines). Elsewhere (not Linux) getrusage alone."""
     try:
         with open("/proc/self/status") as f:
             fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS:", "VmHWM:")))
@@ -527,12 +505,10 @@ def cuda_memory_report(reset: bool = True) -> dict[str, float]:
 
 @dataclass
 class RunTotals:
-    """The run-wide figures, accumulated over every step since the loop started: the one place
-    they are defined. The run's rate is its steady state: the steady steps' tokens over the sum of
-    their times (not a mean of interval means, which would weigh a short interval like a long one);
-    the steps left out of it (warm-up, compilation, instrumented steps) are kept apart, by why.
-    End to end is every step's tokens over the loop's wall-clock time; start-up is the process's
-    age when the loop starts, kept apart from both."""
+    """The run-wide figures, their one definition. The run's rate is its steady state: the steady
+    steps' tokens over the sum of their times (a mean of interval means would weigh a short interval
+    like a long one), the left-out steps kept apart by why. End to end is every step's tokens over
+    the loop's wall clock; start-up, the process's age as the loop starts, is in neither."""
 
     tokens_per_step: int  # the job's: every data-parallel rank's batch
     t_start: float = 0.0  # perf_counter at the loop's start
@@ -574,8 +550,8 @@ class RunTotals:
         }
 
     def eta_s(self, steps_left: int, elapsed: float) -> float:
-        """The remaining steps at the end-to-end pace of the steps after warm-up (their time is the
-        loop's so far, less the left-out steps'), or of the left-out ones while there are no others."""
+        """The remaining steps at the end-to-end pace of the steady steps (the loop's time so far less
+        the left-out steps'), or of the left-out ones while there are no others."""
         left_s = sum(e["s"] for e in self.left_out.values())
         if self.steps:
             return steps_left * max(0.0, elapsed - left_s) / self.steps
@@ -610,9 +586,8 @@ class Throughput:
     def record(
         self, step: int, losses: list[float], lr: float, val: float | None, interval: Interval
     ) -> StepRecord:
-        """The interval's record: Instruments.interval()'s steady step times, their StageTimes, the
-        steps left out, and under FSDP/TP `interval.comm` (the profiled step, its ms in collectives
-        per stage); under DDP the backward's wait for the all-reduce is split off instead."""
+        """The interval's StepRecord; its time in collectives: under FSDP/TP a profiled step's
+        (`interval.comm`), under DDP the backward's wait for the all-reduce."""
         step_times, stages = interval.step_times, interval.stages
         step_time = sum(step_times) / len(step_times)
         per_rank = self.tokens_per_step / step_time
