@@ -116,9 +116,9 @@ def parse_int(text: str) -> int:
 
 
 # ------------------------------------------------------------------------------------------ the table
-# What flag() takes beside default, group, help and bounds: name (when not --field-name), argparse's
-# action, choices and metavar, and none (what a default of None means).
-FLAG_OPTIONS = ("name", "action", "choices", "metavar", "none")
+# What flag() takes beside default, group, help and bounds: argparse's action (OFF: the flag is
+# --no-<name>), choices and metavar, and none (what a default of None means).
+FLAG_OPTIONS = ("action", "choices", "metavar", "none")
 
 
 def flag(default, group: str, help: str, bounds: Bounds | None = None, **options) -> Field:
@@ -134,7 +134,7 @@ def flag(default, group: str, help: str, bounds: Bounds | None = None, **options
 
 MODEL, DATA, TRAIN, CKPT, LOG = "model", "data", "training", "checkpointing", "logging"
 INSTR, MEM, DIST = "instrumentation", "memory", "distributed (under torchrun)"
-SWITCH, BOTH = "store_true", argparse.BooleanOptionalAction
+SWITCH, OFF, BOTH = "store_true", "store_false", argparse.BooleanOptionalAction  # OFF: --no-<name>
 UNIT = Bounds(0, 1, hi_open=True, too_low="must be in [0, 1)", too_high="must be in [0, 1)")
 SCORE = Bounds(0, 1, lo_open=True, too_low="must be in (0, 1]", too_high="must be in (0, 1]")
 ENTRIES = Bounds(
@@ -226,11 +226,7 @@ class TrainConfig:
     compile: bool = flag(False, TRAIN, "torch.compile the model", action=SWITCH)
     compile_mode: str = flag("default", TRAIN, "torch.compile's mode under --compile", choices=MODES)
     keep_freed_memory: bool = flag(
-        True,
-        TRAIN,
-        "CPU: glibc malloc's defaults (minigpt/core/cpu.py)",
-        name="--no-keep-freed-memory",
-        action="store_false",
+        True, TRAIN, "CPU: glibc malloc's defaults (minigpt/core/cpu.py)", action=OFF
     )
     chunked_loss: bool = flag(False, TRAIN, "LM head and loss in chunks: no full logits", action=BOTH)
     # checkpointing
@@ -251,20 +247,8 @@ class TrainConfig:
     out_dir: str | None = flag(None, LOG, "run directory", metavar="DIR", none="runs/<date-time>")
     no_report: bool = flag(False, LOG, "do not write report.html at the end", action=SWITCH)
     # instrumentation
-    stage_timing: bool = flag(
-        True,
-        INSTR,
-        "stop timing the stages (their ranges stay)",
-        name="--no-stage-timing",
-        action="store_false",
-    )
-    comm_profile: bool = flag(
-        True,
-        INSTR,
-        "--fsdp/--tp: no profiled step for collectives",
-        name="--no-comm-profile",
-        action="store_false",
-    )
+    stage_timing: bool = flag(True, INSTR, "stop timing the stages (their ranges stay)", action=OFF)
+    comm_profile: bool = flag(True, INSTR, "--fsdp/--tp: no profiled step for collectives", action=OFF)
     use_profiler: bool = flag(
         False, INSTR, "torch.profiler trace of the window into <out-dir>/traces/", action=SWITCH
     )
@@ -352,7 +336,7 @@ _TYPES = typing.get_type_hints(TrainConfig)
 
 
 def flag_name(f: Field) -> str:
-    return f.metadata["name"] or "--" + f.name.replace("_", "-")
+    return ("--no-" if f.metadata["action"] == OFF else "--") + f.name.replace("_", "-")
 
 
 def base_type(f: Field) -> type:
