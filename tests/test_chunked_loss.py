@@ -8,8 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minigpt.core import chunked_loss
 from minigpt.core import model as model_module
-from minigpt.core.model import GPT, ChunkedCrossEntropy, GPTConfig
+from minigpt.core.chunked_loss import ChunkedCrossEntropy
+from minigpt.core.model import GPT, GPTConfig
 from minigpt.instruments.memory import capture_memory
 
 
@@ -39,7 +41,7 @@ def loss_and_grads(chunked: bool, amp: bool, x, y):
 @pytest.mark.parametrize("amp,tol", [(False, 1e-5), (True, 2e-2)])
 def test_loss_and_gradients_equal_the_plain_path(amp, tol, monkeypatch):
     monkeypatch.setattr(
-        model_module, "LOSS_CHUNK_ELEMENTS", 256 * 7
+        chunked_loss, "LOSS_CHUNK_ELEMENTS", 256 * 7
     )  # 7 rows a chunk: several chunks, a ragged end
     torch.manual_seed(1)
     x = torch.randint(0, 256, (3, 16))
@@ -76,7 +78,7 @@ def test_ignored_targets_and_a_scaled_loss_match_cross_entropy():
 def test_the_measured_peak_drops(monkeypatch):
     """With a vocabulary much wider than the model the logits dominate the peak: the chunked loss
     removes them from it."""
-    monkeypatch.setattr(model_module, "LOSS_CHUNK_ELEMENTS", 4096 * 16)  # 16 of the 128 rows a chunk
+    monkeypatch.setattr(chunked_loss, "LOSS_CHUNK_ELEMENTS", 4096 * 16)  # 16 of the 128 rows a chunk
 
     def peak(chunked):
         m = make(chunked, vocab=4096)

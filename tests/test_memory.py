@@ -760,10 +760,10 @@ def test_the_estimate_predicts_the_chunked_loss_peak(monkeypatch, amp, checkpoin
     """--chunked-loss: the peak is inside a chunk of the loss, in the forward. The gradient
     accumulators it fills there are not saved activations yet, and under bf16 each chunk's weight
     gradient is bf16: the estimate puts every byte in the part the measurement finds it in."""
-    from minigpt.core import model as model_module
+    from minigpt.core import chunked_loss
 
     s = CHUNKED_SHAPE
-    monkeypatch.setattr(model_module, "LOSS_CHUNK_ELEMENTS", CHUNK_ROWS * s["vocab_size"])
+    monkeypatch.setattr(chunked_loss, "LOSS_CHUNK_ELEMENTS", CHUNK_ROWS * s["vocab_size"])
     torch.manual_seed(0)
     model = GPT(GPTConfig(**Shape(**s, activation_checkpoint=checkpoint, chunked_loss=True).model_kwargs()))
     model.train()

@@ -16,6 +16,7 @@ from functools import partial
 
 import torch
 
+from minigpt.core.chunked_loss import LOSS_CHUNK_ELEMENTS
 from minigpt.core.config import (
     GiB,
     MiB,
@@ -26,7 +27,7 @@ from minigpt.core.config import (
     resolve_device,
 )
 from minigpt.core.cpu import choose_allocator
-from minigpt.core.model import LOSS_CHUNK_ELEMENTS, LOSS_ROWS
+from minigpt.core.model import LOSS_ROWS
 from minigpt.core.shape import Shape, shape_of
 
 # ---------------------------------------------------------------------------- the estimator (GPT)

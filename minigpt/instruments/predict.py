@@ -74,6 +74,7 @@ from pathlib import Path
 
 import torch
 
+from minigpt.core import chunked_loss
 from minigpt.core import model as model_module
 from minigpt.core.config import UsageError
 from minigpt.core.cpu import allocator_in_use
@@ -190,7 +191,7 @@ def loss_rows_kernel(rows: int, vocab: int) -> str:
 
 
 def loss_chunk_kernel(rows: int, vocab: int, h: int) -> str:
-    """One chunk of minigpt.core.model.ChunkedCrossEntropy: logits, softmax and both gradients."""
+    """One chunk of minigpt.core.chunked_loss.ChunkedCrossEntropy: logits, softmax and both gradients."""
     return f"loss chunk {rows}x{vocab}x{h}"
 
 
@@ -308,7 +309,7 @@ def step_ops(
     shape: Shape,
     amp_dtype: str = "fp32",
     device: str = "cpu",
-    loss_chunk_elements: int = model_module.LOSS_CHUNK_ELEMENTS,
+    loss_chunk_elements: int = chunked_loss.LOSS_CHUNK_ELEMENTS,
 ) -> list[Op]:
     """Every op of one micro-batch's forward and backward and of the optimizer step, as
     train_minimal.py runs them (fused AdamW, clip_grad_norm_, zero_grad(set_to_none=True)).
@@ -637,7 +638,7 @@ def _loss_call(randn, kind: str, dims: list[int], dt: torch.dtype):
         1.0 / rows,
     )
     targets = torch.randint(vocab, (rows,), device=x.device)
-    call = lambda: model_module.loss_chunk(x, weight, targets, dt, scale)  # noqa: E731
+    call = lambda: chunked_loss.loss_chunk(x, weight, targets, dt, scale)  # noqa: E731
     return 6 * rows * vocab * h, call, (x, weight)
 
 
