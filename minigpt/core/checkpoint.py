@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from minigpt import paths
 from minigpt.core import distributed, parallel
 from minigpt.core.config import TrainConfig, UsageError, format_bytes, machine_ram_bytes, param_count
 from minigpt.core.data import Batches
@@ -936,3 +937,17 @@ class Checkpointer:
         }
         if self.dist_info.is_main:
             save_checkpoint(self.path, state)
+
+
+def resume(run, model: GPT, optimizer: torch.optim.Optimizer, scaler, batches: Batches) -> int:
+    """--resume: the checkpoint loaded into the model, the optimizer, the scaler and the batches, and
+    checked against the flags; its step. Rank 0 also drops the metrics and straggler lines past that
+    step, or cut short by a crash, so no step appears twice (the steps after it are trained again).
+    `run`: minigpt/core/runs.py's RunDir, which holds the Checkpointer for the saves."""
+    run.ckpt = Checkpointer(run.cfg, run.checkpoint, run.sharded, run.dist_info)
+    step = run.ckpt.restore(model, optimizer, scaler, batches)
+    run.start = f"Resumed from {run.checkpoint} at step {step}"
+    for name in (paths.METRICS_FILE, paths.STRAGGLERS_FILE):
+        if run.dist_info.is_main and (dropped := repair_jsonl(run.path / name, step)):
+            run.cleaned.append(f"dropped {dropped} line(s) of {name} past step {step} or cut short")
+    return step

@@ -32,7 +32,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from minigpt.core.config import INT_LIMIT, UsageError
-from minigpt.errors import LostRank
+from minigpt.errors import LostRank, NonFiniteLoss
 from minigpt.ranks import DistInfo
 
 
@@ -133,6 +133,17 @@ def any_rank(flag: bool, info: DistInfo) -> bool:
     t = torch.tensor([int(flag)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=info.control)
     return bool(t.item())
+
+
+def check_peers_finite(mine_bad: bool, step: int, info: DistInfo, checkpoint) -> None:
+    """Every rank learns whether any rank's loss became non-finite: all stop at the same step, each
+    rank whose own loss is finite with this line (a rank whose loss is not says its own)."""
+    from minigpt.core.guards import describe_intact
+
+    if any_rank(mine_bad, info) and not mine_bad:
+        raise NonFiniteLoss(
+            f"another rank's loss became non-finite by step {step}; {describe_intact(checkpoint)}; lower --lr"
+        )
 
 
 def gather(obj, info: DistInfo) -> list:

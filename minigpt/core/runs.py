@@ -248,30 +248,19 @@ class RunDir:
         self.held = (model, optimizer, scaler, batches)  # what a save writes
         if not self.cfg.resume:
             return 0
-        from minigpt.core.checkpoint import Checkpointer, repair_jsonl
+        from minigpt.core.checkpoint import resume
 
-        self.ckpt = Checkpointer(self.cfg, self.checkpoint, self.sharded, self.dist_info)
-        step = self.ckpt.restore(model, optimizer, scaler, batches)
-        self.start = f"Resumed from {self.checkpoint} at step {step}"
-        for name in (paths.METRICS_FILE, paths.STRAGGLERS_FILE):
-            if self.dist_info.is_main and (dropped := repair_jsonl(self.path / name, step)):
-                self.cleaned.append(f"dropped {dropped} line(s) of {name} past step {step} or cut short")
-        return step
+        return resume(self, model, optimizer, scaler, batches)
 
     def check_finite(self, losses: list, step: int, amp_dtype: str) -> list[float]:
         """Read the interval's losses (this syncs) and stop at the first non-finite one, on every
         rank together (each rank sees only its own loss): the last good checkpoint is kept."""
         values = torch.stack(losses).tolist() if losses else []
         bad = next((i for i, v in enumerate(values) if v != v or abs(v) == float("inf")), None)
-        if self.dist_info.enabled:
-            from minigpt.core.distributed import any_rank
-            from minigpt.core.guards import describe_intact
+        if self.dist_info.enabled:  # every rank stops together
+            from minigpt.core.distributed import check_peers_finite
 
-            if any_rank(bad is not None, self.dist_info) and bad is None:
-                raise NonFiniteLoss(
-                    f"another rank's loss became non-finite by step {step}; "
-                    f"{describe_intact(self.checkpoint)}; lower --lr"
-                )
+            check_peers_finite(bad is not None, step, self.dist_info, self.checkpoint)
         if bad is not None:
             from minigpt.core.guards import describe_intact
 
