@@ -15,10 +15,9 @@ from conftest import ROOT
 import train_minimal
 
 # What a default run (tiny preset) may have loaded before its first step, and the lines they hold
-# together. The design's budget is 3,000 lines; LOADED_LINES holds what the code is today, so that
-# a change cannot quietly add to it. The same for the lines that run through set-up and the first
-# two steps (STEP_PATH: the files they run in, STEP_LINES: the distinct lines, as the design counts
-# them: a def's line and the lines run in its body, module bodies not).
+# together: the design's budget, 3,000 lines. STEP_LINES holds what runs today through set-up and the
+# first two steps (in the files of STEP_PATH), so that a change cannot quietly add to it; the lines
+# are counted as the design counts them: a def's line and the lines run in its body, module bodies not.
 READING_PATH = {
     "train_minimal.py",
     "minigpt/__init__.py",
@@ -35,7 +34,7 @@ READING_PATH = {
     "minigpt/ranks.py",
     "minigpt/paths.py",
 }
-LOADED_LINES = 3620
+LOADED_LINES = 3000
 STEP_PATH = {
     "train_minimal.py",
     "minigpt/core/config.py",
@@ -44,7 +43,7 @@ STEP_PATH = {
     "minigpt/core/runs.py",
     "minigpt/instruments/instrument.py",
 }
-STEP_LINES = 880
+STEP_LINES = 855
 BESIDE = (
     "minigpt.instruments.window",
     "minigpt.instruments.memory",
@@ -56,6 +55,11 @@ BESIDE = (
     "minigpt.core.checkpoint",
     "minigpt.analysis.report",
     "minigpt.analysis.traces",
+    "minigpt.core.checks",
+    "minigpt.core.flaghelp",
+    "minigpt.core.tokens",
+    "minigpt.core.chunked_loss",
+    "minigpt.core.shape",
 )
 
 
