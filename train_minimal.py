@@ -45,6 +45,7 @@ import torch
 from minigpt.core.config import (
     TrainConfig,
     UsageError,
+    check_cuda_features,
     pad_vocab,
     parse_args,
     resolve_amp,
@@ -161,6 +162,7 @@ def set_up(argv: list[str] | None, held: ExitStack) -> Setup | None:
     restored -> run directory opened. None for --estimate-memory, which builds nothing."""
     cfg = parse_args(argv)
     device = resolve_device(cfg.device)
+    check_cuda_features(cfg, device)
     amp_on, amp_dtype, amp_note = resolve_amp(cfg, device)
     batch_note = None
     if cfg.estimate_memory or cfg.auto_batch_size:  # the estimator, loaded when a flag asks for it
@@ -251,7 +253,7 @@ def train(s: Setup, on_step: Callable[[int], None] | None, started_at: float) ->
      optimizer, scaler, autocast, step, inst, rate, run, log) = s  # fmt: skip
     is_main = dist_info.is_main
     outputs = Outputs(run.path, log, is_main, purge_step=step + 1)  # log lines, metrics.jsonl, TensorBoard
-    lost = ranks.watch(run.resume_hint()) if ranks else None  # a rank lost mid-run: one line on the others
+    lost = ranks.watch(run) if ranks else None  # a rank lost mid-run: one line on the others
 
     # ------------------------------------------------------------------ train loop
     model.train()

@@ -18,13 +18,13 @@ import torch
 
 from minigpt import paths
 from minigpt.core import distributed, parallel
-from minigpt.core.config import TrainConfig, UsageError, format_bytes, machine_ram_bytes, param_count
+from minigpt.core.config import TrainConfig, UsageError, machine_ram_bytes, param_count
 from minigpt.core.data import Batches
 from minigpt.core.guards import describe_intact, directory_message
 from minigpt.core.model import GPT
 from minigpt.core.torchcompat import dcp_set_element
 from minigpt.errors import NonFiniteLoss
-from minigpt.fileio import UnreadableFile, atomic_open, atomic_write, read_bounded
+from minigpt.fileio import UnreadableFile, atomic_open, atomic_write, format_bytes, read_bounded
 from minigpt.ranks import DistInfo
 
 # The fields that fix the model's shape: a checkpoint whose values differ cannot be loaded.

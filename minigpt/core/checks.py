@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from minigpt.core.config import TrainConfig, UsageError, resolve_device
+from minigpt.core.config import TrainConfig, UsageError
 
 
 def check_across(cfg: TrainConfig, given: set[str] | None) -> None:
@@ -130,33 +130,4 @@ ACROSS = [
     # within the run's steps; the flags that need the job's ranks, in the rooms that own them.
     (WINDOW_FLAGS | {"profile_step_start", "profile_step_end", "memory_profile_step"}, check_windows, None),
     (PARALLEL_FLAGS | {"compile_mode"}, check_ranks, None),
-    # What only CUDA has (its profiler range, its allocator, NCCL), asked for where no GPU runs.
-    (
-        {"ddp_backend"},
-        lambda c, g: c.ddp_backend == "nccl" and no_gpu(c),
-        "--ddp-backend nccl needs CUDA GPUs; on the CPU use gloo (the default there)",
-    ),
-    (
-        {"auto_batch_size"},
-        lambda c, g: c.auto_batch_size and no_gpu(c),
-        "--auto-batch-size sizes a GPU's micro-batch from the GPU's memory; on the CPU choose "
-        "--batch-size yourself",
-    ),
-    (
-        {"nsys"},
-        lambda c, g: c.nsys and no_gpu(c),
-        "--nsys needs CUDA: Nsight Systems' capture range is cudaProfilerStart/Stop; on the CPU use "
-        "--use-profiler",
-    ),
-    (
-        {"record_memory_history"},
-        lambda c, g: c.record_memory_history and no_gpu(c),
-        "--record-memory-history needs CUDA: it records the CUDA caching allocator; on the CPU see "
-        "the memory breakdown instead",
-    ),
 ]
-
-
-def no_gpu(cfg: TrainConfig) -> bool:
-    """The run trains on the CPU (--device cpu, or auto where no GPU is visible)."""
-    return resolve_device(cfg.device) != "cuda"

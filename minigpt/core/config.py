@@ -500,7 +500,6 @@ ACROSS_FLAGS = frozenset(
         "max_position_embeddings", "no_checkpoint", "save_interval", "checkpoint_path", "resume",
         "compile_mode", "compile", "record_memory_history", "memory_profiler", "profile_step_start",
         "profile_step_end", "fsdp", "tp", "use_tensor_parallel", "simulate_slow_rank", "profile_ranks",
-        "ddp_backend", "auto_batch_size",
     }
 )  # fmt: skip
 
@@ -535,6 +534,8 @@ def check_size(cfg: TrainConfig) -> None:
     terms = quick_bytes(cfg)
     ram = None if cfg.estimate_memory else machine_ram_bytes()
     if sum(terms.values()) > (ram or ESTIMATE_CAP_BYTES):
+        from minigpt.fileio import format_bytes
+
         what = f"this machine's {format_bytes(ram)} of RAM" if ram else "1 PiB, the cap of --estimate-memory"
         parts = ", ".join(f"{format_bytes(n)} {label}" for label, n in terms.items() if n)
         raise UsageError(
@@ -545,15 +546,36 @@ def check_size(cfg: TrainConfig) -> None:
         )
 
 
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if n < 1024 or unit == "PiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 # ------------------------------------------------------------------------------------------ device
+# What only CUDA has (its profiler range, its allocator, NCCL): the value that asks for it, and why
+# not on a CPU. Checked once the device is known: a planned GPU run is estimated anywhere.
+CUDA_ONLY = {
+    "ddp_backend": ("nccl", "--ddp-backend nccl needs CUDA GPUs; on the CPU use gloo (the default there)"),
+    "auto_batch_size": (
+        True,
+        "--auto-batch-size sizes a GPU's micro-batch from the GPU's memory; on the CPU choose "
+        "--batch-size yourself",
+    ),
+    "nsys": (
+        True,
+        "--nsys needs CUDA: Nsight Systems' capture range is cudaProfilerStart/Stop; "
+        "on the CPU use --use-profiler",
+    ),
+    "record_memory_history": (
+        True,
+        "--record-memory-history needs CUDA: it records the CUDA caching allocator; "
+        "on the CPU see the memory breakdown instead",
+    ),
+}
+
+
+def check_cuda_features(cfg: TrainConfig, device: str) -> None:
+    """A flag that drives what only CUDA has, on a CPU."""
+    for name, (asks, why) in CUDA_ONLY.items():
+        if device != "cuda" and getattr(cfg, name) == asks:
+            raise UsageError(why)
+
+
 def resolve_device(requested: str) -> str:
     import torch
 

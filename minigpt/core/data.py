@@ -14,7 +14,6 @@ import hashlib
 import os
 import stat
 import struct
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,11 +50,6 @@ def tokenizer_vocab(name: str = "gpt2") -> int:
 
 def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "minigpt")
-
-
-def note(message: str) -> None:
-    """A line on stderr about something handled (the run goes on): before logging is set up."""
-    print(f"note: {message}", file=sys.stderr, flush=True)
 
 
 def builtin_split() -> tuple[str, str]:
@@ -127,11 +121,9 @@ def cached_tokens(
 
 
 def split_tokens(cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
-    """(training tokens, validation tokens). --val-data: the files given, and all of the training
-    text trains. Else the built-in corpus: a tenth held out in stretches spread over it
-    (builtin_split). Else the user's --train-data: its last tenth (split_train_val), contiguous;
-    a text sorted by topic or date makes that tenth unlike the rest, and --val-data then says
-    what is held out. --max-tokens caps the training text."""
+    """(training tokens, validation tokens): of --train-data/--val-data (minigpt/core/tokens.py's
+    user_tokens), else of the built-in corpus, a tenth held out in stretches spread over it
+    (builtin_split). --max-tokens caps the training text."""
     name = cfg.tokenizer_name
     if cfg.train_data or cfg.val_data:  # the user's text files (minigpt/core/tokens.py)
         from minigpt.core.tokens import user_tokens

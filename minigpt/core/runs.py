@@ -281,13 +281,6 @@ class RunDir:
         self.ckpt.check_weights(step)
         self.ckpt.save(step)
 
-    def resume_hint(self) -> str:
-        """What to do after a run ended abruptly (a lost rank): where its last save is, how to go on."""
-        if not self.saves:
-            return "nothing to resume (--no-checkpoint)"
-        where = f"the last checkpoint, if one was saved, is {self.checkpoint}"
-        return f"{where}: continue with --resume --out-dir {self.path}"
-
     # -- the log's first lines
     def open(self, model, data, rate, notes: list[str | None]) -> logging.Logger:
         """The folder, config.json (rank 0) and the log's first lines; `notes`: the AMP decision, then
@@ -409,8 +402,6 @@ class Outputs:
     scalars (rank 0 writes the files). A context manager: the files close on any exit."""
 
     def __init__(self, out_dir: Path, log: logging.Logger, enabled: bool, purge_step: int):
-        """`purge_step`: on resume, the first step trained again; TensorBoard hides what an earlier
-        run wrote from there on, so no step is drawn twice."""
         self.log, self.tb_dir, self.tensorboard = log, out_dir / paths.TENSORBOARD_DIR, None
         self.metrics = JsonlWriter(out_dir / paths.METRICS_FILE, enabled=enabled)
         if enabled:  # under DDP only rank 0 writes
@@ -419,6 +410,7 @@ class Outputs:
             if threading.excepthook is not _quiet_full_disk:
                 _quiet_full_disk.previous = threading.excepthook
                 threading.excepthook = _quiet_full_disk
+            # purge_step: the first step (re)trained; what an earlier run wrote from there is hidden
             self.tensorboard = SummaryWriter(str(self.tb_dir), purge_step=purge_step)
 
     def write(self, record: StepRecord) -> None:

