@@ -129,7 +129,7 @@ def variants(args) -> list[tuple[str, list[str], int]]:
         out.append((f"{base}, malloc defaults", [flag, "--no-keep-freed-memory"], 1))
     if args.compile:
         out.append((f"{base} + compile", [flag, "--compile"], 1))
-    if args.chunked_loss:  # the LM head + cross-entropy a chunk of rows at a time (minigpt/core/model.py)
+    if args.chunked_loss:  # the LM head + cross-entropy a chunk of rows at a time (core/chunked_loss.py)
         out.append(("fp32 + chunked loss", ["--no-amp", "--chunked-loss"], 1))
         if not args.fp32_only:
             out.append(("amp + chunked loss", ["--amp", "--chunked-loss"], 1))

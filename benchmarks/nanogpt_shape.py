@@ -10,7 +10,7 @@ nanoGPT is not part of this repository and is never imported or copied into it. 
 model.py and configurator.py (MIT) are read from the clone of karpathy/nanoGPT that --nanogpt
 names and copied at run time into a temporary folder, where its data is written in
 its own format: data/minigpt/train.bin and val.bin, uint16 GPT-2 tokens of minigpt's built-in
-corpus (minigpt.core.data). It runs there as `python train.py --key=value ...` (configurator.py's
+corpus (minigpt.core.tokens). It runs there as `python train.py --key=value ...` (configurator.py's
 syntax) with the settings that give minigpt's shape: n_layer, n_head, n_embd, block_size,
 batch_size as the shape says, vocabulary 50304 (no meta.pkl: nanoGPT's default), tied embeddings
 (always, in nanoGPT), dropout 0, bias=True (minigpt's Linear and LayerNorm layers have biases),

@@ -270,7 +270,7 @@ def test_config_imports_without_torch():
 
 
 def test_what_no_flag_sets_passes_every_check_across_flags():
-    """validate() runs a check across flags (config.ACROSS) only when the user gave one of its
+    """validate() runs a check across flags (checks.ACROSS) only when the user gave one of its
     flags: sound only while the defaults and every preset, which no flag set, pass every row."""
     from minigpt.core.checks import ACROSS
     from minigpt.core.config import validate

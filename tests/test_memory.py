@@ -543,7 +543,6 @@ import json, sys, torch
 from minigpt.instruments.memory import capture_memory
 from minigpt.instruments.instrument import process_memory
 from minigpt.core.model import GPT, GPTConfig
-from minigpt.core.config import Shape
 torch.manual_seed(0)
 m = GPT(GPTConfig(vocab_size=32768, max_position_embeddings=64, n_layers=1, n_heads=2, d_model=32, d_ff=64))
 opt = torch.optim.AdamW(m.parameters())
@@ -585,7 +584,8 @@ def test_the_measured_peak_agrees_with_the_kernels_count_of_resident_pages():
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     rise = r["peak"] - r["start"]
-    assert rise > 150 * 2**20  # the logits and their gradients: the test measures something
+    # the logits (8 x 64 x 32768 fp32: 64 MiB) and their gradient: the test measures something
+    assert rise > 100 * 2**20
     assert abs(r["rise"] - rise) <= 0.05 * rise, (r["rise"], rise)
 
 

@@ -459,7 +459,7 @@ class Outputs:
 
 class JsonlWriter:
     """Appends one JSON object per line and flushes, so a crash loses at most the current line (a
-    resumed run drops a cut line: minigpt.core.runs.repair_jsonl)."""
+    resumed run drops a cut line: minigpt.core.checkpoint.repair_jsonl)."""
 
     def __init__(self, path: Path, enabled: bool = True):
         self.f, self.path = None, path

