@@ -483,7 +483,7 @@ def test_log_line_and_metrics_carry_each_stages_time_in_collectives(tmp_path, fl
         assert comm["forward"] > 0 and comm["backward"] > 0 and comm["optimizer_step"] > 0
         for stage, ms in comm.items():  # a part of the stage (the profiler's range holds the clock's)
             assert ms <= host[stage] * 1.01 + 0.05, (stage, ms, host[stage])
-        assert f"waiting on collectives ms (step {row['step']}) h2d 0.0 fwd {comm['forward']:.1f}" in log
+        assert f"in collectives (step {row['step']}): h2d 0.0 fwd {comm['forward']:.1f}" in log
 
 
 def test_one_step_per_interval_is_profiled_for_collectives_and_never_under_another_profiler():
