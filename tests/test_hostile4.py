@@ -11,12 +11,11 @@ import json
 import math
 import pickle
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, bench_module
 from test_nothing_lost import FAST, before_checksums, copy_run, one_line_exit_2, refused_by_resume_and_sample
 
 import sample
@@ -29,9 +28,7 @@ from minigpt.instruments import estimate, per_rank
 from minigpt.instruments.straggler import StragglerDetector
 from minigpt.memory_snapshot import SnapshotError, load_snapshot
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import ablation  # noqa: E402
-import common  # noqa: E402
+ablation, common = bench_module("ablation"), bench_module("common")  # benchmarks/' scripts, from their files
 
 
 @pytest.fixture(scope="module")

@@ -155,6 +155,19 @@ def test_no_function_is_longer_than_80_lines_or_takes_more_than_7_parameters():
     assert len(product) > 40 and not too_big, "\n".join(too_big) or f"only {len(product)} files read"
 
 
+def test_no_test_puts_a_folder_on_sys_path():
+    """benchmarks/' and docs/' scripts are imported from their files (conftest.bench_module,
+    docs_module): a folder put on sys.path would shadow modules of the same name for every test
+    after it."""
+    wrong = [
+        f"{path.name}:{n}"
+        for path in sorted((ROOT / "tests").glob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"sys\.path\.(insert|append|extend)|sys\.path \+?=", line)
+    ]
+    assert not wrong, wrong
+
+
 def test_the_trainer_fits_in_350_lines():
     """train_minimal.py is the loop and its set-up; helpers live in the rooms that own them."""
     assert lines_in(ROOT / "train_minimal.py") <= 350
