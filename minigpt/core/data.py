@@ -117,7 +117,7 @@ def cached_tokens(
         return ids
     from minigpt.core.tokens import tokenize_into  # a miss: the only time text is tokenised
 
-    return tokenize_into(cached, raw, tokenizer_name, source, show_progress)
+    return tokenize_into(cached, raw, tokenizer_name, n_vocab, source, show_progress)
 
 
 def split_tokens(cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray]:

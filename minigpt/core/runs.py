@@ -291,7 +291,7 @@ class RunDir:
         device_name = (
             torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
         )
-        n_params = sum(p.numel() for p in model.parameters())  # the tied head once
+        n_params = model.num_params(non_embedding=False)  # the tied head once
         self.config = {
             "config": cfg.to_dict(),
             "model": asdict(model.cfg),
@@ -470,7 +470,7 @@ class JsonlWriter:
     def write(self, record: dict | StepRecord) -> None:
         if self.f:
             if isinstance(record, StepRecord):
-                record = {k: v for k, v in asdict(record).items() if v is not None or k != "memory_breakdown"}
+                record = record.to_json()
             line = json.dumps(record) + "\n"
             try:
                 self.f.write(line)

@@ -28,7 +28,6 @@ from minigpt.core.data import (
     cache_dir,
     cached_tokens,
     read_token_file,
-    tokenizer_vocab,
 )
 
 # SHA-256 of GPT-2's BPE files, as tiktoken itself pins them: a changed file is refused.
@@ -202,12 +201,16 @@ def tokenize_file(
 
 
 def tokenize_into(
-    cached: Path, raw: bytes, tokenizer_name: str, source: str | Path, show_progress: bool | None = None
+    cached: Path,
+    raw: bytes,
+    tokenizer_name: str,
+    n_vocab: int,
+    source: str | Path,
+    show_progress: bool | None = None,
 ) -> np.ndarray:
     """A token cache's miss: the ids of the text's bytes `raw`, written to the cache file `cached`
     and read back memory-mapped (in memory when the cache cannot be written). `source` names the
-    text in messages."""
-    n_vocab = tokenizer_vocab(tokenizer_name)
+    text in messages; `n_vocab`: the tokenizer's."""
     if cached.exists() or cached.is_symlink():
         note(
             f"cached tokens {cached} are damaged (truncated, not matching their hash, ids beyond "
