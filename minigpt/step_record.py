@@ -4,7 +4,7 @@ import it without torch."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -64,12 +64,6 @@ class StepRecord:
     left_out: list[dict] = field(default_factory=list)
     steady_steps: int = 0  # the interval's steps in its means (0: all left out, the means are theirs)
     run_left_out: dict[str, dict] = field(default_factory=dict)
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        if d["memory_breakdown"] is None:
-            del d["memory_breakdown"]
-        return d
 
 
 # Why a step is left out of the steady figures (StepRecord.left_out, run_left_out), in the words the

@@ -469,8 +469,8 @@ class JsonlWriter:
 
     def write(self, record: dict | StepRecord) -> None:
         if self.f:
-            if isinstance(record, StepRecord):
-                record = record.to_json()
+            if isinstance(record, StepRecord):  # a line without the breakdown unless a step measured it
+                record = {k: v for k, v in asdict(record).items() if v is not None or k != "memory_breakdown"}
             line = json.dumps(record) + "\n"
             try:
                 self.f.write(line)
