@@ -38,6 +38,7 @@ from minigpt.core.config import EOT, UsageError, resolve_device
 from minigpt.core.progress import Progress, progress_enabled
 from minigpt.core.sample import Draw, generate, load_model, utf8_text, vocab_in_use
 from minigpt.core.tokens import get_tokenizer
+from minigpt.errors import imports_done
 from minigpt.fileio import UnreadableFile, check_names, format_bytes, read_bounded
 from minigpt.paths import CHECKPOINT_FILE, RUNS_ROOT
 
@@ -269,4 +270,5 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    imports_done()  # a Ctrl-C from here on is KeyboardInterrupt (minigpt/errors.py)
     sys.exit(cli())

@@ -25,10 +25,10 @@ IMPORTED_AT = time.time()  # the script's start-up begins here (the interpreter'
 CPU_MALLOC = None
 
 if __name__ == "__main__":  # the CPU's malloc is chosen before torch loads: a re-exec then costs ~0
-    from minigpt.core import cpu as CPU_MALLOC
     from minigpt.errors import exit_quietly_on_interrupt
 
     exit_quietly_on_interrupt("train_minimal.py")  # a Ctrl-C while torch imports: one line, status 130
+    from minigpt.core import cpu as CPU_MALLOC
 
     CPU_MALLOC.run_under_preferred_allocator(sys.argv[1:], IMPORTED_AT)
     IMPORTED_AT = CPU_MALLOC.script_started_at(IMPORTED_AT)  # the first process's start, through the re-exec
@@ -54,7 +54,7 @@ from minigpt.core.config import (
 from minigpt.core.data import Batches, Data, load_data
 from minigpt.core.model import GPT, GPTConfig, flops_per_token
 from minigpt.core.runs import Outputs, RunDir, stop_on_signals
-from minigpt.errors import INTERRUPTED, INTERRUPTED_LINE, LostRank, NonFiniteLoss
+from minigpt.errors import INTERRUPTED, INTERRUPTED_LINE, LostRank, NonFiniteLoss, imports_done
 from minigpt.instruments.instrument import (
     TORCH_DTYPES,
     Instruments,
@@ -345,5 +345,6 @@ def cli(argv: list[str] | None = None, on_step: Callable[[int], None] | None = N
 if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing import errors
 
+    imports_done()  # a Ctrl-C from here on is KeyboardInterrupt: cli() and the loop handle it
     # errors.record: under torchrun, a failing rank's error reaches the launcher's summary, with its rank.
     sys.exit(errors.record(cli)())

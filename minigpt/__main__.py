@@ -16,6 +16,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from minigpt.errors import imports_done
+
 # Tool -> (the module whose main() it runs, what it does): `python -m minigpt TOOL` is the one address
 # of each tool; the modules stay where their layer is (analysis reads runs, instruments measure).
 TOOLS = {
@@ -59,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         from minigpt.core.cpu import run_under_preferred_allocator  # before torch loads (a re-exec)
 
         run_under_preferred_allocator(args)
-    return importlib.import_module(TOOLS[tool][0]).main(args)
+    module = importlib.import_module(TOOLS[tool][0])
+    imports_done()  # a Ctrl-C from here on is the tool's to handle
+    return module.main(args)
 
 
 if __name__ == "__main__":

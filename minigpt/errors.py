@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 # A stop by Ctrl-C: 128 + SIGINT, the shell's convention (the trainer stopped by a signal in its
@@ -41,19 +42,37 @@ class ArgParser(argparse.ArgumentParser):
 
 
 def exit_quietly_on_interrupt(prog: str) -> None:
-    """A Ctrl-C that nothing of the program caught (while torch imports, say, before any of its
-    own handling begins) ends as one line and status 130, not a traceback from inside an import.
-    Other uncaught exceptions go to the hook that was there before."""
+    """A Ctrl-C that nothing of the program caught ends as one line and status 130, not a traceback.
+    While the imports run (until imports_done()), it exits at once from a signal handler: raised as
+    KeyboardInterrupt there, it can be swallowed (torch's import clears the error of an interrupted
+    numpy import and goes on with numpy half-made). Other uncaught exceptions go to the earlier hook."""
     previous = sys.excepthook
 
     def hook(kind, value, tb):
         if not issubclass(kind, KeyboardInterrupt):
             return previous(kind, value, tb)
-        try:
-            sys.stdout.flush()
-        except (OSError, ValueError):
-            pass
-        print(f"{prog}: {INTERRUPTED_LINE}", file=sys.stderr, flush=True)
-        os._exit(INTERRUPTED)  # at once: a second Ctrl-C must not meet the interpreter's shutdown
+        exit_interrupted(prog)
 
     sys.excepthook = hook
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored (nohup)
+        signal.signal(signal.SIGINT, _exit_at_once)
+        _exit_at_once.prog = prog
+
+
+def imports_done() -> None:
+    """Ctrl-C raises KeyboardInterrupt again, for the program's own handling (a save, a clean-up)."""
+    if signal.getsignal(signal.SIGINT) is _exit_at_once:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _exit_at_once(signum, frame) -> None:
+    exit_interrupted(_exit_at_once.prog)
+
+
+def exit_interrupted(prog: str) -> None:
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    print(f"{prog}: {INTERRUPTED_LINE}", file=sys.stderr, flush=True)
+    os._exit(INTERRUPTED)  # at once: a second Ctrl-C must not meet the interpreter's shutdown

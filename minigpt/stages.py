@@ -58,12 +58,6 @@ def color(name: str) -> str:
     return stage(name).color
 
 
-def scored_stages() -> tuple[str, ...]:
-    """What straggler scoring sums: every scored stage and split. A stage whose split is scored
-    (backward -> backward_compute) stands in for its split when the split was not timed (no DDP)."""
-    return tuple(s.name for s in (*STAGES, *SPLITS) if s.scored)
-
-
 def split_parent(name: str) -> str | None:
     """The stage a split is part of (backward_compute -> backward)."""
     return stage(name).part_of

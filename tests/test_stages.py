@@ -9,7 +9,7 @@ from conftest import ROOT, TINY
 
 from minigpt import stages
 from minigpt.analysis import traces
-from minigpt.instruments.straggler import rank_figures
+from minigpt.instruments.straggler import rank_figures, scored_stages
 
 
 def test_registry_names_labels_colours_and_scoring():
@@ -17,7 +17,7 @@ def test_registry_names_labels_colours_and_scoring():
     assert [stages.label(n) for n in stages.STAGE_NAMES] == ["h2d", "fwd", "bwd", "opt"]
     assert len({stages.color(n) for n in stages.STAGE_NAMES}) == len(stages.STAGE_NAMES)
     # the backward holds DDP's all-reduce: its compute part is scored in its place
-    assert stages.scored_stages() == ("data_to_device", "forward", "optimizer_step", "backward_compute")
+    assert scored_stages() == ("data_to_device", "forward", "optimizer_step", "backward_compute")
     assert stages.stage("my_range").label == "my_range"  # an unregistered range is shown, not dropped
 
 

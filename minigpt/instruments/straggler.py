@@ -25,9 +25,17 @@ import time
 from contextlib import contextmanager
 
 from minigpt import paths
+from minigpt import stages as registry
 from minigpt.core import distributed
 from minigpt.instruments.instrument import StageTimer
-from minigpt.stages import STAGE_NAMES, scored_stages, split_parent
+from minigpt.stages import STAGE_NAMES, split_parent
+
+
+def scored_stages() -> tuple[str, ...]:
+    """What straggler scoring sums: every scored stage and split. A stage whose split is scored
+    (backward -> backward_compute) stands in for its split when the split was not timed (no DDP)."""
+    return tuple(s.name for s in (*registry.STAGES, *registry.SPLITS) if s.scored)  # as registered now
+
 
 # A score is a ratio, and a ratio of a few milliseconds is noise: on two gloo ranks sharing a quiet
 # 2-core CPU, a 3.8 ms forward became 5.4 ms in one interval (individual score 0.74) and a backward's
