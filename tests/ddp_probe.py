@@ -9,6 +9,7 @@ that rank fail at that step, to test how the job ends.
 
 import os
 import signal
+import subprocess
 import sys
 
 import torch
@@ -49,8 +50,12 @@ if os.environ.get("PROBE_FAIL"):
                 os._exit(13)  # the process dies without a word, as a killed rank would
             if how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer or `kill -9` does
-            if how == "stop":
-                os.kill(os.getpid(), signal.SIGSTOP)  # alive but not answering (kill -STOP, a hung host)
+            if how == "stop":  # alive but not answering (kill -STOP, a hung host)
+                # Killed once the other rank's --ddp-timeout has found it lost: torchrun's own
+                # SIGTERM would wait on a stopped process for 30 s before its SIGKILL.
+                later = float(os.environ.get("PROBE_KILL_AFTER", "60"))
+                subprocess.Popen(["sh", "-c", f"sleep {later}; kill -KILL {os.getpid()}"])
+                os.kill(os.getpid(), signal.SIGSTOP)
             raise RuntimeError(f"probe failure on rank {rank} at step {step}")
 
 

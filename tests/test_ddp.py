@@ -295,7 +295,7 @@ def test_a_lost_rank_is_named_in_one_line_by_the_rank_that_survives(tmp_path, ho
         timeout,
         "--out-dir",
         str(out),
-        env={"PROBE_FAIL": f"1:3:{how}"},
+        env={"PROBE_FAIL": f"1:3:{how}", "PROBE_KILL_AFTER": str(float(timeout) + 5)},
     )
     assert result.returncode != 0
     text = result.stdout + result.stderr
