@@ -26,6 +26,7 @@ import json
 import re
 import shutil
 import sys
+import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -70,8 +71,17 @@ def profiler_frame(page):
 
 
 def screenshot_scalars(page, url: str, path: Path) -> None:
-    """The SCALARS tab filtered to the per-stage device times."""
-    page.goto(f"{url}/?smoothing=0#scalars&tagFilter=stage_device_ms")
+    """The SCALARS tab filtered to the per-stage device times, every point drawn as logged: no
+    smoothing, and no outliers cut off the y-axis (both TensorBoard's defaults otherwise; they are
+    kept in the page's storage and read when it loads, hence the reload)."""
+    page.goto(f"{url}/#scalars&tagFilter=stage_device_ms")
+    page.wait_for_selector("text=stage_device_ms", timeout=60_000)
+    page.get_by_text("Ignore outliers in chart scaling").click()
+    smoothing = page.locator("input[type=number]")
+    smoothing.fill("0")
+    smoothing.press("Enter")
+    page.wait_for_timeout(500)
+    page.reload()
     page.wait_for_selector("text=stage_device_ms", timeout=60_000)
     page.wait_for_timeout(4000)  # let the charts draw
     page.screenshot(path=str(path))
@@ -82,13 +92,19 @@ def overview_steps(frame, url: str, blocked: list[str]) -> tuple[list[str], str]
     the plugin's charts never draw) in the data the plugin serves to the page."""
     # The Overview: its "Step Time Breakdown" lists one row per profiled step. The plugin's
     # pages draw with Google Charts, loaded from www.gstatic.com: offline they never render.
-    try:
-        frame.wait_for_selector("text=Step Time Breakdown", timeout=30_000)
+    # Offline, the failed request to gstatic.com says so at once: no 30 s wait for a chart that
+    # cannot come.
+    deadline = time.monotonic() + 30
+    while not (drawn := frame.locator("text=Step Time Breakdown").count() > 0):
+        if any("gstatic.com" in u for u in blocked) or time.monotonic() > deadline:
+            break
+        frame.wait_for_timeout(250)
+    if drawn:
         frame.wait_for_timeout(2000)  # let the charts draw
         how = "rendered in the page"
-    except Exception:
+    else:
         if not any("gstatic.com" in u for u in blocked):
-            raise
+            raise RuntimeError("the Overview did not draw its Step Time Breakdown in 30 s")
         print(
             "note: torch-tb-profiler's charts need www.gstatic.com (Google "
             "Charts), unreachable here: "
