@@ -55,8 +55,8 @@ def exit_quietly_on_interrupt(prog: str) -> None:
 
     sys.excepthook = hook
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored (nohup)
-        signal.signal(signal.SIGINT, _exit_at_once)
         _exit_at_once.prog = prog
+        signal.signal(signal.SIGINT, _exit_at_once)
 
 
 def imports_done() -> None:
