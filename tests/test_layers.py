@@ -26,6 +26,7 @@ BASE = (
     "errors",
     "memory_log",
     "step_record",
+    "left_out",
     "ranks",
     "plotlyjs",
     "memory_snapshot",

@@ -358,6 +358,39 @@ def test_a_hand_edited_cache_is_measured_again_not_believed(tmp_path, best):
     assert M.peak_flops("cpu", "fp32").value != best
 
 
+@pytest.mark.parametrize(
+    "features, rates, peak_dtype, asked",
+    [
+        ({"avx512_bf16": True, "amx": False}, {"bf16": 0.17, "fp32": 0.33}, "fp32", ["bf16", "fp32"]),
+        ({"avx512_bf16": True, "amx": False}, {"bf16": 0.60, "fp32": 0.33}, "bf16", ["bf16", "fp32"]),
+        ({"avx512_bf16": True, "amx": True}, {"bf16": 2.0, "fp32": 0.33}, "bf16", ["bf16"]),
+        ({"avx512_bf16": False, "amx": False}, {"bf16": 0.1, "fp32": 0.33}, "fp32", ["fp32"]),
+    ],
+)
+def test_a_cpu_with_avx512_bf16_alone_takes_the_faster_measured_peak(
+    monkeypatch, features, rates, peak_dtype, asked
+):
+    """AVX512-BF16 without AMX promises no speed: an Intel Xeon ran bf16 matmuls at half its fp32
+    rate (0.168 against 0.329 TFLOP/s), an AMD Zen 4 at nearly twice. There both peaks are read
+    (measured once, then cached) and MFU divides by the faster, saying so when it is fp32; with AMX
+    bf16 is the peak, and without bf16 fp32, each read alone."""
+    from minigpt.core import config
+
+    monkeypatch.setattr(config, "cpu_bf16_features", lambda: dict(features))
+    read = []
+
+    def measured(device, dtype, info=None):
+        read.append(dtype)
+        return X.PeakFlops(rates[dtype] * 1e12, f"cache: {dtype}", device=device, dtype=dtype)
+
+    monkeypatch.setattr(X, "measured_peak", measured)
+    peak = X.device_peak(None, "cpu")
+    assert (peak.dtype, peak.value, read) == (peak_dtype, rates[peak_dtype] * 1e12, asked)
+    slower = "bf16's is 52% of it here: --no-amp may train faster"
+    assert (slower in peak.source) == (asked == ["bf16", "fp32"] and peak_dtype == "fp32"), peak.source
+    assert (slower in peak.describe()) == (slower in peak.source)  # the log's peak line says it
+
+
 def test_a_run_against_a_poisoned_cache_never_logs_mfu_above_100(tmp_path, monkeypatch):
     """The trainer end to end: a denominator far below what the run reaches (a busy first
     measurement) is said once, lifted, and no log line, metrics record or TensorBoard scalar

@@ -32,6 +32,7 @@ from minigpt.analysis.runfiles import (
 )
 from minigpt.errors import ArgParser, UsageError
 from minigpt.fileio import ELSEWHERE, atomic_write, check_may_replace, check_names
+from minigpt.left_out import describe_left_out
 from minigpt.memory_log import (
     CATEGORIES,
     PEAK_PART_NAMES,
@@ -46,7 +47,7 @@ from minigpt.memory_log import (
 from minigpt.paths import METRICS_FILE, REPORT_FILE
 from minigpt.plotlyjs import script_tag, write_plotly_js
 from minigpt.stages import STAGE_NAMES, color, label, split_parent
-from minigpt.step_record import MEMORY_BREAKDOWN_KEYS, describe_left_out
+from minigpt.step_record import MEMORY_BREAKDOWN_KEYS
 
 MB = 1024 * 1024
 TOP_ROWS = 15  # operators and kernels drawn and listed per trace

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from minigpt import paths
 from minigpt.fileio import atomic_write
-from minigpt.step_record import StepRecord, describe_left_out, format_duration
+from minigpt.left_out import describe_left_out
+from minigpt.step_record import StepRecord, format_duration
 
 
 def stopped(run, stop_signal: list[int], step: int, log: logging.Logger) -> int:
