@@ -518,9 +518,7 @@ def quick_bytes(cfg: TrainConfig) -> dict[str, int]:
     fp32 logits (4 b s V, unless --chunked-loss), saved activations (~68 b s d per layer). Only to
     refuse absurd sizes before anything is built: minigpt/instruments/estimate.py estimates."""
     vocab, tokens, d = pad_vocab(cfg.vocab_size or GPT2_VOCAB), cfg.batch_size * cfg.seq_len, cfg.d_model
-    params = param_count(
-        vocab, cfg.max_position_embeddings, d, cfg.d_ff, cfg.n_layers
-    )  # as parse_args resolved
+    params = param_count(vocab, cfg.max_position_embeddings, d, cfg.d_ff, cfg.n_layers)  # as parse_args set
     return {
         f"for {params:.3g} parameters at {BYTES_PER_PARAM} bytes each": params * BYTES_PER_PARAM,
         "of logits": 0 if cfg.chunked_loss else 4 * tokens * vocab,

@@ -367,15 +367,16 @@ class PeakFlops:
         return line
 
 
-def fastest_dtype(device: str) -> str:
-    """The dtype of the device's peak as its features promise it: bf16 on a GPU (fp16 on one without
-    bf16) and on a CPU with native bf16 (AVX512-BF16, AMX); fp32 on other CPUs. device_peak holds a
-    CPU with AVX512-BF16 alone to its measured rates."""
+def peak_dtypes(device: str) -> tuple[str, ...]:
+    """The dtypes whose peak may be the device's fastest, the likeliest first: bf16 on a GPU (fp16 on
+    one without bf16) and on a CPU with AMX; fp32 on a CPU without native bf16. AVX512-BF16 alone
+    promises no speed (bf16 products ran 1.9x fp32 on an AMD Zen 4, 0.5x on an Intel Xeon): both."""
     from minigpt.core.config import cpu_bf16_features
 
     if device == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "bf16" if any(cpu_bf16_features().values()) else "fp32"
+        return ("bf16",) if torch.cuda.is_bf16_supported() else ("fp16",)
+    features = cpu_bf16_features()
+    return ("bf16",) if features["amx"] else ("bf16", "fp32") if features["avx512_bf16"] else ("fp32",)
 
 
 def machine_key(device: str, dtype: str) -> str:
@@ -430,25 +431,22 @@ def plausible(u) -> bool:
 
 def device_peak(override_tflops: float | None, device: str, info=None) -> PeakFlops:
     """The MFU denominator: --peak-tflops, a known GPU's data sheet, or this CPU's cached peak
-    (mfu.py measures it when the cache has none; under torchrun rank 0 alone, then the others read it)."""
-    dtype = fastest_dtype(device)
+    (mfu.py measures it when the cache has none; under torchrun rank 0 alone, then the others read it):
+    of the candidate dtypes (peak_dtypes), the fastest measured."""
+    dtypes = peak_dtypes(device)
     if override_tflops is not None:
-        return PeakFlops(override_tflops * 1e12, "override: --peak-tflops", device=device, dtype=dtype)
+        return PeakFlops(override_tflops * 1e12, "override: --peak-tflops", device=device, dtype=dtypes[0])
     if device == "cuda":
         from minigpt.instruments.mfu import table_peak  # a known GPU's data sheet
 
-        if from_table := table_peak(dtype):
-            return PeakFlops(*from_table, device=device, dtype=dtype)
-    from minigpt.core.config import cpu_bf16_features
-
-    peak = measured_peak(device, dtype, info)
-    if device == "cpu" and dtype == "bf16" and not cpu_bf16_features()["amx"]:
-        # AVX512-BF16 alone promises no speed: bf16 ran 1.9x fp32 on an AMD Zen 4, 0.5x on an Intel
-        # Xeon without AMX. Both peaks are measured (once, then cached): the faster is the peak.
-        fp32 = measured_peak(device, "fp32", info)
-        if fp32.value > peak.value:
-            fp32.source += f"; bf16's is {peak.value / fp32.value:.0%} of it here: --no-amp may train faster"
-            peak = fp32
+        if from_table := table_peak(dtypes[0]):
+            return PeakFlops(*from_table, device=device, dtype=dtypes[0])
+    peaks = [measured_peak(device, dtype, info) for dtype in dtypes]  # each measured once, then cached
+    peak, first = max(peaks, key=lambda p: p.value), peaks[0]
+    if peak is not first:  # a CPU's bf16 slower than its fp32
+        peak.source += (
+            f"; {first.dtype}'s is {first.value / peak.value:.0%} of it here: --no-amp may train faster"
+        )
     return peak
 
 

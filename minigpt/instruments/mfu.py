@@ -77,7 +77,7 @@ from minigpt.instruments.instrument import (
 )
 
 # Dense peak FLOP/s per GPU from the vendors' data sheets (no 2:4 sparsity), by dtype. fp32 means
-# plain fp32 (TF32 off, PyTorch's default for matmuls). MFU divides by the fastest (fastest_dtype).
+# plain fp32 (TF32 off, PyTorch's default for matmuls). MFU divides by the fastest (peak_dtypes).
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
     "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12},
