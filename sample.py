@@ -27,20 +27,20 @@ from contextlib import nullcontext
 from pathlib import Path
 
 if __name__ == "__main__":
-    from minigpt.errors import exit_quietly_on_interrupt
+    from minigpt.config import exit_on_ctrl_c
 
-    exit_quietly_on_interrupt("sample.py")  # a Ctrl-C while torch imports: one line, status 130
+    exit_on_ctrl_c("sample.py")  # a Ctrl-C while torch imports: one line, status 130
 
 import torch
 
 from minigpt.core.checkpoint import latest_run
-from minigpt.core.config import EOT, UsageError, resolve_device
+from minigpt.config import EOT, UsageError, resolve_device
 from minigpt.core.progress import Progress, progress_enabled
 from minigpt.core.sample import Draw, generate, load_model, utf8_text, vocab_in_use
 from minigpt.core.tokens import get_tokenizer
-from minigpt.errors import imports_done
+from minigpt.config import imports_done
 from minigpt.fileio import UnreadableFile, check_names, format_bytes, read_bounded
-from minigpt.paths import CHECKPOINT_FILE, RUNS_ROOT
+from minigpt.config import CHECKPOINT_FILE, RUNS_ROOT
 
 FILE_PREFIX = "FILE:"  # --prompt FILE:path reads the prompt from a file
 PROMPT_LIMIT = 1 << 20  # bytes: far more text than any model's context, which crops the prompt anyway

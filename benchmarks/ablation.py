@@ -77,7 +77,7 @@ from common import (
 from minigpt.analysis.compare import compare_runs, headline
 from minigpt.fileio import atomic_write
 from minigpt.instruments.predict import PREDICTED_STAGES as PREDICTED
-from minigpt.stages import color as stage_color
+from minigpt.config import color as stage_color
 
 MIB = 2**20
 
@@ -102,7 +102,7 @@ def gpu_matrix(preset: str) -> list[tuple[str, list[str], int]]:
     """A GPU's rows, baseline first: what a GPU user weighs (bf16 AMP against fp32, checkpointing,
     torch.compile, twice the micro-batch), in about three minutes for the gpt2 preset on one
     H100/H200 at 2 repeats. No fp32 + checkpointing: on a GPU it only repeats fp32's story slower."""
-    from minigpt.core.config import PRESETS as TRAINER_PRESETS
+    from minigpt.config import PRESETS as TRAINER_PRESETS
 
     batch = 2 * (TRAINER_PRESETS.get(preset, {}).get("batch_size") or 8)
     return [

@@ -143,7 +143,7 @@ def true_peak(amp_dtype: str) -> int:
     """The allocator's peak in one training step of the main job's shape (torch's figure)."""
     from estimate_table import measure, shape_of
 
-    from minigpt.core.config import PRESETS
+    from minigpt.config import PRESETS
 
     small = PRESETS["small"]
     return measure(shape_of("small", small["batch_size"], small["seq_len"]), amp_dtype=amp_dtype).peak

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from minigpt.core import model as model_module
-from minigpt.core.config import GPT2_PADDED, GPT2_VOCAB, PRESETS
+from minigpt.config import GPT2_PADDED, GPT2_VOCAB, PRESETS
 from minigpt.core.cpu import keep_freed_memory
 from minigpt.core.model import GPT, GPTConfig
 from minigpt.core.shape import shape_of

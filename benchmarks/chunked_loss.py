@@ -6,7 +6,7 @@
 One process per (shape, dtype) builds both models from the same seed and alternates their steps
 (plain, chunked, plain, ...) after a warm-up step each, so that a shared machine's slow moments
 fall on both alike; tokens/s is the median over the measured steps. Then one step of each is
-measured with minigpt.instruments.memory.capture_memory: the allocator's peak, where it happened, and its
+measured with minigpt.instruments.breakdown.capture_memory: the allocator's peak, where it happened, and its
 biggest parts (`benchmarks/ablation.py --chunked-loss` runs the trainer's own --chunked-loss
 beside its plain loss). Writes benchmarks/results/cpu-chunked-loss.*.
 
@@ -64,7 +64,7 @@ def child(preset: str, batch: int, seq: int, amp: str, steps: int, shape_only: b
     import torch
 
     from minigpt.core.cpu import keep_freed_memory
-    from minigpt.instruments.memory import capture_memory
+    from minigpt.instruments.breakdown import capture_memory
 
     keep_freed_memory()  # the trainer's default
     from estimate_table import measure, model_of, shape_of  # the child runs as a script in benchmarks/

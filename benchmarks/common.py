@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from minigpt.analysis.stats import MIN_SAMPLES
-from minigpt.stages import STAGE_NAMES as STAGES
-from minigpt.step_record import MEMORY_BREAKDOWN_KEYS
+from minigpt.config import STAGE_NAMES as STAGES
+from minigpt.analysis.breakdown_log import MEMORY_BREAKDOWN_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

@@ -6,7 +6,7 @@
 
 Each cell builds minigpt's GPT in this process, runs one warm-up step and one measured step
 shaped as the trainer's (stages named, autocast, loss / accumulation steps, clipping, fused
-AdamW, the loop keeping only the loss), measured with minigpt.instruments.memory.capture_memory;
+AdamW, the loop keeping only the loss), measured with minigpt.instruments.breakdown.capture_memory;
 beside it minigpt.instruments.estimate.estimate_gpt's prediction from the same numbers. The matrix: presets
 small and gpt2 x batch 1-8 x seq 256-1024 x fp32/bf16 x activation checkpointing x gradient
 accumulation 1/2 x the plain or the chunked loss (--chunked-loss; `--losses chunked` measures only
@@ -46,15 +46,15 @@ from common import (
 )
 from torch.autograd.profiler import record_function
 
-from minigpt.core.config import GPT2_VOCAB, PRESETS
+from minigpt.config import GPT2_VOCAB, PRESETS
 from minigpt.core.model import GPT, GPTConfig
 from minigpt.core.shape import Shape
 from minigpt.core.shape import shape_of as config_shape
 from minigpt.core.torchcompat import dispatch_mode_base
 from minigpt.fileio import atomic_write
 from minigpt.instruments.estimate import estimate_gpt
-from minigpt.instruments.memory import PEAK_PARTS, MemoryBreakdown, capture_memory
-from minigpt.stages import STAGE_NAMES
+from minigpt.instruments.breakdown import PEAK_PARTS, MemoryBreakdown, capture_memory
+from minigpt.config import STAGE_NAMES
 
 DATA_TO_DEVICE, FORWARD, BACKWARD, OPTIMIZER_STEP = STAGE_NAMES  # the trainer's ranges, by its names
 

@@ -67,7 +67,7 @@ from pathlib import Path
 
 import common as bench
 
-from minigpt.core.config import PRESETS
+from minigpt.config import PRESETS
 
 NANOGPT_FILES = ("train.py", "model.py", "configurator.py", "LICENSE")
 NANOGPT_URL = "https://github.com/karpathy/nanoGPT"

@@ -103,8 +103,8 @@ def option_child(variant: str, preset: str, steps: int, warmup: int, check_views
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from minigpt.core.config import GPT2_VOCAB
-    from minigpt.core.config import PRESETS as MODEL_PRESETS
+    from minigpt.config import GPT2_VOCAB
+    from minigpt.config import PRESETS as MODEL_PRESETS
     from minigpt.core.model import GPT, GPTConfig
     from minigpt.core.shape import shape_of
 

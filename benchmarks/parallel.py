@@ -39,7 +39,7 @@ from pathlib import Path
 from common import RESULTS, Parser, available_bytes, header, save_json, spread, stamp, write_md
 from common import render as render_results
 
-from minigpt.core.config import GPT2_VOCAB, PRESETS
+from minigpt.config import GPT2_VOCAB, PRESETS
 from minigpt.core.shape import Shape, shape_of
 
 STEM = RESULTS / "cpu-parallel"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from common import RESULTS, Parser, check_out_dir, device_slug, header, save_json, stamp
 
-from minigpt.core.config import PRESETS as MODEL_PRESETS
+from minigpt.config import PRESETS as MODEL_PRESETS
 from minigpt.fileio import atomic_write
 from minigpt.instruments.mfu import UNIT_BUDGET_S
 

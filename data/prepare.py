@@ -17,7 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from minigpt.core.config import UsageError
+from minigpt.config import UsageError
 from minigpt.core.tokens import builtin_corpus, tokenize_file
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "train.txt"

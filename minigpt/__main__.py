@@ -16,7 +16,9 @@ from __future__ import annotations
 import importlib
 import sys
 
-from minigpt.errors import imports_done
+from minigpt.config import exit_on_ctrl_c, imports_done
+
+exit_on_ctrl_c("python -m minigpt")  # a Ctrl-C during a tool's imports: one line, status 130
 
 # Tool -> (the module whose main() it runs, what it does): `python -m minigpt TOOL` is the one address
 # of each tool; the modules stay where their layer is (analysis reads runs, instruments measure).
@@ -57,10 +59,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {given}; python -m minigpt {'|'.join(TOOLS)} (see --help)", file=sys.stderr)
         return 2
     tool, args = argv[0], argv[1:]
-    if tool == "estimate" and "--time" in args:  # the rates are timed on the trainer's malloc, chosen
-        from minigpt.core.cpu import run_under_preferred_allocator  # before torch loads (a re-exec)
-
-        run_under_preferred_allocator(args)
     module = importlib.import_module(TOOLS[tool][0])
     imports_done()  # a Ctrl-C from here on is the tool's to handle
     return module.main(args)

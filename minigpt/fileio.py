@@ -1,10 +1,8 @@
-"""Files that must survive a crash: written to a temporary name beside the target, flushed to
-disk, then renamed into place (a rename within a folder is atomic). A reader sees the old file or
-the new one, never half of either.
-
-A full disk (ENOSPC, or a quota: EDQUOT) is a user's problem with a user's fix, so it ends as one
-line (DiskFull, a UsageError) that names the file, the space it needed and the space left, and
-says the previous file was kept: never three chained tracebacks."""
+"""What goes wrong with files, said in one line: a full disk (ENOSPC, or a quota: EDQUOT) names
+the file, the space it needed and the space left, and says the previous file was kept (DiskFull, a
+fault: exit status 1); a name too long for the file system; a file that must not be read (a FIFO,
+a device, one past its reader's limit) or replaced. Loaded when a failure happens, or by the tools.
+The atomic write itself is minigpt.config's."""
 
 from __future__ import annotations
 
@@ -13,12 +11,10 @@ import os
 import shutil
 import stat
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
 
-from minigpt.errors import UsageError
+from minigpt import config
+from minigpt.errors import Fault, UsageError
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # The flags that send a file elsewhere, named by a full disk's message: the trainer's by default;
@@ -26,7 +22,7 @@ DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 ELSEWHERE = "--out-dir, --checkpoint-path"
 
 
-class DiskFull(UsageError):
+class DiskFull(Fault):
     """No space left (or over quota) while writing a file; the previous file, if any, is whole."""
 
 
@@ -36,21 +32,6 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} PiB"
-
-
-def tmp_path(path: Path) -> Path:
-    """The temporary name of `path` while it is written: per process, since ranks may share a
-    folder. minigpt.core.runs.clean_stale_tmp() removes the ones a killed process left behind."""
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
-
-
-def remove(path: Path) -> None:
-    """Remove a file if it is there; never raise (a read-only file system refuses even to remove
-    a file that does not exist, and that must not hide the error being reported)."""
-    try:
-        path.unlink(missing_ok=True)
-    except OSError:
-        pass
 
 
 def is_disk_full(e: BaseException) -> bool:
@@ -81,36 +62,27 @@ def disk_full_message(path: Path, need: int | None, existed: bool, elsewhere: st
     )
 
 
-@contextmanager
-def atomic_open(
-    path: str | Path, mode: str = "wb", size_hint: int | None = None, elsewhere: str = ELSEWHERE
-) -> Iterator[IO]:
-    """open() for writing, with the rename on success; on an error the target is left untouched.
-    size_hint: the bytes about to be written, and `elsewhere` the flags that move the file, for
-    the message when the disk is full."""
+def atomic_write(path: str | Path, data, elsewhere: str = ELSEWHERE) -> None:
+    """minigpt.config.atomic_write, its folder made, a full disk said in one line (DiskFull).
+    `data`: bytes, text, or a function that writes to the open file (torch.save)."""
     path = Path(path)
     existed = path.exists()
-    tmp = tmp_path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        config.atomic_write(path, data)
     except (OSError, RuntimeError) as e:
         if not is_disk_full(e):
             raise
-        remove(tmp)  # before measuring what is free
-        raise DiskFull(disk_full_message(path, size_hint, existed, elsewhere)) from None
-    finally:
-        remove(tmp)
+        size = len(data) if isinstance(data, (bytes, str)) else None
+        raise DiskFull(disk_full_message(path, size, existed, elsewhere)) from None
 
 
-def atomic_write(path: str | Path, data: bytes | str, elsewhere: str = ELSEWHERE) -> None:
-    size = len(data) if isinstance(data, bytes) else len(data.encode("utf-8"))
-    with atomic_open(path, "wb" if isinstance(data, bytes) else "w", size, elsewhere) as f:
-        f.write(data)
+def disk_full_line(e: BaseException) -> str | None:
+    """The trainer's one line for a full disk met anywhere (a log line, metrics.jsonl), or None."""
+    if not is_disk_full(e):
+        return None
+    where = Path(getattr(e, "filename", None) or ".")
+    return disk_full_message(where, None, where.exists())
 
 
 # ---------------------------------------------------------------------------- names too long

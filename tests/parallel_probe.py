@@ -123,11 +123,11 @@ for step in range(first, first + args.steps):
 if args.save:
     save_sharded(args.save, model, optimizer, {"step": first + args.steps})
 
-# One more step, measured (not in the losses) by minigpt.instruments.memory's capture: each rank's local
+# One more step, measured (not in the losses) by minigpt.instruments.breakdown's capture: each rank's local
 # parameter, gradient and AdamW-state bytes, its saved activations, and its peak, part by part.
 # Nothing from the steps above dies in it (x and y live on), so the peak's rise over the start of
 # the step is the allocator's own figure.
-from minigpt.instruments.memory import capture_memory  # noqa: E402
+from minigpt.instruments.breakdown import capture_memory  # noqa: E402
 
 del loss
 with capture_memory(model, optimizer) as cap:

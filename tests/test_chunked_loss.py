@@ -12,7 +12,7 @@ from minigpt.core import chunked_loss
 from minigpt.core import model as model_module
 from minigpt.core.chunked_loss import ChunkedCrossEntropy
 from minigpt.core.model import GPT, GPTConfig
-from minigpt.instruments.memory import capture_memory
+from minigpt.instruments.breakdown import capture_memory
 
 
 def make(chunked: bool, vocab=256):

@@ -10,8 +10,8 @@ import sys
 import pytest
 from conftest import fails
 
-from minigpt.core import config
-from minigpt.core.config import PRESETS, TrainConfig, UsageError, build_parser, parse_args
+from minigpt import config
+from minigpt.config import PRESETS, TrainConfig, UsageError, build_parser, parse_args
 
 
 def actions():
@@ -262,7 +262,7 @@ def test_estimate_memory_may_predict_what_this_machine_cannot_hold(monkeypatch):
 
 def test_config_imports_without_torch():
     code = (
-        "import sys, minigpt.core.config as c; c.parse_args(['--preset', 'tiny']); "
+        "import sys, minigpt.config as c; c.parse_args(['--preset', 'tiny']); "
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -273,7 +273,7 @@ def test_what_no_flag_sets_passes_every_check_across_flags():
     """validate() runs a check across flags (checks.ACROSS) only when the user gave one of its
     flags: sound only while the defaults and every preset, which no flag set, pass every row."""
     from minigpt.core.checks import ACROSS
-    from minigpt.core.config import validate
+    from minigpt.config import validate
 
     assert len(ACROSS) >= 12
     for preset in [None, *PRESETS]:
@@ -285,7 +285,7 @@ def test_the_flags_that_load_the_checks_across_flags_are_the_rows_own():
     """validate() loads minigpt/core/checks.py when a flag of config.ACROSS_FLAGS is given: every
     field a row asks for must be there, or its row would never run."""
     from minigpt.core.checks import ACROSS
-    from minigpt.core.config import ACROSS_FLAGS
+    from minigpt.config import ACROSS_FLAGS
 
     assert set().union(*(asked_by for asked_by, _, _ in ACROSS)) == ACROSS_FLAGS
 

@@ -4,7 +4,7 @@ import torch
 
 from minigpt.core import data as data_module
 from minigpt.core import tokens as tokens_module
-from minigpt.core.config import EOT, UsageError, parse_args
+from minigpt.config import EOT, UsageError, parse_args
 from minigpt.core.data import Batches, ToyBatches, tokenizer_vocab
 from minigpt.core.tokens import builtin_corpus, get_tokenizer, load_tokens, tokenize_file
 

@@ -309,7 +309,7 @@ def test_more_ranks_than_gpus_is_one_line_naming_both_and_the_ways_out(monkeypat
     """torchrun --nproc_per_node 2 on a one-GPU machine: rank 1 would reach set_device(1) and fail
     inside CUDA or NCCL. Refused before, in one line (a faked device count: no GPU needed)."""
     from minigpt.core import distributed
-    from minigpt.core.config import UsageError
+    from minigpt.config import UsageError
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: pytest.fail("set_device reached"))
@@ -328,7 +328,7 @@ def test_a_rank_that_never_joins_is_one_line_not_a_store_error(monkeypatch):
     DistStoreError after --ddp-timeout: each says so in one line (LostRank, exit 1)."""
     import torch.distributed as dist
 
-    from minigpt.errors import LostRank
+    from minigpt.config import LostRank
 
     def never(*a, **k):
         raise dist.DistStoreError("Timed out after 30 seconds waiting for clients. 1/2 clients joined.")

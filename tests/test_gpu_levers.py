@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 from conftest import TINY, fails
 
-from minigpt.core.config import GiB, parse_args
+from minigpt.config import GiB, parse_args
 from minigpt.instruments.estimate import AUTO_BATCH_HEADROOM, config_shape, estimate_gpt, fit_batch_size
 
 

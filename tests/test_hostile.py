@@ -22,7 +22,7 @@ from conftest import TINY, fails
 import train_minimal
 from minigpt.analysis import compare, report
 from minigpt.analysis.runfiles import RunError, load_run
-from minigpt.core import config, data, distributed, tokens
+from minigpt import config, data, distributed, tokens
 from minigpt.core.checkpoint import (
     check_extra,
     check_model_fits,
@@ -31,7 +31,7 @@ from minigpt.core.checkpoint import (
     rng_state,
     save_checkpoint,
 )
-from minigpt.core.config import TrainConfig, UsageError
+from minigpt.config import TrainConfig, UsageError
 from minigpt.core.runs import RunLock, checkpoint_lock_path
 from minigpt.fileio import UnreadableFile, read_bounded
 

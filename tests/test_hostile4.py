@@ -26,7 +26,7 @@ from minigpt.core import sample as sample_model
 from minigpt.core.checkpoint import CHECKSUM_KEY, FORMAT_KEY, save_checkpoint
 from minigpt.instruments import estimate, per_rank
 from minigpt.instruments.straggler import StragglerDetector
-from minigpt.memory_snapshot import SnapshotError, load_snapshot
+from minigpt.analysis.cuda_snapshot import SnapshotError, load_snapshot
 
 ablation, common = bench_module("ablation"), bench_module("common")  # benchmarks/' scripts, from their files
 

@@ -12,10 +12,10 @@ import torch
 from conftest import TINY, docs_module
 
 import train_minimal
-from minigpt.core.config import parse_args
+from minigpt.config import parse_args
 from minigpt.instruments import instrument, window
 from minigpt.instruments.instrument import StageTimer
-from minigpt.stages import STAGE_NAMES as STAGES
+from minigpt.config import STAGE_NAMES as STAGES
 
 get_json = docs_module("tbserve").get_json
 serve_tensorboard = docs_module("tbserve").serve_tensorboard
@@ -405,7 +405,7 @@ def test_nsys_capture_range_calls_start_and_stop(tmp_path, monkeypatch):
 def test_memory_history_snapshot_and_its_text(tmp_path):
     """The history covers the training steps only (started at the first), the text beside the
     pickle lists what was live at its peak, and the report leaves its offline page beside it."""
-    from minigpt.memory_snapshot import load_snapshot, replay
+    from minigpt.analysis.cuda_snapshot import load_snapshot, replay
 
     out = profiled_run(tmp_path, "--device", "cuda", "--record-memory-history")
     snap = out / "snapshots" / "rank0_snapshot.pickle"

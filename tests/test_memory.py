@@ -9,13 +9,13 @@ import torch.nn as nn
 from conftest import GPU_RUNS, TINY, bench_module, fails
 
 import train_minimal
-from minigpt.core.config import GPT2_VOCAB, PRESETS, parse_args
+from minigpt.config import GPT2_VOCAB, PRESETS, parse_args
 from minigpt.core.model import GPT, GPTConfig
 from minigpt.core.shape import Shape, shape_of
 from minigpt.instruments import estimate
 from minigpt.instruments.estimate import estimate_gpt
-from minigpt.instruments.memory import capture_memory, format_breakdown, format_memory_log, write_memory_trace
-from minigpt.memory_log import LAYOUT, MEMORY_LOG, PEAK_PARTS, SUNBURST_FILES, parse_memory_log
+from minigpt.instruments.breakdown import capture_memory, format_breakdown, format_memory_log, write_memory_trace
+from minigpt.analysis.breakdown_log import LAYOUT, MEMORY_LOG, PEAK_PARTS, SUNBURST_FILES, parse_memory_log
 
 SHAPE = dict(
     n_layers=2,
@@ -540,7 +540,7 @@ def test_a_profiler_already_running_leaves_the_peak_unmeasured_and_says_so():
 
 RSS_CHILD = """
 import json, sys, torch
-from minigpt.instruments.memory import capture_memory
+from minigpt.instruments.breakdown import capture_memory
 from minigpt.instruments.instrument import process_memory
 from minigpt.core.model import GPT, GPTConfig
 torch.manual_seed(0)
@@ -640,7 +640,7 @@ def test_memory_log_writes_mib_and_reads_internevos_mb(tmp_path):
 def test_no_chart_has_an_unnamed_slice(tmp_path):
     """Every sector of every sunburst has a label, and a node's value is its children's sum: no
     blank gap (a parent's own bytes are drawn as a named "(itself)" child)."""
-    from minigpt import memory_log
+    from minigpt.analysis import breakdown_log as memory_log
 
     model, optimizer, _, s = tiny_gpt(**PEAK_SHAPE)
     b = trainer_steps(model, optimizer, s)
@@ -663,7 +663,7 @@ def test_the_peak_chart_draws_when_cuda_corrects_the_profiler_downwards():
     """On CUDA the peak is max_memory_allocated and "(not seen by the profiler)" the difference,
     which may be negative: plotly refuses a negative sector or a parent smaller than its children,
     so the chart draws the positive bytes, each parent the sum of its children."""
-    from minigpt import memory_log
+    from minigpt.analysis import breakdown_log as memory_log
 
     parts = {
         "params": {"wte.weight": 4096},
@@ -685,7 +685,7 @@ def test_the_peak_chart_draws_when_cuda_corrects_the_profiler_downwards():
 def test_the_peak_reads_back_from_memory_log_with_parts_that_add_up_to_it():
     """What the report reads: memory.log's peak, when and where, and its parts, exactly; a name
     with commas (a held tensor's shape) does not cut its row."""
-    from minigpt import memory_log
+    from minigpt.analysis import breakdown_log as memory_log
 
     model, optimizer, _, s = tiny_gpt(**PEAK_SHAPE)
     b = trainer_steps(model, optimizer, s)
@@ -830,7 +830,7 @@ def test_the_h200_runs_loss_rows_are_what_the_names_now_say():
     the bf16 log-probs, and 1,648,427,012 B, labelled "targets" but the fp32 copy of the
     log-probs plus the int64 targets and a 4-byte weight total. The namer, given the saves CUDA
     made there (op, dtype, bytes), names each by what those bytes are."""
-    from minigpt.instruments.memory import _saved_name, _Where
+    from minigpt.instruments.breakdown import _saved_name, _Where
 
     state = parse_memory_log((H200_MEMORY / "memory_trace" / "rank0_dp0" / MEMORY_LOG).read_text())[-1]
     rows = {
@@ -924,8 +924,8 @@ def test_the_estimate_holds_each_part_of_the_h200_runs_measured_memory():
 
 def h200_breakdown():
     """The H200 run's measured breakdown, rebuilt from its memory.log and metrics.jsonl."""
-    from minigpt.instruments.memory import MemoryBreakdown
-    from minigpt.memory_log import category_leaves, peak_of_state
+    from minigpt.instruments.breakdown import MemoryBreakdown
+    from minigpt.analysis.breakdown_log import category_leaves, peak_of_state
 
     state = parse_memory_log((H200_MEMORY / "memory_trace" / "rank0_dp0" / MEMORY_LOG).read_text())[-1]
     record = next(

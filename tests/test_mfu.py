@@ -374,7 +374,7 @@ def test_a_cpu_with_avx512_bf16_alone_takes_the_faster_measured_peak(
     rate (0.168 against 0.329 TFLOP/s), an AMD Zen 4 at nearly twice. There both peaks are read
     (measured once, then cached) and MFU divides by the faster, saying so when it is fp32; with AMX
     bf16 is the peak, and without bf16 fp32, each read alone."""
-    from minigpt.core import config
+    from minigpt import config
 
     monkeypatch.setattr(config, "cpu_bf16_features", lambda: dict(features))
     read = []

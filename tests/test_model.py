@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from minigpt.core.config import pad_vocab
+from minigpt.config import pad_vocab
 from minigpt.core.model import GPT, GPTConfig, flops_per_token
 
 

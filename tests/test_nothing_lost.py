@@ -34,8 +34,8 @@ from minigpt.core.checkpoint import (
     save_checkpoint,
     state_crc,
 )
-from minigpt.core.config import UsageError, parse_args
-from minigpt.errors import INTERRUPTED_LINE
+from minigpt.config import UsageError, parse_args
+from minigpt.config import INTERRUPTED_LINE
 from minigpt.fileio import check_may_replace
 from sample import cli as sample_cli
 
@@ -590,10 +590,10 @@ def test_ctrl_c_while_the_trainer_starts_is_one_line_and_status_130(tmp_path):
 # every exception, as torch's import does with numpy's (its C code clears the error and goes on).
 SWALLOWED = """
 import os, signal, sys, time
-from minigpt.errors import exit_quietly_on_interrupt, imports_done
+from minigpt.config import exit_on_ctrl_c, imports_done
 if sys.argv[1] == "ignored":
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # as under nohup: left ignored
-exit_quietly_on_interrupt("prog")
+exit_on_ctrl_c("prog")
 if sys.argv[1] == "done":
     imports_done()
 try:

@@ -17,12 +17,12 @@ import pytest
 import torch
 from conftest import ROOT, TINY
 
-from minigpt.core.config import UsageError
+from minigpt.config import UsageError
 from minigpt.core.parallel import check_plan, worker_name
 from minigpt.core.shape import Shape
 from minigpt.instruments.estimate import estimate_gpt
 from minigpt.instruments.per_rank import per_rank_estimate
-from minigpt.stages import STAGE_NAMES
+from minigpt.config import STAGE_NAMES
 
 PROBE = ROOT / "tests" / "parallel_probe.py"
 SHAPE = ["--shape", "2,4,64,256,128", "--seq", "32", "--batch", "8"]  # layers, heads, d_model, d_ff, vocab
@@ -126,7 +126,7 @@ def test_per_rank_estimate_shards_state_and_splits_tp_activations():
         per_rank_estimate(e, 1, 2, False)
     from minigpt.instruments.per_rank import per_rank_memory_estimate
 
-    as_estimate = per_rank_memory_estimate(e, 1, 2, False, shape)  # for minigpt.instruments.memory's table
+    as_estimate = per_rank_memory_estimate(e, 1, 2, False, shape)  # for minigpt.instruments.breakdown's table
     assert (as_estimate.total, as_estimate.params) == (tp["total"], tp["params"])
 
 
@@ -296,7 +296,7 @@ def test_fsdp_2_matches_ddp_2(tmp_path_factory):
 @pytest.mark.ddp
 @pytest.mark.slow
 def test_fsdp_memory_breakdown_names_gathered_weights_and_sharded_gradients(tmp_path_factory):
-    """minigpt.instruments.memory's own capture under FSDP 2: the gradients are the reduce-scattered shards
+    """minigpt.instruments.breakdown's own capture under FSDP 2: the gradients are the reduce-scattered shards
     (half of DDP's), the weights FSDP gathers for a block are parameters, not activations (so the
     activations are DDP's, the per-rank batch being the same), and the peak's parts add up to it."""
     ddp, fsdp = run_plan(tmp_path_factory, 2), run_plan(tmp_path_factory, 2, "--fsdp")

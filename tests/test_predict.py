@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from minigpt.core.config import UsageError
+from minigpt.config import UsageError
 from minigpt.core.model import GPT, GPTConfig, flops_per_token
 from minigpt.core.shape import Shape
 from minigpt.instruments import estimate, predict

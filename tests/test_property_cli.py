@@ -30,9 +30,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import train_minimal
-from minigpt.core import config
-from minigpt.core.config import TrainConfig, UsageError
-from minigpt.paths import RUNS_ROOT
+from minigpt import config
+from minigpt.config import TrainConfig, UsageError
+from minigpt.config import RUNS_ROOT
 
 OUT = "run"  # the run directory, relative to each example's working directory
 CORPUS = "corpus.txt"  # a small text file in each example's working directory

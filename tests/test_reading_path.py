@@ -46,7 +46,7 @@ STEP_PATH = {
 STEP_LINES = 859  # measured on a CPU with AVX512-BF16 and no AMX, where MFU reads two peaks
 BESIDE = (
     "minigpt.instruments.window",
-    "minigpt.instruments.memory",
+    "minigpt.instruments.breakdown",
     "minigpt.instruments.estimate",
     "minigpt.instruments.predict",
     "minigpt.instruments.straggler",

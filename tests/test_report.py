@@ -17,8 +17,8 @@ from conftest import TINY, docs_module
 
 from minigpt.analysis.report import PAGE_HEAD, SECTIONS, fitted_range, main, write_report
 from minigpt.analysis.runfiles import RunError, load_run
-from minigpt.instruments.memory import MemoryBreakdown, write_memory_trace
-from minigpt.memory_log import MEMORY_LOG, PEAK_PARTS, parse_memory_log, peak_of_state, peak_rows
+from minigpt.instruments.breakdown import MemoryBreakdown, write_memory_trace
+from minigpt.analysis.breakdown_log import MEMORY_LOG, PEAK_PARTS, parse_memory_log, peak_of_state, peak_rows
 
 KERNEL = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64"
 ELEMENTWISE = "void at::native::vectorized_elementwise_kernel<4>"

@@ -19,7 +19,7 @@ from conftest import TINY
 import train_minimal
 from minigpt.core import data, tokens
 from minigpt.core.checkpoint import latest_run, load_checkpoint, repair_jsonl, rng_state, save_checkpoint
-from minigpt.core.config import UsageError
+from minigpt.config import UsageError
 from minigpt.core.finish import next_steps
 from minigpt.core.guards import (
     check_checkpoint_path,
@@ -32,7 +32,7 @@ from minigpt.core.model import GPT, GPTConfig
 from minigpt.core.progress import Progress, progress_enabled
 from minigpt.core.runs import RunLock
 from minigpt.fileio import DiskFull, atomic_write
-from minigpt.paths import LOCK_FILE
+from minigpt.config import LOCK_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -221,7 +221,7 @@ TEXT = "日本語の文章 🙂👍 naïve café"  # CJK, emoji, accents: GPT-2 
 def test_characters_split_over_tokens_decode_whole():
     """GPT-2's byte-level tokens split a CJK character or an emoji over two or three tokens; the
     sample's text must show the character, never U+FFFD for its halves."""
-    from minigpt.core.config import EOT
+    from minigpt.config import EOT
     from minigpt.core.tokens import get_tokenizer
 
     enc = get_tokenizer()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from minigpt.core.config import GPT2_PADDED, GPT2_VOCAB, pad_vocab
+from minigpt.config import GPT2_PADDED, GPT2_VOCAB, pad_vocab
 from minigpt.core.shape import Shape, shape_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,8 +102,8 @@ def given_rates(device: str, dtype: str, needed, cache=True, measure=True, remea
 def outputs(monkeypatch) -> dict:
     """Everything the pins hold, computed by the code under test."""
     from minigpt.core.checkpoint import model_bytes
-    from minigpt.core.config import param_count as quick_param_count
-    from minigpt.core.config import parse_args, quick_bytes
+    from minigpt.config import param_count as quick_param_count
+    from minigpt.config import parse_args, quick_bytes
     from minigpt.instruments import estimate, per_rank, predict
 
     out: dict = {"estimate": {}, "ops": {}, "predict": {}, "per_rank": {}, "comm": {}, "report": {}}
@@ -192,7 +192,7 @@ def test_the_parameter_count_and_flops_are_the_built_models(shape):
 def test_the_shape_module_loads_no_torch():
     """The estimator's and the size check's arithmetic must not pay torch's import."""
     code = (
-        "import sys, minigpt.core.config; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+        "import sys, minigpt.config; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -205,7 +205,7 @@ def test_the_vocabulary_is_padded_to_a_multiple_of_64():
 
 
 def test_a_preset_and_the_trainers_config_give_the_same_shape():
-    from minigpt.core.config import PRESETS, parse_args
+    from minigpt.config import PRESETS, parse_args
 
     for name in PRESETS:
         cfg = parse_args(["--preset", name])

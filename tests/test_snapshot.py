@@ -1,4 +1,4 @@
-"""The CUDA memory snapshot read back without torch (minigpt/memory_snapshot.py) and drawn as an
+"""The CUDA memory snapshot read back without torch (minigpt/analysis/cuda_snapshot.py) and drawn as an
 offline page (minigpt/analysis/snapshot.py), on the real snapshot of the H200 run."""
 
 import gzip
@@ -11,7 +11,7 @@ import pytest
 from conftest import GPU_RUNS
 
 from minigpt.analysis import snapshot as page
-from minigpt.memory_snapshot import MiB, SnapshotError, load_snapshot, peak_text, replay
+from minigpt.analysis.cuda_snapshot import MiB, SnapshotError, load_snapshot, peak_text, replay
 
 H200 = GPU_RUNS / "h200-gpt2-bf16-memory"
 PICKLE = H200 / "snapshots" / "rank0_snapshot.pickle.gz"

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import train_minimal
 from minigpt.analysis import traces as traces_mod
 from minigpt.analysis.traces import Launches, tensor_cores, union_us
-from minigpt.stages import STAGE_NAMES
+from minigpt.config import STAGE_NAMES
 
 # Real traces written by other projects: ../shared/traces beside the clone (as in CI and /work/main);
 # MINIGPT_SHARED_TRACES points elsewhere (a git worktree one level deeper).

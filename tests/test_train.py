@@ -203,7 +203,7 @@ def test_sigterm_during_a_long_evaluation_stops_promptly_and_saves(tmp_path):
 def write_step_rates(cache, flags: list[str], rounds):
     """A rate cache (minigpt.instruments.predict) holding every rate the run's step needs, each `rounds`;
     returns the run's shape (minigpt.core.shape.shape_of)."""
-    from minigpt.core.config import parse_args
+    from minigpt.config import parse_args
     from minigpt.core.shape import shape_of
     from minigpt.instruments import predict
 

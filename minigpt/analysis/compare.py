@@ -56,9 +56,8 @@ from minigpt.analysis.report import (
 )
 from minigpt.analysis.runfiles import OLDER_RUN, RUN_KEYS, Run, RunError, load_run
 from minigpt.analysis.stats import MIN_SAMPLES, RatioInterval, needed_samples, ratio_interval, verdict
-from minigpt.errors import ArgParser, UsageError
+from minigpt.config import ArgParser, UsageError, split_parent
 from minigpt.fileio import check_names
-from minigpt.stages import split_parent
 
 TOP_COMPARE = 15  # operator / kernel rows shown: the largest differences per profiled step
 CHANGED = 0.10  # a matched operator whose time moved by more than 10% is "changed", else "same":

@@ -15,26 +15,14 @@ The trainer calls write_report() at the end of a run (--no-report turns it off).
 
 from __future__ import annotations
 
-import html
 import math
 import statistics
 import sys
 from pathlib import Path
 
-from minigpt.analysis.runfiles import (
-    OLDER_RUN,
-    REBUILT,
-    Run,
-    RunError,
-    load_run,
-    run_figures,
-    timeline_events,
-)
-from minigpt.errors import ArgParser, UsageError
-from minigpt.fileio import ELSEWHERE, atomic_write, check_may_replace, check_names
-from minigpt.left_out import describe_left_out
-from minigpt.memory_log import (
+from minigpt.analysis.breakdown_log import (
     CATEGORIES,
+    MEMORY_BREAKDOWN_KEYS,
     PEAK_PART_NAMES,
     PEAK_PARTS,
     SUMMARY_DEPTH,
@@ -44,10 +32,26 @@ from minigpt.memory_log import (
     peak_rows,
     sunburst,
 )
-from minigpt.paths import METRICS_FILE, REPORT_FILE
-from minigpt.plotlyjs import script_tag, write_plotly_js
-from minigpt.stages import STAGE_NAMES, color, label, split_parent
-from minigpt.step_record import MEMORY_BREAKDOWN_KEYS
+from minigpt.analysis.html import (
+    SHARED_PLOTLY,
+    check_page_path,
+    esc,
+    page,
+    script_tag,
+    table,
+    write_page,
+    write_plotly_js,
+)
+from minigpt.analysis.record import describe_left_out
+from minigpt.analysis.runfiles import (
+    Run,
+    RunError,
+    load_run,
+    run_figures,
+    timeline_events,
+)
+from minigpt.config import METRICS_FILE, REPORT_FILE, SPLITS, STAGE_NAMES, STAGES, ArgParser, UsageError
+from minigpt.fileio import ELSEWHERE, check_names
 
 MB = 1024 * 1024
 TOP_ROWS = 15  # operators and kernels drawn and listed per trace
@@ -65,26 +69,7 @@ SECTIONS = (
     ("stragglers", "Stragglers per rank"),
 )
 
-CSS = """
-body { font: 14px/1.45 system-ui, sans-serif; margin: 0 auto; max-width: 1280px; padding: 0 1.5em 3em;
-  color: #222; }
-h1 { margin: 0.8em 0 0.2em; } h2 { border-bottom: 1px solid #ccc; margin-top: 1.6em; }
-table { border-collapse: collapse; margin: 0.6em 0; }
-td, th { padding: 2px 10px; border-bottom: 1px solid #eee; text-align: right; } th { background: #f4f4f4; }
-td:first-child, th:first-child { text-align: left; }
-td.name { text-align: left; font-family: monospace; max-width: 60em; overflow-wrap: anywhere; }
-.nodata { color: #777; font-style: italic; } .problem { color: #a40; }
-.kv td { text-align: left; } .kv td:first-child { color: #555; }
-td.sum { font-weight: bold; border-top: 1px solid #999; } .headline { font-size: 1.15em; }
-.new { color: #a40; } .gone { color: #06a; } .grid { display: flex; flex-wrap: wrap; gap: 2em; }
-"""
-
-
 # ---------------------------------------------------------------------------- HTML pieces
-
-
-def esc(x) -> str:
-    return html.escape(str(x))
 
 
 def nodata(text: str) -> str:
@@ -93,19 +78,6 @@ def nodata(text: str) -> str:
 
 def section(sid: str, title: str, body: str) -> str:
     return f'<section id="{sid}"><h2>{esc(title)}</h2>\n{body}\n</section>'
-
-
-def table(headers: list[str], rows: list[list], name_col: int | None = None, cls: str = "") -> str:
-    """rows of cells; a cell is text, or (text, css class). `name_col` is left-aligned monospace."""
-
-    def cell(i: int, c) -> str:
-        text, klass = c if isinstance(c, tuple) else (c, "")
-        klass = (klass + " name").strip() if i == name_col else klass
-        return f'<td class="{klass}">{esc(text)}</td>' if klass else f"<td>{esc(text)}</td>"
-
-    head = "".join(f"<th>{esc(h)}</th>" for h in headers)
-    body = "\n".join("<tr>" + "".join(cell(i, c) for i, c in enumerate(r)) + "</tr>" for r in rows)
-    return f'<table class="{cls}"><tr>{head}</tr>\n{body}</table>'
 
 
 def figure(fig, div_id: str, height: int = 380) -> str:
@@ -119,35 +91,6 @@ def figure(fig, div_id: str, height: int = 380) -> str:
         full_html=False,
         div_id=div_id,
         config={"displaylogo": False, "responsive": True},
-    )
-
-
-# How every page of minigpt's begins (the report's and compare's, then and now): the mark by which
-# a tool knows a file at its output path as its own earlier output, which it may replace.
-PAGE_HEAD = '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>minigpt'
-# Where a run folder's page loads the folder's one plotly.min.js (write_report fills it in).
-SHARED_PLOTLY = "<!-- minigpt: the run folder's plotly.min.js -->"
-
-
-def page(title: str, body: str, shared_plotly: bool = False) -> str:
-    """A whole page; `title` begins with "minigpt" (PAGE_HEAD ends with it). plotly.js, only when
-    a figure is drawn: inlined in the head (a page on its own, such as compare's --html), or, with
-    `shared_plotly`, a marker that write_report turns into a <script src> of the run folder's one
-    copy. No CDN either way."""
-    import plotly.offline
-
-    assert title.startswith("minigpt"), title
-    js = ""
-    if "Plotly.newPlot" in body:
-        js = (
-            SHARED_PLOTLY
-            if shared_plotly
-            else f'<script type="text/javascript">{plotly.offline.get_plotlyjs()}</script>'
-        )
-    return (
-        f"{PAGE_HEAD}{esc(title[len('minigpt') :])}</title>\n"
-        f"<style>{CSS}</style>\n{js}\n"
-        f"</head><body>\n{body}\n</body></html>\n"
     )
 
 
@@ -166,16 +109,6 @@ def tflops(x: float) -> str:
         return "0"
     digits = max(0, 2 - math.floor(math.log10(abs(x))))
     return f"{x:,.{digits}f}"
-
-
-def flops_spread(spread) -> str | None:
-    """config.json's peak_flops_spread, the winning unit's [median call, best call] in FLOP/s, as
-    "1.04-1.36 TFLOP/s"; None when the run has none (a table's figure, or --peak-tflops)."""
-    if not isinstance(spread, (list, tuple)) or len(spread) != 2:
-        return None
-    if not all(isinstance(v, (int, float)) and v > 0 for v in spread):
-        return None
-    return f"{tflops(spread[0] / 1e12)}-{tflops(spread[1] / 1e12)} TFLOP/s"
 
 
 def fitted_range(values: list) -> list[float] | None:
@@ -199,26 +132,28 @@ def steady(metrics: list[dict], fallback: bool = True) -> list[dict]:
     dropped; an older trainer's first interval held its warm-up, and is dropped. With `fallback`,
     a run with no steady interval keeps what it has (a page draws something); without, it has none
     (compare's samples)."""
-    if metrics and "steady_steps" not in metrics[-1]:  # an older trainer's records
-        kept = metrics[1:]
-    else:
-        kept = [r for r in metrics if r.get("steady_steps")]
+    kept = [r for r in metrics if r.get("steady_steps")]
     return kept or (metrics if fallback else [])
 
 
 # ---------------------------------------------------------------------------- figures of one run
 
 
+def color(name: str) -> str:
+    return STAGES.get(name, ("", "grey"))[1]
+
+
+def label(name: str) -> str:
+    return STAGES.get(name, (name,))[0]
+
+
 def throughput(run: Run) -> dict:
-    """The run's own figures, as metrics.jsonl's last record holds them (minigpt.step_record.RUN_KEYS:
-    tokens/s in steady state and end to end, start-up; None for an older run that did not
-    write them), and the per-interval figures' medians over the steady steps: tokens/s per step,
-    MFU, and what MFU is measured against."""
-    m = steady(run.metrics)
-    c = run.config
-    figures = run_figures(run.metrics)
+    """The run's own figures, as metrics.jsonl's last record holds them (runfiles.RUN_KEYS: tokens/s
+    in steady state and end to end, MFU over the run, start-up), and the per-interval figures'
+    medians over the steady steps, and what MFU is measured against (config.json's peak)."""
+    m, c = steady(run.metrics), run.config
     return {
-        **figures,
+        **run_figures(run.metrics),
         "resumed": bool(c.get("config", {}).get("resume")),  # the run's figures count from the resume
         "tokens_per_s": median([r.get("tokens_per_s") for r in m]),
         "tokens_per_s_per_rank": median([r.get("tokens_per_s_per_rank") for r in m]),
@@ -226,43 +161,17 @@ def throughput(run: Run) -> dict:
         "achieved_tflops": median([r.get("achieved_tflops") for r in m]),
         "peak_tflops": c["peak_flops"] / 1e12 if isinstance(c.get("peak_flops"), (int, float)) else None,
         "peak_flops_source": c.get("peak_flops_source"),
-        "peak_flops_spread": c.get("peak_flops_spread"),
-        **run_mfu(run, figures["run_tokens_per_s"]),
     }
 
 
-def run_mfu(run: Run, tps: float | None) -> dict:
-    """The run's MFU and achieved TFLOP/s per device, from its steady tokens/s (`tps`: run_figures',
-    an older run's rebuilt from its intervals after the first; over the data-parallel ranks) and
-    config.json's FLOPs per token, against the
-    denominator in force at the end: the last record's achieved over its MFU (the trainer lifts a
-    measured peak that a run outran, so config.json's start-up figure may be lower), else
-    config.json's. None where a figure is missing."""
-    c, last = run.config, (run.metrics[-1] if run.metrics else {})
-    fpt = c.get("flops_per_token")
-    world = last.get("world_size") or 1
-    if not all(isinstance(x, (int, float)) and x > 0 for x in (fpt, tps, world)):
-        return {"run_mfu": None, "run_achieved_tflops": None}
-    achieved = fpt * tps / world / 1e12
-    peak = c.get("peak_flops") if isinstance(c.get("peak_flops"), (int, float)) else None
-    a, m = last.get("achieved_tflops"), last.get("mfu")
-    if isinstance(a, (int, float)) and isinstance(m, (int, float)) and a > 0 and m > 0:
-        peak = max(peak or 0.0, a * 1e12 / m)
-    return {"run_mfu": achieved * 1e12 / peak if peak else None, "run_achieved_tflops": achieved}
-
-
-def mfu_text(mfu: float | None, achieved: float | None, peak: float | None) -> str:
-    """MFU as a reader sees it; never above 100%: a denominator below the achieved rate (an older
-    run's, measured under load) is named instead of a figure that cannot be."""
+def mfu_text(mfu: float | None, achieved: float | None) -> str:
+    """MFU as the run recorded it; above 100% it says that its denominator was measured low."""
     if mfu is None:
         return "n/a"
-    if mfu > 1:
-        return (
-            f"n/a: the denominator ({fmt(peak, 3)} TFLOP/s) is below what the run achieved "
-            f"({fmt(achieved, 3)} TFLOP/s), so it was measured under load; "
-            "python -m minigpt estimate --time --remeasure measures it again"
-        )
-    return f"{100 * mfu:.1f}%" + (f" ({fmt(achieved, 3)} TFLOP/s achieved per device)" if achieved else "")
+    over = "; above 100%: the measured peak was low (the next run's is at least this rate)" if mfu > 1 else ""
+    return f"{100 * mfu:.1f}%" + (
+        f" ({fmt(achieved, 3)} TFLOP/s achieved per device{over})" if achieved else over
+    )
 
 
 def stage_medians(run: Run, key: str) -> dict[str, float]:
@@ -314,15 +223,13 @@ def throughput_rows(t: dict) -> list[tuple[str, str]]:
     left = describe_left_out(t["run_left_out"])
     steady = (
         f"{fmt(t['run_tokens_per_s'], 0)} ({'since the resume' if t['resumed'] else 'the run'}: "
-        f"{tokens} of {t['run_steps']} steady steps / {t['run_step_time_s']:.2f}s, their times summed"
-        + (f"; {REBUILT}" if t["rebuilt"] else "")
-        + ")"
+        f"{tokens} of {t['run_steps']} steady steps / {t['run_step_time_s']:.2f}s, their times summed" + ")"
         if t["run_tokens_per_s"] is not None
-        else OLDER_RUN
+        else "no steady step"
     )
     trained = f"{t['tokens_trained']:,} tokens" if t["tokens_trained"] is not None else "tokens"
     e2e = (
-        OLDER_RUN
+        "n/a"
         if t["tokens_per_s_e2e"] is None
         else fmt(t["tokens_per_s_e2e"], 0)
         + (
@@ -333,14 +240,14 @@ def throughput_rows(t: dict) -> list[tuple[str, str]]:
         )
     )
     startup = (
-        OLDER_RUN
+        "not measured"
         if t["startup_s"] is None
         else f"{t['startup_s']:.2f}s from the script's start (or main()'s call) to the loop's "
         "(in neither rate)"
     )
     return [
         ("tokens/s in steady state", steady),
-        ("left out of it", left or ("not recorded (older run)" if t["rebuilt"] else "no step")),
+        ("left out of it", left or "no step"),
         ("tokens/s end to end", e2e),
         ("start-up", startup),
         (
@@ -366,8 +273,6 @@ def summary_section(run: Run) -> str:
         if t["peak_tflops"] is not None
         else "n/a"
     )
-    if spread := flops_spread(t["peak_flops_spread"]):
-        peak += f"; the winning unit's timed calls, median to best: {spread}"
     rows = [
         ("run", str(run.path)),
         (
@@ -396,7 +301,7 @@ def summary_section(run: Run) -> str:
         ("precision", c.get("amp")),
         ("versions", ", ".join(f"{k} {v}" for k, v in versions.items() if v)),
         *throughput_rows(t),
-        ("MFU over the run", mfu_text(t["run_mfu"], t["run_achieved_tflops"], t["peak_tflops"])),
+        ("MFU over the run", mfu_text(t["run_mfu"], t["run_achieved_tflops"])),
         ("MFU denominator", peak),
         ("FLOPs per token", fmt(c.get("flops_per_token"))),
         ("final train loss", fmt(last.get("loss"), 4)),
@@ -497,7 +402,7 @@ def stages_section(run: Run) -> str:
     names = list(stage_medians(run, "stage_host_ms") or STAGE_NAMES)
     for col, (key, _) in enumerate(keys, 1):
         for name in names:
-            if split_parent(name):  # a part of another stage (backward_compute): in the table, not stacked
+            if SPLITS.get(name):  # a part of another stage (backward_compute): in the table, not stacked
                 continue
             fig.add_trace(
                 go.Bar(
@@ -523,7 +428,7 @@ def stages_section(run: Run) -> str:
     )
     rows = []
     for name in names:
-        part = f", part of {split_parent(name)}" if split_parent(name) else ""
+        part = f", part of {SPLITS.get(name)}" if SPLITS.get(name) else ""
         rows.append(
             [f"{name} ({label(name)}{part})"] + [fmt(stage_medians(run, k).get(name)) for k, _ in keys]
         )
@@ -1162,28 +1067,6 @@ def report_body(run: Run) -> str:
 def render_report(run: Run) -> str:
     """The report page; where it draws a chart, it loads plotly.min.js from its own folder."""
     return page(f"minigpt run {run.name}", report_body(run), shared_plotly=True)
-
-
-def check_page_path(out: Path, elsewhere: str, force: bool = False) -> None:
-    """WouldOverwrite (one line) when `out` holds a file that is not a page of minigpt's, unless
-    `force`: a tool never replaces a run's config, metrics or checkpoint with a page."""
-    flag = "report" if elsewhere == ELSEWHERE else elsewhere  # the trainer's own report has no flag
-    check_may_replace(out, PAGE_HEAD.encode(), flag, "minigpt", force)
-
-
-def write_page(out: Path, text: str, elsewhere: str, force: bool = False) -> None:
-    """Write a page atomically. A full disk is DiskFull's one line, naming `elsewhere` (the flags
-    that write it elsewhere); a path that cannot be written (no such folder, no permission, a
-    read-only file system) is RunError's one line naming the page, not its temporary file. A file
-    at `out` that is not a page of minigpt's (a run's config.json, its metrics, a checkpoint) is
-    replaced only with `force` (fileio.WouldOverwrite otherwise)."""
-    check_page_path(out, elsewhere, force)
-    try:
-        atomic_write(out, text, elsewhere)
-    except OSError as e:
-        raise RunError(
-            f"cannot write {out} ({e.strerror or type(e).__name__}); write elsewhere ({elsewhere})"
-        ) from None
 
 
 def _snapshot_pages(run_dir: Path, elsewhere: str) -> None:

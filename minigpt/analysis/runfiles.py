@@ -23,23 +23,19 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from minigpt.analysis import traces
+from minigpt.analysis.breakdown_log import MEMORY_LOG, parse_memory_log
+from minigpt.analysis.html import RunError
+from minigpt.analysis.record import RUN_KEYS, StepRecord
+from minigpt.config import CONFIG_FILE, MEMORY_TRACE_DIR, METRICS_FILE, STRAGGLERS_FILE, TRACE_DIR
 from minigpt.fileio import UnreadableFile, file_kind, format_bytes, read_bounded
-from minigpt.memory_log import MEMORY_LOG, parse_memory_log
-from minigpt.paths import (
-    CONFIG_FILE,
-    CONFIG_LIMIT,
-    JSONL_LIMIT,
-    MEMORY_LOG_LIMIT,
-    MEMORY_TRACE_DIR,
-    METRICS_FILE,
-    STRAGGLERS_FILE,
-    TRACE_DIR,
-)
-from minigpt.step_record import StepRecord
 
-# The run directory's names are minigpt/paths.py's; the memory folders of every rank match this.
+# The run directory's names are minigpt/config.py's; the memory folders of every rank match this.
 MEMORY_TRACE_GLOB = MEMORY_TRACE_DIR.format(worker="rank*_dp*")
 TRACES_DIR = TRACE_DIR
+# The most a reader takes of a run's files (no reader takes more memory than its input's checked
+# size), far above what a run writes: config.json a few KiB; metrics.jsonl about 1.5 KiB a logged
+# step (a million steps logged every 10: 150 MiB); memory.log a few hundred KiB.
+CONFIG_LIMIT, JSONL_LIMIT, MEMORY_LOG_LIMIT = 1 << 20, 256 << 20, 64 << 20
 
 # Operators and kernels kept per trace: all of them, so that the comparison of two runs can tell
 # an operator that is gone from one that merely fell out of a top-10.
@@ -52,56 +48,12 @@ MAX_DEPTH = 8  # nesting a run's files never exceed (metrics: a record, its memo
 ABSURD = 1e15
 
 
-# The run-wide keys a reader takes from metrics.jsonl's last record; OLDER_RUN stands for one that
-# a trainer before them did not write.
-RUN_KEYS = (
-    "run_tokens",
-    "run_steps",
-    "run_step_time_s",
-    "run_tokens_per_s",
-    "tokens_trained",
-    "tokens_per_s_e2e",
-    "elapsed_s",
-    "startup_s",
-)
-OLDER_RUN = "n/a (older run)"
-# An older trainer's run_* figures counted every step, warm-up included (a --compile run's step 1
-# took 18.4 s of its 19.6): its steady figure is rebuilt from the log intervals after the first,
-# and says so.
-REBUILT = "rebuilt from the logged intervals after the first (an older run: its warm-up was not kept apart)"
-
-
 def run_figures(records: list[dict]) -> dict:
-    """The run's figures (RUN_KEYS, and run_left_out) as metrics.jsonl's last record holds them;
-    None for a key an older trainer did not write. For such a run the steady figures are rebuilt
-    from the intervals after the first (`rebuilt` is then True): its own run_* counted warm-up."""
+    """The run's figures (RUN_KEYS, and run_left_out) as metrics.jsonl's last record holds them."""
     last = records[-1] if records else {}
     figures = {k: last.get(k) if isinstance(last.get(k), (int, float)) else None for k in RUN_KEYS}
-    left = last.get("run_left_out")
-    figures["run_left_out"] = left if isinstance(left, dict) else {}
-    figures["rebuilt"] = bool(records) and "run_steps" not in last
-    if figures["rebuilt"]:  # its run_tokens were every step's
-        figures["tokens_trained"] = figures["run_tokens"]
-        figures.update(_steady_of_older_run(records))
+    figures["run_left_out"] = last.get("run_left_out") if isinstance(last.get("run_left_out"), dict) else {}
     return figures
-
-
-def _steady_of_older_run(records: list[dict]) -> dict:
-    """tokens and seconds of the intervals after the first, from their steps and mean step times."""
-    tokens = seconds = steps = 0
-    for prev, r in zip(records, records[1:]):
-        n = r.get("step", 0) - prev.get("step", 0)
-        t, tps = r.get("step_time_s"), r.get("tokens_per_s")
-        if n > 0 and isinstance(t, (int, float)) and isinstance(tps, (int, float)) and t > 0:
-            steps, seconds, tokens = steps + n, seconds + n * t, tokens + n * tps * t
-    if not steps:
-        return {"run_tokens": None, "run_steps": None, "run_step_time_s": None, "run_tokens_per_s": None}
-    return {
-        "run_tokens": round(tokens),
-        "run_steps": steps,
-        "run_step_time_s": seconds,
-        "run_tokens_per_s": tokens / seconds,
-    }
 
 
 def _value_problem(value, depth: int = 0) -> str | None:
@@ -182,10 +134,6 @@ def straggler_problem(row: dict) -> str | None:
 
 def _read_text(path: Path, limit: int) -> str:
     return read_bounded(path, limit).decode("utf-8", errors="replace")
-
-
-class RunError(Exception):
-    """The folder is not a run directory: the message is the one line the user sees."""
 
 
 @dataclass

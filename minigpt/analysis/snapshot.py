@@ -14,10 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from minigpt.analysis.report import RunError, esc, page, table, write_page
-from minigpt.errors import ArgParser, UsageError
-from minigpt.fileio import check_names
-from minigpt.memory_snapshot import (
+from minigpt.analysis.cuda_snapshot import (
     MiB,
     Replay,
     SnapshotError,
@@ -27,7 +24,9 @@ from minigpt.memory_snapshot import (
     stage_at,
     where,
 )
-from minigpt.stages import STAGE_NAMES, color
+from minigpt.analysis.html import RunError, esc, page, table, write_page
+from minigpt.config import STAGE_NAMES, STAGES, ArgParser, UsageError
+from minigpt.fileio import check_names
 
 W, H, LEFT, TOP, BOTTOM = 1240, 420, 70, 30, 40  # the chart's size and margins, in pixels
 POINTS = 1500  # the most points a line draws: each keeps its bucket's highest value, the peak exactly
@@ -58,7 +57,7 @@ def _bands(r: Replay, t0: int, x) -> list[str]:
             left = x(max(s, t0))
             out.append(
                 f'<rect x="{left:.1f}" y="{TOP}" width="{max(0.5, x(e) - left):.1f}" height="{h}" '
-                f'fill="{color(name)}" opacity="0.13"><title>{esc(name)}</title></rect>'
+                f'fill="{STAGES.get(name, ("", "grey"))[1]}" opacity="0.13"><title>{esc(name)}</title></rect>'
             )
     for k, (s, _) in enumerate(r.steps, 1):
         if s >= t0:
@@ -97,7 +96,7 @@ def chart(r: Replay) -> str:
             f'<text x="{px + dx:.1f}" y="{py - 8:.1f}" font-size="12" fill="#c00" text-anchor="{anchor}">'
             f"peak {r.peak / MiB:,.1f} MiB</text>"
         )
-    legend = ", ".join(f'<tspan fill="{color(s)}">{s}</tspan>' for s in STAGE_NAMES)
+    legend = ", ".join(f'<tspan fill="{STAGES[s][1]}">{s}</tspan>' for s in STAGE_NAMES)
     out.append(
         f'<text x="{LEFT}" y="{H - 12}" font-size="11">{(t1 - t0) / 1e6:.3f} s of the recording from '
         f"the first step; blue: allocated, dashed: reserved; bands: {legend}</text></svg>"

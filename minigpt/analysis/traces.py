@@ -98,7 +98,7 @@ from pathlib import Path
 from minigpt.fileio import name_problem
 
 try:  # the project's one-line refusal of a bad flag; a copy of this file run alone has argparse's own
-    from minigpt.errors import ArgParser
+    from minigpt.config import ArgParser
 except ImportError:
     ArgParser = argparse.ArgumentParser
 

@@ -16,16 +16,13 @@ from pathlib import Path
 
 import torch
 
-from minigpt import paths
+from minigpt import config as paths
+from minigpt.config import FIELDS, UsageError, flag_name, param_count
 from minigpt.core import distributed, parallel
-from minigpt.core.config import TrainConfig, UsageError, machine_ram_bytes, param_count
-from minigpt.core.data import Batches
 from minigpt.core.guards import describe_intact, directory_message
-from minigpt.core.model import GPT
+from minigpt.core.outputs import NonFiniteLoss
 from minigpt.core.torchcompat import dcp_set_element
-from minigpt.errors import NonFiniteLoss
-from minigpt.fileio import UnreadableFile, atomic_open, atomic_write, format_bytes, read_bounded
-from minigpt.ranks import DistInfo
+from minigpt.fileio import UnreadableFile, atomic_write, format_bytes, read_bounded
 
 # The fields that fix the model's shape: a checkpoint whose values differ cannot be loaded.
 SHAPE_FIELDS = ("vocab_size", "max_position_embeddings", "n_layers", "n_heads", "d_model", "d_ff")
@@ -33,7 +30,7 @@ REQUIRED_KEYS = {"model", "optimizer", "scaler", "step", "data_position", "rng",
 # What each rank of a sharded checkpoint keeps beside its shards (extra_rank{R}.pt).
 EXTRA_KEYS = REQUIRED_KEYS - {"model", "optimizer"}
 # Building a model needs its fp32 weights at least (sample.py); the trainer adds gradients and
-# AdamW's two moments (16 bytes a parameter, minigpt.core.config.BYTES_PER_PARAM).
+# AdamW's two moments (16 bytes a parameter, minigpt.config.BYTES_PER_PARAM).
 WEIGHT_BYTES = 4
 CONFIG_JSON_LIMIT = 1 << 20  # config.json is a few KiB; read for the run id only
 
@@ -98,16 +95,8 @@ def state_nbytes(obj) -> int:
 # zip reader checks no CRC of its own: 64 zeroed bytes inside a tensor load without a word.
 # Its cost, measured on a 2-core CPU (zlib.crc32 at about 4 GB/s) with the weights and both AdamW
 # moments at GPT-2's vocabulary: --preset tiny (3.4 M parameters, 41 MB) 12 ms, --preset small
-# (16 M, 195 MB) 47 ms a save and again a load; the load's finiteness check (nonfinite_tensor)
-# 5 ms and 25 ms more. torch.save itself takes longer to write the same bytes.
+# (16 M, 195 MB) 47 ms a save and again a load. A checkpoint without one is refused.
 CHECKSUM_KEY = "checksum"
-# How a checkpoint that lost its checksum is told from one written before checksums: FORMAT_KEY
-# (inside the checksummed body) says "written with a checksum", and so does a config field that
-# only versions with checksums wrote (CHECKSUMMED_CONFIG_FIELDS: they came after the checksum, and
-# before FORMAT_KEY). Either one and no checksum: damaged (a key renamed or deleted by hand), refused.
-# Neither: an older checkpoint, loaded with one line saying that nothing proves it whole.
-FORMAT_KEY, FORMAT = "format", 2  # 1: before checksums (no FORMAT_KEY)
-CHECKSUMMED_CONFIG_FIELDS = ("compile_mode", "auto_batch_size")
 
 
 def state_crc(obj, crc: int = 0) -> int:
@@ -133,9 +122,8 @@ def save_checkpoint(path: str | Path, state: dict) -> None:
     a crash mid-write leaves the previous checkpoint whole, and a full disk ends as one line
     (minigpt.fileio.DiskFull) with the previous checkpoint whole. The state goes with its checksum
     (CHECKSUM_KEY), which check_whole verifies on load."""
-    body = {**{k: v for k, v in state.items() if k != CHECKSUM_KEY}, FORMAT_KEY: FORMAT}
-    with atomic_open(path, size_hint=state_nbytes(state)) as f:
-        torch.save({**body, CHECKSUM_KEY: {"crc32": state_crc(body)}}, f)
+    body = {k: v for k, v in state.items() if k != CHECKSUM_KEY}
+    atomic_write(path, lambda f: torch.save({**body, CHECKSUM_KEY: {"crc32": state_crc(body)}}, f))
 
 
 def nonfinite_tensor(state: dict, keys: tuple[str, ...] = ("model", "optimizer")) -> str | None:
@@ -153,13 +141,6 @@ def nonfinite_tensor(state: dict, keys: tuple[str, ...] = ("model", "optimizer")
     return next((n for k in keys if k in state and (n := walk(state[k], k))), None)
 
 
-def written_with_checksum(state: dict) -> bool:
-    """Whether a checkpoint comes from a version that writes CHECKSUM_KEY (FORMAT_KEY's comment)."""
-    config = state.get("config")
-    later_fields = isinstance(config, dict) and any(k in config for k in CHECKSUMMED_CONFIG_FIELDS)
-    return FORMAT_KEY in state or later_fields
-
-
 def note(message: str) -> None:
     """One line on stderr that does not stop the load; under torchrun rank 0's alone."""
     if os.environ.get("RANK", "0") in ("", "0"):
@@ -167,24 +148,18 @@ def note(message: str) -> None:
 
 
 def check_whole(state: dict, path: str | Path) -> None:
-    """A loaded checkpoint is the one that was saved, and holds no NaN or inf: else one line saying
-    it is damaged. A checkpoint written before checksums (no CHECKSUM_KEY, nothing of a later
-    version: written_with_checksum) gets the finiteness check alone, and a note saying so: there
-    is nothing to compare its bytes with. One of a later version without its checksum is damaged:
-    loading it would let the resumed run write a fresh, valid checksum over the damage."""
+    """A loaded checkpoint is the one that was saved (its checksum), with no NaN or inf: else one line."""
     fix = "use an earlier checkpoint, or train without --resume"
-    if CHECKSUM_KEY in state:
-        saved = state[CHECKSUM_KEY]
-        body = {k: v for k, v in state.items() if k != CHECKSUM_KEY}
-        if not (isinstance(saved, dict) and _is_int(saved.get("crc32"))) or saved["crc32"] != state_crc(body):
-            raise UsageError(
-                f"checkpoint {path} is damaged: its contents do not match the checksum written with "
-                f"it (changed on disk or in transit, or edited after it was saved); {fix}"
-            )
-    elif written_with_checksum(state):
+    saved = state.get(CHECKSUM_KEY)
+    if saved is None:
         raise UsageError(
-            f"checkpoint {path} is damaged: it was written with a checksum, and its {CHECKSUM_KEY!r} "
-            f"entry is gone (renamed or deleted), so nothing proves its weights whole; {fix}"
+            f"checkpoint {path} carries no checksum (an older minigpt's, or edited): not loaded; {fix}"
+        )
+    body = {k: v for k, v in state.items() if k != CHECKSUM_KEY}
+    if not (isinstance(saved, dict) and _is_int(saved.get("crc32"))) or saved["crc32"] != state_crc(body):
+        raise UsageError(
+            f"checkpoint {path} is damaged: its contents do not match the checksum written with "
+            f"it (changed on disk or in transit, or edited after it was saved); {fix}"
         )
     if name := nonfinite_tensor(state):
         raise UsageError(f"checkpoint {path} is damaged: {name} holds NaN or inf; {fix}")
@@ -195,16 +170,9 @@ AMBIGUOUS_S = 1.0
 
 
 def drop_proof(state: dict, path: str | Path) -> None:
-    """After every check of its loader (a refused file's one line is the refusal): the line for a
-    checkpoint that check_whole let through without a checksum, and the checksum and format taken
-    out of the state (proven; save_checkpoint writes them anew)."""
-    if CHECKSUM_KEY not in state:
-        note(
-            f"note: checkpoint {path} was written before checkpoints carried a checksum: it loads, "
-            "but nothing proves its bytes whole (only that every weight is finite)"
-        )
+    """The checksum out of the state (proven; save_checkpoint writes it anew)."""
     state.pop(CHECKSUM_KEY, None)
-    state.pop(FORMAT_KEY, None)
+    state.pop("format", None)
 
 
 def latest_run(
@@ -390,12 +358,15 @@ def available_memory_bytes() -> int | None:
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return machine_ram_bytes()
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def model_bytes(model_config: dict, bytes_per_param: int = WEIGHT_BYTES) -> int:
     """The bytes of a model built from a checkpoint's model_config, torch-free: its parameter
-    count (minigpt.core.config.param_count) times bytes_per_param."""
+    count (minigpt.config.param_count) times bytes_per_param."""
     c = model_config
     params = param_count(
         c["vocab_size"], c["max_position_embeddings"], c["d_model"], c["d_ff"], c["n_layers"]
@@ -544,11 +515,39 @@ def check_optimizer_state(saved: dict, optimizer: torch.optim.Optimizer, path: s
         )
 
 
-def check_resume(state: dict, cfg, optimizer: torch.optim.Optimizer, path: str | Path) -> None:
+def check_resume(state: dict, cfg, optimizer: torch.optim.Optimizer, path: str | Path, world: int) -> None:
     """Everything a --resume checks of a loaded one-file checkpoint before any of it is used: the
-    run it belongs to (check_own_run), and its optimizer state against this model's parameters."""
+    run it belongs to (check_own_run), what the flags change, its optimizer state against this
+    model's parameters."""
     check_own_run(state["config"], cfg, path)
+    check_changes(state["config"], cfg, len(state.get("rng_per_rank") or [None]), world, path)
     check_optimizer_state(state["optimizer"], optimizer, path)
+
+
+# The flags that make a run what it is: its data, its batch order, its schedule, its precision.
+# A --resume that changes one (or the world size) is another run: refused, unless --allow-changes,
+# and then each change is kept in config.json (changed_on_resume) and said in the log.
+CHANGES_THE_RUN = (
+    "train_data val_data tokenizer_name use_toy_data max_tokens seed data_seed batch_size grad_accum_steps "
+    "lr min_lr lr_scheduler warmup_steps weight_decay grad_clip dropout amp amp_dtype tf32 chunked_loss"
+).split()
+DERIVED = {"min_lr", "warmup_steps"}  # from --lr and --num-steps unless given: compared when given
+
+
+def check_changes(saved: dict, cfg, saved_world: int, world: int, path) -> None:
+    given = getattr(cfg, "given", set(FIELDS))
+    changes = [
+        f"{flag_name(k)} {saved[k]!r} -> {getattr(cfg, k)!r}"
+        for k in CHANGES_THE_RUN
+        if k in saved and saved[k] != getattr(cfg, k) and (k not in DERIVED or k in given)
+    ]
+    changes += [f"world size {saved_world} -> {world}"] * (saved_world != world)
+    if changes and not cfg.allow_changes:
+        raise UsageError(
+            f"checkpoint {path}: this --resume changes the run ({'; '.join(changes)}); resume with the "
+            "flags it was trained with, or add --allow-changes to continue it changed"
+        )
+    cfg.changes = changes
 
 
 def check_same_shape(saved: dict, current: dict, path: str | Path) -> None:
@@ -618,8 +617,7 @@ def save_sharded(
     save_checkpoint(tmp / SHARDED_EXTRA.format(rank=rank), extra)
     if rank == 0:
         meta = {"world_size": world, "tp": _model_tp(model), "format": 1}
-        with atomic_open(tmp / SHARDED_META, "w") as f:
-            f.write(json.dumps(meta))
+        atomic_write(tmp / SHARDED_META, json.dumps(meta))
     _barrier()  # every rank's files are on disk
     if rank == 0:
         if folder.exists():
@@ -701,7 +699,7 @@ def load_sharded(
     folder: str | Path,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    dist_info: DistInfo | None = None,
+    dist_info=None,
 ) -> dict:
     """Load a save_sharded checkpoint into the (already parallelized) model and optimizer, as
     data only, and return this rank's `extra`. At the writer's world size the continuation is
@@ -775,6 +773,7 @@ def load_sharded(
     if isinstance(extra, dict):
         check_whole(extra, extra_file)
         drop_proof(extra, extra_file)
+        extra["written_by_ranks"] = saved_world
     return extra
 
 
@@ -847,12 +846,12 @@ class Checkpointer:
     --fsdp/--tp a folder of shards that every rank writes (DCP). The trainer calls restore() once
     and save() at each save point, and never asks which of the two it is."""
 
-    def __init__(self, cfg: TrainConfig, path: Path, sharded: bool, dist_info: DistInfo):
+    def __init__(self, cfg, path: Path, sharded: bool, dist_info):
         """`path`: the checkpoint file, or under --fsdp/--tp its folder of shards, as the run
         directory resolved and checked it before anything was built (minigpt/core/runs.py)."""
         self.path, self.cfg, self.sharded, self.dist_info = Path(path), cfg, sharded, dist_info
 
-    def hold(self, model: GPT, optimizer: torch.optim.Optimizer, scaler, batches: Batches) -> None:
+    def hold(self, model, optimizer: torch.optim.Optimizer, scaler, batches) -> None:
         """What save() writes."""
         self.model, self.optimizer, self.scaler, self.batches = model, optimizer, scaler, batches
 
@@ -863,7 +862,7 @@ class Checkpointer:
                 f"the weights became non-finite at step {step}; {describe_intact(self.path)}; lower --lr"
             )
 
-    def restore(self, model: GPT, optimizer: torch.optim.Optimizer, scaler, batches: Batches) -> int:
+    def restore(self, model, optimizer: torch.optim.Optimizer, scaler, batches) -> int:
         """Hold what save() writes and, with --resume, load the checkpoint into it; return its
         step (0 for a fresh run). Refuses a checkpoint that does not fit the flags."""
         self.hold(model, optimizer, scaler, batches)
@@ -882,7 +881,7 @@ class Checkpointer:
         path, cfg, rank = self.path, self.cfg, self.dist_info.rank
         state = load_checkpoint(path)
         check_same_shape(state["model_config"], asdict(self.model.cfg), path)
-        check_resume(state, cfg, self.optimizer, path)  # this run's own checkpoint; optimizer state fits
+        check_resume(state, cfg, self.optimizer, path, self.dist_info.world_size)
         self._check_step(state["step"])
         try:
             self.model.load_state_dict(state["model"])
@@ -908,6 +907,9 @@ class Checkpointer:
         """Every rank loads its shards (load_sharded)."""
         extra = load_sharded(self.path, self.model, self.optimizer, self.dist_info)
         check_sharded_resume(extra, self.cfg, self.path)  # its keys and types; this run's own checkpoint
+        check_changes(
+            extra["config"], self.cfg, extra["written_by_ranks"], self.dist_info.world_size, self.path
+        )
         check_same_shape(extra["model_config"], asdict(self.model.cfg), self.path)
         self._check_step(extra["step"])
         self.scaler.load_state_dict(extra["scaler"])
@@ -939,7 +941,7 @@ class Checkpointer:
             save_checkpoint(self.path, state)
 
 
-def resume(run, model: GPT, optimizer: torch.optim.Optimizer, scaler, batches: Batches) -> int:
+def resume(run, model, optimizer: torch.optim.Optimizer, scaler, batches) -> int:
     """--resume: the checkpoint loaded into the model, the optimizer, the scaler and the batches, and
     checked against the flags; its step. Rank 0 also drops the metrics and straggler lines past that
     step, or cut short by a crash, so no step appears twice (the steps after it are trained again).
@@ -947,6 +949,7 @@ def resume(run, model: GPT, optimizer: torch.optim.Optimizer, scaler, batches: B
     run.ckpt = Checkpointer(run.cfg, run.checkpoint, run.sharded, run.dist_info)
     step = run.ckpt.restore(model, optimizer, scaler, batches)
     run.start = f"Resumed from {run.checkpoint} at step {step}"
+    run.cleaned += [f"changed on resume (--allow-changes): {change}" for change in run.cfg.changes]
     for name in (paths.METRICS_FILE, paths.STRAGGLERS_FILE):
         if run.dist_info.is_main and (dropped := repair_jsonl(run.path / name, step)):
             run.cleaned.append(f"dropped {dropped} line(s) of {name} past step {step} or cut short")

@@ -31,9 +31,27 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from minigpt.core.config import INT_LIMIT, UsageError
-from minigpt.errors import LostRank, NonFiniteLoss
-from minigpt.ranks import DistInfo
+from minigpt.config import UsageError
+from minigpt.core.outputs import NonFiniteLoss
+from minigpt.errors import Fault
+
+
+class LostRank(Fault):
+    """A peer process ended or stopped answering mid-run."""
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """This process in the job (a single process is rank 0 of 1, and writes the run's files)."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    backend: str | None = None  # None: no process group
+    host: str = ""
+    control: object = None  # the gloo group of the host-side messages
+    is_main: bool = True
+    enabled: bool = False  # more than one rank: collectives run
 
 
 def launched_by_torchrun() -> bool:
@@ -75,7 +93,7 @@ def check_one_gpu_per_rank(local_rank: int) -> None:
     """More ranks on this machine than visible GPUs: one line, before CUDA or NCCL fails inside
     set_device or the first collective. Every rank of the machine says the same line; torchrun
     then ends the job."""
-    from minigpt.core.config import UsageError
+    from minigpt.config import UsageError
 
     gpus = torch.cuda.device_count()
     if local_rank >= gpus:
@@ -155,6 +173,16 @@ def gather(obj, info: DistInfo) -> list:
     return out
 
 
+@contextmanager
+def first_rank_first(info):
+    """Rank 0 runs the block alone (a measurement filling a cache), the other ranks after it."""
+    if not info.is_main:
+        barrier(info)
+    yield
+    if info.is_main:
+        barrier(info)
+
+
 def barrier(info: DistInfo) -> None:
     if info.enabled:
         dist.barrier(group=info.control)
@@ -178,13 +206,13 @@ def check_same_config(cfg, info: DistInfo) -> None:
     0's. Ranks started with different flags otherwise fail later and far from the cause: a
     different --d-model with a traceback on every rank, a different --num-steps, --log-interval
     or --fsdp by hanging in a collective until --ddp-timeout, a different --grad-accum-steps
-    silently. `cfg`: a minigpt.core.config.TrainConfig. Rank 0's run id (drawn per process) is taken
+    silently. `cfg`: a minigpt.config.TrainConfig. Rank 0's run id (drawn per process) is taken
     by every rank. Raises UsageError naming the first flag that differs, on every rank."""
     if not info.enabled:
         return
     from dataclasses import fields
 
-    from minigpt.core.config import TrainConfig, UsageError, flag_name
+    from minigpt.config import TrainConfig, UsageError, flag_name
 
     names = {f.name: flag_name(f) for f in fields(TrainConfig)}
     everyone = gather(cfg.to_dict(), info)
@@ -282,7 +310,7 @@ def check_slow_rank(spec: str) -> None:
         rank, ms = int(parts[0]), float(parts[1])
     except (ValueError, IndexError):
         return  # parse_slow_rank names the format
-    if not -INT_LIMIT < rank < 2**31:
+    if not -(2**63) < rank < 2**31:
         raise UsageError(f"--simulate-slow-rank {spec}: the rank must be below 2**31")
     if math.isfinite(ms) and ms > MAX_SLOW_MS:
         raise UsageError(
@@ -325,16 +353,17 @@ def profile_ranks(spec: str, world_size: int | None) -> list[int] | None:
     return ranks
 
 
-def join(cfg, device: str):
+def join(cfg, device: str, held):
     """Under torchrun, or with a parallel flag: the checks that need the world, the process group
     (NCCL on CUDA, gloo on the CPU) and the (dp, tp) mesh. Returns (DistInfo, Plan). A single
     process with none of these flags never comes here: it is rank 0 of 1 (minigpt/ranks.py)."""
+    from minigpt.config import STAGE_NAMES
     from minigpt.core import parallel
-    from minigpt.stages import STAGE_NAMES
 
     slow = parse_slow_rank(cfg.simulate_slow_rank, STAGE_NAMES) if cfg.simulate_slow_rank else None
     parallel.check_plan(cfg, parallel.world_size_from_env())  # --fsdp / --tp: before any process group
     info = setup(device, cfg.ddp_backend, cfg.ddp_timeout)
+    held.callback(cleanup)  # on every exit path: a process group left behind hangs or leaks
     check_same_config(cfg, info)  # ranks started with different flags: one line
     plan = parallel.make_plan(cfg, info.rank, info.world_size, device)  # the (dp, tp) mesh
     profile_ranks(cfg.profile_ranks, info.world_size)  # a rank outside the world: one line, before any work

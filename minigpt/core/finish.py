@@ -1,25 +1,21 @@
-"""The run's end: the last lines of a run that finished (the profiler's cost, the predicted step
-beside the measured one, the run's figures, the report, what to open next) or that a signal
-stopped. Loaded at the end: nothing here is on the path of a step."""
+"""The run's end, loaded there: the last lines of a run that finished (the profiler's cost, the
+predicted step beside the measured one with --predict-time, the run's figures, the report, what to
+open next) or that a signal stopped."""
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
-from collections.abc import Callable
-from pathlib import Path
+import time
 
-from minigpt import paths
-from minigpt.fileio import atomic_write
-from minigpt.left_out import describe_left_out
-from minigpt.step_record import StepRecord, format_duration
+from minigpt.analysis.record import StepRecord, describe_left_out, format_duration
+from minigpt.config import CONFIG_FILE, LOG_FILE, METRICS_FILE, REPORT_FILE, TRACE_DIR
+from minigpt.instruments.peak import PEAK_CACHE_FILE, cache_dir, machine_key, write_cache
 
 
 def stopped(run, stop_signal: list[int], step: int, log: logging.Logger) -> int:
-    """After a SIGINT/SIGTERM (on any rank) and the save: say how to continue; exit status
-    128 + signal."""
-    if run.dist_info.enabled:  # no rank leaves (and gets torn down) before the save is done
+    """After a SIGINT/SIGTERM/SIGHUP (on any rank) and the save: how to continue; 128 + signal."""
+    if run.dist_info.enabled:  # no rank leaves (and is torn down) before the save is done
         from minigpt.core.distributed import barrier
 
         barrier(run.dist_info)
@@ -29,66 +25,70 @@ def stopped(run, stop_signal: list[int], step: int, log: logging.Logger) -> int:
         if run.cfg.no_checkpoint
         else f"checkpoint saved to {run.checkpoint}"
     )
-    log.info(
-        f"Stopped by {signal.Signals(signum).name} after step {step}; {saved}. Continue with: "
-        f"python train_minimal.py --resume --out-dir {run.path} (and the same flags)"
-    )
+    log.info(f"Stopped by {signal.Signals(signum).name} after step {step}; {saved}.")
+    log.info(f"Continue with: python train_minimal.py --resume --out-dir {run.path} (and the same flags)")
     return 128 + signum
 
 
-def finish(
-    run,
-    log: logging.Logger,
-    profiler_cost: str | None,
-    rate,
-    last: StepRecord,
-    run_prediction,
-    write_report,
-) -> None:
-    """The run's last lines after its last step (`last`: that step's record, the loop always logs
-    it): the profiler's cost, the predicted step beside the measured one
-    (`run_prediction`: minigpt/instruments/predict.py's), the run's figures, the report
-    (`write_report`: minigpt/analysis/report.py's), and what to open next."""
-    if profiler_cost:
-        log.info(profiler_cost)
-    # From cached rates only, None without them (measuring would lengthen the run's end), and under
-    # --fsdp/--tp (collectives are not modelled).
-    prediction = None if run.sharded else run_prediction(run.cfg, run.vocab_size, last.amp, rate.device)
-    if prediction:
-        log.info(predicted_line(prediction))
-        run.config["predicted_step"] = prediction  # kept in config.json beside what the run measured
-        if run.dist_info.is_main:
-            atomic_write(run.path / paths.CONFIG_FILE, json.dumps(run.config, indent=2) + "\n")
-        rate.predicted_ms = prediction.get("step_ms")
-    log.info(finished_line(rate, last, last.step))
-    if not run.cfg.no_report:
-        report(run, log, write_report)
-    out_dir, ckpt = run.path, run.checkpoint
+def finish(run, log: logging.Logger, inst, last: StepRecord) -> None:
+    """The run's last lines after its last step (`last`: that step's record)."""
+    cfg, main = run.cfg, run.dist_info.is_main
+    if inst.window and (cost := inst.window.profiler_cost(inst.step_times)):
+        log.info(cost)
+    if main and (line := keep_achieved(inst.device, inst.figures.peak, last.achieved_tflops * 1e12)):
+        log.warning(line)
+    predicted = None
+    if cfg.predict_time and not run.sharded:  # collectives are not modelled
+        from minigpt.instruments.predict import run_prediction
+
+        if prediction := run_prediction(cfg, run.config["model"]["vocab_size"], last.amp, inst.device):
+            log.info(predicted_line(prediction))
+            run.keep({"predicted_step": prediction})  # in config.json beside what the run measured
+            predicted = prediction.get("step_ms")
+    for line in finished_lines(last, last.step - inst.first_step + 1, inst.first_step - 1, predicted):
+        log.info(line)
+    if not cfg.no_report:
+        report(run, log)
+    ckpt = run.checkpoint
     log.info(f"Checkpoint: {ckpt}" if ckpt.exists() else "Checkpoint: none (--no-checkpoint)")
-    log.info(f"Run directory: {out_dir} ({paths.LOG_FILE}, {paths.METRICS_FILE}, {paths.CONFIG_FILE})")
-    if run.dist_info.is_main:
-        has_traces, has_report = (
-            (out_dir / paths.TRACE_DIR).is_dir(),
-            (out_dir / paths.REPORT_FILE).is_file(),
-        )
-        for line in next_steps(
-            out_dir,
-            has_traces,
-            has_report,
-            has_checkpoint=ckpt.is_file(),
-            checkpoint=run.cfg.checkpoint_path,
-        ):
-            log.info(line)
+    log.info(f"Run directory: {run.path} ({LOG_FILE}, {METRICS_FILE}, {CONFIG_FILE})")
+    if main:
+        where = f"--checkpoint {cfg.checkpoint_path}" if cfg.checkpoint_path else f"--out-dir {run.path}"
+        log.info("Next steps:")
+        log.info(f"  scalars:        tensorboard --logdir {run.path}")
+        if (run.path / TRACE_DIR).is_dir():
+            log.info(f"  trace summary:  python -m minigpt traces {run.path / TRACE_DIR}")
+        if (run.path / REPORT_FILE).is_file():
+            log.info(f"  report:         {run.path / REPORT_FILE}")
+        if ckpt.is_file():
+            log.info(f"  text from it:   python sample.py {where}")
 
 
-def report(run, log: logging.Logger, write_report: Callable[[Path], Path]) -> None:
-    """report.html: the run in one offline page, written by rank 0 once every rank's trace is
-    on disk. A report that cannot be made costs a warning, never the run that trained."""
+def keep_achieved(device: str, peak, achieved: float) -> str | None:
+    """A rate a run achieved above its measured peak proves the peak low: cached as the machine's
+    figure, so the next run's MFU stays below 100%. The line that says so; None otherwise."""
+    if achieved <= peak.value or not peak.source.startswith(("measured", "cache")):
+        return None
+    path, date = cache_dir() / PEAK_CACHE_FILE, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    write_cache(
+        path, machine_key(device, peak.dtype), dict(best=achieved, calls=1, date=date, what="a run's rate")
+    )
+    return (
+        f"MFU passed 100%: the run achieved {achieved / 1e12:.3g} TFLOP/s, above its measured peak of "
+        f"{peak.value / 1e12:.3g}; the next run's peak is at least that ({path})"
+    )
+
+
+def report(run, log: logging.Logger) -> None:
+    """report.html, written by rank 0 once every rank's trace is on disk. A report that cannot be
+    made costs a warning, never the run that trained."""
     if run.dist_info.enabled:
         from minigpt.core.distributed import barrier
 
         barrier(run.dist_info)
     if run.dist_info.is_main:
+        from minigpt.analysis.report import write_report
+
         try:
             page = write_report(run.path)
             log.info(f"Report: {page} (one offline page; python -m minigpt report rewrites it)")
@@ -96,85 +96,45 @@ def report(run, log: logging.Logger, write_report: Callable[[Path], Path]) -> No
             log.warning(f"report not written: {type(e).__name__}: {e}")
 
 
-def finished_line(rate, last: StepRecord, step: int) -> str:
-    """The run's last line, from its last record: the steps since the start or the resume, and
-    the steady step against the predicted one (rate.predicted_ms, config.json's) where there is one.
-    `rate`: the run's Throughput (minigpt/instruments/instrument.py)."""
-    share = None
-    if rate.predicted_ms and last.run_steps:
-        steady_ms = 1000 * last.run_step_time_s / last.run_steps
-        share = (
-            f"a steady step of {steady_ms:.1f} ms, {steady_ms / rate.predicted_ms:.0%} of the "
-            f"predicted {rate.predicted_ms:.1f}"
+def finished_lines(
+    r: StepRecord, steps: int, resumed_at: int = 0, predicted_ms: float | None = None
+) -> list[str]:
+    """The run's last lines, its figures as metrics.jsonl's last record holds them: the steps since
+    the start (or the resume), the validation loss; the steady state and what was left out of it;
+    end to end and the start-up; the share of the steady steps that ran busy."""
+    resumed = f" (since the resume at step {resumed_at})" if resumed_at else ""
+    val = f"val loss {r.val_loss:.4f}, ppl {r.val_ppl:.1f}" if r.val_loss is not None else "no evaluation"
+    lines = [f"Training finished: {steps} steps{resumed}, {r.tokens_trained:,} tokens; {val}"]
+    if r.run_tokens_per_s is not None:
+        steady_ms = 1000 * r.run_step_time_s / r.run_steps
+        lines.append(
+            f"  steady state: {r.run_tokens_per_s:,.0f} tokens/s, {r.run_steps} steps in {r.run_step_time_s:.2f}s"
+            + (
+                f"; a step is {steady_ms / predicted_ms:.0%} of the predicted {predicted_ms:.1f} ms"
+                if predicted_ms
+                else ""
+            )
         )
-    return format_finished(last, step - rate.start_step, rate.start_step, share)
-
-
-def format_finished(r: StepRecord, steps: int, resumed_at: int = 0, prediction: str | None = None) -> str:
-    """The run's last line: its figures exactly as metrics.jsonl's last record holds them. A run
-    resumed at step `resumed_at` counts from there: the steps before were another process's.
-    `prediction`: the steady step against the predicted one, when there is a prediction."""
+    if left := describe_left_out(r.run_left_out):
+        lines.append(f"  left out: {left}")
     startup = (
-        f"start-up {format_duration(r.startup_s)} before the loop, in neither figure"
+        f"start-up {format_duration(r.startup_s)} before the loop"
         if r.startup_s is not None
         else "start-up not measured"
     )
-    val = f"val loss {r.val_loss:.4f}, val ppl {r.val_ppl:.1f}" if r.val_loss is not None else "no evaluation"
-    left = describe_left_out(r.run_left_out)
-    steady = (
-        f"{r.run_tokens_per_s:,.0f} tokens/s in steady state ({r.run_steps} steps in {r.run_step_time_s:.2f}s"
-        + (f"; left out: {left})" if left else ")")
-        if r.run_tokens_per_s is not None
-        else f"no steady-state figure: every step was left out ({left})"
+    lines.append(
+        f"  end to end: {r.tokens_per_s_e2e:,.0f} tokens/s over {r.elapsed_s:.2f}s of loop (evaluations, logging and checkpoints included); {startup}, in neither figure"
     )
-    return (
-        f"Training finished: {steps} steps"
-        + (f" (since the resume at step {resumed_at})" if resumed_at else "")
-        + f", {r.tokens_trained:,} tokens; {val}; {steady}"
-        + (f", {prediction}" if prediction else "")
-        + f"; {r.tokens_per_s_e2e:,.0f} tokens/s end to end ({r.elapsed_s:.2f}s of loop to the last log "
-        "line: left-out steps, evaluations, logging and checkpoints included); "
-        f"{startup}"
-    )
-
-
-def next_steps(
-    out_dir: str | Path,
-    has_traces: bool,
-    has_report: bool,
-    *,
-    has_checkpoint: bool = True,
-    checkpoint: str | Path | None = None,
-    trace_dir: str = "traces",
-    report_file: str = "report.html",
-) -> list[str]:
-    """The lines every run ends with: what to open or run next, with this run's paths.
-    checkpoint: a --checkpoint-path outside the run directory, which sample.py must be told."""
-    out_dir = Path(out_dir)
-    lines = [f"  scalars:        tensorboard --logdir {out_dir}"]
-    if has_traces:
-        lines.append(f"  trace summary:  python -m minigpt traces {out_dir / trace_dir}")
-    if has_report:
-        lines.append(f"  report:         {out_dir / report_file}")
-    if has_checkpoint:
-        where = f"--checkpoint {checkpoint}" if checkpoint else f"--out-dir {out_dir}"
-        lines.append(f"  text from it:   python sample.py {where}")
-    return ["Next steps:", *lines]
+    if r.run_busy:
+        lines.append(
+            f"  busy: other processes took over a quarter of the cores in {r.run_busy:.0%} of the steady steps: re-run on a quiet machine before comparing"
+        )
+    return lines
 
 
 def predicted_line(p: dict) -> str:
-    """config.json's predicted_step in one line, with the rates it came from: a data sheet's (a
-    GPU's peak FLOP/s and bandwidth, not checked against a measured step) or this machine's own."""
+    """config.json's predicted_step in one line, with where its rates come from."""
     stages = ", ".join(f"{k} {v:.1f}" for k, v in p.get("stage_ms", {}).items())
     sheet = str(p.get("rates_source", "")).startswith("table")
-    return (
-        f"Predicted step: {p.get('step_ms', 0):.1f} ms ({stages}), "
-        f"{p.get('tokens_per_s', 0):,.0f} tokens/s, from "
-        + (
-            "a data sheet's rates, not yet checked against a measured step"
-            if sheet
-            else "this machine's measured rates"
-        )
-        + f" [{p.get('rates_source', 'source not recorded')}]; "
-        "the last line gives the steady step's share of it"
-    )
+    source = "a data sheet's rates, unchecked" if sheet else "this machine's measured rates"
+    return f"Predicted step: {p.get('step_ms', 0):.1f} ms ({stages}), from {source} [{p.get('rates_source', '?')}]"

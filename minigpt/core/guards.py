@@ -1,18 +1,22 @@
 """The run directory's guards for what a fresh folder cannot hold: a folder used before (its files
-of the wrong kind, the temporary files a killed save left), a --checkpoint-path of its own, a
-path under a kernel file system, and the one line for a folder that cannot be written. RunDir
-(minigpt/core/runs.py) loads them when one of those is the case, or when its lock cannot be made."""
+of the wrong kind, the temporary files a killed save left), a --checkpoint-path of its own (its
+lock file), a path under a kernel file system, and the one line for a folder that cannot be
+written. RunDir (minigpt/core/runs.py) loads them when one of those is the case, or when its folder
+cannot be made or locked."""
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import re
 import stat
 from pathlib import Path
 
-from minigpt import paths
-from minigpt.errors import UsageError
+from minigpt import config as paths
+from minigpt.config import UsageError
+
+PSEUDO_FS = (Path("/proc"), Path("/sys"), Path("/dev"))  # the kernel's views: never a place for a run
 
 STALE_TMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.tmp$")  # minigpt.fileio.tmp_path's names
 
@@ -27,7 +31,7 @@ def _reason(e: OSError) -> str:
 
 def _pseudo_fs(path: Path) -> Path | None:
     resolved = path.resolve()
-    return next((root for root in paths.PSEUDO_FS if resolved == root or root in resolved.parents), None)
+    return next((root for root in PSEUDO_FS if resolved == root or root in resolved.parents), None)
 
 
 def probe_writable(path: str | Path, what: str) -> None:
@@ -77,13 +81,7 @@ def check_out_dir(path: str | Path, what: str = "--out-dir") -> None:
         )
     if path.exists() and not path.is_dir():
         raise UsageError(f"{what} {path} is a file, not a folder; choose another {what}")
-    lock = path / paths.LOCK_FILE
-    if lock.is_dir():
-        raise UsageError(
-            f"{lock}, the lock file that keeps a second trainer out of {path}, is a directory; "
-            "remove it (the trainer makes its lock itself), or choose another --out-dir"
-        )
-    probe_writable(lock, what)
+    probe_writable(path / "config.json", what)
 
 
 # What a run keeps in its directory, by the kind of path it must be: a file at a folder's name (or
@@ -174,11 +172,45 @@ def check_checkpoint_path(path: str | Path, resume: bool) -> None:
         )
 
 
-def check_run_dir(run) -> None:
-    """Every output path of `run` (a RunDir) checked before any work, on rank 0: the folder, the
-    files an earlier run left in it, the checkpoint's folder. (What a killed earlier run left is
-    removed once the folder is locked: RunDir.guard.)"""
-    check_out_dir(run.path)
-    check_run_files(run.path)
-    if run.saves:
-        probe_writable(run.probe, "--checkpoint-path")
+def check_paths(run) -> None:
+    """Every output path of `run` (a RunDir) checked before any work: the folder, the files an
+    earlier run left in it, the checkpoint's path (a folder of shards under --fsdp/--tp)."""
+    if run.sharded:
+        from minigpt.core.checkpoint import check_sharded_path, sharded_checkpoint_dir
+
+        run.checkpoint = sharded_checkpoint_dir(run.checkpoint)
+        check_sharded_path(run.checkpoint, run.cfg.resume)
+    else:
+        check_checkpoint_path(run.checkpoint, run.cfg.resume)
+    if run.dist_info.is_main:
+        check_out_dir(run.path)
+        check_run_files(run.path)
+        if run.saves:
+            probe_writable(
+                run.checkpoint / SHARDED_PROBE if run.sharded else run.checkpoint, "--checkpoint-path"
+            )
+
+
+SHARDED_PROBE = "minigpt_sharded.json"
+
+
+def guard_used(run, held) -> None:
+    """Once the folder is locked: what a killed earlier run left (a save's temporary files) is no
+    live trainer's, and goes, said in the log's first lines; a --checkpoint-path outside the folder
+    gets a lock of its own beside it (two runs must not overwrite each other's weights)."""
+    for p in clean_stale_tmp(run.checkpoint.parent) + clean_stale_tmp(run.path):
+        run.cleaned.append(f"removed {p}, a save killed midway")
+    if run.saves and run.cfg.checkpoint_path:
+        from minigpt.core.runs import open_run_file
+
+        lock = run.checkpoint.with_name(f".{run.checkpoint.name}.lock")
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = open_run_file(lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UsageError(
+                f"another trainer writes its checkpoint to {run.checkpoint}; wait, or choose another --checkpoint-path"
+            ) from None
+        held.callback(lambda: (lock.unlink(missing_ok=True), os.close(fd)))

@@ -18,12 +18,28 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from minigpt.core.config import UsageError
-from minigpt.ranks import Plan
+from minigpt.config import UsageError
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the run is split: the mesh and this rank's place in it."""
+
+    mesh: object = None  # DeviceMesh under --fsdp/--tp, else None
+    rank: int = 0
+    dp_rank: int = 0  # batches are drawn by it: the ranks of one tp group see the same batch
+    dp: int = 1
+    tp_rank: int = 0
+    tp: int = 1
+    fsdp: bool = False
+    sharded: bool = False  # FSDP or TP: DTensor parameters, sharded checkpoints
+    worker: str = "rank0_dp0"  # names this rank's trace and memory files
+
 
 # Tensor parallelism inside each block: the first matrix of each pair split by its output columns,
 # the second by its input rows, so each pair costs one all-reduce forward and one backward

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from minigpt.config import UsageError
 from minigpt.core.checkpoint import load_checkpoint
-from minigpt.core.config import UsageError
 from minigpt.core.model import GPT, GPTConfig
 
 

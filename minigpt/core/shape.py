@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
-from minigpt.core.config import block_param_sizes, pad_vocab, param_count
+from minigpt.config import pad_vocab, param_count
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,13 @@ class Shape:
 
 
 BATCH_FIELDS = ("seq_len", "batch_size", "grad_accum_steps")  # the rest are GPTConfig's
+
+
+def block_param_sizes(d_model: int, d_ff: int) -> list[int]:
+    """Elements of each parameter tensor of one block, in the module's order: ln_1, qkv, attn.proj,
+    ln_2, mlp.fc, mlp.proj (weights, then biases)."""
+    h, f = d_model, d_ff
+    return [h, h, 3 * h * h, 3 * h, h * h, h, h, h, f * h, f, h * f, h]
 
 
 def shape_of(cfg, vocab_size: int, **changes) -> Shape:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minigpt.core.config import EOT, GPT2_VOCAB, UsageError
+from minigpt.config import EOT, GPT2_VOCAB, UsageError
 from minigpt.core.data import (
     CACHE_ENV,
     TOKEN_HEADER,

@@ -1,9 +1,10 @@
-"""The private torch internals minigpt reaches into, each behind one function, all in this file.
+"""The private torch internals minigpt's rooms reach into, each behind one function, all in this file.
 
 They were read from torch 2.13.0 (READ_FROM). torch may move any of them in a release without
 notice; tests/test_torchcompat.py runs each one on a real profiler session and, where one is
 missing, fails with "torch X moved <internal>: update minigpt/core/torchcompat.py". Nothing else in
-minigpt names a private torch attribute, so that test and this file are the whole of the upgrade.
+minigpt names a private torch attribute but the CPU's bf16 check, which every run needs before any
+room loads (minigpt/instruments/mfu.py's cpu_bf16_features, which that test runs too).
 
 Why each one, when no public API does it:
 - `profile.step_rec_fn`: the profiler keeps ProfilerStep#N open until its next step() call, so
@@ -25,8 +26,6 @@ Why each one, when no public API does it:
   before the error unwinds the stack, so the snapshot shows what filled the device.
 - `torch.cuda.memory._record_memory_history` / `_snapshot`: the allocator's history for
   pytorch.org/memory_viz (documented, but underscored).
-- `torch.cpu._is_avx512_bf16_supported` / `_is_amx_tile_supported`: whether this CPU runs bf16
-  natively (AMP's default on the CPU), which no public call says.
 - `torch.distributed.checkpoint._traverse.set_element`: a sharded checkpoint's loader that refuses
   pickles (weights-only) must put each loaded object back where DCP's flattening took it from.
 - `torch.utils._python_dispatch.TorchDispatchMode`: the base of a dispatch mode that sees every
@@ -176,14 +175,6 @@ def memory_snapshot() -> dict:
 
 
 # ---------------------------------------------------------------------------- the CPU, DCP, dispatch
-
-
-def cpu_bf16_features() -> dict[str, bool]:
-    """{"avx512_bf16": ..., "amx": ...}: the instructions that make bf16 native on this CPU."""
-    return {
-        "avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
-        "amx": bool(torch.cpu._is_amx_tile_supported()),
-    }
 
 
 def dcp_set_element(state_dict: dict, path, value) -> None:

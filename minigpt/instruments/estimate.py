@@ -1,5 +1,5 @@
 """Predicting memory from the flags alone: what one training step of minigpt's GPT holds, with no
-model built and nothing allocated. Its measured counterpart is minigpt/instruments/memory.py; docs/memory.md
+model built and nothing allocated. Its measured counterpart is minigpt/instruments/breakdown.py; docs/memory.md
 derives the formulas.
 
     python -m minigpt estimate                                # the default job (the trainer's flags)
@@ -16,8 +16,7 @@ from functools import partial
 
 import torch
 
-from minigpt.core.chunked_loss import LOSS_CHUNK_ELEMENTS
-from minigpt.core.config import (
+from minigpt.config import (
     GiB,
     MiB,
     UsageError,
@@ -26,6 +25,7 @@ from minigpt.core.config import (
     resolve_amp,
     resolve_device,
 )
+from minigpt.core.chunked_loss import LOSS_CHUNK_ELEMENTS
 from minigpt.core.cpu import choose_allocator
 from minigpt.core.model import LOSS_ROWS
 from minigpt.core.shape import Shape, shape_of
@@ -473,7 +473,7 @@ def estimate_report(cfg, device: str, amp_dtype: str, amp_note: str = "") -> str
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The estimator's command line: the trainer's flags (minigpt.core.config), nothing allocated."""
+    """The estimator's command line: the trainer's flags (minigpt.config), nothing allocated."""
     from minigpt.instruments.predict import split_flags, time_report  # torch's timers: only for --time
 
     try:

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from minigpt.core.config import GPT2_VOCAB
+from minigpt.config import GPT2_VOCAB, ArgParser
 from minigpt.core.shape import Shape, shape_of
-from minigpt.errors import ArgParser
 from minigpt.instruments.estimate import MemoryEstimate, estimate_gpt
 
 
@@ -79,7 +78,7 @@ def per_rank_memory_estimate(
     estimate: MemoryEstimate, dp: int, tp: int, fsdp: bool, shape: Shape | None = None
 ) -> MemoryEstimate:
     """per_rank_estimate as a MemoryEstimate (the same class, its fields scaled to one rank), for
-    minigpt.instruments.memory's table beside a rank's measured breakdown. `recompute` (activation
+    minigpt.instruments.breakdown's table beside a rank's measured breakdown. `recompute` (activation
     checkpointing's rebuilt block) is left whole."""
     r = per_rank_estimate(estimate, dp, tp, fsdp, shape)
     return replace(estimate, params=r["params"], grads=r["grads"], optimizer=r["optimizer"], block=r["block"])
@@ -160,7 +159,7 @@ def number_problem(args) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """python -m minigpt parallel [--preset gpt2] [--gpus 8]: the per-GPU memory (the estimator,
     scaled per rank) and the communication model for DDP, FSDP, TP and FSDP x TP."""
-    from minigpt.core.config import PRESETS
+    from minigpt.config import PRESETS
 
     p = ArgParser(prog="python -m minigpt parallel", description=main.__doc__)
     p.add_argument("--preset", default="gpt2", choices=sorted(PRESETS))

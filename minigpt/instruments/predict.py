@@ -74,9 +74,9 @@ from pathlib import Path
 
 import torch
 
+from minigpt.config import UsageError
 from minigpt.core import chunked_loss
 from minigpt.core import model as model_module
-from minigpt.core.config import UsageError
 from minigpt.core.cpu import allocator_in_use
 from minigpt.core.data import cache_dir
 from minigpt.core.shape import Shape, shape_of

@@ -24,11 +24,11 @@ import statistics
 import time
 from contextlib import contextmanager
 
-from minigpt import paths
+from minigpt import config as paths
 from minigpt import stages as registry
+from minigpt.config import STAGE_NAMES, split_parent
 from minigpt.core import distributed
 from minigpt.instruments.instrument import StageTimer
-from minigpt.stages import STAGE_NAMES, split_parent
 
 
 def scored_stages() -> tuple[str, ...]:

@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, tensorboard_trace_handler
 
-from minigpt import paths
+from minigpt import config as paths
+from minigpt.analysis.cuda_snapshot import peak_text
 from minigpt.core import torchcompat
 from minigpt.core.distributed import profile_ranks
 from minigpt.core.guards import probe_writable
 from minigpt.fileio import atomic_open, atomic_write, check_may_replace
 from minigpt.instruments.instrument import process_memory
-from minigpt.memory_snapshot import peak_text
 
 SNAPSHOT_MARKER = b"\x80"  # how a pickle of protocol 2 or later begins: what a memory snapshot is
 
@@ -368,12 +368,12 @@ class Window:
 
     # -- the one-step memory capture
     def _capture(self):
-        from minigpt.instruments.memory import capture_memory
+        from minigpt.instruments.breakdown import capture_memory
 
         return capture_memory(self.model, self.optimizer, self.memory_step)
 
     def _write_memory(self, breakdown) -> None:
-        from minigpt.instruments.memory import format_breakdown, write_memory_trace
+        from minigpt.instruments.breakdown import format_breakdown, write_memory_trace
 
         folder = self.out_dir / paths.MEMORY_TRACE_DIR.format(worker=self.worker)
         write_memory_trace(breakdown, folder, self.memory_estimate, run_dir=self.out_dir)

@@ -62,10 +62,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn as nn
 
-from minigpt.core import torchcompat
-from minigpt.core.torchcompat import TreeEvent
-from minigpt.fileio import atomic_write
-from minigpt.memory_log import (
+from minigpt.analysis.breakdown_log import (
     CATEGORIES,
     LAYOUT,
     MB,
@@ -83,8 +80,11 @@ from minigpt.memory_log import (
     sunburst,
     tree_rows,
 )
-from minigpt.plotlyjs import write_plotly_js
-from minigpt.stages import STAGE_NAMES
+from minigpt.analysis.html import write_plotly_js
+from minigpt.config import STAGE_NAMES
+from minigpt.core import torchcompat
+from minigpt.core.torchcompat import TreeEvent
+from minigpt.fileio import atomic_write
 
 # What this module reads of estimate.MemoryEstimate (a type only: no import at run time).
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ NO_MODULE = "(outside any submodule)"
 # that no Python tensor holds (the cuBLAS workspaces, one per handle), which the session never sees.
 NOT_SEEN = "(not seen by the profiler)"  # saved tensors whose op could not be told (no profiler session)
 # Names of the markers a capture writes into its own profiler session (never seen outside it).
-_MARK = "minigpt.instruments.memory::"
+_MARK = "minigpt.instruments.breakdown::"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -732,7 +732,7 @@ def _op_context(e: TreeEvent, ctx: dict, seq_module: dict[int, str]) -> dict:
     """Where the ops under `e` run: the context of its parent with what `e` says (a module range of
     the capture's, a stage, FSDP2's gather or reduction, an autograd node, an op)."""
     ctx, name = dict(ctx), e.name
-    if name.startswith(_MARK):  # "minigpt.instruments.memory::module:blocks.0"
+    if name.startswith(_MARK):  # "minigpt.instruments.breakdown::module:blocks.0"
         ctx["module"] = name[len(f"{_MARK}module:") :]
     elif name in STAGE_NAMES:
         ctx["stage"] = name

@@ -20,9 +20,9 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from minigpt.config import STAGE_NAMES
+from minigpt.config import STEP_RANGE as _STEP
 from minigpt.fileio import read_bounded
-from minigpt.stages import STAGE_NAMES
-from minigpt.stages import STEP_RANGE as _STEP
 
 MiB = 2**20
 # Decompressed bytes: the H200 run's 100,000-entry history with Python frames is 57 MiB.
@@ -33,7 +33,7 @@ SNAPSHOT_LIMIT = 512 * MiB
 # about 72 bytes in memory (a set, 216, counts 3): 32 million is under 2.5 GB, and 2.5 times the
 # 12.9 million of the H200 run's snapshot.
 OBJECT_LIMIT = 32_000_000
-STEP_RANGE = _STEP.name  # the trainer's range around a step
+STEP_RANGE = _STEP  # the trainer's range around a step
 BEFORE = "(allocated before the recording)"
 
 

@@ -1,7 +1,7 @@
 """memory.log, the file the memory profiler writes and the report reads: its name and its
 neighbours' in memory_trace/rank{R}_dp{R}/, its sections, the tree each category is listed as, the
 `layer:` line, and the parser that turns it back into numbers; and the (id, label, parent, bytes)
-rows a sunburst chart draws from it. minigpt.instruments.memory writes the file from a measured step; the
+rows a sunburst chart draws from it. minigpt.instruments.breakdown writes the file from a measured step; the
 report reads it back. Standard library only: the analysis tools import it without torch."""
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ LAYOUT = {
     "activations": ("activation_mem", "activation_base_layout"),
 }
 CATEGORIES = tuple(LAYOUT)
+# Byte figures of a record's memory_breakdown (and of its "estimate") that the report and TensorBoard show.
+MEMORY_BREAKDOWN_KEYS = ("params", "grads", "optimizer", "activations", "activations_peak", "total")
+MEMORY_BREAKDOWN_KEYS += ("cuda_max_allocated", "other", "logits", "recompute", "peak")
 SUMMARY_DEPTH = 3  # levels under each category in summary_sunburst.html (total > params > blocks > blocks.0)
 # The parts of the measured peak, in the order memory.log and the charts list them; they add up to it.
 PEAK_PARTS = ("params", "grads", "optimizer", "activations", "temporaries", "held")

@@ -1,0 +1,142 @@
+"""What a log line does, loaded at the first: the losses' check, and the record's places: its two
+lines in the log, a line of metrics.jsonl and TensorBoard's scalars (rank 0 writes the files)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+
+import torch
+
+from minigpt import config
+from minigpt.analysis.record import StepRecord
+from minigpt.core.runs import open_run_file
+from minigpt.errors import Fault
+
+# StepRecord's figures as TensorBoard charts them: the tag, and the factor to the chart's unit.
+TB_SCALARS = {
+    "loss": ("train/loss", 1),
+    "val_loss": ("val/loss", 1),
+    "val_ppl": ("val/ppl", 1),
+    "lr": ("train/lr", 1),
+    "tokens_per_s": ("perf/tokens_per_s", 1),
+    "tokens_per_s_e2e": ("perf/tokens_per_s_e2e", 1),
+    "run_tokens_per_s": ("perf/run_tokens_per_s", 1),  # the run so far, in steady state
+    "tokens_per_s_per_rank": ("perf/tokens_per_s_per_rank", 1),
+    "mfu": ("perf/mfu_percent", 100),
+    "achieved_tflops": ("perf/achieved_tflops", 1),
+    "step_time_s": ("perf/step_time_ms", 1000),
+    "busy": ("perf/busy_percent", 100),  # the cores other processes took
+}
+
+
+class NonFiniteLoss(Fault):
+    """The loss (or the weights) became NaN or inf: the run stops, its last good checkpoint kept."""
+
+
+def check_finite(run, losses: list, step: int, amp: str) -> list[float]:
+    """The interval's losses (this syncs); a non-finite one stops every rank together (each sees
+    only its own loss), the last good checkpoint kept."""
+    values = torch.stack(losses).tolist() if losses else []
+    bad = next((i for i, v in enumerate(values) if not abs(v) < float("inf")), None)
+    if run.dist_info.enabled:
+        from minigpt.core.distributed import check_peers_finite
+
+        check_peers_finite(bad is not None, step, run.dist_info, run.checkpoint)
+    if bad is not None:
+        kept = (
+            f"the last good checkpoint ({run.checkpoint}) was kept"
+            if run.checkpoint.is_file()
+            else "none saved yet"
+        )
+        hint = " or use --amp-dtype bf16 (fp16's range is narrow)" if amp == "fp16" else ""
+        raise NonFiniteLoss(
+            f"loss is {values[bad]} at step {step - len(values) + bad + 1}; {kept}; lower --lr{hint}"
+        )
+    return values
+
+
+class Outputs:
+    def __init__(self, run):
+        self.log, self.metrics, self.tensorboard = run.log, None, None
+        if run.dist_info.is_main:  # under torchrun, rank 0
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.metrics = open(open_run_file(run.path / config.METRICS_FILE, os.O_WRONLY | os.O_APPEND), "a")
+            # purge_step: the first step (re)trained; what an earlier run wrote from there is hidden
+            self.tensorboard = SummaryWriter(
+                str(run.path / config.TENSORBOARD_DIR), purge_step=run.resumed_at + 1
+            )
+
+    def write(self, r: StepRecord) -> None:
+        for line in log_lines(r):
+            self.log.info(line)
+        if self.metrics:  # a line without the breakdown, unless a step measured it
+            record = {k: v for k, v in asdict(r).items() if v is not None or k != "memory_breakdown"}
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+            for tag, value in tensorboard_scalars(r):
+                self.tensorboard.add_scalar(tag, value, r.step)
+            self.tensorboard.flush()
+
+    def close(self) -> None:
+        for f in (self.metrics, self.tensorboard):
+            try:
+                if f:
+                    f.close()
+            except OSError:  # a full disk: said by the write that met it
+                pass
+
+
+def log_lines(m: StepRecord) -> list[str]:
+    """The step's line, read at a glance (losses, step time, tokens/s, MFU, memory, a busy machine),
+    then its stages: one number each where host and device share a clock (the CPU), host/device on
+    a GPU, where the host runs ahead and waits later; then what was left out and why."""
+    val = f" | val {m.val_loss:.4f}" if m.val_loss is not None else ""
+    steady = "" if m.steady_steps else f" ({', '.join(x['why'] for x in m.left_out)}, not steady)"
+    mem = m.memory
+    memory = (
+        f"mem {mem['peak_allocated_gib']:.2f} GiB"
+        if "peak_allocated_gib" in mem
+        else f"rss {mem.get('rss_bytes', 0) / 2**30:.2f} GiB"
+    )
+    busy = f" | busy: others took {m.busy:.0%} of the cores" if m.busy is not None and m.busy > 0.25 else ""
+    line = (
+        f"step {m.step}/{m.num_steps} | loss {m.loss:.4f}{val} | {1000 * m.step_time_s:.0f} ms/step{steady}"
+    )
+    line += f" | {m.tokens_per_s:,.0f} tok/s | mfu {100 * m.mfu:.1f}% | {memory}{busy}"
+    host, device = m.stage_host_ms, m.stage_device_ms
+    label = {k: v[0] for k, v in config.STAGES.items()}
+    times = " ".join(
+        f"{label.get(k, k)} {v:.1f}" + ("" if host == device else f"/{device.get(k, 0):.1f}")
+        for k, v in host.items()
+    )
+    stages = (
+        f"  stage ms{'' if host == device else ' host/device'}: {times}" if host else "  stages not timed"
+    )
+    if m.stage_comm_ms:
+        comm = " ".join(f"{label.get(k, k)} {v:.1f}" for k, v in m.stage_comm_ms.items())
+        stages += f" | in collectives{f' (step {m.comm_step})' if m.comm_step else ''}: {comm}"
+    stages += "".join(f" | left out: step {x['step']} {x['s']:.2f}s ({x['why']})" for x in m.left_out)
+    if peak := (m.memory_breakdown or {}).get("peak"):
+        stages += f" | allocator peak {peak / 2**20:,.1f} MiB in step {m.memory_breakdown['step']}"
+    return [line, stages]
+
+
+def tensorboard_scalars(r: StepRecord):
+    """(tag, value) for each figure, in the unit a chart reads (TB_SCALARS; ms, MiB)."""
+    for key, (tag, scale) in TB_SCALARS.items():
+        if (value := getattr(r, key)) is not None:
+            yield tag, value * scale
+    for kind in ("host", "device", "comm"):
+        yield from ((f"stage_{kind}_ms/{stage}", ms) for stage, ms in getattr(r, f"stage_{kind}_ms").items())
+    for key, value in r.memory.items():  # bytes in MiB
+        yield f"memory/{key.replace('_bytes', '_mib')}", value / 2**20 if key.endswith("_bytes") else value
+    for prefix, figures in (
+        ("memory_breakdown", r.memory_breakdown),
+        ("memory_estimate", (r.memory_breakdown or {}).get("estimate")),
+    ):
+        for key, value in (figures or {}).items():
+            if isinstance(value, (int, float)) and key != "step":
+                yield f"{prefix}/{key}_mib", value / 2**20
