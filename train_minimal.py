@@ -127,14 +127,18 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
         run.guard(held)  # rank 0 locks the folder
 
         # ---------------------------------------------------------------- data, model, optimizer
-        ids = None  # toy data
-        if cfg.train_data or cfg.val_data or cfg.tokenizer_name != "gpt2":  # text tokenised once, token files
+        if cfg.use_toy_data:  # a smoke test's synthetic sequences: no corpus, no tokenizer
+            from minigpt.core.toy import toy_data
+
+            data = toy_data(cfg, plan.dp_rank, pin=device == "cuda")
+        elif (
+            cfg.train_data or cfg.val_data or cfg.tokenizer_name != "gpt2"
+        ):  # text tokenised once, token files
             from minigpt.core.tokens import user_tokens
 
-            ids = user_tokens(cfg, dist_info.is_main)
-        elif not cfg.use_toy_data:
-            ids = builtin_tokens()
-        data = load_data(cfg, ids, plan.dp_rank, pin=device == "cuda")  # a tp group's ranks share batches
+            data = load_data(cfg, user_tokens(cfg, dist_info.is_main), plan.dp_rank, pin=device == "cuda")
+        else:  # the built-in corpus; a tp group's ranks share their batches (plan.dp_rank)
+            data = load_data(cfg, builtin_tokens(), plan.dp_rank, pin=device == "cuda")
         shape = (cfg.max_position_embeddings, cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_ff)
         model_cfg = GPTConfig(pad_vocab(data.vocab_size), *shape, cfg.dropout, cfg.use_activation_checkpoint)
         model_cfg.chunked_loss = cfg.chunked_loss

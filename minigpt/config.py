@@ -1,5 +1,6 @@
 """What the trainer, its rooms and the tools share, torch-free: the flags as one table (bounds
-checked by one loop), the stages of a step, the files of a run directory, the one atomic write."""
+checked by one loop), the stages of a step, the files of a run directory and how they are written
+(the one atomic write; never through a link), and the load of the machine."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 import os
 import shlex
 import signal
+import stat
 import sys
 import uuid
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -51,6 +53,44 @@ def atomic_write(path, data) -> None:
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)
+
+
+BUSY = 0.25  # a figure timed while other processes took more than this share of the cores ran busy
+
+
+def cpu_seconds() -> tuple[float, float, float | None]:
+    """(wall, this process's CPU, every process's busy CPU) seconds now; None for the last without
+    /proc/stat. Two readings tell the share of the cores other processes took between them."""
+    t = os.times()
+    try:
+        with open("/proc/stat") as f:
+            j = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return t.elapsed, t.user + t.system, None
+    return t.elapsed, t.user + t.system, (sum(j) - j[3] - j[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def busy_share(before: tuple, after: tuple) -> float | None:
+    """The share of the cores other processes took between two readings of cpu_seconds()."""
+    (w0, c0, b0), (w1, c1, b1) = before, after
+    if b0 is None or b1 is None or w1 <= w0:
+        return None
+    return round(min(1.0, max(0.0, (b1 - b0 - (c1 - c0)) / ((w1 - w0) * os.cpu_count()))), 3)
+
+
+LINK = "is a link: a run writes nothing through a link it did not make; remove it, or use another --out-dir"
+
+
+def open_run_file(path, flags: int) -> int:
+    """A run's file, never through a link (O_NOFOLLOW) nor into what is not a plain file of its own."""
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        raise UsageError(f"{path} {LINK}" if os.path.islink(path) else f"{path}: {e.strerror}") from None
+    if not stat.S_ISREG((st := os.fstat(fd)).st_mode) or st.st_nlink != 1:  # a FIFO; a hard link elsewhere
+        os.close(fd)
+        raise UsageError(f"{path} is not a plain file of its own; move it away, or use another --out-dir")
+    return fd
 
 
 # The stages of a step: the range's name (metrics.jsonl's key) -> (the log's label, the colour).

@@ -1,9 +1,10 @@
-"""How a command ends on an error: a user's mistake, or a fault of the run or the machine."""
+"""How a command ends on an error: a user's mistake (one line, status 2), a fault (one line, 1)."""
 
 
-class UsageError(Exception):
-    """A mistake the user can fix: one line on stderr, exit status 2, nothing written."""
+class UsageError(Exception): ...  # a mistake the user can fix: nothing was written
 
 
-class Fault(Exception):
-    """A fault (a NaN, a lost rank, a full disk): one line on stderr, exit status 1."""
+class Fault(Exception): ...  # a fault of the run or the machine: a lost rank, a full disk
+
+
+class NonFiniteLoss(Fault): ...  # the loss or the weights became NaN or inf: the last good checkpoint kept

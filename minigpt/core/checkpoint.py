@@ -19,9 +19,13 @@ import torch
 from minigpt import config as paths
 from minigpt.config import FIELDS, UsageError, flag_name, param_count
 from minigpt.core import distributed, parallel
-from minigpt.core.guards import describe_intact, directory_message
-from minigpt.core.outputs import NonFiniteLoss
+from minigpt.core.guards import (
+    SHARDED_META,
+    describe_intact,
+    directory_message,
+)
 from minigpt.core.torchcompat import dcp_set_element
+from minigpt.errors import NonFiniteLoss
 from minigpt.fileio import UnreadableFile, atomic_write, format_bytes, read_bounded
 
 # The fields that fix the model's shape: a checkpoint whose values differ cannot be loaded.
@@ -564,7 +568,6 @@ def check_same_shape(saved: dict, current: dict, path: str | Path) -> None:
 # Under --fsdp or --tp each rank holds only its shards: torch.distributed.checkpoint writes them
 # in parallel, one file per rank, and can reshard them on load to another world size.
 
-SHARDED_META = "minigpt_sharded.json"  # world size and tp of the writer, written by rank 0
 SHARDED_EXTRA = "extra_rank{rank}.pt"  # each rank's own `extra` (step, data position, its RNG)
 
 
@@ -806,36 +809,6 @@ def check_extra(extra, extra_file: str | Path) -> None:
         )
     if problem := _field_problem(extra, EXTRA_KEYS):
         raise UsageError(f"{extra_file} is malformed: {problem}; use an earlier checkpoint")
-
-
-def sharded_checkpoint_dir(path: str | Path) -> Path:
-    """Where a sharded checkpoint goes for a --checkpoint-path (default checkpoints/ckpt.pt): the
-    same name without its suffix, a folder (checkpoints/ckpt/)."""
-    return Path(path).with_suffix("")
-
-
-def check_sharded_path(folder: str | Path, resume: bool) -> None:
-    """Before anything is built, as check_checkpoint_path for one file: --resume needs a sharded
-    checkpoint there, a new run must not overwrite one."""
-    folder = Path(folder)
-    old = folder.with_name(folder.name + ".old")  # a crash between save_sharded's two renames
-    found = (folder / SHARDED_META).is_file() or (old / SHARDED_META).is_file()
-    if folder.exists() and not folder.is_dir():
-        raise UsageError(
-            f"sharded checkpoint path {folder} is a file; --fsdp/--tp write a folder of shards "
-            "there: choose another --checkpoint-path"
-        )
-    if resume and not found:
-        raise UsageError(
-            f"no sharded checkpoint at {folder} to resume from; train without --resume first, "
-            "or point --checkpoint-path at one (a checkpoint of one file resumes without "
-            "--fsdp/--tp)"
-        )
-    if not resume and found:
-        raise UsageError(
-            f"{folder} already holds a checkpoint; pass --resume to continue that run, "
-            "or choose another --out-dir / --checkpoint-path"
-        )
 
 
 # ---------------------------------------------------------------------------- the trainer's checkpointer

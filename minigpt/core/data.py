@@ -145,14 +145,10 @@ class Data:
     val_tokens: int | None
 
 
-def load_data(cfg, ids: tuple | None, rank: int, pin: bool) -> Data:
-    """The run's batches from (training ids, validation ids, vocabulary), or toy sequences (toy.py)
-    where `ids` is None. `rank`: the data-parallel rank (a tensor-parallel group shares batches)."""
+def load_data(cfg, ids: tuple, rank: int, pin: bool) -> Data:
+    """The run's batches from (training ids, validation ids, vocabulary). `rank`: the data-parallel
+    rank (a tensor-parallel group shares its batches); `pin`: page-locked batches (CUDA)."""
     shape = dict(batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.data_seed, pin_memory=pin)
-    if ids is None:
-        from minigpt.core.toy import toy_data
-
-        return toy_data(cfg, rank, shape)
     (train, val, n_vocab), name = ids, ", ".join(cfg.train_data) or "built-in corpus (pydoc_data topics)"
     for tokens, what in ((train, "the training data"), (val, "the validation data")):
         if len(tokens) <= cfg.seq_len:

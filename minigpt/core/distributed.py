@@ -32,8 +32,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from minigpt.config import UsageError
-from minigpt.core.outputs import NonFiniteLoss
-from minigpt.errors import Fault
+from minigpt.errors import Fault, NonFiniteLoss
 
 
 class LostRank(Fault):

@@ -14,10 +14,11 @@ import stat
 from pathlib import Path
 
 from minigpt import config as paths
-from minigpt.config import UsageError
+from minigpt.config import UsageError, open_run_file
 
 PSEUDO_FS = (Path("/proc"), Path("/sys"), Path("/dev"))  # the kernel's views: never a place for a run
 
+SHARDED_META = "minigpt_sharded.json"  # a sharded checkpoint's world size and tp, written by rank 0
 STALE_TMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.tmp$")  # minigpt.fileio.tmp_path's names
 
 
@@ -176,8 +177,6 @@ def check_paths(run) -> None:
     """Every output path of `run` (a RunDir) checked before any work: the folder, the files an
     earlier run left in it, the checkpoint's path (a folder of shards under --fsdp/--tp)."""
     if run.sharded:
-        from minigpt.core.checkpoint import check_sharded_path, sharded_checkpoint_dir
-
         run.checkpoint = sharded_checkpoint_dir(run.checkpoint)
         check_sharded_path(run.checkpoint, run.cfg.resume)
     else:
@@ -187,11 +186,8 @@ def check_paths(run) -> None:
         check_run_files(run.path)
         if run.saves:
             probe_writable(
-                run.checkpoint / SHARDED_PROBE if run.sharded else run.checkpoint, "--checkpoint-path"
+                run.checkpoint / SHARDED_META if run.sharded else run.checkpoint, "--checkpoint-path"
             )
-
-
-SHARDED_PROBE = "minigpt_sharded.json"
 
 
 def guard_used(run, held) -> None:
@@ -201,8 +197,6 @@ def guard_used(run, held) -> None:
     for p in clean_stale_tmp(run.checkpoint.parent) + clean_stale_tmp(run.path):
         run.cleaned.append(f"removed {p}, a save killed midway")
     if run.saves and run.cfg.checkpoint_path:
-        from minigpt.core.runs import open_run_file
-
         lock = run.checkpoint.with_name(f".{run.checkpoint.name}.lock")
         lock.parent.mkdir(parents=True, exist_ok=True)
         fd = open_run_file(lock, os.O_RDWR)
@@ -214,3 +208,33 @@ def guard_used(run, held) -> None:
                 f"another trainer writes its checkpoint to {run.checkpoint}; wait, or choose another --checkpoint-path"
             ) from None
         held.callback(lambda: (lock.unlink(missing_ok=True), os.close(fd)))
+
+
+def sharded_checkpoint_dir(path: str | Path) -> Path:
+    """Where a sharded checkpoint goes for a --checkpoint-path (default checkpoints/ckpt.pt): the
+    same name without its suffix, a folder (checkpoints/ckpt/)."""
+    return Path(path).with_suffix("")
+
+
+def check_sharded_path(folder: str | Path, resume: bool) -> None:
+    """Before anything is built, as check_checkpoint_path for one file: --resume needs a sharded
+    checkpoint there, a new run must not overwrite one."""
+    folder = Path(folder)
+    old = folder.with_name(folder.name + ".old")  # a crash between save_sharded's two renames
+    found = (folder / SHARDED_META).is_file() or (old / SHARDED_META).is_file()
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(
+            f"sharded checkpoint path {folder} is a file; --fsdp/--tp write a folder of shards "
+            "there: choose another --checkpoint-path"
+        )
+    if resume and not found:
+        raise UsageError(
+            f"no sharded checkpoint at {folder} to resume from; train without --resume first, "
+            "or point --checkpoint-path at one (a checkpoint of one file resumes without "
+            "--fsdp/--tp)"
+        )
+    if not resume and found:
+        raise UsageError(
+            f"{folder} already holds a checkpoint; pass --resume to continue that run, "
+            "or choose another --out-dir / --checkpoint-path"
+        )

@@ -11,8 +11,8 @@ import torch
 
 from minigpt import config
 from minigpt.analysis.record import StepRecord
-from minigpt.core.runs import open_run_file
-from minigpt.errors import Fault
+from minigpt.config import open_run_file
+from minigpt.errors import NonFiniteLoss
 
 # StepRecord's figures as TensorBoard charts them: the tag, and the factor to the chart's unit.
 TB_SCALARS = {
@@ -29,10 +29,6 @@ TB_SCALARS = {
     "step_time_s": ("perf/step_time_ms", 1000),
     "busy": ("perf/busy_percent", 100),  # the cores other processes took
 }
-
-
-class NonFiniteLoss(Fault):
-    """The loss (or the weights) became NaN or inf: the run stops, its last good checkpoint kept."""
 
 
 def check_finite(run, losses: list, step: int, amp: str) -> list[float]:

@@ -11,7 +11,6 @@ import logging
 import os
 import platform
 import signal
-import stat
 import sys
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -21,21 +20,7 @@ from pathlib import Path
 import torch
 
 from minigpt import config
-from minigpt.config import UsageError
-
-LINK = "is a link: a run writes nothing through a link it did not make; remove it, or use another --out-dir"
-
-
-def open_run_file(path: Path, flags: int) -> int:
-    """A run's file, never through a link (O_NOFOLLOW) nor into what is not a plain file of its own."""
-    try:
-        fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-    except OSError as e:
-        raise UsageError(f"{path} {LINK}" if path.is_symlink() else f"{path}: {e.strerror}") from None
-    if not stat.S_ISREG((st := os.fstat(fd)).st_mode) or st.st_nlink != 1:  # a FIFO; a hard link elsewhere
-        os.close(fd)
-        raise UsageError(f"{path} is not a plain file of its own; move it away, or use another --out-dir")
-    return fd
+from minigpt.config import UsageError, open_run_file
 
 
 def lock_folder(path: Path) -> int:

@@ -24,6 +24,7 @@ class ToyBatches(Batches):
         return (start + stride * np.arange(self.seq_len + 1)) % self.vocab_size
 
 
-def toy_data(cfg, rank: int, shape: dict) -> Data:
+def toy_data(cfg, rank: int, pin: bool) -> Data:
+    shape = dict(batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.data_seed, pin_memory=pin)
     toy = functools.partial(ToyBatches, np.zeros(0, "<u2"), vocab_size=cfg.vocab_size, **shape)
     return Data(toy(rank=rank), functools.partial(toy, stream=1), "toy sequences", cfg.vocab_size, None, None)

@@ -12,8 +12,7 @@ import time
 import torch
 
 from minigpt.analysis.record import StepRecord
-from minigpt.config import STAGE_NAMES, pad_vocab
-from minigpt.instruments.instrument import BUSY, busy_share, cpu_seconds
+from minigpt.config import BUSY, STAGE_NAMES, busy_share, cpu_seconds, pad_vocab
 
 
 class Figures:

@@ -23,29 +23,7 @@ import nvtx
 import torch
 from torch.profiler import record_function
 
-from minigpt.config import STAGES, STEP_RANGE
-
-BUSY = 0.25  # an interval in which other processes took more than this share of the cores ran busy
-
-
-def cpu_seconds() -> tuple[float, float, float | None]:
-    """(wall, this process's CPU, every process's busy CPU) seconds now; None for the last without
-    /proc/stat. Two readings tell the share of the cores other processes took between them."""
-    t = os.times()
-    try:
-        with open("/proc/stat") as f:
-            j = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-    except (OSError, ValueError):
-        return t.elapsed, t.user + t.system, None
-    return t.elapsed, t.user + t.system, (sum(j) - j[3] - j[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def busy_share(before: tuple, after: tuple) -> float | None:
-    """The share of the cores other processes took between two readings of cpu_seconds()."""
-    (w0, c0, b0), (w1, c1, b1) = before, after
-    if b0 is None or b1 is None or w1 <= w0:
-        return None
-    return round(min(1.0, max(0.0, (b1 - b0 - (c1 - c0)) / ((w1 - w0) * os.cpu_count()))), 3)
+from minigpt.config import STAGES, STEP_RANGE, cpu_seconds
 
 
 class StageTimer:

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from minigpt.config import atomic_write
+from minigpt.config import BUSY, atomic_write, busy_share, cpu_seconds
 from minigpt.core.data import cache_dir
-from minigpt.instruments.instrument import BUSY, busy_share, cpu_seconds
 from minigpt.instruments.mfu import DTYPES, cpu_bf16_features
 
 PEAK_CACHE_FILE, SIZES, CALLS_S = "peak_flops.json", (1024, 2048), 0.5  # seconds of calls a size
