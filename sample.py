@@ -10,8 +10,8 @@ Text from a trained minigpt checkpoint.
     python sample.py --out-dir runs/TOY --prompt "3 5 7"     # a --use-toy-data run: token ids in and out
 
 The checkpoint is read as data (weights_only); the model is rebuilt from the shape it records, so
-no training flags are needed. Runs on real text decode with the GPT-2 tokenizer; --use-toy-data
-runs have no text, so their prompt and output are token ids. The samples go to stdout, one at a
+no training flags are needed. Runs on real text decode with the run's tokenizer (GPT-2's, offline);
+--use-toy-data runs have no text, so their prompt and output are token ids. The samples go to stdout, one at a
 time as each is drawn; what it is doing (the checkpoint loaded, sample i of n) goes to stderr, with a progress
 bar over the new tokens on a terminal.
 """
@@ -33,14 +33,12 @@ if __name__ == "__main__":
 
 import torch
 
+from minigpt.config import CHECKPOINT_FILE, INTERRUPTED, INTERRUPTED_LINE, RUNS_ROOT, UsageError, imports_done
 from minigpt.core.checkpoint import latest_run
-from minigpt.config import EOT, UsageError, resolve_device
 from minigpt.core.progress import Progress, progress_enabled
 from minigpt.core.sample import Draw, generate, load_model, utf8_text, vocab_in_use
-from minigpt.core.tokens import get_tokenizer
-from minigpt.config import imports_done
+from minigpt.core.tokens import registry_tokenizer
 from minigpt.fileio import UnreadableFile, check_names, format_bytes, read_bounded
-from minigpt.config import CHECKPOINT_FILE, RUNS_ROOT
 
 FILE_PREFIX = "FILE:"  # --prompt FILE:path reads the prompt from a file
 PROMPT_LIMIT = 1 << 20  # bytes: far more text than any model's context, which crops the prompt anyway
@@ -171,8 +169,16 @@ def read_prompt(prompt: str) -> str:
         ) from None
 
 
-def encode(prompt: str, toy: bool, vocab: int | None) -> list[int]:
-    """Token ids of the prompt: GPT-2 ids of the text, or a toy run's ids as written."""
+def resolve_device(device: str) -> str:
+    """--device: auto is cuda where a GPU is visible; cuda without one is one line."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda, but no CUDA GPU is visible to PyTorch; use --device cpu")
+    return "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu"
+
+
+def encode(prompt: str, toy: bool, vocab: int | None, enc=None) -> list[int]:
+    """Token ids of the prompt: the ids of the text (`enc`: the run's tokenizer, GPT-2's by
+    default), or a toy run's ids as written."""
     if toy:
         try:
             ids = [int(t) for t in (prompt or TOY_PROMPT).replace(",", " ").split()]
@@ -181,7 +187,8 @@ def encode(prompt: str, toy: bool, vocab: int | None) -> list[int]:
                 f"--prompt {prompt!r}: a --use-toy-data run takes token ids, such as {TOY_PROMPT!r}"
             ) from None
     else:
-        ids = get_tokenizer().encode_ordinary(prompt) if prompt else [EOT]  # a document's start
+        enc = enc or registry_tokenizer("gpt2")
+        ids = enc.encode_ordinary(prompt) if prompt else [enc.eot_token]  # a document's start
     bad = [i for i in ids if not 0 <= i < (vocab or 2**63)]
     if bad:
         raise UsageError(f"--prompt holds token ids {bad[:5]} outside this model's vocabulary of {vocab}")
@@ -190,13 +197,14 @@ def encode(prompt: str, toy: bool, vocab: int | None) -> list[int]:
     return ids
 
 
-def sample_text(row: list[int], toy: bool, from_document_start: bool) -> str:
+def sample_text(row: list[int], toy: bool, from_document_start: bool, enc=None) -> str:
     """What a sample prints: a toy run's token ids, or the text of the tokens decoded all at once
     (utf8_text: no U+FFFD for a character whose bytes are split over tokens). A sample that
     starts a document starts at <|endoftext|>, which is not printed."""
     if toy:
         return " ".join(map(str, row))
-    return utf8_text(get_tokenizer().decode_bytes(row[1 if from_document_start else 0 :]))
+    enc = enc or registry_tokenizer("gpt2")
+    return utf8_text(enc.decode_bytes(row[1 if from_document_start else 0 :]))
 
 
 def pulse(bar: Progress, total: int, desc: str) -> Callable[[], None]:
@@ -227,13 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     # vocabulary): a mistake is then the only line there. Loading takes seconds; sampling, minutes.
     model, train_cfg = load_model(path, device)
     toy = bool(train_cfg.get("use_toy_data"))
-    if not toy and train_cfg.get("tokenizer_name", "gpt2") != "gpt2":
-        raise UsageError(
-            f"this run used the {train_cfg['tokenizer_name']} tokenizer; sample.py decodes gpt2 only"
-        )
-    vocab = vocab_in_use(train_cfg, None if toy else get_tokenizer().n_vocab, model.cfg.vocab_size, path)
+    enc = None if toy else registry_tokenizer(train_cfg.get("tokenizer_name", "gpt2"))  # the run's own
+    vocab = vocab_in_use(train_cfg, enc and enc.n_vocab, model.cfg.vocab_size, path)
     prompt = read_prompt(args.prompt)
-    ids = encode(prompt, toy, vocab)
+    ids = encode(prompt, toy, vocab, enc)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     autocast = torch.autocast(device, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
     idx = torch.tensor([ids], dtype=torch.long, device=device)
@@ -257,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
         if i:
             print(SEPARATOR)
-        print(sample_text(out[0].tolist(), toy, from_document_start=not prompt), flush=True)
+        print(sample_text(out[0].tolist(), toy, from_document_start=not prompt, enc=enc), flush=True)
     return 0
 
 
@@ -267,8 +272,11 @@ def cli(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"error: {INTERRUPTED_LINE}", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":
-    imports_done()  # a Ctrl-C from here on is KeyboardInterrupt (minigpt/errors.py)
+    imports_done()  # a Ctrl-C from here on is KeyboardInterrupt (cli() says it in one line)
     sys.exit(cli())

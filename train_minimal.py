@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
         if cfg.init_from:  # OpenAI's GPT-2 weights, from a Hugging Face folder
             from minigpt.core.gpt2 import load_pretrained
 
-            model = load_pretrained(cfg.init_from, model_cfg).to(device)
+            model = load_pretrained(cfg.init_from, model_cfg, cfg).to(device)
         else:
             model = GPT(model_cfg).to(device)
         clip_grad_norm = torch.nn.utils.clip_grad_norm_
@@ -164,14 +164,14 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
         if dist_info.enabled:  # DDP, one stop for every rank, lost and slow ranks named
             from minigpt.instruments.straggler import Ranks
 
-            ranks = Ranks(cfg, dist_info, plan, model, device, notes)
+            ranks = Ranks(cfg, device, dist_info, plan, model, run, notes)
             train_model = ranks.model  # DDP's wrapper (FSDP and TP work in place)
         train_model = torch.compile(train_model, mode=cfg.compile_mode) if cfg.compile else train_model
         window = None  # what a flag adds beside the step: the profiler window, the memory capture...
         if cfg.use_profiler or cfg.nsys or cfg.record_memory_history or cfg.memory_profiler or plan.sharded:
             from minigpt.instruments.window import Window
 
-            window = Window(cfg, device, dist_info, plan, run.path, model, optimizer, step + 1)
+            window = Window(cfg, device, amp, dist_info, plan, run.path, model, optimizer, step + 1)
         tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps  # per rank and step
         # What turns the clocks into figures: tokens, ranks, the model's size (its FLOPs), the dtype.
         rate = dict(tokens_per_step=tokens, dp=plan.dp, tp=plan.tp, vocab_size=data.vocab_size, amp=amp)

@@ -6,6 +6,7 @@
     python -m minigpt estimate --preset gpt2        # a step's memory from the flags (--time: its stage times)
     python -m minigpt parallel --gpus 8             # memory and communication per GPU of each parallel plan
     python -m minigpt snapshot runs/RUN             # the CUDA memory snapshot, offline (snapshots/*.html)
+    python -m minigpt export runs/RUN --out DIR     # the run as a Hugging Face GPT-2 folder
     python -m minigpt TOOL --help                   # the tool's own flags
 
 Training and sampling are the scripts at the repository's root: train_minimal.py and sample.py.
@@ -33,6 +34,10 @@ TOOLS = {
     "parallel": (
         "minigpt.instruments.per_rank",
         "per-GPU memory and communication of DDP, FSDP and TP plans",
+    ),
+    "export": (
+        "minigpt.core.gpt2",
+        "a run or checkpoint as a Hugging Face GPT-2 folder (weights, config, tokenizer)",
     ),
     "snapshot": (
         "minigpt.analysis.snapshot",

@@ -71,11 +71,13 @@ def cpu_seconds() -> tuple[float, float, float | None]:
 
 
 def busy_share(before: tuple, after: tuple) -> float | None:
-    """The share of the cores other processes took between two readings of cpu_seconds()."""
+    """The share of the cores other processes took between two readings of cpu_seconds(); under
+    torchrun the job's ranks on this machine are not others (each taken to use what this one did)."""
     (w0, c0, b0), (w1, c1, b1) = before, after
     if b0 is None or b1 is None or w1 <= w0:
         return None
-    return round(min(1.0, max(0.0, (b1 - b0 - (c1 - c0)) / ((w1 - w0) * os.cpu_count()))), 3)
+    ours = (c1 - c0) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return round(min(1.0, max(0.0, (b1 - b0 - ours) / ((w1 - w0) * os.cpu_count()))), 3)
 
 
 LINK = "is a link: a run writes nothing through a link it did not make; remove it, or use another --out-dir"
@@ -254,6 +256,8 @@ def build_parser(prog: str = "train_minimal.py") -> argparse.ArgumentParser:
         if kind in (int, float) and "action" not in m:
             kw["type"] = parse_int if kind is int else float
             kw.setdefault("metavar", "N" if kind is int else "X")
+        if kind is list:
+            kw["nargs"] = "+"
         value = PRESETS[DEFAULT_PRESET].get(name, None if f.default is MISSING else f.default)
         default = m.get("none", "none") if value is None else value
         help = m["help"] + ("" if m.get("action") in (ON, OFF) else f" (default: {default})")
@@ -299,12 +303,13 @@ def check_fields(cfg: TrainConfig) -> None:
         value, m, problem = getattr(cfg, name), f.metadata, None
         path = m.get("metavar") in ("FILE", "PATH", "DIR")
         for text in value if isinstance(value, list) else [value] if isinstance(value, str) else []:
+            parts = os.fsencode(text).split(b"/")
             if "\0" in text:
                 problem = "holds a NUL byte"
             elif path and not text.strip():
                 problem = "is empty; name a path, or leave the flag out"
-            elif path and max(map(len, os.fsencode(text).split(b"/"))) > 255:
-                problem = "has a name longer than 255 bytes, which no file system holds"
+            elif path and (max(map(len, parts)) > 255 or sum(map(len, parts)) + len(parts) > 4096):
+                problem = "has a name longer than 255 bytes, or is 4 KiB long: no file system holds it"
         lo, hi, open_ = m["lo"], m["hi"], m.get("open", "")
         number = KINDS[name] in (int, float) and value is not None
         if number and not math.isfinite(value):
@@ -312,7 +317,7 @@ def check_fields(cfg: TrainConfig) -> None:
         elif number and lo is not None and (value <= lo if "lo" in open_ else value < lo):
             problem = "must be positive" if (lo, open_) == (0, "lo") else f"must be at least {lo:g}"
         elif number and hi is not None and (value >= hi if "hi" in open_ else value > hi):
-            problem = f"must be below {hi:g}" if "hi" in open_ else f"must be at most {hi:g}"
+            problem = f"must be below {hi:g}" if "hi" in open_ else f"must be at most {hi:,}"
         elif number and abs(value) >= 2**63:
             problem = "is out of range (a 64-bit integer)"
         if problem:

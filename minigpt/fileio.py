@@ -62,9 +62,10 @@ def disk_full_message(path: Path, need: int | None, existed: bool, elsewhere: st
     )
 
 
-def atomic_write(path: str | Path, data, elsewhere: str = ELSEWHERE) -> None:
+def atomic_write(path: str | Path, data, elsewhere: str = ELSEWHERE, need: int | None = None) -> None:
     """minigpt.config.atomic_write, its folder made, a full disk said in one line (DiskFull).
-    `data`: bytes, text, or a function that writes to the open file (torch.save)."""
+    `data`: bytes, text, or a function that writes to the open file (torch.save), which writes
+    about `need` bytes (the message's figure)."""
     path = Path(path)
     existed = path.exists()
     try:
@@ -73,7 +74,7 @@ def atomic_write(path: str | Path, data, elsewhere: str = ELSEWHERE) -> None:
     except (OSError, RuntimeError) as e:
         if not is_disk_full(e):
             raise
-        size = len(data) if isinstance(data, (bytes, str)) else None
+        size = len(data) if isinstance(data, (bytes, str)) else need
         raise DiskFull(disk_full_message(path, size, existed, elsewhere)) from None
 
 

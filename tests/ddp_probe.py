@@ -3,14 +3,18 @@
     torchrun --nproc_per_node 2 tests/ddp_probe.py OUT_FILE_PREFIX [trainer flags...]
 
 Writes OUT_FILE_PREFIX.rank{R}.pt with this rank's first gradients (captured where the trainer
-clips them, after the all-reduce) and its final weights. PROBE_FAIL="RANK:STEP:raise|exit|kill|stop" makes
-that rank fail at that step, to test how the job ends.
+clips them, after the all-reduce) and its final weights, and OUT_FILE_PREFIX.rank{R}.json with its
+exit status and the time its last line was said. PROBE_FAIL="RANK:STEP:raise|exit|kill|stop" makes
+that rank fail at that step, to test how the job ends (a stopped rank writes the time it stopped
+to OUT_FILE_PREFIX.rank{R}.stopped first).
 """
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -55,11 +59,15 @@ if os.environ.get("PROBE_FAIL"):
                 # SIGTERM would wait on a stopped process for 30 s before its SIGKILL.
                 later = float(os.environ.get("PROBE_KILL_AFTER", "60"))
                 subprocess.Popen(["sh", "-c", f"sleep {later}; kill -KILL {os.getpid()}"])
+                with open(f"{prefix}.rank{rank}.stopped", "w") as f:
+                    f.write(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGSTOP)
             raise RuntimeError(f"probe failure on rank {rank} at step {step}")
 
 
 status = train_minimal.cli(argv, on_step=on_step)
+with open(f"{prefix}.rank{rank}.json", "w") as f:
+    json.dump({"status": status, "ended": time.time()}, f)
 torch.save(
     {"grads": grads, "params": {k: v.detach().clone() for k, v in models[0].state_dict().items()}},
     f"{prefix}.rank{rank}.pt",

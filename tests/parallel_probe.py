@@ -100,9 +100,11 @@ for step in range(first, first + args.steps):
     micro = local // args.grad_accum
     total = torch.zeros(())
     for m in range(args.grad_accum):
-        from minigpt.core.distributed import no_grad_sync
-
-        with no_grad_sync(train_model, sync=m == args.grad_accum - 1), autocast:
+        if args.fsdp:  # as straggler.Ranks.sync_gradients: the last micro-batch's backward reduces
+            train_model.set_requires_gradient_sync(m == args.grad_accum - 1)
+        elif hasattr(train_model, "require_backward_grad_sync"):  # DDP
+            train_model.require_backward_grad_sync = m == args.grad_accum - 1
+        with autocast:
             part = slice(m * micro, (m + 1) * micro)
             loss = train_model(x[part], y[part])[1] / args.grad_accum
         loss.backward()

@@ -1,8 +1,7 @@
-"""--compile runs every time: twice in a row on one compiler cache (the second run used to stop in
-its first forward, replaying a graph break's output alias from AOTAutograd's warm cache: see
-minigpt.core.model.cross_entropy), and the steps that compiled are left out of the run's steady
-figures, named "compilation". Slow: torch.compile of even the tiny model takes tens of seconds on
-a 2-core CPU."""
+"""--compile runs every time: twice in a row on one compiler cache (the second run once stopped in
+its first forward, replaying a graph break's output alias from AOTAutograd's warm cache), and the
+steps that compiled are left out of the run's steady figures, named "compilation". Slow:
+torch.compile of even the tiny model takes tens of seconds on a 2-core CPU."""
 
 import json
 

@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 from conftest import TINY, fails
 
-from minigpt.config import GiB, parse_args
-from minigpt.instruments.estimate import AUTO_BATCH_HEADROOM, config_shape, estimate_gpt, fit_batch_size
+from minigpt.config import parse_args
+from minigpt.instruments.estimate import AUTO_BATCH_HEADROOM, GiB, config_shape, estimate_gpt, fit_batch_size
 
 
 def chosen(gb: float, *flags: str) -> tuple[int, str | None]:
@@ -39,6 +39,8 @@ def test_the_auto_batch_keeps_the_flags_batch_when_nothing_fits_and_is_off_by_de
 
 def test_the_gpu_levers_refuse_what_they_cannot_do(capsys, tmp_path):
     out = ["--out-dir", str(tmp_path / "run")]
-    assert "on the CPU choose --batch-size yourself" in fails(capsys, *TINY, "--auto-batch-size", *out)
-    assert "without --compile" in fails(capsys, *TINY, "--compile-mode", "reduce-overhead", *out)
+    assert "--auto-batch-size needs CUDA" in fails(capsys, *TINY, "--auto-batch-size", *out)
+    assert "--compile-mode: needs --compile" in fails(
+        capsys, *TINY, "--compile-mode", "reduce-overhead", *out
+    )
     assert not (tmp_path / "run").exists()

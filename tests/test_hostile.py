@@ -20,9 +20,11 @@ import torch
 from conftest import TINY, fails
 
 import train_minimal
+from minigpt import config
 from minigpt.analysis import compare, report
 from minigpt.analysis.runfiles import RunError, load_run
-from minigpt import config, data, distributed, tokens
+from minigpt.config import UsageError
+from minigpt.core import data, distributed, tokens
 from minigpt.core.checkpoint import (
     check_extra,
     check_model_fits,
@@ -31,8 +33,7 @@ from minigpt.core.checkpoint import (
     rng_state,
     save_checkpoint,
 )
-from minigpt.config import TrainConfig, UsageError
-from minigpt.core.runs import RunLock, checkpoint_lock_path
+from minigpt.core.guards import lock_checkpoint
 from minigpt.fileio import UnreadableFile, read_bounded
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,20 +76,22 @@ def ckpt_of(run: Path) -> Path:
 
 HOLDER = """
 import sys, time
-from minigpt.core.runs import RunLock
-RunLock(sys.argv[1], sys.argv[2]).acquire()
+from contextlib import ExitStack
+from pathlib import Path
+from minigpt.core.guards import lock_checkpoint
+lock_checkpoint(Path(sys.argv[1]), ExitStack())
 print("locked", flush=True)
 time.sleep(60)
 """
 
 
 def test_two_runs_sharing_a_checkpoint_path_second_is_refused(capsys, tmp_path):
-    """Run A holds --checkpoint-path shared.pt; run B with another --out-dir but the same
-    checkpoint is refused with the holder's PID, and writes nothing."""
+    """Run A holds --checkpoint-path shared.pt (a lock beside it); run B with another --out-dir
+    but the same checkpoint is refused in one line, and writes nothing."""
     shared = tmp_path / "shared.pt"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(tmp_path / "twoA"), str(shared)],
+        [sys.executable, "-c", HOLDER, str(shared)],
         stdout=subprocess.PIPE,
         text=True,
         env=env,
@@ -105,7 +108,7 @@ def test_two_runs_sharing_a_checkpoint_path_second_is_refused(capsys, tmp_path):
             "--checkpoint-path",
             str(shared),
         )
-        assert f"PID {holder.pid}" in msg and str(shared) in msg and "--checkpoint-path" in msg
+        assert f"another trainer writes its checkpoint to {shared}" in msg and "--checkpoint-path" in msg
         assert not (tmp_path / "twoB").exists() and not shared.exists()
     finally:
         holder.kill()
@@ -113,16 +116,43 @@ def test_two_runs_sharing_a_checkpoint_path_second_is_refused(capsys, tmp_path):
 
 
 def test_checkpoint_lock_is_released_and_leaves_nothing(tmp_path):
+    from contextlib import ExitStack
+
     ckpt = tmp_path / "new" / "sub" / "ckpt.pt"
-    with RunLock(tmp_path / "a", ckpt):
-        assert checkpoint_lock_path(ckpt).is_file()
-        with pytest.raises(UsageError) as e:
-            RunLock(tmp_path / "b", ckpt).acquire()
+    with ExitStack() as held:
+        lock_checkpoint(ckpt, held)
+        assert (ckpt.parent / ".ckpt.pt.lock").is_file()
+        with pytest.raises(UsageError) as e, ExitStack() as other:
+            lock_checkpoint(ckpt, other)
         assert "writes its checkpoint to" in one_line(e)
-        assert not (tmp_path / "b").exists()  # the refused run's folder lock was given back
-    assert not (tmp_path / "new").exists()  # folders the lock made are gone again
-    with RunLock(tmp_path / "b", ckpt):  # and the checkpoint is free for the next run
-        pass
+    assert not (tmp_path / "new").exists()  # the lock file and the folders made for it are gone again
+    with ExitStack() as held:  # and the checkpoint is free for the next run
+        lock_checkpoint(ckpt, held)
+
+
+def test_a_lock_file_its_holder_removed_is_not_held_by_two(tmp_path, monkeypatch):
+    """A trainer that opened the lock file just before its holder removed it and let go must not
+    hold that removed file while a third holds the new one: it locks what is at the name."""
+    from contextlib import ExitStack
+
+    from minigpt.core import guards
+
+    ckpt, opened = tmp_path / "ckpt.pt", []
+    real = guards.open_run_file
+
+    def open_then_lose(path, flags):
+        fd = real(path, flags)
+        if not opened:  # the first open: its file is removed (its holder let go) before the flock
+            opened.append(fd)
+            os.unlink(path)
+        return fd
+
+    monkeypatch.setattr(guards, "open_run_file", open_then_lose)
+    with ExitStack() as held:
+        lock_checkpoint(ckpt, held)
+        monkeypatch.setattr(guards, "open_run_file", real)
+        with pytest.raises(UsageError, match="writes its checkpoint"), ExitStack() as other:
+            lock_checkpoint(ckpt, other)  # the file at the name is the one held
 
 
 def test_resume_from_another_runs_checkpoint_is_refused_before_anything_is_touched(capsys, tmp_path):
@@ -254,7 +284,7 @@ def test_model_size_check_counts_from_the_config_alone(trained):
 def test_optimizer_check_passes_the_real_state(trained):
     state = load_checkpoint(ckpt_of(trained))
     model = train_minimal.GPT(train_minimal.GPTConfig(**state["model_config"]))
-    opt = train_minimal.configure_optimizer(model, train_minimal.parse_args([*TINY]), "cpu")
+    opt = train_minimal.configure_optimizer(model, train_minimal.parse_args([*TINY]), sharded=False)
     assert optimizer_problem(state["optimizer"], opt) is None
 
 
@@ -313,10 +343,15 @@ def cache(tmp_path, monkeypatch) -> Path:
     return folder
 
 
-def cached_file(text: Path) -> Path:
-    tokens.tokenize_file(text)
+def tokens_of(text: Path):
+    return tokens.file_tokens([str(text)], "--train-data", tokens.Encoder("gpt2", say=False))
+
+
+def cached_file(text: Path) -> tuple[Path, bytes]:
+    """The text's token file in the cache, and the key its header holds."""
+    tokens_of(text)
     (entry,) = (data.cache_dir() / "tokens").iterdir()
-    return entry
+    return entry, data.HEADER.unpack(entry.read_bytes()[: data.HEADER.size])[2]
 
 
 def test_a_self_consistent_cache_with_an_id_beyond_the_vocabulary_is_redone(tmp_path, cache, capsys):
@@ -324,22 +359,21 @@ def test_a_self_consistent_cache_with_an_id_beyond_the_vocabulary_is_redone(tmp_
 
     text = tmp_path / "t.txt"
     text.write_text("one two three four")
-    entry = cached_file(text)
-    good = np.array(tokens.tokenize_file(text))
-    tokens.write_token_file(entry, np.array([1, 2, 65535], dtype=np.uint16))  # header and hash agree
-    assert list(tokens.tokenize_file(text)) == list(good)
-    assert "tokenising" in capsys.readouterr().err
+    (entry, key), good = cached_file(text), list(tokens_of(text))
+    ids = np.array([1, 2, 65535], dtype="<u2")  # header, key and size agree
+    entry.write_bytes(data.HEADER.pack(data.MAGIC, 3, key).ljust(data.HEADER_SIZE, b"\0") + ids.tobytes())
+    assert list(tokens_of(text)) == good
+    assert "tokenised again" in capsys.readouterr().err
 
 
 def test_a_fifo_in_the_token_cache_does_not_hang(tmp_path, cache, capsys):
     text = tmp_path / "t.txt"
     text.write_text("one two three four")
-    entry = cached_file(text)
-    good = list(tokens.tokenize_file(text))
+    (entry, key), good = cached_file(text), list(tokens_of(text))
     entry.unlink()
     os.mkfifo(entry)
-    assert data.read_token_file(entry) is None
-    assert list(tokens.tokenize_file(text)) == good  # tokenised again, the FIFO replaced by a file
+    assert data.read_tokens(entry, key, config.GPT2_VOCAB) is None
+    assert list(tokens_of(text)) == good  # tokenised again, the FIFO replaced by a file
     assert entry.is_file()
 
 
@@ -387,7 +421,7 @@ def test_ranks_with_different_flags_are_refused_naming_the_flag(monkeypatch, fla
     with pytest.raises(UsageError) as e:
         distributed.check_same_config(mine, distributed.DistInfo(rank=0, world_size=2, enabled=True))
     msg = one_line(e)
-    assert config.flag_name(next(f for f in config.fields(TrainConfig) if f.name == flag)) in msg
+    assert config.flag_name(flag) in msg
     assert "rank 1" in msg
 
 

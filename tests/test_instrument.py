@@ -1,21 +1,22 @@
-"""Instrumentation end to end: the stage ranges and their times, the profiler window and its trace,
-TensorBoard, MFU, and the refusals. CUDA-only paths carry the `cuda` marker."""
+"""Instrumentation end to end: the stage ranges and their times, the profiler window and its trace
+and cost, TensorBoard, MFU, and the refusals. CUDA-only paths carry the `cuda` marker."""
 
 import gzip
 import json
 import sys
 import time
 import urllib.parse
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import TINY, docs_module
 
 import train_minimal
+from minigpt.config import STAGE_NAMES as STAGES
 from minigpt.config import parse_args
 from minigpt.instruments import instrument, window
 from minigpt.instruments.instrument import StageTimer
-from minigpt.config import STAGE_NAMES as STAGES
 
 get_json = docs_module("tbserve").get_json
 serve_tensorboard = docs_module("tbserve").serve_tensorboard
@@ -34,6 +35,13 @@ def load_trace(out):
 
 def inside(event, outer):
     return outer["ts"] <= event["ts"] and event["ts"] + event["dur"] <= outer["ts"] + outer["dur"]
+
+
+@pytest.fixture
+def quiet(monkeypatch):
+    """A quiet machine for the profiler's cost, which this one (shared) may not be: no other
+    process took a share of the cores."""
+    monkeypatch.setattr(window, "busy_share", lambda before, after: 0.0)
 
 
 def profiled_run(tmp_path, *extra):
@@ -57,7 +65,7 @@ def profiled_run(tmp_path, *extra):
     return out
 
 
-def test_profiler_window_writes_one_trace_with_the_steps_and_stages(tmp_path, capsys):
+def test_profiler_window_writes_one_trace_with_the_steps_and_stages(tmp_path, capsys, quiet):
     out = profiled_run(tmp_path)
     path, trace = load_trace(out)
     assert path.name.startswith("rank0_dp0.")  # the worker name torch-tb-profiler groups by
@@ -72,11 +80,34 @@ def test_profiler_window_writes_one_trace_with_the_steps_and_stages(tmp_path, ca
     printed = capsys.readouterr().out
     assert "Profiled steps 3-4" in printed and f"tensorboard --logdir {out}" in printed
     assert "ui.perfetto.dev" in printed
-    # priced against steps 5-8: not step 1 (it allocates everything), not step 2 (the profiler's warm-up)
-    assert "ms/step profiled (median of 2) vs" in printed and "unprofiled (median of 4)" in printed
+    # priced against steps 5-8: not step 1 (it allocates everything), not step 2 (the profiler's warm-up),
+    # as a ratio with its interval, or "no difference within noise" where the interval holds 1.0
+    cost = next(line for line in printed.splitlines() if "Profiler cost: " in line)
+    assert "ms/step profiled (median of 2) vs" in cost and "unprofiled (median of 4): " in cost
+    assert cost.endswith("no difference within noise") or cost.endswith(")"), cost
+    assert "process peak memory" in printed
+    # the note on torch's stderr lines, said once among the first lines, short enough to read
+    log = (out / "train.log").read_text().splitlines()
+    (note,) = [line for line in log if "USDT" in line]
+    assert len(note.split("] ", 1)[1]) <= 160 and log.index(note) < 10
 
 
-def test_profiler_cost_is_not_priced_against_fewer_than_three_steps(tmp_path, capsys):
+def test_the_profilers_cost_is_not_priced_on_a_busy_machine(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(window, "busy_share", lambda before, after: 0.6)
+    profiled_run(tmp_path)
+    printed = capsys.readouterr().out
+    assert "Profiler cost: not priced: other processes took 60% of the cores" in printed
+    assert " vs " not in printed.split("Profiler cost: ")[1].split("\n")[0]
+
+
+def test_no_profiler_no_note(tmp_path):
+    """Without a profiler torch prints none of the lines the note explains: no note."""
+    out = tmp_path / "run"
+    assert train_minimal.cli([*TINY, "--num-steps", "2", "--out-dir", str(out)]) == 0
+    assert "USDT" not in (out / "train.log").read_text()
+
+
+def test_profiler_cost_is_not_priced_against_fewer_than_three_steps(tmp_path, capsys, quiet):
     out = tmp_path / "run"
     args = [
         *TINY,
@@ -125,9 +156,8 @@ def test_profiled_steps_hold_only_the_training_step(tmp_path):
     assert sorted(steps) == [3, 4]
     for step, ms in steps.items():
         assert ms == pytest.approx(logged[step], rel=0.10), (step, ms, logged[step])
-    # the loss of each evaluation batch: CrossEntropy on the CPU, F.cross_entropy's log-softmax else
-    losses = ("CrossEntropy", "aten::_log_softmax")
-    evals = [e for e in trace["traceEvents"] if e.get("name") in losses]
+    # the loss of each evaluation batch: F.cross_entropy's log-softmax
+    evals = [e for e in trace["traceEvents"] if e.get("name") == "aten::_log_softmax"]
     assert len(evals) >= 20  # the evaluations were recorded, outside the steps' ranges
 
 
@@ -234,23 +264,24 @@ def test_stage_timer_splits_and_per_step_figures():
     timer = RankTimer("cpu", slow_rank="0:20:forward")
     timer.add_split("backward", "backward_compute")
     for _ in range(2):
-        with timer.step():
-            with timer.stage("forward"):
-                pass
-            with timer.stage("backward"):
-                time.sleep(0.01)
-                timer.split("backward", "backward_compute")
-                time.sleep(0.03)
-    times = timer.read()
-    assert len(times.host_steps) == 2 and times.device_steps == times.host_steps
-    assert times.host_ms["forward"] >= 20  # the simulated slow stage sleeps inside the range
-    assert 10 <= times.host_ms["backward_compute"] < 30 <= times.host_ms["backward"]
-    assert timer.read().host_ms == {}  # read resets
-    with timer.step():
-        with timer.stage("backward"):  # no mark: no communication, all of it is compute
+        with timer.stage("forward"):
+            pass
+        with timer.stage("backward"):
             time.sleep(0.01)
-    times = timer.read()
-    assert times.host_ms["backward_compute"] == times.host_ms["backward"]
+            timer.split("backward", "backward_compute")
+            time.sleep(0.03)
+        timer.end_step()
+    host, device = timer.read()
+    assert len(host) == 2 and device == host  # on the CPU the device time is the host time
+    for step in host:
+        assert step["forward"] >= 20  # the simulated slow stage sleeps inside the range
+        assert 10 <= step["backward_compute"] < 30 <= step["backward"]
+    assert timer.read() == ([], [])  # read resets
+    with timer.stage("backward"):  # no mark: no communication, all of it is compute
+        time.sleep(0.01)
+    timer.end_step()
+    (step,), _ = timer.read()
+    assert step["backward_compute"] == step["backward"]
 
 
 def test_log_line_and_mfu(tmp_path):
@@ -260,9 +291,9 @@ def test_log_line_and_mfu(tmp_path):
     )
     config = json.loads((out / "config.json").read_text())
     assert config["peak_flops_source"].startswith(("measured now", "cache")) and config["peak_flops"] > 1e9
-    assert config["peak_flops_spread"][0] <= config["peak_flops"] <= config["peak_flops_spread"][1] * 1.0001
+    assert config["peak_flops_dtype"] in ("bf16", "fp32")
     row = read_metrics(out)[-1]
-    assert row["mfu"] < 1.0  # the denominator is at least the best of the model's own units
+    assert 0 < row["mfu"] and 0 <= row["run_mfu"]  # MFU is read from the record, never recomputed
     assert row["achieved_tflops"] == pytest.approx(config["flops_per_token"] * row["tokens_per_s"] / 1e12)
     assert row["tokens_per_s"] == pytest.approx(8 * 16 * 2 / row["step_time_s"])  # every micro-batch counts
     assert row["mfu"] == pytest.approx(config["flops_per_token"] * row["tokens_per_s"] / config["peak_flops"])
@@ -431,18 +462,20 @@ def test_oom_writes_a_snapshot_before_the_error(tmp_path):
 
 
 def test_a_long_step_says_it_still_runs_and_falls_silent_when_it_ends(monkeypatch, caplog):
-    """A step longer than HEARTBEAT_S (a 100,000-token sequence on a CPU takes minutes) logs that it
-    still runs, every HEARTBEAT_S, and nothing once it has ended."""
-    monkeypatch.setattr(instrument, "HEARTBEAT_S", 0.2)
+    """A step longer than 10 s (a 100,000-token sequence on a CPU takes minutes) logs that it still
+    runs, every 10 s, and nothing once it has ended. The clock runs 10x fast here: 1 s is 10 s."""
+    real = time.perf_counter
+    fast = SimpleNamespace(perf_counter=lambda: 10 * real())
+    monkeypatch.setattr(instrument, "time", fast)
     cfg = parse_args([*TINY, "--num-steps", "2"])
-    inst = instrument.Instruments(cfg, "cpu", 0, 1, None, "rank0_dp0")
-    inst.attach(None, None, first_step=1)
+    rate = dict(is_main=False)  # no progress bar
+    inst = instrument.Instruments(cfg, "cpu", rate, run=None)
     with caplog.at_level("INFO", logger="minigpt"), inst:
         with inst.step(1):
-            time.sleep(0.7)
+            time.sleep(2.6)  # 26 s on the fast clock: a line at 10 s and at 20 s
         beats = [r.message for r in caplog.records if "still running" in r.message]
         with inst.step(2):  # a short step: silent
             pass
-        time.sleep(0.5)
-    assert 2 <= len(beats) <= 4 and beats[0].startswith("step 1 still running after ")
+        time.sleep(1.5)
+    assert 2 <= len(beats) <= 3 and beats[0].startswith("step 1: still running after ")
     assert len([r for r in caplog.records if "still running" in r.message]) == len(beats)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from minigpt.config import pad_vocab
-from minigpt.core.model import GPT, GPTConfig, flops_per_token
+from minigpt.core.model import GPT, GPTConfig
+from minigpt.core.shape import Shape
 
 
 def tiny(**kw) -> GPT:
@@ -53,5 +54,8 @@ def test_flops_per_token_counts_gpt2_small():
     model = GPT(GPTConfig(vocab_size=50304))
     n = model.num_params(non_embedding=True)
     assert n == model.num_params(non_embedding=False) - 1024 * 768
-    assert flops_per_token(model, 1024) == 6 * n + 12 * 12 * 768 * 1024
+    shape = Shape(
+        12, 768, 12, 3072, seq_len=1024, batch_size=8, vocab_size=50304, max_position_embeddings=1024
+    )
+    assert shape.flops_per_token == 6 * n + 12 * 12 * 768 * 1024  # the one formula: minigpt/core/shape.py
     assert 123e6 < n < 125e6

@@ -17,12 +17,10 @@ import pytest
 import torch
 from conftest import ROOT, TINY
 
-from minigpt.config import UsageError
+from minigpt.config import STAGE_NAMES, UsageError
 from minigpt.core.parallel import check_plan, worker_name
 from minigpt.core.shape import Shape
-from minigpt.instruments.estimate import estimate_gpt
-from minigpt.instruments.per_rank import per_rank_estimate
-from minigpt.config import STAGE_NAMES
+from minigpt.instruments.estimate import estimate_gpt, per_rank_estimate
 
 PROBE = ROOT / "tests" / "parallel_probe.py"
 SHAPE = ["--shape", "2,4,64,256,128", "--seq", "32", "--batch", "8"]  # layers, heads, d_model, d_ff, vocab
@@ -124,7 +122,7 @@ def test_per_rank_estimate_shards_state_and_splits_tp_activations():
     assert tp["activations"] < e.activations
     with pytest.raises(ValueError):
         per_rank_estimate(e, 1, 2, False)
-    from minigpt.instruments.per_rank import per_rank_memory_estimate
+    from minigpt.instruments.estimate import per_rank_memory_estimate
 
     as_estimate = per_rank_memory_estimate(e, 1, 2, False, shape)  # for minigpt.instruments.breakdown's table
     assert (as_estimate.total, as_estimate.params) == (tp["total"], tp["params"])
@@ -177,7 +175,7 @@ def test_sharded_checkpoint_round_trip_and_atomic_folder(tmp_path):
     with torch.no_grad():
         for p in other.parameters():
             p.zero_()
-    assert load_sharded(tmp_path / "ck", other, opt2) == {"step": 8}
+    assert load_sharded(tmp_path / "ck", other, opt2)["step"] == 8
     for (n, p), q in zip(model.named_parameters(), other.parameters()):
         assert torch.equal(p, q), n
     with pytest.raises(UsageError, match="no sharded checkpoint"):

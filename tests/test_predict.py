@@ -10,11 +10,10 @@ import math
 import pytest
 import torch
 
-from minigpt.config import UsageError
-from minigpt.core.model import GPT, GPTConfig, flops_per_token
+from minigpt.config import UsageError, parse_args
+from minigpt.core.model import GPT, GPTConfig
 from minigpt.core.shape import Shape
-from minigpt.instruments import estimate, predict
-from minigpt.instruments import instrument as metrics
+from minigpt.instruments import estimate, peak, predict
 
 SHAPE = dict(
     n_layers=2,
@@ -49,7 +48,7 @@ def test_matmul_flops_are_flops_per_token_less_the_vector_parameters():
     model = GPT(GPTConfig(**Shape(**SHAPE).model_kwargs()))
     tokens = SHAPE["batch_size"] * SHAPE["seq_len"]
     vector_params = sum(p.numel() for p in model.parameters() if p.dim() == 1)
-    expected = tokens * (flops_per_token(model, SHAPE["seq_len"]) - 6 * vector_params)
+    expected = tokens * (Shape(**SHAPE).flops_per_token - 6 * vector_params)
     assert predict.matmul_flops(predict.step_ops(Shape(**SHAPE))) == expected
     # the chunked loss runs the same three products of the LM head, a chunk of rows at a time
     chunked = predict.step_ops(
@@ -95,7 +94,6 @@ def test_each_product_is_named_with_its_layout_as_autograd_runs_it():
         "addmm nt 6x5x4",
         "gelu forward 6x5",
         "gelu backward 6x5",
-        "loss rows 6x64",
         "loss chunk 3x64x8",
         "embedding backward 6x64x8",
         "optimizer adamw 6x2,10x1",
@@ -248,34 +246,68 @@ def counted(monkeypatch):
     monkeypatch.setattr(
         predict, "measure_overhead", lambda d: calls.append("overhead") or {"op": [1e-6], "autograd": [2e-6]}
     )
-    monkeypatch.setattr(predict.LoadProbe, "others", lambda self: 0.0)  # a quiet machine unless faked
+    monkeypatch.setattr(predict, "busy_share", lambda before, after: 0.0)  # a quiet machine unless faked
     return calls
 
 
-def test_rates_measured_under_load_say_so_and_a_quiet_measurement_replaces_them(
-    tmp_path, monkeypatch, counted, capsys
-):
-    """Other processes on 80% of the cores: the rates serve, say so, and are measured again next
-    time; a quiet measurement replaces them, and a busy one never replaces a quiet one."""
+def busy(monkeypatch, share: float) -> None:
+    monkeypatch.setattr(predict, "busy_share", lambda before, after: share)
+
+
+def test_rates_measured_under_load_serve_once_and_are_never_cached(tmp_path, monkeypatch, counted, capsys):
+    """Other processes on 80% of the cores: the rates serve the prediction that measured them, say
+    so, and are not cached: the next prediction measures them again, and the trainer's
+    --predict-time (which measures nothing) finds none. Quiet rates are cached and reused."""
     monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
-    needed = ["matmul nn 3x5x7"]
-    monkeypatch.setattr(predict.LoadProbe, "others", lambda self: 0.8)
-    busy = predict.step_rates("cpu", "fp32", needed)
-    assert busy.under_load.startswith("4 rates measured under load (other processes on 80% of the cores)")
-    assert "--remeasure" in busy.under_load and "under load" not in busy.source  # its own line
+    needed, path = ["matmul nn 3x5x7"], tmp_path / predict.STEP_RATES_FILE
+    busy(monkeypatch, 0.8)
+    loaded = predict.step_rates("cpu", "fp32", needed)
+    assert loaded.under_load.startswith("4 rates measured under load (other processes on 80% of the cores)")
+    assert "not cached" in loaded.under_load and "under load" not in loaded.source  # its own line
     assert "[rates] 1/4 bandwidth" in capsys.readouterr().err  # progress, not silence
-    assert predict.step_rates("cpu", "fp32", needed, measure=False).under_load  # the trainer's read too
+    assert not path.exists()
+    with pytest.raises(predict.NoRates):
+        predict.step_rates("cpu", "fp32", needed, measure=False)
     counted.clear()
-    monkeypatch.setattr(predict.LoadProbe, "others", lambda self: 0.05)
+    assert predict.step_rates("cpu", "fp32", needed).measured == 4 and len(counted) == 4  # again
+    counted.clear()
+    busy(monkeypatch, 0.05)
     quiet = predict.step_rates("cpu", "fp32", needed)
     assert sorted(counted) == sorted(["bandwidth", "exp", "overhead", *needed]) and not quiet.under_load
     counted.clear()
-    monkeypatch.setattr(predict.LoadProbe, "others", lambda self: 0.9)
+    busy(monkeypatch, 0.9)
     assert predict.step_rates("cpu", "fp32", needed).measured == 0 and counted == []  # quiet ones stand
     remeasured = predict.step_rates("cpu", "fp32", needed, remeasure=True)  # forgets them: measured anew
     assert remeasured.measured == 4 and remeasured.under_load
-    stored = next(iter(json.loads((tmp_path / predict.STEP_RATES_FILE).read_text()).values()))
-    assert all(r["others"] == 0.9 for r in stored.values())
+    assert json.loads(path.read_text()) == {}  # forgotten, and the busy figures not kept
+
+
+def test_a_busy_rate_an_earlier_version_cached_is_measured_again(tmp_path, monkeypatch, counted):
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
+    needed = ["matmul nn 3x5x7"]
+    predict.step_rates("cpu", "fp32", needed)
+    path = tmp_path / predict.STEP_RATES_FILE
+    entries = json.loads(path.read_text())
+    (key,) = entries
+    entries[key]["matmul nn 3x5x7"]["others"] = 0.9  # measured while others took 90% of the cores
+    path.write_text(json.dumps(entries))
+    counted.clear()
+    with pytest.raises(predict.NoRates):  # the trainer's read: a busy figure is no figure
+        predict.step_rates("cpu", "fp32", needed, measure=False)
+    assert predict.step_rates("cpu", "fp32", needed).measured == 1 and counted == needed
+
+
+def test_the_trainers_predict_time_reads_quiet_cached_rates_only(tmp_path, monkeypatch, counted):
+    """--predict-time (core/finish.py's run_prediction) measures nothing: None without cached
+    rates, the step's stages from them once `estimate --time` has measured them quietly."""
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
+    cfg = parse_args(["--preset", "tiny", "--vocab-size", "64", "--no-amp"])
+    assert predict.run_prediction(cfg, 64, "fp32", "cpu") is None and counted == []
+    assert estimate.main(["--time", "--preset", "tiny", "--vocab-size", "64", "--no-amp"]) == 0
+    counted.clear()
+    p = predict.run_prediction(cfg, 64, "fp32", "cpu")
+    assert counted == [] and p["step_ms"] > 0 and set(p["stage_ms"]) == set(predict.PREDICTED_STAGES)
+    assert "config" not in p and p["rates_source"].startswith("cache")
 
 
 def test_remeasure_goes_with_time_and_measures_the_peak_too(tmp_path, monkeypatch, capsys, counted):
@@ -285,16 +317,21 @@ def test_remeasure_goes_with_time_and_measures_the_peak_too(tmp_path, monkeypatc
     assert capsys.readouterr().err.strip() == (
         "error: --remeasure goes with --time (the memory estimate measures nothing); add --time"
     )
+    keys = [peak.machine_key("cpu", d) for d in peak.peak_dtypes("cpu")]
+    entry = dict(best=1e9, calls=5, date="2026-01-01 00:00 UTC", what="matmul 8x8x8 in fp32")
+    (tmp_path / peak.PEAK_CACHE_FILE).write_text(json.dumps({k: entry for k in [*keys, "another machine"]}))
     peaks = []
-    monkeypatch.setattr(
-        predict, "peak_flops", lambda *a, **k: peaks.append(k) or metrics.PeakFlops(1e12, "measured now: x")
-    )
+
+    def device_peak(override, device, dist=None):
+        peaks.append(json.loads((tmp_path / peak.PEAK_CACHE_FILE).read_text()))
+        return peak.Peak(1e12, "fp32", "measured now: x")
+
+    monkeypatch.setattr(peak, "device_peak", device_peak)
     flags = ["--time", "--remeasure", "--preset", "tiny", "--vocab-size", "64", "--no-amp"]
     assert estimate.main(flags) == 0
     out = capsys.readouterr().out
-    assert peaks == [{"remeasure": True}] and out.startswith(
-        "MFU peak 1 TFLOP/s (fp32, the device's fastest); measured now: x\n"
-    )
+    assert list(peaks[0]) == ["another machine"]  # this machine's figures forgotten, measured again
+    assert out.startswith("MFU peak 1 TFLOP/s (fp32, the device's fastest); measured now: x\n")
 
 
 def test_cached_rates_are_reused_without_measuring_again(tmp_path, monkeypatch, counted):
@@ -386,22 +423,13 @@ def test_accumulation_runs_forward_and_backward_per_micro_batch(tmp_path, monkey
     assert two.tokens_per_step == 2 * SHAPE["batch_size"] * SHAPE["seq_len"]
 
 
-def test_the_models_row_wise_cpu_loss_when_it_has_one(monkeypatch):
-    """Where minigpt.core.model computes the CPU's cross-entropy by rows (LOSS_ROWS), the op list follows
-    it: no log_softmax passes and no backward of the loss, the same products."""
-    plain = predict.step_ops(Shape(**SHAPE), "bf16")
-    monkeypatch.setattr(predict.model_module, "LOSS_ROWS", 8, raising=False)
-    rows = predict.step_ops(Shape(**SHAPE), "bf16")
-    names = {o.name for o in rows}
-    assert (
-        "cross-entropy by rows" in names
-        and "log_softmax" not in names
-        and "log_softmax backward" not in names
-    )
-    assert predict.matmul_flops(rows) == predict.matmul_flops(plain)
-    assert "log_softmax" in {
-        o.name for o in predict.step_ops(Shape(**SHAPE), device="cuda")
-    }  # F.cross_entropy there
+def test_the_loss_is_f_cross_entropys_on_every_device():
+    """The model's loss is F.cross_entropy on the CPU and on a GPU alike: under autocast the logits
+    cast to fp32, log_softmax and nll_loss, and in backward both again and the cast back."""
+    cpu, cuda = predict.step_ops(Shape(**SHAPE), "bf16"), predict.step_ops(Shape(**SHAPE), "bf16", "cuda")
+    assert cpu == cuda
+    names = {o.name for o in cpu}
+    assert {"cast logits to fp32", "log_softmax", "nll_loss", "log_softmax backward"} <= names
 
 
 def test_a_gpus_per_op_overhead_is_measured_once_and_cached(tmp_path, monkeypatch):

@@ -31,8 +31,7 @@ from hypothesis import strategies as st
 
 import train_minimal
 from minigpt import config
-from minigpt.config import TrainConfig, UsageError
-from minigpt.config import RUNS_ROOT
+from minigpt.config import RUNS_ROOT, TrainConfig, UsageError
 
 OUT = "run"  # the run directory, relative to each example's working directory
 CORPUS = "corpus.txt"  # a small text file in each example's working directory
@@ -113,14 +112,14 @@ LEFT_OUT = {"compile"}  # a minute of compiling per example on this CPU
 
 def values(f: dataclasses.Field) -> st.SearchStrategy[list[str]]:
     """The arguments that give field f a generated value."""
-    name, kind, meta = config.flag_name(f), config.base_type(f), f.metadata
-    if meta["action"] in ("store_true", "store_false"):
+    name, kind, meta = config.flag_name(f.name), config.KINDS[f.name], f.metadata
+    if meta.get("action") in ("store_true", "store_false"):
         return st.just([name])
-    if meta["action"] not in (None, "extend"):  # BooleanOptionalAction
+    if meta.get("action") not in (None, "extend"):  # BooleanOptionalAction
         return st.sampled_from([[name], ["--no-" + name[2:]]])
     if f.name in BOUNDED:
         strategy = BOUNDED[f.name]
-    elif meta["choices"]:
+    elif meta.get("choices"):
         strategy = st.one_of(st.sampled_from(meta["choices"]), TEXT)
     elif kind is int:
         strategy = ints(-2, 9)
@@ -161,12 +160,15 @@ def snapshot(root: Path, skip: set[Path] = frozenset()) -> dict[str, str]:
 
 
 def run_directories(args: list[str], cwd: Path) -> set[Path]:
-    """The run directory: the last --out-dir wins; an empty one means the default, runs/<date-time>."""
+    """The run directory: the last --out-dir wins; an empty one means the default, runs/<date-time>.
+    A relative one's first folder with it: the run makes the folders above its own (run/inner)."""
     out = OUT
     for arg in args:
         if arg.startswith("--out-dir="):
             out = arg.split("=", 1)[1] or str(RUNS_ROOT)
-    return {(cwd / out).resolve()}
+    parts = Path(out).parts
+    top = parts[0] if parts and not Path(out).is_absolute() and parts[0] != ".." else out
+    return {(cwd / out).resolve(), (cwd / top).resolve()}
 
 
 @pytest.fixture(scope="module")
@@ -242,10 +244,10 @@ ANY_TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_charact
 
 
 def hostile_values(f) -> st.SearchStrategy[list[str]]:
-    name, meta = config.flag_name(f), f.metadata
-    if meta["action"] in ("store_true", "store_false"):
+    name, meta = config.flag_name(f.name), f.metadata
+    if meta.get("action") in ("store_true", "store_false"):
         return st.sampled_from([[name], [f"{name}=x"]])
-    if meta["action"] not in (None, "extend"):  # BooleanOptionalAction
+    if meta.get("action") not in (None, "extend"):  # BooleanOptionalAction
         return st.sampled_from([[name], ["--no-" + name[2:]], [f"{name}=1"]])
     return st.one_of(HOSTILE_TEXT, ANY_TEXT, st.integers().map(str), st.floats().map(repr)).map(
         lambda v: [f"{name}={v}"]
@@ -277,7 +279,7 @@ def test_every_trainer_flag_with_hostile_values_parses_or_is_one_line(capsys, ch
         assert e.code == 0 or len(err.splitlines()) == 1, (args, err)
         return
     # Accepted: then within the bounds a run can survive.
-    assert cfg.grad_accum_steps <= config.MAX_INNER_LOOP and cfg.eval_iters <= config.MAX_INNER_LOOP
+    assert cfg.grad_accum_steps <= config.INNER and cfg.eval_iters <= config.INNER
     assert cfg.out_dir is None or cfg.out_dir.strip()
     assert cfg.checkpoint_path is None or cfg.checkpoint_path.strip()
 

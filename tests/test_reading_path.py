@@ -1,180 +1,154 @@
-"""The reading path (design: a reader follows one training step in an afternoon): what a default run
-has loaded of the project by its first step, and what it has not. Everything beside the step (the
-profiler window, the memory breakdown, the estimator and predictor, FSDP/TP and stragglers, the
-checkpoint's reader, the report and the other tools) loads only when its flag or its command asks."""
+"""The reading path, measured as a user launches the trainer (design: a reader follows one training
+step in an afternoon). `python train_minimal.py --preset tiny --num-steps 4 --log-interval 2` runs
+as its own process, on a first run (an empty cache, as on a fresh machine) and on a second; a tracer
+loaded into it through sitecustomize counts the project's lines it executes until the third
+optimizer step begins, and the project's files it has loaded, whole, when the first one begins. The
+budget: at most 7 files of more than 10 lines, 1,300 lines loaded, 700 executed. And the house's
+rule: imports run one way, in no circle."""
 
 from __future__ import annotations
 
+import ast
+import json
+import os
+import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 from conftest import ROOT
 
-import train_minimal
+MAX_FILES, MAX_LOADED, MAX_EXECUTED = 7, 1300, 700
+FLAGS = ["--preset", "tiny", "--num-steps", "4", "--log-interval", "2", "--device", "cpu"]
 
-# What a default run (tiny preset) may have loaded before its first step, and the lines they hold
-# together: the design's budget, 3,000 lines. STEP_LINES holds what runs today through set-up and the
-# first two steps (in the files of STEP_PATH), so that a change cannot quietly add to it; the lines
-# are counted as the design counts them: a def's line and the lines run in its body, module bodies not.
-READING_PATH = {
-    "train_minimal.py",
-    "minigpt/__init__.py",
-    "minigpt/core/__init__.py",
-    "minigpt/instruments/__init__.py",
-    "minigpt/core/config.py",
-    "minigpt/core/model.py",
-    "minigpt/core/data.py",
-    "minigpt/core/runs.py",
-    "minigpt/instruments/instrument.py",
-    "minigpt/step_record.py",
-    "minigpt/stages.py",
-    "minigpt/errors.py",
-    "minigpt/ranks.py",
-    "minigpt/paths.py",
-}
-LOADED_LINES = 3000
-STEP_PATH = {
-    "train_minimal.py",
-    "minigpt/core/config.py",
-    "minigpt/core/model.py",
-    "minigpt/core/data.py",
-    "minigpt/core/runs.py",
-    "minigpt/instruments/instrument.py",
-}
-STEP_LINES = 859  # measured on a CPU with AVX512-BF16 and no AMX, where MFU reads two peaks
-BESIDE = (
-    "minigpt.instruments.window",
-    "minigpt.instruments.breakdown",
-    "minigpt.instruments.estimate",
-    "minigpt.instruments.predict",
-    "minigpt.instruments.straggler",
-    "minigpt.core.distributed",
-    "minigpt.core.parallel",
-    "minigpt.core.checkpoint",
-    "minigpt.analysis.report",
-    "minigpt.analysis.traces",
-    "minigpt.core.checks",
-    "minigpt.core.flaghelp",
-    "minigpt.core.tokens",
-    "minigpt.core.chunked_loss",
-    "minigpt.core.shape",
-)
+# Loaded into the trainer's process: a line counts once, in a function that runs (a module's or a
+# class's body, which only defines, does not); the loaded files are read when step 1's optimizer
+# step begins (torch's optimizer pre-hook), the executed lines end when step 3's begins.
+TRACER = r"""
+import json, os, sys
+ROOT, OUT = os.environ["PATH_ROOT"], os.environ["PATH_OUT"]
+hits, state = set(), {"steps": 0, "loaded": None, "done": False, "hooked": False}
 
+def ours(f):
+    return f.startswith(ROOT + os.sep) and "/tests/" not in f and "/.venv/" not in f
 
-@pytest.fixture(autouse=True)
-def _modules_as_they_were():
-    """The other tests hold the project's modules they imported (and patch them): give those back."""
-    before = {k: v for k, v in sys.modules.items() if k.startswith("minigpt")}
-    yield
-    for name in [k for k in sys.modules if k.startswith("minigpt") and k not in before]:
-        del sys.modules[name]
-    for name, module in before.items():
-        sys.modules[name] = module
-        parent, _, child = name.rpartition(".")
-        if parent in before:
-            setattr(before[parent], child, module)
+def loaded():
+    files = {}
+    for m in list(sys.modules.values()):
+        f = getattr(m, "__file__", None) or ""
+        if os.path.isabs(f) and f.endswith(".py") and os.path.isfile(f) and ours(os.path.realpath(f)):
+            with open(f, encoding="utf-8") as fh:
+                files[os.path.relpath(os.path.realpath(f), ROOT)] = sum(1 for _ in fh)
+    return files
+
+def pre_step(opt, args, kwargs):
+    state["steps"] += 1
+    if state["steps"] == 1:
+        state["loaded"] = loaded()
+    if state["steps"] == 3:
+        state["done"] = True
+        with open(OUT, "w") as fh:
+            json.dump({"loaded": state["loaded"], "executed": sorted(hits)}, fh)
+
+def tracer(frame, event, arg):
+    f = frame.f_code.co_filename
+    if state["done"] or not ours(f):
+        return None
+    if not state["hooked"] and "torch.optim.optimizer" in sys.modules:
+        state["hooked"] = True
+        sys.modules["torch.optim.optimizer"].register_optimizer_step_pre_hook(pre_step)
+    if not frame.f_code.co_flags & 0x2:  # CO_NEWLOCALS: a function runs; a module or class body defines
+        return None
+    hits.add((os.path.relpath(f, ROOT), frame.f_code.co_firstlineno))
+
+    def lines(frame, event, arg):
+        if event == "line" and not state["done"]:
+            hits.add((os.path.relpath(frame.f_code.co_filename, ROOT), frame.f_lineno))
+        return lines
+    return lines
+
+import threading
+sys.settrace(tracer)
+threading.settrace(tracer)
+"""
 
 
-def forget_beside() -> None:
-    """This interpreter forgets the project's modules beyond the reading path (an earlier run or test
-    loaded them), as a fresh process would not have them."""
-    for name, module in list(sys.modules.items()):
-        f = Path(getattr(module, "__file__", None) or "").resolve()
-        rel = f.relative_to(ROOT).as_posix() if f.is_relative_to(ROOT) else None
-        if name.startswith("minigpt.") and rel not in READING_PATH:
-            del sys.modules[name]
+def traced_run(tmp_path: Path, cache: Path, name: str) -> dict:
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(TRACER)
+    out = tmp_path / f"{name}.json"
+    env = {k: v for k, v in os.environ.items() if k != "MINIGPT_ARGS"}
+    env |= dict(PATH_ROOT=str(ROOT.resolve()), PATH_OUT=str(out), MINIGPT_CACHE_DIR=str(cache))
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT)])
+    cmd = [sys.executable, "train_minimal.py", *FLAGS, "--out-dir", str(tmp_path / name)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(out.read_text())
 
 
-def loaded_by_step_1(tmp_path, *flags: str) -> dict[str, int]:
-    """The project's modules a run in this interpreter has loaded as step 1 begins, with their lines."""
-    seen: dict[str, int] = {}
-
-    def on_step(n: int) -> None:
-        if n == 1:
-            for module in list(sys.modules.values()):
-                f = Path(getattr(module, "__file__", None) or "")
-                mine = f.is_absolute() and f.is_file() and f.resolve().is_relative_to(ROOT)
-                rel = f.resolve().relative_to(ROOT).as_posix() if mine else ""
-                if rel == "train_minimal.py" or rel.startswith("minigpt/"):  # the project's, not its tests'
-                    seen[rel] = len(f.read_text().splitlines())
-
-    out = str(tmp_path / "run")
-    assert train_minimal.cli(["--preset", "tiny", "--num-steps", "2", "--out-dir", out, *flags], on_step) == 0
-    return seen
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("path")
+    return {name: traced_run(tmp, tmp / "cache", name) for name in ("first", "second")}
 
 
-def test_a_default_run_loads_the_reading_path_and_nothing_beside_it(tmp_path, monkeypatch):
-    """The second run on a machine: the first measured its MFU peak (minigpt/instruments/mfu.py),
-    once, into the cache the others read (on a quiet machine: a figure taken under load is taken
-    again at a later start)."""
-    from minigpt.instruments import mfu
-
-    monkeypatch.setattr(mfu.LoadProbe, "others", lambda self: 0.0)
-    loaded_by_step_1(tmp_path / "first")
-    forget_beside()
-    seen = loaded_by_step_1(tmp_path)
-    assert set(seen) <= READING_PATH, sorted(set(seen) - READING_PATH)
-    assert sum(seen.values()) <= LOADED_LINES, seen
+@pytest.mark.parametrize("which", ["first", "second"])
+def test_a_default_run_loads_at_most_seven_files_and_1300_lines(runs, which):
+    loaded = runs[which]["loaded"]
+    files = {f: n for f, n in loaded.items() if n > 10}
+    assert len(files) <= MAX_FILES, files
+    assert sum(loaded.values()) <= MAX_LOADED, loaded
+    assert "train_minimal.py" in files and "minigpt/core/model.py" in files  # the trace saw the path
 
 
-def test_a_flag_loads_its_room(tmp_path):
-    forget_beside()
-    seen = loaded_by_step_1(
-        tmp_path, "--use-profiler", "--profile-step-start", "1", "--profile-step-end", "2"
-    )
-    assert "minigpt/instruments/window.py" in seen and "minigpt/analysis/report.py" not in seen
+@pytest.mark.parametrize("which", ["first", "second"])
+def test_set_up_and_two_steps_execute_at_most_700_lines(runs, which):
+    executed = runs[which]["executed"]
+    assert 200 < len(executed) <= MAX_EXECUTED, len(executed)
 
 
-def test_set_up_and_two_steps_run_in_the_step_paths_files(tmp_path, monkeypatch):
-    """What a reader follows: the distinct lines of the project that run from main() to the start of
-    step 3 (a log line at step 2 included), in six files."""
-    from minigpt.instruments import mfu
+def project_modules() -> dict[str, Path]:
+    files = [*ROOT.glob("minigpt/**/*.py"), ROOT / "train_minimal.py", ROOT / "sample.py"]
+    names = {}
+    for f in files:
+        name = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+        names[name.removesuffix(".__init__")] = f
+    return names
 
-    monkeypatch.setattr(mfu.LoadProbe, "others", lambda self: 0.0)
-    loaded_by_step_1(tmp_path / "first")  # the MFU peak measured once, as on a machine's first run
-    root = str(ROOT) + "/"
-    lines: dict[str, set[int]] = {}
-    phase = ["steps 1-2"]
 
-    def tracer(frame, event, arg):
-        f = frame.f_code.co_filename
-        skip = ("/tests/", "/.venv/", "/site-packages/")
-        if not f.startswith(root) or any(s in f for s in skip) or frame.f_code.co_name == "<module>":
-            return None
-        if phase[0] != "steps 1-2":
-            return None
-        lines.setdefault(f, set()).add(frame.f_code.co_firstlineno)
+def imports_of(path: Path, modules: dict) -> set[str]:
+    """The project's modules `path` imports, anywhere in it (a lazy import is a dependency too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and not modules[name].name == "__init__.py":
+                found.add(name)
+    return found
 
-        def local(frame, event, arg):
-            if event == "line" and phase[0] == "steps 1-2":
-                lines[frame.f_code.co_filename].add(frame.f_lineno)
-            return local
 
-        return local
+def test_imports_run_one_way_in_no_circle():
+    """No module reaches itself through the project's imports; the tools (minigpt.analysis) import
+    nothing of the trainer (core, instruments) and no torch."""
+    modules = project_modules()
+    graph = {m: imports_of(f, modules) - {m} for m, f in modules.items()}
 
-    def on_step(n: int) -> None:
-        if n == 3:
-            phase[0] = "the rest"
+    def reach(start):
+        seen, todo = set(), list(graph[start])
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo.extend(graph[m])
+        return seen
 
-    flags = [
-        "--preset",
-        "tiny",
-        "--num-steps",
-        "4",
-        "--log-interval",
-        "2",
-        "--out-dir",
-        str(tmp_path / "run"),
-    ]
-    sys.settrace(tracer)
-    threading.settrace(tracer)
-    try:
-        assert train_minimal.main(flags, on_step) == 0
-    finally:
-        sys.settrace(None)
-        threading.settrace(None)
-    files = {Path(f).relative_to(ROOT).as_posix(): len(n) for f, n in lines.items() if n}
-    assert set(files) <= STEP_PATH, sorted(set(files) - STEP_PATH)
-    assert sum(files.values()) <= STEP_LINES, files
+    assert [m for m in graph if m in reach(m)] == []
+    for m, deps in graph.items():
+        if m.startswith("minigpt.analysis."):
+            assert not {d for d in deps if d.startswith(("minigpt.core", "minigpt.instruments"))}, m
+            assert "import torch" not in modules[m].read_text(), m

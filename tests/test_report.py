@@ -10,15 +10,19 @@ import html
 import json
 import re
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 from conftest import TINY, docs_module
 
-from minigpt.analysis.report import PAGE_HEAD, SECTIONS, fitted_range, main, write_report
-from minigpt.analysis.runfiles import RunError, load_run
-from minigpt.instruments.breakdown import MemoryBreakdown, write_memory_trace
 from minigpt.analysis.breakdown_log import MEMORY_LOG, PEAK_PARTS, parse_memory_log, peak_of_state, peak_rows
+from minigpt.analysis.html import PAGE_HEAD
+from minigpt.analysis.record import StepRecord
+from minigpt.analysis.report import SECTIONS, fitted_range, main, write_report
+from minigpt.analysis.runfiles import RunError, load_run
+from minigpt.config import BUSY
+from minigpt.instruments.breakdown import MemoryBreakdown, write_memory_trace
 
 KERNEL = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64"
 ELEMENTWISE = "void at::native::vectorized_elementwise_kernel<4>"
@@ -93,6 +97,10 @@ def gpu_trace_events(steps=(5, 6), kernel=KERNEL, op_ms: dict | None = None) -> 
     return events
 
 
+FLOPS_PER_TOKEN, PEAK = 723456, 989e12
+TOKENS_PER_STEP, WARMUP_S = 4 * 64, 0.5  # --batch-size 4 x --seq-len 64; step 1, left out
+
+
 def make_run(
     folder: Path,
     *,
@@ -105,9 +113,12 @@ def make_run(
     breakdown: dict | None = None,
     world_size=1,
     amp="fp32",
+    busy=0.0,
 ) -> Path:
-    """A run directory with config.json and metrics.jsonl as the trainer writes them (plus a trace
-    and a memory breakdown when given)."""
+    """A run directory with config.json and metrics.jsonl as the trainer writes them today (each
+    record a StepRecord: step 1 its warm-up, left out; the run's figures over the steady steps;
+    MFU against config.json's peak; `busy`, the share of the cores others took in every interval),
+    plus a trace and a memory breakdown when given."""
     folder.mkdir(parents=True)
     losses = losses or [4.0 - 0.5 * i for i in range(len(steps))]
     (folder / "config.json").write_text(
@@ -130,40 +141,68 @@ def make_run(
                     "d_ff": 4 * d_model,
                     "vocab_size": 64,
                 },
-                "device": "cuda",
                 "device_name": "NVIDIA H100 80GB HBM3",
-                "amp": amp,
                 "params": 108288,
-                "flops_per_token": 723456,
-                "peak_flops": 989e12,
-                "peak_flops_source": "table: H100 bf16 dense",
+                "device": "cuda",
+                "amp": amp,
                 "world_size": world_size,
                 "ddp_backend": None,
                 "versions": {"torch": "2.13.0", "cuda": "12.8", "python": "3.11.7"},
+                "peak_flops": PEAK,
+                "peak_flops_dtype": "bf16",
+                "peak_flops_source": "table: H100 bf16 dense",
+                "flops_per_token": FLOPS_PER_TOKEN,
             }
         )
     )
-    lines = []
+    lines, prev = [], 0
+    step_s = TOKENS_PER_STEP / tokens_per_s
+    per_rank = tokens_per_s / world_size
     for step, loss in zip(steps, losses):
         stages = {k: v * stage_scale for k, v in STAGE_MS.items()}
-        rec = {
-            "step": step,
-            "num_steps": steps[-1],
-            "loss": loss,
-            "lr": 1e-3 / step,
-            "tokens_per_s": tokens_per_s,
-            "tokens_per_s_per_rank": tokens_per_s / world_size,
-            "step_time_s": 0.256 / tokens_per_s * 1000,
-            "world_size": world_size,
-            "val_loss": loss + 0.1 if step == steps[-1] else None,
-            "mfu": tokens_per_s * 723456 / 989e12,
-            "stage_host_ms": stages,
-            "stage_device_ms": stages,
-            "memory": {"peak_allocated_gib": 1.0, "peak_reserved_gib": 1.5},
-        }
-        if breakdown and step == steps[0]:
-            rec["memory_breakdown"] = breakdown
-        lines.append(json.dumps(rec))
+        left_out = [{"step": 1, "s": WARMUP_S, "why": "warm-up"}] if prev == 0 else []
+        run_steps = step - 1
+        run_s = run_steps * step_s
+        trained = step * TOKENS_PER_STEP * world_size
+        elapsed = run_s + WARMUP_S + 0.01 * step  # and the logging
+        rec = StepRecord(
+            step=step,
+            num_steps=steps[-1],
+            epoch=1,
+            loss=loss,
+            lr=1e-3 / step,
+            step_time_s=step_s,
+            tokens_per_s=tokens_per_s,
+            tokens_per_s_per_rank=per_rank,
+            run_tokens=run_steps * TOKENS_PER_STEP * world_size,
+            run_steps=run_steps,
+            run_step_time_s=run_s,
+            run_tokens_per_s=tokens_per_s,
+            tokens_trained=trained,
+            tokens_per_s_e2e=trained / elapsed,
+            startup_s=2.0,
+            world_size=world_size,
+            val_loss=loss + 0.1 if step == steps[-1] else None,
+            val_ppl=None,
+            elapsed_s=elapsed,
+            eta_s=(steps[-1] - step) * step_s,
+            amp=amp,
+            mfu=per_rank * FLOPS_PER_TOKEN / PEAK,
+            achieved_tflops=per_rank * FLOPS_PER_TOKEN / 1e12,
+            stage_host_ms=stages,
+            stage_device_ms=stages,
+            memory={"peak_allocated_gib": 1.0, "peak_reserved_gib": 1.5, "alloc_retries": 0, "ooms": 0},
+            memory_breakdown=breakdown if breakdown and step == steps[0] else None,
+            left_out=left_out,
+            steady_steps=step - prev - len(left_out),
+            run_left_out={"warm-up": {"steps": [1], "s": WARMUP_S}},
+            busy=busy,
+            run_busy=1.0 if busy > BUSY else 0.0,
+            run_mfu=per_rank * FLOPS_PER_TOKEN / PEAK,
+            run_achieved_tflops=per_rank * FLOPS_PER_TOKEN / 1e12,
+        )
+        lines.append(json.dumps(asdict(rec)))
+        prev = step
     (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     if trace is not None:
         (folder / "traces").mkdir()
@@ -291,9 +330,9 @@ def test_a_gzip_bomb_in_the_traces_is_named_and_the_report_written(tmp_path, mon
 
 
 @pytest.mark.parametrize("how", ["full disk", "no such folder"])
-def test_out_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, how):
-    """--out on a full disk or where no file can be created: one line naming the page and --out,
-    the previous page intact, no temporary file left."""
+def test_out_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, capsys, how):
+    """--out on a full disk (a fault: exit 1) or where no file can be created (exit 2): one line
+    naming the page and --out, the previous page intact, no temporary file left."""
     run = make_run(tmp_path / "r")
     out = tmp_path / "page.html"
     previous = PAGE_HEAD + " previous"  # an earlier page of minigpt's: replaced, were there room
@@ -304,7 +343,7 @@ def test_out_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, monkeypatch
         )
     else:
         out = Path("/proc/page.html")  # /proc takes no new file, even for root
-    assert main([str(run), "--out", str(out)]) == 2
+    assert main([str(run), "--out", str(out)]) == (1 if how == "full disk" else 2)
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: ") and str(out) in line and "(--out)" in line
     assert "no space left" in line if how == "full disk" else "cannot write" in line
@@ -433,14 +472,26 @@ def test_one_logged_step_and_a_constant_lr_read_right(tmp_path):
     assert "One logged step" not in write_report(make_run(tmp_path / "three")).read_text()
 
 
-def test_measured_flops_spread_is_in_tflops(tmp_path):
+def test_the_summary_reads_mfu_and_its_peak_from_the_run(tmp_path):
+    """MFU over the run is the last record's run_mfu against config.json's peak, with its dtype and
+    source; a record without it reads "n/a", never a figure rebuilt from tokens/s and FLOPs."""
     run = make_run(tmp_path / "r")
-    config = json.loads((run / "config.json").read_text())
-    config.update(peak_flops=2330541570715.065, peak_flops_spread=[1215599041154.5454, 2330541570715.065])
-    (run / "config.json").write_text(json.dumps(config))
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows[-1] |= {"run_mfu": 0.4321, "run_achieved_tflops": 427.3}  # not what the tokens/s would give
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     page = write_report(run).read_text()
-    assert "2.33 TFLOP/s per device" in page and "median to best: 1.22-2.33 TFLOP/s" in page
-    assert "1215599041154" not in page
+    assert "<td>MFU over the run</td><td>43.2% (427.300 TFLOP/s achieved per device)</td>" in page
+    assert "989 TFLOP/s per device (bf16, table: H100 bf16 dense)" in page
+    del rows[-1]["run_mfu"], rows[-1]["run_achieved_tflops"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "<td>MFU over the run</td><td>n/a</td>" in write_report(run).read_text()
+
+
+def test_the_summary_says_how_busy_the_machine_was(tmp_path):
+    quiet = write_report(make_run(tmp_path / "quiet")).read_text()
+    assert "quiet: other processes took at most 25% of the cores in every steady step" in quiet
+    busy = write_report(make_run(tmp_path / "busy", busy=0.6)).read_text()
+    assert "others took 60% of the cores in 100% of the steady steps; re-run on a quiet machine" in busy
 
 
 def test_comm_time_only_where_the_trace_has_collectives(tmp_path):
@@ -535,15 +586,11 @@ def test_stage_bars_keep_their_width_when_logged_steps_are_close(tmp_path):
 
 
 def test_the_loss_curve_draws_a_val_point_only_where_the_run_evaluated(tmp_path):
-    """An older trainer carried step 20's val loss to step 30 as if new: the curve draws it once."""
     from minigpt.analysis.report import evaluated
 
     folder = make_run(tmp_path / "r", steps=(10, 20, 30, 40))
     rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
-    for r, v in zip(rows, (None, 4.57, 4.57, 4.26)):
+    for r, v in zip(rows, (None, 4.57, None, 4.26)):
         r["val_loss"] = v
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    config = json.loads((folder / "config.json").read_text())
-    config.setdefault("config", {}).update(eval_interval=20, num_steps=40)
-    (folder / "config.json").write_text(json.dumps(config))
     assert evaluated(load_run(folder)) == [(20, 4.57), (40, 4.26)]

@@ -1,8 +1,7 @@
-"""The run's own figures (metrics.RunTotals): tokens/s in steady state (warm-up and instrumented
-steps left out, and named) and end to end, start-up, each defined once, written on every
-metrics.jsonl record, and read unchanged by the last log line, the report and
-minigpt.analysis.compare; an older run's steady figure is rebuilt from its intervals after the
-first, and says so."""
+"""The run's own figures (instruments/figures.py): tokens/s in steady state (warm-up and
+instrumented steps left out, and named) and end to end, MFU, start-up, each defined once, written
+on every metrics.jsonl record, and read unchanged by the last log line, the report and
+minigpt.analysis.compare."""
 
 import gzip
 import json
@@ -19,10 +18,10 @@ from test_report import make_run
 from test_train import sigterm_at
 
 import train_minimal
-from minigpt.analysis.compare import compare_runs, format_compare, headline
+from minigpt.analysis.compare import compare_runs, format_compare
+from minigpt.analysis.record import RUN_KEYS
 from minigpt.analysis.report import summary_section
-from minigpt.analysis.runfiles import OLDER_RUN, REBUILT, RUN_KEYS, load_run
-from minigpt.instruments.instrument import Interval, RunTotals, StageTimes, evaluation_notice
+from minigpt.analysis.runfiles import load_run
 from minigpt.instruments.window import PROFILER_STDERR_NOTE
 
 
@@ -75,17 +74,18 @@ def test_run_wide_rates_are_the_steady_steps_tokens_over_their_time(real_run):
 def test_the_last_line_says_the_last_records_figures(real_run):
     out, stdout, _ = real_run
     last = read_metrics(out)[-1]
-    line = next(x for x in stdout.splitlines() if "Training finished:" in x)
-    assert f"10 steps, {last['tokens_trained']:,} tokens;" in line
-    warmup = last["run_left_out"]["warm-up"]["s"]
-    assert (
-        f"{last['run_tokens_per_s']:,.0f} tokens/s in steady state "
-        f"(9 steps in {last['run_step_time_s']:.2f}s; "
-        f"left out: step 1, {warmup:.2f}s: the first step: allocations and kernel selection)" in line
-    )
-    assert f"{last['tokens_per_s_e2e']:,.0f} tokens/s end to end ({last['elapsed_s']:.2f}s of loop" in line
-    assert re.search(r"start-up \d+\.\ds before the loop, in neither figure$", line)
     lines = stdout.splitlines()
+    at = next(i for i, x in enumerate(lines) if "Training finished:" in x)
+    assert f"10 steps, {last['tokens_trained']:,} tokens;" in lines[at]
+    warmup = last["run_left_out"]["warm-up"]["s"]
+    assert lines[at + 1].endswith(
+        f"steady state: {last['run_tokens_per_s']:,.0f} tokens/s, 9 steps in {last['run_step_time_s']:.2f}s"
+    )
+    left = f"left out: step 1, {warmup:.2f}s: the first step: allocations and kernel selection"
+    assert lines[at + 2].endswith(left)
+    e2e = f"end to end: {last['tokens_per_s_e2e']:,.0f} tokens/s over {last['elapsed_s']:.2f}s of loop"
+    assert e2e in lines[at + 3]
+    assert re.search(r"start-up \d+\.\ds before the loop, in neither figure$", lines[at + 3])
     at = next(i for i, x in enumerate(lines) if " step 4/10 " in x)
     assert f"left out: step 1 {rows_first_left(out):.2f}s (warm-up)" in lines[at + 1]  # the stage line
 
@@ -107,64 +107,21 @@ def test_report_and_compare_read_the_same_keys(real_run):
     )
     assert "step 1, " in page and "the first step: allocations and kernel selection" in page
     thr = {r["metric"]: r for r in compare_runs(out, out)["throughput"]}
-    for key in ("run_tokens_per_s", "tokens_per_s_e2e", "startup_s"):
+    for key in ("run_tokens_per_s", "tokens_per_s_e2e", "run_mfu", "startup_s"):
         assert thr[key]["a"] == last[key] and thr[key]["ratio"] == pytest.approx(1.0)
 
 
-def test_the_reports_mfu_is_the_runs_not_an_intervals(real_run, tmp_path):
-    """The MFU row is the run's: its tokens/s over the steps alone against the same denominator as
-    the last interval's MFU (so it is that MFU scaled by the two rates), not the median interval's."""
+def test_the_reports_mfu_is_the_runs_not_an_intervals(real_run):
+    """The MFU row is the run's, as the trainer recorded it (run_mfu: the steady steps' tokens/s
+    against config.json's peak, the last interval's MFU scaled by the two rates), not the median
+    interval's, nor a figure the report works out for itself."""
     out, _, _ = real_run
     last = read_metrics(out)[-1]
-    expected = last["mfu"] * last["run_tokens_per_s"] / last["tokens_per_s"]
+    assert last["run_mfu"] == pytest.approx(last["mfu"] * last["run_tokens_per_s"] / last["tokens_per_s"])
+    assert set(RUN_KEYS) <= set(last)
     page = summary_section(load_run(out))
     row = re.search(r"MFU over the run</t[hd]>\s*<td>([^<]*)", page)
-    assert row and row[1].startswith(f"{100 * expected:.1f}% (")
-    # An older run whose denominator was measured under load: no MFU above 100%, the reason instead.
-    figures = dict(run_tokens=7680, run_step_time_s=1.5e-6, run_tokens_per_s=5e9, tokens_per_s_e2e=4e9)
-    figures |= dict(elapsed_s=1.9e-6, startup_s=1.0)
-    poisoned = with_run_figures(make_run(tmp_path / "old", tokens_per_s=5e9), **figures)
-    page = summary_section(load_run(poisoned))
-    assert "is below what the run achieved" in page and not re.search(
-        r"MFU over the run</t[hd]>\s*<td>\d", page
-    )
-
-
-def with_run_figures(folder, **figures):
-    """Add the run-wide keys to a made-up run's records, as the trainer now writes them."""
-    rows = [{**r, **figures} for r in read_metrics(folder)]
-    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return folder
-
-
-def test_an_older_runs_steady_figure_is_rebuilt_and_says_so(tmp_path):
-    steps = (10, 20, 30, 40, 50)  # enough logged intervals for compare to give an interval
-    old = make_run(tmp_path / "old", tokens_per_s=1000.0, steps=steps)  # a trainer before the run-wide keys
-    new = with_run_figures(
-        make_run(tmp_path / "new", tokens_per_s=2000.0, amp="bf16", steps=steps),
-        run_tokens=7680,
-        run_steps=60,
-        run_step_time_s=4.0,
-        run_tokens_per_s=1920.0,
-        tokens_trained=7808,
-        tokens_per_s_e2e=1500.0,
-        elapsed_s=5.12,
-        startup_s=4.7,
-        steady_steps=10,
-        run_left_out={"warm-up": {"steps": [1], "s": 0.5}},
-    )
-    text = format_compare(compare_runs(old, new))
-    steady = next(x for x in text.splitlines() if x.startswith("tokens/s in steady state"))
-    assert "1,000" in steady and "1,920" in steady  # the older run's: its intervals after the first
-    startup = next(x for x in text.splitlines() if x.startswith("start-up s"))
-    assert OLDER_RUN in startup and "4.70" in startup
-    assert "tokens/s per step 2.00x (2.00-2.00)" in headline(compare_runs(old, new))  # named for what it is
-    page = summary_section(load_run(old))
-    assert page.count(OLDER_RUN) == 2  # end to end, start-up
-    assert REBUILT in page
-    new_page = summary_section(load_run(new))
-    assert "1,920 (the run: 7,680 tokens of 60 steady steps / 4.00s" in new_page
-    assert "step 1, 0.50s: the first step" in new_page and REBUILT not in new_page
+    assert row and row[1].startswith(f"{100 * last['run_mfu']:.1f}% (")
 
 
 def test_compare_says_what_precision_each_run_used_and_names_the_rss_peak(tmp_path):
@@ -186,21 +143,10 @@ def test_compare_says_what_precision_each_run_used_and_names_the_rss_peak(tmp_pa
     assert "bytes" not in memory
 
 
-def test_run_totals_weigh_every_step_alike():
-    totals = RunTotals(tokens_per_step=100)
-    totals.start()
-    totals.add([1.0, 1.0, 1.0])  # an interval of 3 one-second steps
-    totals.add([4.0])  # and one of a single slow step
-    f = totals.figures()
-    assert set(f) == {*RUN_KEYS, "run_left_out"}
-    assert f["run_tokens"] == 400 and f["run_step_time_s"] == pytest.approx(7.0)
-    assert f["run_tokens_per_s"] == pytest.approx(400 / 7)  # the mean of the intervals' rates is 62.5
-
-
 def test_start_up_counts_from_the_scripts_start_not_the_processs_age(tmp_path):
     """`bash -c "sleep 2 && exec python train_minimal.py"`: python runs in bash's process, whose age
-    holds the sleep (a pip install, in the audit); start-up counts from the script, through the
-    re-exec under the preferred malloc. A notebook's second run counts from its own main() call."""
+    holds the sleep (a pip install, say); start-up counts from the script. A notebook's second run
+    counts from its own main() call."""
     out = tmp_path / "run"
     flags = " ".join([*TINY, "--num-steps", "2", "--no-checkpoint", "--no-report", "--out-dir", str(out)])
     script = f"sleep 5 && exec {sys.executable} {ROOT / 'train_minimal.py'} {flags}"
@@ -218,17 +164,6 @@ def test_start_up_counts_from_the_scripts_start_not_the_processs_age(tmp_path):
     )
     inside = read_metrics(tmp_path / "b")[-1]["startup_s"]
     assert 0 <= inside <= time.time() - t1  # from the call, not from this interpreter's imports
-
-
-def test_a_long_evaluation_is_announced_and_a_short_one_is_not():
-    """An evaluation batch costs the interval's forward per micro-batch, or a third of a step
-    without stage timing."""
-    slow = Interval([3.0], StageTimes(host_ms={"forward": 1500.0}))
-    assert evaluation_notice(20, slow, 1) == "evaluating (20 batches, about 30.0s)..."
-    assert evaluation_notice(20, slow, 10) is None  # 150 ms per micro-batch
-    assert evaluation_notice(20, Interval([0.03], StageTimes()), 1) is None  # fast, untimed stages
-    assert evaluation_notice(20, Interval([9.0], StageTimes()), 1) == "evaluating (20 batches, about 1.0m)..."
-    assert evaluation_notice(20, Interval([], StageTimes()), 1) is None  # nothing measured: nothing to say
 
 
 def test_a_profiled_run_explains_torchs_stderr_lines_before_they_appear(tmp_path):

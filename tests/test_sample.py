@@ -119,6 +119,11 @@ def edited(toy_run: Path, tmp_path: Path, edit) -> Path:
         (lambda s: s["config"].update(use_toy_data="yes"), "use_toy_data holds 'yes'"),
         (lambda s: s["config"].update(use_toy_data=False), "tokenizer's 50257 ids do not fit"),
         (lambda s: s["config"].update(vocab_size=10**12), "does not fit its model's embedding"),
+        (lambda s: s["config"].update(use_toy_data=False, tokenizer_name=5), "tokenizer_name holds 5"),
+        (
+            lambda s: s["config"].update(use_toy_data=False, tokenizer_name="nosuch"),
+            "'nosuch' is not available",
+        ),
     ],
 )
 def test_a_hand_edited_checkpoint_config_is_one_line(toy_run, tmp_path, capsys, edit, expect):
@@ -222,9 +227,9 @@ def test_characters_split_over_tokens_decode_whole():
     """GPT-2's byte-level tokens split a CJK character or an emoji over two or three tokens; the
     sample's text must show the character, never U+FFFD for its halves."""
     from minigpt.config import EOT
-    from minigpt.core.tokens import get_tokenizer
+    from minigpt.core.data import gpt2_tokenizer
 
-    enc = get_tokenizer()
+    enc = gpt2_tokenizer()
     tokens = enc.encode_ordinary(TEXT)
     pieces = [enc.decode_single_token_bytes(t) for t in tokens]
     split = []
@@ -241,9 +246,9 @@ def test_characters_split_over_tokens_decode_whole():
 def test_a_sample_cut_inside_a_character_leaves_the_partial_character_out():
     """max_new_tokens can end a sample between the tokens of one character: the complete text up to
     it is shown, not a trailing U+FFFD."""
-    from minigpt.core.tokens import get_tokenizer
+    from minigpt.core.data import gpt2_tokenizer
 
-    enc = get_tokenizer()
+    enc = gpt2_tokenizer()
     tokens = enc.encode_ordinary(TEXT)
     cuts = 0
     for k in range(1, len(tokens)):

@@ -10,6 +10,7 @@ import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 from minigpt.core import torchcompat
+from minigpt.instruments import mfu
 
 
 @contextmanager
@@ -109,10 +110,18 @@ def test_cuda_allocator_internals(tmp_path):
     del x
 
 
-def test_cpu_dcp_and_dispatch_internals():
-    with internal("torch.cpu._is_avx512_bf16_supported / _is_amx_tile_supported"):
-        features = torchcompat.cpu_bf16_features()
+def test_the_cpus_bf16_check_in_mfu_py():
+    """The one private torch name spelled outside torchcompat.py: mfu.py's, which every run needs
+    before any room loads (AMP's decision)."""
+    with internal(
+        "torch.cpu._is_avx512_bf16_supported / _is_amx_tile_supported (minigpt/instruments/mfu.py)"
+    ):
+        features = mfu.cpu_bf16_features()
     assert set(features) == {"avx512_bf16", "amx"} and all(isinstance(v, bool) for v in features.values())
+    assert not hasattr(torchcompat, "cpu_bf16_features")  # one place, not two
+
+
+def test_dcp_and_dispatch_internals():
     nested = {"optim": {"state": {0: {"exp_avg": None}}}}
     with internal("torch.distributed.checkpoint._traverse.set_element"):
         torchcompat.dcp_set_element(nested, ("optim", "state", 0, "exp_avg"), 7)

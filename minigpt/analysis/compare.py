@@ -6,9 +6,9 @@
 
 What the blog post that minigpt's command line follows did by hand, screenshot by screenshot, for AMP against
 fp32: each stage's host and device time in A and in B and their ratio (B / A); the runs' own
-tokens/s in steady state (warm-up left out) and end to end and their start-up (metrics.jsonl's
-last record; an older trainer's steady figure rebuilt from its intervals after the first), the
-logged intervals' tokens/s and MFU (geometric means, the ratio theirs), and peak memory by
+tokens/s in steady state (warm-up left out), end to end, their MFU and start-up (metrics.jsonl's
+last record, "n/a" where it lacks one), the logged intervals' tokens/s and MFU as the trainer
+recorded them (geometric means, the ratio theirs), and peak memory by
 category; the top host operators and device kernels of the two traces matched by name, with what
 is new in B, gone from A, or changed; and the losses at the steps both runs logged. Runs without
 traces compare without the operator tables.
@@ -24,7 +24,9 @@ rerun with. The run-wide figures are one per run and get no interval; memory fig
 
 Runs of different models (shapes) or of different machines (device, device name, versions) are
 refused with one line, exit 2: their per-step figures are not like for like. --allow-different
-compares them anyway, and the output says so.
+compares them anyway, and the output says so. A run whose steady steps ran busy (other processes
+took more than config.BUSY of the cores in more than that share of them) gets one line saying so,
+and no timing ratio is claimed from it.
 
 benchmarks/ablation.py uses compare_runs() and headline() to explain its findings.
 """
@@ -33,30 +35,26 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import sys
 from pathlib import Path
 
+from minigpt.analysis.html import check_page_path, esc, page, table, write_page
 from minigpt.analysis.report import (
     MB,
-    check_page_path,
-    esc,
     figure,
     median,
     nodata,
-    page,
     peak_memory,
     section,
     stage_medians,
     steady,
     summary_section,
-    table,
     throughput,
-    write_page,
 )
-from minigpt.analysis.runfiles import OLDER_RUN, RUN_KEYS, Run, RunError, load_run
+from minigpt.analysis.runfiles import Run, RunError, load_run
 from minigpt.analysis.stats import MIN_SAMPLES, RatioInterval, needed_samples, ratio_interval, verdict
-from minigpt.config import ArgParser, UsageError, split_parent
+from minigpt.config import BUSY, SPLITS, ArgParser
+from minigpt.errors import Fault, UsageError
 from minigpt.fileio import check_names
 
 TOP_COMPARE = 15  # operator / kernel rows shown: the largest differences per profiled step
@@ -65,8 +63,8 @@ CHANGED = 0.10  # a matched operator whose time moved by more than 10% is "chang
 # Configuration keys that never explain a difference between two runs.
 IGNORED_KEYS = {"out_dir", "checkpoint_path", "memory_snapshot_path", "resume"}
 SHAPE_KEYS = ("n_layers", "n_heads", "d_model", "d_ff", "vocab_size", "max_position_embeddings")
-# The run-wide figures compared: rows shown even where a run lacks them (OLDER_RUN says why).
-RUN_ROWS = ("run_tokens_per_s", "tokens_per_s_e2e", "startup_s")
+# The run-wide figures compared (metrics.jsonl's last record): rows shown even where a run lacks them.
+RUN_ROWS = ("run_tokens_per_s", "tokens_per_s_e2e", "run_mfu", "startup_s")
 # Interval figures: medians over the steady logged steps; rows only where a run recorded them.
 INTERVAL_ROWS = ("tokens_per_s", "tokens_per_s_per_rank", "mfu", "achieved_tflops", "peak_tflops")
 # What config.json says of the machine: runs that differ in one of these are not like for like.
@@ -80,43 +78,7 @@ INTERVAL_UNIT = (
 )
 ONE_FIGURE = "one figure per run: no interval"
 TOO_FEW = "too few samples"
-
-
-MFU_POISONED = "n/a: an MFU above 100% (a denominator measured under load; estimate --time --remeasure)"
-# The dtype of a recorded MFU denominator: config.json's peak_flops_dtype, or for a run written
-# before that key, as its peak_flops_source names it ("table: H200 fp32 dense", "... in bf16 on cpu").
-PEAK_DTYPE = re.compile(r"\b(bf16|fp16|tf32|fp32)\b")
-
-
-def recorded_peaks(run: Run) -> dict[str, float]:
-    """The peak FLOP/s a run recorded, by dtype: its MFU denominator (config.json's peak_flops,
-    its dtype config.json's peak_flops_dtype, or read from peak_flops_source, "?" where neither
-    names one), and any others it recorded under peak_flops_by_dtype."""
-    c = run.config
-    out = {}
-    by_dtype = c.get("peak_flops_by_dtype")
-    if isinstance(by_dtype, dict):
-        out |= {str(k): float(v) for k, v in by_dtype.items() if isinstance(v, (int, float)) and v > 0}
-    v = c.get("peak_flops")
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
-        m = PEAK_DTYPE.search(str(c.get("peak_flops_dtype") or c.get("peak_flops_source") or ""))
-        out.setdefault(m.group(1) if m else "?", float(v))
-    return out
-
-
-def one_denominator(a: Run, b: Run) -> tuple[float, str] | None:
-    """One MFU denominator for two runs of one device: the largest peak either recorded, which is
-    the device's fastest dtype's (bf16's where either ran AMP or recorded it), so MFU ranks the
-    runs as tokens/s does. None where a run recorded no denominator."""
-    pa, pb = recorded_peaks(a), recorded_peaks(b)
-    if not all(isinstance(r.config.get("peak_flops"), (int, float)) for r in (a, b)) or not pa or not pb:
-        return None  # a run without its own denominator: its MFU cannot be rescaled
-    dtype, value = max({**pa, **pb}.items(), key=lambda kv: kv[1])
-    return value, dtype
-
-
-def mfu_label(dtype: str) -> str:
-    return "MFU %" if dtype == "?" else f"MFU % against the {dtype} peak"
+NOT_QUIET = "no verdict: a run ran busy"
 
 
 def ratio(a, b) -> float | None:
@@ -358,7 +320,10 @@ def compare_loaded(a: Run, b: Run, allow_different: bool = False) -> dict:
     losses = _losses(a, b, "loss")
     if not losses:
         notes.append("no common logged steps: losses not compared (log at the same steps: --log-interval)")
-    return {
+    peaks = [x.config.get("peak_flops") for x in (a, b)]
+    if None not in peaks and peaks[0] != peaks[1]:
+        notes.append("A and B measured MFU against different peaks: their MFU is not like for like")
+    d = {
         "a": _describe(a),
         "b": _describe(b),
         "notes": notes + [f"A: {p}" for p in a.problems] + [f"B: {p}" for p in b.problems],
@@ -375,7 +340,31 @@ def compare_loaded(a: Run, b: Run, allow_different: bool = False) -> dict:
         "kernels": kernels,
         "losses": losses,
         "val_losses": _losses(a, b, "val_loss"),
+        "busy": [line for side, run in (("A", a), ("B", b)) if (line := busy_line(side, run))],
     }
+    if d["busy"]:
+        for row in (*d["stages"], *d["trace_stages"], *d["throughput"]):
+            _withhold(row)
+    return d
+
+
+def busy_line(side: str, run: Run) -> str | None:
+    """The line for a run whose steady steps ran busy (its last record's run_busy above config.BUSY):
+    its timings measure the other processes too. None for a quiet run, or one that did not say."""
+    t = throughput(run)
+    if (t["run_busy"] or 0) <= BUSY:
+        return None
+    took = f"{t['busy']:.0%}" if t["busy"] is not None else f"over {BUSY:.0%}"
+    return (
+        f"run {side} ran busy (others took {took} of the cores in {t['run_busy']:.0%} of its steady "
+        "steps): re-run on a quiet machine"
+    )
+
+
+def _withhold(row: dict) -> None:
+    """No verdict from a busy run: each interval of the row is dropped, its verdict says why."""
+    for key in [k for k in row if k.endswith("interval") and row[k] is not None]:
+        row[key], row[key.removesuffix("interval") + "verdict"] = None, NOT_QUIET
 
 
 def _shortfall(a: Run, b: Run) -> str | None:
@@ -412,40 +401,17 @@ def _throughput(a: Run, b: Run, short: bool) -> list[dict]:
     intervals, and the median step time."""
     ta, tb = throughput(a), throughput(b)
     wa, wb = after_warmup(a), after_warmup(b)
-    # MFU against one denominator: each run's own MFU times its denominator over the common one
-    common = one_denominator(a, b)
-    scale = {}
-    if common:
-        for side, t, run in (("a", ta, a), ("b", tb, b)):
-            scale[side] = run.config["peak_flops"] / common[0]
-            t["peak_tflops"] = common[0] / 1e12
-            if t.get("mfu") is not None:
-                t["mfu"] *= scale[side]
     thr = []
     for k in (*RUN_ROWS, *INTERVAL_ROWS):
         if k in RUN_ROWS or ta.get(k) is not None or tb.get(k) is not None:
             row = {"metric": k, "a": ta.get(k), "b": tb.get(k), "ratio": ratio(ta.get(k), tb.get(k))}
             if k in RUN_ROWS:
                 row["interval"], row["verdict"] = None, ONE_FIGURE if row["ratio"] is not None else "-"
-            elif k == "peak_tflops":  # the MFU denominator: a setting or a cached measurement, not a timing
-                row["interval"], row["verdict"] = None, _x(row["ratio"])
-                if common:
-                    own = [r.config["peak_flops"] / 1e12 for r in (a, b)]
-                    row["verdict"] = f"one per device: the {common[1]} peak" + (
-                        f" (recorded: A {own[0]:.3f}, B {own[1]:.3f}; MFU rescaled to it)"
-                        if own[0] != own[1]
-                        else ""
-                    )
-            elif k == "mfu" and common:
-                sa, sb = [x * scale["a"] for x in samples(wa, k)], [x * scale["b"] for x in samples(wb, k)]
-                _set_interval(row, sa, sb, FROM_INTERVALS, short=short)
-                row["label"] = mfu_label(common[1])
+            elif k == "peak_tflops":  # the MFU denominator: a data sheet or a measurement, not a timing
+                dtypes = [x.get("peak_flops_dtype") or "dtype not recorded" for x in (ta, tb)]
+                row["interval"], row["verdict"] = None, _x(row["ratio"]) + " (" + " vs ".join(dtypes) + ")"
             else:
                 _set_interval(row, samples(wa, k), samples(wb, k), FROM_INTERVALS, short=short)
-            if k == "mfu" and any(x > 1 for x in (*samples(a.metrics, k), *samples(b.metrics, k))):
-                # A denominator below what the run achieved (an older run's, measured under load):
-                # an MFU above 100% cannot be, so none is shown, nor a ratio of it.
-                row |= {"a": None, "b": None, "ratio": None, "interval": None, "verdict": MFU_POISONED}
             thr.append(row)
     st = [median([r.get("step_time_s") for r in steady(x.metrics)]) for x in (a, b)]
     if any(v is not None for v in st):
@@ -513,7 +479,8 @@ THROUGHPUT_LABELS = {
     "startup_s": ("start-up s (in neither rate)", 1, 2),
     "tokens_per_s": ("tokens/s per step, intervals", 1, 0),
     "tokens_per_s_per_rank": ("  per rank", 1, 0),
-    "mfu": ("MFU %", 100, 1),
+    "run_mfu": ("MFU % (run)", 100, 1),
+    "mfu": ("MFU %, intervals", 100, 1),
     "achieved_tflops": ("achieved TFLOP/s", 1, 3),
     "peak_tflops": ("MFU peak TFLOP/s", 1, 3),
     "step_time_s": ("step time ms", 1000, 1),
@@ -533,8 +500,8 @@ MEMORY_LABELS = {
 
 
 def _run_v(metric: str, x, scale: float, digits: int) -> str:
-    """A run-wide figure, or OLDER_RUN where a trainer before these keys did not write it."""
-    return OLDER_RUN if x is None and metric in RUN_KEYS else _v(x, scale, digits)
+    """A run-wide figure, or "n/a" where the run's last record lacks it."""
+    return "n/a" if x is None and metric in RUN_ROWS else _v(x, scale, digits)
 
 
 def _claim(name: str, row: dict, prefix: str = "") -> str:
@@ -549,8 +516,8 @@ def headline(d: dict, top: int = 2) -> str:
     """The comparison in one line, for a benchmark's findings: throughput, the stages that moved
     most, the operators that explain it, and the peak memory. Ratios are B / A, each with its 95%
     interval; with too few logged intervals the line says so instead of a ratio."""
-    if d["samples"]["shortfall"]:
-        parts = [d["samples"]["shortfall"]]
+    if d["busy"] or d["samples"]["shortfall"]:
+        parts = [*d["busy"], *filter(None, [d["samples"]["shortfall"]])]
     else:
         parts = []
         thr = {r["metric"]: r for r in d["throughput"]}
@@ -558,7 +525,7 @@ def headline(d: dict, top: int = 2) -> str:
         # figures are one per run, with no interval: they stay in the throughput table.
         if thr.get("tokens_per_s", {}).get("verdict", "-") != "-":
             parts.append(_claim("tokens/s per step", thr["tokens_per_s"]))
-        moved = [r for r in d["stages"] if r.get("host_ratio") is not None and not split_parent(r["stage"])]
+        moved = [r for r in d["stages"] if r.get("host_ratio") is not None and r["stage"] not in SPLITS]
         moved.sort(key=lambda r: abs((r["host_ms"][1] or 0) - (r["host_ms"][0] or 0)), reverse=True)
         if moved:
             parts.append("stages " + ", ".join(_claim(r["stage"], r, "host_") for r in moved[:top]))
@@ -643,6 +610,7 @@ def format_compare(d: dict) -> str:
     ]
     if d["samples"]["shortfall"]:
         out.append(f"no ratio claimed: {d['samples']['shortfall']}")
+    out += d["busy"]
     out += [f"note: {n}" for n in d["notes"]]
     if d["config_diff"]:
         out += ["", "flags that differ:"] + [f"  {k}: {x} -> {y}" for k, (x, y) in d["config_diff"].items()]
@@ -677,7 +645,7 @@ def _stage_lines(d: dict) -> list[str]:
     if d["stages"]:
         rows = [
             [
-                r["stage"] + (f" (in {split_parent(r['stage'])})" if split_parent(r["stage"]) else ""),
+                r["stage"] + (f" (in {SPLITS[r['stage']]})" if r["stage"] in SPLITS else ""),
                 *_stage_cells(r),
             ]
             for r in d["stages"]
@@ -710,6 +678,7 @@ def compare_html(d: dict, a: Run, b: Run) -> str:
     parts = [f"<h1>minigpt: {esc(a.name)} (A) against {esc(b.name)} (B)</h1>"]
     if d["samples"]["shortfall"]:
         parts.append(f'<p class="problem">No ratio claimed: {esc(d["samples"]["shortfall"])}.</p>')
+    parts += [f'<p class="problem">{esc(line)}.</p>' for line in d["busy"]]
     parts += [f'<p class="problem">{esc(n)}</p>' for n in d["notes"]]
     parts.append(
         "<p>Ratios are B / A with their 95% interval over the logged intervals' steady steps (warm-up "
@@ -765,7 +734,7 @@ def _stages_html(d: dict) -> str:
     if d["stages"]:
         fig = go.Figure()
         for side, i in (("A", 0), ("B", 1)):
-            rows = [r for r in d["stages"] if not split_parent(r["stage"])]
+            rows = [r for r in d["stages"] if r["stage"] not in SPLITS]
             fig.add_trace(
                 go.Bar(
                     x=[f"{r['stage']} host" for r in rows] + [f"{r['stage']} device" for r in rows],
@@ -888,9 +857,12 @@ def main(argv: list[str] | None = None) -> int:
         d = compare_loaded(a, b, args.allow_different)
         if args.html is not None:
             write_page(args.html, compare_html(d, a, b), "--html", args.force)
-    except (RunError, UsageError, OSError) as e:  # UsageError: a full disk (fileio.DiskFull)
+    except (RunError, UsageError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Fault as e:  # a full disk (fileio.DiskFull)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     try:
         print(json.dumps(d, indent=1) if args.json else format_compare(d))
         if args.html is not None and not args.json:

@@ -36,9 +36,9 @@ class StepRecord:
     amp: str
     mfu: float
     achieved_tflops: float
-    stage_host_ms: dict = field(default_factory=dict)
-    stage_device_ms: dict = field(default_factory=dict)
-    stage_comm_ms: dict = field(default_factory=dict)
+    stage_host_ms: dict[str, float] = field(default_factory=dict)
+    stage_device_ms: dict[str, float] = field(default_factory=dict)
+    stage_comm_ms: dict[str, float] = field(default_factory=dict)
     comm_step: int | None = None
     memory: dict = field(default_factory=dict)
     memory_breakdown: dict | None = None

@@ -20,6 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from minigpt.analysis import snapshot
 from minigpt.analysis.breakdown_log import (
     CATEGORIES,
     MEMORY_BREAKDOWN_KEYS,
@@ -43,14 +44,9 @@ from minigpt.analysis.html import (
     write_plotly_js,
 )
 from minigpt.analysis.record import describe_left_out
-from minigpt.analysis.runfiles import (
-    Run,
-    RunError,
-    load_run,
-    run_figures,
-    timeline_events,
-)
-from minigpt.config import METRICS_FILE, REPORT_FILE, SPLITS, STAGE_NAMES, STAGES, ArgParser, UsageError
+from minigpt.analysis.runfiles import Run, RunError, load_run, run_figures, timeline_events
+from minigpt.config import BUSY, METRICS_FILE, REPORT_FILE, SPLITS, STAGE_NAMES, STAGES, ArgParser
+from minigpt.errors import Fault, UsageError
 from minigpt.fileio import ELSEWHERE, check_names
 
 MB = 1024 * 1024
@@ -129,7 +125,7 @@ def median(values: list) -> float | None:
 def steady(metrics: list[dict], fallback: bool = True) -> list[dict]:
     """The logged intervals with a steady step: the figures a user compares. A record whose steps
     were all left out (warm-up, compilation, an instrumented step) holds their figures, and is
-    dropped; an older trainer's first interval held its warm-up, and is dropped. With `fallback`,
+    dropped. With `fallback`,
     a run with no steady interval keeps what it has (a page draws something); without, it has none
     (compare's samples)."""
     kept = [r for r in metrics if r.get("steady_steps")]
@@ -148,9 +144,10 @@ def label(name: str) -> str:
 
 
 def throughput(run: Run) -> dict:
-    """The run's own figures, as metrics.jsonl's last record holds them (runfiles.RUN_KEYS: tokens/s
-    in steady state and end to end, MFU over the run, start-up), and the per-interval figures'
-    medians over the steady steps, and what MFU is measured against (config.json's peak)."""
+    """The run's own figures, as metrics.jsonl's last record holds them (record.RUN_KEYS: tokens/s
+    in steady state and end to end, MFU over the run, start-up, the share of its steady steps that
+    ran busy), the per-interval figures' medians over the steady steps (MFU as each record holds
+    it: never recomputed here), and what MFU is measured against (config.json's peak)."""
     m, c = steady(run.metrics), run.config
     return {
         **run_figures(run.metrics),
@@ -159,9 +156,23 @@ def throughput(run: Run) -> dict:
         "tokens_per_s_per_rank": median([r.get("tokens_per_s_per_rank") for r in m]),
         "mfu": median([r.get("mfu") for r in m]),
         "achieved_tflops": median([r.get("achieved_tflops") for r in m]),
+        "busy": median([r.get("busy") for r in m if (r.get("busy") or 0) > BUSY]),  # in the busy steps
         "peak_tflops": c["peak_flops"] / 1e12 if isinstance(c.get("peak_flops"), (int, float)) else None,
+        "peak_flops_dtype": c.get("peak_flops_dtype"),
         "peak_flops_source": c.get("peak_flops_source"),
     }
+
+
+def busy_text(t: dict) -> str:
+    """How busy the machine was: the share of the steady steps in which other processes took more
+    than config.BUSY of the cores, and how much they took then; "n/a" where the run did not say."""
+    if t["run_busy"] is None:
+        return "n/a"
+    if not t["run_busy"]:
+        return f"quiet: other processes took at most {BUSY:.0%} of the cores in every steady step"
+    took = f"others took {t['busy']:.0%} of the cores" if t["busy"] is not None else "others took the cores"
+    quiet = "; re-run on a quiet machine before comparing" if t["run_busy"] > BUSY else ""
+    return f"{took} in {t['run_busy']:.0%} of the steady steps{quiet}"
 
 
 def mfu_text(mfu: float | None, achieved: float | None) -> str:
@@ -268,11 +279,8 @@ def summary_section(run: Run) -> str:
     tokens_step = (
         (cfg.get("batch_size") or 0) * (cfg.get("seq_len") or 0) * (cfg.get("grad_accum_steps") or 1)
     )
-    peak = (
-        f"{tflops(t['peak_tflops'])} TFLOP/s per device ({t['peak_flops_source'] or 'source not recorded'})"
-        if t["peak_tflops"] is not None
-        else "n/a"
-    )
+    source = ", ".join(filter(None, [t["peak_flops_dtype"], t["peak_flops_source"] or "source not recorded"]))
+    peak = "n/a" if t["peak_tflops"] is None else f"{tflops(t['peak_tflops'])} TFLOP/s per device ({source})"
     rows = [
         ("run", str(run.path)),
         (
@@ -303,6 +311,7 @@ def summary_section(run: Run) -> str:
         *throughput_rows(t),
         ("MFU over the run", mfu_text(t["run_mfu"], t["run_achieved_tflops"])),
         ("MFU denominator", peak),
+        ("machine load", busy_text(t)),
         ("FLOPs per token", fmt(c.get("flops_per_token"))),
         ("final train loss", fmt(last.get("loss"), 4)),
         ("final val loss", fmt(vals[-1], 4) if vals else "n/a"),
@@ -366,22 +375,8 @@ def curves_section(run: Run) -> str:
 
 
 def evaluated(run: Run) -> list[tuple[int, float]]:
-    """(step, val loss) at the steps that evaluated. A trainer before 2026-11-26 carried the last
-    figure to every log step after it; such a repeat, at a step that is no multiple of the run's
-    --eval-interval and not its last, is not drawn as a point of its own."""
-    cfg = run.config.get("config", {})
-    every, last = cfg.get("eval_interval"), cfg.get("num_steps")
-    out = []
-    for r in run.metrics:
-        step, v = r.get("step"), r.get("val_loss")
-        if v is None or not isinstance(step, int):
-            continue
-        carried = (
-            out and v == out[-1][1] and isinstance(every, int) and every > 0 and step % every and step != last
-        )
-        if not carried:
-            out.append((step, v))
-    return out
+    """(step, val loss) at the steps that evaluated: a record holds a val loss only there."""
+    return [(r["step"], r["val_loss"]) for r in run.metrics if r.get("val_loss") is not None]
 
 
 def stages_section(run: Run) -> str:
@@ -396,7 +391,7 @@ def stages_section(run: Run) -> str:
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    drawn = steady(run.metrics)  # an interval of warm-up alone (an older run's first) would dwarf the rest
+    drawn = steady(run.metrics)  # an interval of warm-up alone (a compilation) would dwarf the rest
     steps = [r.get("step") for r in drawn]
     fig = make_subplots(rows=1, cols=len(keys), shared_yaxes=True, subplot_titles=[t for _, t in keys])
     names = list(stage_medians(run, "stage_host_ms") or STAGE_NAMES)
@@ -1072,13 +1067,11 @@ def render_report(run: Run) -> str:
 def _snapshot_pages(run_dir: Path, elsewhere: str) -> None:
     """Each CUDA memory snapshot's offline page beside it, for the report to link. A snapshot that
     cannot be read or a folder that cannot be written costs its page, not the report."""
-    from minigpt.analysis import snapshot  # imports this module: loaded when a report is written
-
     for pickle_path in sorted((run_dir / "snapshots").glob("*snapshot.pickle*")):
         if pickle_path.suffix in (".pickle", ".gz"):
             try:
                 snapshot.write_snapshot_page(pickle_path, elsewhere=elsewhere)
-            except (RunError, UsageError):  # a bad snapshot; a file there that is not our page
+            except (RunError, UsageError, Fault):  # a bad snapshot; not our page there; a full disk
                 pass
 
 
@@ -1096,8 +1089,8 @@ def write_report(
     if SHARED_PLOTLY in text:  # one copy beside the page: the run folder's, which the charts share
         try:
             js = write_plotly_js(out.parent, elsewhere)
-        except UsageError as e:  # a full disk (fileio.DiskFull), its message naming the way out
-            raise RunError(f"cannot write {out}: {e}") from None
+        except Fault as e:  # a full disk (fileio.DiskFull), its message naming the way out
+            raise type(e)(f"cannot write {out}: {e}") from None
         except OSError as e:
             why = f"its plotly.min.js beside it: {e.strerror or type(e).__name__}"
             raise RunError(f"cannot write {out} ({why}); write elsewhere ({elsewhere})") from None
@@ -1121,9 +1114,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is not None and args.out.is_dir():
             raise RunError(f"--out {args.out} is a folder; give a file name such as {args.out / REPORT_FILE}")
         path = write_report(args.run, args.out, "--out", args.force)
-    except (RunError, UsageError, OSError) as e:  # UsageError: a full disk (fileio.DiskFull)
+    except (RunError, UsageError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Fault as e:  # a full disk (fileio.DiskFull)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"report: {path}")
     return 0
 

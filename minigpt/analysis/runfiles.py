@@ -211,7 +211,7 @@ def config_problem(config: dict) -> str | None:
         "amp": str,
         "ddp_backend": (str, type(None)),
         "peak_flops_source": (str, type(None)),
-        "peak_flops_spread": (list, type(None)),
+        "peak_flops_dtype": (str, type(None)),
         "params": (int, float),
         "flops_per_token": (int, float),
         "peak_flops": (int, float, type(None)),
@@ -231,14 +231,6 @@ def config_problem(config: dict) -> str | None:
     if problem := _value_problem(config):
         return f"field {problem}"
     return None
-
-
-def summarize_trace(path: Path) -> dict:
-    """traces.summarize() with every operator and kernel kept (when the API takes `top`)."""
-    try:
-        return traces.summarize(path, top=ALL_ROWS)
-    except TypeError:  # a summarize() without the keyword
-        return traces.summarize(path)
 
 
 def load_run(path: Path, with_traces: bool = True) -> Run:
@@ -281,7 +273,7 @@ def load_run(path: Path, with_traces: bool = True) -> Run:
                 run.problems.append(f"{problem}; skipped")
                 continue
             try:
-                run.traces.append({**summarize_trace(f), "rank": rank_of(f)})
+                run.traces.append({**traces.summarize(f, top=ALL_ROWS), "rank": rank_of(f)})
             except traces.TraceError as e:
                 run.problems.append(str(e))
             except (ValueError, TypeError, KeyError, RecursionError, MemoryError) as e:

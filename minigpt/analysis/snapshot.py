@@ -25,7 +25,8 @@ from minigpt.analysis.cuda_snapshot import (
     where,
 )
 from minigpt.analysis.html import RunError, esc, page, table, write_page
-from minigpt.config import STAGE_NAMES, STAGES, ArgParser, UsageError
+from minigpt.config import STAGE_NAMES, STAGES, ArgParser
+from minigpt.errors import Fault, UsageError
 from minigpt.fileio import check_names
 
 W, H, LEFT, TOP, BOTTOM = 1240, 420, 70, 30, 40  # the chart's size and margins, in pixels
@@ -219,7 +220,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"snapshot page: {write_snapshot_page(pickle_path, args.out, force=args.force)}")
         except (RunError, UsageError) as e:
             print(f"error: {e}", file=sys.stderr)
-            status = 2
+            status = status or 2
+        except Fault as e:  # a full disk (fileio.DiskFull): the pages after it would not fit either
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     return status
 
 

@@ -78,7 +78,8 @@ is not a number or a string) are skipped and counted: "N malformed events skippe
 not a trace at all gets one line on stderr and exit status 2.
 
 Times in a Chrome trace are microseconds; everything printed is milliseconds.
-Standard library only, so it runs wherever the trace was copied to. It knows nothing of GPT.
+Standard library and minigpt's torch-free base only, so it runs wherever the trace was copied to.
+It knows nothing of GPT.
 """
 
 from __future__ import annotations
@@ -95,26 +96,15 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from minigpt import config
+from minigpt.config import ArgParser
 from minigpt.fileio import name_problem
-
-try:  # the project's one-line refusal of a bad flag; a copy of this file run alone has argparse's own
-    from minigpt.config import ArgParser
-except ImportError:
-    ArgParser = argparse.ArgumentParser
-
-# The ranges of one training step, in order: a standard-library copy of minigpt.stages.STAGE_NAMES
-# for a copy of this file run alone, wherever a trace was copied to (a test holds the two equal).
-# Inside the project the registry itself is read (minigpt.stages imports no torch): a stage added
-# there is summarised here too.
-DEFAULT_STAGES = ("data_to_device", "forward", "backward", "optimizer_step")
 
 
 def default_stages() -> tuple[str, ...]:
-    try:
-        from minigpt import stages
-    except ImportError:
-        return DEFAULT_STAGES
-    return tuple(stages.STAGE_NAMES)
+    """The ranges of one training step, in order: the stage registry's (config.STAGES), read when
+    called, so a stage added there is summarised here too."""
+    return tuple(config.STAGE_NAMES)
 
 
 TRACE_SUFFIXES = (".json", ".json.gz")  # torch writes .pt.trace.json(.gz); other tools other names

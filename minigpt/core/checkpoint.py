@@ -8,7 +8,6 @@ import json
 import math
 import os
 import random
-import sys
 import warnings
 import zlib
 from dataclasses import asdict
@@ -17,14 +16,8 @@ from pathlib import Path
 import torch
 
 from minigpt import config as paths
-from minigpt.config import FIELDS, UsageError, flag_name, param_count
-from minigpt.core import distributed, parallel
-from minigpt.core.guards import (
-    SHARDED_META,
-    describe_intact,
-    directory_message,
-)
-from minigpt.core.torchcompat import dcp_set_element
+from minigpt.config import UsageError, flag_name, param_count
+from minigpt.core.guards import SHARDED_META, describe_intact, directory_message
 from minigpt.errors import NonFiniteLoss
 from minigpt.fileio import UnreadableFile, atomic_write, format_bytes, read_bounded
 
@@ -34,7 +27,7 @@ REQUIRED_KEYS = {"model", "optimizer", "scaler", "step", "data_position", "rng",
 # What each rank of a sharded checkpoint keeps beside its shards (extra_rank{R}.pt).
 EXTRA_KEYS = REQUIRED_KEYS - {"model", "optimizer"}
 # Building a model needs its fp32 weights at least (sample.py); the trainer adds gradients and
-# AdamW's two moments (16 bytes a parameter, minigpt.config.BYTES_PER_PARAM).
+# AdamW's two moments (16 bytes a parameter, as minigpt.config.check_size counts).
 WEIGHT_BYTES = 4
 CONFIG_JSON_LIMIT = 1 << 20  # config.json is a few KiB; read for the run id only
 
@@ -127,7 +120,8 @@ def save_checkpoint(path: str | Path, state: dict) -> None:
     (minigpt.fileio.DiskFull) with the previous checkpoint whole. The state goes with its checksum
     (CHECKSUM_KEY), which check_whole verifies on load."""
     body = {k: v for k, v in state.items() if k != CHECKSUM_KEY}
-    atomic_write(path, lambda f: torch.save({**body, CHECKSUM_KEY: {"crc32": state_crc(body)}}, f))
+    whole = {**body, CHECKSUM_KEY: {"crc32": state_crc(body)}}
+    atomic_write(path, lambda f: torch.save(whole, f), need=state_nbytes(body))
 
 
 def nonfinite_tensor(state: dict, keys: tuple[str, ...] = ("model", "optimizer")) -> str | None:
@@ -145,20 +139,12 @@ def nonfinite_tensor(state: dict, keys: tuple[str, ...] = ("model", "optimizer")
     return next((n for k in keys if k in state and (n := walk(state[k], k))), None)
 
 
-def note(message: str) -> None:
-    """One line on stderr that does not stop the load; under torchrun rank 0's alone."""
-    if os.environ.get("RANK", "0") in ("", "0"):
-        print(message, file=sys.stderr, flush=True)
-
-
 def check_whole(state: dict, path: str | Path) -> None:
     """A loaded checkpoint is the one that was saved (its checksum), with no NaN or inf: else one line."""
     fix = "use an earlier checkpoint, or train without --resume"
     saved = state.get(CHECKSUM_KEY)
     if saved is None:
-        raise UsageError(
-            f"checkpoint {path} carries no checksum (an older minigpt's, or edited): not loaded; {fix}"
-        )
+        raise UsageError(f"checkpoint {path} carries no checksum (an older minigpt's, or edited); {fix}")
     body = {k: v for k, v in state.items() if k != CHECKSUM_KEY}
     if not (isinstance(saved, dict) and _is_int(saved.get("crc32"))) or saved["crc32"] != state_crc(body):
         raise UsageError(
@@ -171,12 +157,6 @@ def check_whole(state: dict, path: str | Path) -> None:
 
 # Two runs whose checkpoints were written closer together than this cannot be told apart by age.
 AMBIGUOUS_S = 1.0
-
-
-def drop_proof(state: dict, path: str | Path) -> None:
-    """The checksum out of the state (proven; save_checkpoint writes it anew)."""
-    state.pop(CHECKSUM_KEY, None)
-    state.pop("format", None)
 
 
 def latest_run(
@@ -348,7 +328,7 @@ def load_checkpoint(path: str | Path) -> dict:
             "train_minimal.py, or train without --resume"
         )
     check_model_fits(state["model_config"], path)
-    drop_proof(state, path)
+    del state[CHECKSUM_KEY]  # proven; save_checkpoint writes it anew
     return state
 
 
@@ -411,7 +391,7 @@ def check_file_fits(path: Path) -> None:
 def recorded_run_id(out_dir: str | Path) -> str | None:
     """The run id in a run directory's config.json (None: no config.json, or one written before
     run ids, or unreadable: then there is nothing to protect or nothing to compare)."""
-    path = Path(out_dir) / "config.json"
+    path = Path(out_dir) / paths.CONFIG_FILE
     if not path.exists():
         return None
     try:
@@ -519,13 +499,15 @@ def check_optimizer_state(saved: dict, optimizer: torch.optim.Optimizer, path: s
         )
 
 
-def check_resume(state: dict, cfg, optimizer: torch.optim.Optimizer, path: str | Path, world: int) -> None:
+def check_resume(state: dict, cfg, optimizer: torch.optim.Optimizer, path: str | Path, world: int) -> list:
     """Everything a --resume checks of a loaded one-file checkpoint before any of it is used: the
-    run it belongs to (check_own_run), what the flags change, its optimizer state against this
-    model's parameters."""
+    run it belongs to (check_own_run), what the flags change (returned), its optimizer state
+    against this model's parameters."""
     check_own_run(state["config"], cfg, path)
-    check_changes(state["config"], cfg, len(state.get("rng_per_rank") or [None]), world, path)
+    saved_world = len(state.get("rng_per_rank") or [None])
+    changes = check_changes(state["config"], cfg, saved_world, world, path, state["step"])
     check_optimizer_state(state["optimizer"], optimizer, path)
+    return changes
 
 
 # The flags that make a run what it is: its data, its batch order, its schedule, its precision.
@@ -535,23 +517,42 @@ CHANGES_THE_RUN = (
     "train_data val_data tokenizer_name use_toy_data max_tokens seed data_seed batch_size grad_accum_steps "
     "lr min_lr lr_scheduler warmup_steps weight_decay grad_clip dropout amp amp_dtype tf32 chunked_loss"
 ).split()
-DERIVED = {"min_lr", "warmup_steps"}  # from --lr and --num-steps unless given: compared when given
+# Flags derived from others unless given (as parse_args derives them): compared where given now or
+# where given then (the saved value is not its derivation); else a change of the flag they derive
+# from says it (--seed for data_seed), or it is no change of the run's (--num-steps for warmup_steps).
+DERIVED = {
+    "min_lr": lambda c: c["lr"] / 10,
+    "warmup_steps": lambda c: min(100, c["num_steps"] // 10),
+    "data_seed": lambda c: c["seed"],
+}
 
 
-def check_changes(saved: dict, cfg, saved_world: int, world: int, path) -> None:
-    given = getattr(cfg, "given", set(FIELDS))
-    changes = [
-        f"{flag_name(k)} {saved[k]!r} -> {getattr(cfg, k)!r}"
-        for k in CHANGES_THE_RUN
-        if k in saved and saved[k] != getattr(cfg, k) and (k not in DERIVED or k in given)
-    ]
+def check_changes(saved: dict, cfg, saved_world: int, world: int, path, step: int) -> list[str]:
+    """Refuse a --resume whose flags change the run (one line naming each change and the fix),
+    unless --allow-changes: then they are returned, and join those of earlier resumes in
+    cfg.changes (config.json's changed_on_resume)."""
+    changes = []
+    for k in CHANGES_THE_RUN:
+        if k not in saved or saved[k] == getattr(cfg, k):
+            continue
+        if k in DERIVED and k not in getattr(cfg, "given", ()):
+            try:
+                derived_then = saved[k] == DERIVED[k](saved)
+            except (KeyError, TypeError, ZeroDivisionError):
+                derived_then = False
+            if derived_then:
+                continue
+        changes.append(f"{flag_name(k)} {saved[k]!r} -> {getattr(cfg, k)!r}")
     changes += [f"world size {saved_world} -> {world}"] * (saved_world != world)
     if changes and not cfg.allow_changes:
         raise UsageError(
             f"checkpoint {path}: this --resume changes the run ({'; '.join(changes)}); resume with the "
             "flags it was trained with, or add --allow-changes to continue it changed"
         )
-    cfg.changes = changes
+    earlier = saved.get("changed_on_resume")
+    earlier = [c for c in earlier if isinstance(c, str)] if isinstance(earlier, list) else []
+    cfg.changes = earlier + [f"at step {step}: {change}" for change in changes]
+    return changes
 
 
 def check_same_shape(saved: dict, current: dict, path: str | Path) -> None:
@@ -619,7 +620,7 @@ def save_sharded(
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
     save_checkpoint(tmp / SHARDED_EXTRA.format(rank=rank), extra)
     if rank == 0:
-        meta = {"world_size": world, "tp": _model_tp(model), "format": 1}
+        meta = {"world_size": world, "tp": _model_tp(model)}
         atomic_write(tmp / SHARDED_META, json.dumps(meta))
     _barrier()  # every rank's files are on disk
     if rank == 0:
@@ -678,6 +679,8 @@ def _safe_reader_and_planner(folder: Path):
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import StorageMeta
 
+    from minigpt.core.torchcompat import dcp_set_element
+
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
             with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
@@ -711,6 +714,8 @@ def load_sharded(
     damaged folder or another tensor-parallel degree."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from minigpt.core import distributed, parallel
 
     folder = Path(folder)
     if not (folder / SHARDED_META).is_file():
@@ -775,7 +780,7 @@ def load_sharded(
     extra = read_state(extra_file)
     if isinstance(extra, dict):
         check_whole(extra, extra_file)
-        drop_proof(extra, extra_file)
+        del extra[CHECKSUM_KEY]
         extra["written_by_ranks"] = saved_world
     return extra
 
@@ -823,6 +828,7 @@ class Checkpointer:
         """`path`: the checkpoint file, or under --fsdp/--tp its folder of shards, as the run
         directory resolved and checked it before anything was built (minigpt/core/runs.py)."""
         self.path, self.cfg, self.sharded, self.dist_info = Path(path), cfg, sharded, dist_info
+        self.changed: list[str] = []  # what --allow-changes let a --resume change
 
     def hold(self, model, optimizer: torch.optim.Optimizer, scaler, batches) -> None:
         """What save() writes."""
@@ -830,7 +836,12 @@ class Checkpointer:
 
     def check_weights(self, step: int) -> None:
         """Before a save: a checkpoint of non-finite weights would replace the last good one."""
-        if not all(torch.isfinite(parallel.local(p)).all() for p in self.model.parameters()):
+        params = list(self.model.parameters())
+        if self.sharded:  # each DTensor's own shard
+            from minigpt.core.parallel import local
+
+            params = [local(p) for p in params]
+        if not all(torch.isfinite(p).all() for p in params):
             raise NonFiniteLoss(
                 f"the weights became non-finite at step {step}; {describe_intact(self.path)}; lower --lr"
             )
@@ -854,7 +865,7 @@ class Checkpointer:
         path, cfg, rank = self.path, self.cfg, self.dist_info.rank
         state = load_checkpoint(path)
         check_same_shape(state["model_config"], asdict(self.model.cfg), path)
-        check_resume(state, cfg, self.optimizer, path, self.dist_info.world_size)
+        self.changed = check_resume(state, cfg, self.optimizer, path, self.dist_info.world_size)
         self._check_step(state["step"])
         try:
             self.model.load_state_dict(state["model"])
@@ -880,9 +891,9 @@ class Checkpointer:
         """Every rank loads its shards (load_sharded)."""
         extra = load_sharded(self.path, self.model, self.optimizer, self.dist_info)
         check_sharded_resume(extra, self.cfg, self.path)  # its keys and types; this run's own checkpoint
-        check_changes(
-            extra["config"], self.cfg, extra["written_by_ranks"], self.dist_info.world_size, self.path
-        )
+        world = self.dist_info.world_size
+        saved_world = extra["written_by_ranks"]
+        self.changed = check_changes(extra["config"], self.cfg, saved_world, world, self.path, extra["step"])
         check_same_shape(extra["model_config"], asdict(self.model.cfg), self.path)
         self._check_step(extra["step"])
         self.scaler.load_state_dict(extra["scaler"])
@@ -900,6 +911,11 @@ class Checkpointer:
             extra = {"scaler": scaler.state_dict(), "step": step, "data_position": self.batches.position}
             save_sharded(self.path, model, optimizer, {**extra, "rng": rng_state(), **configs})
             return
+        per_rank = [rng_state()]
+        if self.dist_info.enabled:  # each rank's dropout stream
+            from minigpt.core.distributed import gather
+
+            per_rank = gather(per_rank[0], self.dist_info)
         state = {
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
@@ -907,7 +923,7 @@ class Checkpointer:
             "step": step,
             "data_position": self.batches.position,
             "rng": rng_state(),
-            "rng_per_rank": distributed.gather(rng_state(), self.dist_info),
+            "rng_per_rank": per_rank,
             **configs,
         }
         if self.dist_info.is_main:
@@ -922,7 +938,8 @@ def resume(run, model, optimizer: torch.optim.Optimizer, scaler, batches) -> int
     run.ckpt = Checkpointer(run.cfg, run.checkpoint, run.sharded, run.dist_info)
     step = run.ckpt.restore(model, optimizer, scaler, batches)
     run.start = f"Resumed from {run.checkpoint} at step {step}"
-    run.cleaned += [f"changed on resume (--allow-changes): {change}" for change in run.cfg.changes]
+    if run.ckpt.changed:
+        run.start += f", changed (--allow-changes): {'; '.join(run.ckpt.changed)}"
     for name in (paths.METRICS_FILE, paths.STRAGGLERS_FILE):
         if run.dist_info.is_main and (dropped := repair_jsonl(run.path / name, step)):
             run.cleaned.append(f"dropped {dropped} line(s) of {name} past step {step} or cut short")

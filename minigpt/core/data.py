@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import pwd
 import stat
 import struct
 import sys
@@ -34,7 +35,9 @@ BPE.append("196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783")
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "minigpt"))
+    """$MINIGPT_CACHE_DIR, else ~/.cache/minigpt (the account's home where $HOME is empty or unset)."""
+    home = os.environ.get("HOME") or pwd.getpwuid(os.getuid()).pw_dir
+    return Path(os.environ.get(CACHE_ENV) or os.path.join(home, ".cache", "minigpt"))
 
 
 def builtin_split(pieces: int = 100, held_every: int = 10) -> tuple[str, str]:

@@ -4,8 +4,10 @@
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 train_minimal.py ...
 
 torchrun starts the processes and sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT;
-`setup()` reads them. Without them the trainer runs as a single process, world size 1, and none
-of this code does anything. Knows nothing of GPT.
+`join()` reads them, joins the process group and returns (DistInfo, Plan). A single process loads
+this module only for a flag that needs the ranks (--fsdp, --simulate-slow-rank...): it is then rank
+0 of 1. Knows nothing of GPT; the wrapper, the stop vote and the straggler scores of the training
+loop are minigpt/instruments/straggler.py's Ranks.
 
 Besides the default group (NCCL on CUDA, gloo on the CPU), a gloo group on the host carries the
 small control messages: the per-step "stop now?" vote and the straggler figures. Host tensors
@@ -19,20 +21,15 @@ import math
 import os
 import re
 import socket
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel import DistributedDataParallel
 
-from minigpt.config import UsageError
-from minigpt.errors import Fault, NonFiniteLoss
+from minigpt.errors import Fault, NonFiniteLoss, UsageError
 
 
 class LostRank(Fault):
@@ -92,8 +89,6 @@ def check_one_gpu_per_rank(local_rank: int) -> None:
     """More ranks on this machine than visible GPUs: one line, before CUDA or NCCL fails inside
     set_device or the first collective. Every rank of the machine says the same line; torchrun
     then ends the job."""
-    from minigpt.config import UsageError
-
     gpus = torch.cuda.device_count()
     if local_rank >= gpus:
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
@@ -113,33 +108,6 @@ def cleanup() -> None:
         # rank aborted at exit with "terminate called without an active exception".
         gc.collect()
         dist.destroy_process_group()
-
-
-def wrap_ddp(model: torch.nn.Module, info: DistInfo, device: str) -> torch.nn.Module:
-    if not info.enabled:
-        return model
-    return DistributedDataParallel(model, device_ids=[info.local_rank] if device == "cuda" else None)
-
-
-def ddp_note(info: DistInfo) -> str | None:
-    """The log's line for DDP (None for a world of one)."""
-    if info.world_size > 1:
-        return f"DDP: {info.world_size} ranks, {info.backend} backend; every rank draws its own batches"
-    return None
-
-
-def no_grad_sync(model: torch.nn.Module, sync: bool):
-    """DDP's no_sync() on gradient-accumulation micro-steps: gradients are all-reduced once per
-    optimizer step, on the last micro-batch, not on every one. Under FSDP2 (minigpt/core/parallel.py)
-    the same through set_requires_gradient_sync: unsharded gradients accumulate locally and are
-    reduce-scattered on the last micro-batch."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # not loaded: no module is FSDP's (and no import cost)
-    if fsdp is not None and isinstance(model, fsdp.FSDPModule):
-        model.set_requires_gradient_sync(sync)  # applies to every FSDP module under the root
-        return nullcontext()
-    if sync or not isinstance(model, DistributedDataParallel):
-        return nullcontext()
-    return model.no_sync()
 
 
 def any_rank(flag: bool, info: DistInfo) -> bool:
@@ -172,16 +140,6 @@ def gather(obj, info: DistInfo) -> list:
     return out
 
 
-@contextmanager
-def first_rank_first(info):
-    """Rank 0 runs the block alone (a measurement filling a cache), the other ranks after it."""
-    if not info.is_main:
-        barrier(info)
-    yield
-    if info.is_main:
-        barrier(info)
-
-
 def barrier(info: DistInfo) -> None:
     if info.enabled:
         dist.barrier(group=info.control)
@@ -209,19 +167,17 @@ def check_same_config(cfg, info: DistInfo) -> None:
     by every rank. Raises UsageError naming the first flag that differs, on every rank."""
     if not info.enabled:
         return
-    from dataclasses import fields
+    from minigpt.config import FIELDS, flag_name
 
-    from minigpt.config import TrainConfig, UsageError, flag_name
-
-    names = {f.name: flag_name(f) for f in fields(TrainConfig)}
     everyone = gather(cfg.to_dict(), info)
     first = everyone[0]
     for rank, theirs in enumerate(everyone[1:], 1):
         for key in first:
             if key != "run_id" and theirs.get(key) != first.get(key):
+                name = flag_name(key) if key in FIELDS else key
                 raise UsageError(
-                    f"the ranks were started with different flags: {names.get(key, key)} is "
-                    f"{theirs.get(key)!r} on rank {rank} but {first.get(key)!r} on rank 0; start "
+                    f"the ranks were started with different flags: {name} "
+                    f"is {theirs.get(key)!r} on rank {rank} but {first.get(key)!r} on rank 0; start "
                     "every rank with the same flags (and the same $MINIGPT_ARGS)"
                 )
     cfg.run_id = first.get("run_id")
@@ -231,11 +187,15 @@ def check_same_config(cfg, info: DistInfo) -> None:
 
 CHECK_IN_S = 5.0  # how long survivors wait for each other's word before naming a rank lost
 _CHECK_IN = "minigpt/alive/{attempt}/{rank}"  # a key per rank (and per torchrun restart) in its store
-# What a collective says when its peer is gone: gloo's "Connection closed by peer" (wrapped in a
-# RuntimeError when DDP's hook runs it), a reset or broken connection, NCCL's and c10d's own errors,
-# or --ddp-timeout running out on a stopped peer. A user's own RuntimeError says none of these.
+# What a collective says when its peer is gone: gloo's "Connection closed by peer", a reset or broken
+# connection, NCCL's and c10d's own errors; or, for a peer alive but stopped, --ddp-timeout running
+# out: gloo's "Timed out waiting 20000ms for recv", and on the other buckets in flight through the
+# same connection "Application timeout caused pair closure" (issue 47: it names no backend), both
+# wrapped by DDP's communication hook in "Got the following error when running the callback".
 BACKEND_ERROR = re.compile(
-    r"gloo|nccl|c10d|connection (closed|reset|refused)|broken pipe|timed out", re.IGNORECASE
+    r"gloo|nccl|c10d|connection (closed|reset|refused)|broken pipe|timed out|timeout|pair closure"
+    r"|error when running the callback",
+    re.IGNORECASE,
 )
 
 
@@ -265,25 +225,22 @@ def lost_ranks(info: DistInfo, wait_s: float = CHECK_IN_S) -> list[int] | None:
         return None
 
 
-@contextmanager
-def peers_watched(info: DistInfo, resume: str) -> Iterator[None]:
-    """Around the training loop: a collective that fails because another rank is gone (killed, out
-    of memory, stopped) raises LostRank, whose one line names that rank and says `resume` (how to
-    continue from the last checkpoint), instead of the backend's traceback. A failure with every
-    rank still answering is not about a lost rank: it propagates as it is."""
-    try:
-        yield
-    except RuntimeError as e:  # dist.DistError is one
-        if not info.enabled or not (isinstance(e, dist.DistError) or BACKEND_ERROR.search(str(e))):
-            raise
-        lost = lost_ranks(info)
-        if not lost:
-            raise
-        names = ", ".join(str(r) for r in lost)
-        raise LostRank(
-            f"rank {info.rank}: lost rank{'s' if len(lost) > 1 else ''} {names} (the process ended or "
-            f"stopped answering; its own output, above, or the launcher's summary says why); {resume}"
-        ) from e
+def as_lost_rank(error: BaseException, info: DistInfo, resume: str) -> LostRank | None:
+    """A collective's failure because another rank is gone (killed, out of memory, stopped) as
+    LostRank, whose one line names that rank and says `resume` (how to go on); None for any other
+    error, and for a failure with every rank still answering: it is not about a lost rank."""
+    if not info.enabled or not isinstance(error, RuntimeError):  # dist.DistError is one
+        return None
+    if not (isinstance(error, dist.DistError) or BACKEND_ERROR.search(str(error))):
+        return None
+    lost = lost_ranks(info)
+    if not lost:
+        return None
+    names = ", ".join(str(r) for r in lost)
+    return LostRank(
+        f"rank {info.rank}: lost rank{'s' if len(lost) > 1 else ''} {names} (it ended or stopped "
+        f"answering: its own output or torchrun's summary says why); {resume}"
+    )
 
 
 # ---------------------------------------------------------------------------- the rank flags
@@ -353,13 +310,16 @@ def profile_ranks(spec: str, world_size: int | None) -> list[int] | None:
 
 
 def join(cfg, device: str, held):
-    """Under torchrun, or with a parallel flag: the checks that need the world, the process group
-    (NCCL on CUDA, gloo on the CPU) and the (dp, tp) mesh. Returns (DistInfo, Plan). A single
-    process with none of these flags never comes here: it is rank 0 of 1 (minigpt/ranks.py)."""
+    """Under torchrun, or with a flag that needs the ranks: the checks that need the world, the
+    process group (NCCL on CUDA, gloo on the CPU; destroyed when `held`, the run's ExitStack,
+    closes) and the (dp, tp) mesh. Returns (DistInfo, Plan)."""
     from minigpt.config import STAGE_NAMES
     from minigpt.core import parallel
 
+    if cfg.simulate_slow_rank:  # its numbers, then its format
+        check_slow_rank(cfg.simulate_slow_rank)
     slow = parse_slow_rank(cfg.simulate_slow_rank, STAGE_NAMES) if cfg.simulate_slow_rank else None
+    profile_ranks(cfg.profile_ranks, None)  # its format, before any process group
     parallel.check_plan(cfg, parallel.world_size_from_env())  # --fsdp / --tp: before any process group
     info = setup(device, cfg.ddp_backend, cfg.ddp_timeout)
     held.callback(cleanup)  # on every exit path: a process group left behind hangs or leaks
@@ -370,5 +330,10 @@ def join(cfg, device: str, held):
         raise UsageError(
             f"--simulate-slow-rank {cfg.simulate_slow_rank}: no rank {slow.rank} in a world of "
             f"{info.world_size}"
+        )
+    if slow and info.world_size == 1:  # nothing would sleep: the page times a single process plainly
+        raise UsageError(
+            f"--simulate-slow-rank {cfg.simulate_slow_rank} slows one rank among several: launch with "
+            "torchrun (torchrun --nproc_per_node 2 train_minimal.py ...)"
         )
     return info, plan

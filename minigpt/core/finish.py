@@ -7,10 +7,12 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from pathlib import Path
 
 from minigpt.analysis.record import StepRecord, describe_left_out, format_duration
 from minigpt.config import CONFIG_FILE, LOG_FILE, METRICS_FILE, REPORT_FILE, TRACE_DIR
-from minigpt.instruments.peak import PEAK_CACHE_FILE, cache_dir, machine_key, write_cache
+from minigpt.core.data import cache_dir
+from minigpt.instruments.peak import PEAK_CACHE_FILE, machine_key, write_cache
 
 
 def stopped(run, stop_signal: list[int], step: int, log: logging.Logger) -> int:
@@ -53,15 +55,25 @@ def finish(run, log: logging.Logger, inst, last: StepRecord) -> None:
     log.info(f"Checkpoint: {ckpt}" if ckpt.exists() else "Checkpoint: none (--no-checkpoint)")
     log.info(f"Run directory: {run.path} ({LOG_FILE}, {METRICS_FILE}, {CONFIG_FILE})")
     if main:
-        where = f"--checkpoint {cfg.checkpoint_path}" if cfg.checkpoint_path else f"--out-dir {run.path}"
-        log.info("Next steps:")
-        log.info(f"  scalars:        tensorboard --logdir {run.path}")
-        if (run.path / TRACE_DIR).is_dir():
-            log.info(f"  trace summary:  python -m minigpt traces {run.path / TRACE_DIR}")
-        if (run.path / REPORT_FILE).is_file():
-            log.info(f"  report:         {run.path / REPORT_FILE}")
-        if ckpt.is_file():
-            log.info(f"  text from it:   python sample.py {where}")
+        traces, page = (run.path / TRACE_DIR).is_dir(), (run.path / REPORT_FILE).is_file()
+        for line in next_steps(run.path, traces, page, ckpt.is_file(), cfg.checkpoint_path):
+            log.info(line)
+
+
+def next_steps(
+    path, has_traces: bool, has_report: bool, has_checkpoint: bool = True, checkpoint=None
+) -> list:
+    """What to open next, with this run's paths: its scalars, its traces' summary, its report, and
+    text from its checkpoint (`checkpoint`: a --checkpoint-path of its own)."""
+    lines = ["Next steps:", f"  scalars:        tensorboard --logdir {path}"]
+    if has_traces:
+        lines.append(f"  trace summary:  python -m minigpt traces {Path(path) / TRACE_DIR}")
+    if has_report:
+        lines.append(f"  report:         {Path(path) / REPORT_FILE}")
+    if has_checkpoint:
+        where = f"--checkpoint {checkpoint}" if checkpoint else f"--out-dir {path}"
+        lines.append(f"  text from it:   python sample.py {where}")
+    return lines
 
 
 def keep_achieved(device: str, peak, achieved: float) -> str | None:
@@ -103,31 +115,29 @@ def finished_lines(
     the start (or the resume), the validation loss; the steady state and what was left out of it;
     end to end and the start-up; the share of the steady steps that ran busy."""
     resumed = f" (since the resume at step {resumed_at})" if resumed_at else ""
-    val = f"val loss {r.val_loss:.4f}, ppl {r.val_ppl:.1f}" if r.val_loss is not None else "no evaluation"
+    val = f"val loss {r.val_loss:.4f}, val ppl {r.val_ppl:.1f}" if r.val_loss is not None else "no evaluation"
     lines = [f"Training finished: {steps} steps{resumed}, {r.tokens_trained:,} tokens; {val}"]
     if r.run_tokens_per_s is not None:
         steady_ms = 1000 * r.run_step_time_s / r.run_steps
-        lines.append(
-            f"  steady state: {r.run_tokens_per_s:,.0f} tokens/s, {r.run_steps} steps in {r.run_step_time_s:.2f}s"
-            + (
-                f"; a step is {steady_ms / predicted_ms:.0%} of the predicted {predicted_ms:.1f} ms"
-                if predicted_ms
-                else ""
-            )
-        )
+        line = f"  steady state: {r.run_tokens_per_s:,.0f} tokens/s, {r.run_steps} steps in "
+        line += f"{r.run_step_time_s:.2f}s"
+        if predicted_ms:
+            line += f"; a steady step of {steady_ms:.1f} ms, {steady_ms / predicted_ms:.0%} of the predicted "
+            line += f"{predicted_ms:.1f}"
+        lines.append(line)
     if left := describe_left_out(r.run_left_out):
         lines.append(f"  left out: {left}")
     startup = (
-        f"start-up {format_duration(r.startup_s)} before the loop"
-        if r.startup_s is not None
-        else "start-up not measured"
+        f"start-up {format_duration(r.startup_s)}" if r.startup_s is not None else "start-up not measured"
     )
     lines.append(
-        f"  end to end: {r.tokens_per_s_e2e:,.0f} tokens/s over {r.elapsed_s:.2f}s of loop (evaluations, logging and checkpoints included); {startup}, in neither figure"
+        f"  end to end: {r.tokens_per_s_e2e:,.0f} tokens/s over {r.elapsed_s:.2f}s of loop (evaluations, "
+        f"logging and checkpoints included); {startup} before the loop, in neither figure"
     )
     if r.run_busy:
         lines.append(
-            f"  busy: other processes took over a quarter of the cores in {r.run_busy:.0%} of the steady steps: re-run on a quiet machine before comparing"
+            f"  busy: other processes took over a quarter of the cores in {r.run_busy:.0%} of the steady "
+            "steps: re-run on a quiet machine before comparing"
         )
     return lines
 
@@ -137,4 +147,5 @@ def predicted_line(p: dict) -> str:
     stages = ", ".join(f"{k} {v:.1f}" for k, v in p.get("stage_ms", {}).items())
     sheet = str(p.get("rates_source", "")).startswith("table")
     source = "a data sheet's rates, unchecked" if sheet else "this machine's measured rates"
-    return f"Predicted step: {p.get('step_ms', 0):.1f} ms ({stages}), from {source} [{p.get('rates_source', '?')}]"
+    where = p.get("rates_source", "?")
+    return f"Predicted step: {p.get('step_ms', 0):.1f} ms ({stages}), from {source} [{where}]"

@@ -1,6 +1,6 @@
 """The run directory's guards for what a fresh folder cannot hold: a folder used before (its files
-of the wrong kind, the temporary files a killed save left), a --checkpoint-path of its own (its
-lock file), a path under a kernel file system, and the one line for a folder that cannot be
+of the wrong kind, the temporary files a killed save left), a --checkpoint-path of its own (a lock
+beside it), a path under a kernel file system, and the one line for a folder that cannot be
 written. RunDir (minigpt/core/runs.py) loads them when one of those is the case, or when its folder
 cannot be made or locked."""
 
@@ -19,7 +19,7 @@ from minigpt.config import UsageError, open_run_file
 PSEUDO_FS = (Path("/proc"), Path("/sys"), Path("/dev"))  # the kernel's views: never a place for a run
 
 SHARDED_META = "minigpt_sharded.json"  # a sharded checkpoint's world size and tp, written by rank 0
-STALE_TMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.tmp$")  # minigpt.fileio.tmp_path's names
+STALE_TMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.tmp$")  # minigpt.config.atomic_write's names
 
 
 def _reason(e: OSError) -> str:
@@ -65,11 +65,7 @@ def probe_writable(path: str | Path, what: str) -> None:
             probe.unlink(missing_ok=True)
         except OSError:  # a read-only file system refuses even to remove a file that is not there
             pass
-        for p in reversed(made):  # innermost first; only the empty folders this probe made
-            try:
-                p.rmdir()
-            except OSError:
-                break
+        remove_empty(made)  # only the empty folders this probe made
 
 
 def check_out_dir(path: str | Path, what: str = "--out-dir") -> None:
@@ -82,7 +78,7 @@ def check_out_dir(path: str | Path, what: str = "--out-dir") -> None:
         )
     if path.exists() and not path.is_dir():
         raise UsageError(f"{what} {path} is a file, not a folder; choose another {what}")
-    probe_writable(path / "config.json", what)
+    probe_writable(path / paths.CONFIG_FILE, what)
 
 
 # What a run keeps in its directory, by the kind of path it must be: a file at a folder's name (or
@@ -124,16 +120,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def clean_stale_tmp(folder: str | Path) -> list[Path]:
-    """Remove the temporary files (.NAME.<pid>.tmp) that a process killed mid-save left in
-    `folder`, those whose process is gone; a live process's file is a save in progress."""
+def clean_stale_tmp(folder: str | Path, name: str | None = None) -> list[Path]:
+    """Remove the temporary files (.NAME.<pid>.tmp; of `name` alone, if given) that a process
+    killed mid-save left in `folder`, those whose process is gone; a live process's file is a save
+    in progress."""
     removed = []
     folder = Path(folder)
     if not folder.is_dir():
         return removed
     for p in folder.iterdir():
         m = STALE_TMP.match(p.name)
-        if m and p.is_file() and not _alive(int(m["pid"])):
+        if m and (name is None or m["name"] == name) and p.is_file() and not _alive(int(m["pid"])):
             p.unlink(missing_ok=True)
             removed.append(p)
     return sorted(removed)
@@ -176,6 +173,9 @@ def check_checkpoint_path(path: str | Path, resume: bool) -> None:
 def check_paths(run) -> None:
     """Every output path of `run` (a RunDir) checked before any work: the folder, the files an
     earlier run left in it, the checkpoint's path (a folder of shards under --fsdp/--tp)."""
+    from minigpt.fileio import check_names
+
+    check_names((run.path, "--out-dir"), (run.checkpoint, "--checkpoint-path"))  # past 4,096 bytes
     if run.sharded:
         run.checkpoint = sharded_checkpoint_dir(run.checkpoint)
         check_sharded_path(run.checkpoint, run.cfg.resume)
@@ -191,23 +191,69 @@ def check_paths(run) -> None:
 
 
 def guard_used(run, held) -> None:
-    """Once the folder is locked: what a killed earlier run left (a save's temporary files) is no
-    live trainer's, and goes, said in the log's first lines; a --checkpoint-path outside the folder
-    gets a lock of its own beside it (two runs must not overwrite each other's weights)."""
-    for p in clean_stale_tmp(run.checkpoint.parent) + clean_stale_tmp(run.path):
-        run.cleaned.append(f"removed {p}, a save killed midway")
-    if run.saves and run.cfg.checkpoint_path:
-        lock = run.checkpoint.with_name(f".{run.checkpoint.name}.lock")
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        fd = open_run_file(lock, os.O_RDWR)
+    """Once the folder is locked: a --checkpoint-path of its own gets a lock beside it (two runs
+    must not overwrite each other's weights), then what a killed earlier run left (a save's
+    temporary files, in the folder and beside the checkpoint) is no live trainer's, and goes,
+    said in the log's first lines."""
+    if run.cfg.checkpoint_path and (run.saves or run.cfg.resume):
+        lock_checkpoint(run.checkpoint, held)
+    stale = clean_stale_tmp(run.path) + clean_stale_tmp(run.checkpoint.parent, run.checkpoint.name)
+    run.cleaned += [f"removed {p}, a save killed midway" for p in stale]
+
+
+def lock_checkpoint(path: Path, held) -> None:
+    """An exclusive flock on .NAME.lock beside the checkpoint until the run returns. Its holder
+    removes it while it still holds it; a trainer that opened it meanwhile finds another file at
+    the name once it holds the lock, and locks that one instead."""
+    lock = path.with_name(f".{path.name}.lock")
+    made = [p for p in reversed(lock.parents) if not p.exists()]
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = hold_lock(lock, path)
+    except BaseException:
+        remove_empty(made)
+        raise
+
+    def release() -> None:
+        lock.unlink(missing_ok=True)  # while held: no one else holds this file meanwhile
+        os.close(fd)
+        remove_empty(made)
+
+    held.callback(release)
+
+
+def hold_lock(lock: Path, path: Path) -> int:
+    while True:
+        try:
+            fd = open_run_file(lock, os.O_RDWR)
+        except UsageError:  # a link, a folder, a FIFO at its name
+            raise UsageError(
+                f"{lock}, the lock beside --checkpoint-path {path}, is not a plain file this run can "
+                "open; remove it, or choose another --checkpoint-path"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             raise UsageError(
-                f"another trainer writes its checkpoint to {run.checkpoint}; wait, or choose another --checkpoint-path"
+                f"another trainer writes its checkpoint to {path}; wait for it, or choose another "
+                "--checkpoint-path"
             ) from None
-        held.callback(lambda: (lock.unlink(missing_ok=True), os.close(fd)))
+        try:
+            if os.stat(lock, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # removed (or replaced) by its last holder as it let go: lock what is there now
+
+
+def remove_empty(made: list[Path]) -> None:
+    """The folders made for a file (outermost first), innermost first, while they are empty."""
+    for folder in reversed(made):
+        try:
+            folder.rmdir()
+        except OSError:
+            break
 
 
 def sharded_checkpoint_dir(path: str | Path) -> Path:

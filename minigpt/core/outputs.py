@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import asdict
 
 import torch
@@ -41,11 +42,9 @@ def check_finite(run, losses: list, step: int, amp: str) -> list[float]:
 
         check_peers_finite(bad is not None, step, run.dist_info, run.checkpoint)
     if bad is not None:
-        kept = (
-            f"the last good checkpoint ({run.checkpoint}) was kept"
-            if run.checkpoint.is_file()
-            else "none saved yet"
-        )
+        from minigpt.core.guards import describe_intact
+
+        kept = describe_intact(run.checkpoint)
         hint = " or use --amp-dtype bf16 (fp16's range is narrow)" if amp == "fp16" else ""
         raise NonFiniteLoss(
             f"loss is {values[bad]} at step {step - len(values) + bad + 1}; {kept}; lower --lr{hint}"
@@ -53,11 +52,29 @@ def check_finite(run, losses: list, step: int, amp: str) -> list[float]:
     return values
 
 
+def quiet_writer_thread() -> None:
+    """TensorBoard's writer thread keeps its error (a full disk) for the main thread's next write,
+    which ends the run with it in one line, then re-raises it: Python's thread hook would print the
+    thread's traceback too. That thread's are left unprinted; any other thread's print as before."""
+    previous = threading.excepthook
+    if getattr(previous, "minigpt", False):
+        return
+
+    def hook(args) -> None:
+        if type(args.thread).__name__ != "_AsyncWriterThread":
+            previous(args)
+
+    hook.minigpt = True
+    threading.excepthook = hook
+
+
 class Outputs:
     def __init__(self, run):
         self.log, self.metrics, self.tensorboard = run.log, None, None
         if run.dist_info.is_main:  # under torchrun, rank 0
             from torch.utils.tensorboard import SummaryWriter
+
+            quiet_writer_thread()
 
             self.metrics = open(open_run_file(run.path / config.METRICS_FILE, os.O_WRONLY | os.O_APPEND), "a")
             # purge_step: the first step (re)trained; what an earlier run wrote from there is hidden
@@ -72,9 +89,13 @@ class Outputs:
             record = {k: v for k, v in asdict(r).items() if v is not None or k != "memory_breakdown"}
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
-            for tag, value in tensorboard_scalars(r):
-                self.tensorboard.add_scalar(tag, value, r.step)
-            self.tensorboard.flush()
+            try:
+                for tag, value in tensorboard_scalars(r):
+                    self.tensorboard.add_scalar(tag, value, r.step)
+                self.tensorboard.flush()
+            except OSError as e:  # met by TensorBoard's writer thread, raised here: name its folder
+                e.filename = e.filename or self.tensorboard.log_dir
+                raise
 
     def close(self) -> None:
         for f in (self.metrics, self.tensorboard):
@@ -103,7 +124,9 @@ def log_lines(m: StepRecord) -> list[str]:
     )
     line += f" | {m.tokens_per_s:,.0f} tok/s | mfu {100 * m.mfu:.1f}% | {memory}{busy}"
     host, device = m.stage_host_ms, m.stage_device_ms
-    label = {k: v[0] for k, v in config.STAGES.items()}
+    label = {k: v[0] for k, v in config.STAGES.items()} | {
+        s: f"({config.STAGES[p][0]} compute)" for s, p in config.SPLITS.items()
+    }
     times = " ".join(
         f"{label.get(k, k)} {v:.1f}" + ("" if host == device else f"/{device.get(k, 0):.1f}")
         for k, v in host.items()

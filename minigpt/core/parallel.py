@@ -48,48 +48,6 @@ TP_PLAN = {"attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.fc": "colwise", "
 MESH_DIMS = ("dp", "tp")
 
 
-def check_parallel(cfg, given: set[str] | frozenset[str]) -> None:
-    """What FSDP and tensor parallelism need that is known without the world size."""
-    if cfg.use_tensor_parallel and "tp" in given:
-        raise UsageError(
-            "--use-tensor-parallel takes the tensor-parallel degree from the node's size; "
-            "--tp sets it by hand: pass one of them"
-        )
-    if cfg.tp > 1:
-        # torchrun's world size, known here from its environment: a --tp that does not divide it
-        # is the first thing wrong, whatever the model's shape
-        world = os.environ.get("WORLD_SIZE", "")
-        ranks = f"; this launch has {world} rank(s)" if world.isdigit() else ""
-        if world.isdigit() and int(world) % cfg.tp:
-            raise UsageError(
-                f"--tp {cfg.tp} does not divide the world size {world} (the ranks torchrun started): "
-                "use a --tp that divides the number of processes"
-            )
-        if cfg.n_heads % cfg.tp:
-            raise UsageError(
-                f"--tp {cfg.tp} must divide --n-heads {cfg.n_heads}: each rank holds whole heads{ranks}"
-            )
-        if cfg.d_ff % cfg.tp:
-            raise UsageError(
-                f"--tp {cfg.tp} must divide --d-ff {cfg.d_ff}: each rank holds an equal slice of the MLP"
-            )
-    sharded = [
-        name
-        for name, on in [
-            ("--fsdp", cfg.fsdp),
-            ("--tp", cfg.tp > 1),
-            ("--use-tensor-parallel", cfg.use_tensor_parallel),
-        ]
-        if on
-    ]
-    if cfg.compile and sharded:
-        raise UsageError(
-            f"--compile with {' and '.join(sharded)} is not supported: torch.compile of "
-            "sharded (DTensor) modules needs per-block compilation, which this trainer does "
-            "not do; drop --compile"
-        )
-
-
 def world_size_from_env() -> int:
     """The number of processes torchrun started (1 without torchrun)."""
     return int(os.environ.get("WORLD_SIZE", 1))

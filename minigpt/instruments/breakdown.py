@@ -768,8 +768,8 @@ _INTEGER_DTYPES = ("int64", "int32", "int16", "int8", "uint8", "bool")
 
 def _saved_name(where: _Where, dtype: str = "", nbytes: int = 0) -> str:
     """The name of a tensor saved by an op that ran in no submodule: for the loss, what the tensor
-    is, by the op that saved it and its dtype; else the op itself. The CPU's CrossEntropy saves its
-    gradient. F.cross_entropy is log_softmax then nll_loss: log_softmax saves its output (the
+    is, by the op that saved it and its dtype; else the op itself. F.cross_entropy is log_softmax
+    then nll_loss: log_softmax saves its output (the
     log-probs, in the logits' dtype on CUDA under autocast, fp32 elsewhere), nll_loss its input,
     the targets and a scalar weight total. When log_softmax ran in fp32 nll_loss's input is that
     same storage, counted once under log_softmax; under CUDA autocast nll_loss (autocast's fp32
@@ -777,8 +777,6 @@ def _saved_name(where: _Where, dtype: str = "", nbytes: int = 0) -> str:
     op = where.inner.removeprefix("aten::")
     if not where.is_loss():
         return f"op {where.outer.removeprefix('aten::')}"
-    if op == "CrossEntropy":
-        return "loss (cross_entropy gradient)"
     if "log_softmax" in op:
         return f"loss (log_softmax output: {dtype or 'the'} log-probs)"
     if op.startswith("nll_loss"):

@@ -1,7 +1,7 @@
 """Time in collectives per stage under FSDP and TP, from one profiled step per log interval.
 
 Under DDP the all-reduce sits at the end of the backward, and a mark where the last gradient bucket
-is ready splits it off (StageTimer.add_split). FSDP2's all-gathers, reduce-scatters and waits, and
+is ready splits it off (straggler.py's RankTimer). FSDP2's all-gathers, reduce-scatters and waits, and
 DTensor's all-reduces, are spread through every block of the forward and the backward, issued from
 inside torch; their record_function ranges ("FSDP::all_gather (blocks.0)",
 "_c10d_functional::wait_tensor", ...) are the one place they can be seen without patching torch.
@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import torch
 from torch.profiler import ProfilerActivity
 
-from minigpt import stages
+from minigpt.config import STAGE_NAMES
 from minigpt.core import torchcompat
 
 # Profiler ranges that are communication: c10d and functional collectives, their waits, gloo's own
@@ -118,8 +118,15 @@ class CommProbe:
         prof, self.prof = self.prof, None
         with quiet_stderr():
             prof.__exit__(None, None, None)
-        ms = comm_by_stage(torchcompat.kineto_spans(prof), stages.STAGE_NAMES)
-        self.figure = (n, {s: ms[s] for s in stages.STAGE_NAMES if s in ms})
+        ms = comm_by_stage(torchcompat.kineto_spans(prof), STAGE_NAMES)
+        self.figure = (n, {s: ms[s] for s in STAGE_NAMES if s in ms})
+
+    def abandon(self) -> None:
+        """Stop the profiler of a step that did not finish (it raised): no figure, no profiler left on."""
+        prof, self.prof = self.prof, None
+        if prof is not None:
+            with quiet_stderr():
+                prof.__exit__(None, None, None)
 
     def take(self) -> tuple[int, dict[str, float]] | None:
         """The interval's figure, once; the next interval profiles a step of its own."""

@@ -1,6 +1,6 @@
 """Predicting memory from the flags alone: what one training step of minigpt's GPT holds, with no
-model built and nothing allocated. Its measured counterpart is minigpt/instruments/breakdown.py; docs/memory.md
-derives the formulas.
+model built and nothing allocated. Its measured counterpart is minigpt/instruments/breakdown.py;
+docs/memory.md derives the formulas.
 
     python -m minigpt estimate                                # the default job (the trainer's flags)
     python -m minigpt estimate --preset gpt2 --batch-size 4 --device-memory-gb 24
@@ -10,25 +10,18 @@ derives the formulas.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 
 import torch
 
-from minigpt.config import (
-    GiB,
-    MiB,
-    UsageError,
-    machine_ram_bytes,
-    parse_args,
-    resolve_amp,
-    resolve_device,
-)
+from minigpt.config import GPT2_VOCAB, UsageError, parse_args
 from minigpt.core.chunked_loss import LOSS_CHUNK_ELEMENTS
-from minigpt.core.cpu import choose_allocator
-from minigpt.core.model import LOSS_ROWS
 from minigpt.core.shape import Shape, shape_of
+
+MiB, GiB = 2**20, 2**30  # the units the estimates are printed in (memory.log's "MiB")
 
 # ---------------------------------------------------------------------------- the estimator (GPT)
 
@@ -135,16 +128,12 @@ class _Sizes:
         return 4 * self.shape.vocab_size * self.shape.d_model
 
     @property
-    def fused_loss(self) -> bool:
-        """model.cross_entropy(): CrossEntropy on the CPU unless the logits are fp16, F.cross_entropy else."""
-        return self.device == "cpu" and self.amp_dtype != "fp16"
-
-    @property
     def lowp_log_softmax(self) -> bool:
         """F.cross_entropy under CUDA autocast: log_softmax runs in the logits' dtype (it is given
         that dtype, so autocast keeps it) and nll_loss, on autocast's fp32 list, on an fp32 copy.
-        The CPU's autocast casts the logits to fp32 before log_softmax: one fp32 copy, shared."""
-        return not self.fused_loss and self.amp and self.device != "cpu"
+        The CPU's autocast casts the logits to fp32 before log_softmax: one fp32 copy, freed when
+        log_softmax has made its fp32 output, the one log-probs storage nll_loss saves."""
+        return self.amp and self.device != "cpu"
 
     @property
     def flash(self) -> bool:
@@ -183,7 +172,6 @@ def estimate_gpt(
     amp_dtype: str = "fp32",
     device: str = "cpu",
     loss_chunk_elements: int = LOSS_CHUNK_ELEMENTS,
-    loss_rows: int = LOSS_ROWS,
 ) -> MemoryEstimate:
     """Bytes of one training step of minigpt's GPT (a shape in, no model built), with fused
     AdamW, the step shaped as train_minimal.py runs it (the loop keeps the loss, not the logits).
@@ -191,18 +179,18 @@ def estimate_gpt(
 
     What persists: parameters, fp32 gradients, AdamW's two fp32 moments and a step per tensor. What
     the forward saves: Korthikanti et al.'s per-layer count redone for this model (fp32 LayerNorm
-    inputs, flash attention, no dropout masks), and what the cross-entropy saves, chosen as
-    model.cross_entropy() chooses: on the CPU (not fp16) CrossEntropy's gradient in the logits'
-    dtype, p*bsV; elsewhere F.cross_entropy's fp32 log-probabilities 4bsV, and under CUDA autocast
-    also the bf16/fp16 log-probs p*bsV that log_softmax made (nll_loss's fp32 copy is a storage of
-    its own). The peak is the largest of a few moments: the loss itself (CrossEntropy's forward: the
-    logits, the gradient it fills and fp32 blocks of loss_rows rows; F.cross_entropy's backward:
-    every saved tensor and NllLossBackward's fp32 bsV gradient, and in fp32 (one log-probs storage)
-    LogSoftmaxBackward's fp32 output beside it), the end of backward (the tied embedding's three V x
-    h gradients), a checkpointed block rebuilt, the optimizer step, and with chunked_loss a chunk of
-    the loss in the forward (the fp32 gradient accumulators, one chunk's fp32 logits twice over, and
-    the chunk weight gradients in the matmuls' dtype: bf16 under AMP). On CUDA every moment also
-    holds the two cuBLAS workspaces (64 MiB), allocated at the first matmul.
+    inputs, flash attention, no dropout masks), and what F.cross_entropy saves: the fp32 log-
+    probabilities 4bsV (under the CPU's autocast too, which casts the logits to fp32 before
+    log_softmax), and under CUDA autocast also the bf16/fp16 log-probs p*bsV that log_softmax made
+    (nll_loss's fp32 copy is a storage of its own). The peak is the largest of a few moments: the
+    loss itself (its forward: the logits, the CPU autocast's fp32 copy of them and the log-probs;
+    its backward: every saved tensor and NllLossBackward's fp32 bsV gradient, and with one fp32 log-
+    probs storage LogSoftmaxBackward's fp32 output beside it), the end of backward (the tied
+    embedding's three V x h gradients), a checkpointed block rebuilt, the optimizer step, and with
+    chunked_loss a chunk of the loss in the forward (the fp32 gradient accumulators, one chunk's
+    fp32 logits twice over, and the chunk weight gradients in the matmuls' dtype: bf16 under AMP).
+    On CUDA every moment also holds the two cuBLAS workspaces (64 MiB), allocated at the first
+    matmul.
     """
     z = _Sizes(shape, amp_dtype, device)
     est = _saved(z)
@@ -210,7 +198,7 @@ def estimate_gpt(
     if shape.chunked_loss:
         est.moments["loss forward (a chunk)"] = _chunk_moment(z, est, moment, loss_chunk_elements)
     else:
-        est.moments.update(_loss_moments(z, est, moment, loss_rows))
+        est.moments.update(_loss_moments(z, est, moment))
     est.moments.update(_backward_moments(z, est, moment))
     return est
 
@@ -227,10 +215,10 @@ def _saved(z: _Sizes) -> MemoryEstimate:
     else:
         head_copy = p * V * h if z.amp else 0
         head = z.layer_norm + p * sbh + head_copy
-        # CrossEntropy saves its gradient in the logits' dtype; F.cross_entropy the fp32
-        # log-probabilities and the targets (with the weight total), and under CUDA autocast the
-        # low-precision log-probs log_softmax made besides (nll_loss saves its fp32 copy of them)
-        loss = p * bs * V if z.fused_loss else 4 * bs * V + 8 * bs + 4
+        # F.cross_entropy saves the fp32 log-probabilities and the targets (with the weight
+        # total), and under CUDA autocast the low-precision log-probs log_softmax made besides
+        # (nll_loss saves its fp32 copy of them)
+        loss = 4 * bs * V + 8 * bs + 4
         loss += p * bs * V if z.lowp_log_softmax else 0
         logits = p * bs * V
     return MemoryEstimate(
@@ -292,33 +280,28 @@ def _chunk_moment(z: _Sizes, est: MemoryEstimate, moment, loss_chunk_elements: i
     return moment(activations=est.activations - filling, temporaries=filling + chunk)
 
 
-def _loss_moments(z: _Sizes, est: MemoryEstimate, moment, loss_rows: int) -> dict[str, dict]:
-    """The moments of the loss over whole logits: CrossEntropy's forward and backward, or
-    F.cross_entropy's backward."""
+def _loss_moments(z: _Sizes, est: MemoryEstimate, moment) -> dict[str, dict]:
+    """The moments of F.cross_entropy over whole logits: its forward, at log_softmax, and its
+    backward, at NllLossBackward."""
     V, bs, L = z.shape.vocab_size, z.shape.tokens, z.shape.n_layers
-    acts, loss, logits, accum = est.activations, est.loss, est.logits, est.grad_accum_steps
-    if not z.fused_loss:
-        # NllLossBackward: every saved tensor and the fp32 bsV gradient it makes. In fp32 (one
-        # log-probs storage) LogSoftmaxBackward then adds its own fp32 output while that gradient
-        # and the log-probs are live. Under CUDA autocast nll_loss's fp32 copy is freed with its
-        # node, before the casts back to bf16/fp16 (p*bsV each): NllLossBackward is the peak.
-        # The logits died with the forward.
-        grads = 4 * bs * V if z.lowp_log_softmax else 2 * 4 * bs * V
-        return {"loss backward": moment(activations=acts, temporaries=grads)}
-    # CrossEntropy's forward, at its second block: the logits, the gradient it fills (saved only
-    # at its end: a temporary until then), the last block of fp32 rows (held by its variable) and
-    # the new one, and per row: log-sum-exp, scale (fp32), targets clamped (int64), mask (bool).
-    first, second = min(bs, loss_rows), min(loss_rows, max(0, bs - loss_rows))
-    in_loss = loss + 4 * V * (first + second) + 17 * bs
-    # Until the forward returns: under autocast the fp32 output of ln_f (lm_head saved its copy)
-    # and, with checkpointing, autocast's cached weight copies (saved by no block).
+    acts, loss, logits = est.activations, est.loss, est.logits
+    # The forward at the loss: the logits, the fp32 copy the CPU's autocast makes of them for
+    # log_softmax, and the log-probs (the loss's saved tensors, not saved yet; under CUDA autocast
+    # the low-precision ones and nll_loss's fp32 copy of them). Until the forward returns, under
+    # autocast, the fp32 output of ln_f (lm_head saved its copy) and, with checkpointing,
+    # autocast's cached weight copies (saved by no block).
+    copy = 4 * bs * V if z.amp and z.device == "cpu" else 0  # CUDA's copy is saved: in `loss`
     checkpointed = L * z.weight_copies if est.activation_checkpoint else 0
     in_forward = (4 * z.sbh + checkpointed) if z.amp else 0
-    loss_forward = moment(activations=acts - loss, temporaries=logits + in_loss + in_forward)
-    # Its backward returns the saved gradient itself, or, when the loss was scaled (accumulation),
-    # a scaled copy of it.
-    backward = moment(activations=acts, temporaries=loss if accum > 1 else 0)
-    return {"loss forward": loss_forward, "loss backward": backward}
+    loss_forward = moment(activations=acts - loss, temporaries=logits + copy + loss + in_forward)
+    # NllLossBackward: every saved tensor and the fp32 bsV gradient it makes. With one fp32
+    # log-probs storage (fp32, or the CPU's autocast) LogSoftmaxBackward then adds its own fp32
+    # output while that gradient and the log-probs are live; the cast back to bf16 (p*bsV) comes
+    # after both are freed. Under CUDA autocast nll_loss's fp32 copy is freed with its node, before
+    # the casts back to bf16/fp16 (p*bsV each): NllLossBackward is the peak. The logits died with
+    # the forward.
+    grads = 4 * bs * V if z.lowp_log_softmax else 2 * 4 * bs * V
+    return {"loss forward": loss_forward, "loss backward": moment(activations=acts, temporaries=grads)}
 
 
 def _workspaces(z: _Sizes) -> int:
@@ -336,10 +319,10 @@ def _backward_moments(z: _Sizes, est: MemoryEstimate, moment) -> dict[str, dict]
     one = est.grad_accum_steps == 1
     moments = {}
     if not chunked:
-        # The LM head's backward: the loss's gradient arrives (the bytes of what the loss saved:
-        # CrossEntropy's own gradient, or its scaled copy), the weight's gradient and the input's
-        # are made in the matmul's dtype. A low-precision matmul on the CPU (oneDNN) also packs the
-        # V x h weight copy into a scratch buffer of its size while it makes the input's gradient.
+        # The LM head's backward: the logits' gradient arrives in their dtype, the weight's
+        # gradient and the input's are made in the matmul's dtype. A low-precision matmul on the
+        # CPU (oneDNN) also packs the V x h weight copy into a scratch buffer of its size while it
+        # makes the input's gradient.
         pack = z.p * V * h if z.amp and z.device == "cpu" else 0
         moments["lm head backward"] = moment(activations=acts, temporaries=z.p * V * h + z.p * z.sbh + pack)
     if est.activation_checkpoint:
@@ -371,10 +354,11 @@ def device_memory(device: str, given_gb: float | None) -> tuple[int | None, str]
     if device == "cuda":
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         return props.total_memory, f"the GPU's memory ({props.name})"
-    ram = machine_ram_bytes()
-    if ram is None:
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return ram, "this machine's RAM: the CPU trains in RAM"
+    except (ValueError, OSError, AttributeError):
         return None, "unknown (no CUDA, and the RAM size is not readable here); pass --device-memory-gb"
-    return ram, "this machine's RAM: the CPU trains in RAM"
 
 
 def _moment_total(moment: str):
@@ -395,24 +379,24 @@ def format_estimate(
     names = [("*" if col == chosen else "") + col[0] + (" + ckpt" if col[1] else "") for col in columns]
     e0 = est[columns[0]]
     gib = lambda n: "-" if n is None else f"{n / GiB:.3f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"  # noqa: E731
-    width = max(14, *(len(n) + 2 for n in names))
+    width = max(13, *(len(n) + 2 for n in names))  # 2 + 42 + 4 x 14 at most: the table fits 100 columns
     s = shape
+    # resolve_amp's note names the dtype itself ("AMP on: bf16 autocast"); another note is added to it
+    amp = note if note.startswith("AMP ") else f"AMP {amp_dtype}" + (f" ({note})" if note else "")
+    attention = (
+        "flash SDPA (no s x s scores)" if e0.attention == "flash" else "math SDPA (s x s scores saved)"
+    )
     lines = [
         f"Memory estimate: {s.n_layers} layers, d_model {s.d_model}, {s.n_heads} heads, d_ff {s.d_ff}, "
-        f"vocab {s.vocab_size}, positions {s.max_position_embeddings}; batch {s.batch_size} x seq "
-        f"{s.seq_len}; AdamW; {e0.params // 4 / 1e6:.2f}M parameters",
-        f"Device {device}; AMP {amp_dtype}"
-        + (f" ({note})" if note else "")
-        + "; attention: "
-        + (
-            "flash/memory-efficient SDPA (no s x s scores)"
-            if e0.attention == "flash"
-            else "math SDPA (s x s scores saved)"
-        ),
-        f"  {'':46s}" + "".join(f"{n:>{width}s}" for n in names),
+        f"vocab {s.vocab_size}, positions {s.max_position_embeddings}",
+        f"  batch {s.batch_size} x seq {s.seq_len}; AdamW; {e0.params // 4 / 1e6:.2f}M parameters; "
+        f"attention: {attention}",
+        f"Device {device}; {amp}",
+        f"  {'':42s}" + "".join(f"{n:>{width}s}" for n in names),
     ]
     for label, get in _rows(shape.n_layers):
-        lines.append(f"  {label:46s}" + "".join(f"{gib(get(est[c])):>{width}s}" for c in columns))
+        lines.append(f"  {label:42s}" + "".join(f"{gib(get(est[c])):>{width}s}" for c in columns))
+    lines.append("  (* the run's own column; ckpt: with --use-activation-checkpoint)")
     return "\n".join(lines + _fits(memory, names, [est[c] for c in columns]))
 
 
@@ -421,12 +405,12 @@ def _rows(n_layers: int) -> list[tuple]:
     return [
         ("parameters (fp32)", lambda e: e.params),
         ("gradients (fp32)", lambda e: e.grads),
-        ("AdamW state (exp_avg, exp_avg_sq fp32, step)", lambda e: e.optimizer),
+        ("AdamW state (2 fp32 moments, a step)", lambda e: e.optimizer),
         ("activations per block (ckpt: its input)", lambda e: e.block),
         (f"  x {n_layers} blocks", lambda e: e.n_layers * e.block),
         ("embeddings (ids, dropout mask)", lambda e: e.embeddings),
         ("ln_f + lm_head (input, weight copy)", lambda e: e.head),
-        ("cross-entropy (saved gradient or log-probs)", lambda e: e.loss),
+        ("cross-entropy (log-probs, targets)", lambda e: e.loss),
         ("activations saved for backward", lambda e: e.activations),
         ("  of which autocast weight copies", lambda e: e.weight_copies),
         ("total: params+grads+optimizer+activations", lambda e: e.total),
@@ -446,23 +430,24 @@ def _fits(memory: tuple[int | None, str], names: list[str], estimates: list[Memo
         use = e.peak / size
         fits.append(
             f"{name} {'fits' if use <= 0.9 else 'is tight' if use <= 1 else 'does NOT fit'} "
-            f"({100 * use:.0f}% of it)"
+            f"({100 * use:.0f}%)"
         )
     return [
-        f"Device memory: {size / GiB:.1f} GiB ({source}). " + "; ".join(fits),
-        "  (peak estimate against device memory; above 90% counts as tight: on CUDA the context "
-        "and the caching allocator's rounding come on top, see docs/memory.md)",
+        f"Device memory: {size / GiB:.1f} GiB ({source}); the peak estimate against it:",
+        "  " + "; ".join(fits),
+        "  (above 90% is tight: on CUDA the context and the allocator's rounding come on top; "
+        "docs/memory.md)",
     ]
 
 
 def config_shape(cfg) -> Shape:
     """A TrainConfig's step shape with no model built: the vocabulary is --vocab-size or the
     tokenizer's, padded as the trainer pads it."""
-    vocab_size = cfg.vocab_size
-    if vocab_size is None:
-        from minigpt.core.data import tokenizer_vocab
+    vocab_size = cfg.vocab_size or (GPT2_VOCAB if cfg.tokenizer_name == "gpt2" else None)
+    if vocab_size is None:  # another tiktoken encoding: its own size
+        from minigpt.core.tokens import get_tokenizer
 
-        vocab_size = tokenizer_vocab(cfg.tokenizer_name)
+        vocab_size = get_tokenizer(cfg.tokenizer_name).n_vocab
     return shape_of(cfg, vocab_size)
 
 
@@ -472,10 +457,21 @@ def estimate_report(cfg, device: str, amp_dtype: str, amp_note: str = "") -> str
     return format_estimate(config_shape(cfg), amp_dtype, device, memory, amp_note)
 
 
+def split_flags(argv: list[str] | None) -> tuple[list[str], bool, bool, bool]:
+    """(the trainer's flags, --time, --json, --remeasure): those belong to the estimator alone."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    own = ("--time", "--json", "--remeasure")
+    rest = [a for a in args if a not in own]
+    timing, as_json, remeasure = (flag in args for flag in own)
+    if as_json and not timing:
+        raise UsageError("--json goes with --time (the memory estimate prints a table); add --time")
+    if remeasure and not timing:
+        raise UsageError("--remeasure goes with --time (the memory estimate measures nothing); add --time")
+    return rest, timing, as_json, remeasure
+
+
 def main(argv: list[str] | None = None) -> int:
     """The estimator's command line: the trainer's flags (minigpt.config), nothing allocated."""
-    from minigpt.instruments.predict import split_flags, time_report  # torch's timers: only for --time
-
     try:
         argv, timing, as_json, remeasure = split_flags(argv)
         # As the trainer's --estimate-memory: nothing is built here, so the flags are refused only
@@ -494,11 +490,13 @@ def main(argv: list[str] | None = None) -> int:
                 "; bf16 needs Ampere or newer" if amp_dtype == "bf16" else ""
             )
         else:
-            device = resolve_device(cfg.device)
-            _, amp_dtype, amp_note = resolve_amp(cfg, device)
+            from minigpt.instruments.mfu import resolve_amp
+
+            device = "cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu"
+            amp_dtype, amp_note = resolve_amp(cfg, device)
         if timing:  # --time [--json]: the step's stage times, predicted (minigpt/instruments/predict.py)
-            if device == "cpu":  # the rates are measured on the malloc the trainer would run on
-                choose_allocator(cfg.keep_freed_memory)
+            from minigpt.instruments.predict import time_report  # torch's timers: only for --time
+
             print(time_report(config_shape(cfg), device, amp_dtype, as_json, remeasure))
             return 0
         if cfg.auto_batch_size:  # the micro-batch the trainer would choose, and the table for it
@@ -560,13 +558,84 @@ def fit_batch_size(cfg, device: str, amp_dtype: str) -> tuple[int, str | None]:
     )
 
 
-def memory_estimate(cfg, vocab_size: int, amp_dtype: str, device: str, plan):
+def memory_estimate(cfg, vocab_size: int, amp_dtype: str, device: str, plan) -> MemoryEstimate:
     """The trainer's --memory-profiler: the predicted memory shown beside the measured one (one
     rank's share under --fsdp/--tp)."""
     shape = shape_of(cfg, vocab_size)
     memory = estimate_gpt(shape, amp_dtype, device)
     if plan.sharded:
-        from minigpt.instruments.per_rank import per_rank_memory_estimate
-
         memory = per_rank_memory_estimate(memory, plan.dp, plan.tp, plan.fsdp, shape)
     return memory
+
+
+# ---------------------------------------------------------------------------- one rank's share
+
+
+def tp_replicated_params(shape: Shape) -> int:
+    """Parameters tensor parallelism leaves whole on every tp rank (TP_PLAN splits the rest): the
+    embeddings with the tied head, ln_f, and per block the two LayerNorms and the biases of the
+    row-parallel attn.proj and mlp.proj."""
+    h = shape.d_model
+    return shape.vocab_size * h + shape.max_position_embeddings * h + shape.n_layers * 6 * h + 2 * h
+
+
+def per_rank_estimate(
+    estimate: MemoryEstimate, dp: int, tp: int, fsdp: bool, shape: Shape | None = None
+) -> dict:
+    """Scale a MemoryEstimate (the whole model in one process) to one rank, as
+    minigpt/core/parallel.py splits the model (`python -m minigpt parallel` prints it per plan).
+
+    Parameters, gradients and AdamW state: the blocks' matrices are split by tp; the parts TP
+    replicates (tp_replicated_params) are whole on every tp rank; FSDP then shards everything
+    along dp (so the matrices by dp*tp; padding to equal shards is ignored). Under DDP nothing is
+    sharded. AdamW's scalar `step` counters are never sharded (4 bytes per tensor).
+
+    Activations under TP: a block's saved tensors inside the TP region are split by tp (the qkv
+    output, the attention output and its logsumexp, the MLP's two hidden activations, autocast's
+    weight copies); the LayerNorm inputs, the replicated inputs of qkv and mlp.fc, the head and
+    the loss are whole on every rank. FSDP does not change activations (each rank has its own
+    batch). TP needs the `shape` for these splits.
+
+    Returns bytes: params, grads, optimizer, activations, block, total and peak (the same
+    definitions as MemoryEstimate's), with dp, tp and fsdp."""
+    e = estimate
+    step_counters = e.optimizer - 2 * e.params  # the scalar `step` tensors
+    if tp > 1 and shape is None:
+        raise ValueError("per_rank_estimate needs the model shape under tensor parallelism")
+    replicated = 4 * tp_replicated_params(shape) if tp > 1 else 0
+    if fsdp:  # FSDP shards along "dp" what TP split along "tp"; the replicated parts only along "dp"
+        params = -(-replicated // dp) + -(-(e.params - replicated) // (dp * tp))
+    else:
+        params = replicated + (e.params - replicated) // tp
+    grads = params
+    optimizer = 2 * params + step_counters
+    block = e.block
+    if tp > 1 and not e.activation_checkpoint:
+        p = 2 if e.amp_dtype != "fp32" else 4
+        sbh, bs = shape.tokens * shape.d_model, shape.tokens
+        whole = 2 * (4 * sbh + 8 * bs) + 2 * p * sbh  # LayerNorm inputs; qkv's and mlp.fc's inputs
+        block = whole + (e.block - whole) // tp
+    activations = e.n_layers * block + e.embeddings + e.head + e.loss
+    total = params + grads + optimizer + activations
+    return {
+        "params": params,
+        "grads": grads,
+        "optimizer": optimizer,
+        "activations": activations,
+        "block": block,
+        "total": total,
+        "peak": total + e.logits + e.recompute,
+        "dp": dp,
+        "tp": tp,
+        "fsdp": fsdp,
+    }
+
+
+def per_rank_memory_estimate(
+    estimate: MemoryEstimate, dp: int, tp: int, fsdp: bool, shape: Shape | None = None
+) -> MemoryEstimate:
+    """per_rank_estimate as a MemoryEstimate (the same class, its fields scaled to one rank), for
+    minigpt.instruments.breakdown's table beside a rank's measured breakdown. `recompute` (activation
+    checkpointing's rebuilt block) is left whole."""
+    r = per_rank_estimate(estimate, dp, tp, fsdp, shape)
+    return replace(estimate, params=r["params"], grads=r["grads"], optimizer=r["optimizer"], block=r["block"])

@@ -38,7 +38,8 @@ class Figures:
         """`interval`: (step, seconds, why left out) of the steps since the last record; their
         stages' host and device ms, each step's."""
         inst, r, peak = self.inst, self.rate, self.peak.value
-        kept = [i for i, (_, _, why) in enumerate(interval) if not why] or list(range(len(interval)))
+        # the steady steps' stage times, else every step's; none under --no-stage-timing
+        kept = [i for i, x in enumerate(interval) if not x[2] and host_steps] or range(len(host_steps))
         inst.host_steps, inst.device_steps = [host_steps[i] for i in kept], [device_steps[i] for i in kept]
         steady = [t for _, t, why in interval if not why]
         left_out = [{"step": n, "s": t, "why": why} for n, t, why in interval if why]
@@ -56,7 +57,10 @@ class Figures:
             0.0, elapsed - sum(e["s"] for e in self.left_out.values())
         )  # the loop's, less left-out
         host, device = mean(inst.host_steps), mean(inst.device_steps)
-        comm_step, comm_ms = inst.window.take_comm() if inst.window and inst.window.comm else (None, {})
+        comm_step, comm_ms = (inst.window.take_comm() if inst.window and inst.window.comm else None) or (
+            None,
+            {},
+        )
         if "backward_compute" in host:  # DDP: the backward's wait for its all-reduce
             comm_ms = {"backward": host["backward"] - host["backward_compute"]}
         epoch = 1 + step * tokens * dp // r["train_tokens"] if r["train_tokens"] else 1

@@ -54,10 +54,9 @@ class Peak:
         return {"peak_flops": self.value, "peak_flops_dtype": self.dtype, "peak_flops_source": self.source}
 
     def describe(self) -> str:
-        busy = f"\nMFU peak timed while others took {self.others:.0%} of the cores: it may be low" * (
-            (self.others or 0) > 0.25
-        )
-        return f"MFU peak {self.value / 1e12:.3g} TFLOP/s ({self.dtype}, the device's fastest); {self.source}{busy}"
+        busy = f"\nMFU peak timed while others took {self.others or 0:.0%} of the cores: it may be low"
+        peak = f"MFU peak {self.value / 1e12:.3g} TFLOP/s ({self.dtype}, the device's fastest)"
+        return f"{peak}; {self.source}{busy * ((self.others or 0) > BUSY)}"  # said once: measured again
 
 
 def peak_dtypes(device: str) -> tuple[str, ...]:
@@ -79,11 +78,10 @@ def device_peak(override_tflops: float | None, device: str, dist=None) -> Peak:
         return Peak(override_tflops * 1e12, dtypes[0], "override: --peak-tflops")
     if sheet := data_sheet(name, dtypes[0]):
         return Peak(sheet, dtypes[0], f"data sheet: {name} {dtypes[0]} dense")
-    if dist is not None and dist.enabled:
-        from minigpt.core.distributed import first_rank_first
+    if dist is not None and dist.enabled:  # rank 0's figure for every rank: one denominator for the job
+        from minigpt.core.distributed import gather
 
-        with first_rank_first(dist):
-            peaks = [measured(device, d) for d in dtypes]
+        peaks = gather([measured(device, d) for d in dtypes] if dist.is_main else None, dist)[0]
     else:
         peaks = [measured(device, d) for d in dtypes]
     best = max(peaks, key=lambda p: p.value)
@@ -110,16 +108,17 @@ def measured(device: str, dtype: str) -> Peak:
     entry = read_cache(path).get(key)
     fresh = entry is None or entry.get("others", 0) > BUSY
     if fresh:
-        entry = max(
-            [entry or {"best": 0}] + [measure(device, dtype, n) for n in SIZES], key=lambda e: e["best"]
-        )
+        # the new figure alone: a busy one kept beside it would be measured again at every start
+        entry = max((measure(device, dtype, n) for n in SIZES), key=lambda e: e["best"])
         write_cache(path, key, entry)
-    source = f"{'measured now' if fresh else f'cache [{path}]'}: {entry['what']}, the best of {entry['calls']} calls"
-    return Peak(entry["best"], dtype, f"{source} on {entry['date']}", entry.get("others") if fresh else None)
+    where = "measured now" if fresh else f"cache [{path}]"
+    source = f"{where}: {entry['what']}, the best of {entry['calls']} calls on {entry['date']}"
+    return Peak(entry["best"], dtype, source, entry.get("others") if fresh else None)
 
 
 def measure(device: str, dtype: str, n: int) -> dict:
-    a, b = (torch.randn(n, n, device=device, dtype=DTYPES[dtype]) for _ in range(2))
+    gen = torch.Generator(device).manual_seed(0)  # its own: the training's random numbers stay untouched
+    a, b = (torch.randn(n, n, device=device, dtype=DTYPES[dtype], generator=gen) for _ in range(2))
     a @ b  # the first call pays for allocation and the thread pool
     before, best, calls, spent = cpu_seconds(), 0.0, 0, 0.0
     while spent < CALLS_S and calls < 1000 or calls < 5 and spent < 4 * CALLS_S:

@@ -1,87 +1,23 @@
-"""One rank's share of a sharded run, predicted: the memory estimate (minigpt/instruments/estimate.py) scaled
-to a rank under DDP, FSDP and tensor parallelism as minigpt/core/parallel.py splits the model, and the
-bytes each GPU sends per step. `python -m minigpt parallel` prints both for a preset on a
-number of GPUs (docs/parallel.md reads 8 H100s from it).
+"""One rank's share of a sharded run, predicted: the memory estimate scaled to a rank under DDP, FSDP
+and tensor parallelism as minigpt/core/parallel.py splits the model (estimate.py's
+per_rank_estimate), and the bytes each GPU sends per step. `python -m minigpt parallel` prints
+both for a preset on a number of GPUs (docs/parallel.md reads 8 H100s from it).
 
     python -m minigpt parallel --preset gpt2 --gpus 8
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from minigpt.config import GPT2_VOCAB, ArgParser
 from minigpt.core.shape import Shape, shape_of
-from minigpt.instruments.estimate import MemoryEstimate, estimate_gpt
+from minigpt.instruments.estimate import (
+    estimate_gpt,
+    per_rank_estimate,
+    per_rank_memory_estimate,
+    tp_replicated_params,
+)
 
-
-def tp_replicated_params(shape: Shape) -> int:
-    """Parameters tensor parallelism leaves whole on every tp rank (TP_PLAN splits the rest): the
-    embeddings with the tied head, ln_f, and per block the two LayerNorms and the biases of the
-    row-parallel attn.proj and mlp.proj."""
-    h = shape.d_model
-    return shape.vocab_size * h + shape.max_position_embeddings * h + shape.n_layers * 6 * h + 2 * h
-
-
-def per_rank_estimate(
-    estimate: MemoryEstimate, dp: int, tp: int, fsdp: bool, shape: Shape | None = None
-) -> dict:
-    """Scale a minigpt.instruments.estimate.MemoryEstimate (the whole model in one process) to one rank.
-
-    Parameters, gradients and AdamW state: the blocks' matrices are split by tp; the parts TP
-    replicates (tp_replicated_params) are whole on every tp rank; FSDP then shards everything
-    along dp (so the matrices by dp*tp; padding to equal shards is ignored). Under DDP nothing is
-    sharded. AdamW's scalar `step` counters are never sharded (4 bytes per tensor).
-
-    Activations under TP: a block's saved tensors inside the TP region are split by tp (the qkv
-    output, the attention output and its logsumexp, the MLP's two hidden activations, autocast's
-    weight copies); the LayerNorm inputs, the replicated inputs of qkv and mlp.fc, the head and
-    the loss are whole on every rank. FSDP does not change activations (each rank has its own
-    batch). TP needs the `shape` for these splits.
-
-    Returns bytes: params, grads, optimizer, activations, block, total and peak (the same
-    definitions as MemoryEstimate's), with dp, tp and fsdp."""
-    e = estimate
-    step_counters = e.optimizer - 2 * e.params  # the scalar `step` tensors
-    if tp > 1 and shape is None:
-        raise ValueError("per_rank_estimate needs the model shape under tensor parallelism")
-    replicated = 4 * tp_replicated_params(shape) if tp > 1 else 0
-    if fsdp:  # FSDP shards along "dp" what TP split along "tp"; the replicated parts only along "dp"
-        params = -(-replicated // dp) + -(-(e.params - replicated) // (dp * tp))
-    else:
-        params = replicated + (e.params - replicated) // tp
-    grads = params
-    optimizer = 2 * params + step_counters
-    block = e.block
-    if tp > 1 and not e.activation_checkpoint:
-        p = 2 if e.amp_dtype != "fp32" else 4
-        sbh, bs = shape.tokens * shape.d_model, shape.tokens
-        whole = 2 * (4 * sbh + 8 * bs) + 2 * p * sbh  # LayerNorm inputs; qkv's and mlp.fc's inputs
-        block = whole + (e.block - whole) // tp
-    activations = e.n_layers * block + e.embeddings + e.head + e.loss
-    total = params + grads + optimizer + activations
-    return {
-        "params": params,
-        "grads": grads,
-        "optimizer": optimizer,
-        "activations": activations,
-        "block": block,
-        "total": total,
-        "peak": total + e.logits + e.recompute,
-        "dp": dp,
-        "tp": tp,
-        "fsdp": fsdp,
-    }
-
-
-def per_rank_memory_estimate(
-    estimate: MemoryEstimate, dp: int, tp: int, fsdp: bool, shape: Shape | None = None
-) -> MemoryEstimate:
-    """per_rank_estimate as a MemoryEstimate (the same class, its fields scaled to one rank), for
-    minigpt.instruments.breakdown's table beside a rank's measured breakdown. `recompute` (activation
-    checkpointing's rebuilt block) is left whole."""
-    r = per_rank_estimate(estimate, dp, tp, fsdp, shape)
-    return replace(estimate, params=r["params"], grads=r["grads"], optimizer=r["optimizer"], block=r["block"])
+__all__ = ["comm_model", "main", "per_rank_estimate", "per_rank_memory_estimate", "tp_replicated_params"]
 
 
 # ---------------------------------------------------------------------------- a communication model

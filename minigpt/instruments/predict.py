@@ -5,8 +5,8 @@
     python -m minigpt estimate --time --use-activation-checkpoint --chunked-loss
 
 The model is a roofline over the step's own ops. `step_ops` lists every op one training step of
-minigpt/core/model.py runs, from the shape alone (minigpt/core/config.py): its FLOPs (matrix products and
-attention, counted as `Shape.flops_per_token` counts them), the bytes it reads and writes
+minigpt/core/model.py runs, from the shape alone (minigpt/core/shape.py): its FLOPs (matrix products
+and attention, counted as `Shape.flops_per_token` counts them), the bytes it reads and writes
 (dtype-aware: autocast casts weights and inputs to bf16, LayerNorm and the log-softmax stay fp32),
 its transcendental evaluations (exp, tanh) and its launches. An op takes
 
@@ -15,17 +15,16 @@ its transcendental evaluations (exp, tanh) and its launches. An op takes
 
 and a stage is "compute", "memory" or "overhead" bound by whichever of those terms sums largest.
 
-The rates are measured on this machine, once per machine, dtype and malloc (the trainer's: see
-minigpt/core/cpu.py), and cached beside the MFU units (minigpt/instruments/mfu.py) in
-$MINIGPT_CACHE_DIR/STEP_RATES_FILE:
+The rates are measured on this machine, once per machine, dtype and torch version, and cached
+beside the MFU peak (minigpt/instruments/peak.py) in $MINIGPT_CACHE_DIR/STEP_RATES_FILE:
   - every distinct matrix product of the step at its own shape (m, n, k), dtype and operand
     layout (LAYOUTS: a weight's gradient reads its first operand transposed, up to 2.4x slower
     in bf16), with its bias where it has one (addmm), and causal attention's forward and backward
     at the model's shape: FLOPs over the mean time of its timed calls;
-  - the few kernels no rate of the three prices: GELU's tanh forward and backward, the loss by
-    rows and a chunk of the chunked loss (passes over cache-sized blocks, with dtype
-    conversions), the embedding's dense gradient, and clip_grad_norm_ with fused AdamW over the
-    step's own parameter sizes, each timed at its shape as the products are;
+  - the few kernels no rate of the three prices: GELU's tanh forward and backward, a chunk of the
+    chunked loss (passes over cache-sized blocks, with dtype conversions), the embedding's dense
+    gradient, and clip_grad_norm_ with fused AdamW over the step's own parameter sizes, each timed
+    at its shape as the products are;
   - each of those kernels timed twice: in a loop, on operands the call before left in cache, and
     out of cache (`_timed_as_in_a_step`: before each of EVICTED_CALLS calls the caches are emptied
     and only the input the op before has just written is read back in). In a step a weight, an
@@ -46,13 +45,13 @@ $MINIGPT_CACHE_DIR/STEP_RATES_FILE:
 Nothing is fitted to the stage times it predicts. A rate is its work over the mean time of its
 calls, not the best call: the trainer's stage times are means over a log interval, and on a shared
 machine the prediction then describes the machine as it was when measured, like the stage times
-measured beside it. A measurement during which other processes used more than LOAD_SHARE of the
-cores (minigpt.instruments.mfu.LoadProbe) says so in the source and is measured again the next
-time the rates are measured; a quiet one replaces it, a busy one never replaces a quiet one.
-`python -m minigpt estimate --time --remeasure` forgets this machine's rates and peak and measures
-both again.
+measured beside it. Rates measured while other processes took more than config.BUSY of the
+cores serve the prediction that measured them, which says so, and are never cached: a busy
+figure is never reused, and the next prediction measures them again (the trainer's
+--predict-time, which measures nothing, then has none). `python -m minigpt estimate --time
+--remeasure` forgets this machine's rates and peak and measures both again.
 
-On CUDA the same model runs from the device's data sheet (minigpt.instruments.mfu.PEAK_FLOPS
+On CUDA the same model runs from the device's data sheet (minigpt.instruments.peak.DATA_SHEETS
 and BANDWIDTH below, every product at the dense peak) with the per-op overhead measured on the GPU, and is
 marked untested: no GPU has checked it yet. A GPU in neither table has no rates: one line, exit 2.
 """
@@ -63,7 +62,9 @@ import bisect
 import glob
 import json
 import math
+import os
 import re
+import stat
 import statistics
 import sys
 import time
@@ -74,18 +75,15 @@ from pathlib import Path
 
 import torch
 
-from minigpt.config import UsageError
+from minigpt.config import BUSY, UsageError, atomic_write, busy_share, cpu_seconds
 from minigpt.core import chunked_loss
-from minigpt.core import model as model_module
-from minigpt.core.cpu import allocator_in_use
 from minigpt.core.data import cache_dir
 from minigpt.core.shape import Shape, shape_of
-from minigpt.fileio import display_path, write_cache
-from minigpt.instruments.instrument import LOAD_SHARE, TORCH_DTYPES, machine_key
-from minigpt.instruments.mfu import PEAK_FLOPS, LoadProbe, forget, model_workloads, peak_flops, read_cache
+from minigpt.instruments.mfu import DTYPES
+from minigpt.instruments.peak import data_sheet, machine_key
 
 STEP_RATES_FILE = "step_rates.json"  # under minigpt.core.data.cache_dir(): one entry per machine and dtype
-RATES_VERSION = 4  # how the rates are measured: a change makes new entries, never reads old ones
+RATES_VERSION = 5  # how the rates are measured: a change makes new entries, never reads old ones
 PREDICTED_STAGES = ("forward", "backward", "optimizer_step")
 BOUNDS = ("compute", "memory", "overhead")
 ROUNDS = 3  # timed calls per rate after a warm-up; their mean time is kept
@@ -116,7 +114,7 @@ EVICTED_CALLS = 10  # timed calls per kernel when each is preceded by an evictio
 # (max, sum of exps, the output; or the gradient's sum, then the gradient and the output) and write once.
 LN_PASSES = 3
 
-# Memory bandwidth per GPU from the vendors' data sheets (bytes/s), keyed as mfu.PEAK_FLOPS.
+# Memory bandwidth per GPU from the vendors' data sheets (bytes/s), keyed as peak.DATA_SHEETS.
 # A100: the 40 GB part's figure (the 80 GB part's 2.0 TB/s would only lower the prediction).
 BANDWIDTH: dict[str, float] = {
     "H200": 4.8e12,
@@ -173,8 +171,8 @@ def attention_kernel(direction: str, b: int, heads: int, s: int, hd: int) -> str
 
 
 # Kernels whose cost no roofline of this machine's rates gives, measured at their own shape as the
-# products are: GELU's tanh costs several exps per element (forward and backward); the loss by rows
-# and the chunked loss make their passes over blocks that stay in cache (the bandwidth of a DRAM-sized
+# products are: GELU's tanh costs several exps per element (forward and backward); the chunked loss
+# makes its passes over blocks that stay in cache (the bandwidth of a DRAM-sized
 # working set would price them at several times their time) with dtype conversions between.
 def gelu_kernel(direction: str, rows: int, cols: int) -> str:
     return f"gelu {direction} {rows}x{cols}"
@@ -183,11 +181,6 @@ def gelu_kernel(direction: str, rows: int, cols: int) -> str:
 def embedding_kernel(tokens: int, vocab: int, h: int) -> str:
     """The embedding's backward: a dense vocab x h gradient zeroed, the tokens' rows added in."""
     return f"embedding backward {tokens}x{vocab}x{h}"
-
-
-def loss_rows_kernel(rows: int, vocab: int) -> str:
-    """minigpt.core.model.CrossEntropy's forward (loss and gradient) over rows x vocab logits."""
-    return f"loss rows {rows}x{vocab}"
 
 
 def loss_chunk_kernel(rows: int, vocab: int, h: int) -> str:
@@ -313,11 +306,9 @@ def step_ops(
 ) -> list[Op]:
     """Every op of one micro-batch's forward and backward and of the optimizer step, as
     train_minimal.py runs them (fused AdamW, clip_grad_norm_, zero_grad(set_to_none=True)).
-    `shape.vocab_size` is the padded one. Dropout is not modelled (0 in every preset)."""
+    `shape.vocab_size` is the padded one. Dropout is not modelled (0 in every preset). The ops are
+    the same on every `device` (F.cross_entropy's on both); their rates differ."""
     o = _OpList(shape, amp_dtype)
-    # minigpt.core.model's own cross-entropy on the CPU, where the model has one (LOSS_ROWS rows of
-    # logits at a time, made fp32 in cache, the gradient made in the forward): else F.cross_entropy
-    loss_rows = getattr(model_module, "LOSS_ROWS", None) if device == "cpu" and amp_dtype != "fp16" else None
     h, N = shape.d_model, shape.tokens
     o.add(
         "forward",
@@ -330,37 +321,24 @@ def step_ops(
     if shape.chunked_loss:
         _chunked_loss_ops(o, loss_chunk_elements)
     else:
-        _loss_ops(o, loss_rows)
+        _loss_ops(o)
     _backward_ops(o)
     _optimizer_ops(o)
     return o.ops
 
 
-def _loss_ops(o: _OpList, loss_rows: int | None) -> None:
-    """The LM head and the loss over whole logits, forward, and the backward of both."""
+def _loss_ops(o: _OpList) -> None:
+    """The LM head and F.cross_entropy over whole logits, forward, and the backward of both: under
+    autocast the logits are cast to fp32 for log_softmax, and its gradient cast back."""
     h, V, N = o.shape.d_model, o.shape.vocab_size, o.N
     fwd = "forward"
     o.linear_forward(fwd, "lm_head", h, V, False, True, 1)
-    if loss_rows:
-        # per block of LOSS_ROWS rows: the fp32 copy, max, sub_ + exp_, sum, mul_, the gradient rows
-        # written back. Only the logits read and the gradient written leave the cache (the fp32
-        # block stays in a core's L2): those are its bytes; its time is its measured kernel's
-        o.add(
-            fwd,
-            "cross-entropy by rows",
-            bytes=2 * o.p * N * V,
-            elements=N * V,
-            kernel=loss_rows_kernel(N, V),
-            launches=0,  # its 9 ops per block of rows are inside the kernel's measured time
-        )
-    else:
-        o.cast(fwd, "logits to fp32", N * V)
-        o.add(fwd, "log_softmax", bytes=16 * N * V, exps=N * V + N, launches=1)
-        o.add(fwd, "nll_loss", bytes=4 * N + 8 * N)
-        # the row-wise loss made its gradient, in the logits' dtype, in the forward: this one in backward
-        o.add("backward", "nll_loss backward (dense fp32 gradient)", bytes=4 * N * V + 12 * N)
-        o.add("backward", "log_softmax backward", bytes=16 * N * V, exps=N * V)
-        o.cast("backward", "logits gradient", N * V)
+    o.cast(fwd, "logits to fp32", N * V)
+    o.add(fwd, "log_softmax", bytes=16 * N * V, exps=N * V + N, launches=1)
+    o.add(fwd, "nll_loss", bytes=4 * N + 8 * N)
+    o.add("backward", "nll_loss backward (dense fp32 gradient)", bytes=4 * N * V + 12 * N)
+    o.add("backward", "log_softmax backward", bytes=16 * N * V, exps=N * V)
+    o.cast("backward", "logits gradient", N * V)
     o.linear_backward("lm_head", h, V, False, True, 1)
 
 
@@ -573,7 +551,7 @@ def measure_kernel(device: str, dtype: str, kernel: str, evict=None) -> dict:
     `evict`, "cold": out of cache, as _timed_as_in_a_step times it."""
     sync = torch.cuda.synchronize if device == "cuda" else None
     gen = torch.Generator(device).manual_seed(0)  # its own generator: the training RNG stays untouched
-    dt = TORCH_DTYPES[dtype]
+    dt = DTYPES[dtype]
     kind, *rest = kernel.split(" ")
     dims = [int(x) for x in re.split("[x,]", rest[-1])]
 
@@ -622,13 +600,7 @@ def _gelu_call(randn, direction: str, dims: list[int], dt: torch.dtype):
 
 
 def _loss_call(randn, kind: str, dims: list[int], dt: torch.dtype):
-    """The model's own loss code at this shape: the loss by rows (its gradient made in the
-    forward), or one chunk of the chunked loss (the tied weight read by every chunk: in cache)."""
-    if kind == "rows":
-        rows, vocab = dims
-        logits = randn(rows, vocab).requires_grad_()
-        targets = torch.randint(vocab, (rows,), device=logits.device)
-        return rows * vocab, lambda: model_module.CrossEntropy.apply(logits, targets), (logits,)
+    """One chunk of the chunked loss at this shape (the tied weight read by every chunk: in cache)."""
     rows, vocab, h = dims
     # the weight at GPT-2's initial scale: logits of a plausible size (unit-scale weights make logits
     # so spread that most softmax terms underflow to subnormal floats, several times slower)
@@ -741,8 +713,43 @@ class NoRates(UsageError):
 
 
 def rates_key(device: str, dtype: str) -> str:
-    """The cache entry for this machine, dtype and malloc, measured this way (RATES_VERSION)."""
-    return f"{machine_key(device, dtype)} | {allocator_in_use()} | rates v{RATES_VERSION}"
+    """The cache entry for this machine, dtype and torch, measured this way (RATES_VERSION)."""
+    return f"{machine_key(device, dtype)} | rates v{RATES_VERSION}"
+
+
+UNWRITABLE: set = set()  # caches that could not be written: said once a process
+
+
+def read_cache(path) -> dict:
+    """The rates cache, {} where it is missing, not a regular file (a FIFO would block: opened
+    without blocking, then refused), too large, or not a JSON object of objects."""
+    try:
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return {}
+            data = json.loads(f.read(1 << 26))
+        return {k: v for k, v in data.items() if isinstance(v, dict)} if isinstance(data, dict) else {}
+    except (OSError, ValueError, RecursionError):
+        return {}
+
+
+def update_cache(path, update) -> bool:
+    """update(entries) applied to the cache as it is now (another process may have added rates
+    meanwhile), written atomically; False, said once a process, where it cannot be written."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        entries = read_cache(path)
+        update(entries)
+        atomic_write(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
+        return True
+    except OSError as e:
+        if path not in UNWRITABLE:
+            UNWRITABLE.add(path)
+            print(
+                f"note: the step's rates are not cached: {path} cannot be written ({e.strerror})",
+                file=sys.stderr,
+            )
+        return False
 
 
 def step_rates(
@@ -754,16 +761,19 @@ def step_rates(
     remeasure: bool = False,
 ) -> Rates:
     """This device's rates for the kernels in `needed`: on the CPU measured once and cached (what
-    the cache lacks, or holds only as measured under load, is measured and added; with
-    measure=False it raises NoRates instead, for readers that must not load the machine); on CUDA
-    a known GPU's data sheet. Raises NoRates for a GPU in no table. `remeasure`: forget this
-    machine's cached rates for the dtype first."""
+    the cache lacks is measured and added; with measure=False it raises NoRates instead, for
+    readers that must not load the machine); on CUDA a known GPU's data sheet. Raises NoRates for
+    a GPU in no table. Rates measured under load (others took more than BUSY of the cores) serve
+    this call, which says so, and are never cached, nor read from a cache an earlier version
+    wrote: a busy figure is never reused. `remeasure`: forget this machine's cached rates for the
+    dtype first."""
     if device == "cuda":
         return _table_rates(dtype, cache)
     key, path = rates_key(device, dtype), cache_dir() / STEP_RATES_FILE
     if cache and remeasure:
-        forget(path, key)
+        update_cache(path, lambda entries: entries.pop(key, None))
     known = read_cache(path).get(key, {}) if cache else {}
+    known = {n: r for n, r in known.items() if _usable(r)}
     wanted = ["bandwidth", "exp", "overhead", *needed]
     if not measure and (missing := [n for n in wanted if n not in known]):
         raise NoRates(
@@ -771,13 +781,11 @@ def step_rates(
             f"({path}); measure them with python -m minigpt estimate --time and the run's flags"
         )
     fresh = _measure_missing(device, dtype, wanted, known, needed) if measure else {}
-    if cache and fresh:
-        entries = read_cache(path)  # again, just before writing: another process may have added rates
-        mine = entries.get(key, {})
-        # A figure taken under load replaces none taken quietly; a quiet one replaces any.
-        keep = {n: r for n, r in fresh.items() if not (loaded(r) and n in mine and not loaded(mine[n]))}
-        entries[key] = mine | keep
-        cache = write_cache(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")  # or warned
+    quiet = {n: r for n, r in fresh.items() if not loaded(r)}
+    if cache and quiet:
+        cache = update_cache(
+            path, lambda entries: entries.__setitem__(key, {**entries.get(key, {}), **quiet})
+        )
     got = {**known, **fresh}
     under_load = [n for n in wanted if loaded(got[n])]
     rate = statistics.harmonic_mean  # of rates: the work over the calls' mean time
@@ -807,12 +815,12 @@ def step_rates(
         overhead_s={k: statistics.fmean(v) for k, v in got["overhead"]["rounds"].items()},
         source=f"{how}: {len(needed)} kernels (in cache and out of it), bandwidth at "
         f"{len(got['bandwidth']['rounds'])} sizes, exp, per-op overhead "
-        f"[{display_path(path) if cache else 'not cached'}]",
+        f"[{path if cache else 'not cached'}]",
         measured=len(fresh),
         under_load=(
             f"{len(under_load)} rates measured under load (other processes on "
-            f"{100 * max(got[n]['others'] for n in under_load):.0f}% of the cores): measured again "
-            f"next time, or now with python -m minigpt estimate --time --remeasure"
+            f"{100 * max(got[n]['others'] for n in under_load):.0f}% of the cores): not cached; "
+            "re-run on a quiet machine"
             if under_load
             else ""
         ),
@@ -833,25 +841,31 @@ def cuda_overhead(cache: bool = True) -> dict[str, float]:
     ):
         known = measure_overhead("cuda")
         if cache:
-            entries = read_cache(path)
             date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-            entries[key] = {**entries.get(key, {}), "overhead": {**known, "date": date}}
-            write_cache(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")  # or warned
+            entry = {"overhead": {**known, "date": date}}
+            update_cache(path, lambda entries: entries.__setitem__(key, {**entries.get(key, {}), **entry}))
     return {k: statistics.fmean(known[k]) for k in ("op", "autograd")}
 
 
 def loaded(entry: dict) -> bool:
-    """A rate measured while other processes used more than LOAD_SHARE of the cores."""
-    return (entry.get("others") or 0.0) > LOAD_SHARE
+    """A rate measured while other processes took more than BUSY of the cores."""
+    others = entry.get("others")
+    return isinstance(others, (int, float)) and others > BUSY
+
+
+def _usable(entry) -> bool:
+    """A cached rate that can serve: measured quietly, with the figures a rate is read from."""
+    figures = entry.get("rounds") if isinstance(entry, dict) else None
+    return bool(figures) and isinstance(figures, (list, dict)) and not loaded(entry)
 
 
 def _measure_missing(device: str, dtype: str, wanted: list[str], known: dict, needed: list[str]) -> dict:
-    """The rates of `wanted` that `known` lacks or holds only as measured under load, each named on
-    stderr as it starts (a minute of silence looks like a hang), and the share of the cores other
-    processes used meanwhile (LoadProbe), recorded in every fresh entry."""
-    todo = [n for n in wanted if n not in known or loaded(known[n])]
+    """The rates of `wanted` that `known` lacks, each named on stderr as it starts (a minute of
+    silence looks like a hang), and the share of the cores other processes took meanwhile
+    (config.busy_share), recorded in every fresh entry."""
+    todo = [n for n in wanted if n not in known]
     evict = cache_evictor(device) if any(n in todo for n in needed) else None
-    probe, fresh, t0 = LoadProbe(), {}, time.perf_counter()
+    before, fresh, t0 = cpu_seconds(), {}, time.perf_counter()
     for i, name in enumerate(todo, 1):
         elapsed = time.perf_counter() - t0
         print(f"[rates] {i}/{len(todo)} {name} ({elapsed:.0f} s)", file=sys.stderr, flush=True)
@@ -864,7 +878,7 @@ def _measure_missing(device: str, dtype: str, wanted: list[str], known: dict, ne
         else:
             entry = measure_kernel(device, dtype, name, evict)
         fresh[name] = {**entry, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-    others = probe.others() if fresh else None
+    others = busy_share(before, cpu_seconds()) if fresh else None
     for entry in fresh.values():
         entry["others"] = others
     return fresh
@@ -873,10 +887,10 @@ def _measure_missing(device: str, dtype: str, wanted: list[str], known: dict, ne
 def _table_rates(dtype: str, cache: bool = True) -> Rates:
     name = torch.cuda.get_device_name()
     known = cuda_table(name)
-    peak = PEAK_FLOPS.get(known[0], {}).get(dtype) if known else None
+    peak = data_sheet(name, dtype) if known else None
     if known is None or peak is None:
         raise NoRates(
-            f"no rates for {name} in {dtype}: it is in neither minigpt.instruments.mfu.PEAK_FLOPS nor "
+            f"no rates for {name} in {dtype}: it is in neither minigpt.instruments.peak.DATA_SHEETS nor "
             "minigpt.instruments.predict.BANDWIDTH; add its data-sheet peak FLOP/s and bandwidth there"
         )
     overhead = cuda_overhead(cache)
@@ -1049,33 +1063,20 @@ def format_prediction(pred: TimePrediction) -> str:
 
 def time_report(shape: Shape, device: str, amp_dtype: str, as_json: bool, remeasure: bool = False) -> str:
     """What `python -m minigpt estimate --time [--json] [--remeasure]` prints for a step of this
-    shape. --remeasure forgets this machine's cached rates and MFU peak for the dtype and measures
-    both again (the peak on the model's own units, as the trainer would): the one command that
-    replaces figures taken on a busy machine."""
-    if device == "cuda" and not torch.cuda.is_available():  # resolve_device refuses it first
+    shape. --remeasure forgets this machine's cached rates and MFU peak and measures both again
+    (the peak as the trainer finds it: peak.device_peak)."""
+    if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--time --device cuda, but no CUDA GPU is visible to PyTorch; use --device cpu")
     peak_line = ""
     if remeasure:
-        units = model_workloads(
-            shape.batch_size, shape.seq_len, shape.d_model, shape.d_ff, shape.vocab_size, shape.n_heads
-        )
-        print("[peak] measuring the MFU peak on the model's units", file=sys.stderr, flush=True)
-        peak_line = peak_flops(device, amp_dtype, units, remeasure=True).describe() + "\n"
+        from minigpt.instruments import peak
+
+        keys = [machine_key(device, d) for d in peak.peak_dtypes(device)]
+        update_cache(cache_dir() / peak.PEAK_CACHE_FILE, lambda entries: [entries.pop(k, None) for k in keys])
+        print("[peak] measuring the MFU peak", file=sys.stderr, flush=True)
+        peak_line = peak.device_peak(None, device).describe() + "\n"
     pred = predict_step(shape, amp_dtype, device, remeasure=remeasure)
     return json.dumps(pred.to_record(), indent=1) if as_json else peak_line + format_prediction(pred)
-
-
-def split_flags(argv: list[str] | None) -> tuple[list[str], bool, bool, bool]:
-    """(the trainer's flags, --time, --json, --remeasure): those belong to the estimator alone."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    own = ("--time", "--json", "--remeasure")
-    rest = [a for a in args if a not in own]
-    timing, as_json, remeasure = (flag in args for flag in own)
-    if as_json and not timing:
-        raise UsageError("--json goes with --time (the memory estimate prints a table); add --time")
-    if remeasure and not timing:
-        raise UsageError("--remeasure goes with --time (the memory estimate measures nothing); add --time")
-    return rest, timing, as_json, remeasure
 
 
 def run_prediction(cfg, vocab_size: int, amp_dtype: str, device: str) -> dict | None:

@@ -1,8 +1,9 @@
 """The instruments a flag turns on, beside the training step: the profiler window
 (--use-profiler), the Nsight capture range (--nsys), CUDA memory history and snapshots
 (--record-memory-history), the one-step memory capture (--memory-profiler) and, under --fsdp/--tp,
-the profiled step that times the collectives (CommProbe). Instruments (instrument.py) loads this
-module only when one of them is asked for, and calls its Window around every step.
+the profiled step that times the collectives (CommProbe). train_minimal.py loads this module only
+when one of them is asked for, and hands its Window to Instruments (instrument.py), which calls it
+around every step.
 
 - `make_profiler` builds a torch.profiler window with Megatron's semantics (steps S..E-1).
 - `NsysCaptureRange` calls cudaProfilerStart/Stop around the same window for `nsys --capture-range`.
@@ -23,12 +24,10 @@ import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, tensorboard_trace_handler
 
 from minigpt import config as paths
-from minigpt.analysis.cuda_snapshot import peak_text
+from minigpt.analysis.stats import MIN_SAMPLES, ratio_interval, verdict
+from minigpt.config import BUSY, atomic_write, busy_share, cpu_seconds
 from minigpt.core import torchcompat
-from minigpt.core.distributed import profile_ranks
-from minigpt.core.guards import probe_writable
-from minigpt.fileio import atomic_open, atomic_write, check_may_replace
-from minigpt.instruments.instrument import process_memory
+from minigpt.instruments.figures import process_memory
 
 SNAPSHOT_MARKER = b"\x80"  # how a pickle of protocol 2 or later begins: what a memory snapshot is
 
@@ -53,19 +52,17 @@ def profiler_schedule(start: int, end: int) -> Callable[[int], ProfilerAction]:
     return action
 
 
-# Said once before a profiler with memory events starts (--use-profiler, --memory-profiler): torch
-# writes these lines to stderr from C++ (Kineto's USDT markers at every start and stop; c10's
-# ProfiledCPUMemoryReporter, once per 1000 frees of a block it never saw allocated), and they look
-# like trouble. Checked on the tiny preset: with them the trace is written whole, its operators and
-# times complete, and --memory-profiler's measured peak still equals the estimate; what is missing
-# is the free of a block allocated before the recording, in the trace's memory timeline. Silencing
-# them would mean closing fd 2 around the steps, which would hide a real error as well.
+# Among the run's first lines when a profiler with memory events will run (--use-profiler,
+# --memory-profiler): torch writes lines to stderr from C++ that look like trouble (Kineto's USDT
+# markers at every start and stop, which no setting turns off; c10's ProfiledCPUMemoryReporter,
+# once per 1000 frees of a block made before the recording, whose free is then missing from the
+# trace's memory timeline). Checked on the tiny preset: with them the trace is written whole, its
+# operators and times complete, and --memory-profiler's measured peak still equals the estimate.
+# Whether torch wrote them cannot be known without taking over fd 2 for the whole window, which
+# would hold back a real error as well: the note is said whenever such a profiler will run, short.
 PROFILER_STDERR_NOTE = (
-    "Profiler: torch prints to stderr, from C++, 'USDT: ... profiler_start' and '... profiler_stop' "
-    "(Kineto marking where a recording starts and stops; no setting turns them off) and "
-    "'CPUAllocator.cpp ... Memory block of unknown size was allocated before the profiling started' "
-    "(a tensor made before the recording was freed during it: that one free is missing from the "
-    "trace's memory timeline). Both are harmless: the trace, its operators and its times are complete."
+    "Profiler: torch's stderr lines 'USDT: ... profiler_start/stop' and 'Memory block of unknown size "
+    "...' are harmless: the trace is whole"
 )
 
 
@@ -178,9 +175,11 @@ class MemoryHistory:
         self.started = True
 
     def dump(self, path: Path) -> Path:
+        from minigpt.analysis.cuda_snapshot import peak_text  # the snapshot's reader, loaded to write one
+
         snapshot = torchcompat.memory_snapshot()
-        with atomic_open(path) as f:
-            pickle.dump(snapshot, f)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda f: pickle.dump(snapshot, f))
         atomic_write(path.with_suffix(".txt"), peak_text(snapshot))
         return path
 
@@ -205,15 +204,26 @@ class Window:
     figures); and their outputs and log lines. `cfg` is a TrainConfig; only its instrumentation
     flags are read."""
 
-    def __init__(self, cfg, device: str, rank: int, world_size: int, out_dir: Path, worker: str, comm: bool):
-        """`worker` names this rank's trace and memory files (rank{R}_dp{d}). `comm`: the step's
-        collectives are issued by the model itself (FSDP, TP), not by a DDP wrapper whose backward
-        can be split: profile one step per log interval for them (CommProbe)."""
-        self.cfg, self.device, self.rank, self.out_dir, self.worker = cfg, device, rank, out_dir, worker
+    def __init__(
+        self, cfg, device: str, amp: str, dist_info, plan, out_dir, model, optimizer, first_step: int
+    ):
+        """`plan.worker` names this rank's trace and memory files (rank{R}_dp{d}); under
+        `plan.sharded` (FSDP, TP) the step's collectives are issued by the model itself, not by a DDP
+        wrapper whose backward can be split: one step per log interval is profiled for them
+        (CommProbe). `model` and `optimizer` are what the step trains (the model unwrapped);
+        `first_step` the step the loop runs next (1-based; later after --resume)."""
+        rank, world_size, out_dir = dist_info.rank, dist_info.world_size, Path(out_dir)
+        self.cfg, self.device, self.rank, self.out_dir, self.worker = cfg, device, rank, out_dir, plan.worker
+        self.model, self.optimizer, self.first_step = model, optimizer, first_step
         self.log = logging.getLogger("minigpt")
-        ranks = profile_ranks(cfg.profile_ranks, world_size)
+        ranks = [0]  # --profile-ranks' default, without loading torch.distributed
+        if cfg.profile_ranks.strip() != "0":
+            from minigpt.core.distributed import profile_ranks
+
+            ranks = profile_ranks(cfg.profile_ranks, world_size)
         self.profiled = ranks is None or rank in ranks  # takes part in --use-profiler, --nsys, memory history
-        self.window = range(cfg.profile_step_start, cfg.profile_step_end)
+        self.window = window = range(cfg.profile_step_start, cfg.profile_step_end)
+        notes = []  # for the run's first lines
         snapshot = Path(cfg.memory_snapshot_path or out_dir / paths.SNAPSHOT_FILE.format(rank=rank))
         if cfg.memory_snapshot_path and world_size > 1:  # one file per rank, never overwritten by another
             snapshot = snapshot.with_name(f"rank{rank}_{snapshot.name}")
@@ -221,6 +231,9 @@ class Window:
         self.memory_history = None
         if cfg.record_memory_history and self.profiled:
             if cfg.memory_snapshot_path:  # a path of the user's: refused now, not when the window ends
+                from minigpt.core.guards import probe_writable
+                from minigpt.fileio import check_may_replace
+
                 probe_writable(snapshot, "--memory-snapshot-path")
                 # and never over a file that is not a pickle (a snapshot is one): a run's config,
                 # its metrics, a checkpoint (a zip)
@@ -232,50 +245,45 @@ class Window:
             self.memory_history = MemoryHistory(cfg.memory_history_entries)
             self.memory_history.dump_on_oom(out_dir / paths.OOM_SNAPSHOT_FILE.format(rank=rank))
         self.profiler = self.nsys = None
+        if cfg.use_profiler and self.profiled and first_step <= window.start:
+            options = profiler_options(cfg)
+            trace_dir = out_dir / paths.TRACE_DIR
+            self.profiler = make_profiler(
+                trace_dir, self.worker, first_step, window, device, options, self._window_done
+            )
+        if cfg.nsys and self.profiled and first_step <= window.start:
+            self.nsys = NsysCaptureRange(window.start, window.stop)
+        if (cfg.use_profiler or cfg.nsys) and first_step > window.start:
+            notes.append(
+                f"Profiler: nothing profiled: the window starts at step {window.start}, before the "
+                f"resume at step {first_step} (pass a later --profile-step-start/-end)"
+            )
         self.memory_step: int | None = None
+        self.memory_estimate = None
+        if cfg.memory_profiler and self.profiled:
+            if first_step <= cfg.memory_profile_step:
+                from minigpt.instruments.estimate import memory_estimate
+
+                self.memory_step = cfg.memory_profile_step
+                self.memory_estimate = memory_estimate(cfg, model.cfg.vocab_size, amp, device, plan)
+            else:
+                notes.append(
+                    f"--memory-profiler: nothing measured: step {cfg.memory_profile_step} came before "
+                    f"the resume at step {first_step} (pass a later --memory-profile-step)"
+                )
+        if self.profiler is not None or self.memory_step is not None:
+            notes.append(PROFILER_STDERR_NOTE)
+        self.note = "\n".join(notes) or None
         self.memory_breakdown: dict | None = None  # the measured step's record, for the next log line
         self._rss_before_window: int | None = None
+        self._cpu_at = {}  # cpu_seconds() at the run's start and the window's start and end
         self.comm = None
-        if comm and cfg.comm_profile and cfg.stage_timing:
+        if plan.sharded and cfg.comm_profile and cfg.stage_timing:
             from minigpt.instruments.commprobe import CommProbe
 
             self.comm = CommProbe(cfg)
         self._exit = ExitStack()
         self._probed = False
-
-    def attach(self, model, optimizer, first_step: int, memory_estimate=None) -> None:
-        """The model and optimizer the step trains; `first_step` is the step the loop runs next
-        (1-based; later after --resume). Sets up the profiler window and the memory capture."""
-        cfg, window = self.cfg, self.window
-        self.model, self.optimizer, self.first_step = model, optimizer, first_step
-        self.memory_estimate = memory_estimate
-        if cfg.use_profiler and self.profiled and first_step <= window.start:
-            self.profiler = make_profiler(
-                self.out_dir / paths.TRACE_DIR,
-                self.worker,
-                first_step,
-                window,
-                self.device,
-                profiler_options(cfg),
-                self._window_done,
-            )
-        if cfg.nsys and self.profiled and first_step <= window.start:
-            self.nsys = NsysCaptureRange(window.start, window.stop)
-        if (cfg.use_profiler or cfg.nsys) and first_step > window.start:
-            self.log.warning(
-                f"the profile window starts at step {window.start}, but this run resumes at step "
-                f"{first_step}: nothing is profiled (pass a later --profile-step-start/-end)"
-            )
-        if cfg.memory_profiler and self.profiled:
-            if first_step <= cfg.memory_profile_step:
-                self.memory_step = cfg.memory_profile_step
-            else:
-                self.log.warning(
-                    f"--memory-profiler: step {cfg.memory_profile_step} was done before the resume "
-                    f"at step {first_step}; nothing is measured (pass a later --memory-profile-step)"
-                )
-        if self.profiler is not None or self.memory_step is not None:
-            self.log.info(PROFILER_STDERR_NOTE)
 
     # -- around each step
     def before_step(self, n: int):
@@ -286,6 +294,7 @@ class Window:
             self.profiler.step()  # opens ProfilerStep#n here, after the evaluation and logging of n-1
         if n == self.window.start and self.profiler is not None:
             self._rss_before_window = process_memory()["rss_peak_bytes"]
+            self._cpu_at["window"] = cpu_seconds()
         if self.nsys:
             self.nsys.before_step(n)
         if self.memory_history and not self.memory_history.started:
@@ -293,15 +302,16 @@ class Window:
         self._probed = self.comm is not None and self.comm.start(n, self.first_step)  # outside the clock
         return self._capture() if n == self.memory_step else nullcontext()
 
-    def end_probe(self, n: int) -> None:
-        if self._probed:
-            self.comm.stop(n)
-
     def after_step(self, n: int, capture) -> None:
-        """After the step's clock, outside the ProfilerStep range: writing a trace, snapshot or chart
-        is not training."""
+        """After the step's clock, outside the ProfilerStep range: the collectives' probe stops;
+        writing a trace, snapshot or chart is not training."""
+        if self._probed:
+            self._probed = False
+            self.comm.stop(n)
         if self.profiler is not None:  # ProfilerStep#n closed now: what runs between steps stays outside
             torchcompat.close_profiler_step(self.profiler)
+            if n == self.window.stop - 1 and "window" in self._cpu_at:
+                self._cpu_at["window"] = busy_share(self._cpu_at["window"], cpu_seconds())
         if self.memory_history and n == self.window.stop - 1:  # the end of the window: a snapshot of it
             self.memory_history.dump(self.snapshot_path)
             self._snapshot_dumped = True
@@ -323,24 +333,25 @@ class Window:
     def _window_done(self, prof: torch.profiler.profile) -> None:
         ops = top_operators(prof, self.device)
         ops_path = self.out_dir / paths.OPS_FILE.format(rank=self.rank)
+        ops_path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(ops_path, ops)
-        w = self.window
+        w, traces = self.window, self.out_dir / paths.TRACE_DIR
         self.log.info(f"Profiled steps {w.start}-{w.stop - 1}; top operators (also in {ops_path}):\n{ops}")
         if self.device == "cuda" and not has_device_kernels(prof):
             self.log.warning(
                 "WARNING: the trace holds no CUDA kernel events: CUPTI recorded nothing "
                 "(check that the CUDA profiling libraries match the driver)"
             )
+        self.log.info(f"View the trace: python -m minigpt traces {traces}")
         self.log.info(
-            f"View the trace: python -m minigpt traces {self.out_dir / paths.TRACE_DIR}, or open "
-            f"{self.out_dir / paths.TRACE_DIR}/*.json.gz in ui.perfetto.dev, or tensorboard --logdir "
-            f"{self.out_dir}"
+            f"  or open {traces}/*.json.gz in ui.perfetto.dev, or tensorboard --logdir {self.out_dir}"
         )
 
     def profiler_cost(self, step_times: dict[int, float]) -> str | None:
-        """The profiled steps' median time against the median of the unprofiled ones, and the process's
-        peak memory before and after the window. Not step 1 (it allocates everything), not the
-        profiler's warm-up step; at least three unprofiled steps, or the line says it is not priced."""
+        """The profiled steps' time against the unprofiled ones' (a ratio with its interval, "no
+        difference within noise" when it holds 1.0), and the process's peak memory before and after
+        the window. Not step 1 (it allocates everything), not the profiler's warm-up step; at least
+        three unprofiled steps, and no figure from a machine other processes kept busy."""
         if self.profiler is None:
             return None
         w = self.window
@@ -352,18 +363,27 @@ class Window:
         if self._rss_before_window:
             after = process_memory()["rss_peak_bytes"]
             rss = (
-                f"; process peak memory {self._rss_before_window / 2**30:.2f} GiB before the window, "
+                f"\n  process peak memory {self._rss_before_window / 2**30:.2f} GiB before the window, "
                 f"{after / 2**30:.2f} GiB after"
             )
-        if len(before) < 3:
+        run = busy_share(self._cpu_at["run"], cpu_seconds()) if "run" in self._cpu_at else None
+        window = self._cpu_at.get("window")
+        busy = [x for x in (run, window if isinstance(window, float) else None) if x is not None and x > BUSY]
+        if busy:
             return (
-                f"Profiler cost: not priced: {len(before)} unprofiled step(s) to compare with, 3 needed "
-                f"(step 1 and the warm-up step before the window do not count; run more steps){rss}"
+                f"Profiler cost: not priced: other processes took {max(busy):.0%} of the cores "
+                f"(re-run on a quiet machine){rss}"
+            )
+        if len(before) < MIN_SAMPLES or len(during) < 2:
+            return (
+                f"Profiler cost: not priced: {len(before)} unprofiled step(s) to compare with, "
+                f"{MIN_SAMPLES} needed (not step 1 nor the warm-up before the window; run more steps){rss}"
             )
         d, b = statistics.median(during), statistics.median(before)
+        iv = ratio_interval(before, during, minimum=2, method="steps of one run")
         return (
             f"Profiler cost: {1000 * d:.0f} ms/step profiled (median of {len(during)}) vs {1000 * b:.0f} "
-            f"ms/step unprofiled (median of {len(before)}): {d / b:.2f}x{rss}"
+            f"ms unprofiled (median of {len(before)}): {verdict(iv)}{rss}"
         )
 
     # -- the one-step memory capture
@@ -377,9 +397,8 @@ class Window:
 
         folder = self.out_dir / paths.MEMORY_TRACE_DIR.format(worker=self.worker)
         write_memory_trace(breakdown, folder, self.memory_estimate, run_dir=self.out_dir)
-        self.log.info(
-            f"{format_breakdown(breakdown, self.memory_estimate)}\n  memory.log and sunburst charts: {folder}"
-        )
+        self.log.info(format_breakdown(breakdown, self.memory_estimate))
+        self.log.info(f"  memory.log and sunburst charts: {folder}")
         self.memory_breakdown = breakdown.to_record(self.memory_estimate)
 
     def take_comm(self) -> tuple[int, dict[str, float]] | None:
@@ -394,16 +413,20 @@ class Window:
 
     # -- entering and leaving
     def __enter__(self) -> Window:
+        self._cpu_at["run"] = cpu_seconds()
         if self.profiler is not None:
             self._exit.enter_context(self.profiler)
         return self
 
     def __exit__(self, *exc) -> None:
         """On every exit, a failing step's too: the profiler stops and writes its trace, the Nsight
-        range closes, the memory history leaves its snapshot."""
+        range closes, the memory history leaves its snapshot, a probe in flight stops."""
         try:
             self._exit.close()
         finally:
+            if self._probed:
+                self._probed = False
+                self.comm.abandon()
             if self.nsys:
                 self.nsys.stop()
             if self.memory_history:
@@ -411,6 +434,8 @@ class Window:
                     self.memory_history.dump(self.snapshot_path)
                 self.memory_history.stop()
                 self.log.info(
-                    f"CUDA memory snapshot: {self.snapshot_path} (offline page: python -m minigpt "
-                    f"snapshot {self.snapshot_path}; the report links it; .txt: what was live at its peak)"
+                    f"CUDA memory snapshot: {self.snapshot_path} (.txt beside it: what was live at its peak)"
+                )
+                self.log.info(
+                    f"  offline page: python -m minigpt snapshot {self.snapshot_path}; the report links it"
                 )
