@@ -37,7 +37,7 @@ from minigpt.config import CHECKPOINT_FILE, INTERRUPTED, INTERRUPTED_LINE, RUNS_
 from minigpt.core.checkpoint import latest_run
 from minigpt.core.progress import Progress, progress_enabled
 from minigpt.core.sample import Draw, generate, load_model, utf8_text, vocab_in_use
-from minigpt.core.tokens import registry_tokenizer
+from minigpt.core.tokens import encoding
 from minigpt.fileio import UnreadableFile, check_names, format_bytes, read_bounded
 
 FILE_PREFIX = "FILE:"  # --prompt FILE:path reads the prompt from a file
@@ -187,7 +187,7 @@ def encode(prompt: str, toy: bool, vocab: int | None, enc=None) -> list[int]:
                 f"--prompt {prompt!r}: a --use-toy-data run takes token ids, such as {TOY_PROMPT!r}"
             ) from None
     else:
-        enc = enc or registry_tokenizer("gpt2")
+        enc = enc or encoding("gpt2")
         ids = enc.encode_ordinary(prompt) if prompt else [enc.eot_token]  # a document's start
     bad = [i for i in ids if not 0 <= i < (vocab or 2**63)]
     if bad:
@@ -203,7 +203,7 @@ def sample_text(row: list[int], toy: bool, from_document_start: bool, enc=None) 
     starts a document starts at <|endoftext|>, which is not printed."""
     if toy:
         return " ".join(map(str, row))
-    enc = enc or registry_tokenizer("gpt2")
+    enc = enc or encoding("gpt2")
     return utf8_text(enc.decode_bytes(row[1 if from_document_start else 0 :]))
 
 
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     # vocabulary): a mistake is then the only line there. Loading takes seconds; sampling, minutes.
     model, train_cfg = load_model(path, device)
     toy = bool(train_cfg.get("use_toy_data"))
-    enc = None if toy else registry_tokenizer(train_cfg.get("tokenizer_name", "gpt2"))  # the run's own
+    enc = None if toy else encoding(train_cfg.get("tokenizer_name", "gpt2"))  # the run's own
     vocab = vocab_in_use(train_cfg, enc and enc.n_vocab, model.cfg.vocab_size, path)
     prompt = read_prompt(args.prompt)
     ids = encode(prompt, toy, vocab, enc)

@@ -131,9 +131,7 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
             from minigpt.core.toy import toy_data
 
             data = toy_data(cfg, plan.dp_rank, pin=device == "cuda")
-        elif (
-            cfg.train_data or cfg.val_data or cfg.tokenizer_name != "gpt2"
-        ):  # text tokenised once, token files
+        elif cfg.train_data or cfg.val_data or cfg.tokenizer_name != "gpt2":  # text or token files
             from minigpt.core.tokens import user_tokens
 
             data = load_data(cfg, user_tokens(cfg, dist_info.is_main), plan.dp_rank, pin=device == "cuda")

@@ -7,7 +7,8 @@ Tokenise text files ahead of training and print their token counts.
 Token files hold uint16 ids after a 64-byte header (magic, count, the SHA-256 of the text and the
 tokenizer they were made from), memory-mapped by the trainer and cached under that hash
 (MINIGPT_CACHE_DIR, default ~/.cache/minigpt): an edited file is tokenised again, an unchanged one
-is read from the cache. `--train-data my.txt` then starts at once.
+is read from the cache. `--train-data my.txt` then starts at once. (nanoGPT's .bin files and llm.c's
+shards need no preparing: --train-data reads them as they are.)
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from minigpt.config import ArgParser, UsageError, atomic_write
 from minigpt.core.data import builtin_split, cache_dir
-from minigpt.core.tokens import Encoder, file_tokens
+from minigpt.core.tokens import load_files
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "train.txt"
 
@@ -34,9 +35,9 @@ def main(argv: list[str] | None = None) -> int:
             atomic_write(DEFAULT_OUT, builtin_split(pieces=1)[0])
             print(f"wrote the built-in corpus (Python's pydoc_data topics) to {DEFAULT_OUT}")
             files = [str(DEFAULT_OUT)]
-        enc, total = Encoder(args.tokenizer_name, say=True), 0
+        total = 0
         for f in files:
-            n = len(file_tokens([f], "data/prepare.py", enc))
+            n = len(load_files([f], "data/prepare.py", args.tokenizer_name, say=True))
             total += n
             print(f"{f}: {n:,} tokens")
     except (UsageError, OSError) as e:

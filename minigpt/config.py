@@ -308,8 +308,11 @@ def check_fields(cfg: TrainConfig) -> None:
                 problem = "holds a NUL byte"
             elif path and not text.strip():
                 problem = "is empty; name a path, or leave the flag out"
-            elif path and (max(map(len, parts)) > 255 or sum(map(len, parts)) + len(parts) > 4096):
-                problem = "has a name longer than 255 bytes, or is 4 KiB long: no file system holds it"
+            elif path and max(map(len, parts)) > 255:  # not echoed, here and below: the length is the problem
+                raise UsageError(f"{flag_name(name)} has a name longer than 255 bytes; choose a shorter one")
+            elif path and len(os.fsencode(text)) >= 4096:
+                why = f"is {len(os.fsencode(text)):,} bytes long, past the 4,096 of a path; choose a shorter one"
+                raise UsageError(f"{flag_name(name)} {why}")
         lo, hi, open_ = m["lo"], m["hi"], m.get("open", "")
         number = KINDS[name] in (int, float) and value is not None
         if number and not math.isfinite(value):
@@ -317,7 +320,7 @@ def check_fields(cfg: TrainConfig) -> None:
         elif number and lo is not None and (value <= lo if "lo" in open_ else value < lo):
             problem = "must be positive" if (lo, open_) == (0, "lo") else f"must be at least {lo:g}"
         elif number and hi is not None and (value >= hi if "hi" in open_ else value > hi):
-            problem = f"must be below {hi:g}" if "hi" in open_ else f"must be at most {hi:,}"
+            problem = f"must be below {hi:g}" if "hi" in open_ else f"must be at most {hi:g}"
         elif number and abs(value) >= 2**63:
             problem = "is out of range (a 64-bit integer)"
         if problem:

@@ -11,12 +11,12 @@ from minigpt.config import EOT, GPT2_VOCAB, UsageError, parse_args
 from minigpt.core import data as data_module
 from minigpt.core import tokens as tokens_module
 from minigpt.core.data import Batches, builtin_split, builtin_tokens, cached_tokens, gpt2_tokenizer
-from minigpt.core.tokens import Encoder, file_tokens, registry_tokenizer, user_tokens
+from minigpt.core.tokens import encoding, load_files, registry_tokenizer, user_tokens
 from minigpt.core.toy import ToyBatches, toy_data
 
 
 def ids_of(*paths, name="gpt2"):
-    return file_tokens([str(p) for p in paths], "--train-data", Encoder(name, say=False))
+    return np.asarray(load_files([str(p) for p in paths], "--train-data", name, say=False))
 
 
 def token_files(cache) -> list:
@@ -36,7 +36,7 @@ def test_gpt2_ids_are_exact_and_offline():
     assert enc.n_vocab == GPT2_VOCAB and enc.eot_token == EOT
     text = "GPT-2's tokenizer:  it's   “unicode” too 🙂\n"
     assert enc.decode(enc.encode_ordinary(text)) == text
-    assert registry_tokenizer("gpt2") is enc  # the registry's gpt2 is the offline one
+    assert encoding("gpt2") is enc  # --tokenizer-name gpt2 is the offline one
 
 
 def test_builtin_corpus_is_real_prose():
@@ -83,8 +83,8 @@ def test_token_file_is_cached_by_content(tmp_path, cache):
     f = tmp_path / "a.txt"
     f.write_text("one two three")
     first = ids_of(f)
-    again = ids_of(f)  # read from the cache: memory-mapped
-    assert isinstance(again, np.memmap) and np.array_equal(first, again) and len(token_files(cache)) == 1
+    again = load_files([str(f)], "--train-data", "gpt2", say=False)  # read from the cache: memory-mapped
+    assert isinstance(again.parts[0], np.memmap) and np.array_equal(first, again) and len(token_files(cache)) == 1
     f.write_text("one two three four")
     edited = ids_of(f)
     assert len(token_files(cache)) == 2
@@ -114,7 +114,7 @@ def test_files_are_joined_by_endoftext_and_the_tenth_held_out(tmp_path):
     assert (len(train), len(val), vocab) == (9, 1, GPT2_VOCAB)  # the last tenth, contiguous
     cfg = parse_args(["--train-data", str(tmp_path / "c.txt"), "--val-data", str(tmp_path / "a.txt")])
     train, val, _ = user_tokens(cfg, is_main=True)
-    assert len(train) == 10 and val.tolist() == [15496, 995]  # --val-data: every training id trains
+    assert len(train) == 10 and np.asarray(val).tolist() == [15496, 995]  # --val-data: every training id trains
 
 
 def test_val_data_alone_trains_on_the_whole_builtin_corpus(tmp_path):
@@ -122,7 +122,7 @@ def test_val_data_alone_trains_on_the_whole_builtin_corpus(tmp_path):
     train, val, _ = user_tokens(parse_args(["--val-data", str(tmp_path / "v.txt")]), is_main=True)
     builtin_train, builtin_val, _ = builtin_tokens()
     whole = len(builtin_train) + len(builtin_val)
-    assert abs(len(train) - whole) < whole / 100 and val.tolist() == [15496, 995]
+    assert abs(len(train) - whole) < whole / 100 and np.asarray(val).tolist() == [15496, 995]
 
 
 def test_another_tokenizer_reads_the_builtin_corpus_through_the_registry(cache, monkeypatch):
@@ -220,8 +220,10 @@ def test_unreadable_file(tmp_path, monkeypatch):
         ids_of(f)
 
 
-def test_directory_instead_of_file(tmp_path):
-    with pytest.raises(UsageError, match="is a directory"):
+def test_a_directory_without_token_files_is_one_line(tmp_path):
+    """A folder is read as llm.c's shards are given: its .bin files. Without any, one line."""
+    (tmp_path / "notes.txt").write_text("text")
+    with pytest.raises(UsageError, match="holds no .bin token files; pass --train-data the files inside it"):
         ids_of(tmp_path)
 
 

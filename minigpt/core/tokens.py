@@ -1,149 +1,280 @@
-"""The tokens of --train-data/--val-data's text files, or of the built-in corpus under another
---tokenizer-name: each text tokenised once into data.py's token cache (keyed by the text and the
-tokenizer), memory-mapped by every later run. Loaded only by those flags: a default run reads the
-built-in corpus's GPT-2 tokens (data.builtin_tokens) and never this file."""
+"""The tokens of --train-data/--val-data's files, and of the built-in corpus under another
+--tokenizer-name. Loaded only by those flags: a default run reads the built-in corpus's GPT-2 tokens
+(data.builtin_tokens) and never this file.
+
+- A token file is read as it comes, memory-mapped: never copied nor tokenised. nanoGPT's `.bin`
+  (raw little-endian uint16 ids, as its data/openwebtext/prepare.py writes them) or llm.c's shard
+  (a header of 256 int32: magic 20240520, version 1, the token count; then uint16 ids, as its
+  dev/data/fineweb.py writes them): one file, several, a folder of shards or a pattern
+  ('fineweb10B/fineweb_train_*.bin'). Header and size are checked at start-up, the ids against the
+  vocabulary as each window is drawn: a 10 GB file is not read through before the first step.
+- A text file is tokenised once into data.py's token cache (keyed by the text's SHA-256 and the
+  tokenizer), streamed: read in pieces cut where GPT-2's pre-tokeniser always splits (a letter,
+  digit or visible character, then a space or a newline), so the pieces' ids are the whole text's
+  and memory stays bounded; how far it got is said every 10 s.
+- Several files are one sequence, an <|endoftext|> between two (Tokens: a view over their arrays).
+"""
 
 from __future__ import annotations
 
-import errno
+import bisect
+import codecs
+import contextlib
 import functools
+import glob
+import hashlib
+import io
 import os
+import re
 import stat
+import struct
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
 from minigpt.config import EOT, GPT2_VOCAB, UsageError
-from minigpt.core.data import builtin_split, cached_tokens, gpt2_tokenizer
+from minigpt.core.data import HEADER, HEADER_SIZE, MAGIC, builtin_split, cache_dir, cached_tokens, read_tokens
 
-# The largest text file taken: it is tokenised in memory, its bytes, its text and its ids (a Python
-# int each) at once, about 12 GiB for 1 GiB of text. Above it: split the file.
-MAX_TEXT_BYTES = 1 << 30
 MAX_IDS = 1 << 16  # a token file holds uint16 ids
-BUILTIN = "the built-in corpus"
+LLMC_MAGIC, LLMC_HEADER = 20240520, 256 * 4  # llm.c's shards: 256 int32, then the ids
+PIECE = 8 << 20  # bytes of text tokenised at a time (~100 MB of Python objects in flight)
+SAY_EVERY_S = 10.0
+# Where a text may be cut without changing its ids: between a character that is no space (visible
+# ASCII, a letter, a digit) and a space or newline. No token of GPT-2's pattern runs from the one into
+# the other, a token starts at the space in the whole text as in the piece, and BPE merges within a
+# token only. (GPT-2's pattern, which p50k_base shares; larger encodings do not fit uint16 ids.)
+SAFE_CUT = re.compile(r"(?<=[!-~\w])(?=[ \n])")
 
 
 @functools.cache
 def registry_tokenizer(name: str):
-    """A tiktoken Encoding by name: GPT-2's built offline (data.gpt2_tokenizer), any other from
-    tiktoken's registry, which downloads its files once. One line where it cannot be had, or has
-    more ids than a token file holds."""
-    if name == "gpt2":
-        return gpt2_tokenizer()
+    """A tiktoken Encoding from tiktoken's registry (which downloads its files once); one line
+    where it cannot be had, or has more ids than a token file holds."""
     import tiktoken
 
     try:
         enc = tiktoken.get_encoding(name)
     except Exception as e:  # noqa: BLE001 - an unknown name (ValueError), no network to fetch its files
         why = str(e).splitlines()[0][:120] if str(e).strip() else type(e).__name__
-        raise UsageError(
-            f"tokenizer {name!r} is not available ({why}): tiktoken's registry needs the network "
-            "the first time; --tokenizer-name gpt2 works offline"
-        ) from None
+        raise UsageError(f"tokenizer {name!r} is not available ({why}); --tokenizer-name gpt2 works offline") from None
     if enc.n_vocab > MAX_IDS:
-        raise UsageError(
-            f"tokenizer {name} has {enc.n_vocab:,} ids, more than the {MAX_IDS:,} a token file holds "
-            "(uint16); use --tokenizer-name gpt2"
-        )
+        line = f"tokenizer {name} has {enc.n_vocab:,} ids, more than the {MAX_IDS:,} a token file holds (uint16)"
+        raise UsageError(f"{line}; use --tokenizer-name gpt2")
     return enc
 
 
-class Encoder:
-    """What data.cached_tokens asks of an encoding (name, n_vocab, encode_ordinary), the encoder
-    itself built on a cache's miss only: GPT-2's costs about 50 MiB that a run whose tokens are
-    cached never needs. `say`: a miss is said on stderr (rank 0), since a big text takes a while."""
+def encoding(name: str):
+    """The tokenizer by name: GPT-2's built offline (data.gpt2_tokenizer), any other from the registry."""
+    from minigpt.core.data import gpt2_tokenizer
 
-    def __init__(self, name: str, say: bool):
-        self.name, self.say = name, say
-        self.n_vocab = GPT2_VOCAB if name == "gpt2" else registry_tokenizer(name).n_vocab
-        self.eot = EOT if name == "gpt2" else registry_tokenizer(name).eot_token
-        self.source = ""
-
-    def encode_ordinary(self, text: str) -> list[int]:
-        if self.say and len(text) > 1 << 20:
-            line = f"note: tokenising {self.source} with {self.name}, once: later runs read the cache"
-            print(line, file=sys.stderr, flush=True)
-        return registry_tokenizer(self.name).encode_ordinary(text)
-
-    def tokens(self, raw: bytes, stem: str, source: str) -> np.ndarray:
-        """The ids of a text's bytes, from the cache or tokenised into it: one line for bytes that
-        are not UTF-8, or none."""
-        if not raw:
-            raise UsageError(f"{source} is empty; give a file with some text")
-        self.source = source
-        try:
-            return cached_tokens(raw, stem[:100], self)
-        except UnicodeDecodeError as e:
-            raise UsageError(f"{source} is not UTF-8 text (byte {e.start}); convert it first") from None
+    return gpt2_tokenizer() if name == "gpt2" else registry_tokenizer(name)
 
 
-def text_bytes(path: str, flag: str) -> bytes:
-    """A data file's bytes: a regular file (a FIFO would block, /dev/zero never ends) of at most
-    MAX_TEXT_BYTES, read through the descriptor that was checked; else one line naming `flag`."""
-    fix = f"pass {flag} an existing text file"
+def vocabulary(name: str) -> tuple[int, int]:
+    """(ids, <|endoftext|>'s id) of a tokenizer, GPT-2's without building it."""
+    return (GPT2_VOCAB, EOT) if name == "gpt2" else (registry_tokenizer(name).n_vocab, registry_tokenizer(name).eot_token)
+
+
+class Tokens:
+    """Several id arrays as one sequence, nothing copied: a slice is a view, and np.asarray of one
+    joins its pieces, checking them against the vocabulary (a window of a batch, as drawn)."""
+
+    def __init__(self, parts: list, names: list[str], n_vocab: int):
+        self.parts, self.names, self.n_vocab = parts, names, n_vocab
+        self.starts = [0]
+        for p in parts:
+            self.starts.append(self.starts[-1] + len(p))
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, s: slice) -> Tokens:
+        start, stop, _ = s.indices(len(self))
+        parts, names, i = [], [], max(bisect.bisect_right(self.starts, start) - 1, 0)
+        while start < stop and i < len(self.parts):
+            lo, hi = start - self.starts[i], min(stop - self.starts[i], len(self.parts[i]))
+            parts.append(self.parts[i][lo:hi])
+            names.append(self.names[i])
+            start, i = start + hi - lo, i + 1
+        return Tokens(parts, names, self.n_vocab)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        ids = np.concatenate(self.parts) if len(self.parts) != 1 else np.asarray(self.parts[0])
+        for part, name in zip(self.parts, self.names):
+            if len(part) and int(part.max()) >= self.n_vocab:
+                raise UsageError(f"{name} holds id {int(part.max()):,}, past the tokenizer's {self.n_vocab:,}")
+        return ids if dtype is None else ids.astype(dtype)
+
+
+def data_files(paths: list[str], flag: str) -> list[str]:
+    """The files `paths` name: a folder's *.bin shards and a pattern's matches, sorted."""
+    out = []
+    for p in paths:
+        if glob.has_magic(p) and not os.path.lexists(p):
+            if not (hits := sorted(glob.glob(p))):
+                raise UsageError(f"{flag} {p} matches no file; check the pattern")
+            out += hits
+        elif os.path.isdir(p):
+            if not (shards := sorted(glob.glob(os.path.join(glob.escape(p), "*.bin")))):
+                raise UsageError(f"data folder {p} holds no .bin token files; pass {flag} the files inside it")
+            out += shards
+        else:
+            out.append(p)
+    return out
+
+
+def open_data(path: str, flag: str):
+    """A data file opened for reading, checked on the opened descriptor to be a regular file (a
+    FIFO would block, /dev/zero never ends); else one line naming `flag`."""
+    fix = f"pass {flag} an existing file"
     if path.replace(os.sep, "/").endswith("data/train.txt"):
         fix += "; in the repository, python data/prepare.py writes data/train.txt from the built-in corpus"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        f = open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb")
     except FileNotFoundError:
         raise UsageError(f"data file {path} does not exist; {fix}") from None
     except OSError as e:
-        if e.errno == errno.ENAMETOOLONG:
-            from minigpt.fileio import name_problem
+        from minigpt.fileio import name_problem
 
-            problem = name_problem(path) or "is too long"
+        if problem := name_problem(path):
             raise UsageError(f"{flag}: the path {problem}; choose a shorter one") from None
         raise UsageError(f"cannot read data file {path} ({e.strerror}); check its permissions") from None
+    mode = os.fstat(f.fileno()).st_mode
+    if not stat.S_ISREG(mode):
+        from minigpt.fileio import file_kind
+
+        f.close()
+        raise UsageError(f"data file {path} is {file_kind(mode)}, not a regular file; {fix}")
+    return f
+
+
+def token_file(f, path: str, flag: str) -> np.ndarray | None:
+    """An opened file's ids if it is a token file, memory-mapped; None for text. One line for a
+    header or a size that lies."""
+    size, (magic, version, count) = os.fstat(f.fileno()).st_size, struct.unpack("<3i", f.read(12).ljust(12, b"\0"))
+    f.seek(0)
+    if magic == LLMC_MAGIC:
+        if version != 1:
+            raise UsageError(f"{flag} {path}: an llm.c shard of version {version}; version 1 (GPT-2's uint16 ids) is read")
+        if count <= 0 or size != LLMC_HEADER + 2 * count:
+            raise UsageError(f"{flag} {path}: its header says {count:,} tokens, its {size:,} bytes hold {(size - LLMC_HEADER) / 2:,.1f}")
+        return np.memmap(f, "<u2", "r", LLMC_HEADER, (count,))
+    if not path.endswith(".bin"):
+        return None
+    if size == 0 or size % 2:
+        raise UsageError(f"{flag} {path}: {size:,} bytes are not uint16 ids (a .bin is read as nanoGPT's train.bin)")
+    return np.memmap(f, "<u2", "r")
+
+
+def text_tokens(f, path: str, name: str, say: bool) -> np.ndarray:
+    """An opened text file's ids from the token cache; on a miss tokenised into it, in pieces (into
+    memory, said in one line, where the cache cannot be written)."""
+    digest, size = hashlib.sha256(), os.fstat(f.fileno()).st_size
+    for chunk in iter(lambda: f.read(PIECE), b""):
+        digest.update(chunk)
+    digest.update(name.encode())
+    key, n_vocab = digest.digest(), vocabulary(name)[0]
+    cached = cache_dir() / "tokens" / f"{Path(path).stem[:100]}-{key.hex()[:20]}.tok"
+    if (ids := read_tokens(cached, key, n_vocab)) is not None:
+        return ids
+    if size == 0:
+        raise UsageError(f"data file {path} is empty; give a file with some text")
+    if os.path.lexists(cached):
+        print(f"note: {cached} is not this text's tokens (damaged, replaced): tokenised again", file=sys.stderr)
+    elif say and size > PIECE:  # a text that takes a while
+        print(f"note: tokenising {path} with {name}, once: later runs read the cache", file=sys.stderr, flush=True)
+    tmp = cached.with_name(f".{cached.name}.{os.getpid()}.part")
     try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise UsageError(f"data file {path} is a directory; pass {flag} the text files inside it")
-        if not stat.S_ISREG(st.st_mode):
-            from minigpt.fileio import file_kind
-
-            raise UsageError(f"data file {path} is {file_kind(st.st_mode)}, not a regular file; {fix}")
-        if st.st_size > MAX_TEXT_BYTES:
-            raise UsageError(
-                f"data file {path} is {st.st_size / 2**30:.1f} GiB, above the {MAX_TEXT_BYTES >> 30} GiB a "
-                "text file may be (it is tokenised in memory); split it into smaller files"
-            )
-        with open(fd, "rb", closefd=False) as f:
-            return f.read(MAX_TEXT_BYTES)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as out:
+            out.write(b"\0" * HEADER_SIZE)
+            count = tokenise(f, out, path, size, encoding(name), say)
+            out.seek(0)
+            out.write(HEADER.pack(MAGIC, count, key))
+            out.flush()
+            os.fsync(out.fileno())  # the header last, and on disk before the name: no file that lies
+        os.replace(tmp, cached)
+        return read_tokens(cached, key, n_vocab)
     except OSError as e:
-        raise UsageError(f"cannot read data file {path} ({e.strerror}); check its permissions") from None
+        print(f"note: no token cache in {cached.parent} ({e.strerror}; set $MINIGPT_CACHE_DIR): ids kept in memory", file=sys.stderr)
     finally:
-        os.close(fd)
+        with contextlib.suppress(OSError):  # gone, or no folder to be in
+            tmp.unlink()
+    out = io.BytesIO()
+    tokenise(f, out, path, size, encoding(name), say)
+    return np.frombuffer(out.getbuffer(), "<u2")
 
 
-def file_tokens(paths: list[str], flag: str, enc: Encoder) -> np.ndarray:
-    """The ids of the files, in order, joined by <|endoftext|> (a document's end)."""
-    parts = [enc.tokens(text_bytes(p, flag), Path(p).stem, f"data file {p}") for p in paths]
-    if len(parts) == 1:
-        return parts[0]
-    sep = np.array([enc.eot], dtype="<u2")
-    return np.concatenate([x for part in parts for x in (sep, part)][1:])
+def last_cut(text: str) -> int | None:
+    """Where the last SAFE_CUT of the text is (looked for in its last 64 Ki characters first)."""
+    for start in (max(len(text) - (1 << 16), 0), 0):
+        if cut := max((m.start() for m in SAFE_CUT.finditer(text, start)), default=0):
+            return cut
+    return None
 
 
-def user_tokens(cfg, is_main: bool) -> tuple[np.ndarray, np.ndarray, int]:
+def tokenise(src, out, path: str, size: int, enc, say: bool) -> int:
+    """Tokenises src into out as uint16 ids, a piece at a time; returns the count."""
+    src.seek(0)
+    decoder, count, rest, t0 = codecs.getincrementaldecoder("utf-8")(), 0, "", time.monotonic()
+    said = t0
+    while True:
+        raw, pending = src.read(PIECE), len(decoder.getstate()[0])  # bytes of a character cut short
+        try:
+            text = rest + decoder.decode(raw, final=not raw)
+        except UnicodeDecodeError as e:
+            at = src.tell() - len(raw) - pending + e.start
+            raise UsageError(f"data file {path} is not UTF-8 text (near byte {at:,}); convert it") from None
+        cut = last_cut(text) if raw else len(text)  # the end: all of it
+        if cut is None:  # no safe cut yet: read on
+            rest = text
+            continue
+        text, rest = text[:cut], text[cut:]
+        ids = np.array(enc.encode_ordinary(text), dtype="<u2")
+        out.write(ids.tobytes())
+        count += len(ids)
+        if not raw:
+            return count
+        if say and time.monotonic() - said >= SAY_EVERY_S:
+            said = time.monotonic()
+            line = f"tokenising {path}: {src.tell() / size:.0%} of {size / 2**20:,.0f} MiB, {said - t0:.0f} s"
+            print(line, file=sys.stderr, flush=True)
+
+
+def load_files(paths: list[str], flag: str, name: str, say: bool) -> Tokens:
+    """The ids of the files, in order, an <|endoftext|> between two."""
+    n_vocab, eot = vocabulary(name)
+    parts, names = [], []
+    for path in data_files(paths, flag):
+        with open_data(path, flag) as f:
+            ids = token_file(f, path, flag)
+            ids = text_tokens(f, path, name, say) if ids is None else ids
+        if parts:
+            parts.append(np.array([eot], dtype="<u2"))
+            names.append("<|endoftext|>")
+        parts.append(ids)
+        names.append(f"{flag} {path}")
+    return Tokens(parts, names, n_vocab)
+
+
+def user_tokens(cfg, is_main: bool) -> tuple:
     """(training ids, validation ids, vocabulary). --val-data's files validate and all of the
     training text trains (the built-in corpus's whole text, without --train-data); without it the
     last tenth of --train-data's ids is held out, contiguous (a text sorted by topic or date makes
     that tenth unlike the rest: --val-data then says what is held out); without either, the
-    built-in corpus's own split. --max-tokens caps the training ids (load_data)."""
-    enc = Encoder(cfg.tokenizer_name, is_main)
+    built-in corpus's own split under --tokenizer-name. --max-tokens caps the training ids."""
+    name, n_vocab = cfg.tokenizer_name, vocabulary(cfg.tokenizer_name)[0]
+    if not cfg.train_data:
+        train, val = builtin_split(pieces=1 if cfg.val_data else 100)
+        train = cached_tokens(train.encode(), "pydoc_topics" + ("" if cfg.val_data else "_train"), encoding(name))
+        if not cfg.val_data:
+            return train, cached_tokens(val.encode(), "pydoc_topics_val", encoding(name)), n_vocab
+    else:
+        train = load_files(cfg.train_data, "--train-data", name, is_main)
     if cfg.val_data:
-        if cfg.train_data:
-            train = file_tokens(cfg.train_data, "--train-data", enc)
-        else:
-            whole = builtin_split(pieces=1)[0]  # one piece, none held out
-            train = enc.tokens(whole.encode(), "pydoc_topics", BUILTIN)
-        return train, file_tokens(cfg.val_data, "--val-data", enc), enc.n_vocab
-    if cfg.train_data:
-        ids = file_tokens(cfg.train_data, "--train-data", enc)
-        ids = ids[: cfg.max_tokens] if cfg.max_tokens else ids  # the tenth held out of what trains
-        cut = len(ids) - len(ids) // 10
-        return ids[:cut], ids[cut:], enc.n_vocab
-    train, val = builtin_split()
-    train = enc.tokens(train.encode(), "pydoc_topics_train", BUILTIN)
-    return train, enc.tokens(val.encode(), "pydoc_topics_val", f"{BUILTIN}'s held-out text"), enc.n_vocab
+        return train, load_files(cfg.val_data, "--val-data", name, is_main), n_vocab
+    train = train[: cfg.max_tokens] if cfg.max_tokens else train  # the tenth held out of what trains
+    cut = len(train) - len(train) // 10
+    return train[:cut], train[cut:], n_vocab

@@ -445,9 +445,9 @@ def config_shape(cfg) -> Shape:
     tokenizer's, padded as the trainer pads it."""
     vocab_size = cfg.vocab_size or (GPT2_VOCAB if cfg.tokenizer_name == "gpt2" else None)
     if vocab_size is None:  # another tiktoken encoding: its own size
-        from minigpt.core.tokens import get_tokenizer
+        from minigpt.core.tokens import vocabulary
 
-        vocab_size = get_tokenizer(cfg.tokenizer_name).n_vocab
+        vocab_size = vocabulary(cfg.tokenizer_name)[0]
     return shape_of(cfg, vocab_size)
 
 
