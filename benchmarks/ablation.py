@@ -14,16 +14,23 @@ Each variant runs in a
 fresh process, `--repeats` times in interleaved rounds, for `--steps` measured steps after
 `--warmup`. Trainer flags not known here (--seq-len, --batch-size, --n-layers, ...) are passed
 through to every variant. Its time goes to those runs: each is a fresh process (start-up, the
-warm-up steps, one --memory-profiler step, the measured steps). With --predict (CPU), it first
-measures this machine's kernel rates, one `python -m minigpt estimate --time` pass per set of kernels
-(30-75 s each, longer on a busy machine), so the table puts each stage's predicted time beside its
-measurement; without it no rates are measured, and a prediction appears only from rates cached before.
+warm-up steps, one --memory-profiler step, the measured steps). With --predict, every run ends
+with its predicted step (the trainer's --predict-time), and on a CPU the benchmark first measures
+this machine's kernel rates, one `python -m minigpt estimate --time` pass per set of kernels (30-75 s
+each, longer on a busy machine), so the table puts each stage's predicted time beside its
+measurement; without it nothing is predicted.
 
 Each round ends with the baseline (fp32) again: the A/A check. Every ratio comes with its 95%
 interval over the repeats (benchmarks/common.py, minigpt.analysis.stats); when the baseline's two copies
 differ beyond theirs, the machine was too noisy to tell, and the results go to a folder outside the
 repository instead of benchmarks/results unless --noisy (the table then says so). The load at the
-start and the end is recorded; a busy start refuses benchmarks/results unless --busy.
+start and the end is recorded; a busy start refuses benchmarks/results unless --busy. A run whose
+measured steps ran busy (metrics.jsonl's `busy` above minigpt.config.BUSY in over that share of
+them) is flagged in one line, and no verdict is drawn from it: re-run on a quiet machine.
+
+MFU: every row against one peak, named by the dtype its runs' config.json recorded
+(peak_flops_dtype: the device's fastest, whatever the row's own AMP). On CUDA the fp32 row says
+whether its matmuls ran in TF32 (--tf32; off by default).
 
 Writes benchmarks/results/<device>-<name>.json, .md (the table, with ratios to the fp32
 baseline) and .png (tokens/s, stage times host vs device, peak memory). Each names the device,
@@ -61,6 +68,7 @@ from common import (
     machine_line,
     native_bf16,
     output_flags,
+    ran_busy,
     ratio,
     ratio_text,
     refuse_if_busy,
@@ -75,11 +83,18 @@ from common import (
 )
 
 from minigpt.analysis.compare import compare_runs, headline
+from minigpt.config import BUSY
+from minigpt.config import STAGES as STAGE_STYLE
 from minigpt.fileio import atomic_write
 from minigpt.instruments.predict import PREDICTED_STAGES as PREDICTED
-from minigpt.config import color as stage_color
 
 MIB = 2**20
+NO_VERDICT = "no verdict (busy)"  # a ratio cell whose run, or its base's, ran busy
+
+
+def stage_color(stage: str) -> str:
+    """The stage registry's colour (minigpt.config.STAGES), as the trainer's NVTX ranges use it."""
+    return STAGE_STYLE[stage][1]
 
 
 def results_name(preset: str, trainer_flags: list[str]) -> str:
@@ -155,11 +170,12 @@ def cached_denominator(results: dict) -> bool:
 
 def one_denominator(meta: dict, results: dict) -> tuple[dict[str, float], str | None]:
     """Each row's MFU against one denominator for the device: the largest peak any row was
-    measured against (the fastest dtype's: bf16's where an AMP row ran), so MFU ranks the rows as
-    tokens/s does. Every row counts the same FLOPs per token, so a row's own peak is its tokens/s
-    per device over its MFU. Returns the rows' MFU against that peak (none for a row whose MFU
-    passed 100%: a denominator measured under load) and the dtype of the row that set it. Not for
-    a CPU's results from before the denominator was cached, whose every process measured its own."""
+    measured against, so MFU ranks the rows as tokens/s does. Every row counts the same FLOPs per
+    token, so a row's own peak is its tokens/s per device over its MFU. Returns the rows' MFU
+    against that peak (none for a row whose MFU passed 100%: a denominator measured under load) and
+    the dtype of that peak as its run's config.json recorded it (peak_flops_dtype: the device's
+    fastest, whatever the row's own AMP), None where the results predate that record. Not for a
+    CPU's results from before the denominator was cached, whose every process measured its own."""
     if meta["machine"]["device"] == "cpu" and not cached_denominator(results):
         return {}, None
     peaks = {
@@ -171,7 +187,46 @@ def one_denominator(meta: dict, results: dict) -> tuple[dict[str, float], str | 
         return {}, None
     top = max(peaks, key=peaks.get)
     mfu = {name: tokens_median(results[name]) / results[name].get("nproc", 1) / peaks[top] for name in peaks}
-    return mfu, results[top]["amp"]
+    return mfu, results[top].get("peak_flops_dtype")
+
+
+def mfu_header(meta: dict, results: dict) -> str:
+    """The MFU column's name: the dtype of the peak it divides by, as the runs recorded it."""
+    dtype = one_denominator(meta, results)[1]
+    return f"MFU against {dtype}'s peak" if dtype else "MFU (the peak's dtype not recorded)"
+
+
+def amp_cell(meta: dict, s: dict) -> str:
+    """The AMP column: the autocast dtype, and for an fp32 row on CUDA whether its matmuls ran in
+    TF32 (--tf32, config.json's config.tf32), which sets an fp32 row's speed there."""
+    if s["amp"] != "fp32" or meta["machine"]["device"] != "cuda":
+        return s["amp"]
+    tf32 = s.get("tf32")
+    return "fp32 (TF32 not recorded)" if tf32 is None else f"fp32, TF32 {'on' if tf32 else 'off'}"
+
+
+def busy_names(results: dict) -> list[str]:
+    """The variants of which a repeat ran busy (common.ran_busy)."""
+    return [name for name, s in results.items() if ran_busy(s)]
+
+
+def busy_line(results: dict) -> str | None:
+    """The one line that flags the busy runs, for the table and the chart; None when none was."""
+    names = busy_names(results)
+    if not names:
+        return None
+    return (
+        f"Busy runs: {', '.join(names)} (in a repeat, other processes took over {BUSY:.0%} of the cores "
+        f"in over {BUSY:.0%} of the measured steps): no verdict is drawn from them; "
+        "re-run on a quiet machine."
+    )
+
+
+def versus(results: dict, base: str, name: str) -> str:
+    """`name`'s tokens/s against `base`'s, with its interval; no verdict where either ran busy."""
+    if ran_busy(results[name]) or ran_busy(results[base]):
+        return NO_VERDICT
+    return ratio_text(ratio(results[base]["tokens_per_s_repeats"], results[name]["tokens_per_s_repeats"]))
 
 
 def peak_mib(s: dict) -> float | None:
@@ -218,7 +273,7 @@ def findings(results: dict) -> list[str]:
     """The ratios a reader looks for: each variant's tokens/s against its base, and what it did to memory."""
 
     def tps(name: str, base: str) -> str:
-        return ratio_text(ratio(results[base]["tokens_per_s_repeats"], results[name]["tokens_per_s_repeats"]))
+        return versus(results, base, name)
 
     lines = []
     if "amp" in results and "fp32" in results:
@@ -254,11 +309,12 @@ def findings(results: dict) -> list[str]:
 
 def markdown(meta: dict, results: dict) -> str:
     base = next(iter(results))
-    mfu, mfu_dtype = one_denominator(meta, results)
-    mfu_header = f"MFU against the {mfu_dtype} peak" if mfu_dtype else "MFU"
+    mfu = one_denominator(meta, results)[0]
+    busy = busy_line(results)
     lines = [
         *header(f"Ablation: {meta['name']}", meta),
         *load_lines(meta),
+        *([f"**{busy}**", ""] if busy else []),
         *aa_lines(meta),
         f"{meta['steps']} measured steps after {meta['warmup']} warm-up steps, {meta['repeats']} fresh "
         "process(es) per variant in interleaved rounds; medians over every "
@@ -273,7 +329,8 @@ def markdown(meta: dict, results: dict) -> str:
             else ""
         ),
         "",
-        f"| variant | AMP | tokens/s (median) | spread | vs baseline | {mfu_header} | step ms | "
+        "| variant | AMP | tokens/s (median) | spread | vs baseline | "
+        f"{mfu_header(meta, results)} | step ms | "
         + " | ".join(f"{s} host / device ms" for s in STAGES)
         + (
             " | peak MiB | activations MiB (share of peak) |"
@@ -284,10 +341,10 @@ def markdown(meta: dict, results: dict) -> str:
     ]
     for name, s in results.items():
         reps = s["tokens_per_s_repeats"]
-        vs = "baseline" if name == base else ratio_text(ratio(results[base]["tokens_per_s_repeats"], reps))
+        vs = "baseline" if name == base else versus(results, base, name)
         pk, act = peak_mib(s), activations_mib(s)
         lines.append(
-            f"| {name} | {s['amp']} | {tokens_median(s):,.0f} | "
+            f"| {name} | {amp_cell(meta, s)} | {tokens_median(s):,.0f} | "
             f"{min(reps):,.0f}-{max(reps):,.0f} | "
             f"{vs} | "
             f"{mfu_cell(mfu.get(name, s['mfu']))} | {s['step_ms']['median']:.0f} | "
@@ -332,7 +389,7 @@ def predicted_lines(results: dict) -> list[str]:
 def notes(meta: dict, results: dict) -> list[str]:
     """What the table's figures mean on this device, for these rows: under the findings."""
     lines: list[str] = []
-    mfu_dtype = one_denominator(meta, results)[1]
+    mfu, mfu_dtype = one_denominator(meta, results)
     if meta["machine"]["device"] == "cpu":
         lines += [
             "",
@@ -341,8 +398,8 @@ def notes(meta: dict, results: dict) -> list[str]:
         if cached_denominator(results):
             lines += [
                 "",
-                "MFU on the CPU is against this machine's best rate on the model's own units, measured "
-                "once and cached (minigpt/instruments/mfu.py).",
+                "MFU on the CPU is against this machine's peak, measured once and cached (each run's "
+                "config.json says how: peak_flops_source).",
             ]
         else:
             lines += [
@@ -351,12 +408,17 @@ def notes(meta: dict, results: dict) -> list[str]:
                 "in its dtype), which moved by 10-25% between processes on a shared machine: compare MFU "
                 "across rows only over several repeats, and compare speed by tokens/s.",
             ]
-    if mfu_dtype:
+    if mfu:
+        dtype = (
+            f"{mfu_dtype}'s peak (config.json's peak_flops_dtype: the device's fastest dtype, whatever "
+            "the row's own AMP)"
+            if mfu_dtype
+            else "a peak whose dtype these results did not record"
+        )
         lines += [
             "",
-            f"MFU: every row against one denominator, the {mfu_dtype} peak (the largest any row was "
-            "measured against: a row's own MFU times its own peak over this one), so MFU ranks the rows "
-            "as tokens/s does.",
+            f"MFU: every row against one denominator, {dtype}, the largest any row was measured against "
+            "(a row's own MFU times its own peak over this one), so MFU ranks the rows as tokens/s does.",
         ]
     if any(r["nproc"] > 1 for r in results.values()):
         lines += [
@@ -516,7 +578,9 @@ def chart_figure(meta: dict, results: dict):
     title = f"{meta['name']} on {machine_line(meta)}\n{meta['command']}"
     if warning := busy_warning(meta):  # as the table says it: a chart seen alone must say it too
         title += "\n" + warning.replace(": times", ":\ntimes", 1)
-    fig.suptitle(title, fontsize=9, color="#b00020" if warning else "black")
+    if busy := busy_line(results):
+        title += "\n" + busy.replace(": no verdict", ":\nno verdict", 1)
+    fig.suptitle(title, fontsize=9, color="#b00020" if warning or busy else "black")
     return fig
 
 
@@ -548,9 +612,9 @@ def parser() -> Parser:
     p.add_argument(
         "--predict",
         action="store_true",
-        help="CPU: measure this machine's kernel rates first (python -m minigpt estimate --time, about "
-        "30-75 s a pass), so the table puts each stage's predicted time beside its measurement; without "
-        "it, only rates already cached give a prediction",
+        help="each run predicts its step (--predict-time), on a CPU from this machine's kernel rates "
+        "measured first (python -m minigpt estimate --time, about 30-75 s a pass): the table puts each "
+        "stage's predicted time beside its measurement",
     )
     p.add_argument(
         "--name",
@@ -618,6 +682,8 @@ def measure(p: Parser, args, trainer_flags: list[str]) -> tuple[dict, list[dict]
         cache_step_rates(
             rate_passes([[*PRESETS[args.preset], *trainer_flags, *flags] for _, flags, _ in listed])
         )
+    if args.predict:  # each run predicts its step from the cached rates at its end (config.json)
+        listed = [(name, [*flags, "--predict-time"], nproc) for name, flags, nproc in listed]
     rounds = [*listed, (aa_name(listed[0][0]), *listed[0][1:])]
     runs: dict[str, list] = {name: [] for name, _, _ in rounds}
     kept = Path(tempfile.mkdtemp(prefix="minigpt-ablation-"))  # the first round's run directories
@@ -638,12 +704,16 @@ def measure(p: Parser, args, trainer_flags: list[str]) -> tuple[dict, list[dict]
                 lines = [line for line in str(e).splitlines() if line.strip()]
                 p.error(f"{lines[0]} {lines[-1] if len(lines) > 1 else ''}".strip())
     results = {}
-    for name, flags, nproc in variants(args):
+    for name, flags, nproc in listed:
+        config = runs[name][0]["config"]
         results[name] = {
             "flags": flags,
             "nproc": nproc,
-            "amp": runs[name][0]["config"]["amp"],
-            "predicted_step": runs[name][0]["config"].get("predicted_step"),
+            "amp": config["amp"],
+            "tf32": config.get("config", {}).get("tf32"),
+            "peak_flops": config.get("peak_flops"),
+            "peak_flops_dtype": config.get("peak_flops_dtype"),
+            "predicted_step": config.get("predicted_step"),
             **summarise(runs[name]),
         }
         print(f"[{name}] {results[name]['tokens_per_s']['median']:,.0f} tokens/s", flush=True)

@@ -1,15 +1,22 @@
-"""The CPU allocator's cost per training step, and its memory: which malloc the trainer should use.
+"""The CPU allocator's cost per training step, and its memory: what the trainer's malloc setting buys.
 
     python benchmarks/allocator.py                       # every variant installed here, 3 rounds
     python benchmarks/allocator.py --steps 6 --eval-interval 3 --repeats 1 --out-dir /tmp/alloc
     python benchmarks/allocator.py --render benchmarks/results/cpu-allocator.json
 
+What it compares: the trainer's own in-process setting of glibc's malloc (train_minimal.py's
+keep_freed_memory(), on by default: mallopt M_MMAP_MAX=0 and M_TRIM_THRESHOLD=4 GiB, so a freed big
+tensor's pages stay with the process for the next step) against glibc's own defaults
+(--no-keep-freed-memory), and beside them, where installed, other mallocs preloaded with LD_PRELOAD
+under --no-keep-freed-memory (the trainer's mallopt is glibc's and would not reach them): mimalloc
+(the libmimalloc.so of the PyPI package cmeel-mimalloc, which the trainer no longer needs), tcmalloc
+and jemalloc (Debian's libtcmalloc-minimal4, libjemalloc2); the table says which were not installed.
+
 Each variant is a fresh process that runs the trainer itself (train_minimal.py, the main job's
 `small` preset, its AMP choice unless --amp/--no-amp) for --steps steps with an evaluation every
 --eval-interval steps, as the main job does: an evaluation's shapes differ from a step's, and a heap
-tuned for the step's pattern can grow there. The first row is the README's first command as it
-runs on this machine (`python train_minimal.py`: the trainer picks its allocator itself); the
-others force one setting each. Per variant:
+tuned for the step's pattern can grow there. The first row is the README's first command
+(`python train_minimal.py`: the trainer's default setting). Per variant:
 
 - per step (the median over the steps after the first SKIP_STEPS, evaluations' steps included):
   minor page faults and CPU seconds (user + system), read from /proc/PID/stat each time the trainer
@@ -23,11 +30,9 @@ others force one setting each. Per variant:
 
 The variants run in interleaved rounds, each ending with the first variant again (the A/A check;
 --noisy as in ablation.py); CPU seconds and tokens/s are set against the first row with their 95%
-interval. tcmalloc and jemalloc (Debian's libtcmalloc-minimal4,
-libjemalloc2) run only where installed: the table says when they were not. mimalloc is the
-libmimalloc.so of the PyPI package cmeel-mimalloc (requirements.txt). Writes
-benchmarks/results/cpu-allocator.json and .md; refuses to write there when the machine is busy
-(load average above half the cores at the start) unless --busy, and the table then says so.
+interval. Writes benchmarks/results/cpu-allocator.json and .md; refuses to write there when the
+machine is busy (load average above half the cores at the start) unless --busy, and the table then
+says so.
 """
 
 from __future__ import annotations
@@ -35,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import runpy
 import statistics
 import subprocess
 import sys
@@ -46,8 +50,6 @@ from pathlib import Path
 
 import common as bench
 
-from minigpt.core import cpu
-
 MIB = 2**20
 SKIP_STEPS = 2  # warm-up steps left out of the medians
 RSS_BUDGET = 1.6  # the README's first command keeps peak RSS within this multiple of the true peak
@@ -57,86 +59,54 @@ README = "README's first command"
 
 @dataclass(frozen=True)
 class Variant:
-    """`setting`: what the child applies before the trainer starts (see child()); `preload`: a key
-    of preload_paths(); `env`: the allocator's own options."""
+    """`flags`: the trainer's flags that set its malloc; `preload`: a key of preload_paths() (a
+    library put in LD_PRELOAD); `env`: the allocator's own options."""
 
-    setting: str
     how: str
+    flags: tuple[str, ...] = ()
     preload: str | None = None
     env: dict = field(default_factory=dict)
 
 
+GLIBC_DEFAULTS = ("--no-keep-freed-memory",)
 VARIANTS = {
-    README: Variant("readme", "`python train_minimal.py`: the trainer's own choice on this machine"),
-    "glibc defaults": Variant("defaults", "none (--no-keep-freed-memory)"),
-    "glibc, trimmed above 256 MiB": Variant(
-        "bounded",
-        "mallopt M_MMAP_THRESHOLD=1 GiB, M_TRIM_THRESHOLD=256 MiB, malloc_trim(0) around evaluations "
-        "(a bound on what the heap keeps, given back when an evaluation changes the shapes)",
+    README: Variant(
+        "`python train_minimal.py`: the trainer's default, glibc told to keep freed memory "
+        "(mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=4 GiB)"
     ),
-    "glibc, trimmed above 1 GiB": Variant(
-        "bounded-1g",
-        "mallopt M_MMAP_THRESHOLD=1 GiB, M_TRIM_THRESHOLD=1 GiB (above the logits and their gradient), "
-        "malloc_trim(0) around evaluations",
-    ),
-    "glibc never maps nor trims": Variant(
-        "keep", "mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB (every freed page kept for the next step)"
-    ),
-    "glibc never maps nor trims, given back at evaluations": Variant(
-        "keep-evals", "the same, and malloc_trim(0) around evaluations"
-    ),
-    "mimalloc": Variant("preload", "LD_PRELOAD=libmimalloc.so (cmeel-mimalloc), its defaults", "mimalloc"),
-    "mimalloc, never purges": Variant(
-        "preload", "the same, MIMALLOC_PURGE_DELAY=-1", "mimalloc", {"MIMALLOC_PURGE_DELAY": "-1"}
-    ),
-    "mimalloc, purges after 10 s": Variant(
-        "preload",
-        "the same, MIMALLOC_PURGE_DELAY=10000 (the trainer's choice before this one)",
+    "glibc defaults": Variant("--no-keep-freed-memory: glibc's malloc as it comes", GLIBC_DEFAULTS),
+    "mimalloc": Variant(
+        "LD_PRELOAD=libmimalloc.so (cmeel-mimalloc), its defaults; --no-keep-freed-memory",
+        GLIBC_DEFAULTS,
         "mimalloc",
-        {"MIMALLOC_PURGE_DELAY": "10000"},
     ),
-    "mimalloc, purges after 10 s, no huge pages": Variant(
-        "preload",
-        "the same, and MIMALLOC_ALLOW_THP=0 (no transparent huge pages: a 2 MiB page is resident "
-        "whole, however little of it is used)",
-        "mimalloc",
-        {"MIMALLOC_PURGE_DELAY": "10000", "MIMALLOC_ALLOW_THP": "0"},
+    "tcmalloc": Variant(
+        "LD_PRELOAD=libtcmalloc_minimal.so.4; --no-keep-freed-memory", GLIBC_DEFAULTS, "tcmalloc"
     ),
-    "mimalloc, purges after 3 s, no huge pages": Variant(
-        "preload",
-        "MIMALLOC_PURGE_DELAY=3000, MIMALLOC_ALLOW_THP=0 (the trainer's choice where pip installed it)",
-        "mimalloc",
-        {"MIMALLOC_PURGE_DELAY": "3000", "MIMALLOC_ALLOW_THP": "0"},
-    ),
-    "tcmalloc": Variant("preload", "LD_PRELOAD=libtcmalloc_minimal.so.4", "tcmalloc"),
-    "jemalloc": Variant("preload", "LD_PRELOAD=libjemalloc.so.2", "jemalloc"),
+    "jemalloc": Variant("LD_PRELOAD=libjemalloc.so.2; --no-keep-freed-memory", GLIBC_DEFAULTS, "jemalloc"),
 }
+LIBDIR = "/usr/lib/x86_64-linux-gnu"
+PRELOADS = {"jemalloc": f"{LIBDIR}/libjemalloc.so.2", "tcmalloc": f"{LIBDIR}/libtcmalloc_minimal.so.4"}
+MIMALLOC_DIST = "cmeel-mimalloc"  # the PyPI package that ships libmimalloc.so (not a requirement)
+
+
+def mimalloc_library() -> str | None:
+    """The libmimalloc.so that pip installed with cmeel-mimalloc, found through the package's own
+    file list (any venv or prefix); None where the package is not installed."""
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution(MIMALLOC_DIST).files or []
+    except metadata.PackageNotFoundError:
+        return None
+    lib = next((f for f in files if f.name == "libmimalloc.so"), None)
+    return None if lib is None else str(lib.locate())
 
 
 def preload_paths() -> dict[str, str | None]:
     """Each preloadable allocator's library on this machine, None where not installed."""
-    paths = {name: (p if os.path.exists(p) else None) for name, p in cpu.PRELOADS.items()}
-    return {**paths, "mimalloc": cpu.mimalloc_library()}
-
-
-def child(setting: str, argv: list[str]) -> None:
-    """Runs in the fresh process: the setting first, then the trainer as `python train_minimal.py`
-    with --no-keep-freed-memory, so that it leaves the setting alone (its evaluations still call
-    release_freed_memory(), which the setting switched on or off)."""
-    if setting == "keep":
-        cpu.never_return_memory()
-    elif setting == "keep-evals":
-        cpu.never_return_memory(give_back_at_evaluations=True)
-    elif setting == "bounded":
-        cpu.bounded_freed_memory(2**30, 256 * MIB, give_back_at_evaluations=True)
-    elif setting == "bounded-1g":
-        cpu.bounded_freed_memory(2**30, 2**30, give_back_at_evaluations=True)
-    sys.argv = [str(bench.ROOT / "train_minimal.py"), *argv, "--no-keep-freed-memory"]
-    try:
-        runpy.run_path(sys.argv[0], run_name="__main__")
-    except SystemExit as e:
-        if e.code:
-            raise
+    paths = {name: (p if os.path.exists(p) else None) for name, p in PRELOADS.items()}
+    return {**paths, "mimalloc": mimalloc_library()}
 
 
 def true_peak(amp_dtype: str) -> int:
@@ -164,20 +134,16 @@ def proc_counts(pid: int) -> tuple[int, float] | None:
 def run(name: str, paths: dict, steps: int, eval_interval: int, amp: list[str]) -> dict:
     """One fresh trainer process under the variant; its figures."""
     v = VARIANTS[name]
-    env = {k: val for k, val in os.environ.items() if k not in ("LD_PRELOAD", cpu.NO_PRELOAD_ENV)}
+    env = {k: val for k, val in os.environ.items() if k != "LD_PRELOAD"}
+    if v.preload:
+        env.update(LD_PRELOAD=paths[v.preload], **v.env)
     with tempfile.TemporaryDirectory(prefix="minigpt-alloc-") as tmp:
         out = Path(tmp) / "run"
         argv = [
             *("--num-steps", str(steps), "--eval-interval", str(eval_interval), "--log-interval", "1"),
-            *("--no-checkpoint", "--no-report", "--out-dir", str(out), *amp),
+            *("--no-checkpoint", "--no-report", "--out-dir", str(out), *amp, *v.flags),
         ]
-        if v.setting == "readme":
-            cmd = [sys.executable, str(bench.ROOT / "train_minimal.py"), *argv]
-        else:
-            env[cpu.NO_PRELOAD_ENV] = "glibc"  # the variant's malloc, not the trainer's choice
-            if v.preload:
-                env.update(LD_PRELOAD=paths[v.preload], **v.env)
-            cmd = [sys.executable, __file__, "--child", v.setting, "--", *argv]
+        cmd = [sys.executable, str(bench.ROOT / "train_minimal.py"), *argv]
         with open(Path(tmp) / "stdout", "w+") as log:
             proc = subprocess.Popen(cmd, cwd=bench.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
             marks = watch(proc.pid, out / "metrics.jsonl")
@@ -187,7 +153,8 @@ def run(name: str, paths: dict, steps: int, eval_interval: int, amp: list[str]) 
             if os.waitstatus_to_exitcode(status) != 0:
                 raise RuntimeError(f"{name} failed:\n{text[-2000:]}")
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    chose = next((line.split("] ", 1)[-1] for line in text.splitlines() if "CPU allocator:" in line), "")
+    # the trainer's own line when it set glibc's malloc ("CPU malloc: ..."); none under --no-keep-freed-memory
+    chose = next((line.split("] ", 1)[-1] for line in text.splitlines() if "CPU malloc:" in line), "")
     # per step: the counts' increase between two log lines (every step is logged); a step that ends
     # on an evaluation (step % eval_interval == 0) is counted apart, with its evaluation
     pairs = [(a, b) for a, b in zip(sorted(marks), sorted(marks)[1:]) if a >= SKIP_STEPS]
@@ -281,8 +248,8 @@ def markdown(meta: dict, results: dict, peak: int) -> str:
     ]
     first = next(iter(results.values()))
     for name, r in results.items():
-        how = VARIANTS[name].how if name in VARIANTS else ""
-        if name == README:
+        how = r.get("how", "")  # as the run that measured it said (results of older variants too)
+        if name == README and r["allocator_line"]:
             how = f"{how}: {r['allocator_line']}"
         t, c = r["tokens_per_s"], r["cpu_s_per_step"]
         vs_c, vs_t = (
@@ -322,9 +289,6 @@ def render_table(data: dict, md: Path) -> None:
 
 
 def main() -> int:
-    if len(sys.argv) > 2 and sys.argv[1] == "--child":  # --child SETTING -- TRAINER ARGS
-        child(sys.argv[2], sys.argv[4:])
-        return 0
     p = bench.Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--eval-interval", type=int, default=8)
@@ -361,7 +325,11 @@ def main() -> int:
     amp = [] if args.amp is None else ["--amp" if args.amp else "--no-amp"]
     raw = measure(names, paths, args, amp)
     meta["load_end"] = bench.load_average()
-    results = {name: summarise(runs) for name, runs in raw.items() if not name.endswith(bench.AA)}
+    results = {
+        name: {"how": VARIANTS[name].how, **summarise(runs)}
+        for name, runs in raw.items()
+        if not name.endswith(bench.AA)
+    }
     copy = summarise(raw[bench.aa_name(names[0])])
     first, what = results[names[0]], {"cpu_s_per_step": "CPU s per step", "tokens_per_s": "tokens/s"}
     meta["aa"] = [

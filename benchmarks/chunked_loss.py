@@ -6,9 +6,10 @@
 One process per (shape, dtype) builds both models from the same seed and alternates their steps
 (plain, chunked, plain, ...) after a warm-up step each, so that a shared machine's slow moments
 fall on both alike; tokens/s is the median over the measured steps. Then one step of each is
-measured with minigpt.instruments.breakdown.capture_memory: the allocator's peak, where it happened, and its
-biggest parts (`benchmarks/ablation.py --chunked-loss` runs the trainer's own --chunked-loss
-beside its plain loss). Writes benchmarks/results/cpu-chunked-loss.*.
+measured with minigpt.instruments.breakdown.capture_memory on one intra-op thread
+(estimate_table.py's one_thread): the allocator's peak, where it happened, and its biggest parts
+(`benchmarks/ablation.py --chunked-loss` runs the trainer's own --chunked-loss beside its plain
+loss). Writes benchmarks/results/cpu-chunked-loss.*.
 
 --shape-only-matmuls measures the peaks only, aten::mm's arithmetic skipped (estimate_table.py's
 ShapeOnlyMatmuls: the same allocations, tested): a CPU without native bf16 emulates it many times slower
@@ -63,11 +64,11 @@ def peak_fields(b) -> dict:
 def child(preset: str, batch: int, seq: int, amp: str, steps: int, shape_only: bool) -> dict:
     import torch
 
-    from minigpt.core.cpu import keep_freed_memory
     from minigpt.instruments.breakdown import capture_memory
+    from train_minimal import keep_freed_memory
 
     keep_freed_memory()  # the trainer's default
-    from estimate_table import measure, model_of, shape_of  # the child runs as a script in benchmarks/
+    from estimate_table import measure, model_of, one_thread, shape_of  # the child runs in benchmarks/
 
     shape = shape_of(preset, batch, seq)
     if shape_only:  # peaks only: one model at a time, as the estimate table measures its cells
@@ -102,8 +103,8 @@ def child(preset: str, batch: int, seq: int, amp: str, steps: int, shape_only: b
             if i:
                 out[name]["tokens_per_s"].append(tps)
             out[name]["loss"] = loss
-    for name, (model, opt) in models.items():
-        with capture_memory(model, opt) as cap:
+    for name, (model, opt) in models.items():  # on one thread, as estimate_table.measure's peaks
+        with one_thread(), capture_memory(model, opt) as cap:
             step(name)
         out[name].update(peak_fields(cap.breakdown))
     return out
@@ -121,7 +122,8 @@ def markdown(meta: dict, results: list[dict]) -> str:
         f"{meta['steps']} measured steps of each variant after a warm-up step, alternating in one process "
         "per "
         "row (glibc keeping freed blocks, the trainer's default); the peak: one more step of each measured "
-        "with `capture_memory`. The machine was shared with other jobs (load average well above its 2 "
+        "with `capture_memory` on one intra-op thread (oneDNN's bf16 products allocate a scratch per "
+        "thread). The machine was shared with other jobs (load average well above its 2 "
         "cores): compare tokens/s within a row only.",
         "",
         "| shape | dtype | variant | tokens/s (median) | min-max | peak MiB (this model) | peak in | "

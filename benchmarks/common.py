@@ -27,9 +27,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import NoReturn
 
-from minigpt.analysis.stats import MIN_SAMPLES
-from minigpt.config import STAGE_NAMES as STAGES
 from minigpt.analysis.breakdown_log import MEMORY_BREAKDOWN_KEYS
+from minigpt.analysis.stats import MIN_SAMPLES
+from minigpt.config import BUSY
+from minigpt.config import STAGE_NAMES as STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -50,8 +51,7 @@ def machine(device: str = "auto") -> dict:
     --device the benchmark passes on ("auto": a GPU where one is visible, as the trainer picks)."""
     import torch
 
-    from minigpt.core.torchcompat import cpu_bf16_features
-    from minigpt.instruments.instrument import cpu_model
+    from minigpt.instruments.mfu import cpu_bf16_features
 
     info = {
         "torch": torch.__version__,
@@ -69,6 +69,15 @@ def machine(device: str = "auto") -> dict:
             **cpu_bf16_features(),
         )
     return info
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what the platform module knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
 
 
 def native_bf16(m: dict) -> bool:
@@ -101,13 +110,13 @@ def run_variant(
             str(10 * total),
             "--eval-iters",
             "1",
-            "--save-interval",
-            str(10 * total),
             "--warmup-steps",
             "1",
             "--memory-profiler",
             "--memory-profile-step",
             str(total),
+            "--no-checkpoint",
+            "--no-report",
             "--out-dir",
             str(out),
         ]
@@ -137,14 +146,28 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def busy_share(run: dict) -> float | None:
+    """The share of a run's measured steps that ran busy (metrics.jsonl's `busy`, the share of the
+    cores other processes took, above minigpt.config.BUSY); None where the trainer did not record it."""
+    marks = [r["busy"] for r in run["rows"] if r.get("busy") is not None]
+    return sum(b > BUSY for b in marks) / len(marks) if marks else None
+
+
+def ran_busy(summary: dict) -> bool:
+    """Whether any repeat of a variant ran busy: more than BUSY of its measured steps with other
+    processes taking more than BUSY of the cores. No verdict is drawn from such a run."""
+    return any(b is not None and b > BUSY for b in summary.get("busy_repeats", []))
+
+
 def summarise(runs: list[dict]) -> dict:
     """Medians over every measured step of every repeat; tokens/s also per repeat (its spread
-    across fresh processes is the honest error bar)."""
+    across fresh processes is the honest error bar), and each repeat's busy share."""
     rows = [r for run in runs for r in run["rows"]]
     per_repeat = [statistics.median(r["tokens_per_s"] for r in run["rows"]) for run in runs]
     summary = {
         "tokens_per_s": spread([r["tokens_per_s"] for r in rows]),
         "tokens_per_s_repeats": per_repeat,
+        "busy_repeats": [busy_share(run) for run in runs],
         "step_ms": spread([1000 * r["step_time_s"] for r in rows]),
         "mfu": statistics.median(r["mfu"] for r in rows),
         "stage_host_ms": {

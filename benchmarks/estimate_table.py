@@ -5,9 +5,11 @@
     python benchmarks/estimate_table.py --render benchmarks/results/cpu-estimate.json
 
 Each cell builds minigpt's GPT in this process, runs one warm-up step and one measured step
-shaped as the trainer's (stages named, autocast, loss / accumulation steps, clipping, fused
-AdamW, the loop keeping only the loss), measured with minigpt.instruments.breakdown.capture_memory;
-beside it minigpt.instruments.estimate.estimate_gpt's prediction from the same numbers. The matrix: presets
+shaped as the trainer's (stages named, autocast, loss / accumulation steps, clipping, fused AdamW,
+the loop keeping only the loss), measured with minigpt.instruments.breakdown.capture_memory on one
+intra-op thread (torch.set_num_threads(1) around the measurement: oneDNN allocates a scratch per
+thread in bf16 matrix products, so a peak measured on N threads depends on N); beside it
+minigpt.instruments.estimate.estimate_gpt's prediction from the same numbers. The matrix: presets
 small and gpt2 x batch 1-8 x seq 256-1024 x fp32/bf16 x activation checkpointing x gradient
 accumulation 1/2 x the plain or the chunked loss (--chunked-loss; `--losses chunked` measures only
 those cells, `--shapes small:8:256` adds the trainer's default shape). Writes
@@ -28,7 +30,8 @@ import itertools
 import json
 import sys
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 from common import (
@@ -46,15 +49,14 @@ from common import (
 )
 from torch.autograd.profiler import record_function
 
-from minigpt.config import GPT2_VOCAB, PRESETS
+from minigpt.config import GPT2_VOCAB, PRESETS, STAGE_NAMES
 from minigpt.core.model import GPT, GPTConfig
 from minigpt.core.shape import Shape
 from minigpt.core.shape import shape_of as config_shape
 from minigpt.core.torchcompat import dispatch_mode_base
 from minigpt.fileio import atomic_write
-from minigpt.instruments.estimate import estimate_gpt
 from minigpt.instruments.breakdown import PEAK_PARTS, MemoryBreakdown, capture_memory
-from minigpt.config import STAGE_NAMES
+from minigpt.instruments.estimate import estimate_gpt
 
 DATA_TO_DEVICE, FORWARD, BACKWARD, OPTIMIZER_STEP = STAGE_NAMES  # the trainer's ranges, by its names
 
@@ -95,6 +97,21 @@ class ShapeOnlyMatmuls(dispatch_mode_base()):
         return func(*args, **(kwargs or {}))
 
 
+THREADS = 1  # the intra-op threads every peak here is measured on
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch's intra-op threads set to THREADS for what runs inside, and set back after: oneDNN's
+    bf16 matrix products allocate a scratch per thread, so the measured peak depends on how many."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def measure(
     shape: Shape,
     amp_dtype: str = "fp32",
@@ -102,7 +119,12 @@ def measure(
     grad_clip: float = 1.0,
     shape_only_matmuls: bool = False,
 ) -> MemoryBreakdown:
-    """`steps` training steps as the trainer runs them; the last is measured."""
+    """`steps` training steps as the trainer runs them, on one intra-op thread; the last is measured."""
+    with one_thread():
+        return _measure(shape, amp_dtype, steps, grad_clip, shape_only_matmuls)
+
+
+def _measure(shape: Shape, amp_dtype: str, steps: int, grad_clip: float, shape_only_matmuls: bool):
     model = model_of(shape)
     model.train()
     params = list(model.parameters())
@@ -155,6 +177,7 @@ def cell(preset: str, shape: Shape, amp: str, shape_only: bool) -> dict:
         "accum": shape.grad_accum_steps,
         "loss": "chunked" if shape.chunked_loss else "plain",
         "matmuls": "shape only" if shape_only else "computed",
+        "threads": THREADS,
         "measured_peak": b.peak,
         "predicted_peak": e.peak,
         "error": (e.peak - b.peak) / b.peak,
@@ -218,17 +241,32 @@ def shape_only_check(rows: list[dict]) -> list[str]:
     return lines
 
 
+def threads_lines(rows: list[dict]) -> list[str]:
+    """The cells not measured on one thread (results from before the peaks were), said, else none."""
+    other = [r for r in rows if r.get("threads") != THREADS]
+    if not other:
+        return []
+    return [
+        f"{len(other)} of {len(rows)} cells were measured on torch's default intra-op threads, before "
+        "the peaks were taken on one: their measured peaks hold a scratch per thread more.",
+        "",
+    ]
+
+
 def markdown(meta: dict, rows: list[dict]) -> str:
     worst = max(rows, key=lambda r: abs(r["error"]))
     within = sum(abs(r["error"]) <= TOLERANCE for r in rows)
     lines = [
         *header("Memory estimate vs the measured peak", meta),
         "Each cell: one warm-up step, then one step measured with `capture_memory` (the allocator's peak "
-        "from the profiler's memory events); predicted by `estimate_gpt` from the same numbers. Parts in "
+        "from the profiler's memory events), on one intra-op thread (`torch.set_num_threads(1)`: oneDNN's "
+        "bf16 matrix products allocate a scratch per thread, so the peak depends on the count); predicted "
+        "by `estimate_gpt` from the same numbers. Parts in "
         "MiB as measured / predicted: parameters, gradients, optimizer state, saved activations, "
         "temporaries of the ops (the logits and their gradient among them), and tensors held from before "
         "the step (none: the loop keeps only the loss).",
         "",
+        *threads_lines(rows),
         f"Worst cell: {name(worst)}{SHAPE_ONLY if worst.get('matmuls') == 'shape only' else ''}: "
         f"{100 * worst['error']:+.1f}%; {within} of {len(rows)} cells "
         f'within {100 * TOLERANCE:.0f}%. Matmuls "shape only": measured with `--shape-only-matmuls` (the '

@@ -5,7 +5,7 @@
 
 Writes into docs/img/: tokens_per_s.png, stage_times.png and memory_breakdown.png, each titled
 with the machine, versions and date of the measurement. The colours are the stage registry's
-(minigpt/stages.py) and the PNGs carry no version or date: the same results give the same bytes.
+(minigpt.config.STAGES) and the PNGs carry no version or date: the same results give the same bytes.
 The TensorBoard screenshots come from docs/tensorboard_screenshots.py.
 """
 

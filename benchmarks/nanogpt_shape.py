@@ -2,24 +2,26 @@
 
     git clone https://github.com/karpathy/nanoGPT ../nanoGPT            # once: its files are not shipped
     python benchmarks/nanogpt_shape.py --nanogpt ../nanoGPT             # 3 rounds, fp32 and bf16, small shape
+    MINIGPT_NANOGPT_DIR=../nanoGPT python benchmarks/nanogpt_shape.py   # the clone named by the environment
     python benchmarks/nanogpt_shape.py --nanogpt ../nanoGPT --shape tiny --repeats 1 --steps 2 --warmup 1
     python benchmarks/nanogpt_shape.py --nanogpt ../nanoGPT --shape gpt2 --dtypes bf16 --compile \
         --steps 20 --warmup 10 --repeats 2          # on a GPU: "is my speed normal?" on your own card
 
 nanoGPT is not part of this repository and is never imported or copied into it. Its train.py,
-model.py and configurator.py (MIT) are read from the clone of karpathy/nanoGPT that --nanogpt
-names and copied at run time into a temporary folder, where its data is written in
-its own format: data/minigpt/train.bin and val.bin, uint16 GPT-2 tokens of minigpt's built-in
-corpus (minigpt.core.tokens). It runs there as `python train.py --key=value ...` (configurator.py's
-syntax) with the settings that give minigpt's shape: n_layer, n_head, n_embd, block_size,
-batch_size as the shape says, vocabulary 50304 (no meta.pkl: nanoGPT's default), tied embeddings
-(always, in nanoGPT), dropout 0, bias=True (minigpt's Linear and LayerNorm layers have biases),
-gradient_accumulation_steps=1, compile=False (both sides compiled with --compile), device=cpu (or
-cuda: --device, default the trainer's choice), an eval_interval beyond the run (only
-iteration 0 evaluates, with eval_iters=1, and it is a warm-up iteration), always_save_checkpoint
-False, wandb off. Its per-iteration lines `iter N: loss X, time Yms, mfu Z%` are parsed; tokens/s
-is batch_size * block_size / time. (nanoGPT's mfu is against an A100's 312 TFLOP/s bf16, so on a
-CPU it is recorded but not compared.)
+model.py and configurator.py (MIT) are read from the clone of karpathy/nanoGPT that --nanogpt names
+(default: $MINIGPT_NANOGPT_DIR) and copied at run time into a temporary folder, where its data is
+written in its own format: data/minigpt/train.bin and val.bin, uint16 GPT-2 tokens of minigpt's
+built-in corpus (minigpt.core.data.builtin_tokens). It runs there as `python train.py --key=value
+...` (configurator.py's syntax) with the settings that give minigpt's shape: n_layer, n_head,
+n_embd, block_size, batch_size as the shape says, vocabulary 50304 (no meta.pkl: nanoGPT's default),
+tied embeddings (always, in nanoGPT), dropout 0, bias=True (minigpt's Linear and LayerNorm layers
+have biases), gradient_accumulation_steps=1, compile=False (both sides compiled with --compile),
+device=cpu (or cuda: --device, default the trainer's choice; on a GPU nanoGPT runs its fp32 matmuls
+in TF32, so minigpt's fp32 rows there take --tf32), an eval_interval beyond the run (only iteration
+0 evaluates, with eval_iters=1, and it is a warm-up iteration), always_save_checkpoint False, wandb
+off. Its per-iteration lines `iter N: loss X, time Yms, mfu Z%` are parsed; tokens/s is batch_size *
+block_size / time. (nanoGPT's mfu is against an A100's 312 TFLOP/s bf16, so on a CPU it is recorded
+but not compared.)
 
 bf16 on the CPU: nanoGPT's train.py line 112 reads
 
@@ -38,9 +40,10 @@ the file unchanged with --dtype=float32. minigpt runs its preset of the same sha
 and --amp (bf16 autocast). Remaining differences, none of which changes a matrix shape: nanoGPT's
 MLP uses exact GELU, minigpt's the tanh form; nanoGPT's optimizer groups decay only matrices.
 
-nanoGPT runs as it comes, with glibc's default malloc, while minigpt picks its own (minigpt/core/cpu.py:
-mimalloc where pip installed it). So nanoGPT also runs a second time under minigpt's choice, given
-through the environment (LD_PRELOAD and its options, or glibc's MALLOC_*_ variables);
+nanoGPT runs as it comes, with glibc's default malloc, while minigpt's trainer tells glibc to keep
+freed memory for the next step (train_minimal.keep_freed_memory: mallopt M_MMAP_MAX=0,
+M_TRIM_THRESHOLD=4 GiB). So on a CPU nanoGPT also runs a second time under that setting, given
+through glibc's environment variables of the same names (MALLOC_MMAP_MAX_, MALLOC_TRIM_THRESHOLD_);
 --no-malloc-variant leaves it out: the gap between the two nanoGPT rows is the allocator's, not the
 trainer's. Each run is a fresh process; the rounds interleave every
 variant, so a drift of the machine spreads over all of them; the table gives each round's figure
@@ -80,20 +83,10 @@ ITER_LINE = re.compile(r"^iter (\d+): loss ([-\d.naif]+), time ([\d.]+)ms, mfu (
 PARAMS_LINE = re.compile(r"^number of parameters: ([\d.]+)M$")
 
 
-def minigpt_malloc_env() -> dict[str, str]:
-    """minigpt's choice of malloc on this machine (minigpt/core/cpu.py) as environment variables for
-    another process: the preloaded library and its options, or glibc's start-up variables for the
-    mallopt setting keep_freed_memory() applies without one."""
-    from minigpt.core import cpu
-
-    installed = cpu.installed_allocators()
-    if installed:
-        name, lib = next(iter(installed.items()))
-        return {"LD_PRELOAD": lib, **(cpu.MIMALLOC_ENV if name == "mimalloc" else {})}
-    return {
-        "MALLOC_MMAP_THRESHOLD_": str(cpu.MMAP_THRESHOLD),
-        "MALLOC_TRIM_THRESHOLD_": str(cpu.TRIM_THRESHOLD),
-    }
+# train_minimal.keep_freed_memory's mallopt (M_MMAP_MAX=0, M_TRIM_THRESHOLD=4 GiB) as glibc's own
+# start-up variables, for a process that is not minigpt's.
+MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
+NANOGPT_ENV = "MINIGPT_NANOGPT_DIR"  # a clone of karpathy/nanoGPT, where --nanogpt is not given
 
 
 # (layers, heads, width, block, batch): the shape of minigpt's preset of the same name.
@@ -110,16 +103,26 @@ def short_env(env: str) -> str:
     return re.sub(r"LD_PRELOAD=\S*/", "LD_PRELOAD=.../", env)
 
 
-def nanogpt_missing(given: Path | None) -> str | None:
+def nanogpt_dir(flag: Path | None) -> tuple[Path | None, str]:
+    """nanoGPT's clone, and what named it: --nanogpt, else $MINIGPT_NANOGPT_DIR."""
+    if flag is not None:
+        return flag, "--nanogpt"
+    return (Path(os.environ[NANOGPT_ENV]) if os.environ.get(NANOGPT_ENV) else None), f"${NANOGPT_ENV}"
+
+
+def nanogpt_missing(given: Path | None, named_by: str = "--nanogpt") -> str | None:
     """The one line that says why nanoGPT's files cannot be read, or None when they can."""
     if given is None:
         return (
             "error: this benchmark runs nanoGPT's own train.py, which minigpt does not ship: "
-            f"git clone {NANOGPT_URL} and pass --nanogpt DIR"
+            f"git clone {NANOGPT_URL} and pass --nanogpt DIR (or set ${NANOGPT_ENV})"
         )
     missing = [f for f in NANOGPT_FILES[:3] if not (given / f).is_file()]
     if missing:
-        return f"error: --nanogpt {given} has no {', '.join(missing)}: pass a clone of {NANOGPT_URL}"
+        return (
+            f"error: {named_by} {given} has no {', '.join(missing)}: name a clone of {NANOGPT_URL} "
+            f"(--nanogpt DIR or ${NANOGPT_ENV})"
+        )
     return None
 
 
@@ -141,12 +144,12 @@ def prepare(src: Path, work: Path) -> int:
 
     import numpy as np
 
-    from minigpt.core.tokens import builtin_corpus, load_tokens, split_train_val
+    from minigpt.core.data import builtin_tokens
 
-    train, val = split_train_val(np.asarray(load_tokens([builtin_corpus()])))
+    train, val, _ = builtin_tokens()  # the trainer's own split of its built-in corpus
     (work / "data" / DATASET).mkdir(parents=True)
-    train.astype(np.uint16).tofile(work / "data" / DATASET / "train.bin")
-    val.astype(np.uint16).tofile(work / "data" / DATASET / "val.bin")
+    np.asarray(train).astype(np.uint16).tofile(work / "data" / DATASET / "train.bin")
+    np.asarray(val).astype(np.uint16).tofile(work / "data" / DATASET / "val.bin")
     return hits[0] + 1
 
 
@@ -189,7 +192,7 @@ def run_nanogpt(work: Path, dtype: str, run: Run, keep_freed: bool) -> dict:
     )
     script = "train_bf16.py" if dtype == "bf16" and run.device == "cpu" else "train.py"  # a GPU autocasts
     cmd = [sys.executable, script, *(f"--{k}={v}" for k, v in overrides.items())]
-    env = {**os.environ, **(minigpt_malloc_env() if keep_freed else {})}
+    env = {**os.environ, **(MALLOC_ENV if keep_freed else {})}
     out = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:
         raise RuntimeError(f"nanoGPT failed ({' '.join(cmd)}):\n{out.stderr[-3000:]}")
@@ -210,6 +213,8 @@ def run_nanogpt(work: Path, dtype: str, run: Run, keep_freed: bool) -> dict:
 def run_minigpt(dtype: str, run: Run) -> dict:
     flags = ["--preset", run.shape, "--dropout", "0", "--amp" if dtype == "bf16" else "--no-amp"]
     flags += ["--device", run.device] + (["--compile"] if run.compile else [])
+    if run.device == "cuda" and dtype == "fp32":  # as nanoGPT's train.py: allow_tf32 = True
+        flags.append("--tf32")
     out = bench.run_variant(flags, run.warmup, run.steps)
     return {
         "rows": [
@@ -237,7 +242,7 @@ def parser() -> argparse.ArgumentParser:
         dest="nanogpt_dir",
         type=Path,
         metavar="DIR",
-        help=f"a clone of {NANOGPT_URL} (its train.py, model.py, configurator.py)",
+        help=f"a clone of {NANOGPT_URL} (its train.py, model.py, configurator.py); default ${NANOGPT_ENV}",
     )
     p.add_argument(
         "--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: a GPU where one is visible"
@@ -268,10 +273,11 @@ def main() -> int:
         p.error("--steps, --repeats and --warmup must be at least 1")
     if not dtypes or set(dtypes) - {"fp32", "bf16"}:
         p.error(f"--dtypes takes fp32 and/or bf16, got {args.dtypes!r}")
-    if why := nanogpt_missing(args.nanogpt_dir):
+    given, named_by = nanogpt_dir(args.nanogpt_dir)
+    if why := nanogpt_missing(given, named_by):
         print(why, file=sys.stderr)
         return 2
-    src = args.nanogpt_dir.resolve()
+    src = given.resolve()
     bench.check_out_dir(p, args.out_dir)
     load = bench.refuse_if_busy(args.out_dir, args.busy)
     with tempfile.TemporaryDirectory(prefix="minigpt-nanogpt-") as tmp:
@@ -294,7 +300,7 @@ def main() -> int:
         "device": args.device,
         "compile": args.compile,
         "extra_flags": os.environ.get("MINIGPT_ARGS", ""),
-        "malloc_env": " ".join(f"{k}={v}" for k, v in minigpt_malloc_env().items()),
+        "malloc_env": " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items()),
     }
     data = {"meta": meta, "results": results}
     out_dir, noisy = bench.destination(args.out_dir, meta, args.noisy)
@@ -421,13 +427,14 @@ def markdown(data: dict) -> str:
             if meta.get("device", "cpu") == "cpu"
             else "nanoGPT's train.py runs unchanged (on a GPU it autocasts to its --dtype itself)."
         )
-        + " minigpt's rows: --no-amp and --amp (bf16).",
+        + " minigpt's rows: --no-amp and --amp (bf16)"
+        + (", the fp32 ones with --tf32 as nanoGPT's." if meta.get("device", "cpu") == "cuda" else "."),
     ]
     if meta.get("device", "cpu") == "cpu":
         lines += [
             "",
-            "\"minigpt's malloc\": nanoGPT under the allocator minigpt's trainer chose on this machine "
-            "(minigpt/core/cpu.py), through its environment: "
+            "\"minigpt's malloc\": nanoGPT under minigpt's CPU malloc setting (the trainer's "
+            "keep_freed_memory), through its environment: "
             f"`{short_env(meta.get('malloc_env', 'not recorded'))}`.",
         ]
     if meta["extra_flags"]:

@@ -1,5 +1,5 @@
-"""How still the MFU denominator holds: minigpt.instruments.mfu.peak_flops in N fresh processes, without the
-cache (each process measures) and with it (the first fills it, the rest read it).
+"""How still the MFU denominator holds: minigpt.instruments.peak's measurement in N fresh processes,
+without the cache (each process measures) and with it (the first fills it, the rest read it).
 
     python benchmarks/peak_flops.py --dtype bf16       # the trainer's denominator (bf16 where native)
     python benchmarks/peak_flops.py --preset tiny --processes 2
@@ -25,23 +25,30 @@ from common import RESULTS, Parser, check_out_dir, device_slug, header, save_jso
 
 from minigpt.config import PRESETS as MODEL_PRESETS
 from minigpt.fileio import atomic_write
-from minigpt.instruments.mfu import UNIT_BUDGET_S
+from minigpt.instruments.peak import CALLS_S, SIZES
 
 
 def child(preset: str, dtype: str, cache: bool) -> None:
-    """The trainer's denominator: the machine's square products (minigpt.instruments.instrument.device_peak
-    measures them when the cache has none), whatever the preset."""
-    from minigpt.instruments.mfu import peak_flops
+    """The trainer's denominator in `dtype`: the machine's square products, as
+    minigpt.instruments.peak.measured times them where its cache has no figure (uncached: measured
+    whatever the cache holds; cached: measured() itself), whatever the preset."""
+    from minigpt.instruments import peak
 
-    peak = peak_flops("cpu", dtype, cache=cache)
+    if cache:
+        found = peak.measured("cpu", dtype)
+        value, source, others = found.value, found.source, found.others
+        winner = source.split(": ", 1)[1].split(", the best", 1)[0] if ": " in source else source
+    else:
+        entry = max((peak.measure("cpu", dtype, n) for n in peak.SIZES), key=lambda e: e["best"])
+        value, source, others, winner = entry["best"], "measured now", entry["others"], entry["what"]
     print(
         json.dumps(
             {
-                "value": peak.value,
-                "spread": peak.spread,
-                "source": peak.source,
-                "winner": max(peak.shapes, key=lambda s: s["best"])["name"],
-                "load": peak.load,
+                "value": value,
+                "source": source,
+                "winner": winner,
+                "others": others,  # the share of the cores other processes took (None: read from the cache)
+                "load": os.getloadavg()[0],
             }
         )
     )
@@ -88,6 +95,7 @@ def summarise(rs: list[dict]) -> dict:
         "winners": [r["winner"] for r in rs],
         "sources": [r["source"] for r in rs],
         "loads": [r["load"] for r in rs],
+        "others": [r.get("others") for r in rs],
     }
 
 
@@ -117,20 +125,23 @@ def main() -> int:
     ratio = results["uncached"]["max_over_min"]
     lines = [
         *header(f"MFU denominator over {args.processes} fresh processes: {args.preset}, {args.dtype}", meta),
-        "Each process calls minigpt.instruments.mfu.peak_flops as the trainer does when its cache has "
-        "no figure: the 1024^3 and 2048^3 products in the dtype, each the best of many short calls "
-        f"in {2 * UNIT_BUDGET_S} s after a warm-up, timed by the smaller of wall clock and CPU time. "
+        "Each process measures as minigpt.instruments.peak does when its cache has no figure: the "
+        f"{' and '.join(f'{n}^3' for n in SIZES)} products in the dtype, each the best of many short calls "
+        f"in {CALLS_S} s after a warm-up, timed by the smaller of wall clock and CPU time. "
         "Uncached and cached processes interleave; the cached ones share one fresh cache folder. "
-        "The machine's load is in the last column.",
+        "The machine's load is in the last columns: the load average, and the share of the cores other "
+        "processes took while the figure was timed (none for a figure read from the cache).",
         "",
-        "| mode | TFLOP/s per process | median | max/min | winning unit | 1-min load when measured |",
-        "|---|---|---|---|---|---|",
+        "| mode | TFLOP/s per process | median | max/min | winning unit | 1-min load when measured "
+        "| others' share of the cores |",
+        "|---|---|---|---|---|---|---|",
     ]
     for mode, r in results.items():
         lines.append(
             f"| {mode} | {', '.join(f'{v / 1e12:.4f}' for v in r['values'])} | {r['median'] / 1e12:.4f} "
             f"| {r['max_over_min']:.3f} | {', '.join(sorted(set(r['winners'])))} "
-            f"| {', '.join('n/a' if v is None else f'{v:.2f}' for v in r['loads'])} |"
+            f"| {', '.join('n/a' if v is None else f'{v:.2f}' for v in r['loads'])} "
+            f"| {', '.join('-' if v is None else f'{v:.0%}' for v in r['others'])} |"
         )
     verdict = "within" if ratio - 1 <= args.tolerance else "NOT within"
     lines += [

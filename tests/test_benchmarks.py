@@ -30,13 +30,14 @@ TINY = [
 ]
 
 
-def run(script, *args):
+def run(script, *args, env=None):
     return subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
+        env=env,
     )
 
 
@@ -66,6 +67,11 @@ def test_ablation_writes_json_markdown_and_chart(tmp_path):
     assert "[rates]" not in result.stdout + result.stderr
     assert [r["amp"] for r in results.values()] == ["fp32", "fp32", "bf16", "bf16"]
     assert "| fp32 | " in table and "AMP: " in table and torch.__version__ in table and "Command:" in table
+    # MFU names the dtype it divides by, as the runs' config.json recorded it (the device's fastest)
+    dtypes = {r["peak_flops_dtype"] for r in results.values()}
+    assert len(dtypes) == 1 and dtypes <= {"bf16", "fp32"}
+    assert f"| MFU against {dtypes.pop()}'s peak |" in table
+    assert all(len(r["busy_repeats"]) == 1 for r in results.values())  # each repeat's busy share, kept
     assert (tmp_path / "cpu-tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -209,10 +215,18 @@ def test_nanogpt_runs_the_real_train_py_beside_minigpt(tmp_path):
 
 
 def test_nanogpt_without_its_files_says_so_in_one_line(tmp_path):
-    for flags in ([], ["--nanogpt", str(tmp_path)]):  # none given, or a folder without them
-        result = run("nanogpt_shape.py", *flags)
+    """None given (no --nanogpt, no $MINIGPT_NANOGPT_DIR), or a folder without them, by the flag or
+    by the environment: one line, status 2, before anything runs."""
+    bare = {k: v for k, v in os.environ.items() if k != NANOGPT_ENV}
+    for flags, env in (
+        ([], bare),
+        (["--nanogpt", str(tmp_path)], bare),
+        ([], {**bare, NANOGPT_ENV: str(tmp_path)}),
+    ):
+        result = run("nanogpt_shape.py", *flags, env=env)
         assert result.returncode == 2 and "nanoGPT" in result.stderr and "--nanogpt" in result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1
+        assert len(result.stderr.strip().splitlines()) == 1 and NANOGPT_ENV in result.stderr
+    assert f"${NANOGPT_ENV} {tmp_path} has no train.py" in result.stderr  # the environment named it
 
 
 def test_ablation_render_rewrites_table_and_chart_without_running(tmp_path):
@@ -416,7 +430,8 @@ def test_allocator_puts_the_fresh_machine_first_with_counts_and_load(tmp_path):
     data = json.loads((tmp_path / "cpu-allocator.json").read_text())
     assert list(data["results"]) == ["README's first command", "glibc defaults"]
     first = data["results"]["README's first command"]
-    assert "CPU allocator:" in first["allocator_line"]
+    assert "CPU malloc: glibc keeps freed memory" in first["allocator_line"]  # the trainer's default
+    assert data["results"]["glibc defaults"]["allocator_line"] == ""  # --no-keep-freed-memory: none set
     for r in data["results"].values():
         assert r["faults_per_step"] >= 0 and r["cpu_s_per_step"]["median"] > 0
         assert r["faults_per_eval_step"] >= 0 and r["cpu_s_per_eval_step"] > 0
@@ -732,7 +747,8 @@ def test_overhead_and_allocator_check_their_baseline_too(monkeypatch, tmp_path, 
 
 def test_the_ablation_measures_kernel_rates_only_when_asked_one_pass_per_kernel_set(monkeypatch, tmp_path):
     """--predict: one `estimate --time` pass per set of kernels (a checkpointed variant's are the
-    plain one's), before the rounds; without it, none."""
+    plain one's), before the rounds, and every run asked for its predicted step (--predict-time);
+    without it, none of either."""
     ablation = bench_module("ablation")
     common = bench_module("common")
     monkeypatch.setattr(common, "load_average", lambda: 0.1)
@@ -741,15 +757,20 @@ def test_the_ablation_measures_kernel_rates_only_when_asked_one_pass_per_kernel_
     cpu.update(device_name="Intel(R) Xeon(R) Processor", cores=2, native_bf16=True)
     monkeypatch.setattr(common, "machine", lambda device="auto": cpu)
     monkeypatch.setattr(ablation, "native_bf16", lambda m: True)
+    runs = []
     monkeypatch.setattr(
-        ablation, "run_variant", lambda flags, warmup, steps, nproc=1, keep=None: fake_rows(1e3)
+        ablation,
+        "run_variant",
+        lambda flags, warmup, steps, nproc=1, keep=None: runs.append(flags) or fake_rows(1e3),
     )
     passes = []
     monkeypatch.setattr(ablation, "cache_step_rates", passes.append)
     for i, predict in enumerate(([], ["--predict"])):
+        runs.clear()
         argv = ["ablation.py", "--malloc", "--repeats", "1", "--name", f"r{i}", "--out-dir", str(tmp_path)]
         monkeypatch.setattr(sys, "argv", argv + predict)
         assert ablation.main() == 0
+        assert runs and all(("--predict-time" in f) == bool(predict) for f in runs)
     assert len(passes) == 1  # the run without --predict measured nothing
     kinds = [("--no-amp" in f, "--no-keep-freed-memory" in f) for f in passes[0]]
     assert kinds == [(True, False), (False, False), (False, True)]  # fp32, amp, amp under glibc
@@ -832,15 +853,129 @@ def test_nanogpt_beside_minigpt_on_a_gpu_runs_both_eager_and_compiled(monkeypatc
 
 
 def test_the_ablation_puts_every_rows_mfu_against_one_denominator():
-    """fp32 and AMP rows of one machine against one peak, the fastest dtype's (bf16's), so MFU ranks
-    the rows as tokens/s does; an fp32-only table says its MFU is against the fp32 peak."""
+    """fp32 and AMP rows of one machine against one peak, the largest, so MFU ranks the rows as
+    tokens/s does; the column names that peak's dtype as the runs' config.json recorded it, never a
+    row's own AMP: fp32 rows of a machine whose peak is bf16's are divided by bf16's (issue 48's
+    "against the fp32 peak" while dividing by bf16's). Results without the record say so."""
     ablation = bench_module("ablation")
     data = json.loads((ROOT / "benchmarks" / "results" / "cpu-small.json").read_text())
     meta, results = data["meta"], data["results"]
     mfu, dtype = ablation.one_denominator(meta, results)
+    assert dtype is None and "| MFU (the peak's dtype not recorded) |" in ablation.markdown(meta, results)
+    recorded = {name: {**s, "peak_flops_dtype": "bf16"} for name, s in results.items()}
+    mfu, dtype = ablation.one_denominator(meta, recorded)
     assert dtype == "bf16" and mfu["amp"] == pytest.approx(results["amp"]["mfu"], rel=1e-9)
     by_tokens = sorted(results, key=lambda n: ablation.tokens_median(results[n]))
     assert sorted(mfu, key=mfu.get) == by_tokens
-    assert "| MFU against the bf16 peak |" in ablation.markdown(meta, results)
-    fp32 = {n: s for n, s in results.items() if s["amp"] == "fp32"}
-    assert "| MFU against the fp32 peak |" in ablation.markdown(meta, fp32)
+    assert "| MFU against bf16's peak |" in ablation.markdown(meta, recorded)
+    fp32 = {n: s for n, s in recorded.items() if s["amp"] == "fp32"}
+    table = ablation.markdown(meta, fp32)
+    assert "| MFU against bf16's peak |" in table and "fp32's peak" not in table and "fp32 peak" not in table
+    only_fp32 = {n: {**s, "peak_flops_dtype": "fp32"} for n, s in fp32.items()}  # a CPU without native bf16
+    assert "| MFU against fp32's peak |" in ablation.markdown(meta, only_fp32)
+
+
+def test_busy_runs_are_flagged_in_one_line_and_give_no_verdict(monkeypatch, tmp_path):
+    """A variant whose measured steps ran busy (metrics.jsonl's `busy` above minigpt.config.BUSY in
+    over that share of them) is named in one line of the table and on the chart, and no ratio is
+    drawn from it or against it: "re-run on a quiet machine". The quiet rows keep their verdicts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from minigpt.config import BUSY
+
+    ablation = bench_module("ablation")
+    common = bench_module("common")
+    monkeypatch.setattr(common, "load_average", lambda: 0.1)
+    monkeypatch.setattr(ablation, "load_average", lambda: 0.1)
+    calls = []
+
+    def run_variant(flags, warmup, steps, nproc=1, keep=None):
+        calls.append(flags)
+        busy = 2 * BUSY if "--use-activation-checkpoint" in flags else 0.0  # others took half the cores
+        rows = fake_rows(1000.0 * (1.0, 1.01, 0.99)[(len(calls) - 1) // 3 % 3])
+        rows["rows"] = [{**r, "busy": busy} for r in rows["rows"]]
+        return rows
+
+    monkeypatch.setattr(ablation, "run_variant", run_variant)
+    argv = ["ablation.py", "--amp-rows", "off", "--name", "b", "--out-dir", str(tmp_path), "--device", "cpu"]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert ablation.main() == 0
+    data = json.loads((tmp_path / "cpu-b.json").read_text())
+    assert data["results"]["fp32 + ckpt"]["busy_repeats"] == [1.0, 1.0, 1.0]
+    assert data["results"]["fp32"]["busy_repeats"] == [0.0, 0.0, 0.0]
+    table = (tmp_path / "cpu-b.md").read_text()
+    flagged = [line for line in table.splitlines() if "Busy runs:" in line]
+    assert len(flagged) == 1 and "fp32 + ckpt" in flagged[0] and "re-run on a quiet machine" in flagged[0]
+    assert table_rows(table)["fp32 + ckpt"]["vs baseline"] == "no verdict (busy)"
+    assert "activation checkpointing (fp32): tokens/s no verdict (busy)" in table
+    assert "A/A check: fp32 against a second copy of itself" in table  # the quiet baseline's check stands
+    fig = ablation.chart_figure(data["meta"], data["results"])
+    assert "Busy runs: fp32 + ckpt" in fig.get_suptitle()
+    plt.close(fig)
+
+
+def test_the_gpu_ablation_says_whether_its_fp32_row_ran_in_tf32():
+    """On CUDA an fp32 row's speed depends on TF32 (--tf32, off by default): its AMP cell says which,
+    from config.json's config.tf32; the AMP rows and a CPU's fp32 rows stay as they are."""
+    ablation = bench_module("ablation")
+    data = json.loads((ROOT / "benchmarks" / "results" / "nvidia-h200-gpt2.json").read_text())
+    meta, results = data["meta"], data["results"]
+    assert table_rows(ablation.markdown(meta, results))["fp32"]["AMP"] == "fp32 (TF32 not recorded)"
+    for tf32, says in ((False, "fp32, TF32 off"), (True, "fp32, TF32 on")):
+        rows = {**results, "fp32": {**results["fp32"], "tf32": tf32}}
+        cells = table_rows(ablation.markdown(meta, rows))
+        assert cells["fp32"]["AMP"] == says and cells["amp"]["AMP"] == "bf16"
+    cpu = {**meta, "machine": {**meta["machine"], "device": "cpu"}}
+    assert table_rows(ablation.markdown(cpu, results))["fp32"]["AMP"] == "fp32"
+
+
+def test_the_estimate_table_measures_its_peaks_on_one_thread(monkeypatch):
+    """oneDNN's bf16 products allocate a scratch per intra-op thread, so a peak depends on the thread
+    count: each cell is measured on one (and torch's count set back after), and the table says so,
+    naming the cells of older results that were not."""
+    estimate_table = bench_module("estimate_table")
+    seen, real = [], estimate_table._measure
+    monkeypatch.setattr(
+        estimate_table, "_measure", lambda *a: seen.append(torch.get_num_threads()) or real(*a)
+    )
+    before = torch.get_num_threads()
+    row = estimate_table.cell("tiny", estimate_table.shape_of("tiny", 1, 16), "bf16", False)
+    assert seen == [1] and torch.get_num_threads() == before and row["threads"] == 1
+    old = json.loads((ROOT / "benchmarks" / "results" / "cpu-estimate.json").read_text())
+    table = estimate_table.markdown(old["meta"], [row])
+    assert "on one intra-op thread (`torch.set_num_threads(1)`" in table and "default intra-op" not in table
+    older = estimate_table.markdown(old["meta"], [*old["results"], row])
+    n = len(old["results"])
+    assert f"{n} of {n + 1} cells were measured on torch's default" in older
+
+
+def test_bf16_step_measures_the_removed_cpu_loss_as_a_candidate_beside_the_trainers():
+    """The candidate (model.py's CPU CrossEntropy before it was removed; not the trainer's) computes
+    F.cross_entropy's loss and gradient, ignored targets and a scaled loss included, so what the
+    benchmark measures is what the trick would buy; its closing lines say it per dtype."""
+    import torch.nn.functional as F
+
+    bf16_step = bench_module("bf16_step")
+    assert bf16_step.VARIANTS[bf16_step.TRAINER] is F.cross_entropy
+    gen = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        logits = torch.randn(21, 50, generator=gen).to(dtype)
+        targets = torch.randint(0, 50, (21,), generator=gen)
+        targets[3] = -100
+        grads = []
+        for fn in (F.cross_entropy, bf16_step.CandidateCrossEntropy.apply):
+            x = logits.clone().requires_grad_()
+            loss = fn(x, targets)
+            (0.5 * loss).backward()  # a scale other than 1: the candidate's other backward path
+            grads.append((loss.detach().float(), x.grad.float()))
+        (want, want_grad), (got, got_grad) = grads
+        assert got.item() == pytest.approx(want.item(), rel=tol, abs=tol)
+        assert torch.allclose(got_grad, want_grad, rtol=tol, atol=tol)
+    result = run("bf16_step.py", "--preset", "tiny", "--dtypes", "fp32", "--rounds", "3", "--no-profile")
+    assert result.returncode == 0, result.stderr[-3000:]
+    closing = result.stdout.split("What the removed trick would buy, measured:")[1].strip().splitlines()
+    assert len(closing) == 1 and closing[0].startswith("- fp32: the removed CPU CrossEntropy would buy")
+    assert "| candidate CrossEntropy (not the trainer's) |" in result.stdout
