@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
         if cfg.use_profiler or cfg.nsys or cfg.record_memory_history or cfg.memory_profiler or plan.sharded:
             from minigpt.instruments.window import Window
 
-            window = Window(cfg, device, amp, dist_info, plan, run.path, model, optimizer, step + 1)
+            window = Window(run, device, amp, plan, model, optimizer, step + 1)
         tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps  # per rank and step
         # What turns the clocks into figures: tokens, ranks, the model's size (its FLOPs), the dtype.
         rate = dict(tokens_per_step=tokens, dp=plan.dp, tp=plan.tp, vocab_size=data.vocab_size, amp=amp)

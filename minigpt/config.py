@@ -273,10 +273,7 @@ def parse_args(argv: list[str] | None = None, prog: str = "train_minimal.py") ->
         extra = shlex.split(os.environ.get(EXTRA_ARGS_ENV, ""))
     except ValueError as e:
         raise UsageError(f"${EXTRA_ARGS_ENV} does not parse as shell words ({e})") from None
-    for words in (argv := list(sys.argv[1:] if argv is None else argv), extra):
-        for yes in (flag_name(n) for n, f in FIELDS.items() if f.metadata.get("action") is BOTH):
-            if yes in words and f"--no-{yes[2:]}" in words:
-                raise UsageError(f"{yes} and --no-{yes[2:]} are alternatives, both given together; keep one")
+    argv = list(sys.argv[1:] if argv is None else argv)
     given = vars(build_parser(prog).parse_args(argv + extra))
     cfg = TrainConfig(**{**PRESETS[given.get("preset", DEFAULT_PRESET)], **given})
     check_fields(cfg)
@@ -291,7 +288,8 @@ def parse_args(argv: list[str] | None = None, prog: str = "train_minimal.py") ->
     if cfg.given - QUIET:  # a flag that takes part in a check across flags
         from minigpt.core.checks import check_across
 
-        check_across(cfg, cfg.given)
+        both = [flag_name(n) for n, f in FIELDS.items() if f.metadata.get("action") is BOTH]  # --x, --no-x
+        check_across(cfg, cfg.given, both, (argv, extra))
     check_size(cfg)
     return cfg
 
@@ -311,7 +309,7 @@ def check_fields(cfg: TrainConfig) -> None:
             elif path and max(map(len, parts)) > 255:  # not echoed, here and below: the length is the problem
                 raise UsageError(f"{flag_name(name)} has a name longer than 255 bytes; choose a shorter one")
             elif path and len(os.fsencode(text)) >= 4096:
-                why = f"is {len(os.fsencode(text)):,} bytes long, past the 4,096 of a path; choose a shorter one"
+                why = f"is {len(os.fsencode(text)):,} bytes, past the 4,096 of a path; choose a shorter one"
                 raise UsageError(f"{flag_name(name)} {why}")
         lo, hi, open_ = m["lo"], m["hi"], m.get("open", "")
         number = KINDS[name] in (int, float) and value is not None

@@ -68,6 +68,20 @@ TINY = [
 ]
 
 
+@pytest.fixture(params=[False, True], ids=["as-this-machine", "gpu-visible"])
+def gpu_visible(request, monkeypatch):
+    """The test twice: on this machine as it is, and as on a CUDA machine, where --device auto picks
+    the GPU (torch.cuda.is_available() True, the GPU an H200, faked where there is none). A test of
+    the default suite that states --device cpu runs the CPU both times; one that leaves the device
+    to auto does not."""
+    if request.param and not torch.cuda.is_available():
+        if torch.version.cuda:  # torch's own checks (AdamW's, on graph capture) would call the driver
+            pytest.skip("a CUDA build of torch without a GPU: a faked one reaches the driver")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "NVIDIA H200")
+    return request.param
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _token_cache(tmp_path_factory):
     """Token files of the tests go to a fresh folder, not the user's ~/.cache."""

@@ -84,7 +84,8 @@ def test_token_file_is_cached_by_content(tmp_path, cache):
     f.write_text("one two three")
     first = ids_of(f)
     again = load_files([str(f)], "--train-data", "gpt2", say=False)  # read from the cache: memory-mapped
-    assert isinstance(again.parts[0], np.memmap) and np.array_equal(first, again) and len(token_files(cache)) == 1
+    assert isinstance(again.parts[0], np.memmap) and np.array_equal(first, again)
+    assert len(token_files(cache)) == 1
     f.write_text("one two three four")
     edited = ids_of(f)
     assert len(token_files(cache)) == 2
@@ -114,7 +115,7 @@ def test_files_are_joined_by_endoftext_and_the_tenth_held_out(tmp_path):
     assert (len(train), len(val), vocab) == (9, 1, GPT2_VOCAB)  # the last tenth, contiguous
     cfg = parse_args(["--train-data", str(tmp_path / "c.txt"), "--val-data", str(tmp_path / "a.txt")])
     train, val, _ = user_tokens(cfg, is_main=True)
-    assert len(train) == 10 and np.asarray(val).tolist() == [15496, 995]  # --val-data: every training id trains
+    assert len(train) == 10 and np.asarray(val).tolist() == [15496, 995]  # --val-data: all of it trains
 
 
 def test_val_data_alone_trains_on_the_whole_builtin_corpus(tmp_path):

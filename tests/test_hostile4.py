@@ -560,7 +560,10 @@ def test_a_rank_is_named_only_when_its_delay_matters(what, intervals, named):
 
 
 @pytest.mark.ddp
-def test_a_rank_slowed_60_ms_is_named_alone_every_interval(tmp_path):
+def test_a_rank_slowed_60_ms_is_named_alone_at_every_log_line_once_its_window_is_full(tmp_path):
+    """Log lines every 4 steps; the first step (warm-up) is not steady: the window holds
+    WINDOW_STEPS (8) steady steps first at step 12, and from then on the slow rank is named at
+    each log line, and no other rank ever."""
     from test_ddp import FLAGS, stragglers, torchrun
 
     out = tmp_path / "run"
@@ -573,7 +576,7 @@ def test_a_rank_slowed_60_ms_is_named_alone_every_interval(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     reports = stragglers(out)
     assert {r["rank"] for r in reports} == {1}
-    assert sorted(r["step"] for r in reports) == [4, 8, 12, 16]
+    assert sorted(r["step"] for r in reports) == [12, 16]
 
 
 # ---------------------------------------------------------------------------- the count

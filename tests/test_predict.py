@@ -299,10 +299,11 @@ def test_a_busy_rate_an_earlier_version_cached_is_measured_again(tmp_path, monke
 
 def test_the_trainers_predict_time_reads_quiet_cached_rates_only(tmp_path, monkeypatch, counted):
     """--predict-time (core/finish.py's run_prediction) measures nothing: None without cached
-    rates, the step's stages from them once `estimate --time` has measured them quietly."""
+    rates (why, in words), the step's stages from them once `estimate --time` has measured them."""
     monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
     cfg = parse_args(["--preset", "tiny", "--vocab-size", "64", "--no-amp"])
-    assert predict.run_prediction(cfg, 64, "fp32", "cpu") is None and counted == []
+    why = predict.run_prediction(cfg, 64, "fp32", "cpu")
+    assert why.startswith("no rates measured here") and "estimate --time" in why and counted == []
     assert estimate.main(["--time", "--preset", "tiny", "--vocab-size", "64", "--no-amp"]) == 0
     counted.clear()
     p = predict.run_prediction(cfg, 64, "fp32", "cpu")
@@ -364,17 +365,20 @@ def test_measured_rates_are_positive(tmp_path, monkeypatch):
     assert all(v > 0 and math.isfinite(v) for v in values) and len(r.bandwidth) == 2
 
 
-def test_cli_json_keys(tmp_path, monkeypatch, capsys, counted):
+def test_cli_json_keys(tmp_path, monkeypatch, capsys, counted, gpu_visible):
+    """The CPU's measured rates (--device cpu: on a GPU machine auto would take the data sheet's,
+    untested, rates)."""
     monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("MINIGPT_ARGS", raising=False)
-    assert estimate.main(["--time", "--json", "--preset", "tiny", "--vocab-size", "64", "--no-amp"]) == 0
+    flags = ["--preset", "tiny", "--vocab-size", "64", "--no-amp", "--device", "cpu"]
+    assert estimate.main(["--time", "--json", *flags]) == 0
     record = json.loads(capsys.readouterr().out)
     assert set(record["stage_ms"]) == {"forward", "backward", "optimizer_step"}
     assert record["tokens_per_s"] > 0 and record["dtype"] == "fp32" and record["tested"] is True
     assert set(record["bound"].values()) <= set(predict.BOUNDS)
     assert (tmp_path / predict.STEP_RATES_FILE).is_file()
     # the table names the stages and their bounds
-    assert estimate.main(["--time", "--preset", "tiny", "--vocab-size", "64", "--no-amp"]) == 0
+    assert estimate.main(["--time", *flags]) == 0
     text = capsys.readouterr().out
     assert all(stage in text for stage in record["stage_ms"]) and "tokens/s" in text
 

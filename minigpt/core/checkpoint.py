@@ -35,7 +35,7 @@ CONFIG_JSON_LIMIT = 1 << 20  # config.json is a few KiB; read for the run id onl
 def rng_state() -> dict:
     """Every random number generator a training step draws from (dropout, init, Python)."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():  # a CUDA run's (a CPU run on a GPU machine never touches the GPU)
         state["cuda"] = torch.cuda.get_rng_state()  # this process's GPU: other ranks save their own
     return state
 
@@ -71,7 +71,7 @@ def rng_problem(state) -> str | None:
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and torch.cuda.is_initialized():
         torch.cuda.set_rng_state(state["cuda"])
 
 
@@ -701,6 +701,25 @@ def _safe_reader_and_planner(folder: Path):
     return SafeReader(folder), SafePlanner()
 
 
+def sharded_meta(folder: Path) -> tuple[Path, int, int]:
+    """(the folder, its world size, its tensor-parallel degree) of a save_sharded checkpoint: the
+    `.old` one where a crash came between save_sharded's two renames; one line for none or a damaged one."""
+    if not (folder / SHARDED_META).is_file():
+        old = folder.with_name(folder.name + ".old")
+        if not (old / SHARDED_META).is_file():
+            fix = "train without --resume first, or point --checkpoint-path at one"
+            raise UsageError(f"no sharded checkpoint at {folder} to resume from; {fix}")
+        folder = old
+    try:
+        meta = json.loads(read_bounded(folder / SHARDED_META, CONFIG_JSON_LIMIT))
+        saved_world, saved_tp = int(meta["world_size"]), int(meta["tp"])
+        if saved_world < 1 or saved_tp < 1:
+            raise ValueError
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError, UnreadableFile):
+        raise UsageError(f"{folder / SHARDED_META} is damaged; use an earlier checkpoint") from None
+    return folder, saved_world, saved_tp
+
+
 def load_sharded(
     folder: str | Path,
     model: torch.nn.Module,
@@ -717,23 +736,7 @@ def load_sharded(
 
     from minigpt.core import distributed, parallel
 
-    folder = Path(folder)
-    if not (folder / SHARDED_META).is_file():
-        old = folder.with_name(folder.name + ".old")
-        if (old / SHARDED_META).is_file():
-            folder = old  # a crash between save_sharded's two renames
-        else:
-            raise UsageError(
-                f"no sharded checkpoint at {folder} to resume from; train without --resume "
-                "first, or point --checkpoint-path at one"
-            )
-    try:
-        meta = json.loads(read_bounded(folder / SHARDED_META, CONFIG_JSON_LIMIT))
-        saved_world, saved_tp = int(meta["world_size"]), int(meta["tp"])
-        if saved_world < 1 or saved_tp < 1:
-            raise ValueError
-    except (ValueError, KeyError, TypeError, OverflowError, RecursionError, UnreadableFile):
-        raise UsageError(f"{folder / SHARDED_META} is damaged; use an earlier checkpoint") from None
+    folder, saved_world, saved_tp = sharded_meta(Path(folder))
     rank, world = _rank()
     tp = _model_tp(model)
     if saved_tp != tp:

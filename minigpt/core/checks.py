@@ -65,8 +65,11 @@ ACROSS = [
 ]
 
 
-def check_across(cfg, given: set[str]) -> None:
-    """The rows a flag in `given` asks for (every flag, for the tests)."""
+def check_across(cfg, given: set[str], both: list[str] = (), commands: tuple = ()) -> None:
+    """The rows a flag in `given` asks for (every flag, for the tests); first, in each of the
+    `commands` (the command line, $MINIGPT_ARGS), a flag of `both` given with its --no- form."""
+    for yes in (flag for flag in both for words in commands if flag in words and f"--no-{flag[2:]}" in words):
+        raise UsageError(f"{yes} and --no-{yes[2:]} are alternatives, both given together; keep one")
     for names, holds, why in ACROSS:
         if given & set(names.split()) and not holds(cfg):
             shown = [f"--{n.replace('_', '-')}" for n in names.split() if n in given][:3]

@@ -43,7 +43,10 @@ def finish(run, log: logging.Logger, inst, last: StepRecord) -> None:
     if cfg.predict_time and not run.sharded:  # collectives are not modelled
         from minigpt.instruments.predict import run_prediction
 
-        if prediction := run_prediction(cfg, run.config["model"]["vocab_size"], last.amp, inst.device):
+        prediction = run_prediction(cfg, run.config["model"]["vocab_size"], last.amp, inst.device)
+        if isinstance(prediction, str):  # none: why, and how to have one
+            log.info(f"Predicted step: none ({prediction})")
+        else:
             log.info(predicted_line(prediction))
             run.keep({"predicted_step": prediction})  # in config.json beside what the run measured
             predicted = prediction.get("step_ms")

@@ -32,6 +32,13 @@ TB_SCALARS = {
 }
 
 
+def label(stage: str) -> str:
+    """A stage's short name in the log line (h2d, fwd...); a part of a stage's in brackets."""
+    if stage in config.SPLITS:
+        return f"({config.STAGES[config.SPLITS[stage]][0]} compute)"
+    return config.STAGES.get(stage, (stage,))[0]
+
+
 def check_finite(run, losses: list, step: int, amp: str) -> list[float]:
     """The interval's losses (this syncs); a non-finite one stops every rank together (each sees
     only its own loss), the last good checkpoint kept."""
@@ -112,30 +119,17 @@ def log_lines(m: StepRecord) -> list[str]:
     a GPU, where the host runs ahead and waits later; then what was left out and why."""
     val = f" | val {m.val_loss:.4f}" if m.val_loss is not None else ""
     steady = "" if m.steady_steps else f" ({', '.join(x['why'] for x in m.left_out)}, not steady)"
-    mem = m.memory
-    memory = (
-        f"mem {mem['peak_allocated_gib']:.2f} GiB"
-        if "peak_allocated_gib" in mem
-        else f"rss {mem.get('rss_bytes', 0) / 2**30:.2f} GiB"
-    )
+    gib = m.memory.get("peak_allocated_gib", m.memory.get("rss_bytes", 0) / 2**30)  # CUDA's, or the CPU's RSS
+    memory = f"{'mem' if 'peak_allocated_gib' in m.memory else 'rss'} {gib:.2f} GiB"
     busy = f" | busy: others took {m.busy:.0%} of the cores" if m.busy is not None and m.busy > 0.25 else ""
-    line = (
-        f"step {m.step}/{m.num_steps} | loss {m.loss:.4f}{val} | {1000 * m.step_time_s:.0f} ms/step{steady}"
-    )
-    line += f" | {m.tokens_per_s:,.0f} tok/s | mfu {100 * m.mfu:.1f}% | {memory}{busy}"
+    line = f"step {m.step}/{m.num_steps} | loss {m.loss:.4f}{val} | {1000 * m.step_time_s:.0f} ms/step"
+    line += f"{steady} | {m.tokens_per_s:,.0f} tok/s | mfu {100 * m.mfu:.1f}% | {memory}{busy}"
     host, device = m.stage_host_ms, m.stage_device_ms
-    label = {k: v[0] for k, v in config.STAGES.items()} | {
-        s: f"({config.STAGES[p][0]} compute)" for s, p in config.SPLITS.items()
-    }
-    times = " ".join(
-        f"{label.get(k, k)} {v:.1f}" + ("" if host == device else f"/{device.get(k, 0):.1f}")
-        for k, v in host.items()
-    )
-    stages = (
-        f"  stage ms{'' if host == device else ' host/device'}: {times}" if host else "  stages not timed"
-    )
+    both = host != device  # a GPU's two clocks (the host runs ahead); a CPU's one
+    times = [f"{label(k)} {v:.1f}" + f"/{device.get(k, 0):.1f}" * both for k, v in host.items()]
+    stages = f"  stage ms{' host/device' * both}: {' '.join(times)}" if host else "  stages not timed"
     if m.stage_comm_ms:
-        comm = " ".join(f"{label.get(k, k)} {v:.1f}" for k, v in m.stage_comm_ms.items())
+        comm = " ".join(f"{label(k)} {v:.1f}" for k, v in m.stage_comm_ms.items())
         stages += f" | in collectives{f' (step {m.comm_step})' if m.comm_step else ''}: {comm}"
     stages += "".join(f" | left out: step {x['step']} {x['s']:.2f}s ({x['why']})" for x in m.left_out)
     if peak := (m.memory_breakdown or {}).get("peak"):

@@ -58,10 +58,11 @@ def registry_tokenizer(name: str):
         enc = tiktoken.get_encoding(name)
     except Exception as e:  # noqa: BLE001 - an unknown name (ValueError), no network to fetch its files
         why = str(e).splitlines()[0][:120] if str(e).strip() else type(e).__name__
-        raise UsageError(f"tokenizer {name!r} is not available ({why}); --tokenizer-name gpt2 works offline") from None
+        fix = "--tokenizer-name gpt2 works offline"
+        raise UsageError(f"tokenizer {name!r} is not available ({why}); {fix}") from None
     if enc.n_vocab > MAX_IDS:
-        line = f"tokenizer {name} has {enc.n_vocab:,} ids, more than the {MAX_IDS:,} a token file holds (uint16)"
-        raise UsageError(f"{line}; use --tokenizer-name gpt2")
+        why = f"more than the {MAX_IDS:,} a token file holds (uint16)"
+        raise UsageError(f"tokenizer {name} has {enc.n_vocab:,} ids, {why}; use --tokenizer-name gpt2")
     return enc
 
 
@@ -74,7 +75,9 @@ def encoding(name: str):
 
 def vocabulary(name: str) -> tuple[int, int]:
     """(ids, <|endoftext|>'s id) of a tokenizer, GPT-2's without building it."""
-    return (GPT2_VOCAB, EOT) if name == "gpt2" else (registry_tokenizer(name).n_vocab, registry_tokenizer(name).eot_token)
+    if name == "gpt2":
+        return GPT2_VOCAB, EOT
+    return registry_tokenizer(name).n_vocab, registry_tokenizer(name).eot_token
 
 
 class Tokens:
@@ -104,7 +107,9 @@ class Tokens:
         ids = np.concatenate(self.parts) if len(self.parts) != 1 else np.asarray(self.parts[0])
         for part, name in zip(self.parts, self.names):
             if len(part) and int(part.max()) >= self.n_vocab:
-                raise UsageError(f"{name} holds id {int(part.max()):,}, past the tokenizer's {self.n_vocab:,}")
+                raise UsageError(
+                    f"{name} holds id {int(part.max()):,}, past the tokenizer's {self.n_vocab:,} ids"
+                )
         return ids if dtype is None else ids.astype(dtype)
 
 
@@ -118,7 +123,7 @@ def data_files(paths: list[str], flag: str) -> list[str]:
             out += hits
         elif os.path.isdir(p):
             if not (shards := sorted(glob.glob(os.path.join(glob.escape(p), "*.bin")))):
-                raise UsageError(f"data folder {p} holds no .bin token files; pass {flag} the files inside it")
+                raise UsageError(f"data folder {p} holds no .bin token files; pass {flag} its files")
             out += shards
         else:
             out.append(p)
@@ -153,18 +158,22 @@ def open_data(path: str, flag: str):
 def token_file(f, path: str, flag: str) -> np.ndarray | None:
     """An opened file's ids if it is a token file, memory-mapped; None for text. One line for a
     header or a size that lies."""
-    size, (magic, version, count) = os.fstat(f.fileno()).st_size, struct.unpack("<3i", f.read(12).ljust(12, b"\0"))
+    size, head = os.fstat(f.fileno()).st_size, f.read(12).ljust(12, b"\0")
+    magic, version, count = struct.unpack("<3i", head)
     f.seek(0)
     if magic == LLMC_MAGIC:
         if version != 1:
-            raise UsageError(f"{flag} {path}: an llm.c shard of version {version}; version 1 (GPT-2's uint16 ids) is read")
+            raise UsageError(
+                f"{flag} {path}: an llm.c shard of version {version}; version 1 (uint16 ids) is read"
+            )
         if count <= 0 or size != LLMC_HEADER + 2 * count:
-            raise UsageError(f"{flag} {path}: its header says {count:,} tokens, its {size:,} bytes hold {(size - LLMC_HEADER) / 2:,.1f}")
+            held = f"its {size:,} bytes hold {(size - LLMC_HEADER) / 2:,.1f}"
+            raise UsageError(f"{flag} {path}: its header says {count:,} tokens, {held}")
         return np.memmap(f, "<u2", "r", LLMC_HEADER, (count,))
     if not path.endswith(".bin"):
         return None
     if size == 0 or size % 2:
-        raise UsageError(f"{flag} {path}: {size:,} bytes are not uint16 ids (a .bin is read as nanoGPT's train.bin)")
+        raise UsageError(f"{flag} {path}: {size:,} bytes are not uint16 ids (a .bin is read as nanoGPT's)")
     return np.memmap(f, "<u2", "r")
 
 
@@ -182,9 +191,9 @@ def text_tokens(f, path: str, name: str, say: bool) -> np.ndarray:
     if size == 0:
         raise UsageError(f"data file {path} is empty; give a file with some text")
     if os.path.lexists(cached):
-        print(f"note: {cached} is not this text's tokens (damaged, replaced): tokenised again", file=sys.stderr)
+        print(f"note: {cached} is not this text's tokens (damaged): tokenised again", file=sys.stderr)
     elif say and size > PIECE:  # a text that takes a while
-        print(f"note: tokenising {path} with {name}, once: later runs read the cache", file=sys.stderr, flush=True)
+        print(f"note: tokenising {path} with {name}, once: later runs read the cache", file=sys.stderr)
     tmp = cached.with_name(f".{cached.name}.{os.getpid()}.part")
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
@@ -198,7 +207,8 @@ def text_tokens(f, path: str, name: str, say: bool) -> np.ndarray:
         os.replace(tmp, cached)
         return read_tokens(cached, key, n_vocab)
     except OSError as e:
-        print(f"note: no token cache in {cached.parent} ({e.strerror}; set $MINIGPT_CACHE_DIR): ids kept in memory", file=sys.stderr)
+        why = f"{e.strerror}; set $MINIGPT_CACHE_DIR"
+        print(f"note: no token cache in {cached.parent} ({why}): the ids are kept in memory", file=sys.stderr)
     finally:
         with contextlib.suppress(OSError):  # gone, or no folder to be in
             tmp.unlink()
@@ -268,7 +278,7 @@ def user_tokens(cfg, is_main: bool) -> tuple:
     name, n_vocab = cfg.tokenizer_name, vocabulary(cfg.tokenizer_name)[0]
     if not cfg.train_data:
         train, val = builtin_split(pieces=1 if cfg.val_data else 100)
-        train = cached_tokens(train.encode(), "pydoc_topics" + ("" if cfg.val_data else "_train"), encoding(name))
+        train = cached_tokens(train.encode(), "pydoc_topics" + "_train" * (not cfg.val_data), encoding(name))
         if not cfg.val_data:
             return train, cached_tokens(val.encode(), "pydoc_topics_val", encoding(name)), n_vocab
     else:

@@ -28,16 +28,14 @@ class Figures:
         for line in self.peak.describe().split("\n"):
             inst.log.info(line)
         shape = (c.n_layers, c.d_model, c.n_heads, c.d_ff, c.seq_len, c.batch_size)
-        self.flops = Shape(
-            *shape, pad_vocab(self.rate["vocab_size"]), c.max_position_embeddings
-        ).flops_per_token
-        self.flops //= self.rate["tp"]
+        shape = Shape(*shape, pad_vocab(self.rate["vocab_size"]), c.max_position_embeddings)
+        self.flops = shape.flops_per_token // self.rate["tp"]
         inst.run.keep({**self.peak.config(), "flops_per_token": self.flops})
 
     def record(self, step, losses, lr, val, interval, host_steps, device_steps) -> StepRecord:
         """`interval`: (step, seconds, why left out) of the steps since the last record; their
         stages' host and device ms, each step's."""
-        inst, r, peak = self.inst, self.rate, self.peak.value
+        inst, r, flops, peak = self.inst, self.rate, self.flops, self.peak.value
         # the steady steps' stage times, else every step's; none under --no-stage-timing
         kept = [i for i, x in enumerate(interval) if not x[2] and host_steps] or range(len(host_steps))
         inst.host_steps, inst.device_steps = [host_steps[i] for i in kept], [device_steps[i] for i in kept]
@@ -50,48 +48,34 @@ class Figures:
             e = self.left_out.setdefault(x["why"], {"steps": [], "s": 0.0})
             e["steps"], e["s"] = [*e["steps"], x["step"]], e["s"] + x["s"]
         times, tokens, dp = steady or [x["s"] for x in left_out], r["tokens_per_step"], r["dp"]
-        elapsed, step_time = time.perf_counter() - inst.t_start, sum(times) / len(times)
+        step_time, elapsed = sum(times) / len(times), time.perf_counter() - inst.t_start
+        # The run so far: the steady steps' tokens over their summed time (a rank's); end to end, every
+        # step's tokens over the loop's wall clock; the start-up before the loop, in neither.
         per_rank, run_rate = tokens / step_time, self.steps * tokens / self.seconds if self.steps else None
         trained = (self.steps + sum(len(e["steps"]) for e in self.left_out.values())) * tokens * dp
-        steady_s = max(
-            0.0, elapsed - sum(e["s"] for e in self.left_out.values())
-        )  # the loop's, less left-out
+        steady_s = max(0.0, elapsed - sum(e["s"] for e in self.left_out.values()))  # the loop, less left-out
         host, device = mean(inst.host_steps), mean(inst.device_steps)
-        comm_step, comm_ms = (inst.window.take_comm() if inst.window and inst.window.comm else None) or (
-            None,
-            {},
-        )
+        window = inst.window
+        comm_step, comm_ms = (window and window.take_comm()) or (None, {})
         if "backward_compute" in host:  # DDP: the backward's wait for its all-reduce
             comm_ms = {"backward": host["backward"] - host["backward_compute"]}
-        epoch = 1 + step * tokens * dp // r["train_tokens"] if r["train_tokens"] else 1
-        loss, ppl = (
-            sum(losses) / len(losses),
-            None if val is None else math.exp(min(val, 700.0)),
-        )  # no overflow
-        interval = dict(step=step, num_steps=inst.cfg.num_steps, epoch=epoch, loss=loss, lr=lr, amp=r["amp"])
-        interval |= dict(step_time_s=step_time, tokens_per_s=dp * per_rank, tokens_per_s_per_rank=per_rank)
-        interval |= dict(mfu=self.flops * per_rank / peak, achieved_tflops=self.flops * per_rank / 1e12)
-        interval |= dict(
-            val_loss=val, val_ppl=ppl, world_size=dp, busy=busy, memory=memory_report(inst.device)
-        )
-        interval |= dict(
-            stage_host_ms=host, stage_device_ms=device, stage_comm_ms=comm_ms, comm_step=comm_step
-        )
-        interval |= dict(left_out=left_out, steady_steps=len(steady))
-        if inst.window:
-            interval["memory_breakdown"] = inst.window.take_memory_breakdown()
-        # The run so far: the steady steps' tokens over their summed time; end to end, every step's
-        # tokens over the loop's wall clock; the start-up before the loop, in neither.
-        run = dict(run_tokens=self.steps * tokens * dp, run_steps=self.steps, run_step_time_s=self.seconds)
-        run |= dict(
-            run_tokens_per_s=run_rate and dp * run_rate, run_mfu=run_rate and self.flops * run_rate / peak
-        )
-        run |= dict(run_achieved_tflops=run_rate and self.flops * run_rate / 1e12, tokens_trained=trained)
-        run |= dict(tokens_per_s_e2e=trained / elapsed, elapsed_s=elapsed, run_left_out=self.left_out_copy())
-        run |= dict(eta_s=(inst.cfg.num_steps - step) * steady_s / max(1, self.steps))
-        run |= dict(run_busy=self.busy_steps / self.steps if self.steps else None)
-        run |= dict(startup_s=inst.started_at and round(time.time() - elapsed - inst.started_at, 2))
-        return StepRecord(**interval, **run)
+        return StepRecord(
+            step=step, num_steps=inst.cfg.num_steps, loss=sum(losses) / len(losses), lr=lr, amp=r["amp"],
+            epoch=1 + step * tokens * dp // r["train_tokens"] if r["train_tokens"] else 1,
+            val_loss=val, val_ppl=None if val is None else math.exp(min(val, 700.0)),  # no overflow
+            step_time_s=step_time, tokens_per_s=dp * per_rank, tokens_per_s_per_rank=per_rank, world_size=dp,
+            mfu=flops * per_rank / peak, achieved_tflops=flops * per_rank / 1e12, busy=busy,
+            memory=memory_report(inst.device), memory_breakdown=window and window.take_memory_breakdown(),
+            stage_host_ms=host, stage_device_ms=device, stage_comm_ms=comm_ms, comm_step=comm_step,
+            left_out=left_out, steady_steps=len(steady),
+            run_tokens=self.steps * tokens * dp, run_steps=self.steps, run_step_time_s=self.seconds,
+            run_tokens_per_s=run_rate and dp * run_rate, run_mfu=run_rate and flops * run_rate / peak,
+            run_achieved_tflops=run_rate and flops * run_rate / 1e12, run_left_out=self.left_out_copy(),
+            run_busy=self.busy_steps / self.steps if self.steps else None,
+            tokens_trained=trained, tokens_per_s_e2e=trained / elapsed,
+            elapsed_s=elapsed, eta_s=(inst.cfg.num_steps - step) * steady_s / max(1, self.steps),
+            startup_s=inst.started_at and round(time.time() - elapsed - inst.started_at, 2),
+        )  # fmt: skip
 
     def left_out_copy(self) -> dict:
         return {k: dict(e) for k, e in self.left_out.items()}

@@ -128,14 +128,8 @@ def measure(device: str, dtype: str, n: int) -> dict:
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         rate = 2 * n**3 / (min(wall, cpu) if device == "cpu" and cpu > 0 else wall)
         best, calls, spent = max(best, rate), calls + 1, spent + wall
-    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    return dict(
-        best=best,
-        calls=calls,
-        date=date,
-        what=f"matmul {n}x{n}x{n} in {dtype}",
-        others=busy_share(before, cpu_seconds()) or 0,
-    )
+    date, others = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), busy_share(before, cpu_seconds()) or 0
+    return dict(best=best, calls=calls, date=date, what=f"matmul {n}x{n}x{n} in {dtype}", others=others)
 
 
 def read_cache(path) -> dict:
@@ -143,11 +137,8 @@ def read_cache(path) -> dict:
     try:
         with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
             data = json.loads(f.read(1 << 22)) if stat.S_ISREG(os.fstat(f.fileno()).st_mode) else {}
-        return {
-            k: v
-            for k, v in data.items()
-            if 1e6 < float(v["best"]) < 1e18 and {"calls", "date", "what"} <= v.keys()
-        }
+        keys = {"calls", "date", "what"}
+        return {k: v for k, v in data.items() if 1e6 < float(v["best"]) < 1e18 and keys <= v.keys()}
     except (OSError, ValueError, TypeError, AttributeError, KeyError, RecursionError):
         return {}
 

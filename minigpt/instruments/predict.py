@@ -776,10 +776,8 @@ def step_rates(
     known = {n: r for n, r in known.items() if _usable(r)}
     wanted = ["bandwidth", "exp", "overhead", *needed]
     if not measure and (missing := [n for n in wanted if n not in known]):
-        raise NoRates(
-            f"no measured rates for {len(missing)} of this step's kernels on this machine in {dtype} "
-            f"({path}); measure them with python -m minigpt estimate --time and the run's flags"
-        )
+        how = "python -m minigpt estimate --time with the run's flags measures them"
+        raise NoRates(f"no rates measured here for {len(missing)} of the step's kernels in {dtype}; {how}")
     fresh = _measure_missing(device, dtype, wanted, known, needed) if measure else {}
     quiet = {n: r for n, r in fresh.items() if not loaded(r)}
     if cache and quiet:
@@ -1079,11 +1077,13 @@ def time_report(shape: Shape, device: str, amp_dtype: str, as_json: bool, remeas
     return json.dumps(pred.to_record(), indent=1) if as_json else peak_line + format_prediction(pred)
 
 
-def run_prediction(cfg, vocab_size: int, amp_dtype: str, device: str) -> dict | None:
+def run_prediction(cfg, vocab_size: int, amp_dtype: str, device: str) -> dict | str:
     """A trainer run's predicted step for config.json and its last lines, from cached rates only
-    (measuring would lengthen the run), or None where there are none or the cache is damaged."""
+    (measuring would lengthen the run); where there is none, why, in words."""
     try:
         step = predict_step(shape_of(cfg, vocab_size), amp_dtype, device, measure=False)
-    except (NoRates, ValueError, TypeError, KeyError, AttributeError, ArithmeticError):
-        return None
+    except NoRates as e:
+        return str(e)
+    except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError) as e:
+        return f"the rates cache {cache_dir() / STEP_RATES_FILE} is damaged ({type(e).__name__}); delete it"
     return {k: v for k, v in step.to_record().items() if k != "config"}

@@ -195,6 +195,15 @@ class MemoryHistory:
         torchcompat.attach_oom_observer(observer)
 
 
+def snapshot_path(cfg, out_dir: Path, rank: int, world_size: int) -> Path:
+    """Where --record-memory-history's snapshot goes: the run's folder, or --memory-snapshot-path
+    (one file per rank, never overwritten by another)."""
+    snapshot = Path(cfg.memory_snapshot_path or out_dir / paths.SNAPSHOT_FILE.format(rank=rank))
+    if cfg.memory_snapshot_path and world_size > 1:
+        snapshot = snapshot.with_name(f"rank{rank}_{snapshot.name}")
+    return snapshot
+
+
 # ---------------------------------------------------------------------------- the window
 
 
@@ -204,15 +213,14 @@ class Window:
     figures); and their outputs and log lines. `cfg` is a TrainConfig; only its instrumentation
     flags are read."""
 
-    def __init__(
-        self, cfg, device: str, amp: str, dist_info, plan, out_dir, model, optimizer, first_step: int
-    ):
-        """`plan.worker` names this rank's trace and memory files (rank{R}_dp{d}); under
+    def __init__(self, run, device: str, amp: str, plan, model, optimizer, first_step: int):
+        """`run`: the run's folder (runs.RunDir: its flags, ranks and path). `plan.worker` names this
+        rank's trace and memory files (rank{R}_dp{d}); under
         `plan.sharded` (FSDP, TP) the step's collectives are issued by the model itself, not by a DDP
         wrapper whose backward can be split: one step per log interval is profiled for them
         (CommProbe). `model` and `optimizer` are what the step trains (the model unwrapped);
         `first_step` the step the loop runs next (1-based; later after --resume)."""
-        rank, world_size, out_dir = dist_info.rank, dist_info.world_size, Path(out_dir)
+        cfg, rank, world_size, out_dir = run.cfg, run.dist_info.rank, run.dist_info.world_size, Path(run.path)
         self.cfg, self.device, self.rank, self.out_dir, self.worker = cfg, device, rank, out_dir, plan.worker
         self.model, self.optimizer, self.first_step = model, optimizer, first_step
         self.log = logging.getLogger("minigpt")
@@ -224,26 +232,10 @@ class Window:
         self.profiled = ranks is None or rank in ranks  # takes part in --use-profiler, --nsys, memory history
         self.window = window = range(cfg.profile_step_start, cfg.profile_step_end)
         notes = []  # for the run's first lines
-        snapshot = Path(cfg.memory_snapshot_path or out_dir / paths.SNAPSHOT_FILE.format(rank=rank))
-        if cfg.memory_snapshot_path and world_size > 1:  # one file per rank, never overwritten by another
-            snapshot = snapshot.with_name(f"rank{rank}_{snapshot.name}")
-        self.snapshot_path, self._snapshot_dumped = snapshot, False
-        self.memory_history = None
-        if cfg.record_memory_history and self.profiled:
-            if cfg.memory_snapshot_path:  # a path of the user's: refused now, not when the window ends
-                from minigpt.core.guards import probe_writable
-                from minigpt.fileio import check_may_replace
-
-                probe_writable(snapshot, "--memory-snapshot-path")
-                # and never over a file that is not a pickle (a snapshot is one): a run's config,
-                # its metrics, a checkpoint (a zip)
-                check_may_replace(
-                    snapshot, SNAPSHOT_MARKER, "--memory-snapshot-path", "minigpt", fix="name another path"
-                )
-            # The OOM observer from now on (an OOM while building still leaves the segments); the
-            # history itself from the first step: the entries are training steps only.
-            self.memory_history = MemoryHistory(cfg.memory_history_entries)
-            self.memory_history.dump_on_oom(out_dir / paths.OOM_SNAPSHOT_FILE.format(rank=rank))
+        self.snapshot_path, self._snapshot_dumped = snapshot_path(cfg, out_dir, rank, world_size), False
+        self.memory_history = (
+            cfg.record_memory_history and self.start_memory_history(cfg, out_dir, rank) or None
+        )
         self.profiler = self.nsys = None
         if cfg.use_profiler and self.profiled and first_step <= window.start:
             options = profiler_options(cfg)
@@ -284,6 +276,25 @@ class Window:
             self.comm = CommProbe(cfg)
         self._exit = ExitStack()
         self._probed = False
+
+    def start_memory_history(self, cfg, out_dir: Path, rank: int):
+        """--record-memory-history on a profiled rank: its path refused now if it cannot be written
+        (not when the window ends), the OOM observer from now on (an OOM while building still leaves
+        the segments), the history itself from the first step (its entries are training steps only)."""
+        if not self.profiled:
+            return None
+        if cfg.memory_snapshot_path:  # a path of the user's
+            from minigpt.core.guards import probe_writable
+            from minigpt.fileio import check_may_replace
+
+            probe_writable(self.snapshot_path, "--memory-snapshot-path")
+            # and never over a file that is not a pickle (a snapshot is one): a run's config, its
+            # metrics, a checkpoint (a zip)
+            flag, fix = "--memory-snapshot-path", "name another path"
+            check_may_replace(self.snapshot_path, SNAPSHOT_MARKER, flag, "minigpt", fix=fix)
+        history = MemoryHistory(cfg.memory_history_entries)
+        history.dump_on_oom(out_dir / paths.OOM_SNAPSHOT_FILE.format(rank=rank))
+        return history
 
     # -- around each step
     def before_step(self, n: int):
