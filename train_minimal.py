@@ -54,7 +54,9 @@ def keep_freed_memory() -> str | None:
     in the next step; told to keep them (no mmap, no trimming below 4 GiB) the CPU trainer runs
     faster (benchmarks/results/cpu-allocator.md). None where malloc is not glibc's."""
     try:
-        libc = ctypes.CDLL("libc.so.6")
+        libc, address = ctypes.CDLL("libc.so.6"), lambda f: ctypes.cast(f, ctypes.c_void_p).value
+        if address(ctypes.CDLL(None).malloc) != address(libc.malloc):  # another malloc, in LD_PRELOAD
+            return None
         if libc.mallopt(-4, 0) == 1 == libc.mallopt(-1, 4 << 30):  # M_MMAP_MAX, M_TRIM_THRESHOLD
             return "CPU malloc: glibc keeps freed memory for the next step (--no-keep-freed-memory: not)"
     except (OSError, AttributeError):

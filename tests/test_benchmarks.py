@@ -41,6 +41,7 @@ def run(script, *args, env=None):
     )
 
 
+@pytest.mark.timeout(300)  # eight tiny runs: slow where many tests share the cores
 def test_ablation_writes_json_markdown_and_chart(tmp_path):
     result = run("ablation.py", *TINY, "--amp-rows", "on", "--name", "tiny", "--out-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]

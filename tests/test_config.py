@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from conftest import TINY, fails
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minigpt import config
@@ -329,7 +329,8 @@ def quiet_values(name: str):
     return st.integers(1, 10**9).map(str)  # steps, intervals
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)
+# too_slow: drawing paths is slow where many tests share the cores (the fixed examples are the same)
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(data_=st.data())
 def test_no_check_across_flags_can_fail_on_quiet_flags_alone(data_):
     """What makes QUIET safe: given only QUIET flags (any valid values), parse_args skips the checks

@@ -3,6 +3,7 @@ memory for the next step, said in the log; --no-keep-freed-memory leaves glibc's
 
 import ctypes
 import json
+import os
 import subprocess
 import sys
 
@@ -54,6 +55,20 @@ def test_a_freed_step_tensor_stays_resident_only_when_kept(keep):
         assert r["line"] == LINE and freed < 50 * 2**20, r  # kept: no page faults for the next step's
     else:
         assert freed > 350 * 2**20, r  # glibc's default: a big block is unmapped when freed
+
+
+PRELOADED = [p for p in ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",) if os.path.exists(p)]
+
+
+@pytest.mark.skipif(not glibc() or not PRELOADED, reason="glibc, and jemalloc installed (libjemalloc2)")
+def test_another_malloc_in_ld_preload_is_not_told_glibcs_setting():
+    """Under another malloc (LD_PRELOAD, as some GPU images ship), glibc's mallopt succeeds but rules
+    nothing: the trainer says nothing of glibc, and its freed pages go as that malloc decides."""
+    env = {**os.environ, "LD_PRELOAD": PRELOADED[0]}
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, "keep"], capture_output=True, text=True, check=True, cwd=ROOT, env=env
+    )
+    assert json.loads(out.stdout.strip().splitlines()[-1])["line"] is None
 
 
 @pytest.mark.skipif(not glibc(), reason="glibc's malloc only")

@@ -224,7 +224,7 @@ def test_unreadable_file(tmp_path, monkeypatch):
 def test_a_directory_without_token_files_is_one_line(tmp_path):
     """A folder is read as llm.c's shards are given: its .bin files. Without any, one line."""
     (tmp_path / "notes.txt").write_text("text")
-    with pytest.raises(UsageError, match="holds no .bin token files; pass --train-data the files inside it"):
+    with pytest.raises(UsageError, match="holds no .bin token files; pass --train-data its files"):
         ids_of(tmp_path)
 
 

@@ -100,6 +100,20 @@ def test_the_profilers_cost_is_not_priced_on_a_busy_machine(tmp_path, capsys, mo
     assert " vs " not in printed.split("Profiler cost: ")[1].split("\n")[0]
 
 
+def test_writing_the_trace_is_in_no_steps_time(tmp_path, monkeypatch):
+    """The trace is written as the step after the window begins (the profiler's step()): that second
+    is the profiler's, not training's, so neither that step's time nor the steady state holds it."""
+    done = window.Window._window_done
+    monkeypatch.setattr(window.Window, "_window_done", lambda self, prof: (time.sleep(2.0), done(self, prof)))
+    out = profiled_run(tmp_path)
+    records = read_metrics(out)
+    assert records[-1]["run_step_time_s"] < 2.0, records[-1][
+        "run_step_time_s"
+    ]  # window 3-4: written before 5
+    assert all(r["step_time_s"] < 2.0 and all(x["s"] < 2.0 for x in r["left_out"]) for r in records)
+    assert records[-1]["elapsed_s"] >= 2.0  # end to end holds it: the loop's wall clock
+
+
 def test_no_profiler_no_note(tmp_path):
     """Without a profiler torch prints none of the lines the note explains: no note."""
     out = tmp_path / "run"

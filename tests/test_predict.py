@@ -304,7 +304,10 @@ def test_the_trainers_predict_time_reads_quiet_cached_rates_only(tmp_path, monke
     cfg = parse_args(["--preset", "tiny", "--vocab-size", "64", "--no-amp"])
     why = predict.run_prediction(cfg, 64, "fp32", "cpu")
     assert why.startswith("no rates measured here") and "estimate --time" in why and counted == []
-    assert estimate.main(["--time", "--preset", "tiny", "--vocab-size", "64", "--no-amp"]) == 0
+    assert (
+        estimate.main(["--time", "--preset", "tiny", "--vocab-size", "64", "--no-amp", "--device", "cpu"])
+        == 0
+    )
     counted.clear()
     p = predict.run_prediction(cfg, 64, "fp32", "cpu")
     assert counted == [] and p["step_ms"] > 0 and set(p["stage_ms"]) == set(predict.PREDICTED_STAGES)
@@ -328,7 +331,7 @@ def test_remeasure_goes_with_time_and_measures_the_peak_too(tmp_path, monkeypatc
         return peak.Peak(1e12, "fp32", "measured now: x")
 
     monkeypatch.setattr(peak, "device_peak", device_peak)
-    flags = ["--time", "--remeasure", "--preset", "tiny", "--vocab-size", "64", "--no-amp"]
+    flags = ["--time", "--remeasure", "--preset", "tiny", "--vocab-size", "64", "--no-amp", "--device", "cpu"]
     assert estimate.main(flags) == 0
     out = capsys.readouterr().out
     assert list(peaks[0]) == ["another machine"]  # this machine's figures forgotten, measured again

@@ -19,6 +19,8 @@ import pytest
 from conftest import ROOT
 
 MAX_FILES, MAX_LOADED, MAX_EXECUTED = 7, 1300, 700
+# two traced launches (a first run tokenises): slow where many tests share the cores
+pytestmark = pytest.mark.timeout(600)
 FLAGS = ["--preset", "tiny", "--num-steps", "4", "--log-interval", "2", "--device", "cpu"]
 
 # Loaded into the trainer's process: a line counts once, in a function that runs (a module's or a
@@ -80,7 +82,7 @@ def traced_run(tmp_path: Path, cache: Path, name: str) -> dict:
     out = tmp_path / f"{name}.json"
     env = {k: v for k, v in os.environ.items() if k != "MINIGPT_ARGS"}
     env |= dict(PATH_ROOT=str(ROOT.resolve()), PATH_OUT=str(out), MINIGPT_CACHE_DIR=str(cache))
-    env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT)])
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     cmd = [sys.executable, "train_minimal.py", *FLAGS, "--out-dir", str(tmp_path / name)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -121,6 +121,8 @@ def log_lines(m: StepRecord) -> list[str]:
     steady = "" if m.steady_steps else f" ({', '.join(x['why'] for x in m.left_out)}, not steady)"
     gib = m.memory.get("peak_allocated_gib", m.memory.get("rss_bytes", 0) / 2**30)  # CUDA's, or the CPU's RSS
     memory = f"{'mem' if 'peak_allocated_gib' in m.memory else 'rss'} {gib:.2f} GiB"
+    if "peak_reserved_gib" in m.memory:  # what the caching allocator holds beyond it: fragmentation
+        memory += f" (reserved {m.memory['peak_reserved_gib']:.2f})"
     busy = f" | busy: others took {m.busy:.0%} of the cores" if m.busy is not None and m.busy > 0.25 else ""
     line = f"step {m.step}/{m.num_steps} | loss {m.loss:.4f}{val} | {1000 * m.step_time_s:.0f} ms/step"
     line += f"{steady} | {m.tokens_per_s:,.0f} tok/s | mfu {100 * m.mfu:.1f}% | {memory}{busy}"

@@ -103,8 +103,8 @@ class Instruments:
         """Step `n`: its range and host clock, and what a flag's window adds. `sync` (CUDA): wait for
         the step's queued work before the clock stops, on the steps whose times are logged."""
         compiled, window = self.compile_count() if self.cfg.compile else 0, self.window
+        capture = window.before_step(n) if window else nullcontext()  # a trace written here: no step's
         self.doing = (f"step {n}", t0 := time.perf_counter())
-        capture = window.before_step(n) if window else nullcontext()
         with capture as cap, self.timer.stage(STEP_RANGE, False):
             yield
         self.timer.end_step()
