@@ -110,6 +110,7 @@ def test_init_from_fine_tunes_from_the_folder(folder, hf_model, tmp_path, monkey
     out = tmp_path / "run"
     assert train_minimal.cli([*RUN, "--init-from", str(folder), "--out-dir", str(out)], on_step=on_step) == 0
     assert len(loaded) == 1
+    assert f"Starting from {folder}'s weights" in (out / "train.log").read_text()  # not "afresh"
     trained = torch.load(out / "checkpoints" / "ckpt.pt", weights_only=True)["model"]["wpe.weight"]
     assert not torch.equal(trained, theirs["transformer.wpe.weight"])
 

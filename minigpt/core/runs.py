@@ -118,7 +118,8 @@ class RunDir:
 
     def restore(self, model, optimizer, scaler, batches) -> int:
         """The step to continue from: with --resume the checkpoint's (loaded, checked), else 0."""
-        self.held, self.resumed_at, self.start = (model, optimizer, scaler, batches), 0, "Starting afresh"
+        start = f"Starting from {self.cfg.init_from}'s weights" if self.cfg.init_from else "Starting afresh"
+        self.held, self.resumed_at, self.start = (model, optimizer, scaler, batches), 0, start
         if self.cfg.resume:
             from minigpt.core.checkpoint import resume
 
