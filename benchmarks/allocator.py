@@ -338,14 +338,9 @@ def main() -> int:
     ]
     amp_dtype = next(iter(results.values()))["amp"]
     peak = true_peak("bf16" if amp_dtype == "bf16" else "fp32")
-    out_dir, noisy = bench.destination(args.out_dir, meta, args.noisy)
-    out_dir.mkdir(parents=True, exist_ok=True)
     data = {"meta": meta, "results": results, "true_peak": peak}
-    bench.write_table(out_dir / "cpu-allocator", data, markdown(meta, results, peak))
-    if noisy:
-        print(f"allocator.py: {noisy}", file=sys.stderr)
-        return 1
-    return 0
+    table = markdown(meta, results, peak)
+    return bench.publish(args.out_dir, "cpu-allocator", meta, data, table, "allocator.py")
 
 
 def measure(names: list[str], paths: dict, args, amp: list[str]) -> dict[str, list[dict]]:

@@ -548,6 +548,17 @@ def aa_lines(meta: dict) -> list[str]:
     return lines
 
 
+def publish(out_dir: Path, name: str, meta: dict, data: dict, text: str, script: str) -> int:
+    """Write the results (`name`.json and .md) where destination() says, and the exit status: 1, with
+    its one line on stderr, when a failed A/A check sent them elsewhere; else 0."""
+    where, noisy = destination(out_dir, meta, meta.get("noisy"))
+    where.mkdir(parents=True, exist_ok=True)
+    write_table(where / name, data, text)
+    if noisy:
+        print(f"{script}: {noisy}", file=sys.stderr)
+    return 1 if noisy else 0
+
+
 def destination(out_dir: Path, meta: dict, noisy_ok: bool) -> tuple[Path, str | None]:
     """Where a run's results go: `out_dir`, unless the A/A check failed, `out_dir` is the committed
     folder and --noisy was not given; then a fresh folder outside the repository (nothing measured

@@ -303,14 +303,8 @@ def main() -> int:
         "malloc_env": " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items()),
     }
     data = {"meta": meta, "results": results}
-    out_dir, noisy = bench.destination(args.out_dir, meta, args.noisy)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    suffix = "" if args.shape == "small" else f"-{args.shape}"
-    bench.write_table(out_dir / f"{bench.device_slug(meta['machine'])}-nanogpt{suffix}", data, markdown(data))
-    if noisy:
-        print(f"nanogpt_shape.py: {noisy}", file=sys.stderr)
-        return 1
-    return 0
+    name = f"{bench.device_slug(meta['machine'])}-nanogpt{'' if args.shape == 'small' else f'-{args.shape}'}"
+    return bench.publish(args.out_dir, name, meta, data, markdown(data), "nanogpt_shape.py")
 
 
 def aa_of(results: dict) -> dict:

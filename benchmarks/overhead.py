@@ -324,13 +324,7 @@ def main() -> int:
     meta["load_end"] = bench.load_average()
     if args.parts == "options":
         data.update(kept_stage_timing(args.out_dir / name))
-    out_dir, noisy = bench.destination(args.out_dir, meta, args.noisy)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    bench.write_table(out_dir / name, data, markdown(data))
-    if noisy:
-        print(f"overhead.py: {noisy}", file=sys.stderr)
-        return 1
-    return 0
+    return bench.publish(args.out_dir, name, meta, data, markdown(data), "overhead.py")
 
 
 def measure(args, trainer_flags: list[str], meta: dict) -> dict:

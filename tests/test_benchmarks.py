@@ -76,9 +76,9 @@ def test_ablation_writes_json_markdown_and_chart(tmp_path):
     assert (tmp_path / "cpu-tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_ablation_without_amp_rows_runs_its_variants_in_fp32(monkeypatch, tmp_path):
-    """A CPU without native bf16 leaves the AMP rows out (--amp-rows auto); what is asked for on top
-    runs in fp32 and is compared with fp32. (The trainer's runs are faked: the test above runs them.)"""
+def faked_ablation(monkeypatch, rows):
+    """benchmarks/ablation.py with a quiet load and its trainer's runs faked: `rows(flags, calls)`
+    gives a run's rows; returns the module and the list of each run's flags."""
     ablation = bench_module("ablation")
     common = bench_module("common")
     monkeypatch.setattr(common, "load_average", lambda: 0.1)
@@ -87,9 +87,16 @@ def test_ablation_without_amp_rows_runs_its_variants_in_fp32(monkeypatch, tmp_pa
 
     def run_variant(flags, warmup, steps, nproc=1, keep=None):
         calls.append(flags)
-        return fake_rows(1000.0)
+        return rows(flags, calls)
 
     monkeypatch.setattr(ablation, "run_variant", run_variant)
+    return ablation, calls
+
+
+def test_ablation_without_amp_rows_runs_its_variants_in_fp32(monkeypatch, tmp_path):
+    """A CPU without native bf16 leaves the AMP rows out (--amp-rows auto); what is asked for on top
+    runs in fp32 and is compared with fp32. (The trainer's runs are faked: the test above runs them.)"""
+    ablation, calls = faked_ablation(monkeypatch, lambda flags, calls: fake_rows(1000.0))
     flags = ["--amp-rows", "off", "--malloc", "--chunked-loss", "--name", "fp32", "--out-dir", str(tmp_path)]
     monkeypatch.setattr(sys, "argv", ["ablation.py", *TINY, *flags])
     assert ablation.main() == 0
@@ -887,20 +894,12 @@ def test_busy_runs_are_flagged_in_one_line_and_give_no_verdict(monkeypatch, tmp_
 
     from minigpt.config import BUSY
 
-    ablation = bench_module("ablation")
-    common = bench_module("common")
-    monkeypatch.setattr(common, "load_average", lambda: 0.1)
-    monkeypatch.setattr(ablation, "load_average", lambda: 0.1)
-    calls = []
-
-    def run_variant(flags, warmup, steps, nproc=1, keep=None):
-        calls.append(flags)
+    def rows(flags, calls):
         busy = 2 * BUSY if "--use-activation-checkpoint" in flags else 0.0  # others took half the cores
-        rows = fake_rows(1000.0 * (1.0, 1.01, 0.99)[(len(calls) - 1) // 3 % 3])
-        rows["rows"] = [{**r, "busy": busy} for r in rows["rows"]]
-        return rows
+        made = fake_rows(1000.0 * (1.0, 1.01, 0.99)[(len(calls) - 1) // 3 % 3])
+        return {**made, "rows": [{**r, "busy": busy} for r in made["rows"]]}
 
-    monkeypatch.setattr(ablation, "run_variant", run_variant)
+    ablation, _ = faked_ablation(monkeypatch, rows)
     argv = ["ablation.py", "--amp-rows", "off", "--name", "b", "--out-dir", str(tmp_path), "--device", "cpu"]
     monkeypatch.setattr(sys, "argv", argv)
     assert ablation.main() == 0
