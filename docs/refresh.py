@@ -59,6 +59,11 @@ IMAGES = (
         ("docs/img/report_main.png",),
     ),
     (
+        "python -m minigpt report runs/prof && python docs/report_screenshots.py runs/prof/report.html "
+        "--sections timeline operators --out docs/img/report_profiler.png",
+        ("docs/img/report_profiler.png",),
+    ),
+    (
         f"python docs/tensorboard_screenshots.py runs/prof --out docs/img --scalars-dir {LATEST_RUN}",
         ("docs/img/tb_scalars.png",),  # the Profiler tab's charts need the network: no picture of it
     ),

@@ -2,6 +2,8 @@
 
     python -m minigpt report runs/main && python docs/report_screenshots.py runs/main/report.html \\
         --out docs/img/report_main.png
+    python docs/report_screenshots.py runs/prof/report.html --sections timeline operators \\
+        --out docs/img/report_profiler.png          # those sections of the page only
 
 Every request the page makes is routed: anything but file:// is refused and counted, so a chart
 that would load a script from a CDN fails here. The check also reads the DOM: each section of
@@ -45,10 +47,12 @@ def check_page(
     full_page: bool = False,
     width: int = 1400,
     height: int = 1000,
+    sections: tuple[str, ...] = (),
 ) -> dict:
     """Load the report; return {"errors": [console errors, warnings and traces, page errors],
     "outside": [non-file URLs requested], "sections": [per-section state], "slices": sunburst
-    sectors drawn in the page}. Takes a screenshot when asked."""
+    sectors drawn in the page}. Takes a screenshot when asked: of `sections` (ids of
+    minigpt.analysis.report.SECTIONS), from the first one's top to the last one's bottom, if given."""
     from playwright.sync_api import sync_playwright
 
     from minigpt.analysis.report import SECTIONS
@@ -74,14 +78,19 @@ def check_page(
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(Path(report).resolve().as_uri(), wait_until="load", timeout=120_000)
             page.wait_for_timeout(1500)  # let plotly finish its first draw
-            sections = page.evaluate(SECTION_STATE_JS, [sid for sid, _ in SECTIONS])
+            drawn = page.evaluate(SECTION_STATE_JS, [sid for sid, _ in SECTIONS])
             slices = page.evaluate("document.querySelectorAll('.sunburstlayer path.surface').length")
             if screenshot is not None:
                 screenshot.parent.mkdir(parents=True, exist_ok=True)
-                page.screenshot(path=str(screenshot), full_page=full_page)
+                clip = None
+                if sections:  # the box from the first section's top to the last one's bottom
+                    boxes = [page.locator(f"#{sid}").bounding_box() for sid in sections]
+                    top, bottom = boxes[0]["y"], boxes[-1]["y"] + boxes[-1]["height"]
+                    clip = {"x": 0, "y": top, "width": width, "height": bottom - top}
+                page.screenshot(path=str(screenshot), full_page=full_page or bool(clip), clip=clip)
         finally:
             browser.close()
-    return {"errors": errors, "outside": outside, "sections": sections, "slices": slices}
+    return {"errors": errors, "outside": outside, "sections": drawn, "slices": slices}
 
 
 def shrink(png: Path) -> None:
@@ -97,6 +106,10 @@ def main() -> int:
     p.add_argument("--out", type=Path, help="screenshot file (PNG)")
     p.add_argument("--full-page", action="store_true", help="the whole page, not the first screen")
     p.add_argument("--height", type=int, default=1000)
+    from minigpt.analysis.report import SECTIONS
+
+    ids = [sid for sid, _ in SECTIONS]
+    p.add_argument("--sections", nargs="+", default=(), choices=ids, metavar="ID", help=f"only these: {ids}")
     args = p.parse_args()
     if chromium_path() is None:
         print(
@@ -109,7 +122,8 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
-    state = check_page(args.report, args.out, args.full_page, height=args.height)
+    sections = tuple(args.sections)
+    state = check_page(args.report, args.out, args.full_page, height=args.height, sections=sections)
     if args.out is not None:
         shrink(args.out)
     for s in state["sections"]:
