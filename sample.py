@@ -8,18 +8,25 @@ Text from a trained minigpt checkpoint.
     python sample.py --out-dir runs/RUN --temperature 0.6 --top-k 40 --seed 7
     python sample.py --out-dir runs/RUN --top-k 1            # greedy: the likeliest token every time
     python sample.py --out-dir runs/TOY --prompt "3 5 7"     # a --use-toy-data run: token ids in and out
+    python sample.py --init-from gpt2 --prompt "Hello"       # a Hugging Face GPT-2 folder, such as
+                                                             # huggingface-cli download gpt2 --local-dir gpt2
 
 The checkpoint is read as data (weights_only); the model is rebuilt from the shape it records, so
-no training flags are needed. Runs on real text decode with the run's tokenizer (GPT-2's, offline);
---use-toy-data runs have no text, so their prompt and output are token ids. The samples go to stdout, one at a
-time as each is drawn; what it is doing (the checkpoint loaded, sample i of n) goes to stderr, with a progress
-bar over the new tokens on a terminal.
+no training flags are needed. A GPT-2 folder (config.json and model.safetensors) is read as
+train_minimal.py --init-from reads it. Runs on real text decode with the run's tokenizer (GPT-2's,
+offline); --use-toy-data runs have no text, so their prompt and output are token ids. Decoding
+keeps each layer's keys and values (a KV cache): the prompt is run once, then each new token costs
+one position, not the whole context again. The samples go to stdout, one at a time as each is
+drawn; what it is doing (the checkpoint loaded, sample i of n) goes to stderr, with a progress bar
+over the new tokens on a terminal.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -36,9 +43,9 @@ import torch
 from minigpt.config import CHECKPOINT_FILE, INTERRUPTED, INTERRUPTED_LINE, RUNS_ROOT, UsageError, imports_done
 from minigpt.core.checkpoint import latest_run
 from minigpt.core.progress import Progress, progress_enabled
-from minigpt.core.sample import Draw, generate, load_model, utf8_text, vocab_in_use
+from minigpt.core.sample import Draw, generate, load_folder, load_model, utf8_text, vocab_in_use
 from minigpt.core.tokens import encoding
-from minigpt.fileio import UnreadableFile, check_names, format_bytes, read_bounded
+from minigpt.fileio import UnreadableFile, check_names, file_kind, format_bytes, read_bounded
 
 FILE_PREFIX = "FILE:"  # --prompt FILE:path reads the prompt from a file
 PROMPT_LIMIT = 1 << 20  # bytes: far more text than any model's context, which crops the prompt anyway
@@ -47,7 +54,8 @@ SEPARATOR = "-" * 40
 # Below this the draw is greedy to float precision, and far below it logits / temperature
 # overflows to inf (softmax then returns NaN): --top-k 1 asks for greedy decoding exactly.
 MIN_TEMPERATURE = 1e-3
-# One command's output: each new token is a forward pass, so 10^14 tokens would never finish.
+# One command's output: each new token is a forward pass (of one position, with the KV cache), so
+# 10^14 tokens would never finish.
 MAX_SAMPLES, MAX_NEW_TOKENS = 10_000, 100_000
 # Without a terminal's bar (stderr to a pipe or a log file), a line this often while a sample is
 # drawn: 100,000 tokens take minutes on a CPU, and minutes of silence look like a hang.
@@ -85,6 +93,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"(default: the run in {RUNS_ROOT}/ whose checkpoint is newest)",
     )
     where.add_argument("--checkpoint", type=Path, help="a checkpoint file")
+    where.add_argument(
+        "--init-from",
+        type=Path,
+        metavar="DIR",
+        help="a Hugging Face GPT-2 folder (config.json and model.safetensors), as for train_minimal.py",
+    )
     p.add_argument(
         "--prompt",
         default="",
@@ -131,9 +145,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+# What a refusal of a checkpoint offers besides an earlier one: sample.py's own flags, not the trainer's.
+INSTEAD = "give another to --checkpoint (or a run folder to --out-dir)"
+
+
 def checkpoint_path(args: argparse.Namespace) -> Path:
     check_names((args.checkpoint, "--checkpoint"), (args.out_dir, "--out-dir"))
     if args.checkpoint:
+        if args.checkpoint.is_dir():
+            fix = (
+                f"pass it as --out-dir {args.checkpoint}"
+                if (args.checkpoint / CHECKPOINT_FILE).is_file()
+                else f"give a checkpoint file (a run's {CHECKPOINT_FILE}), or a run folder to --out-dir"
+            )
+            raise UsageError(f"--checkpoint {args.checkpoint} is a folder, not a checkpoint file; {fix}")
+        if not args.checkpoint.exists():
+            raise UsageError(
+                f"--checkpoint {args.checkpoint}: no such file; give a checkpoint file (a run's "
+                f"{CHECKPOINT_FILE}), or a run folder to --out-dir"
+            )
+        # a FIFO would block, /dev/zero never ends
+        if not stat.S_ISREG(mode := args.checkpoint.stat().st_mode):
+            raise UsageError(
+                f"--checkpoint {args.checkpoint} is {file_kind(mode)}, not a checkpoint file; give a "
+                f"checkpoint file (a run's {CHECKPOINT_FILE}), or a run folder to --out-dir"
+            )
         return args.checkpoint
     if args.out_dir:
         if not args.out_dir.is_dir():
@@ -230,10 +266,15 @@ def pulse(bar: Progress, total: int, desc: str) -> Callable[[], None]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = resolve_device(args.device)
-    path = checkpoint_path(args)
     # Nothing on stderr before the inputs are checked (the checkpoint, the prompt against its
     # vocabulary): a mistake is then the only line there. Loading takes seconds; sampling, minutes.
-    model, train_cfg = load_model(path, device)
+    if args.init_from is not None:
+        check_names((args.init_from, "--init-from"))
+        path = args.init_from
+        model, train_cfg = load_folder(path, device)
+    else:
+        path = checkpoint_path(args)
+        model, train_cfg = load_model(path, device, INSTEAD)
     toy = bool(train_cfg.get("use_toy_data"))
     enc = None if toy else encoding(train_cfg.get("tokenizer_name", "gpt2"))  # the run's own
     vocab = vocab_in_use(train_cfg, enc and enc.n_vocab, model.cfg.vocab_size, path)
@@ -260,10 +301,24 @@ def main(argv: list[str] | None = None) -> int:
                     generator,
                     pulse(bar, args.max_new_tokens, f"sample {i + 1}"),
                 )
-        if i:
-            print(SEPARATOR)
-        print(sample_text(out[0].tolist(), toy, from_document_start=not prompt, enc=enc), flush=True)
+        text = sample_text(out[0].tolist(), toy, from_document_start=not prompt, enc=enc)
+        try:
+            print(f"{SEPARATOR}\n{text}" if i else text, flush=True)
+        except OSError as e:  # a pipe closed early (| head), a full disk (> /dev/full)
+            raise DeadOutput(e) from None
     return 0
+
+
+class DeadOutput(Exception):
+    """stdout cannot take the samples (its OSError in args[0])."""
+
+
+def drop_stdout() -> None:
+    """stdout onto /dev/null, so what is still buffered for it goes nowhere at exit, quietly."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, AttributeError, ValueError):  # no stdout at all, or not a file descriptor
+        pass
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -275,6 +330,13 @@ def cli(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"error: {INTERRUPTED_LINE}", file=sys.stderr)
         return INTERRUPTED
+    except DeadOutput as e:  # the reader of a pipe had what it wanted: quiet; else one line
+        drop_stdout()
+        if isinstance(error := e.args[0], BrokenPipeError):
+            return 0
+        line = f"error: the samples cannot be written to stdout ({error.strerror}); redirect it"
+        print(line, file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,16 +1,18 @@
 """sample.py: text (or a toy run's token ids) from a tiny trained checkpoint."""
 
+import json
 import os
 import runpy
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, bench_module
 
 import train_minimal
 from minigpt.core.checkpoint import save_checkpoint
-from minigpt.core.sample import Draw, generate, load_model
+from minigpt.core.model import GPT, GPTConfig
+from minigpt.core.sample import Draw, KVCache, generate, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = runpy.run_path(str(ROOT / "sample.py"))  # the script's functions, without running it
@@ -268,3 +270,178 @@ def test_bytes_that_are_not_utf8_still_show_as_replacement():
 
     assert utf8_text(b"a\x80b") == "a\ufffdb"
     assert utf8_text("é".encode() + "🙂".encode()[:2]) == "é"
+
+
+# ---------------------------------------------------------------------------- the KV cache
+
+
+def random_gpt(positions: int = 16, vocab: int = 96, seed: int = 0) -> GPT:
+    """A small GPT with random weights, its biases and LayerNorms moved off 0 and 1 (so a module
+    the cache skipped or used twice shows), in eval mode, fp32."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab, positions, n_layers=3, n_heads=2, d_model=32, d_ff=80)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def greedy_without_cache(model: GPT, idx: torch.Tensor, n: int) -> torch.Tensor:
+    """The plain loop: the model's own forward over the whole cropped context for every token."""
+    context = model.cfg.max_position_embeddings
+    with torch.no_grad():
+        for _ in range(n):
+            logits, _ = model(idx[:, -context:])
+            idx = torch.cat([idx, logits[:, -1, :].argmax(-1, keepdim=True)], dim=1)
+    return idx
+
+
+@pytest.mark.parametrize(
+    "prompt_len, new",
+    [(1, 1), (1, 15), (5, 11), (7, 30), (16, 4), (40, 25)],  # the window (16) filled, passed, slid
+)
+def test_cached_greedy_decoding_is_the_full_context_argmax(prompt_len, new):
+    model = random_gpt()
+    gen = torch.Generator().manual_seed(prompt_len)
+    for rows in (1, 3):
+        idx = torch.randint(0, 96, (rows, prompt_len), generator=gen)
+        cached = generate(model, idx, new, Draw(temperature=0.9, top_k=1), generator=gen)
+        assert torch.equal(cached, greedy_without_cache(model, idx, new)), (rows, prompt_len, new)
+
+
+def test_cached_logits_are_the_models_at_every_position():
+    model = random_gpt()
+    x = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(x)[0]
+    for split in (1, 6, 16):  # a prefill of `split` tokens, then one token at a time
+        cache = KVCache(model)
+        parts = [cache.forward(x[:, :split], all_logits=True)]
+        parts += [cache.forward(x[:, i : i + 1]) for i in range(split, 16)]
+        assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5, rtol=0), split
+    cache = KVCache(model)  # several tokens after kept ones: each sees only those before it
+    parts = [cache.forward(x[:, :5], all_logits=True), cache.forward(x[:, 5:], all_logits=True)]
+    assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5, rtol=0)
+    cache.reset()  # the window slid: the cropped context prefilled again, positions from 0
+    assert torch.allclose(cache.forward(x[:, 3:], all_logits=True), model(x[:, 3:])[0], atol=1e-5, rtol=0)
+    cache.forward(x[:, :3])  # 16 positions taken
+    with pytest.raises(ValueError, match="16 positions"):
+        cache.forward(x[:, :1])  # past the position table: the caller crops and resets
+
+
+# ---------------------------------------------------------------------------- --init-from DIR
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    """A tiny GPT-2 saved by Transformers itself (offline: no download), and the model."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    shape = dict(n_layer=2, n_embd=64, n_head=2, n_positions=64, vocab_size=50257)
+    model = GPT2LMHeadModel(GPT2Config(**shape)).eval()
+    with torch.no_grad():  # away from 0 and 1, so that a mix-up shows
+        for name, p in model.named_parameters():
+            if "ln" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    path = tmp_path_factory.mktemp("hf") / "gpt2-tiny"
+    model.save_pretrained(path)
+    return path, model
+
+
+def test_init_from_folder_samples_what_transformers_generates(hf_folder, capsys):
+    from minigpt.core.data import gpt2_tokenizer
+
+    folder, hf = hf_folder
+    enc = gpt2_tokenizer()
+    for prompt, new in (("The while statement", 20), ("Hello", 40)):
+        ids = enc.encode_ordinary(prompt)
+        with torch.no_grad():
+            theirs = hf.generate(
+                torch.tensor([ids]),
+                max_new_tokens=new,
+                min_new_tokens=new,  # no stop at <|endoftext|>: the same length as sample.py's
+                do_sample=False,
+                pad_token_id=50256,
+            )[0].tolist()
+        assert len(theirs) == len(ids) + new
+        flags = ("--init-from", str(folder), "--prompt", prompt, "--top-k", "1", "--num-samples", "1")
+        status, out, err = sample(capsys, *flags, "--max-new-tokens", str(new), "--device", "cpu")
+        assert status == 0, err
+        assert out.rstrip("\n") == SAMPLE["sample_text"](theirs, toy=False, from_document_start=False)
+        assert f"loaded {folder}" in err
+
+
+def test_bad_init_from_folders_are_one_line(hf_folder, tmp_path, capsys):
+    folder, _ = hf_folder
+    other = tmp_path / "bert"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "bert"}')
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_bytes((folder / "config.json").read_bytes())
+    for path, expect in (
+        (tmp_path / "nope", "no such folder"),
+        (tmp_path, "no config.json"),
+        (other, "not GPT-2"),
+        (no_weights, "no model.safetensors"),
+    ):
+        status, _, err = sample(capsys, "--init-from", str(path), "--max-new-tokens", "1")
+        assert status == 2 and len(err.strip().splitlines()) == 1 and expect in err, err
+    with pytest.raises(SystemExit) as exit_:  # one source at a time
+        SAMPLE["cli"](["--init-from", str(folder), "--checkpoint", "x.pt"])
+    assert exit_.value.code == 2 and "not allowed with" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- sample.py's own words
+
+
+def test_a_file_that_is_no_checkpoint_gets_sample_py_advice(tmp_path, capsys):
+    not_one = tmp_path / "README.md"
+    not_one.write_text("# not a checkpoint\n")
+    status, _, err = sample(capsys, "--checkpoint", str(not_one))
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert "not a checkpoint" in err and "--checkpoint" in err and "--resume" not in err, err
+
+
+def test_a_folder_or_nothing_given_to_checkpoint_names_sample_py_flags(tmp_path, toy_run, capsys):
+    for path, expect in (
+        (tmp_path, "is a folder, not a checkpoint file"),
+        (toy_run, f"pass it as --out-dir {toy_run}"),
+        (tmp_path / "nope.pt", "no such file"),
+    ):
+        status, _, err = sample(capsys, "--checkpoint", str(path))
+        assert status == 2 and len(err.strip().splitlines()) == 1 and expect in err, err
+        assert "--checkpoint-path" not in err and "--resume" not in err, err
+        assert f"--checkpoint {path}" in err, err
+
+
+# ---------------------------------------------------------------------------- benchmarks/sample_speed.py
+
+
+def test_sample_speed_benchmark_writes_its_table_and_keeps_what_is_there(tmp_path, capsys):
+    speed = bench_module("sample_speed")
+    args = ["--preset", "tiny", "--tokens", "2", "--rounds", "3", "--out-dir", str(tmp_path)]
+    assert speed.main(args) == 0
+    data = json.loads((tmp_path / "sample-speed.json").read_text())
+    table = (tmp_path / "sample-speed.md").read_text()
+    assert set(data["results"]) == {speed.WITH, speed.WITHOUT}
+    assert all(len(r["rounds"]) == 3 for r in data["results"].values())
+    assert data["speedup"]["n_a"] == data["speedup"]["n_b"] == 3
+    meta = data["meta"]
+    assert meta["model"]["weights"].startswith("random") and meta["machine"]["device"] == "cpu"
+    assert {"load_start", "load_end", "busy_run", "aa"} <= meta.keys()
+    assert "Speed-up with the cache" in table and "Load average" in table and "random" in table
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:  # results already there: kept, one line
+        speed.main(args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and "--force" in err, err
+    for bad in (["--tokens", "0"], ["--rounds", "-1"], ["--preset", "huge"]):
+        with pytest.raises(SystemExit) as exit_:
+            speed.main([*bad, "--out-dir", str(tmp_path / "other")])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "other").exists()

@@ -13,6 +13,8 @@ import torch
 from conftest import ROOT, TINY, run_cli
 
 import train_minimal
+from minigpt.config import parse_args
+from minigpt.instruments.mfu import resolve_amp
 
 
 def read_metrics(out):
@@ -359,10 +361,12 @@ def digests(out) -> dict:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.rglob("*")) if p.is_file()}
 
 
+NATIVE_BF16 = resolve_amp(parse_args(["--preset", "tiny"]), "cpu")[0] == "bf16"
 # (the run, the flags that change it, what the one line names)
 CHANGES = [
     ("toy", ["--batch-size", "4"], "--batch-size 8 -> 4"),
-    ("toy", ["--no-amp"], "--amp None -> False"),
+    # the precision as this CPU resolves it: AMP is on by default where bf16 is native
+    ("toy", *((["--no-amp"], "bf16 -> fp32") if NATIVE_BF16 else (["--amp"], "fp32 -> bf16"))),
     ("toy", ["--grad-accum-steps", "2"], "--grad-accum-steps 1 -> 2"),
     ("toy", ["--lr", "0.02"], "--lr 0.01 -> 0.02"),
     ("toy", ["--lr-scheduler", "linear"], "--lr-scheduler 'cosine' -> 'linear'"),

@@ -12,6 +12,7 @@ import warnings
 import zlib
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -29,6 +30,9 @@ EXTRA_KEYS = REQUIRED_KEYS - {"model", "optimizer"}
 # Building a model needs its fp32 weights at least (sample.py); the trainer adds gradients and
 # AdamW's two moments (16 bytes a parameter, as minigpt.config.check_size counts).
 WEIGHT_BYTES = 4
+# What a refusal of a checkpoint file offers besides an earlier checkpoint: the trainer's advice by
+# default; another caller (sample.py) passes its own, naming its own flags (`instead=`).
+INSTEAD = "train without --resume"
 CONFIG_JSON_LIMIT = 1 << 20  # config.json is a few KiB; read for the run id only
 
 
@@ -139,9 +143,9 @@ def nonfinite_tensor(state: dict, keys: tuple[str, ...] = ("model", "optimizer")
     return next((n for k in keys if k in state and (n := walk(state[k], k))), None)
 
 
-def check_whole(state: dict, path: str | Path) -> None:
+def check_whole(state: dict, path: str | Path, instead: str = INSTEAD) -> None:
     """A loaded checkpoint is the one that was saved (its checksum), with no NaN or inf: else one line."""
-    fix = "use an earlier checkpoint, or train without --resume"
+    fix = f"use an earlier checkpoint, or {instead}"
     saved = state.get(CHECKSUM_KEY)
     if saved is None:
         raise UsageError(f"checkpoint {path} carries no checksum (an older minigpt's, or edited); {fix}")
@@ -280,7 +284,7 @@ def _short(v) -> str:
     return f"({text[:40]})" if text else ""
 
 
-def read_state(path: Path):
+def read_state(path: Path, instead: str = INSTEAD):
     """torch.load as data only, every failure one line: no permission to read it (the only case
     that says permissions), or bytes that are not a checkpoint (truncated, damaged, a pickle with
     code in it). torch warns before it refuses a pickle of another protocol: that warning is
@@ -294,19 +298,20 @@ def read_state(path: Path):
             raise UsageError(f"cannot read checkpoint {path} ({e.strerror}); check its permissions") from None
         raise UsageError(
             f"checkpoint {path} cannot be read whole ({e.strerror or type(e).__name__}): it is "
-            "truncated or damaged; use an earlier checkpoint or train without --resume"
+            f"truncated or damaged; use an earlier checkpoint, or {instead}"
         ) from None
     except Exception as e:  # truncated zip, garbage bytes, a pickle with code in it
         raise UsageError(
             f"checkpoint {path} is damaged (corrupt or truncated) or not a checkpoint ({type(e).__name__}); "
-            "use an earlier checkpoint or train without --resume"
+            f"use an earlier checkpoint, or {instead}"
         ) from None
 
 
-def load_checkpoint(path: str | Path) -> dict:
+def load_checkpoint(path: str | Path, instead: str = INSTEAD) -> dict:
     """Load a checkpoint as plain data (tensors, numbers, strings): never code. Every field is
     checked for the type save_checkpoint gave it, so a hand-made or damaged file is refused by
-    name rather than failing later inside load_state_dict."""
+    name rather than failing later inside load_state_dict. `instead`: the caller's advice beside
+    "use an earlier checkpoint" in those refusals (INSTEAD: the trainer's)."""
     path = Path(path)
     if path.is_dir():
         raise UsageError(directory_message(path))
@@ -316,16 +321,16 @@ def load_checkpoint(path: str | Path) -> dict:
             "or point --checkpoint-path at one"
         )
     check_file_fits(path)
-    state = read_state(path)
+    state = read_state(path, instead)
     if not isinstance(state, dict) or not REQUIRED_KEYS <= state.keys():
         missing = sorted(REQUIRED_KEYS - state.keys()) if isinstance(state, dict) else sorted(REQUIRED_KEYS)
         raise UsageError(f"{path} is not a minigpt checkpoint (missing {', '.join(missing)})")
-    check_whole(state, path)
+    check_whole(state, path, instead)
     problem = _field_problem(state)
     if problem:
         raise UsageError(
             f"checkpoint {path} is malformed: {problem}; use a checkpoint written by "
-            "train_minimal.py, or train without --resume"
+            f"train_minimal.py, or {instead}"
         )
     check_model_fits(state["model_config"], path)
     del state[CHECKSUM_KEY]  # proven; save_checkpoint writes it anew
@@ -515,8 +520,10 @@ def check_resume(state: dict, cfg, optimizer: torch.optim.Optimizer, path: str |
 # and then each change is kept in config.json (changed_on_resume) and said in the log.
 CHANGES_THE_RUN = (
     "train_data val_data tokenizer_name use_toy_data max_tokens seed data_seed batch_size grad_accum_steps "
-    "lr min_lr lr_scheduler warmup_steps weight_decay grad_clip dropout amp amp_dtype tf32 chunked_loss"
+    "lr min_lr lr_scheduler warmup_steps weight_decay grad_clip dropout tf32 chunked_loss"
 ).split()
+# The precision is compared as the run resolves it (minigpt/instruments/mfu.py), not as flags: --amp
+# where AMP was on by default, or --amp-dtype under --no-amp, changes nothing.
 # Flags derived from others unless given (as parse_args derives them): compared where given now or
 # where given then (the saved value is not its derivation); else a change of the flag they derive
 # from says it (--seed for data_seed), or it is no change of the run's (--num-steps for warmup_steps).
@@ -533,7 +540,7 @@ def check_changes(saved: dict, cfg, saved_world: int, world: int, path, step: in
     cfg.changes (config.json's changed_on_resume)."""
     changes = []
     for k in CHANGES_THE_RUN:
-        if k not in saved or saved[k] == getattr(cfg, k):
+        if k not in saved or same(saved[k], getattr(cfg, k), k in ("train_data", "val_data")):
             continue
         if k in DERIVED and k not in getattr(cfg, "given", ()):
             try:
@@ -543,6 +550,8 @@ def check_changes(saved: dict, cfg, saved_world: int, world: int, path, step: in
             if derived_then:
                 continue
         changes.append(f"{flag_name(k)} {saved[k]!r} -> {getattr(cfg, k)!r}")
+    if "amp" in saved and (then := precision(saved, cfg.device)) != (now := precision(vars(cfg), cfg.device)):
+        changes.append(f"--amp/--amp-dtype: {then} -> {now}")
     changes += [f"world size {saved_world} -> {world}"] * (saved_world != world)
     if changes and not cfg.allow_changes:
         raise UsageError(
@@ -553,6 +562,30 @@ def check_changes(saved: dict, cfg, saved_world: int, world: int, path, step: in
     earlier = [c for c in earlier if isinstance(c, str)] if isinstance(earlier, list) else []
     cfg.changes = earlier + [f"at step {step}: {change}" for change in changes]
     return changes
+
+
+def same(then, now, paths: bool) -> bool:
+    """A flag's value then and now the same; `paths`: lists of paths, the same files however they
+    are written (./a.txt, a.txt, /home/me/a.txt from /home/me, through a link)."""
+    if paths and all(
+        isinstance(v, list) and all(isinstance(p, str) and "\0" not in p for p in v) for v in (then, now)
+    ):
+        return [os.path.realpath(p) for p in then] == [os.path.realpath(p) for p in now]
+    return then == now
+
+
+def precision(flags: dict, device: str) -> str:
+    """The dtype a run of these flags trains in on this machine ("bf16", "fp16", "fp32"), as the
+    trainer resolves --amp/--no-amp and --amp-dtype (`device`: --device's value)."""
+    from minigpt.instruments.mfu import resolve_amp
+
+    device = "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu"
+    kept = dict(amp=flags.get("amp"), amp_dtype=flags.get("amp_dtype"), tf32=bool(flags.get("tf32")))
+    amp = SimpleNamespace(**kept)
+    try:
+        return resolve_amp(amp, device)[0]
+    except UsageError:  # fp16 on the CPU: another machine's (a GPU's) run
+        return f"{amp.amp_dtype} autocast"
 
 
 def check_same_shape(saved: dict, current: dict, path: str | Path) -> None:

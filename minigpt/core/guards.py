@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import re
 import stat
@@ -49,6 +50,9 @@ def probe_writable(path: str | Path, what: str) -> None:
         raise UsageError(f"{what} {path} is a directory, not a file; {fix}, and name a file in it")
     for parent in path.parents:  # the nearest existing ancestor must be a folder
         if parent.exists() or parent.is_symlink():
+            if not parent.exists():  # a link to nothing: mkdir would say "File exists"
+                where = f"{parent} is a link to {os.readlink(parent)}, which does not exist"
+                raise UsageError(f"{what} {path} cannot be written: {where}; {fix}")
             if not parent.is_dir():
                 raise UsageError(f"{what} {path} cannot be written: {parent} is a file, not a folder; {fix}")
             break
@@ -84,6 +88,7 @@ def check_out_dir(path: str | Path, what: str = "--out-dir") -> None:
 # What a run keeps in its directory, by the kind of path it must be: a file at a folder's name (or
 # a folder at a file's) would end a resumed run in a traceback halfway into its start.
 RUN_FILES = (paths.CONFIG_FILE, paths.LOG_FILE, paths.METRICS_FILE, paths.STRAGGLERS_FILE, paths.REPORT_FILE)
+APPENDED = (paths.LOG_FILE, paths.METRICS_FILE, paths.STRAGGLERS_FILE)  # opened O_APPEND, never renamed
 RUN_FOLDERS = (
     paths.TENSORBOARD_DIR,
     paths.TRACE_DIR,
@@ -93,19 +98,44 @@ RUN_FOLDERS = (
 
 def check_run_files(out_dir: str | Path) -> None:
     """Every file and folder the run will write that is already there has the kind it must have
-    (a regular file, a folder): else one line naming it, before anything is touched."""
+    (a regular file, a folder): else one line naming it, before anything is touched. A file the
+    run appends to is neither a link nor a file with another name (a hard link, `cp -al`):
+    open_run_file would refuse it only at the first log line, after the start-up's work.
+    config.json and report.html are renamed into place, over a link; a link to a folder for tb/ or
+    checkpoints/ is the user's choice, said in the log, a link to nothing one line."""
     out_dir = Path(out_dir)
-    for name, want in [*((n, "file") for n in RUN_FILES), *((n, "folder") for n in RUN_FOLDERS)]:
+    for name in APPENDED:
         try:
-            mode = (out_dir / name).stat().st_mode
-        except OSError:  # not there (made when needed), or not reachable (the probes say why)
+            st = os.lstat(out_dir / name)
+        except OSError:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            raise UsageError(f"{out_dir / name} {paths.LINK}")
+        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+            raise UsageError(
+                f"{out_dir / name} is a hard link ({st.st_nlink} names): the run would append to the other "
+                "file too; replace it by a copy, or use another --out-dir"
+            )
+    for name, want in [*((n, "file") for n in RUN_FILES), *((n, "folder") for n in RUN_FOLDERS)]:
+        path = out_dir / name
+        try:
+            mode = path.stat().st_mode
+        except FileNotFoundError:  # not there (made when needed), or a link to nothing
+            if want == "folder" and path.is_symlink():  # mkdir would fail on it with "File exists"
+                raise UsageError(
+                    f"{path} is a link to {os.readlink(path)}, which does not exist, where the run keeps "
+                    f"its {name} (folder); make that folder, remove the link, or choose another --out-dir"
+                ) from None
+            continue
+        except OSError:  # not reachable (the probes say why)
             continue
         if not (stat.S_ISREG(mode) if want == "file" else stat.S_ISDIR(mode)):
             from minigpt.fileio import file_kind
 
             kind = "a file" if stat.S_ISREG(mode) else file_kind(mode)
+            kind = f"a link to {kind}" if path.is_symlink() else kind
             raise UsageError(
-                f"{out_dir / name} is {kind}, where the run keeps its {name} ({want}); "
+                f"{path} is {kind}, where the run keeps its {name} ({want}); "
                 "move it away, or choose another --out-dir"
             )
 
@@ -159,6 +189,12 @@ def check_checkpoint_path(path: str | Path, resume: bool) -> None:
     if path.is_dir():
         raise UsageError(directory_message(path))
     if resume and not path.is_file():
+        if written_with := sharded_flags(sharded_checkpoint_dir(path)):
+            flags, world = written_with
+            raise UsageError(
+                f"{sharded_checkpoint_dir(path)} holds a sharded checkpoint, written by {world} ranks with "
+                f"{flags}, not the one file {path}: add {flags} to resume it (under torchrun)"
+            )
         raise UsageError(
             f"no checkpoint at {path} to resume from; train without --resume first, "
             "or point --checkpoint-path at one"
@@ -177,8 +213,8 @@ def check_paths(run) -> None:
 
     check_names((run.path, "--out-dir"), (run.checkpoint, "--checkpoint-path"))  # past 4,096 bytes
     if run.sharded:
-        run.checkpoint = sharded_checkpoint_dir(run.checkpoint)
-        check_sharded_path(run.checkpoint, run.cfg.resume)
+        one_file, run.checkpoint = run.checkpoint, sharded_checkpoint_dir(run.checkpoint)
+        check_sharded_path(run.checkpoint, run.cfg.resume, one_file)
     else:
         check_checkpoint_path(run.checkpoint, run.cfg.resume)
     if run.dist_info.is_main:
@@ -262,9 +298,26 @@ def sharded_checkpoint_dir(path: str | Path) -> Path:
     return Path(path).with_suffix("")
 
 
-def check_sharded_path(folder: str | Path, resume: bool) -> None:
+def sharded_flags(folder: Path) -> tuple[str, int] | None:
+    """(the flags, the world size) a sharded checkpoint at `folder` (or its `.old`) was written
+    with, read off its meta: --tp N for its tensor-parallel degree, --fsdp where it sharded over data
+    too (or alone); None where no readable meta is there."""
+    for where in (folder, folder.with_name(folder.name + ".old")):
+        try:  # O_NONBLOCK, a regular file, 64 KiB at most: a FIFO or /dev/zero is no meta
+            with open(os.open(where / SHARDED_META, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+                meta = json.loads(f.read(1 << 16)) if stat.S_ISREG(os.fstat(f.fileno()).st_mode) else None
+            world, tp = int(meta["world_size"]), int(meta["tp"])
+        except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):
+            continue
+        if world >= 1 and tp >= 1:
+            return " ".join(["--fsdp"] * (tp == 1 or world > tp) + [f"--tp {tp}"] * (tp > 1)), world
+    return None
+
+
+def check_sharded_path(folder: str | Path, resume: bool, one_file: Path | None = None) -> None:
     """Before anything is built, as check_checkpoint_path for one file: --resume needs a sharded
-    checkpoint there, a new run must not overwrite one."""
+    checkpoint there (`one_file`: the checkpoint of one file the same flags would name without
+    --fsdp/--tp, said where it is the one there), a new run must not overwrite one."""
     folder = Path(folder)
     old = folder.with_name(folder.name + ".old")  # a crash between save_sharded's two renames
     found = (folder / SHARDED_META).is_file() or (old / SHARDED_META).is_file()
@@ -272,6 +325,11 @@ def check_sharded_path(folder: str | Path, resume: bool) -> None:
         raise UsageError(
             f"sharded checkpoint path {folder} is a file; --fsdp/--tp write a folder of shards "
             "there: choose another --checkpoint-path"
+        )
+    if resume and not found and one_file is not None and Path(one_file).is_file():
+        raise UsageError(
+            f"{one_file} is a checkpoint of one file, written without --fsdp/--tp, not a sharded one "
+            f"({folder}/): resume it without --fsdp/--tp"
         )
     if resume and not found:
         raise UsageError(

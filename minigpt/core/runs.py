@@ -68,7 +68,7 @@ def stop_on_signals():
 
 class Console(logging.StreamHandler):
     def handleError(self, record) -> None:  # a closed pipe, a full disk: the console goes quiet
-        self.setStream(open(os.devnull, "w"))  # noqa: SIM115  (the run's log file goes on)
+        self.stream = open(os.devnull, "w")  # noqa: SIM115  (not setStream: it flushes the dead one)
 
 
 class RunDir:

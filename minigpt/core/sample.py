@@ -1,6 +1,7 @@
-"""Text from a trained checkpoint: the model rebuilt from the checkpoint's own shape, and the
-sampling loop (temperature, top-k, a seeded generator). sample.py at the repository root is the
-command line around it."""
+"""Text from a trained checkpoint (or a Hugging Face GPT-2 folder): the model rebuilt from the
+checkpoint's own shape, and the sampling loop (temperature, top-k, a seeded generator) decoded with
+a cache of each layer's keys and values. sample.py at the repository root is the command line
+around it."""
 
 from __future__ import annotations
 
@@ -13,16 +14,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from minigpt.config import UsageError
-from minigpt.core.checkpoint import load_checkpoint
+from minigpt.config import GPT2_VOCAB, UsageError
+from minigpt.core.checkpoint import INSTEAD, load_checkpoint
 from minigpt.core.model import GPT, GPTConfig
 
 
-def load_model(path: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
+def load_model(path: str | Path, device: str = "cpu", instead: str = INSTEAD) -> tuple[GPT, dict]:
     """The GPT of a checkpoint (loaded as data, weights_only) in eval mode, and the run's
     training config (which tokenizer, toy data or not). A checkpoint edited by hand into a shape
-    no GPT has, or a config of the wrong types, is refused in one line before anything is built."""
-    state = load_checkpoint(path)
+    no GPT has, or a config of the wrong types, is refused in one line before anything is built.
+    `instead`: what a refusal of a damaged file offers besides an earlier checkpoint (the caller's flags)."""
+    state = load_checkpoint(path, instead)
     known = {f.name for f in fields(GPTConfig)}
     cfg = GPTConfig(**{k: v for k, v in state["model_config"].items() if k in known})
     if cfg.d_model % cfg.n_heads:
@@ -46,6 +48,21 @@ def load_model(path: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
             f"({str(e).splitlines()[0]}); the file was edited or damaged"
         ) from None
     return model.to(device).eval(), state["config"]
+
+
+def load_folder(folder: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
+    """The GPT of a Hugging Face GPT-2 folder (minigpt/core/gpt2.py's load_pretrained: its shape,
+    its weights, every refusal one line) in eval mode, and the config sampling reads, as a run's
+    would say it: GPT-2's tokenizer where the folder's vocabulary holds GPT-2's ids, else token
+    ids in and out (a --use-toy-data run exported with `python -m minigpt export`)."""
+    from minigpt.core.gpt2 import load_pretrained, read_shape
+
+    shape = read_shape(Path(folder))
+    # The folder's own vocabulary and positions: load_pretrained checks a run's against them.
+    fits = GPTConfig(shape["vocab_size"], shape["max_position_embeddings"], dropout=0.0)
+    model = load_pretrained(folder, fits)
+    as_run = {"use_toy_data": shape["vocab_size"] < GPT2_VOCAB, "vocab_size": shape["vocab_size"]}
+    return model.to(device).eval(), {**as_run, "tokenizer_name": "gpt2"}
 
 
 def weights_problem(cfg: GPTConfig, weights: dict) -> str | None:
@@ -136,6 +153,67 @@ class Draw:
         return F.softmax(logits, dim=-1)
 
 
+class KVCache:
+    """The model's forward, one new token at a time: each block's keys and values are kept, so a
+    new token attends to them instead of the whole context being computed again (prefill the
+    prompt in one pass, then one token a step). It runs the model's own modules and weights
+    (wte, wpe, each block's ln_1, attn.qkv, attn.proj, ln_2, mlp, then ln_f and lm_head), and
+    computes attention as model.py does: the same numbers, to float rounding.
+
+    The positions are learned and absolute: a key is made for its position. Once the context
+    fills the position table, the window slides by one each token and every position changes, so
+    nothing kept is valid any more: `generate` then prefills the cropped context again (reset())."""
+
+    def __init__(self, model: GPT):
+        self.model, self.length = model, 0
+        self.keys: list[torch.Tensor] = []  # per block: (batch, heads, max_position_embeddings, head dim)
+        self.values: list[torch.Tensor] = []
+
+    def reset(self) -> None:
+        self.length = 0  # the buffers stay: they are overwritten from position 0
+
+    @torch.no_grad()
+    def forward(self, idx: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """Logits (batch, time, vocab) for the tokens `idx` (batch, time) that follow the cached
+        ones, at positions length.. length + time; only the last position's unless `all_logits`
+        (the head's V x d product is most of a small model's work per token)."""
+        model, start = self.model, self.length
+        (B, T), end = idx.shape, self.length + idx.size(1)
+        if end > model.cfg.max_position_embeddings or self.keys and self.keys[0].size(0) != B:
+            raise ValueError(
+                f"{B} rows at positions {start}..{end - 1}: a cache holds one batch, and "
+                f"{model.cfg.max_position_embeddings} positions"
+            )
+        x = model.drop(model.wte(idx) + model.wpe(torch.arange(start, end, device=idx.device)))
+        for i, block in enumerate(model.blocks):
+            attn = block.attn
+            qkv = attn.qkv(block.ln_1(x))
+            width, C = qkv.size(-1) // 3, x.size(-1)
+            q, k, v = (t.view(B, T, -1, C // attn.n_heads).transpose(1, 2) for t in qkv.split(width, dim=2))
+            if i == len(self.keys):  # the first pass: room for the whole position table
+                shape = (B, k.size(1), model.cfg.max_position_embeddings, k.size(3))
+                self.keys.append(k.new_empty(shape))
+                self.values.append(v.new_empty(shape))
+            self.keys[i][:, :, start:end] = k
+            self.values[i][:, :, start:end] = v
+            k, v = self.keys[i][:, :, :end], self.values[i][:, :, :end]
+            mask = None  # one new token (or the whole prompt, causal) sees every kept position
+            if start and T > 1:  # several new tokens after kept ones: each sees those before it
+                mask = torch.ones(T, end, dtype=torch.bool, device=x.device).tril(start)
+            y = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=not start and T > 1,
+                dropout_p=attn.dropout * attn.training,
+            )
+            x = x + attn.resid_dropout(attn.proj(y.transpose(1, 2).reshape(B, T, width)))
+            x = x + block.mlp(block.ln_2(x))
+        self.length = end
+        return model.lm_head(model.ln_f(x if all_logits else x[:, -1:]))
+
+
 @torch.no_grad()
 def generate(
     model: GPT,
@@ -147,16 +225,28 @@ def generate(
 ) -> torch.Tensor:
     """Extend each row of idx (batch, time) by max_new_tokens tokens, each drawn as `draw` says.
 
-    The context is cropped to the model's max_position_embeddings (its position table ends
-    there). The draw uses `generator`, so a seed fixes the text. `on_token` is called after each
-    new token (a progress bar's update)."""
+    Decoded with a KVCache: the prompt in one pass, then one token at a time. The context is
+    cropped to the model's max_position_embeddings (its position table ends there); past it the
+    window slides each token and the cropped context is prefilled again (KVCache's docstring).
+    The draw uses `generator`, so a seed fixes the text. `on_token` is called after each new token
+    (a progress bar's update)."""
     context = model.cfg.max_position_embeddings
-    for _ in range(max_new_tokens):
-        logits, _ = model(idx[:, -context:])
+    if not max_new_tokens:
+        return idx
+    cache = KVCache(model)
+    logits = cache.forward(idx[:, -context:])
+    for n in range(max_new_tokens):
         nxt = torch.multinomial(draw.probabilities(logits[:, -1, :]), num_samples=1, generator=generator)
         idx = torch.cat([idx, nxt], dim=1)
         if on_token is not None:
             on_token()
+        if n + 1 == max_new_tokens:
+            break  # no forward for a token that will not be drawn
+        if cache.length == context:  # the window slides: every position changes
+            cache.reset()
+            logits = cache.forward(idx[:, -context:])
+        else:
+            logits = cache.forward(nxt)
     return idx
 
 

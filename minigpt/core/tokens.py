@@ -190,6 +190,10 @@ def text_tokens(f, path: str, name: str, say: bool) -> np.ndarray:
         return ids
     if size == 0:
         raise UsageError(f"data file {path} is empty; give a file with some text")
+    if os.path.isdir(cached) and not os.path.islink(cached):  # os.replace cannot take its name: one note
+        note = f"note: {cached} is a folder, not this text's tokens: the ids are kept in memory"
+        print(note, file=sys.stderr)
+        return in_memory(f, path, size, name, say)
     if os.path.lexists(cached):
         print(f"note: {cached} is not this text's tokens (damaged): tokenised again", file=sys.stderr)
     elif say and size > PIECE:  # a text that takes a while
@@ -212,6 +216,10 @@ def text_tokens(f, path: str, name: str, say: bool) -> np.ndarray:
     finally:
         with contextlib.suppress(OSError):  # gone, or no folder to be in
             tmp.unlink()
+    return in_memory(f, path, size, name, say)
+
+
+def in_memory(f, path: str, size: int, name: str, say: bool) -> np.ndarray:
     out = io.BytesIO()
     tokenise(f, out, path, size, encoding(name), say)
     return np.frombuffer(out.getbuffer(), "<u2")
@@ -240,14 +248,14 @@ def tokenise(src, out, path: str, size: int, enc, say: bool) -> int:
         cut = last_cut(text) if raw else len(text)  # the end: all of it
         if cut is None:  # no safe cut yet: read on
             rest = text
-            continue
-        text, rest = text[:cut], text[cut:]
-        ids = np.array(enc.encode_ordinary(text), dtype="<u2")
-        out.write(ids.tobytes())
-        count += len(ids)
+        else:
+            text, rest = text[:cut], text[cut:]
+            ids = np.array(enc.encode_ordinary(text), dtype="<u2")
+            out.write(ids.tobytes())
+            count += len(ids)
         if not raw:
             return count
-        if say and time.monotonic() - said >= SAY_EVERY_S:
+        if say and time.monotonic() - said >= SAY_EVERY_S:  # read on or not: never silent
             said = time.monotonic()
             line = f"tokenising {path}: {src.tell() / size:.0%} of {size / 2**20:,.0f} MiB, {said - t0:.0f} s"
             print(line, file=sys.stderr, flush=True)
