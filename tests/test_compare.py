@@ -116,7 +116,10 @@ def test_losses_at_common_steps(pair, tmp_path):
 
 def test_text_output(pair):
     text = format_compare(compare_runs(*pair))
-    assert "ratios are B / A with their 95% interval" in text
+    assert "B/A is B over A with its 95% interval" in text
+    # A header of sentences a terminal holds: each line at most 160 characters, each sentence whole.
+    header = text.splitlines()[2:6]
+    assert all(len(x) <= 160 and x.endswith((".", ",")) for x in header) and "is (" not in text, header
     # Every interval the same: the interval is the ratio itself.
     assert "tokens/s per step, intervals" in text and "2.00x (2.00-2.00)" in text
     assert "forward" in text and "aten::mm" in text and "new" in text and "gone" in text
@@ -183,13 +186,17 @@ def test_a_real_speed_up_has_its_interval_and_noise_says_so(tmp_path):
     )
     fwd = next(r for r in d["stages"] if r["stage"] == "forward")
     assert fwd["host_interval"]["high"] < 0.55 and fwd["host_verdict"].startswith("0.5")
-    # The same speed, 30% noise per interval: no percentage, the verdict says noise.
+    # The same speed, 30% noise per interval: the ratio and its interval beside the verdict that
+    # says noise, in the text as in --json.
     same = noisy(make_run(tmp_path / "c", steps=STEPS, tokens_per_s=1000.0), 0.3, 3)
     d = compare_runs(base, same)
-    text = format_compare(d)
-    row = next(x for x in text.splitlines() if x.startswith("tokens/s per step"))
-    assert row.endswith("no difference within noise") and "x (" not in row
-    assert headline(d).startswith("tokens/s per step: no difference within noise")
+    tok = next(r for r in d["throughput"] if r["metric"] == "tokens_per_s")
+    iv = tok["interval"]
+    said = f"{iv['ratio']:.2f}x ({iv['low']:.2f}-{iv['high']:.2f}): no difference within noise"
+    assert iv["low"] < 1.0 < iv["high"] and tok["verdict"] == iv["verdict"] == said
+    row = next(x for x in format_compare(d).splitlines() if x.startswith("tokens/s per step"))
+    assert row.endswith(said), row
+    assert headline(d).startswith(f"tokens/s per step {said}")
 
 
 def test_run_wide_figures_are_one_per_run_and_claim_no_ratio(tmp_path):
@@ -221,7 +228,8 @@ def test_too_few_intervals_claim_no_ratio_and_say_what_is_needed(tmp_path, steps
     )
     assert d["samples"] == {"a": had, "b": had, "needed": 3, "shortfall": need}
     text = format_compare(d)
-    assert f"no ratio claimed: {need}" in text.splitlines()
+    said, advice = need.split(": rerun")  # the advice on a line of its own: a terminal holds both
+    assert f"no ratio claimed: {said}:\n  rerun{advice}\n" in text
     assert "1.36x" not in text and "1.36x" not in headline(d)
     assert headline(d) == need
     tok = next(r for r in d["throughput"] if r["metric"] == "tokens_per_s")

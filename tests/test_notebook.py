@@ -29,7 +29,8 @@ def test_profiling_notebook_runs(tmp_path, monkeypatch):
     assert not [o for o in outputs if o.output_type == "error"]
     text = "\n".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "top host operators by self time" in text and "aten::" in text  # the trace summary
-    assert "ratios are B / A" in text and "activation_checkpoint" in text  # the comparison
+    assert "B/A is B over A" in text and "activation_checkpoint" in text  # the comparison
+    assert "Consider using IPython.display.IFrame" not in text  # the report's frame shown without a warning
     frames = [o for o in outputs if "text/html" in o.get("data", {})]
     assert frames and "srcdoc=" in frames[0]["data"]["text/html"]  # the report, inline
     assert (tmp_path / "runs" / "base" / "report.html").exists()

@@ -335,7 +335,7 @@ def test_remeasure_goes_with_time_and_measures_the_peak_too(tmp_path, monkeypatc
     assert estimate.main(flags) == 0
     out = capsys.readouterr().out
     assert list(peaks[0]) == ["another machine"]  # this machine's figures forgotten, measured again
-    assert out.startswith("MFU peak 1 TFLOP/s (fp32, the device's fastest); measured now: x\n")
+    assert out.startswith("MFU peak 1 TFLOP/s (fp32, the device's fastest)\n  measured now: x\n")
 
 
 def test_cached_rates_are_reused_without_measuring_again(tmp_path, monkeypatch, counted):

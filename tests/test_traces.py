@@ -24,16 +24,19 @@ from minigpt.analysis import traces as traces_mod
 from minigpt.analysis.traces import Launches, tensor_cores, union_us
 from minigpt.config import STAGE_NAMES
 
-# Real traces written by other projects: ../shared/traces beside the clone (as in CI and /work/main);
-# MINIGPT_SHARED_TRACES points elsewhere (a git worktree one level deeper).
+# Real traces written by other projects (torch-tb-profiler's samples, from pytorch/kineto's
+# tb_plugin): the folder in MINIGPT_SAMPLE_TRACES, else a `traces` folder beside the clone (where
+# the project's CI keeps them). A clone without them skips these tests, saying what they need.
+SAMPLE_TRACES_ENV = "MINIGPT_SAMPLE_TRACES"
 SHARED_TRACES = Path(
-    os.environ.get("MINIGPT_SHARED_TRACES", Path(__file__).resolve().parents[1].parent / "shared" / "traces")
+    os.environ.get(SAMPLE_TRACES_ENV, Path(__file__).resolve().parents[1].parent / "shared" / "traces")
 )
 RESNET = SHARED_TRACES / "tb_plugin_resnet50_worker0.1623143089861.pt.trace.json.gz"
 GPU_METRICS = SHARED_TRACES / "tb_plugin_gpu_metrics_input.json"
 needs_shared = pytest.mark.skipif(
     not RESNET.exists() or not GPU_METRICS.exists(),
-    reason=f"torch-tb-profiler's sample traces are not in {SHARED_TRACES}",
+    reason=f"needs torch-tb-profiler's sample traces ({RESNET.name}, {GPU_METRICS.name}, from "
+    f"pytorch/kineto's tb_plugin): set {SAMPLE_TRACES_ENV} to the folder that holds them",
 )
 
 STAGES = ["data_to_device", "forward", "backward", "optimizer_step"]

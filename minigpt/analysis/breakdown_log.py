@@ -6,7 +6,9 @@ report reads it back. Standard library only: the analysis tools import it withou
 
 from __future__ import annotations
 
+import calendar
 import re
+import time
 from collections import defaultdict
 
 MiB = MB = 2**20  # memory.log writes "MiB"; InternEvo's logs say "MB" for the same 2^20 bytes
@@ -93,6 +95,15 @@ _LAYER = re.compile(
 _MB_FIELD = re.compile(r"(\w+): (-?[\d.]+) Mi?B\b")
 
 
+def read_time(text: str) -> float:
+    """memory.log's `time:` as a Unix time: minigpt writes "2026-11-28 17:56:39 UTC", InternEvo
+    the Unix time itself."""
+    try:
+        return float(text)
+    except ValueError:
+        return float(calendar.timegm(time.strptime(text, "%Y-%m-%d %H:%M:%S UTC")))
+
+
 def parse_memory_log(text: str) -> list[dict]:
     """memory.log back into numbers: one dict per `Memory State:` with step, time, summary (bytes;
     exact where the log has a bytes line, else from the MB figures), activation_dtypes (bytes from
@@ -124,7 +135,7 @@ def parse_memory_log(text: str) -> list[dict]:
             head, rest = stripped.split(":", 1)
             state[head] = rest.strip()
         elif stripped.startswith("time:"):
-            state["time"] = float(stripped.split(":", 1)[1])
+            state["time"] = read_time(stripped.split(":", 1)[1].strip())
         elif stripped.startswith("bytes:"):
             for item in stripped.split(":", 1)[1].split(","):
                 k, v = item.strip().split("=")

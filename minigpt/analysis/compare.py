@@ -14,7 +14,7 @@ is new in B, gone from A, or changed; and the losses at the steps both runs logg
 traces compare without the operator tables.
 
 Every timing ratio comes with its 95% interval (minigpt.analysis.stats: Welch's t on the log samples), and
-one whose interval holds 1.0 reads "no difference within noise". The samples are the logged
+one whose interval holds 1.0 adds "no difference within noise". The samples are the logged
 intervals that hold a steady step, each the mean of its steady steps (the warm-up and the steps an
 instrument slows are left out of every interval, the first included), and the profiled steps
 of the traces: they measure a run's step-to-step noise, not the noise between processes (repeat
@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import textwrap
 from pathlib import Path
 
 from minigpt.analysis.html import check_page_path, esc, page, table, write_page
@@ -52,7 +53,7 @@ from minigpt.analysis.report import (
     throughput,
 )
 from minigpt.analysis.runfiles import Run, RunError, load_run
-from minigpt.analysis.stats import MIN_SAMPLES, RatioInterval, needed_samples, ratio_interval, verdict
+from minigpt.analysis.stats import MIN_SAMPLES, RatioInterval, needed_samples, ratio_interval
 from minigpt.config import BUSY, SPLITS, ArgParser
 from minigpt.errors import Fault, UsageError
 from minigpt.fileio import check_names
@@ -117,6 +118,12 @@ def interval_of(a: list[float], b: list[float], method: str) -> tuple[RatioInter
     return iv, verdict(iv)
 
 
+def verdict(iv: RatioInterval) -> str:
+    """The ratio with its 95% interval, and what a reader may conclude from it when the interval
+    holds 1.0: "1.02x (0.98-1.06): no difference within noise", else "1.23x (1.10-1.38)"."""
+    return f"{iv.ratio:.2f}x ({iv.low:.2f}-{iv.high:.2f})" + (": no difference within noise" * iv.holds_one)
+
+
 def _set_interval(
     row: dict, a: list[float], b: list[float], method: str, prefix: str = "", short: bool = False
 ) -> None:
@@ -131,7 +138,7 @@ def _set_interval(
     iv, text = interval_of(a, b, method)
     if short and text == "-" and not (a and b and min(a + b) <= 0):
         text = TOO_FEW
-    row[f"{prefix}interval"] = iv.to_json() if iv else None
+    row[f"{prefix}interval"] = {**iv.to_json(), "verdict": text} if iv else None
     row[f"{prefix}verdict"] = text
     if iv:
         figures, ratio_key = (f"{prefix}ms", f"{prefix}ratio") if prefix else ("", "ratio")
@@ -476,7 +483,7 @@ def _table(head: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,))
 THROUGHPUT_LABELS = {
     "run_tokens_per_s": ("tokens/s in steady state (run)", 1, 0),
     "tokens_per_s_e2e": ("tokens/s end to end (run)", 1, 0),
-    "startup_s": ("start-up s (in neither rate)", 1, 2),
+    "startup_s": ("start-up s (run; in neither rate)", 1, 2),
     "tokens_per_s": ("tokens/s per step, intervals", 1, 0),
     "tokens_per_s_per_rank": ("  per rank", 1, 0),
     "run_mfu": ("MFU % (run)", 100, 1),
@@ -505,11 +512,10 @@ def _run_v(metric: str, x, scale: float, digits: int) -> str:
 
 
 def _claim(name: str, row: dict, prefix: str = "") -> str:
-    """One ratio for the headline: "forward 0.50x (0.48-0.52)", "forward: no difference within
-    noise", "forward: -" (a colon where no ratio is claimed)."""
-    iv = row.get(f"{prefix}interval")
-    claimed = iv is not None and not iv["low"] <= 1.0 <= iv["high"]
-    return f"{name}{' ' if claimed else ': '}{row.get(f'{prefix}verdict', '-')}"
+    """One ratio for the headline: "forward 0.50x (0.48-0.52)", "forward 1.02x (0.98-1.06): no
+    difference within noise", "forward: -" (a colon where there is no ratio)."""
+    has_ratio = row.get(f"{prefix}interval") is not None
+    return f"{name}{' ' if has_ratio else ': '}{row.get(f'{prefix}verdict', '-')}"
 
 
 def headline(d: dict, top: int = 2) -> str:
@@ -593,6 +599,24 @@ MATCHED_TABLES = (
 )
 
 
+# What the text's figures are, in sentences of at most 160 characters a line.
+HEADER = (
+    "B/A is B over A with its 95% interval: Welch's t over the logged intervals' steady steps (warm-up "
+    "left out),",
+    "  which measures each run's step-to-step noise, not the noise between processes. An interval that "
+    'holds 1.0 adds "no difference within noise".',
+    'Rows marked "(run)" hold each run\'s figure from its last metrics record: one figure per run, so no '
+    "interval.",
+    "The other rows hold the geometric means of the logged intervals' steady steps and B/A their ratio "
+    "(the medians' where there is no interval).",
+)
+
+
+def _prose(text: str, width: int = 160) -> list[str]:
+    """A sentence of the text's head as lines of at most `width` characters, continuations indented."""
+    return [x for line in text.split("\n") for x in textwrap.wrap(line, width, subsequent_indent="  ")]
+
+
 def format_compare(d: dict) -> str:
     """The comparison as text tables (what `python -m minigpt compare A B` prints)."""
     a, b = d["a"], d["b"]
@@ -602,16 +626,12 @@ def format_compare(d: dict) -> str:
             f"{r['logged_steps']} logged steps)"
             for k, r in (("A", a), ("B", b))
         ),
-        "ratios are B / A with their 95% interval, over the logged intervals' steady steps (warm-up "
-        "left out; Welch t: each run's step-to-step noise, not the noise between processes);",
-        'an interval that holds 1.0 reads "no difference within noise". A and B: the run\'s figures from '
-        "its last metrics record; the others the geometric means of the logged intervals' steady steps, "
-        "whose ratio B/A is (medians where there is no interval)",
+        *HEADER,
     ]
-    if d["samples"]["shortfall"]:
-        out.append(f"no ratio claimed: {d['samples']['shortfall']}")
-    out += d["busy"]
-    out += [f"note: {n}" for n in d["notes"]]
+    if d["samples"]["shortfall"]:  # the advice on a line of its own
+        out += _prose(f"no ratio claimed: {d['samples']['shortfall']}".replace(": rerun", ":\n  rerun"))
+    for line in [*d["busy"], *(f"note: {n}" for n in d["notes"])]:
+        out += _prose(line)
     if d["config_diff"]:
         out += ["", "flags that differ:"] + [f"  {k}: {x} -> {y}" for k, (x, y) in d["config_diff"].items()]
     if d["throughput"]:
@@ -651,9 +671,10 @@ def _stage_lines(d: dict) -> list[str]:
             for r in d["stages"]
         ]
         title = "stage ms per step (metrics.jsonl; geometric means of the intervals; B/A theirs, 95% CI)"
-        out += ["", title] + _table(
-            ["stage", "host A", "host B", "B/A", "device A", "device B", "B/A"], rows, left=(0, 3, 6)
-        )
+        head = ["stage", "host A", "host B", "B/A", "device A", "device B", "B/A"]
+        if all(r.get("device_ms") == r.get("host_ms") for r in d["stages"]):  # a CPU's one clock
+            head, rows = ["stage", "ms A", "ms B", "B/A"], [row[:4] for row in rows]
+        out += ["", title] + _table(head, rows, left=(0, 3, 6))
     if d["trace_stages"]:
         gpu = any("device_busy_ms" in r for r in d["trace_stages"])
         rows = []
@@ -683,7 +704,7 @@ def compare_html(d: dict, a: Run, b: Run) -> str:
     parts.append(
         "<p>Ratios are B / A with their 95% interval over the logged intervals' steady steps (warm-up "
         "left out; Welch t on the log samples: each run's step-to-step noise, not the noise between "
-        "processes); an interval that holds 1.0 reads &ldquo;no difference within noise&rdquo;.</p>"
+        "processes); an interval that holds 1.0 adds &ldquo;no difference within noise&rdquo;.</p>"
     )
     parts.append(
         section(

@@ -64,25 +64,69 @@ LEFT_OUT = {
 }
 
 
+# A list of steps (torch.compile's recompilations) longer than this many runs is counted, not listed.
+STEP_RUNS_SHOWN = 8
+
+
 def step_list(steps: list[int]) -> str:
-    """[1] -> "step 1"; [49, 50, 51, 60] -> "steps 49-51, 60"."""
+    """[1] -> "step 1"; [49, 50, 51, 60] -> "steps 49-51, 60"; past STEP_RUNS_SHOWN runs of steps,
+    the rest counted ("and 12 more"), so that the line stays one a terminal holds."""
     runs: list[list[int]] = []
     for n in sorted(steps):
         if runs and n == runs[-1][-1] + 1:
             runs[-1].append(n)
         else:
             runs.append([n])
-    text = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+    text = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs[:STEP_RUNS_SHOWN])
+    if rest := sum(len(r) for r in runs[STEP_RUNS_SHOWN:]):
+        text += f" and {rest} more"
     return f"step{'s' if len(steps) > 1 else ''} {text}"
 
 
-def describe_left_out(run_left_out: dict) -> str:
-    """ "step 1, 18.43s: torch.compile compiling, and kernel warm-up; steps 5-6, 0.08s: ..." """
+LINE = 160  # the longest line the log prints after its timestamp: one a terminal holds
+
+
+def fit(text: str, width: int = LINE, sep: str = " | ", indent: str = "    ") -> list[str]:
+    """A log line of `sep`-separated parts as lines of at most `width` characters: the parts in
+    order, a line broken only between two of them, each continuation indented."""
+    if len(text) <= width:
+        return [text]
+    lines: list[str] = []
+    for part in text.split(sep):
+        if lines and len(lines[-1]) + len(sep) + len(part) <= width:
+            lines[-1] += sep + part
+        else:
+            lines.append(indent + part if lines else part)
+    return lines
+
+
+def group_left_out(left_out: list[dict]) -> dict[str, str]:
+    """An interval's left-out steps (StepRecord.left_out) by reason, each reason once, in order:
+    {"profiler": "steps 4-6 0.03s"}, so that a profiler window is one phrase of the log line."""
+    if len({x["why"] for x in left_out}) == len(left_out):  # each reason once (the usual): as they are
+        return {x["why"]: f"step {x['step']} {x['s']:.2f}s" for x in left_out}
+    groups: dict[str, list[dict]] = {}
+    for x in left_out:
+        groups.setdefault(x["why"], []).append(x)
+    return {
+        why: f"{step_list([x['step'] for x in xs])} {sum(x['s'] for x in xs):.2f}s"
+        for why, xs in groups.items()
+    }
+
+
+def left_out_parts(run_left_out: dict) -> list[str]:
+    """Each reason a step was left out of the steady figures, one phrase each:
+    "step 1, 18.43s: torch.compile compiling, and kernel warm-up"."""
     parts = []
     for why, e in run_left_out.items():
         if isinstance(e, dict) and e.get("steps") and isinstance(e.get("s"), (int, float)):
             parts.append(f"{step_list(e['steps'])}, {e['s']:.2f}s: {LEFT_OUT.get(why, why)}")
-    return "; ".join(parts)
+    return parts
+
+
+def describe_left_out(run_left_out: dict) -> str:
+    """ "step 1, 18.43s: torch.compile compiling, and kernel warm-up; steps 5-6, 0.08s: ..." """
+    return "; ".join(left_out_parts(run_left_out))
 
 
 def format_duration(seconds: float) -> str:

@@ -385,6 +385,9 @@ def stages_section(run: Run) -> str:
         ("stage_device_ms", "device ms"),
         ("stage_comm_ms", "in collectives ms"),
     ]
+    one_clock = all(r.get("stage_device_ms") == r.get("stage_host_ms") for r in run.metrics)  # a CPU's
+    if one_clock:  # its device times are its host times: drawn once, as "ms"
+        keys = [("stage_host_ms", "ms"), keys[2]]
     keys = [(k, t) for k, t in keys if any(r.get(k) for r in run.metrics)]
     if not keys:
         return nodata("no stage times: the run had --no-stage-timing, or logged no step")
@@ -416,10 +419,14 @@ def stages_section(run: Run) -> str:
     # are apart, so a stop and resume that logs steps 1 apart drew every bar hair-thin.
     fig.update_xaxes(title_text="logged step", type="category")
     fig.update_yaxes(title_text="ms per step (mean over the interval)", row=1, col=1)
+    clocks = (
+        "On the CPU host and device share one clock: one time per stage."
+        if one_clock
+        else "On a GPU the host returns early and the device column says where the GPU spent its time."
+    )
     note = (
         "<p>Each bar is the mean over its log interval's steady steps (warm-up and instrumented steps "
-        "left out: the summary names them). On the CPU a stage's device time is its host time; "
-        "on a GPU the host returns early and the device column says where the GPU spent its time.</p>"
+        f"left out: the summary names them). {clocks}</p>"
     )
     rows = []
     for name in names:

@@ -9,7 +9,7 @@ import signal
 import time
 from pathlib import Path
 
-from minigpt.analysis.record import StepRecord, describe_left_out, format_duration
+from minigpt.analysis.record import StepRecord, format_duration, left_out_parts
 from minigpt.config import CONFIG_FILE, LOG_FILE, METRICS_FILE, REPORT_FILE, TRACE_DIR
 from minigpt.core.data import cache_dir
 from minigpt.instruments.peak import PEAK_CACHE_FILE, machine_key, write_cache
@@ -90,7 +90,7 @@ def keep_achieved(device: str, peak, achieved: float) -> str | None:
     )
     return (
         f"MFU passed 100%: the run achieved {achieved / 1e12:.3g} TFLOP/s, above its measured peak of "
-        f"{peak.value / 1e12:.3g}; the next run's peak is at least that ({path})"
+        f"{peak.value / 1e12:.3g};\n  the next run's peak is at least that ({path})"
     )
 
 
@@ -128,19 +128,18 @@ def finished_lines(
             line += f"; a steady step of {steady_ms:.1f} ms, {steady_ms / predicted_ms:.0%} of the predicted "
             line += f"{predicted_ms:.1f}"
         lines.append(line)
-    if left := describe_left_out(r.run_left_out):
-        lines.append(f"  left out: {left}")
+    lines += [f"  left out: {part}" for part in left_out_parts(r.run_left_out)]  # a line per reason
     startup = (
         f"start-up {format_duration(r.startup_s)}" if r.startup_s is not None else "start-up not measured"
     )
     lines.append(
         f"  end to end: {r.tokens_per_s_e2e:,.0f} tokens/s over {r.elapsed_s:.2f}s of loop (evaluations, "
-        f"logging and checkpoints included); {startup} before the loop, in neither figure"
+        f"logging, checkpoints in it); {startup} before the loop, in neither figure"
     )
     if r.run_busy:
         lines.append(
-            f"  busy: other processes took over a quarter of the cores in {r.run_busy:.0%} of the steady "
-            "steps: re-run on a quiet machine before comparing"
+            f"  busy: others took over a quarter of the cores in {r.run_busy:.0%} of the steady steps: "
+            "re-run on a quiet machine before comparing"
         )
     return lines
 
@@ -151,4 +150,4 @@ def predicted_line(p: dict) -> str:
     sheet = str(p.get("rates_source", "")).startswith("table")
     source = "a data sheet's rates, unchecked" if sheet else "this machine's measured rates"
     where = p.get("rates_source", "?")
-    return f"Predicted step: {p.get('step_ms', 0):.1f} ms ({stages}), from {source} [{where}]"
+    return f"Predicted step: {p.get('step_ms', 0):.1f} ms ({stages}),\n  from {source} [{where}]"

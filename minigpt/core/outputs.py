@@ -11,7 +11,7 @@ from dataclasses import asdict
 import torch
 
 from minigpt import config
-from minigpt.analysis.record import StepRecord
+from minigpt.analysis.record import LINE, StepRecord, fit, group_left_out
 from minigpt.config import open_run_file
 from minigpt.errors import NonFiniteLoss
 
@@ -118,7 +118,7 @@ def log_lines(m: StepRecord) -> list[str]:
     then its stages: one number each where host and device share a clock (the CPU), host/device on
     a GPU, where the host runs ahead and waits later; then what was left out and why."""
     val = f" | val {m.val_loss:.4f}" if m.val_loss is not None else ""
-    steady = "" if m.steady_steps else f" ({', '.join(x['why'] for x in m.left_out)}, not steady)"
+    steady = "" if m.steady_steps else f" ({', '.join(group_left_out(m.left_out))}, not steady)"
     gib = m.memory.get("peak_allocated_gib", m.memory.get("rss_bytes", 0) / 2**30)  # CUDA's, or the CPU's RSS
     memory = f"{'mem' if 'peak_allocated_gib' in m.memory else 'rss'} {gib:.2f} GiB"
     if "peak_reserved_gib" in m.memory:  # what the caching allocator holds beyond it: fragmentation
@@ -133,10 +133,10 @@ def log_lines(m: StepRecord) -> list[str]:
     if m.stage_comm_ms:
         comm = " ".join(f"{label(k)} {v:.1f}" for k, v in m.stage_comm_ms.items())
         stages += f" | in collectives{f' (step {m.comm_step})' if m.comm_step else ''}: {comm}"
-    stages += "".join(f" | left out: step {x['step']} {x['s']:.2f}s ({x['why']})" for x in m.left_out)
+    stages += "".join(f" | left out: {steps} ({why})" for why, steps in group_left_out(m.left_out).items())
     if peak := (m.memory_breakdown or {}).get("peak"):
         stages += f" | allocator peak {peak / 2**20:,.1f} MiB in step {m.memory_breakdown['step']}"
-    return [line, stages]
+    return [line, stages] if max(len(line), len(stages)) <= LINE else [*fit(line), *fit(stages)]
 
 
 def tensorboard_scalars(r: StepRecord):

@@ -924,7 +924,7 @@ def format_memory_log(b: MemoryBreakdown, estimate: MemoryEstimate | None = None
     lines = [
         "Memory State:",
         f"step: {b.step}",
-        f"time: {b.time}",
+        f"time: {time.strftime(TIME_FORMAT, time.gmtime(b.time))}",  # InternEvo's is a Unix time
         "---summary---",
         f"total_memory: {_mb(b.total)}",
         f"params_memory: {_mb(s['params'])}, grads_memory: {_mb(s['grads'])}, "
@@ -1107,8 +1107,8 @@ def _cuda_lines(b: MemoryBreakdown) -> list[str]:
         ),
         ("held from before the step", b.peak_part("held")),
     ]
-    said = ", ".join(f"{name} {v / MiB:+.2f}" for name, v in terms if round(v / MiB, 2))
-    lines = [f"{head} is the measured peak: {b.other / MB:+.2f} MiB over the total, = {said}"]
+    lines = [f"{head} is the measured peak: {b.other / MB:+.2f} MiB over the total, the sum of:"]
+    lines += [f"    {name} {v / MiB:+.2f} MiB" for name, v in terms if round(v / MiB, 2)]
     not_seen = b.peak_parts.get("temporaries", {}).get(NOT_SEEN)
     if not_seen:
         lines.append(
@@ -1132,8 +1132,20 @@ def _peak_table(b: MemoryBreakdown, e: dict) -> list[str]:
         if items:
             shown = [(n, v) for n, v in items[:3] if abs(v) >= 0.05 * MiB] or items[:1]
             rest = items[len(shown) :]
-            top = "; ".join(f"{n} {v / MiB:.1f}" for n, v in shown)
-            if rest:
-                top += f"; {len(rest)} more, {sum(v for _, v in rest) / MiB:.2f} MiB together"
-            lines.append(f"    {PEAK_PART_NAMES[part]:28s}{b.peak_part(part) / MiB:>8.2f} MiB  ({top})")
+            more = [f"{len(rest)} more, {sum(v for _, v in rest) / MiB:.2f} MiB together"] if rest else []
+            line = f"    {PEAK_PART_NAMES[part]:28s}{b.peak_part(part) / MiB:>8.2f} MiB"
+            one = f"{line}  ({'; '.join([*(f'{n} {v / MiB:.1f}' for n, v in shown), *more])})"
+            if len(one) <= LINE:
+                lines.append(one)
+            else:  # long names (a stack's): one a line under the part's figure
+                lines += [line, *(f"      {_cut(n, LINE - 20)} {v / MiB:.1f} MiB" for n, v in shown)]
+                lines += [f"      {x}" for x in more]
     return lines
+
+
+TIME_FORMAT = "%Y-%m-%d %H:%M:%S UTC"  # memory.log's `time:` (the parser reads it, or a Unix time)
+LINE = 160  # the longest line the table prints (a terminal's width at a glance)
+
+
+def _cut(name: str, width: int) -> str:
+    return name if len(name) <= width else name[: width - 3] + "..."

@@ -56,7 +56,8 @@ class Peak:
     def describe(self) -> str:
         busy = f"\nMFU peak timed while others took {self.others or 0:.0%} of the cores: it may be low"
         peak = f"MFU peak {self.value / 1e12:.3g} TFLOP/s ({self.dtype}, the device's fastest)"
-        return f"{peak}; {self.source}{busy * ((self.others or 0) > BUSY)}"  # said once: measured again
+        # the source on a line of its own (a cache's path in it): said once, measured again
+        return f"{peak}\n  {self.source}{busy * ((self.others or 0) > BUSY)}"
 
 
 def peak_dtypes(device: str) -> tuple[str, ...]:

@@ -1024,23 +1024,25 @@ def predict_step(
     )
 
 
+DROPOUT_NOTE = "  dropout is not modelled (its masks and the math attention it needs on the CPU)"
+
+
 def format_prediction(pred: TimePrediction) -> str:
     c, r = pred.config, pred.rates
     mark = "" if r.tested else " (UNTESTED: from the data sheet; no GPU has checked this model yet)"
+    extras = [
+        *([f"{pred.grad_accum_steps} accumulation steps"] if pred.grad_accum_steps > 1 else []),
+        *(["activation checkpointing"] if c.get("activation_checkpoint") else []),
+        *(["chunked loss"] if c.get("chunked_loss") else []),
+    ]
     lines = [
         f"Step time prediction: {c['n_layers']} layers, d_model {c['d_model']}, {c['n_heads']} heads, "
-        f"d_ff {c['d_ff']}, vocab {c['vocab_size']}; batch {c['batch_size']} x seq {c['seq_len']}"
-        + (f" x {pred.grad_accum_steps} accumulation" if pred.grad_accum_steps > 1 else "")
-        + f"; {c['amp_dtype']}"
-        + (", activation checkpointing" if c.get("activation_checkpoint") else "")
-        + (", chunked loss" if c.get("chunked_loss") else "")
-        + (
-            "; dropout is not modelled (its masks and the math attention it needs on the CPU)"
-            if c.get("dropout")
-            else ""
-        ),
-        f"Device {r.device}{mark}; rates: {r.source}",
-        *([r.under_load] if r.under_load else []),
+        f"d_ff {c['d_ff']}, vocab {c['vocab_size']}",
+        f"  batch {c['batch_size']} x seq {c['seq_len']}; {', '.join([c['amp_dtype'], *extras])}",
+        *([DROPOUT_NOTE] if c.get("dropout") else []),
+        f"Device {r.device}{mark}",
+        f"  rates: {r.source}",
+        *([f"  {r.under_load}"] if r.under_load else []),
         f"  {'stage':16s}{'predicted ms':>14s}{'in cache - out of it':>22s}  {'bound':9s}  "
         "compute / memory / overhead ms",
     ]

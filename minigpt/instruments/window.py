@@ -14,8 +14,11 @@ around every step.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import statistics
+import sys
+import threading
 from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
@@ -24,7 +27,7 @@ import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, tensorboard_trace_handler
 
 from minigpt import config as paths
-from minigpt.analysis.stats import MIN_SAMPLES, ratio_interval, verdict
+from minigpt.analysis.stats import MIN_SAMPLES, ratio_interval
 from minigpt.config import BUSY, atomic_write, busy_share, cpu_seconds
 from minigpt.core import torchcompat
 from minigpt.instruments.figures import process_memory
@@ -52,18 +55,64 @@ def profiler_schedule(start: int, end: int) -> Callable[[int], ProfilerAction]:
     return action
 
 
-# Among the run's first lines when a profiler with memory events will run (--use-profiler,
-# --memory-profiler): torch writes lines to stderr from C++ that look like trouble (Kineto's USDT
-# markers at every start and stop, which no setting turns off; c10's ProfiledCPUMemoryReporter,
-# once per 1000 frees of a block made before the recording, whose free is then missing from the
-# trace's memory timeline). Checked on the tiny preset: with them the trace is written whole, its
-# operators and times complete, and --memory-profiler's measured peak still equals the estimate.
-# Whether torch wrote them cannot be known without taking over fd 2 for the whole window, which
-# would hold back a real error as well: the note is said whenever such a profiler will run, short.
+# torch writes lines to stderr from C++ that look like trouble while a profiler with memory events
+# runs (--use-profiler, --memory-profiler): Kineto's USDT markers at every start and stop, which no
+# setting turns off; c10's ProfiledCPUMemoryReporter, once per 1000 frees of a block made before
+# the recording, whose free is then missing from the trace's memory timeline. Checked on the tiny
+# preset: with them the trace is written whole, its operators and times complete, and
+# --memory-profiler's measured peak still equals the estimate. StderrWatch sees whether torch wrote
+# one (TORCH_LINES); the log explains them, once, after the profilers are done, only if it did.
+TORCH_LINES = ("USDT: ", "Memory block of unknown size")
 PROFILER_STDERR_NOTE = (
-    "Profiler: torch's stderr lines 'USDT: ... profiler_start/stop' and 'Memory block of unknown size "
-    "...' are harmless: the trace is whole"
+    "Profiler: torch's stderr lines above ('USDT: ... profiler_start/stop', 'Memory block of unknown "
+    "size ...') are harmless: the trace is whole"
 )
+
+
+class StderrWatch:
+    """File descriptor 2 through a pipe while the profilers run: a thread passes every byte on to
+    the real stderr as it comes (an error is held back by no more than the thread's wake-up) and
+    notes whether one of `patterns` went by. stop() puts fd 2 back and says whether one did."""
+
+    def __init__(self, patterns: tuple[str, ...] | None = None):
+        self.patterns, self.seen = tuple(p.encode() for p in patterns or TORCH_LINES), False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        sys.stderr.flush()
+        self._saved, (read, self._write) = os.dup(2), os.pipe()
+        os.dup2(self._write, 2)
+        self._thread = threading.Thread(target=self._pump, args=(read, self._saved), daemon=True)
+        self._thread.start()
+
+    def _pump(self, read: int, saved: int) -> None:
+        """Until every writer has closed the pipe: on to `saved` (the real stderr), watched. A child
+        process that inherited fd 2 may hold the pipe past stop(): this thread serves it, then closes
+        both ends itself."""
+        tail = b""
+        try:
+            while chunk := os.read(read, 65536):
+                view = memoryview(chunk)
+                try:
+                    while view:
+                        view = view[os.write(saved, view) :]
+                except OSError:  # the real stderr is gone: keep draining, or the writers would block
+                    pass
+                seen = tail + chunk
+                self.seen = self.seen or any(p in seen for p in self.patterns)
+                tail = seen[-64:]
+        finally:
+            os.close(read)
+            os.close(saved)
+
+    def stop(self) -> bool:
+        if self._thread is not None:
+            sys.stderr.flush()
+            os.dup2(self._saved, 2)  # open still: the thread closes it only once the pipe is closed
+            os.close(self._write)
+            self._thread.join(timeout=5)  # all that was written read (or a child still holds the pipe)
+            self._thread = None
+        return self.seen
 
 
 def profiler_options(cfg) -> dict[str, bool]:
@@ -121,6 +170,26 @@ def top_operators(prof: torch.profiler.profile, device: str, rows: int = 20) -> 
     """The profiler's operator table, sorted by device time on a GPU and by host time otherwise."""
     sort_by = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=sort_by, row_limit=rows)
+
+
+OPERATOR_NAME = 60  # characters of an operator's name in the log's table (its file holds torch's whole table)
+
+
+def operator_lines(prof: torch.profiler.profile, device: str, rows: int = 10) -> str:
+    """The log's operator table, at most 132 columns: the `rows` operators with the most self time
+    (the device's on a GPU, the host's otherwise), ms over the window, and their calls."""
+    cuda = device == "cuda"
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:rows]
+    heads = ["self CPU ms", "CPU total ms", *(["self GPU ms", "GPU total ms"] if cuda else []), "calls"]
+    lines = [f"  {'operator':{OPERATOR_NAME}s}" + "".join(f"{h:>14s}" for h in heads)]
+    for e in events:
+        name = e.key if len(e.key) <= OPERATOR_NAME else e.key[: OPERATOR_NAME - 3] + "..."
+        ms = [e.self_cpu_time_total, e.cpu_time_total]
+        ms += [e.self_device_time_total, e.device_time_total] if cuda else []
+        cells = "".join(f"{x / 1e3:14.2f}" for x in ms)
+        lines.append(f"  {name:{OPERATOR_NAME}s}{cells}{e.count:14d}")
+    return "\n".join(lines)
 
 
 def has_device_kernels(prof: torch.profiler.profile) -> bool:
@@ -263,8 +332,9 @@ class Window:
                     f"--memory-profiler: nothing measured: step {cfg.memory_profile_step} came before "
                     f"the resume at step {first_step} (pass a later --memory-profile-step)"
                 )
-        if self.profiler is not None or self.memory_step is not None:
-            notes.append(PROFILER_STDERR_NOTE)
+        # torch's stderr watched from the start to the end of the profilers (a line per window and step)
+        self._watch = StderrWatch() if self.profiler is not None or self.memory_step is not None else None
+        self._done = {"window": self.profiler is None, "memory": self.memory_step is None}
         self.note = "\n".join(notes) or None
         self.memory_breakdown: dict | None = None  # the measured step's record, for the next log line
         self._rss_before_window: int | None = None
@@ -342,12 +412,12 @@ class Window:
 
     # -- the profiler window
     def _window_done(self, prof: torch.profiler.profile) -> None:
-        ops = top_operators(prof, self.device)
         ops_path = self.out_dir / paths.OPS_FILE.format(rank=self.rank)
         ops_path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(ops_path, ops)
+        atomic_write(ops_path, top_operators(prof, self.device))
         w, traces = self.window, self.out_dir / paths.TRACE_DIR
-        self.log.info(f"Profiled steps {w.start}-{w.stop - 1}; top operators (also in {ops_path}):\n{ops}")
+        self.log.info(f"Profiled steps {w.start}-{w.stop - 1}; top operators (torch's table: {ops_path}):")
+        self.log.info(operator_lines(prof, self.device))
         if self.device == "cuda" and not has_device_kernels(prof):
             self.log.warning(
                 "WARNING: the trace holds no CUDA kernel events: CUPTI recorded nothing "
@@ -357,6 +427,16 @@ class Window:
         self.log.info(
             f"  or open {traces}/*.json.gz in ui.perfetto.dev, or tensorboard --logdir {self.out_dir}"
         )
+        self._profiled("window")
+
+    def _profiled(self, which: str) -> None:
+        """`which` profiler ("window", "memory") is done; after the last, torch's stderr is no longer
+        watched, and the lines it wrote there are explained if it wrote any."""
+        self._done[which] = True
+        if self._watch is not None and all(self._done.values()):
+            watch, self._watch = self._watch, None
+            if watch.stop():
+                self.log.info(PROFILER_STDERR_NOTE)
 
     def profiler_cost(self, step_times: dict[int, float]) -> str | None:
         """The profiled steps' time against the unprofiled ones' (a ratio with its interval, "no
@@ -392,9 +472,11 @@ class Window:
             )
         d, b = statistics.median(during), statistics.median(before)
         iv = ratio_interval(before, during, minimum=2, method="steps of one run")
+        noise = ": no difference within noise" * iv.holds_one
         return (
-            f"Profiler cost: {1000 * d:.0f} ms/step profiled (median of {len(during)}) vs {1000 * b:.0f} "
-            f"ms unprofiled (median of {len(before)}): {verdict(iv)}{rss}"
+            f"Profiler cost: a profiled step takes {iv.ratio:.2f}x ({iv.low:.2f}-{iv.high:.2f}) the time of "
+            f"an unprofiled one{noise}\n  {1000 * d:.0f} ms/step profiled (median of {len(during)}) vs "
+            f"{1000 * b:.0f} ms unprofiled (median of {len(before)}){rss}"
         )
 
     # -- the one-step memory capture
@@ -411,6 +493,7 @@ class Window:
         self.log.info(format_breakdown(breakdown, self.memory_estimate))
         self.log.info(f"  memory.log and sunburst charts: {folder}")
         self.memory_breakdown = breakdown.to_record(self.memory_estimate)
+        self._profiled("memory")
 
     def take_comm(self) -> tuple[int, dict[str, float]] | None:
         """(the profiled step, its ms in collectives per stage) of the interval, once; None when no
@@ -425,6 +508,8 @@ class Window:
     # -- entering and leaving
     def __enter__(self) -> Window:
         self._cpu_at["run"] = cpu_seconds()
+        if self._watch is not None:
+            self._watch.start()
         if self.profiler is not None:
             self._exit.enter_context(self.profiler)
         return self
@@ -435,6 +520,9 @@ class Window:
         try:
             self._exit.close()
         finally:
+            if self._watch is not None:  # a run that ended before its profilers were done
+                self._done = dict.fromkeys(self._done, True)
+                self._profiled("window")
             if self._probed:
                 self._probed = False
                 self.comm.abandon()
