@@ -9,10 +9,12 @@ The model has random weights (the preset's shape, GPT-2's vocabulary padded to 5
 positions as the preset's --seq-len): how fast a token is drawn does not depend on what the weights
 say. Each decoder draws what sample.py draws by default: one sample of 200 tokens after a one-token
 prompt, temperature 0.8, top-k 200, fp32. "with KV cache" is minigpt.core.sample.generate, which
-sample.py runs; "without" is the loop sample.py ran before it (kept here, and only here, to measure
-against). Both run in this one process, in interleaved rounds (with, without, with again for the A/A
-check), after an untimed warm-up of each, from the same seed: a drift of the machine spreads over
-both. Per decoder: tokens/s of each round (new tokens over the seconds of the whole call, the
+sample.py runs; "without" is the loop sample.py ran before it, with today's draw (the cache's own
+gain); "sample.py before it" is that loop with the draw it had then, over every id (sample.py's gain
+in all). The old decoders are kept here, and only here, to measure against. All run in this one
+process, in interleaved rounds (with, without, before, with again for the A/A check), after an
+untimed warm-up of each, from the same seed: a drift of the machine spreads over them all. Per
+decoder: tokens/s of each round (new tokens over the seconds of the whole call, the
 prompt's pass included), the median and the spread; the speed-up with its 95% interval
 (minigpt.analysis.stats); the machine and its load: the load average at the start and the end, and
 the share of the cores other processes took (minigpt.config.busy_share) over the run and each round.
@@ -29,6 +31,7 @@ import common as bench
 
 NAME = "sample-speed"  # <out-dir>/sample-speed.{json,md}
 WITH, WITHOUT = "with KV cache", "without (whole context each token)"
+BEFORE = "sample.py before it (whole context, the draw over every id)"
 # sample.py's defaults: what a user who types `python sample.py` waits for.
 TOKENS, PROMPT_TOKENS, TEMPERATURE, TOP_K = 200, 1, 0.8, 200
 WARMUP_TOKENS = 20  # untimed, per decoder, before the rounds: first calls allocate and pick kernels
@@ -56,15 +59,34 @@ def without_cache(model, idx, max_new_tokens: int, draw, generator):
     with torch.no_grad():
         for _ in range(max_new_tokens):
             logits, _ = model(idx[:, -context:])
-            nxt = torch.multinomial(draw.probabilities(logits[:, -1, :]), num_samples=1, generator=generator)
+            nxt = draw.next_token(logits[:, -1, :], generator)
             idx = torch.cat([idx, nxt], dim=1)
+    return idx
+
+
+def before_it(model, idx, max_new_tokens: int, draw, generator):
+    """sample.py's decoding as it was, whole: without_cache's loop and the draw it had then (every
+    id's probability made, the ids below the top_k-th masked, one draw over the whole vocabulary)."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    context = model.cfg.max_position_embeddings
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(idx[:, -context:])[0][:, -1, :].float() / draw.temperature
+            logits[:, draw.vocab_size :] = -math.inf
+            kth = torch.topk(logits, draw.top_k, dim=-1).values[:, -1:]
+            probs = F.softmax(logits.masked_fill(logits < kth, -math.inf), dim=-1)
+            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
     return idx
 
 
 def decoders() -> dict:
     from minigpt.core.sample import generate
 
-    return {WITH: generate, WITHOUT: without_cache}
+    return {WITH: generate, WITHOUT: without_cache, BEFORE: before_it}
 
 
 def timed(decode, model, args, tokens: int) -> tuple[float, float | None, list[int]]:
@@ -136,6 +158,7 @@ def measure(args, meta: dict) -> dict:
         "meta": meta,
         "results": results,
         "speedup": bench.ratio(results[WITHOUT]["rounds"], results[WITH]["rounds"], method),
+        "speedup_before": bench.ratio(results[BEFORE]["rounds"], results[WITH]["rounds"], method),
         "same_tokens_rounds": sum(same),
     }
 
@@ -175,9 +198,19 @@ def markdown(data: dict) -> str:
         )
     lines += [
         "",
-        f"Speed-up with the cache (its tokens/s over the other's, 95% interval): "
+        f"Speed-up with the cache (its tokens/s over the other's, the same draw in both, 95% interval): "
         f"**{bench.ratio_text(data['speedup'])}**.",
         "",
+        *(
+            [
+                "sample.py against what it ran before (the cache, and a draw among the top-k ids only in "
+                f"place of one over all {m['vocab_size']:,} ids): "
+                f"**{bench.ratio_text(data['speedup_before'])}**.",
+                "",
+            ]
+            if "speedup_before" in data
+            else []
+        ),
         f"The two decoders drew the same tokens from the same seed in {data['same_tokens_rounds']} of "
         f"{meta['rounds']} rounds (they differ only by float rounding, which can tip a draw).",
         "",

@@ -1,6 +1,7 @@
 """sample.py: text (or a toy run's token ids) from a tiny trained checkpoint."""
 
 import json
+import math
 import os
 import runpy
 from pathlib import Path
@@ -68,6 +69,22 @@ def test_top_k_1_is_greedy_decoding(toy_run):
             ids = torch.cat([ids, logits[:, -1, :].argmax(-1, keepdim=True)], dim=1)
     gen = torch.Generator().manual_seed(0)
     assert torch.equal(generate(model, idx, 6, Draw(temperature=0.7, top_k=1), generator=gen), ids)
+
+
+def test_a_draw_keeps_to_the_top_k_and_the_tokenizers_ids():
+    """next_token draws among the top_k likeliest ids only, never an id of the embedding's padding
+    (>= vocab_size), as often as their softmax says."""
+    logits = torch.full((2, 64), -5.0)
+    logits[:, 60:] = 50.0  # padding: never drawn, however likely
+    logits[0, [3, 7, 9]] = torch.tensor([2.0, 1.0, 0.0])
+    logits[1, 5] = 9.0
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.cat([Draw(1.0, 2, 60).next_token(logits, gen) for _ in range(2000)], dim=1)
+    assert set(draws[0].tolist()) == {3, 7} and set(draws[1].tolist()) == {5}
+    share = (draws[0] == 3).float().mean().item()  # softmax([2, 1]): 0.731
+    assert abs(share - math.exp(1) / (math.exp(1) + 1)) < 0.05
+    every = Draw(1.0, None, 60).next_token(logits, gen)
+    assert every.shape == (2, 1) and (every < 60).all()
 
 
 def test_context_is_cropped_to_the_position_table(toy_run):
@@ -427,13 +444,14 @@ def test_sample_speed_benchmark_writes_its_table_and_keeps_what_is_there(tmp_pat
     assert speed.main(args) == 0
     data = json.loads((tmp_path / "sample-speed.json").read_text())
     table = (tmp_path / "sample-speed.md").read_text()
-    assert set(data["results"]) == {speed.WITH, speed.WITHOUT}
+    assert set(data["results"]) == {speed.WITH, speed.WITHOUT, speed.BEFORE}
     assert all(len(r["rounds"]) == 3 for r in data["results"].values())
-    assert data["speedup"]["n_a"] == data["speedup"]["n_b"] == 3
+    assert data["speedup"]["n_a"] == data["speedup"]["n_b"] == data["speedup_before"]["n_a"] == 3
     meta = data["meta"]
     assert meta["model"]["weights"].startswith("random") and meta["machine"]["device"] == "cpu"
     assert {"load_start", "load_end", "busy_run", "aa"} <= meta.keys()
     assert "Speed-up with the cache" in table and "Load average" in table and "random" in table
+    assert "sample.py against what it ran before" in table
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_:  # results already there: kept, one line
         speed.main(args)

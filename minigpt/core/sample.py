@@ -142,15 +142,16 @@ class Draw:
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be at least 1, not {self.top_k}")
 
-    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
-        """The distribution to draw from, given the last position's logits (batch, vocab)."""
-        logits = logits.float() / self.temperature
-        if self.vocab_size is not None and self.vocab_size < logits.size(-1):
-            logits[:, self.vocab_size :] = -math.inf
+    def next_token(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Each row's next token (batch, 1), drawn from its last position's logits (batch, vocab):
+        softmax(logits / temperature) over the top_k likeliest ids (every id without top_k). With
+        top_k the draw is among those k only: a softmax and a draw over 50,257 entries cost more
+        than a small model's forward of one token."""
+        logits = logits[:, : self.vocab_size].float() / self.temperature
         if self.top_k is not None and self.top_k < logits.size(-1):
-            kth = torch.topk(logits, self.top_k, dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, -math.inf)
-        return F.softmax(logits, dim=-1)
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            return ids.gather(-1, torch.multinomial(F.softmax(top, dim=-1), 1, generator=generator))
+        return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
 
 
 class KVCache:
@@ -236,7 +237,7 @@ def generate(
     cache = KVCache(model)
     logits = cache.forward(idx[:, -context:])
     for n in range(max_new_tokens):
-        nxt = torch.multinomial(draw.probabilities(logits[:, -1, :]), num_samples=1, generator=generator)
+        nxt = draw.next_token(logits[:, -1, :], generator)
         idx = torch.cat([idx, nxt], dim=1)
         if on_token is not None:
             on_token()
