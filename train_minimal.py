@@ -51,13 +51,13 @@ def get_lr(step: int, cfg) -> float:
 
 def keep_freed_memory() -> str | None:
     """glibc's malloc gives a freed big tensor's pages back to the system and faults them in again
-    in the next step; told to keep them (no mmap, no trimming below 4 GiB) the CPU trainer runs
-    faster (benchmarks/results/cpu-allocator.md). None where malloc is not glibc's (another libc, or
-    another malloc in LD_PRELOAD, which glibc's mallopt would not rule)."""
+    in the next step; told to keep them (no mmap, no trimming below 2 GiB: mallopt takes a C int)
+    the CPU trainer runs faster (benchmarks/results/cpu-allocator.md). None where malloc is not
+    glibc's (another libc, or another malloc in LD_PRELOAD, which glibc's mallopt would not rule)."""
     try:
         libc, address = ctypes.CDLL("libc.so.6"), lambda f: ctypes.cast(f, ctypes.c_void_p).value
         glibc = address(ctypes.CDLL(None).malloc) == address(libc.malloc)
-        if glibc and libc.mallopt(-4, 0) == 1 == libc.mallopt(-1, 4 << 30):  # M_MMAP_MAX, M_TRIM_THRESHOLD
+        if glibc and libc.mallopt(-4, 0) == 1 == libc.mallopt(-1, 2**31 - 1):  # M_MMAP_MAX, M_TRIM_THRESHOLD
             return "CPU malloc: glibc keeps freed memory for the next step (--no-keep-freed-memory: not)"
     except (OSError, AttributeError):
         return None

@@ -5,7 +5,7 @@
     python benchmarks/allocator.py --render benchmarks/results/cpu-allocator.json
 
 What it compares: the trainer's own in-process setting of glibc's malloc (train_minimal.py's
-keep_freed_memory(), on by default: mallopt M_MMAP_MAX=0 and M_TRIM_THRESHOLD=4 GiB, so a freed big
+keep_freed_memory(), on by default: mallopt M_MMAP_MAX=0 and M_TRIM_THRESHOLD=2 GiB, so a freed big
 tensor's pages stay with the process for the next step) against glibc's own defaults
 (--no-keep-freed-memory), and beside them, where installed, other mallocs preloaded with LD_PRELOAD
 under --no-keep-freed-memory (the trainer's mallopt is glibc's and would not reach them): mimalloc
@@ -72,7 +72,7 @@ GLIBC_DEFAULTS = ("--no-keep-freed-memory",)
 VARIANTS = {
     README: Variant(
         "`python train_minimal.py`: the trainer's default, glibc told to keep freed memory "
-        "(mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=4 GiB)"
+        "(mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB)"
     ),
     "glibc defaults": Variant("--no-keep-freed-memory: glibc's malloc as it comes", GLIBC_DEFAULTS),
     "mimalloc": Variant(

@@ -42,7 +42,7 @@ MLP uses exact GELU, minigpt's the tanh form; nanoGPT's optimizer groups decay o
 
 nanoGPT runs as it comes, with glibc's default malloc, while minigpt's trainer tells glibc to keep
 freed memory for the next step (train_minimal.keep_freed_memory: mallopt M_MMAP_MAX=0,
-M_TRIM_THRESHOLD=4 GiB). So on a CPU nanoGPT also runs a second time under that setting, given
+M_TRIM_THRESHOLD=2 GiB). So on a CPU nanoGPT also runs a second time under that setting, given
 through glibc's environment variables of the same names (MALLOC_MMAP_MAX_, MALLOC_TRIM_THRESHOLD_);
 --no-malloc-variant leaves it out: the gap between the two nanoGPT rows is the allocator's, not the
 trainer's. Each run is a fresh process; the rounds interleave every
@@ -83,9 +83,9 @@ ITER_LINE = re.compile(r"^iter (\d+): loss ([-\d.naif]+), time ([\d.]+)ms, mfu (
 PARAMS_LINE = re.compile(r"^number of parameters: ([\d.]+)M$")
 
 
-# train_minimal.keep_freed_memory's mallopt (M_MMAP_MAX=0, M_TRIM_THRESHOLD=4 GiB) as glibc's own
+# train_minimal.keep_freed_memory's mallopt (M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB) as glibc's own
 # start-up variables, for a process that is not minigpt's.
-MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
+MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
 NANOGPT_ENV = "MINIGPT_NANOGPT_DIR"  # a clone of karpathy/nanoGPT, where --nanogpt is not given
 
 

@@ -39,6 +39,26 @@ print(json.dumps({"line": line, "before": before, "after": rss()}))
 """
 
 
+def test_every_mallopt_value_fits_the_c_int_it_is_passed_as(monkeypatch):
+    """mallopt(int, int): a Python int past 2**31 - 1 reaches glibc cut to its low 32 bits (4 GiB
+    arrives as 0, a trim threshold of nothing: the heap trimmed at every free)."""
+    calls = []
+
+    class Libc:
+        malloc = object()
+
+        def mallopt(self, param, value):
+            calls.append((param, value))
+            return 1
+
+    fake = Libc()
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: fake)
+    monkeypatch.setattr(ctypes, "cast", lambda f, t: type("P", (), {"value": id(f)})())
+    assert train_minimal.keep_freed_memory() == LINE
+    assert calls and all(-(2**31) <= v < 2**31 for _, v in calls), calls
+    assert dict(calls)[-1] >= 2**30  # the trim threshold: at least 1 GiB kept
+
+
 @pytest.mark.skipif(not glibc(), reason="glibc's malloc only")
 @pytest.mark.parametrize("keep", [True, False])
 def test_a_freed_step_tensor_stays_resident_only_when_kept(keep):
