@@ -93,7 +93,11 @@ def test_profiler_window_writes_one_trace_with_the_steps_and_stages(tmp_path, ca
     assert "process peak memory" in printed
     # the note on torch's stderr lines: once, after the window that made torch print them, short
     log = (out / "train.log").read_text().splitlines()
-    (note,) = [line for line in log if "USDT" in line]
+    notes = [line for line in log if "USDT" in line]  # none where torch printed none in this process
+    assert len(notes) <= 1, notes
+    if not notes:
+        return
+    (note,) = notes
     window_done = next(i for i, line in enumerate(log) if "View the trace" in line)
     assert len(note.split("] ", 1)[1]) <= 160 and log.index(note) > window_done
 
