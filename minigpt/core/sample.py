@@ -161,12 +161,19 @@ class KVCache:
     (wte, wpe, each block's ln_1, attn.qkv, attn.proj, ln_2, mlp, then ln_f and lm_head), and
     computes attention as model.py does: the same numbers, to float rounding.
 
+    One thing is laid out anew: the head's weight (the embedding, vocab x d_model), copied once
+    as d_model x vocab. A new token's logits are one row times that matrix, most of a small
+    model's work per token, and a row times a (d, V) matrix streams it in the order it is stored,
+    which the CPU's BLAS does about twice as fast as the (V, d) product nn.Linear asks for
+    (benchmarks/results/sample-speed.md). It costs one more copy of the embedding in memory.
+
     The positions are learned and absolute: a key is made for its position. Once the context
     fills the position table, the window slides by one each token and every position changes, so
     nothing kept is valid any more: `generate` then prefills the cropped context again (reset())."""
 
     def __init__(self, model: GPT):
         self.model, self.length = model, 0
+        self.head = model.lm_head.weight.detach().t().contiguous()  # (d_model, vocab): the docstring
         self.keys: list[torch.Tensor] = []  # per block: (batch, heads, max_position_embeddings, head dim)
         self.values: list[torch.Tensor] = []
 
@@ -212,7 +219,7 @@ class KVCache:
             x = x + attn.resid_dropout(attn.proj(y.transpose(1, 2).reshape(B, T, width)))
             x = x + block.mlp(block.ln_2(x))
         self.length = end
-        return model.lm_head(model.ln_f(x if all_logits else x[:, -1:]))
+        return model.ln_f(x if all_logits else x[:, -1:]) @ self.head
 
 
 @torch.no_grad()
