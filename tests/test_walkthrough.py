@@ -50,8 +50,42 @@ def test_the_walkthrough_has_commands():
     assert len(cmds) >= 10 and any(c.startswith("python train_minimal.py") for c in cmds)
 
 
+# The commands run in three parts, each in its own copy of the repository, so that xdist's workers
+# share them: a part starts at the first command that begins with its prefix. A part first runs the
+# earlier parts' commands that wrote a run folder it reads (`runs/walk` for `export runs/walk`).
+PARTS = {
+    "runs, profiler, TensorBoard": "",
+    "benchmarks": "python benchmarks/ablation.py",
+    "memory, ranks, GPT-2": "python train_minimal.py --num-steps 6 --memory-profiler",
+}
+
+
+def part_bounds(cmds: list[str]) -> list[int]:
+    """Where each part's own commands start in the walkthrough's list, and where the last ends."""
+    starts = [next(i for i, c in enumerate(cmds) if c.startswith(prefix)) for prefix in PARTS.values()]
+    return [*starts, len(cmds)]
+
+
+def part_commands(cmds: list[str], part: str) -> list[str]:
+    """The commands of one part of the walkthrough, after the earlier commands that made the runs it reads."""
+    bounds, k = part_bounds(cmds), list(PARTS).index(part)
+    own = cmds[bounds[k] : bounds[k + 1]]
+    reads = {name for c in own for name in re.findall(r"\bruns/[\w-]+", c)}
+    made = [c for c in cmds[: bounds[k]] if set(re.findall(r"--out-dir (runs/[\w-]+)", c)) & reads]
+    return made + own
+
+
+def test_the_parts_hold_every_command_once_in_order():
+    cmds = commands(WALKTHROUGH.read_text())
+    bounds = part_bounds(cmds)
+    assert bounds[0] == 0 and all(a < b for a, b in zip(bounds, bounds[1:])), bounds
+    last = part_commands(cmds, list(PARTS)[-1])
+    assert last[0] == "python train_minimal.py --num-steps 20 --out-dir runs/walk"  # export reads it
+
+
 @pytest.mark.slow
-def test_every_walkthrough_command_runs(tmp_path):
+@pytest.mark.parametrize("part", list(PARTS))
+def test_every_walkthrough_command_runs(tmp_path, part):
     repo = tmp_path / "repo"
     files = subprocess.run(
         ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
@@ -66,7 +100,7 @@ def test_every_walkthrough_command_runs(tmp_path):
         "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
     }
     failures = []
-    for cmd in commands(WALKTHROUGH.read_text()):
+    for cmd in part_commands(commands(WALKTHROUGH.read_text()), part):
         needs_cuda = "# needs CUDA" in cmd
         cmd = cmd.split(" # ")[0]
         if "--nanogpt " in cmd:  # nanoGPT's files: the clone the environment names (.ci/run sets it)
