@@ -11,8 +11,10 @@ say. Each decoder draws what sample.py draws by default: one sample of 200 token
 prompt, temperature 0.8, top-k 200, fp32. "with KV cache" is minigpt.core.sample.generate, which
 sample.py runs; "without" is the loop sample.py ran before it, with today's draw (the cache's own
 gain); "sample.py before it" is that loop with the draw it had then, over every id (sample.py's gain
-in all). The old decoders are kept here, and only here, to measure against. All run in this one
-process, in interleaved rounds (with, without, before, with again for the A/A check), after an
+in all); "the head as nn.Linear reads it" is the cache with the head's weight as the model stores
+it, (vocab, d_model), in place of its (d_model, vocab) copy (that layout's own gain). The old
+decoders are kept here, and only here, to measure against. All run in this one process, in
+interleaved rounds (with, without, before, the stored head, with again for the A/A check), after an
 untimed warm-up of each, from the same seed: a drift of the machine spreads over them all. Per
 decoder: tokens/s of each round (new tokens over the seconds of the whole call, the
 prompt's pass included), the median and the spread; the speed-up with its 95% interval
@@ -31,6 +33,7 @@ import common as bench
 
 NAME = "sample-speed"  # <out-dir>/sample-speed.{json,md}
 WITH, WITHOUT = "with KV cache", "without (whole context each token)"
+LINEAR_HEAD = "with KV cache, the head as nn.Linear reads it"
 BEFORE = "sample.py before it (whole context, the draw over every id)"
 # sample.py's defaults: what a user who types `python sample.py` waits for.
 TOKENS, PROMPT_TOKENS, TEMPERATURE, TOP_K = 200, 1, 0.8, 200
@@ -83,10 +86,27 @@ def before_it(model, idx, max_new_tokens: int, draw, generator):
     return idx
 
 
+def linear_head(model, idx, max_new_tokens: int, draw, generator):
+    """generate() with every cache's head the model's own (vocab, d_model) weight, transposed in the
+    product as nn.Linear does it, instead of the (d_model, vocab) copy KVCache makes."""
+    from minigpt.core import sample
+
+    class StoredHead(sample.KVCache):
+        def __init__(self, model):
+            super().__init__(model)
+            self.head = model.lm_head.weight.detach().t()  # a view: nn.Linear's product, no copy
+
+    kept, sample.KVCache = sample.KVCache, StoredHead
+    try:
+        return sample.generate(model, idx, max_new_tokens, draw, generator)
+    finally:
+        sample.KVCache = kept
+
+
 def decoders() -> dict:
     from minigpt.core.sample import generate
 
-    return {WITH: generate, WITHOUT: without_cache, BEFORE: before_it}
+    return {WITH: generate, WITHOUT: without_cache, BEFORE: before_it, LINEAR_HEAD: linear_head}
 
 
 def timed(decode, model, args, tokens: int) -> tuple[float, float | None, list[int]]:
@@ -159,6 +179,7 @@ def measure(args, meta: dict) -> dict:
         "results": results,
         "speedup": bench.ratio(results[WITHOUT]["rounds"], results[WITH]["rounds"], method),
         "speedup_before": bench.ratio(results[BEFORE]["rounds"], results[WITH]["rounds"], method),
+        "speedup_head": bench.ratio(results[LINEAR_HEAD]["rounds"], results[WITH]["rounds"], method),
         "same_tokens_rounds": sum(same),
     }
 
@@ -209,6 +230,15 @@ def markdown(data: dict) -> str:
                 "",
             ]
             if "speedup_before" in data
+            else []
+        ),
+        *(
+            [
+                "The head's (d_model, vocab) copy against the weight as the model stores it, both with "
+                f"the cache: **{bench.ratio_text(data['speedup_head'])}**.",
+                "",
+            ]
+            if "speedup_head" in data
             else []
         ),
         f"The two decoders drew the same tokens from the same seed in {data['same_tokens_rounds']} of "

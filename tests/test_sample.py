@@ -337,6 +337,7 @@ def test_cached_logits_are_the_models_at_every_position():
         parts = [cache.forward(x[:, :split], all_logits=True)]
         parts += [cache.forward(x[:, i : i + 1]) for i in range(split, 16)]
         assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5, rtol=0), split
+    assert KVCache(model).head.is_contiguous() and KVCache(model).head.shape == (model.cfg.d_model, 96)
     cache = KVCache(model)  # several tokens after kept ones: each sees only those before it
     parts = [cache.forward(x[:, :5], all_logits=True), cache.forward(x[:, 5:], all_logits=True)]
     assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5, rtol=0)
@@ -444,9 +445,13 @@ def test_sample_speed_benchmark_writes_its_table_and_keeps_what_is_there(tmp_pat
     assert speed.main(args) == 0
     data = json.loads((tmp_path / "sample-speed.json").read_text())
     table = (tmp_path / "sample-speed.md").read_text()
-    assert set(data["results"]) == {speed.WITH, speed.WITHOUT, speed.BEFORE}
+    assert set(data["results"]) == {speed.WITH, speed.WITHOUT, speed.BEFORE, speed.LINEAR_HEAD}
     assert all(len(r["rounds"]) == 3 for r in data["results"].values())
     assert data["speedup"]["n_a"] == data["speedup"]["n_b"] == data["speedup_before"]["n_a"] == 3
+    assert data["speedup_head"]["n_a"] == 3 and "the head's (d_model, vocab) copy" in table.lower()
+    from minigpt.core import sample
+
+    assert sample.KVCache.__name__ == "KVCache"  # the stored-head variant put the class back
     meta = data["meta"]
     assert meta["model"]["weights"].startswith("random") and meta["machine"]["device"] == "cpu"
     assert {"load_start", "load_end", "busy_run", "aa"} <= meta.keys()

@@ -163,9 +163,9 @@ class KVCache:
 
     One thing is laid out anew: the head's weight (the embedding, vocab x d_model), copied once
     as d_model x vocab. A new token's logits are one row times that matrix, most of a small
-    model's work per token, and a row times a (d, V) matrix streams it in the order it is stored,
-    which the CPU's BLAS does about twice as fast as the (V, d) product nn.Linear asks for
-    (benchmarks/results/sample-speed.md). It costs one more copy of the embedding in memory.
+    model's work per token, and a row times a (d, V) matrix reads it in the order it is stored,
+    which the CPU's BLAS streams faster than the (V, d) product nn.Linear asks for (1.37x the
+    tokens/s: benchmarks/results/sample-speed.md). It costs one more copy of the embedding in memory.
 
     The positions are learned and absolute: a key is made for its position. Once the context
     fills the position table, the window slides by one each token and every position changes, so
