@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,14 @@ GPU_RUNS = ROOT / "docs" / "gpu-runs"
 # its path from the environment (.ci/run sets it) and skip, saying so, where it is not given.
 NANOGPT_ENV = "MINIGPT_NANOGPT_DIR"
 NANOGPT_DIR = Path(os.environ[NANOGPT_ENV]) if os.environ.get(NANOGPT_ENV) else None
+
+
+# A suite started in the background of a script (`cmd &` without job control) inherits SIGINT
+# ignored, and every process it starts would too: the tests that send a Ctrl-C to the trainer
+# would wait out their timeout. Python's own handler here: the processes the tests start get the
+# default disposition back at exec, as from a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _module_from_file(name: str, folder: str):

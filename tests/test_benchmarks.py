@@ -644,7 +644,8 @@ def test_ablation_checks_its_baseline_against_itself(
 
 def test_ratio_cells_of_every_benchmark_carry_their_interval(monkeypatch):
     """The committed results rendered again: each ratio cell is a verdict with its interval, "no
-    difference within noise", or says it has too few repeats; never a bare percentage."""
+    difference within noise", "no verdict (busy)" (the variant's rounds ran while other processes
+    took the cores), or says it has too few repeats; never a bare percentage."""
     ablation = bench_module("ablation")
     overhead = bench_module("overhead")
     nanogpt = bench_module("nanogpt_shape")
@@ -673,7 +674,8 @@ def test_ratio_cells_of_every_benchmark_carry_their_interval(monkeypatch):
         "allocator": "vs first row",
     }
     verdict = re.compile(
-        r"^(\d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\)|no difference within noise|baseline|first row|"
+        r"^(\d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\)|no difference within noise|no verdict \(busy\)|"
+        r"baseline|first row|"
         r"\d+\.\d\dx \(no interval: \d repeats?, an interval needs 3\))$"
     )
     for tool, table in tables.items():
