@@ -169,12 +169,14 @@ def skeleton(line: str) -> str:
     parenthesised lists (a breakdown's top names change with the model) masked. Two outputs of
     one command at different scales or on different machines have the same skeletons."""
     line = re.sub(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\]", "[T]", line)
+    line = re.sub(r" \| busy: others took .*$", "", line)  # a loaded machine's note, not the line's form
     line = re.sub(r"runs/\d{8}-\d{6}(-\d+)?", "runs/RUN", line)
     line = re.sub(r"[0-9a-f]{12,}", "ID", line)
     line = re.sub(r"\[[/~][^\]]*\]", "[PATH]", line)  # a cache or temporary folder's path
     line = re.sub(r"\bwhen: .*", "when: WHERE", line)  # where a peak falls moves with the model's size
     # where the MFU denominator came from: the cache, or measured now (again, after a busy figure)
     line = re.sub(r"^(\[T\] MFU peak \S+ TFLOP/s[^;]*; ).*", r"\1SOURCE", line)
+    line = re.sub(r"^\[T\]\s+(cache \[PATH\]|measured now): .*", "[T] SOURCE", line)  # its own line
     while (new := re.sub(r"\([^()]*\)", "", line)) != line:
         line = new
     line = re.sub(r"\(.*$", "", line)  # a list cut short by the excerpt's line width

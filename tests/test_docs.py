@@ -62,6 +62,12 @@ def test_a_changed_form_is_caught():
     peak = "[2026-11-26 19:48:21] MFU peak 0.168 TFLOP/s (bf16, the device's fastest); "
     cached, measured = peak + "cache: matmul 1024x1024x1024", peak + "measured now: matmul 64x64x64 at load 2"
     assert refresh.form_differences(cached, measured, "all") == []
+    stamp = "[2026-11-28 22:30:49] "
+    cached = stamp + "  cache [/home/u/.cache/minigpt/peak_flops.json]: matmul 1024x1024x1024"
+    assert refresh.form_differences(cached, stamp + "  measured now: matmul 64x64x64", "all") == []
+    line = stamp + "step 20/60 | loss 6.5658 | 891 ms/step | 2,298 tok/s | mfu 21.2% | rss 5.67 GiB"
+    busy = line + " | busy: others took 31% of the cores"
+    assert refresh.form_differences(line, busy, "all") == [] == refresh.form_differences(busy, line, "all")
 
 
 @pytest.mark.slow
