@@ -182,6 +182,7 @@ def skeleton(line: str) -> str:
     line = re.sub(r"\(.*$", "", line)  # a list cut short by the excerpt's line width
     line = re.sub(r"[-+]?\d[\d,]*(\.\d+)?(e[-+]?\d+)?", "#", line)
     line = re.sub(r"#[smh]\b", "#s", line)  # a duration: 59.1s at one scale, 1.1m at another
+    line = re.sub(r"#\s+(compute|memory|overhead)\s+#", "# BOUND #", line)  # --time's bound: a figure
     line = re.sub(r"#(x#)+(,#(x#)+)*", "SHAPES", line)  # a kernel's shapes: as many as the model has
     return " ".join(line.split())
 

@@ -68,6 +68,8 @@ def test_a_changed_form_is_caught():
     line = stamp + "step 20/60 | loss 6.5658 | 891 ms/step | 2,298 tok/s | mfu 21.2% | rss 5.67 GiB"
     busy = line + " | busy: others took 31% of the cores"
     assert refresh.form_differences(line, busy, "all") == [] == refresh.form_differences(busy, line, "all")
+    bound = "  forward                  370.6         364.0 - 377.7  {}    313.7 / 56.5 / 0.4"
+    assert refresh.form_differences(bound.format("compute"), bound.format("memory "), "all") == []
 
 
 @pytest.mark.slow
