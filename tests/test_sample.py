@@ -338,6 +338,10 @@ def test_cached_logits_are_the_models_at_every_position():
         parts += [cache.forward(x[:, i : i + 1]) for i in range(split, 16)]
         assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5, rtol=0), split
     assert KVCache(model).head.is_contiguous() and KVCache(model).head.shape == (model.cfg.d_model, 96)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the copy in autocast's dtype: cast once, not a token
+        cache, full_bf16 = KVCache(model), model(x)[0]
+        assert cache.head.dtype == torch.bfloat16
+        assert torch.allclose(cache.forward(x, all_logits=True).float(), full_bf16.float(), atol=0.05, rtol=0)
     cache = KVCache(model)  # several tokens after kept ones: each sees only those before it
     parts = [cache.forward(x[:, :5], all_logits=True), cache.forward(x[:, 5:], all_logits=True)]
     assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5, rtol=0)

@@ -158,8 +158,8 @@ class KVCache:
     """The model's forward, one new token at a time: each block's keys and values are kept, so a
     new token attends to them instead of the whole context being computed again (prefill the
     prompt in one pass, then one token a step). It runs the model's own modules and weights
-    (wte, wpe, each block's ln_1, attn.qkv, attn.proj, ln_2, mlp, then ln_f and lm_head), and
-    computes attention as model.py does: the same numbers, to float rounding.
+    (wte, wpe, each block's ln_1, attn.qkv, attn.proj, ln_2, mlp, then ln_f and the head's weight),
+    and computes attention as model.py does: the same numbers, to float rounding.
 
     One thing is laid out anew: the head's weight (the embedding, vocab x d_model), copied once
     as d_model x vocab. A new token's logits are one row times that matrix, most of a small
@@ -173,7 +173,11 @@ class KVCache:
 
     def __init__(self, model: GPT):
         self.model, self.length = model, 0
-        self.head = model.lm_head.weight.detach().t().contiguous()  # (d_model, vocab): the docstring
+        # (d_model, vocab): the docstring. Under autocast in the dtype it would cast to: autocast
+        # caches its cast of a parameter, never of a copy, so an fp32 copy would be cast every token.
+        weight, device = model.lm_head.weight, model.lm_head.weight.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        self.head = weight.detach().t().to(dtype).contiguous()
         self.keys: list[torch.Tensor] = []  # per block: (batch, heads, max_position_embeddings, head dim)
         self.values: list[torch.Tensor] = []
 
