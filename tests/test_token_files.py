@@ -4,7 +4,6 @@ and refused in one line where their size or header lies; and text files tokenise
 ids are the whole text's."""
 
 import io
-import time
 
 import numpy as np
 import pytest
@@ -117,18 +116,19 @@ def test_a_pattern_or_folder_with_no_token_file_is_one_line(tmp_path, capsys, wh
     assert ("matches no file" if what == "pattern" else "holds no .bin token files") in msg
 
 
-def test_a_10_gb_token_file_starts_in_under_a_second(tmp_path):
-    """Mapped, not read: a sparse 10 GiB file (no disk used) is ready in the time a header takes."""
+def test_a_10_gb_token_file_is_mapped_not_read(tmp_path):
+    """Mapped, not read: a sparse 10 GiB file (no disk used) is ready after a header's read; the
+    bytes the process reads through read() stay under a megabyte (the kernel's count, not a clock)."""
     big = tmp_path / "huge.bin"
     with open(big, "wb") as f:
         f.truncate(10 << 30)
     cfg = parse_args(["--train-data", str(big)])
-    t0 = time.perf_counter()
+    rchar = lambda: int(open("/proc/self/io").read().split("rchar:")[1].split()[0])  # noqa: E731
+    before = rchar()
     train, val, _ = user_tokens(cfg, is_main=True)
     window = np.asarray(train[4_000_000_000:4_000_000_065])
-    took = time.perf_counter() - t0
     assert len(train) + len(val) == 5 << 30 and window.shape == (65,)
-    assert took < 30, took  # a bound that only reading the file through would pass: printed, not timed
+    assert rchar() - before < 1 << 20
 
 
 # ---------------------------------------------------------------------------- text, streamed

@@ -135,13 +135,18 @@ class Instruments:
 
     def watch(self) -> None:
         """While a step or an evaluation runs past 10 s, a line every 10 s: no long silence."""
-        said = 0
+        seen, said = None, 0
         while not self.stop_watch.wait(1.0):
-            doing, now = self.doing, time.perf_counter()
-            said = said if doing else 0
-            if doing and now - doing[1] >= 10 * (said + 1):
-                said += 1
-                self.log.info(f"{doing[0]}: still running after {now - doing[1]:.0f}s{''.join(doing[2:])}")
+            seen, said = self.look(seen, said)
+
+    def look(self, seen, said: int):
+        """One look at what runs: a line each 10 s it has run; `said` lines so far about `seen`."""
+        doing, now = self.doing, time.perf_counter()
+        said = said if doing is seen else 0  # a new step or evaluation: its own count
+        if doing and now - doing[1] >= 10 * (said + 1):
+            said += 1
+            self.log.info(f"{doing[0]}: still running after {now - doing[1]:.0f}s{''.join(doing[2:])}")
+        return doing, said
 
     def __enter__(self) -> Instruments:
         self.t_start, self.cpu_at_start = time.perf_counter(), cpu_seconds()  # the loop starts here
