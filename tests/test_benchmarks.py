@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -490,8 +491,22 @@ MISTAKES = [
 ]
 
 
-@pytest.mark.parametrize("script, args, says", MISTAKES, ids=[f"{s} {a}" for s, a, _ in MISTAKES])
-def test_a_mistake_is_one_line_before_any_measuring_and_touches_nothing(tmp_path, script, args, says):
+def in_process(monkeypatch, capsys, script: str, *args: str) -> SimpleNamespace:
+    """A benchmark script's main() as its command line runs it (the same argv, the exit status
+    sys.exit would give, what it printed), without a process and torch's import for each."""
+    module = bench_module(script.removesuffix(".py"))
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    try:
+        status = module.main()
+    except SystemExit as e:
+        status = e.code
+    out, err = capsys.readouterr()
+    return SimpleNamespace(returncode=status, stdout=out, stderr=err)
+
+
+def mistake_files(folder: Path) -> dict[str, str]:
+    """`afile` (a file), `bad.json` (not JSON), `list.json` (JSON, not a results file) and
+    `other.json` (a results file of another layout), written in `folder`."""
     files = {
         "afile": "a file where a folder belongs\n",
         "bad.json": '{"meta": {"name": ',
@@ -499,15 +514,34 @@ def test_a_mistake_is_one_line_before_any_measuring_and_touches_nothing(tmp_path
         "other.json": json.dumps({"meta": {"kind": "another tool's"}, "results": [1, 2]}),
     }
     for name, text in files.items():
-        (tmp_path / name).write_text(text)
-    result = run(script, *args.format(dir=tmp_path).split())
+        (folder / name).write_text(text)
+    return files
+
+
+def refused_in_one_line(result, script: str, says: str, folder: Path, files: dict[str, str]) -> None:
     err = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr[-2000:]
     assert len(err) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert says in err[0] and err[0].startswith(f"{script}: error: ")
     assert "round" not in result.stdout  # refused before the first variant ran
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(files)  # nothing written beside them
-    assert {name: (tmp_path / name).read_text() for name in files} == files  # nor changed
+    assert sorted(p.name for p in folder.iterdir()) == sorted(files)  # nothing written beside them
+    assert {name: (folder / name).read_text() for name in files} == files  # nor changed
+
+
+@pytest.mark.parametrize("script, args, says", MISTAKES, ids=[f"{s} {a}" for s, a, _ in MISTAKES])
+def test_a_mistake_is_one_line_before_any_measuring_and_touches_nothing(
+    tmp_path, monkeypatch, capsys, script, args, says
+):
+    files = mistake_files(tmp_path)
+    result = in_process(monkeypatch, capsys, script, *args.format(dir=tmp_path).split())
+    refused_in_one_line(result, script, says, tmp_path, files)
+
+
+def test_a_mistake_in_the_scripts_own_process_is_the_same_line_and_exit_2(tmp_path):
+    """The one case above run as a user runs it: the process's status and stderr, not main()'s."""
+    files = mistake_files(tmp_path)
+    result = run("ablation.py", "--render", str(tmp_path / "other.json"))
+    refused_in_one_line(result, "ablation.py", "not a results file of ablation.py", tmp_path, files)
 
 
 # ---------------------------------------------------------------------------- ratios, noise, A/A

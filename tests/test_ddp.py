@@ -46,23 +46,21 @@ def read_metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.ddp
-def test_ranks_stay_identical_and_rank_0_alone_writes(tmp_path):
-    out = tmp_path / "run"
-    result, probes = probe(
-        tmp_path,
-        *FLAGS,
-        "--num-steps",
-        "6",
-        "--grad-accum-steps",
-        "2",
-        "--log-interval",
-        "3",
-        "--out-dir",
-        str(out),
-    )
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory):
+    """One job for the two tests below: 6 steps of 2 micro-batches on 2 ranks, probed."""
+    tmp = tmp_path_factory.mktemp("probed")
+    out = tmp / "run"
+    flags = ("--num-steps", "6", "--grad-accum-steps", "2", "--log-interval", "3", "--out-dir", str(out))
+    result, probes = probe(tmp, *FLAGS, *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(probes) == 2
+    return out, probes
+
+
+@pytest.mark.ddp
+def test_ranks_stay_identical_and_rank_0_alone_writes(probed):
+    out, probes = probed
     for name, p0 in probes[0]["params"].items():
         assert torch.equal(p0, probes[1]["params"][name]), name  # the same weights after 6 steps
     rows = read_metrics(out)
@@ -77,26 +75,25 @@ def test_ranks_stay_identical_and_rank_0_alone_writes(tmp_path):
 
 
 @pytest.mark.ddp
-def test_two_ranks_give_the_gradients_of_one_rank_with_twice_the_batch(tmp_path):
+def test_two_ranks_give_the_gradients_of_one_rank_with_twice_the_batch(probed):
+    """The first step's gradients after the all-reduce: those of one process given both ranks'
+    micro-batches at once (2 ranks x 2 micro-batches of 8: one batch of 32), the same initial weights."""
     import numpy as np
 
     from minigpt.core.model import GPT, GPTConfig
     from minigpt.core.toy import ToyBatches
 
-    out = tmp_path / "run"
-    result, probes = probe(tmp_path, *FLAGS, "--num-steps", "1", "--out-dir", str(out))
-    assert result.returncode == 0, result.stderr[-3000:]
+    out, probes = probed
     ddp_grads = probes[0]["grads"]
     for name, g in ddp_grads.items():
         assert torch.equal(g, probes[1]["grads"][name]), name
 
-    # One process, batch 16: rank 0's 8 sequences and rank 1's 8, from the same initial weights.
     config = json.loads((out / "config.json").read_text())
     torch.manual_seed(config["config"]["seed"])
     model = GPT(GPTConfig(**config["model"]))
     seed, no_tokens = config["config"]["data_seed"], np.zeros(0, "<u2")
-    batches = [next(ToyBatches(no_tokens, 8, 16, seed, rank=r, vocab_size=64)) for r in range(2)]
-    x, y = (torch.cat(t) for t in zip(*batches))
+    ranks = [ToyBatches(no_tokens, 8, 16, seed, rank=r, vocab_size=64) for r in range(2)]
+    x, y = (torch.cat(t) for t in zip(*(next(batches) for batches in ranks for _ in range(2))))
     model(x, y)[1].backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(ddp_grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)

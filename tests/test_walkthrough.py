@@ -28,9 +28,10 @@ serve_tensorboard = docs_module("tbserve").serve_tensorboard
 WALKTHROUGH = ROOT / "docs" / "walkthrough.md"
 SCALE = "--preset tiny --seq-len 32 --batch-size 2 --eval-iters 1"  # the walkthrough's own step counts stay
 BENCH_SCALE = "--steps 2 --warmup 1 --repeats 1"
-# What a benchmark measures outside the trainer's runs (which MINIGPT_ARGS scales), scaled down too.
+# What a benchmark measures outside the trainer's runs (which MINIGPT_ARGS scales), scaled down too;
+# overhead.py's stage-timing part runs end to end in tests/test_benchmarks.py, its options here.
 BENCH_OWN_SCALE = {
-    "overhead.py": "--preset tiny --option-steps 1 --option-warmup 0 --micro-steps 1000",
+    "overhead.py": "--preset tiny --parts options --option-steps 1 --option-warmup 0 --micro-steps 1000",
     "nanogpt_shape.py": "--shape tiny",
 }
 
