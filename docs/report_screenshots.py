@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 PROBLEMS = ("error", "warning", "trace", "assert")  # console message types that fail the check
@@ -41,6 +42,19 @@ def chromium_path() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
+@contextmanager
+def chromium():
+    """One headless Chromium for the pages checked with it: a launch costs seconds of CPU."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_FLAGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
 def check_page(
     report: Path,
     screenshot: Path | None = None,
@@ -48,13 +62,16 @@ def check_page(
     width: int = 1400,
     height: int = 1000,
     sections: tuple[str, ...] = (),
+    browser=None,
 ) -> dict:
     """Load the report; return {"errors": [console errors, warnings and traces, page errors],
     "outside": [non-file URLs requested], "sections": [per-section state], "slices": sunburst
     sectors drawn in the page}. Takes a screenshot when asked: of `sections` (ids of
-    minigpt.analysis.report.SECTIONS), from the first one's top to the last one's bottom, if given."""
-    from playwright.sync_api import sync_playwright
-
+    minigpt.analysis.report.SECTIONS), from the first one's top to the last one's bottom, if given.
+    `browser`: one of `chromium()` (a page of its own in it), or None for a Chromium of its own."""
+    if browser is None:
+        with chromium() as browser:
+            return check_page(report, screenshot, full_page, width, height, sections, browser)
     from minigpt.analysis.report import SECTIONS
 
     errors: list[str] = []
@@ -67,29 +84,27 @@ def check_page(
             outside.append(r.request.url)
             r.abort()
 
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_FLAGS)
-        try:
-            page = browser.new_page(viewport={"width": width, "height": height})
-            page.route("**/*", route)
-            # Plotly reports a chart it could not build (a sunburst parent that is missing) as a
-            # console trace beginning "WARN:" and draws nothing: a warning or a trace fails as an error does.
-            page.on("console", lambda m: errors.append(f"{m.type}: {m.text}") if m.type in PROBLEMS else None)
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(Path(report).resolve().as_uri(), wait_until="load", timeout=120_000)
-            page.wait_for_timeout(1500)  # let plotly finish its first draw
-            drawn = page.evaluate(SECTION_STATE_JS, [sid for sid, _ in SECTIONS])
-            slices = page.evaluate("document.querySelectorAll('.sunburstlayer path.surface').length")
-            if screenshot is not None:
-                screenshot.parent.mkdir(parents=True, exist_ok=True)
-                clip = None
-                if sections:  # the box from the first section's top to the last one's bottom
-                    boxes = [page.locator(f"#{sid}").bounding_box() for sid in sections]
-                    top, bottom = boxes[0]["y"], boxes[-1]["y"] + boxes[-1]["height"]
-                    clip = {"x": 0, "y": top, "width": width, "height": bottom - top}
-                page.screenshot(path=str(screenshot), full_page=full_page or bool(clip), clip=clip)
-        finally:
-            browser.close()
+    page = browser.new_page(viewport={"width": width, "height": height})  # a context of its own
+    try:
+        page.route("**/*", route)
+        # Plotly reports a chart it could not build (a sunburst parent that is missing) as a
+        # console trace beginning "WARN:" and draws nothing: a warning or a trace fails as an error does.
+        page.on("console", lambda m: errors.append(f"{m.type}: {m.text}") if m.type in PROBLEMS else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(Path(report).resolve().as_uri(), wait_until="load", timeout=120_000)
+        page.wait_for_timeout(1500)  # let plotly finish its first draw
+        drawn = page.evaluate(SECTION_STATE_JS, [sid for sid, _ in SECTIONS])
+        slices = page.evaluate("document.querySelectorAll('.sunburstlayer path.surface').length")
+        if screenshot is not None:
+            screenshot.parent.mkdir(parents=True, exist_ok=True)
+            clip = None
+            if sections:  # the box from the first section's top to the last one's bottom
+                boxes = [page.locator(f"#{sid}").bounding_box() for sid in sections]
+                top, bottom = boxes[0]["y"], boxes[-1]["y"] + boxes[-1]["height"]
+                clip = {"x": 0, "y": top, "width": width, "height": bottom - top}
+            page.screenshot(path=str(screenshot), full_page=full_page or bool(clip), clip=clip)
+    finally:
+        page.context.close()
     return {"errors": errors, "outside": outside, "sections": drawn, "slices": slices}
 
 

@@ -531,8 +531,13 @@ def _chromium_or_skip():
 def test_report_opens_offline_in_chromium(cpu_run, tmp_path):
     shots = _chromium_or_skip()
     gpu = make_run(tmp_path / "gpu", trace=gpu_trace_events(), world_size=2)
-    for run in (cpu_run, gpu):
-        state = shots.check_page(write_report(run))
+    from minigpt.analysis.compare import main as compare
+
+    assert compare([str(cpu_run), str(gpu), "--allow-different", "--html", str(tmp_path / "cmp.html")]) == 0
+    with shots.chromium() as browser:  # one browser, a page of its own for each
+        states = [shots.check_page(write_report(run), browser=browser) for run in (cpu_run, gpu)]
+        compared = shots.check_page(tmp_path / "cmp.html", browser=browser)
+    for state in states:
         assert state["errors"] == [], state["errors"]
         assert state["outside"] == [], state["outside"]
         for s in state["sections"]:
@@ -544,12 +549,8 @@ def test_report_opens_offline_in_chromium(cpu_run, tmp_path):
         assert all(drawn[k]["drawn"] for k in ("curves", "stages", "timeline", "operators"))
     assert drawn["memory"]["drawn"]  # the GPU run's CUDA peaks
     # The comparison's page: the same pieces, the same rules.
-    from minigpt.analysis.compare import main as compare
-
-    assert compare([str(cpu_run), str(gpu), "--allow-different", "--html", str(tmp_path / "cmp.html")]) == 0
-    state = shots.check_page(tmp_path / "cmp.html")
-    assert state["errors"] == [] and state["outside"] == []
-    present = [s for s in state["sections"] if s["present"]]
+    assert compared["errors"] == [] and compared["outside"] == []
+    present = [s for s in compared["sections"] if s["present"]]
     assert len(present) == 5 and all(s["drawn"] == s["plots"] for s in present)
 
 
@@ -560,15 +561,16 @@ def test_memory_charts_draw_every_slice_without_a_console_warning(cpu_run, tmp_p
     shots = _chromium_or_skip()
     run = load_run(cpu_run)
     rows = peak_rows(peak_of_state(run.memory[0])["parts"])
-    state = shots.check_page(write_report(cpu_run))
-    assert state["errors"] == [], state["errors"]
-    memory = {s["id"]: s for s in state["sections"]}["memory"]
-    assert memory["slices"] == len(rows) > 1 + len(PEAK_PARTS), memory
-    state = shots.check_page(write_report(unmeasured_run(tmp_path / "u")))
-    assert state["errors"] == [] and {s["id"]: s for s in state["sections"]}["memory"]["slices"] >= 8
-    for chart in sorted(run.memory[0]["folder"].glob("*_sunburst.html")):
-        state = shots.check_page(chart)
-        assert state["errors"] == [] and state["slices"] > 1, (chart.name, state["errors"])
+    with shots.chromium() as browser:  # one browser, a page of its own for each
+        state = shots.check_page(write_report(cpu_run), browser=browser)
+        assert state["errors"] == [], state["errors"]
+        memory = {s["id"]: s for s in state["sections"]}["memory"]
+        assert memory["slices"] == len(rows) > 1 + len(PEAK_PARTS), memory
+        state = shots.check_page(write_report(unmeasured_run(tmp_path / "u")), browser=browser)
+        assert state["errors"] == [] and {s["id"]: s for s in state["sections"]}["memory"]["slices"] >= 8
+        for chart in sorted(run.memory[0]["folder"].glob("*_sunburst.html")):
+            state = shots.check_page(chart, browser=browser)
+            assert state["errors"] == [] and state["slices"] > 1, (chart.name, state["errors"])
 
 
 def test_stage_bars_keep_their_width_when_logged_steps_are_close(tmp_path):
