@@ -515,11 +515,16 @@ def test_a_long_step_says_it_still_runs_and_falls_silent_when_it_ends(monkeypatc
         clock.now = 100
         with inst.step(3):  # a short step: silent
             look_at(100.5)
+        for n, clock.now in enumerate(range(200, 225)):  # an evaluation: a new progress note a batch
+            inst.doing = ("evaluation", 200, f"; {n} of 65536 batches done")
+            look_at(clock.now)
     said_at = {t: m for t, m in lines.items() if m}
     assert said_at == {
         10: ["step 1: still running after 10s"],
         20.5: ["step 1: still running after 20s"],
         36: ["step 2: still running after 10s"],
+        210: ["evaluation: still running after 10s; 10 of 65536 batches done"],
+        220: ["evaluation: still running after 20s; 20 of 65536 batches done"],
     }
 
 

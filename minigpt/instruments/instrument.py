@@ -142,7 +142,7 @@ class Instruments:
     def look(self, seen, said: int):
         """One look at what runs: a line each 10 s it has run; `said` lines so far about `seen`."""
         doing, now = self.doing, time.perf_counter()
-        said = said if doing is seen else 0  # a new step or evaluation: its own count
+        said = said if doing and seen and doing[:2] == seen[:2] else 0  # a new one: its own count
         if doing and now - doing[1] >= 10 * (said + 1):
             said += 1
             self.log.info(f"{doing[0]}: still running after {now - doing[1]:.0f}s{''.join(doing[2:])}")
