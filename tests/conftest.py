@@ -26,9 +26,10 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 # Under pytest-xdist each worker is a process with torch's default of a thread a core: two workers
 # on two cores ran four threads that waited on each other (the suite took 20% longer, measured
-# side by side). Each worker, and the trainers it launches, gets its share of the cores.
+# side by side). Each worker, and the trainers it launches, gets its share of the cores (a user's
+# own OMP_NUM_THREADS wins).
 if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 0)):
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // workers)))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 

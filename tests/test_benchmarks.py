@@ -499,7 +499,7 @@ def in_process(monkeypatch, capsys, script: str, *args: str) -> SimpleNamespace:
     try:
         status = module.main()
     except SystemExit as e:
-        status = e.code
+        status = e.code or 0  # sys.exit() and sys.exit(None) are 0, as for a process
     out, err = capsys.readouterr()
     return SimpleNamespace(returncode=status, stdout=out, stderr=err)
 
