@@ -4,6 +4,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,7 +30,8 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 # side by side). Each worker, and the trainers it launches, gets its share of the cores (a user's
 # own OMP_NUM_THREADS wins).
 if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 0)):
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // workers)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // workers)))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
@@ -129,16 +131,24 @@ def run_cli(
     )
 
 
+def in_process(capsys, call) -> SimpleNamespace:
+    """`call()` as a command's main: the status its process would exit with (sys.exit's code,
+    argparse's errors included) and what it printed, without a process and torch's import."""
+    try:
+        status = call()
+    except SystemExit as e:
+        status = e.code or 0  # sys.exit() and sys.exit(None) are 0, as for a process
+    out, err = capsys.readouterr()
+    return SimpleNamespace(returncode=status, stdout=out, stderr=err)
+
+
 def fails(capsys, *args: str) -> str:
     """Run the trainer in-process; return its single stderr line after checking status 2."""
     import train_minimal
 
-    try:
-        status = train_minimal.cli(list(args))
-    except SystemExit as e:  # argparse's own errors
-        status = e.code
-    err = capsys.readouterr().err
-    assert status == 2, err
+    result = in_process(capsys, lambda: train_minimal.cli(list(args)))
+    err = result.stderr
+    assert result.returncode == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     return lines[0]

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import NANOGPT_DIR, NANOGPT_ENV, ROOT, bench_module
+from conftest import NANOGPT_DIR, NANOGPT_ENV, ROOT, bench_module, in_process
 
 # On the CPU, on a GPU machine too: the tests read cpu-* result files (the GPU's are named for it).
 TINY = [
@@ -491,17 +491,10 @@ MISTAKES = [
 ]
 
 
-def in_process(monkeypatch, capsys, script: str, *args: str) -> SimpleNamespace:
-    """A benchmark script's main() as its command line runs it (the same argv, the exit status
-    sys.exit would give, what it printed), without a process and torch's import for each."""
-    module = bench_module(script.removesuffix(".py"))
+def bench_main(monkeypatch, capsys, script: str, *args: str) -> SimpleNamespace:
+    """A benchmark script's main() as its command line runs it (the same argv), in this process."""
     monkeypatch.setattr(sys, "argv", [script, *args])
-    try:
-        status = module.main()
-    except SystemExit as e:
-        status = e.code or 0  # sys.exit() and sys.exit(None) are 0, as for a process
-    out, err = capsys.readouterr()
-    return SimpleNamespace(returncode=status, stdout=out, stderr=err)
+    return in_process(capsys, bench_module(script.removesuffix(".py")).main)
 
 
 def mistake_files(folder: Path) -> dict[str, str]:
@@ -533,7 +526,7 @@ def test_a_mistake_is_one_line_before_any_measuring_and_touches_nothing(
     tmp_path, monkeypatch, capsys, script, args, says
 ):
     files = mistake_files(tmp_path)
-    result = in_process(monkeypatch, capsys, script, *args.format(dir=tmp_path).split())
+    result = bench_main(monkeypatch, capsys, script, *args.format(dir=tmp_path).split())
     refused_in_one_line(result, script, says, tmp_path, files)
 
 

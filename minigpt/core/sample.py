@@ -175,6 +175,7 @@ class KVCache:
         self.model, self.length = model, 0
         # (d_model, vocab): the docstring. Under autocast in the dtype it would cast to: autocast
         # caches its cast of a parameter, never of a copy, so an fp32 copy would be cast every token.
+        # A cache is made and used under one autocast setting (generate's).
         weight, device = model.lm_head.weight, model.lm_head.weight.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
         self.head = weight.detach().t().to(dtype).contiguous()
