@@ -11,7 +11,7 @@ An excerpt is a fenced block that follows a marker naming the command that print
     ...what the command prints...
     ```
 
-`<!-- excerpt(check=log): ... -->` says which lines the tests compare (tests/test_docs.py):
+`<!-- excerpt(check=log): ... -->` says which lines the tests compare (tests/test_walkthrough.py):
 `all` (default) every line's form, `log` only the timestamped log lines' (a profiler table's rows
 change with the model), `labels` the lines that do not start with a figure (a table's headings and
 row names, not its rows of numbers), `exact` the text itself (a deterministic command such as the
@@ -74,6 +74,7 @@ EXCERPT = re.compile(
 )
 INCLUDE = re.compile(r"<!-- include: (\S+) -->\n(.*?)<!-- end include -->\n", re.S)
 FENCE_TEXT = re.compile(r"^```text$", re.M)
+PIPE = " 2>&1 | "  # an excerpt's command, then the filter that cuts what it printed to the excerpt
 
 
 @dataclass
@@ -82,6 +83,22 @@ class Excerpt:
     command: str
     check: str  # all | log | exact
     text: str  # what the document holds now
+
+    @property
+    def runs(self) -> list[str]:
+        """The commands whose output the excerpt shows, in order: `(a && b) 2>&1 | filter` runs a
+        and b. Two excerpts of one command (a whole log, and a line of it) share its run."""
+        head = self.command.split(PIPE, 1)[0]
+        return head.removeprefix("(").removesuffix(")").split(" && ") if head.startswith("(") else [head]
+
+    def shown(self, outputs: dict[str, str]) -> str:
+        """What the excerpt's command prints, from what its runs printed (`outputs`, by command):
+        their output, through the excerpt's filter (`| sed -n ...`) where it has one."""
+        text = "".join(outputs[c] for c in self.runs)
+        if PIPE in self.command:
+            filter_ = self.command.split(PIPE, 1)[1]
+            text = subprocess.run(["bash", "-c", filter_], input=text, capture_output=True, text=True).stdout
+        return "".join(line.rstrip() + "\n" for line in text.splitlines())
 
 
 def excerpts(root: Path = ROOT) -> list[Excerpt]:
@@ -123,18 +140,19 @@ class CommandFailed(Exception):
     """An excerpt's or an image's command exited non-zero: its output is not an excerpt."""
 
 
-def run(command: str, cwd: Path, extra_args: str = "", timeout: float = 1800) -> str:
-    """What the command prints (stdout and stderr, as a terminal shows them), trailing spaces cut.
-    `extra_args` go to every trainer run through $MINIGPT_ARGS (the tests' scaled-down runs).
-    A command whose refusal is the excerpt pipes it through `tail`, which exits 0."""
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    env.pop("MINIGPT_ARGS", None)
-    # A new user's: a home of its own, with no token cache and no peak FLOP/s in ~/.cache/minigpt
-    env.pop("MINIGPT_CACHE_DIR", None)
-    env["HOME"] = str(cwd / ".home")
-    if extra_args:
-        env["MINIGPT_ARGS"] = extra_args
-    r = subprocess.run(
+def user_env(home: Path, extra_args: str = "") -> dict[str, str]:
+    """A new user's environment: a home of its own (no token cache, no peak FLOP/s in
+    ~/.cache/minigpt), the interpreter's scripts first on PATH. `extra_args` go to every trainer
+    run through $MINIGPT_ARGS (the tests' scaled-down runs)."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HOME": str(home)}
+    for name in ("MINIGPT_ARGS", "MINIGPT_CACHE_DIR"):
+        env.pop(name, None)
+    return env | ({"MINIGPT_ARGS": extra_args} if extra_args else {})
+
+
+def in_terminal(command: str, cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """The command run by the shell, its stdout and stderr in one stream, as a terminal shows them."""
+    return subprocess.run(
         command,
         shell=True,
         cwd=cwd,
@@ -144,9 +162,16 @@ def run(command: str, cwd: Path, extra_args: str = "", timeout: float = 1800) ->
         text=True,
         timeout=timeout,
     )
-    if r.returncode != 0:
+
+
+def run(command: str, cwd: Path, timeout: float = 1800, may_fail: bool = False) -> str:
+    """What the command prints (stdout and stderr, as a terminal shows them), as a new user in
+    `cwd` runs it. `may_fail`: an excerpt that filters the output (`| tail -n 1`) may show a
+    refusal, and its pipeline exits 0 whatever the command's status."""
+    r = in_terminal(command, cwd, user_env(cwd / ".home"), timeout)
+    if r.returncode != 0 and not may_fail:
         raise CommandFailed(f"exit {r.returncode}: {command}\n{r.stdout[-3000:]}")
-    return "".join(line.rstrip() + "\n" for line in r.stdout.splitlines())
+    return r.stdout
 
 
 def included(path: Path) -> str:
@@ -222,10 +247,14 @@ def refresh(check: bool, only: str | None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         copy = copy_repo(Path(tmp) / "repo")
         fresh: dict[tuple[str, str], str] = {}
+        outputs: dict[str, str] = {}  # each command runs once, for every excerpt that shows it
         for e in excerpts():
             if only is None or only in e.command:
                 print(f"$ {e.command}", flush=True)
-                fresh[e.doc, e.command] = run(e.command, copy)
+                for command in e.runs:
+                    if command not in outputs:
+                        outputs[command] = run(command, copy, may_fail=PIPE in e.command)
+                fresh[e.doc, e.command] = e.shown(outputs)
         images = not check and only is None
         for command, _ in IMAGES if images else ():
             print(f"$ {command}", flush=True)

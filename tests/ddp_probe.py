@@ -55,10 +55,13 @@ if os.environ.get("PROBE_FAIL"):
             if how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer or `kill -9` does
             if how == "stop":  # alive but not answering (kill -STOP, a hung host)
-                # Killed once the other rank's --ddp-timeout has found it lost: torchrun's own
-                # SIGTERM would wait on a stopped process for 30 s before its SIGKILL.
-                later = float(os.environ.get("PROBE_KILL_AFTER", "60"))
-                subprocess.Popen(["sh", "-c", f"sleep {later}; kill -KILL {os.getpid()}"])
+                # Killed once the other rank has ended (its --ddp-timeout found this one lost), or
+                # after PROBE_KILL_AFTER s: torchrun's own SIGTERM would wait on a stopped process
+                # for 30 s before its SIGKILL.
+                tenths, other = int(10 * float(os.environ.get("PROBE_KILL_AFTER", "60"))), 1 - rank
+                ended = f"{prefix}.rank{other}.json"
+                wait = f"for i in $(seq {tenths}); do [ -e {ended} ] && break; sleep 0.1; done"
+                subprocess.Popen(["sh", "-c", f"{wait}; kill -KILL {os.getpid()}"])
                 with open(f"{prefix}.rank{rank}.stopped", "w") as f:
                     f.write(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGSTOP)

@@ -296,8 +296,9 @@ def test_a_lost_rank_is_named_in_one_line_by_the_rank_that_survives(tmp_path, ho
     """A rank killed mid-run (kill -9, the OOM killer) or stopped: the other rank says which rank
     was lost and how to resume, in one line, not gloo's traceback, and exits 1."""
     out = tmp_path / "run"
-    # The stopped rank is killed well after the survivor's line is due (its timeout, the check-in):
-    # torchrun's own SIGTERM would wait on a stopped process for 30 s before its SIGKILL.
+    # The stopped rank is killed once the survivor has ended, or at the latest well after its line
+    # is due (its timeout, the check-in): torchrun's own SIGTERM would wait on a stopped process for
+    # 30 s before its SIGKILL.
     kill_after = float(timeout) + 15
     result, _ = probe(
         tmp_path,

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, in_process
 
 import train_minimal
 from minigpt.analysis.record import StepRecord
@@ -174,9 +174,11 @@ def test_a_cuda_memory_breakdown_fits():
     assert too_long(text) == [], text
 
 
-def test_estimates_table_fits_100_columns_and_explains_its_marks():
+def test_estimates_table_fits_100_columns_and_explains_its_marks(capsys):
+    from minigpt.instruments import estimate
+
     for flags in ([], ["--no-amp"], ["--device", "cuda", "--amp-dtype", "fp16"], ["--preset", "gpt2"]):
-        r = run("-m", "minigpt", "estimate", *flags, timeout=120)
+        r = in_process(capsys, lambda flags=flags: estimate.main(flags))  # `python -m minigpt estimate`'s
         assert r.returncode == 0, r.stderr
         lines = r.stdout.splitlines()
         assert [x for x in lines if len(x) > TABLE] == [], flags

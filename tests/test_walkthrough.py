@@ -1,14 +1,17 @@
 """Every shell command of docs/walkthrough.md runs, scaled down, so the text cannot go stale.
 
 The commands run in order, in a copy of the repository (they write runs/ and benchmark results),
-with MINIGPT_ARGS (documented in the walkthrough) shrinking every training run to a tiny model and
-a few steps. Benchmark commands get `--steps 2 --warmup 1 --repeats 1`, and what a benchmark builds
-itself rather than through the trainer (overhead.py's profiler options, nanoGPT's side of
-nanogpt_shape.py) the tiny shape. A command marked `# needs CUDA` must, on a machine without CUDA,
-be refused with its one-line explanation; an `nsys` command is skipped where Nsight Systems is not
-installed, the screenshot script where Chromium is not (outside CI). `tensorboard` is started,
-asked for the run over HTTP, and stopped. The screenshot script opens TensorBoard's PyTorch
-Profiler tab in headless Chromium: it must list the run's views and the profiled steps.
+as a new user runs them (a home of their own: no token cache, no measured peak), with MINIGPT_ARGS
+(documented in the walkthrough) shrinking every training run to a tiny model and a few steps. On
+what they print, every excerpt of README.md and docs/ (but the estimator's exact ones, which
+tests/test_docs.py runs at full scale) keeps the form the code prints now. Benchmark commands get
+`--steps 2 --warmup 1 --repeats 1`, and what a benchmark builds itself rather than through the
+trainer (overhead.py's profiler options, nanoGPT's side of nanogpt_shape.py) the tiny shape. A
+command marked `# needs CUDA` must, on a machine without CUDA, be refused with its one-line
+explanation; an `nsys` command is skipped where Nsight Systems is not installed, the screenshot
+script where Chromium is not (outside CI). `tensorboard` is started, asked for the run over HTTP,
+and stopped. The screenshot script opens TensorBoard's PyTorch Profiler tab in headless Chromium:
+it must list the run's views and the profiled steps.
 """
 
 import os
@@ -16,13 +19,13 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 from conftest import NANOGPT_DIR, ROOT, docs_module
 
 serve_tensorboard = docs_module("tbserve").serve_tensorboard
+refresh = docs_module("refresh")
 
 
 WALKTHROUGH = ROOT / "docs" / "walkthrough.md"
@@ -76,6 +79,28 @@ def part_commands(cmds: list[str], part: str) -> list[str]:
     return made + own
 
 
+def part_excerpts(cmds: list[str], part: str) -> list:
+    """The excerpts (docs/refresh.py) whose commands are all this part's own: the part checks them
+    on what those commands printed. The estimator's exact excerpts run at full scale in test_docs."""
+    bounds, k = part_bounds(cmds), list(PARTS).index(part)
+    own = {c.split(" # ")[0] for c in cmds[bounds[k] : bounds[k + 1]]}  # without its comment
+    return [e for e in refresh.excerpts() if e.check != "exact" and set(map(own_form, e.runs)) <= own]
+
+
+def own_form(cmd: str) -> str:
+    """A command as commands() lists it: one space between words, no trailing comment."""
+    return re.sub(r"\s+", " ", cmd.strip())
+
+
+def test_every_excerpt_is_checked_by_one_part():
+    """Every excerpt of README.md and docs/ but the exact ones shows what walkthrough commands
+    print: the slow test below checks its form on their output, where the command runs anyway."""
+    cmds = commands(WALKTHROUGH.read_text())
+    checked = [(e.doc, e.command) for part in PARTS for e in part_excerpts(cmds, part)]
+    inexact = [(e.doc, e.command) for e in refresh.excerpts() if e.check != "exact"]
+    assert sorted(checked) == sorted(inexact), set(inexact) - set(checked)
+
+
 def test_the_parts_hold_every_command_once_in_order():
     cmds = commands(WALKTHROUGH.read_text())
     bounds = part_bounds(cmds)
@@ -95,15 +120,12 @@ def test_every_walkthrough_command_runs(tmp_path, part):
         if (ROOT / f).is_file():
             (repo / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, repo / f)
-    env = {
-        **os.environ,
-        "MINIGPT_ARGS": SCALE,
-        "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
-    }
-    failures = []
-    for cmd in part_commands(commands(WALKTHROUGH.read_text()), part):
+    env = refresh.user_env(repo / ".home", SCALE)  # a new user's: no token cache, no measured peak
+    failures, outputs = [], {}
+    cmds = commands(WALKTHROUGH.read_text())
+    for cmd in part_commands(cmds, part):
         needs_cuda = "# needs CUDA" in cmd
-        cmd = cmd.split(" # ")[0]
+        cmd = own = cmd.split(" # ")[0]
         if "--nanogpt " in cmd:  # nanoGPT's files: the clone the environment names (.ci/run sets it)
             if NANOGPT_DIR is None:
                 continue  # not given here: test_benchmarks.py says so in its skip reason
@@ -130,20 +152,22 @@ def test_every_walkthrough_command_runs(tmp_path, part):
         if any(b in cmd for b in ("ablation.py", "overhead.py", "nanogpt_shape.py", "allocator.py")):
             cmd = f"{cmd} --busy"  # the copy's results are thrown away: written even under the tests' load
 
-        result = subprocess.run(
-            cmd, shell=True, cwd=repo, env=env, capture_output=True, text=True, timeout=900
-        )
+        result = refresh.in_terminal(cmd, repo, env, timeout=900)  # as the excerpts show it
+        outputs[own] = result.stdout
         if needs_cuda and not torch.cuda.is_available():
-            ok = result.returncode == 2 and "needs CUDA" in result.stderr
+            ok = result.returncode == 2 and "needs CUDA" in result.stdout
         else:
             ok = result.returncode == 0
         if ok and "tensorboard_screenshots.py" in cmd:
             ok = screenshots_taken(result.stdout, repo / "docs" / "img", steps="5, 6")
         if not ok:
-            failures.append(
-                f"$ {cmd}\n(exit {result.returncode})\n{result.stdout[-1500:]}\n{result.stderr[-1500:]}"
-            )
-    assert not failures, "\n\n".join(failures)
+            failures.append(f"$ {cmd}\n(exit {result.returncode})\n{result.stdout[-3000:]}")
+    # The excerpts of these commands' output: each line's form is still printed (refresh.py rewrites them).
+    for e in part_excerpts(cmds, part):
+        fresh = e.shown({c: outputs[own_form(c)] for c in e.runs})
+        if missing := refresh.form_differences(e.text, fresh, e.check):
+            failures.append(f"{e.doc}: $ {e.command}\nno longer printed:\n" + "\n".join(missing[:5]))
+    assert not failures, "\n\n".join(failures) + "\n\n(python docs/refresh.py rewrites the excerpts)"
 
 
 def screenshots_taken(out: str, img, steps: str) -> bool:
