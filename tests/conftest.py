@@ -142,6 +142,12 @@ def in_process(capsys, call) -> SimpleNamespace:
     return SimpleNamespace(returncode=status, stdout=out, stderr=err)
 
 
+def bench_main(monkeypatch, capsys, script: str, *args: str) -> SimpleNamespace:
+    """A benchmark script's main() as its command line runs it (the same argv), in this process."""
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    return in_process(capsys, bench_module(script.removesuffix(".py")).main)
+
+
 def fails(capsys, *args: str) -> str:
     """Run the trainer in-process; return its single stderr line after checking status 2."""
     import train_minimal

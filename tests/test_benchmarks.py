@@ -9,11 +9,10 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import NANOGPT_DIR, NANOGPT_ENV, ROOT, bench_module, in_process
+from conftest import NANOGPT_DIR, NANOGPT_ENV, ROOT, bench_main, bench_module
 
 # On the CPU, on a GPU machine too: the tests read cpu-* result files (the GPU's are named for it).
 TINY = [
@@ -223,26 +222,24 @@ def test_nanogpt_runs_the_real_train_py_beside_minigpt(tmp_path):
     assert not any(p.exists() for p in copies)
 
 
-def test_nanogpt_without_its_files_says_so_in_one_line(tmp_path):
+def test_nanogpt_without_its_files_says_so_in_one_line(tmp_path, monkeypatch, capsys):
     """None given (no --nanogpt, no $MINIGPT_NANOGPT_DIR), or a folder without them, by the flag or
     by the environment: one line, status 2, before anything runs."""
-    bare = {k: v for k, v in os.environ.items() if k != NANOGPT_ENV}
-    for flags, env in (
-        ([], bare),
-        (["--nanogpt", str(tmp_path)], bare),
-        ([], {**bare, NANOGPT_ENV: str(tmp_path)}),
-    ):
-        result = run("nanogpt_shape.py", *flags, env=env)
+    for flags, env in (([], None), (["--nanogpt", str(tmp_path)], None), ([], str(tmp_path))):
+        monkeypatch.delenv(NANOGPT_ENV, raising=False)
+        if env:
+            monkeypatch.setenv(NANOGPT_ENV, env)
+        result = bench_main(monkeypatch, capsys, "nanogpt_shape.py", *flags)
         assert result.returncode == 2 and "nanoGPT" in result.stderr and "--nanogpt" in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1 and NANOGPT_ENV in result.stderr
     assert f"${NANOGPT_ENV} {tmp_path} has no train.py" in result.stderr  # the environment named it
 
 
-def test_ablation_render_rewrites_table_and_chart_without_running(tmp_path):
+def test_ablation_render_rewrites_table_and_chart_without_running(tmp_path, monkeypatch, capsys):
     for stem, pre_peak in (("cpu-gpt2-b2", True), ("cpu-small", False)):
         copy = tmp_path / f"{stem}.json"
         copy.write_text((ROOT / "benchmarks" / "results" / f"{stem}.json").read_text())
-        result = run("ablation.py", "--render", str(copy))
+        result = bench_main(monkeypatch, capsys, "ablation.py", "--render", str(copy))
         assert result.returncode == 0, result.stderr[-3000:]
         table = (tmp_path / f"{stem}.md").read_text()
         assert "| amp | bf16 |" in table
@@ -252,7 +249,7 @@ def test_ablation_render_rewrites_table_and_chart_without_running(tmp_path):
         assert (tmp_path / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_ablation_puts_each_prediction_beside_its_measurement(tmp_path):
+def test_ablation_puts_each_prediction_beside_its_measurement(tmp_path, monkeypatch, capsys):
     """A variant whose run stored predicted_step (config.json) gets a row: predicted / measured per
     stage, the error in percent, and what bounds the stage."""
     data = json.loads((ROOT / "benchmarks" / "results" / "cpu-small.json").read_text())
@@ -264,7 +261,7 @@ def test_ablation_puts_each_prediction_beside_its_measurement(tmp_path):
     }
     copy = tmp_path / "cpu-small.json"
     copy.write_text(json.dumps(data))
-    result = run("ablation.py", "--render", str(copy))
+    result = bench_main(monkeypatch, capsys, "ablation.py", "--render", str(copy))
     assert result.returncode == 0, result.stderr[-3000:]
     table = (tmp_path / "cpu-small.md").read_text()
     row = next(
@@ -273,7 +270,7 @@ def test_ablation_puts_each_prediction_beside_its_measurement(tmp_path):
     assert f"{2 * measured:.1f} / {measured:.1f} (+100%, compute)" in row and "| n/a |" in row
     assert len([line for line in table.splitlines() if line.startswith("| variant | forward predicted")]) == 1
 
-    result = run("ablation.py", "--steps", "0")
+    result = bench_main(monkeypatch, capsys, "ablation.py", "--steps", "0")
     assert result.returncode == 2 and "--steps and --repeats must be at least 1" in result.stderr
 
 
@@ -489,12 +486,6 @@ MISTAKES = [
     ("chunked_loss.py", "--render {dir}/bad.json", "not JSON"),
     ("parallel.py", "--steps 0", "--steps, --repeats and --ranks must be at least 1"),
 ]
-
-
-def bench_main(monkeypatch, capsys, script: str, *args: str) -> SimpleNamespace:
-    """A benchmark script's main() as its command line runs it (the same argv), in this process."""
-    monkeypatch.setattr(sys, "argv", [script, *args])
-    return in_process(capsys, bench_module(script.removesuffix(".py")).main)
 
 
 def mistake_files(folder: Path) -> dict[str, str]:

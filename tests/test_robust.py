@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, bench_main
 
 import train_minimal
 from minigpt.config import UsageError
@@ -563,21 +563,23 @@ def results_prefix() -> str:
 
 
 @pytest.mark.parametrize("flags, name", [([], "tiny"), (["--seq-len", "8"], "tiny-seq-len-8")])
-def test_ablation_never_overwrites_results_unless_forced(tmp_path, flags, name):
+def test_ablation_never_overwrites_results_unless_forced(tmp_path, monkeypatch, capsys, flags, name):
     existing = tmp_path / f"{results_prefix()}-{name}.json"
     existing.write_text('{"committed": true}')
-    result = ablation("--preset", "tiny", *flags, "--out-dir", str(tmp_path))
+    result = bench_main(
+        monkeypatch, capsys, "ablation.py", "--preset", "tiny", *flags, "--out-dir", str(tmp_path)
+    )
     err = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(err) == 1 and str(existing) in err[0] and "--force" in err[0]
     assert existing.read_text() == '{"committed": true}'
 
 
 @pytest.mark.parametrize("content", [None, "not json", '{"meta": {}}', "[1, 2]"])
-def test_ablation_render_of_a_bad_file_is_one_line(tmp_path, content):
+def test_ablation_render_of_a_bad_file_is_one_line(tmp_path, monkeypatch, capsys, content):
     path = tmp_path / "cpu-x.json"
     if content is not None:
         path.write_text(content)
-    result = ablation("--render", str(path))
+    result = bench_main(monkeypatch, capsys, "ablation.py", "--render", str(path))
     err = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(err) == 1 and "Traceback" not in result.stderr, result.stderr
 

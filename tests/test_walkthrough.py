@@ -57,6 +57,8 @@ def test_the_walkthrough_has_commands():
 # The commands run in three parts, each in its own copy of the repository, so that xdist's workers
 # share them: a part starts at the first command that begins with its prefix. A part first runs the
 # earlier parts' commands that wrote a run folder it reads (`runs/walk` for `export runs/walk`).
+# Finer parts cost more than they share out on two cores: each part is a new user's first run (the
+# corpus tokenised, the peak measured), and re-runs the commands that made what it reads.
 PARTS = {
     "runs, profiler, TensorBoard": "",
     "benchmarks": "python benchmarks/ablation.py",
