@@ -68,6 +68,17 @@ def test_a_changed_form_is_caught():
     assert refresh.form_differences(bound.format("compute"), bound.format("memory "), "all") == []
 
 
+def test_an_excerpt_shows_its_runs_output_through_its_filter():
+    """`(a && b) 2>&1 | filter`: the output of a, then b's, cut by the filter; a plain command its
+    output whole, trailing spaces cut. The walkthrough's test and refresh.py both read it so."""
+    piped = refresh.Excerpt("doc", "(a --x && b) 2>&1 | sed -n '/start/,/end/p' | cut -c1-5", "all", "")
+    assert piped.runs == ["a --x", "b"]
+    outputs = {"a --x": "noise\nstart here\n", "b": "middle\nend of it\nafter\n"}
+    assert piped.shown(outputs) == "start\nmiddl\nend o\n"
+    plain = refresh.Excerpt("doc", "a --x", "all", "")
+    assert plain.runs == ["a --x"] and plain.shown({"a --x": "one  \ntwo\n"}) == "one\ntwo\n"
+
+
 def test_refresh_check_passes_on_the_committed_docs():
     """--check of the includes alone (no command runs): exit 0 when nothing is stale."""
     r = subprocess.run(

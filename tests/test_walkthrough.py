@@ -18,7 +18,6 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -114,14 +113,7 @@ def test_the_parts_hold_every_command_once_in_order():
 @pytest.mark.slow
 @pytest.mark.parametrize("part", list(PARTS))
 def test_every_walkthrough_command_runs(tmp_path, part):
-    repo = tmp_path / "repo"
-    files = subprocess.run(
-        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
-    for f in files:
-        if (ROOT / f).is_file():
-            (repo / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / f, repo / f)
+    repo = refresh.copy_repo(tmp_path / "repo")  # the tracked files, as a clone holds them
     env = refresh.user_env(repo / ".home", SCALE)  # a new user's: no token cache, no measured peak
     failures, outputs = [], {}
     cmds = commands(WALKTHROUGH.read_text())
