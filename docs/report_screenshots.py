@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 PROBLEMS = ("error", "warning", "trace", "assert")  # console message types that fail the check
@@ -35,6 +35,12 @@ ids => ids.map(id => {
           slices: s.querySelectorAll('.sunburstlayer path.surface').length,
           text: s.innerText.slice(0, 200)};
 })
+"""
+
+
+# Whether every chart of the page has drawn (an svg or a canvas in each plotly div).
+ALL_DRAWN_JS = """
+() => [...document.querySelectorAll('.plotly-graph-div')].every(p => p.querySelector('svg.main-svg, canvas'))
 """
 
 
@@ -72,6 +78,8 @@ def check_page(
     if browser is None:
         with chromium() as browser:
             return check_page(report, screenshot, full_page, width, height, sections, browser)
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     from minigpt.analysis.report import SECTIONS
 
     errors: list[str] = []
@@ -92,7 +100,10 @@ def check_page(
         page.on("console", lambda m: errors.append(f"{m.type}: {m.text}") if m.type in PROBLEMS else None)
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(Path(report).resolve().as_uri(), wait_until="load", timeout=120_000)
-        page.wait_for_timeout(1500)  # let plotly finish its first draw
+        # plotly draws each chart in the script beside its div, so at "load" they are drawn; a chart
+        # that is not gets a few seconds more, and is then counted as not drawn.
+        with suppress(PlaywrightTimeout):
+            page.wait_for_function(ALL_DRAWN_JS, timeout=5000)
         drawn = page.evaluate(SECTION_STATE_JS, [sid for sid, _ in SECTIONS])
         slices = page.evaluate("document.querySelectorAll('.sunburstlayer path.surface').length")
         if screenshot is not None:

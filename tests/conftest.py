@@ -108,7 +108,18 @@ def _token_cache(tmp_path_factory):
     os.environ.pop("MINIGPT_ARGS", None)  # a user's scaled-down flags would change what the tests run
 
 
+@pytest.hookimpl(trylast=True)  # after -m has deselected: the tests that run
 def pytest_collection_modifyitems(config, items):
+    # pytest-xdist hands out a file at a time (pytest.ini: --dist loadfile) in this order: the
+    # files with slow tests first, each of them minutes long (CI runs them in the same session as
+    # the rest), so no worker is left alone with one at the end; then the files with more tests,
+    # as xdist's own order would have them (pytest.ini turns that off: it would put these last).
+    files: dict = {}
+    for item in items:
+        files.setdefault(item.path, []).append(item)
+    slow = lambda path: any(item.get_closest_marker("slow") for item in files[path])
+    order = sorted(files, key=lambda path: (not slow(path), -len(files[path])))
+    items[:] = [item for path in order for item in files[path]]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

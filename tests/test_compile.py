@@ -8,7 +8,7 @@ import json
 import pytest
 from conftest import TINY, run_cli
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ci]
 
 
 def test_compile_runs_twice_on_one_cache_and_names_its_compilation(tmp_path):

@@ -12,6 +12,7 @@ NOTEBOOK = ROOT / "docs" / "profiling.ipynb"
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_profiling_notebook_runs(tmp_path, monkeypatch):
     import nbformat
     from nbclient import NotebookClient

@@ -528,6 +528,7 @@ def _chromium_or_skip():
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_report_opens_offline_in_chromium(cpu_run, tmp_path):
     shots = _chromium_or_skip()
     gpu = make_run(tmp_path / "gpu", trace=gpu_trace_events(), world_size=2)
@@ -555,6 +556,7 @@ def test_report_opens_offline_in_chromium(cpu_run, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_memory_charts_draw_every_slice_without_a_console_warning(cpu_run, tmp_path):
     """The sunburst of the report and each chart beside memory.log draw one sector per row, with no
     console error, warning or trace (plotly's "Failed to build sunburst hierarchy" is a trace)."""

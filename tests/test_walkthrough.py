@@ -53,38 +53,11 @@ def test_the_walkthrough_has_commands():
     assert len(cmds) >= 10 and any(c.startswith("python train_minimal.py") for c in cmds)
 
 
-# The commands run in three parts, each in its own copy of the repository, so that xdist's workers
-# share them: a part starts at the first command that begins with its prefix. A part first runs the
-# earlier parts' commands that wrote a run folder it reads (`runs/walk` for `export runs/walk`).
-# Finer parts cost more than they share out on two cores: each part is a new user's first run (the
-# corpus tokenised, the peak measured), and re-runs the commands that made what it reads.
-PARTS = {
-    "runs, profiler, TensorBoard": "",
-    "benchmarks": "python benchmarks/ablation.py",
-    "memory, ranks, GPT-2": "python train_minimal.py --num-steps 6 --memory-profiler",
-}
-
-
-def part_bounds(cmds: list[str]) -> list[int]:
-    """Where each part's own commands start in the walkthrough's list, and where the last ends."""
-    starts = [next(i for i, c in enumerate(cmds) if c.startswith(prefix)) for prefix in PARTS.values()]
-    return [*starts, len(cmds)]
-
-
-def part_commands(cmds: list[str], part: str) -> list[str]:
-    """The commands of one part of the walkthrough, after the earlier commands that made the runs it reads."""
-    bounds, k = part_bounds(cmds), list(PARTS).index(part)
-    own = cmds[bounds[k] : bounds[k + 1]]
-    reads = {name for c in own for name in re.findall(r"\bruns/[\w-]+", c)}
-    made = [c for c in cmds[: bounds[k]] if set(re.findall(r"--out-dir (runs/[\w-]+)", c)) & reads]
-    return made + own
-
-
-def part_excerpts(cmds: list[str], part: str) -> list:
-    """The excerpts (docs/refresh.py) whose commands are all this part's own: the part checks them
-    on what those commands printed. The estimator's exact excerpts run at full scale in test_docs."""
-    bounds, k = part_bounds(cmds), list(PARTS).index(part)
-    own = {c.split(" # ")[0] for c in cmds[bounds[k] : bounds[k + 1]]}  # without its comment
+def walkthrough_excerpts(cmds: list[str]) -> list:
+    """The excerpts (docs/refresh.py) whose commands are all walkthrough commands: the slow test
+    checks them on what those commands printed. The estimator's exact excerpts run at full scale in
+    test_docs."""
+    own = {c.split(" # ")[0] for c in cmds}  # without its comment
     return [e for e in refresh.excerpts() if e.check != "exact" and set(map(own_form, e.runs)) <= own]
 
 
@@ -93,31 +66,26 @@ def own_form(cmd: str) -> str:
     return re.sub(r"\s+", " ", cmd.strip())
 
 
-def test_every_excerpt_is_checked_by_one_part():
+def test_every_excerpt_is_checked_by_the_walkthrough():
     """Every excerpt of README.md and docs/ but the exact ones shows what walkthrough commands
     print: the slow test below checks its form on their output, where the command runs anyway."""
-    cmds = commands(WALKTHROUGH.read_text())
-    checked = [(e.doc, e.command) for part in PARTS for e in part_excerpts(cmds, part)]
+    checked = [(e.doc, e.command) for e in walkthrough_excerpts(commands(WALKTHROUGH.read_text()))]
     inexact = [(e.doc, e.command) for e in refresh.excerpts() if e.check != "exact"]
     assert sorted(checked) == sorted(inexact), set(inexact) - set(checked)
 
 
-def test_the_parts_hold_every_command_once_in_order():
-    cmds = commands(WALKTHROUGH.read_text())
-    bounds = part_bounds(cmds)
-    assert bounds[0] == 0 and all(a < b for a, b in zip(bounds, bounds[1:])), bounds
-    last = part_commands(cmds, list(PARTS)[-1])
-    assert last[0] == "python train_minimal.py --num-steps 20 --out-dir runs/walk"  # export reads it
-
-
+# One test, one user, the commands in the walkthrough's order: each reads the runs the earlier ones
+# made, as a reader's do. Not split into parts for more workers: each part would be a new user's
+# first run (the corpus tokenised, the peak measured again) and re-run the commands that made the
+# runs it reads; in CI's one session the other workers have the rest of the suite to run.
 @pytest.mark.slow
-@pytest.mark.parametrize("part", list(PARTS))
-def test_every_walkthrough_command_runs(tmp_path, part):
+@pytest.mark.ci
+def test_every_walkthrough_command_runs(tmp_path):
     repo = refresh.copy_repo(tmp_path / "repo")  # the tracked files, as a clone holds them
     env = refresh.user_env(repo / ".home", SCALE)  # a new user's: no token cache, no measured peak
     failures, outputs = [], {}
     cmds = commands(WALKTHROUGH.read_text())
-    for cmd in part_commands(cmds, part):
+    for cmd in cmds:
         needs_cuda = "# needs CUDA" in cmd
         cmd = own = cmd.split(" # ")[0]
         if "--nanogpt " in cmd:  # nanoGPT's files: the clone the environment names (.ci/run sets it)
@@ -157,7 +125,7 @@ def test_every_walkthrough_command_runs(tmp_path, part):
         if not ok:
             failures.append(f"$ {cmd}\n(exit {result.returncode})\n{result.stdout[-3000:]}")
     # The excerpts of these commands' output: each line's form is still printed (refresh.py rewrites them).
-    for e in part_excerpts(cmds, part):
+    for e in walkthrough_excerpts(cmds):
         fresh = e.shown({c: outputs[own_form(c)] for c in e.runs})
         if missing := refresh.form_differences(e.text, fresh, e.check):
             failures.append(f"{e.doc}: $ {e.command}\nno longer printed:\n" + "\n".join(missing[:5]))
