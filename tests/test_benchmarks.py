@@ -108,7 +108,7 @@ def test_ablation_without_amp_rows_runs_its_variants_in_fp32(monkeypatch, tmp_pa
     assert "No AMP rows" in table and "fp32 + chunked loss: " in table and "AMP: " not in table
 
 
-def test_overhead_reports_each_variant(tmp_path):
+def test_overhead_reports_each_variant(tmp_path, monkeypatch, capsys):
     result = run(
         "overhead.py", *TINY, "--parts", "stage-timing", "--micro-steps", "100", "--out-dir", str(tmp_path)
     )
@@ -129,7 +129,9 @@ def test_overhead_reports_each_variant(tmp_path):
         < min(costs["ranges only (--no-stage-timing)"], costs["ranges + timing (default)"])
     )
     (tmp_path / "overhead-cpu-tiny.md").unlink()
-    assert run("overhead.py", "--render", str(tmp_path / "overhead-cpu-tiny.json")).returncode == 0
+    kept = str(tmp_path / "overhead-cpu-tiny.json")
+    rendered = bench_main(monkeypatch, capsys, "overhead.py", "--render", kept)
+    assert rendered.returncode == 0, rendered.stderr
     assert (tmp_path / "overhead-cpu-tiny.md").read_text() == table  # the table is a function of the .json
 
 

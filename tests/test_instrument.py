@@ -39,6 +39,10 @@ def inside(event, outer):
     return outer["ts"] <= event["ts"] and event["ts"] + event["dur"] <= outer["ts"] + outer["dur"]
 
 
+# Runs whose MFU and report no test here reads: no GEMM timed for the MFU peak, no report page.
+FAST = [*TINY, "--peak-tflops", "1", "--no-report"]
+
+
 @pytest.fixture
 def quiet(monkeypatch):
     """A quiet machine for the profiler's cost, which this one (shared) may not be: no other
@@ -49,7 +53,7 @@ def quiet(monkeypatch):
 def profiled_run(tmp_path, *extra):
     out = tmp_path / "run"
     args = [
-        *TINY,
+        *FAST,
         "--num-steps",
         "8",
         "--log-interval",
@@ -130,14 +134,14 @@ def test_writing_the_trace_is_in_no_steps_time(tmp_path, monkeypatch):
 def test_no_profiler_no_note(tmp_path):
     """Without a profiler torch prints none of the lines the note explains: no note."""
     out = tmp_path / "run"
-    assert train_minimal.cli([*TINY, "--num-steps", "2", "--out-dir", str(out)]) == 0
+    assert train_minimal.cli([*FAST, "--num-steps", "2", "--out-dir", str(out)]) == 0
     assert "USDT" not in (out / "train.log").read_text()
 
 
 def test_profiler_cost_is_not_priced_against_fewer_than_three_steps(tmp_path, capsys, quiet):
     out = tmp_path / "run"
     args = [
-        *TINY,
+        *FAST,
         "--num-steps",
         "6",
         "--use-profiler",
@@ -155,7 +159,7 @@ def test_profiled_steps_hold_only_the_training_step(tmp_path):
     # steps 3 and 4, inside the window: each ProfilerStep range must still be the step alone.
     out = tmp_path / "run"
     args = [
-        *TINY,
+        *FAST,
         "--num-steps",
         "6",
         "--log-interval",
@@ -214,7 +218,7 @@ def test_profiler_stops_and_writes_its_trace_when_a_step_raises(tmp_path, monkey
 
 def test_resumed_run_profiles_the_same_training_steps(tmp_path):
     out = tmp_path / "run"
-    base = [*TINY, "--out-dir", str(out), "--save-interval", "2"]
+    base = [*FAST, "--out-dir", str(out), "--save-interval", "2"]
     assert train_minimal.cli([*base, "--num-steps", "2"]) == 0
     assert (
         train_minimal.cli(
@@ -241,7 +245,7 @@ def test_stage_times_add_up_to_the_step_time(tmp_path):
     # A model big enough that a step is tens of milliseconds: the loop's own Python is then small.
     out = tmp_path / "run"
     args = [
-        *TINY,
+        *FAST,
         "--d-model",
         "128",
         "--d-ff",

@@ -5,6 +5,7 @@ hand-made traces for each rule (old and new category names, any accelerator, no 
 malformed events), checked against counts made here by other methods."""
 
 import gzip
+import io
 import json
 import os
 import random
@@ -12,7 +13,9 @@ import re
 import subprocess
 import sys
 from collections import defaultdict
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT, TINY
@@ -42,16 +45,16 @@ needs_shared = pytest.mark.skipif(
 STAGES = ["data_to_device", "forward", "backward", "optimizer_step"]
 
 
-def traces(*args: str) -> subprocess.CompletedProcess:
-    """Run the tool as a user would, in a fresh process."""
-    return subprocess.run(
-        [sys.executable, "-m", "minigpt.analysis.traces", *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=os.environ.copy(),
-    )
+def traces(*args: str) -> SimpleNamespace:
+    """The tool's main() with the arguments a user types, in this process: its status (sys.exit's
+    and argparse's included) and what it printed. The walkthrough runs it as a process."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            status = traces_mod.main([str(a) for a in args])
+        except SystemExit as e:
+            status = e.code or 0
+    return SimpleNamespace(returncode=status, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def ok(*args: str) -> str:
