@@ -87,6 +87,11 @@ TINY = [
 ]
 
 
+# TINY for a run whose MFU and report the test does not read: no GEMM timed for the MFU peak (a
+# loaded machine measures it again at every start), no report page.
+FAST = [*TINY, "--peak-tflops", "1", "--no-report"]
+
+
 @pytest.fixture(params=[False, True], ids=["as-this-machine", "gpu-visible"])
 def gpu_visible(request, monkeypatch):
     """The test twice: on this machine as it is, and as on a CUDA machine, where --device auto picks
@@ -142,13 +147,19 @@ def run_cli(
     )
 
 
-def in_process(capsys, call) -> SimpleNamespace:
+def exit_status(call) -> int:
     """`call()` as a command's main: the status its process would exit with (sys.exit's code,
-    argparse's errors included) and what it printed, without a process and torch's import."""
+    argparse's errors included)."""
     try:
-        status = call()
+        return call()
     except SystemExit as e:
-        status = e.code or 0  # sys.exit() and sys.exit(None) are 0, as for a process
+        return e.code or 0  # sys.exit() and sys.exit(None) are 0, as for a process
+
+
+def in_process(capsys, call) -> SimpleNamespace:
+    """`call()` as a command's main: its exit status and what it printed, without a process and
+    torch's import."""
+    status = exit_status(call)
     out, err = capsys.readouterr()
     return SimpleNamespace(returncode=status, stdout=out, stderr=err)
 

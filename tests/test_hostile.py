@@ -19,7 +19,7 @@ import test_hostile5
 import test_nothing_lost
 import test_property_cli
 import torch
-from conftest import TINY, fails
+from conftest import FAST, TINY, fails
 
 import train_minimal
 from minigpt import config
@@ -39,7 +39,6 @@ from minigpt.core.guards import lock_checkpoint
 from minigpt.fileio import UnreadableFile, read_bounded
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = [*TINY, "--peak-tflops", "1", "--no-report"]  # no GEMM timed for MFU, no report page
 
 
 def one_line(e: pytest.ExceptionInfo) -> str:

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TINY, docs_module
+from conftest import FAST, TINY, docs_module
 
 import train_minimal
 from minigpt.config import STAGE_NAMES as STAGES
@@ -37,10 +37,6 @@ def load_trace(out):
 
 def inside(event, outer):
     return outer["ts"] <= event["ts"] and event["ts"] + event["dur"] <= outer["ts"] + outer["dur"]
-
-
-# Runs whose MFU and report no test here reads: no GEMM timed for the MFU peak, no report page.
-FAST = [*TINY, "--peak-tflops", "1", "--no-report"]
 
 
 @pytest.fixture

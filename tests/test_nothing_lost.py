@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import FAST, TINY
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,7 +31,6 @@ from minigpt.core.checkpoint import CHECKSUM_KEY, load_checkpoint, save_checkpoi
 from minigpt.fileio import check_may_replace
 from sample import cli as sample_cli
 
-FAST = [*TINY, "--peak-tflops", "1", "--no-report"]
 PAGE_EXAMPLES = int(os.environ.get("MINIGPT_PAGE_EXAMPLES", 100))  # ~1 ms each
 SWEEP_EXAMPLES = int(os.environ.get("MINIGPT_SWEEP_EXAMPLES", 100))  # ~1 ms each
 DAMAGE_EXAMPLES = int(os.environ.get("MINIGPT_DAMAGE_EXAMPLES", 150))  # ~10 ms each: a load

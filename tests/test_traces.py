@@ -18,7 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, exit_status
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -50,10 +50,7 @@ def traces(*args: str) -> SimpleNamespace:
     and argparse's included) and what it printed. The walkthrough runs it as a process."""
     out, err = io.StringIO(), io.StringIO()
     with redirect_stdout(out), redirect_stderr(err):
-        try:
-            status = traces_mod.main([str(a) for a in args])
-        except SystemExit as e:
-            status = e.code or 0
+        status = exit_status(lambda: traces_mod.main([str(a) for a in args]))
     return SimpleNamespace(returncode=status, stdout=out.getvalue(), stderr=err.getvalue())
 
 
