@@ -30,14 +30,13 @@ TINY = [
 ]
 
 
-def run(script, *args, env=None):
+def run(script, *args):
     return subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
-        env=env,
     )
 
 
