@@ -1,7 +1,6 @@
 """Data parallelism under torchrun: 2 processes on the CPU with gloo (marker `ddp`), and what the
 ranks' room decides without processes: a lost rank's line, the straggler detector's verdicts."""
 
-import gzip
 import json
 import os
 import random
@@ -46,13 +45,20 @@ def read_metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+# Steps of tens of milliseconds, medians over 10 steps: the straggler detector has figures to score
+# and no rank slowed. Two ranks share this machine's two cores with whatever else runs (the rest of
+# the suite, CI): once, the noise alone crossed 0.75, so the threshold here is 0.5, still above the
+# 0.32 a 200 ms straggler scored in the walkthrough (chapter 9).
+QUIET = ("--d-model", "128", "--d-ff", "512", "--seq-len", "64", "--straggler-threshold", "0.5")
+
+
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory):
-    """One job for the two tests below: 6 steps of 2 micro-batches on 2 ranks, probed."""
+    """One job for the three tests below: 20 steps of 2 micro-batches on 2 ranks, probed."""
     tmp = tmp_path_factory.mktemp("probed")
     out = tmp / "run"
-    flags = ("--num-steps", "6", "--grad-accum-steps", "2", "--log-interval", "3", "--out-dir", str(out))
-    result, probes = probe(tmp, *FLAGS, *flags)
+    flags = ("--num-steps", "20", "--grad-accum-steps", "2", "--log-interval", "10", "--out-dir", str(out))
+    result, probes = probe(tmp, *FLAGS, *QUIET, *flags)
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(probes) == 2
     return out, probes
@@ -62,9 +68,9 @@ def probed(tmp_path_factory):
 def test_ranks_stay_identical_and_rank_0_alone_writes(probed):
     out, probes = probed
     for name, p0 in probes[0]["params"].items():
-        assert torch.equal(p0, probes[1]["params"][name]), name  # the same weights after 6 steps
+        assert torch.equal(p0, probes[1]["params"][name]), name  # the same weights after 20 steps
     rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [3, 6]  # one line per step: rank 1 writes nothing
+    assert [r["step"] for r in rows] == [10, 20]  # one line per step: rank 1 writes nothing
     assert rows[-1]["world_size"] == 2
     assert rows[-1]["tokens_per_s"] == pytest.approx(2 * rows[-1]["tokens_per_s_per_rank"])
     assert "backward_compute" in rows[-1]["stage_host_ms"]
@@ -92,39 +98,12 @@ def test_two_ranks_give_the_gradients_of_one_rank_with_twice_the_batch(probed):
     torch.manual_seed(config["config"]["seed"])
     model = GPT(GPTConfig(**config["model"]))
     seed, no_tokens = config["config"]["data_seed"], np.zeros(0, "<u2")
-    ranks = [ToyBatches(no_tokens, 8, 16, seed, rank=r, vocab_size=64) for r in range(2)]
+    batch, seq = config["config"]["batch_size"], config["config"]["seq_len"]
+    ranks = [ToyBatches(no_tokens, batch, seq, seed, rank=r, vocab_size=64) for r in range(2)]
     x, y = (torch.cat(t) for t in zip(*(next(batches) for batches in ranks for _ in range(2))))
     model(x, y)[1].backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(ddp_grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
-
-
-@pytest.mark.ddp
-def test_every_profiled_rank_writes_its_trace(tmp_path):
-    out = tmp_path / "run"
-    result = torchrun(
-        ROOT / "train_minimal.py",
-        *FLAGS,
-        "--num-steps",
-        "5",
-        "--use-profiler",
-        "--profile-step-start",
-        "3",
-        "--profile-step-end",
-        "4",
-        "--profile-ranks",
-        "all",
-        "--out-dir",
-        str(out),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    for rank in (0, 1):
-        traces = list((out / "traces").glob(f"rank{rank}_dp{rank}.*.pt.trace.json.gz"))
-        assert len(traces) == 1
-        with gzip.open(traces[0], "rt") as f:
-            info = json.load(f)["distributedInfo"]
-        assert info["rank"] == rank and info["world_size"] == 2 and info["backend"] == "gloo"
-        assert (out / "traces" / f"rank{rank}_ops.txt").exists()
 
 
 def stragglers(out):
@@ -133,58 +112,8 @@ def stragglers(out):
 
 
 @pytest.mark.ddp
-def test_a_slow_rank_is_named_and_the_waiting_rank_is_not(tmp_path):
-    out = tmp_path / "run"
-    result = torchrun(
-        ROOT / "train_minimal.py",
-        *FLAGS,
-        "--num-steps",
-        "10",
-        "--log-interval",
-        "5",
-        "--simulate-slow-rank",
-        "1:150:forward",
-        "--out-dir",
-        str(out),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    reports = stragglers(out)
-    assert reports and {r["rank"] for r in reports} == {1}
-    assert all(r["stage"] == "forward" and r["relative_score"] < 0.75 for r in reports)
-    assert "STRAGGLER rank 1" in (out / "train.log").read_text()
-    # Each report printed once: by rank 0, not again by every rank that scored the same figures.
-    printed = [x for x in (result.stdout + result.stderr).splitlines() if "STRAGGLER" in x]
-    assert len(printed) == len(reports) and all("[rank " not in x for x in printed)
-    # Rank 0 waited for rank 1 inside its backward's all-reduce: its backward grew, its compute did not.
-    row = read_metrics(out)[-1]
-    assert row["stage_host_ms"]["backward"] > 100 > row["stage_host_ms"]["backward_compute"]
-
-
-@pytest.mark.ddp
-def test_no_rank_is_named_when_none_is_slow(tmp_path):
-    out = tmp_path / "run"
-    # Steps of tens of milliseconds, medians over 10 steps. Two ranks share this machine's two cores
-    # with whatever else runs (the rest of the suite, CI): once, the noise alone crossed 0.75, so the
-    # threshold here is 0.5, still above the 0.32 a 200 ms straggler scored in the walkthrough (chapter 9).
-    result = torchrun(
-        ROOT / "train_minimal.py",
-        *FLAGS,
-        "--d-model",
-        "128",
-        "--d-ff",
-        "512",
-        "--seq-len",
-        "64",
-        "--num-steps",
-        "20",
-        "--log-interval",
-        "10",
-        "--straggler-threshold",
-        "0.5",
-        "--out-dir",
-        str(out),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_no_rank_is_named_when_none_is_slow(probed):
+    out, _ = probed
     assert all("backward_compute" in r["stage_host_ms"] for r in read_metrics(out))  # figures to score
     assert stragglers(out) == []
 

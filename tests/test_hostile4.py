@@ -561,8 +561,9 @@ def test_a_rank_is_named_only_when_its_delay_matters(what, intervals, named):
 def test_a_rank_slowed_60_ms_is_named_alone_at_every_log_line_once_its_window_is_full(tmp_path):
     """Log lines every 4 steps; the first step (warm-up) is not steady: the window holds
     WINDOW_STEPS (8) steady steps first at step 12, and from then on the slow rank is named at
-    each log line, and no other rank ever."""
-    from test_ddp import FLAGS, stragglers, torchrun
+    each log line, and no other rank ever: by rank 0 alone, in the stage it sleeps in. The waiting
+    rank's wait shows in its backward (the all-reduce), not in its compute."""
+    from test_ddp import FLAGS, read_metrics, stragglers, torchrun
 
     out = tmp_path / "run"
     result = torchrun(
@@ -575,6 +576,14 @@ def test_a_rank_slowed_60_ms_is_named_alone_at_every_log_line_once_its_window_is
     reports = stragglers(out)
     assert {r["rank"] for r in reports} == {1}
     assert sorted(r["step"] for r in reports) == [12, 16]
+    assert all(r["stage"] == "forward" and r["relative_score"] < 0.75 for r in reports)
+    assert "STRAGGLER rank 1" in (out / "train.log").read_text()
+    # Each report printed once: by rank 0, not again by every rank that scored the same figures.
+    printed = [x for x in (result.stdout + result.stderr).splitlines() if "STRAGGLER" in x]
+    assert len(printed) == len(reports) and all("[rank " not in x for x in printed)
+    # Rank 0 waited for rank 1 inside its backward's all-reduce: its backward grew, its compute did not.
+    row = read_metrics(out)[-1]
+    assert row["stage_host_ms"]["backward"] > 40 > row["stage_host_ms"]["backward_compute"]
 
 
 # ---------------------------------------------------------------------------- the count

@@ -917,8 +917,9 @@ def test_nccl_kernels_are_the_device_side_of_communication(tmp_path):
 
 @pytest.mark.ddp
 def test_the_waiting_rank_shows_its_wait_in_the_backward(tmp_path):
-    """A real 2-rank gloo run where rank 1's forward sleeps 200 ms: rank 0 waits for it in the
-    backward's all-reduce, and the trace says so; rank 1's backward does not wait."""
+    """A real 2-rank gloo run where rank 1's forward sleeps 200 ms, every rank profiled: each writes
+    its trace; rank 0 waits for rank 1 in the backward's all-reduce, and the trace says so; rank 1's
+    backward does not wait."""
     out = tmp_path / "run"
     cmd = [
         sys.executable,
@@ -941,6 +942,13 @@ def test_the_waiting_rank_shows_its_wait_in_the_backward(tmp_path):
     ]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy())
     assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):  # --profile-ranks all: every rank writes its trace, named for its rank
+        traces = list((out / "traces").glob(f"rank{rank}_dp{rank}.*.pt.trace.json.gz"))
+        assert len(traces) == 1
+        with gzip.open(traces[0], "rt") as f:
+            info = json.load(f)["distributedInfo"]
+        assert info["rank"] == rank and info["world_size"] == 2 and info["backend"] == "gloo"
+        assert (out / "traces" / f"rank{rank}_ops.txt").exists()
     folder = json.loads(ok(out, "--json"))
     assert [t["rank"] for t in folder["traces"]] == [0, 1]
     assert [Path(d["file"]).name for d in folder["skipped"]] == ["config.json"]

@@ -11,7 +11,8 @@ command marked `# needs CUDA` must, on a machine without CUDA, be refused with i
 explanation; an `nsys` command is skipped where Nsight Systems is not installed, the screenshot
 script where Chromium is not (outside CI). `tensorboard` is started, asked for the run over HTTP,
 and stopped. The screenshot script opens TensorBoard's PyTorch Profiler tab in headless Chromium:
-it must list the run's views and the profiled steps.
+it must list the run's views and the profiled steps. The ablation's files are held to what
+tests/test_benchmarks.py's check_ablation asks: this is the script's one end-to-end run in CI.
 """
 
 import os
@@ -22,6 +23,7 @@ import shutil
 import pytest
 import torch
 from conftest import NANOGPT_DIR, ROOT, docs_module
+from test_benchmarks import check_ablation
 
 serve_tensorboard = docs_module("tbserve").serve_tensorboard
 refresh = docs_module("refresh")
@@ -113,6 +115,8 @@ def test_every_walkthrough_command_runs(tmp_path):
             cmd += "".join(f" {flags}" for script, flags in BENCH_OWN_SCALE.items() if script in cmd)
         if any(b in cmd for b in ("ablation.py", "overhead.py", "nanogpt_shape.py", "allocator.py")):
             cmd = f"{cmd} --busy"  # the copy's results are thrown away: written even under the tests' load
+        if "ablation.py" in cmd:
+            cmd += " --noisy"  # and where the command says, whatever its A/A check found under that load
 
         result = refresh.in_terminal(cmd, repo, env, timeout=900)  # as the excerpts show it
         outputs[own] = result.stdout
@@ -122,6 +126,8 @@ def test_every_walkthrough_command_runs(tmp_path):
             ok = result.returncode == 0
         if ok and "tensorboard_screenshots.py" in cmd:
             ok = screenshots_taken(result.stdout, repo / "docs" / "img", steps="5, 6")
+        if ok and "ablation.py" in cmd:  # the script's one end-to-end run in CI: its files, checked
+            check_ablation(repo / "benchmarks" / "results" / "cpu-mine", result.stdout, ablation_rows())
         if not ok:
             failures.append(f"$ {cmd}\n(exit {result.returncode})\n{result.stdout[-3000:]}")
     # The excerpts of these commands' output: each line's form is still printed (refresh.py rewrites them).
@@ -130,6 +136,13 @@ def test_every_walkthrough_command_runs(tmp_path):
         if missing := refresh.form_differences(e.text, fresh, e.check):
             failures.append(f"{e.doc}: $ {e.command}\nno longer printed:\n" + "\n".join(missing[:5]))
     assert not failures, "\n\n".join(failures) + "\n\n(python docs/refresh.py rewrites the excerpts)"
+
+
+def ablation_rows() -> list[str]:
+    """The rows of `ablation.py --malloc` here: the AMP rows where the CPU runs bf16 natively."""
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    base = "amp" if native else "fp32"
+    return ["fp32", "fp32 + ckpt", *(["amp", "amp + ckpt"] if native else []), f"{base}, malloc defaults"]
 
 
 def screenshots_taken(out: str, img, steps: str) -> bool:
