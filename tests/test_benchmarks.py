@@ -119,15 +119,41 @@ def test_ablation_without_amp_rows_runs_its_variants_in_fp32(monkeypatch, tmp_pa
 
 
 def test_overhead_reports_each_variant(tmp_path, monkeypatch, capsys):
-    result = run(
-        "overhead.py", *TINY, "--parts", "stage-timing", "--micro-steps", "100", "--out-dir", str(tmp_path)
-    )
+    """overhead.py's stage-timing part in this process: each variant's trainer flags, the A/A copy,
+    the instrumentation's cost per step, the table and --render. The trainer's runs are faked
+    (fake_rows): the slow test below runs them."""
+    monkeypatch.setattr(bench_module("common"), "load_average", lambda: 0.1)
+    calls = []
+
+    def run_variant(flags, warmup, steps, nproc=1, keep=None):
+        calls.append(flags)
+        return fake_rows(1000.0)
+
+    monkeypatch.setattr(bench_module("common"), "run_variant", run_variant)
+    flags = ["--parts", "stage-timing", "--micro-steps", "100", "--out-dir", str(tmp_path)]
+    result = bench_main(monkeypatch, capsys, "overhead.py", *TINY, *flags)
     assert result.returncode == 0, result.stderr[-3000:]
-    data = json.loads((tmp_path / "overhead-cpu-tiny.json").read_text())
-    assert list(data["results"]) == ["timing off", "timing on (default)", "profiler", "profiler + stacks"]
+    check_overhead(monkeypatch, capsys, tmp_path)
+    off, on, prof, stacks, copy = (c[c.index("cpu") + 1 :] for c in calls)  # each variant's own flags
+    assert (off, on, copy) == (["--no-stage-timing"], [], ["--no-stage-timing"])
+    assert prof[0] == "--use-profiler" and stacks == [*prof, "--profile-with-stack"]
+
+
+@pytest.mark.slow
+def test_overhead_runs_each_variant_through_the_trainer(tmp_path, monkeypatch, capsys):
+    flags = ["--parts", "stage-timing", "--micro-steps", "100", "--out-dir", str(tmp_path)]
+    result = run("overhead.py", *TINY, *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = check_overhead(monkeypatch, capsys, tmp_path)
     assert data["results"]["timing off"]["stage_host_ms"] == {}  # --no-stage-timing reached the trainer
     assert set(data["results"]["timing on (default)"]["stage_host_ms"]) >= {"forward", "backward"}
-    table = (tmp_path / "overhead-cpu-tiny.md").read_text()
+
+
+def check_overhead(monkeypatch, capsys, folder: Path) -> dict:
+    """What overhead.py's stage-timing part of a tiny run leaves in `folder`; --render rewrites its table."""
+    data = json.loads((folder / "overhead-cpu-tiny.json").read_text())
+    assert list(data["results"]) == ["timing off", "timing on (default)", "profiler", "profiler + stacks"]
+    table = (folder / "overhead-cpu-tiny.md").read_text()
     assert (
         "overhead vs timing off" in table and "The default instrumentation (ranges and timing) costs" in table
     )
@@ -138,11 +164,12 @@ def test_overhead_reports_each_variant(tmp_path, monkeypatch, capsys):
         < costs["bare loop"]
         < min(costs["ranges only (--no-stage-timing)"], costs["ranges + timing (default)"])
     )
-    (tmp_path / "overhead-cpu-tiny.md").unlink()
-    kept = str(tmp_path / "overhead-cpu-tiny.json")
+    (folder / "overhead-cpu-tiny.md").unlink()
+    kept = str(folder / "overhead-cpu-tiny.json")
     rendered = bench_main(monkeypatch, capsys, "overhead.py", "--render", kept)
     assert rendered.returncode == 0, rendered.stderr
-    assert (tmp_path / "overhead-cpu-tiny.md").read_text() == table  # the table is a function of the .json
+    assert (folder / "overhead-cpu-tiny.md").read_text() == table  # the table is a function of the .json
+    return data
 
 
 @pytest.mark.slow

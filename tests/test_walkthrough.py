@@ -33,7 +33,8 @@ WALKTHROUGH = ROOT / "docs" / "walkthrough.md"
 SCALE = "--preset tiny --seq-len 32 --batch-size 2 --eval-iters 1"  # the walkthrough's own step counts stay
 BENCH_SCALE = "--steps 2 --warmup 1 --repeats 1"
 # What a benchmark measures outside the trainer's runs (which MINIGPT_ARGS scales), scaled down too;
-# overhead.py's stage-timing part runs end to end in tests/test_benchmarks.py, its options here.
+# overhead.py's options part runs here; its stage-timing part is tests/test_benchmarks.py's (its trainer
+# runs faked in the default suite, real in the slow one: run_variant's real runs are the ablation's here).
 BENCH_OWN_SCALE = {
     "overhead.py": "--preset tiny --parts options --option-steps 1 --option-warmup 0 --micro-steps 1000",
     "nanogpt_shape.py": "--shape tiny",
