@@ -10,8 +10,6 @@ import json
 import os
 import random
 import re
-import subprocess
-import sys
 from collections import defaultdict
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -920,16 +918,10 @@ def test_the_waiting_rank_shows_its_wait_in_the_backward(tmp_path):
     """A real 2-rank gloo run where rank 1's forward sleeps 200 ms, every rank profiled: each writes
     its trace; rank 0 waits for rank 1 in the backward's all-reduce, and the trace says so; rank 1's
     backward does not wait."""
+    from test_ddp import torchrun
+
     out = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(ROOT / "train_minimal.py"),
-        *TINY,
+    flags = [
         "--num-steps",
         "8",
         "--use-profiler",
@@ -937,15 +929,13 @@ def test_the_waiting_rank_shows_its_wait_in_the_backward(tmp_path):
         "all",
         "--simulate-slow-rank",
         "1:200:forward",
-        "--out-dir",
-        str(out),
     ]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy())
+    result = torchrun(ROOT / "train_minimal.py", *TINY, *flags, "--out-dir", str(out), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):  # --profile-ranks all: every rank writes its trace, named for its rank
-        traces = list((out / "traces").glob(f"rank{rank}_dp{rank}.*.pt.trace.json.gz"))
-        assert len(traces) == 1
-        with gzip.open(traces[0], "rt") as f:
+        files = list((out / "traces").glob(f"rank{rank}_dp{rank}.*.pt.trace.json.gz"))
+        assert len(files) == 1
+        with gzip.open(files[0], "rt") as f:
             info = json.load(f)["distributedInfo"]
         assert info["rank"] == rank and info["world_size"] == 2 and info["backend"] == "gloo"
         assert (out / "traces" / f"rank{rank}_ops.txt").exists()

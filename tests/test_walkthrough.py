@@ -22,7 +22,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import NANOGPT_DIR, ROOT, docs_module
+from conftest import NANOGPT_DIR, ROOT, bench_module, docs_module
 from test_benchmarks import check_ablation
 
 serve_tensorboard = docs_module("tbserve").serve_tensorboard
@@ -141,7 +141,8 @@ def test_every_walkthrough_command_runs(tmp_path):
 
 def ablation_rows() -> list[str]:
     """The rows of `ablation.py --malloc` here: the AMP rows where the CPU runs bf16 natively."""
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    common = bench_module("common")
+    native = common.native_bf16(common.machine())  # the rule ablation.py's --amp-rows auto follows
     base = "amp" if native else "fp32"
     return ["fp32", "fp32 + ckpt", *(["amp", "amp + ckpt"] if native else []), f"{base}, malloc defaults"]
 
