@@ -6,7 +6,8 @@ as a new user runs them (a home of their own: no token cache, no measured peak),
 what they print, every excerpt of README.md and docs/ (but the estimator's exact ones, which
 tests/test_docs.py runs at full scale) keeps the form the code prints now. Benchmark commands get
 `--steps 2 --warmup 1 --repeats 1`, and what a benchmark builds itself rather than through the
-trainer (overhead.py's profiler options, nanoGPT's side of nanogpt_shape.py) the tiny shape. A
+trainer (overhead.py's profiler options, nanoGPT's side of nanogpt_shape.py) the tiny shape
+(nanogpt_shape.py in bf16 alone, the dtype for which it patches nanoGPT's copy). A
 command marked `# needs CUDA` must, on a machine without CUDA, be refused with its one-line
 explanation; an `nsys` command is skipped where Nsight Systems is not installed, the screenshot
 script where Chromium is not (outside CI). `tensorboard` is started, asked for the run over HTTP,
@@ -37,7 +38,7 @@ BENCH_SCALE = "--steps 2 --warmup 1 --repeats 1"
 # runs faked in the default suite, real in the slow one: run_variant's real runs are the ablation's here).
 BENCH_OWN_SCALE = {
     "overhead.py": "--preset tiny --parts options --option-steps 1 --option-warmup 0 --micro-steps 1000",
-    "nanogpt_shape.py": "--shape tiny",
+    "nanogpt_shape.py": "--shape tiny --dtypes bf16",
 }
 
 
