@@ -8,8 +8,8 @@ Text from a trained minigpt checkpoint.
     python sample.py --out-dir runs/RUN --temperature 0.6 --top-k 40 --seed 7
     python sample.py --out-dir runs/RUN --top-k 1            # greedy: the likeliest token every time
     python sample.py --out-dir runs/TOY --prompt "3 5 7"     # a --use-toy-data run: token ids in and out
-    python sample.py --init-from gpt2 --prompt "Hello"       # a Hugging Face GPT-2 folder, such as
-                                                             # huggingface-cli download gpt2 --local-dir gpt2
+    python sample.py --init-from gpt2 --prompt "Hello"       # a Hugging Face GPT-2 folder, such as OpenAI's:
+    hf download openai-community/gpt2 config.json model.safetensors --local-dir gpt2   # once, online
 
 The checkpoint is read as data (weights_only); the model is rebuilt from the shape it records, so
 no training flags are needed. A GPT-2 folder (config.json and model.safetensors) is read as

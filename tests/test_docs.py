@@ -7,6 +7,7 @@ and holds each line of the excerpt to a line of the same form (figures masked) i
 changed log line, a renamed field or a new column fails there until `python docs/refresh.py` runs.
 """
 
+import re
 import subprocess
 import sys
 
@@ -88,3 +89,33 @@ def test_refresh_check_passes_on_the_committed_docs():
         timeout=120,
     )
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def section(text: str, title: str) -> str:
+    start = text.index(f"\n## {title}")
+    return text[start : text.find("\n## ", start + 1)]
+
+
+def test_the_reference_names_every_flag_and_tool():
+    """docs/reference.md says it covers every flag and tool: each of the trainer's flags in its
+    "Flags" section, each of sample.py's in "Text from the model", each tool as a command."""
+    from minigpt.__main__ import TOOLS
+    from minigpt.config import build_parser
+
+    text = (ROOT / "docs" / "reference.md").read_text()
+    trainer = {o for a in build_parser()._actions for o in a.option_strings if o.startswith("--")}
+    usage = subprocess.run(
+        [sys.executable, str(ROOT / "sample.py"), "--help"], capture_output=True, text=True, timeout=120
+    ).stdout.split("\n\n")[0]  # the usage block: every flag, once
+    sampler = set(re.findall(r"(--[a-z][\w-]*)", usage))
+    assert "--init-from" in sampler and "--out-dir" in sampler, usage
+
+    def named(flag: str, where: str) -> bool:  # `--flag`, `--flag X`, `--flag/--no-flag`
+        return re.search(rf"[`/]{re.escape(flag)}[`/ ]", where) is not None
+
+    missing = [f for f in sorted(trainer - {"--help"}) if not named(f, section(text, "Flags"))]
+    missing += [
+        f"sample.py {f}" for f in sorted(sampler - {"--help"}) if not named(f, section(text, "Text from"))
+    ]
+    missing += [f"python -m minigpt {t}" for t in TOOLS if f"python -m minigpt {t}" not in text]
+    assert not missing, missing

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -155,3 +156,49 @@ def test_imports_run_one_way_in_no_circle():
         if m.startswith("minigpt.analysis."):
             assert not {d for d in deps if d.startswith(("minigpt.core", "minigpt.instruments"))}, m
             assert "import torch" not in modules[m].read_text(), m
+
+
+def readme_map() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("python train_minimal.py: flags -> data, model, optimizer")
+    return text[start : text.index("beside it, loaded by what asks for it", start)]
+
+
+def near(said: int, measured: int) -> bool:
+    """A count of executed lines depends a little on timing (the watcher thread's turns, a busy
+    machine's notes): the README's is near today's, not equal."""
+    return abs(said - measured) <= max(5, 0.05 * measured)
+
+
+def test_the_readmes_map_gives_the_path_as_it_is(runs):
+    """README's picture of the reading path: each file's length exactly (`wc -l`), the lines and
+    files loaded exactly (whole files: no timing in them), the lines each file runs near a first
+    run's."""
+    block, first = readme_map(), runs["first"]
+    ran = {}
+    for f, _ in first["executed"]:
+        ran[f] = ran.get(f, 0) + 1
+    where = lambda name: name if name == "train_minimal.py" else f"minigpt/{name}"  # noqa: E731
+    sized = re.findall(r"^  (\S+\.py)\s.*?\s(\d+)\s+(\d+)$", block, re.M)  # a row: run, lines
+    sized += re.findall(r"([\w/]+\.py), [^:]*: (\d+) of (\d+)", block)  # "(mfu.py, ...: 10 of 32"
+    first_log = block[block.index("at the first log line") :]
+    run_only = re.findall(r"(\w+/\w+\.py)(?: \([^)]*\))? (\d+)\b", first_log)
+    assert len(sized) >= 7 and len(run_only) >= 4, block
+    wrong = [
+        f"{where(name)}: the map says {size} lines long"
+        for name, _, size in sized
+        if int(size) != len((ROOT / where(name)).read_text().splitlines())
+    ]
+    for name, run in [(name, run) for name, run, _ in sized] + run_only:
+        if not near(int(run), ran.get(where(name), 0)):
+            wrong.append(
+                f"{where(name)}: the map says {run} lines run, a first run {ran.get(where(name), 0)}"
+            )
+    run, files = map(int, re.search(r"(\d+) lines run in (\d+) files", block).groups())
+    if not near(run, len(first["executed"])) or files != len(ran):
+        said, measured = f"{run} lines run in {files} files", f"{len(first['executed'])} in {len(ran)}"
+        wrong.append(f"the map says {said}, a first run {measured}")
+    loaded, in_files = re.search(r"([\d,]+) lines\s+in (\d+) files \(", block).groups()
+    if (int(loaded.replace(",", "")), int(in_files)) != (sum(first["loaded"].values()), len(first["loaded"])):
+        wrong.append(f"the map says {loaded} lines loaded in {in_files} files, a first run {first['loaded']}")
+    assert not wrong, "\n".join(wrong)
