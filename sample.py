@@ -42,8 +42,9 @@ import torch
 
 from minigpt.config import CHECKPOINT_FILE, INTERRUPTED, INTERRUPTED_LINE, RUNS_ROOT, UsageError, imports_done
 from minigpt.core.checkpoint import latest_run
+from minigpt.core.gpt2 import load_folder
 from minigpt.core.progress import Progress, progress_enabled
-from minigpt.core.sample import Draw, generate, load_folder, load_model, utf8_text, vocab_in_use
+from minigpt.core.sample import Draw, generate, load_model, utf8_text, vocab_in_use
 from minigpt.core.tokens import encoding
 from minigpt.fileio import UnreadableFile, check_names, file_kind, format_bytes, read_bounded
 
@@ -83,19 +84,26 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def path(text: str) -> Path:
+    """A path flag's value; an empty one is refused (Path("") is the current folder)."""
+    if not text:
+        raise argparse.ArgumentTypeError("is empty; name a path")
+    return Path(text)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = Parser(prog="sample.py", description=__doc__, formatter_class=HelpFormatter)
     where = p.add_mutually_exclusive_group()
     where.add_argument(
         "--out-dir",
-        type=Path,
+        type=path,
         help=f"a run directory: its {CHECKPOINT_FILE} "
         f"(default: the run in {RUNS_ROOT}/ whose checkpoint is newest)",
     )
-    where.add_argument("--checkpoint", type=Path, help="a checkpoint file")
+    where.add_argument("--checkpoint", type=path, help="a checkpoint file")
     where.add_argument(
         "--init-from",
-        type=Path,
+        type=path,
         metavar="DIR",
         help="a Hugging Face GPT-2 folder (config.json and model.safetensors), as for train_minimal.py",
     )

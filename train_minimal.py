@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
         if cfg.init_from:  # OpenAI's GPT-2 weights, from a Hugging Face folder
             from minigpt.core.gpt2 import load_pretrained
 
-            model = load_pretrained(cfg.init_from, model_cfg, cfg).to(device)
+            model = load_pretrained(cfg.init_from, model_cfg, cfg, data.vocab_size).to(device)
         else:
             model = GPT(model_cfg).to(device)
         clip_grad_norm = torch.nn.utils.clip_grad_norm_
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
             window = Window(run, device, amp, plan, model, optimizer, step + 1)
         tokens = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps  # per rank and step
         # What turns the clocks into figures: tokens, ranks, the model's size (its FLOPs), the dtype.
-        rate = dict(tokens_per_step=tokens, dp=plan.dp, tp=plan.tp, vocab_size=data.vocab_size, amp=amp)
+        rate = dict(tokens_per_step=tokens, dp=plan.dp, tp=plan.tp, vocab_size=model.cfg.vocab_size, amp=amp)
         rate |= dict(train_tokens=data.train_tokens, dist=dist_info, is_main=dist_info.is_main)
         inst = Instruments(cfg, device, rate, run, window, step + 1, started_at)
         inst.timer = ranks.timer(inst.timer) if ranks else inst.timer

@@ -165,7 +165,17 @@ def test_weights_that_do_not_match_the_config_are_refused(folder, hf_model, tmp_
 
     more = copy_of(folder, tmp_path, "more")
     edit_config(more, n_layer=3)
-    with pytest.raises(UsageError, match=r"lack h\.2\.ln_1\.weight \(12 missing\)"):
+    with pytest.raises(UsageError, match=r"its weights hold 2 blocks, its config's n_layer 3"):
+        load_pretrained(more, small_cfg())
+    # a tensor gone from one block: named
+    sd = {
+        k: v.clone()
+        for k, v in hf_model.state_dict().items()
+        if k not in ("lm_head.weight", "transformer.h.1.ln_2.bias")
+    }
+    save_file(sd, more / "model.safetensors")
+    edit_config(more, n_layer=2)
+    with pytest.raises(UsageError, match=r"lack h\.1\.ln_2\.bias \(1 missing\)"):
         load_pretrained(more, small_cfg())
     wider = copy_of(folder, tmp_path, "wider")
     edit_config(wider, n_inner=512)
@@ -185,6 +195,46 @@ def test_weights_that_do_not_match_the_config_are_refused(folder, hf_model, tmp_
     (extra / "config.json").unlink()
     with pytest.raises(UsageError, match="no config.json"):
         load_pretrained(extra, small_cfg())
+
+
+def test_a_config_is_checked_against_the_weights_before_anything_is_built(folder, tmp_path):
+    """A config.json of a billion positions, or far wider than its weights, is one line naming the
+    tensor, not an allocation of hundreds of gigabytes; a FIFO config is refused, not waited on."""
+    far = copy_of(folder, tmp_path, "far")
+    edit_config(far, n_positions=10**9)
+    with pytest.raises(UsageError, match=r"wpe\.weight has shape \(64, 64\), expected \(1000000000, 64\)"):
+        load_pretrained(far, small_cfg())
+    edit_config(far, n_positions=64, n_embd=2**20, n_head=1)
+    with pytest.raises(UsageError, match=r"wte\.weight has shape \(50257, 64\), expected \(50257, 1048576\)"):
+        load_pretrained(far, small_cfg())
+    edit_config(far, n_embd=64, n_head=2, n_layer=10**9)
+    with pytest.raises(UsageError, match="hold 2 blocks, its config's n_layer 1000000000"):
+        load_pretrained(far, small_cfg())
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "config.json")
+    with pytest.raises(UsageError, match="config.json is not a regular file"):
+        load_pretrained(fifo, small_cfg())
+
+
+def test_a_folder_whose_vocabulary_is_below_the_datas_is_refused(tmp_path):
+    """50,250 ids pad to the same 50,304 rows as GPT-2's 50,257: the check is on the ids, not the rows."""
+    short = tmp_path / "short"
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(**{**SHAPE, "vocab_size": 50250})).save_pretrained(short)
+    with pytest.raises(UsageError, match=r"a vocabulary of 50,257\) do not fit .*vocab_size 50,250"):
+        load_pretrained(short, small_cfg(), vocab=GPT2_VOCAB)
+
+
+def test_toy_data_from_a_folder_counts_the_folders_vocabulary(folder, run, tmp_path):
+    """--use-toy-data uses 64 of a GPT-2 folder's ids, but the head computes all 50,304 rows: the
+    FLOPs (and MFU) are the model's, the same as a text run of the same shape."""
+    import json
+
+    out = tmp_path / "toy"
+    assert train_minimal.cli([*RUN, "--use-toy-data", "--init-from", str(folder), "--out-dir", str(out)]) == 0
+    toy, text = (json.loads((d / "config.json").read_text()) for d in (out, run))
+    assert toy["flops_per_token"] == text["flops_per_token"] > 0
 
 
 class Payload:
@@ -275,10 +325,46 @@ def test_export_writes_nothing_outside_out_and_needs_force(run, tmp_path, capsys
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
+def test_export_never_replaces_a_runs_record_nor_half_writes(run, tmp_path, capsys):
+    """--force replaces the files export writes, not a run's own config.json (its record), and a
+    name export writes that is a folder there stops it before the first file."""
+    copy = tmp_path / "run"
+    copy.mkdir()
+    (copy / "config.json").write_bytes((run / "config.json").read_bytes())
+    assert gpt2.main([str(run), "--out", str(copy), "--force"]) == 2
+    assert "config.json that is not a Hugging Face one" in capsys.readouterr().err
+    assert (copy / "config.json").read_bytes() == (run / "config.json").read_bytes()
+    assert sorted(p.name for p in copy.iterdir()) == ["config.json"]
+    part = tmp_path / "part"
+    (part / "vocab.json").mkdir(parents=True)
+    assert gpt2.main([str(run), "--out", str(part), "--force"]) == 2
+    assert "its vocab.json is not a file" in capsys.readouterr().err
+    assert [p.name for p in part.iterdir()] == ["vocab.json"]
+
+
+@pytest.mark.parametrize(
+    "edit, expected",
+    [(lambda s: s["model_config"].update(n_layers=1), "hold 2 blocks, its model_config says n_layers 1"),
+     (lambda s: s["model_config"].update(n_heads=3), "n_heads 3, which does not divide d_model"),
+     (lambda s: s["model"].update({"blocks.0.mlp.fc.weight": torch.zeros(100, 64)}), "has shape [100, 64]"),
+     (lambda s: s["config"].update(dropout="x"), "dropout holds 'x'")],
+)  # fmt: skip
+def test_export_checks_the_weights_against_the_shape_they_claim(edit, expected, run, tmp_path, capsys):
+    from minigpt.core.checkpoint import save_checkpoint
+
+    state = torch.load(run / "checkpoints" / "ckpt.pt", weights_only=True)
+    edit(state)
+    save_checkpoint(tmp_path / "edited.pt", state)  # its checksum made anew: the field is what is tested
+    assert gpt2.main([str(tmp_path / "edited.pt"), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
+    assert not (tmp_path / "hf").exists()
+
+
 @pytest.mark.parametrize(
     "source, expected",
     [("missing", "no such run folder or checkpoint"), ("empty", "holds no checkpoint"),
-     ("garbage.pt", "not a checkpoint")],
+     ("garbage.pt", "or export another run")],
 )  # fmt: skip
 def test_export_refuses_bad_input_in_one_line(source, expected, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
@@ -287,3 +373,11 @@ def test_export_refuses_bad_input_in_one_line(source, expected, tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expected in err[0], err
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("argv", [["", "--out", "hf"], ["run", "--out", ""]])
+def test_export_refuses_an_empty_path(argv, capsys):
+    """Path("") is the current folder: an empty --out would write six files where the user stands."""
+    with pytest.raises(SystemExit) as exit_:
+        gpt2.main(argv)
+    assert exit_.value.code == 2 and "is empty; name a path" in capsys.readouterr().err

@@ -404,7 +404,11 @@ def test_bad_init_from_folders_are_one_line(hf_folder, tmp_path, capsys):
     no_weights = tmp_path / "no-weights"
     no_weights.mkdir()
     (no_weights / "config.json").write_bytes((folder / "config.json").read_bytes())
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "config.json")  # nothing ever writes to it: reading it would block for ever
     for path, expect in (
+        (fifo, "config.json is not a regular file"),
         (tmp_path / "nope", "no such folder"),
         (tmp_path, "no config.json"),
         (other, "not GPT-2"),
@@ -415,6 +419,9 @@ def test_bad_init_from_folders_are_one_line(hf_folder, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:  # one source at a time
         SAMPLE["cli"](["--init-from", str(folder), "--checkpoint", "x.pt"])
     assert exit_.value.code == 2 and "not allowed with" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # Path("") would be the current folder
+        SAMPLE["cli"](["--init-from", ""])
+    assert exit_.value.code == 2 and "--init-from: is empty" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- sample.py's own words

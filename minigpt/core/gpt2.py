@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
+import stat
 import sys
 import warnings
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -80,8 +83,12 @@ def read_shape(folder: Path) -> dict:
             f"--init-from {folder}: no such folder (a Hugging Face GPT-2 folder: config.json and weights)"
         )
     path = folder / "config.json"
-    try:
-        with open(path, "rb") as f:
+    try:  # O_NONBLOCK and fstat: a FIFO would block, /dev/zero never ends
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise UsageError(
+                    f"--init-from {path} is not a regular file; is it a Hugging Face model folder?"
+                )
             hf = json.loads(f.read(1 << 20))  # a config is a few KiB: a bigger file is no config
     except FileNotFoundError:
         raise UsageError(
@@ -157,15 +164,17 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     )
 
 
-def load_pretrained(folder, model_cfg: GPTConfig, cfg=None) -> GPT:
+def load_pretrained(folder, model_cfg: GPTConfig, cfg=None, vocab: int | None = None) -> GPT:
     """A GPT with the weights of the Hugging Face GPT-2 folder `folder`, its shape the folder's.
 
     `model_cfg` is what the flags made: its dropout, activation checkpointing and chunked loss are
-    kept; its shape is replaced by the folder's. The data must fit: its ids within the folder's
-    vocabulary, its sequences within the folder's n_positions. `cfg` (the run's flags), where given:
-    a shape flag the user gave that disagrees with the folder is refused, and cfg's shape becomes
-    the folder's, so the log, config.json and the figures (FLOPs, MFU) describe the model that runs.
-    Every refusal is a UsageError: one line."""
+    kept; its shape is replaced by the folder's. The data must fit: its ids (`vocab` of them;
+    without it, model_cfg's rows, padded) within the folder's vocabulary, its sequences within the
+    folder's n_positions. `cfg` (the run's flags), where given: a shape flag the user gave that
+    disagrees with the folder is refused, and cfg's shape becomes the folder's, so the log,
+    config.json and the figures (FLOPs, MFU) describe the model that runs. Every refusal is a
+    UsageError, one line, and the weights' names and shapes are checked before the model is built
+    (a config.json edited to a billion positions would otherwise allocate them first)."""
     folder = Path(folder)
     shape = read_shape(folder)
     for key, field in SHAPE.items():
@@ -181,19 +190,50 @@ def load_pretrained(folder, model_cfg: GPTConfig, cfg=None) -> GPT:
         raise UsageError(
             f"{flag} {seq_len} is above {folder}'s n_positions {shape['max_position_embeddings']}"
         )
-    if model_cfg.vocab_size > pad_vocab(shape["vocab_size"]):
+    if vocab > shape["vocab_size"] if vocab else model_cfg.vocab_size > pad_vocab(shape["vocab_size"]):
         raise UsageError(
-            f"the data's ids (a vocabulary of {model_cfg.vocab_size}) do not fit {folder}'s vocab_size "
-            f"{shape['vocab_size']}: train it on GPT-2's tokenizer"
+            f"the data's ids (a vocabulary of {vocab or model_cfg.vocab_size:,}) do not fit {folder}'s "
+            f"vocab_size {shape['vocab_size']:,}: its embedding has no row for the higher ids"
         )
-    weights = read_weights(folder)
+    built = replace(
+        model_cfg,
+        vocab_size=pad_vocab(shape["vocab_size"]),
+        **{field: shape[field] for field in SHAPE.values() if field != "vocab_size"},
+    )
+    theirs, pairs = checked_weights(folder, shape, built)
+    model = GPT(built)
+    ours = model.state_dict()
+    with torch.no_grad():
+        for name, their_name, conv in pairs:
+            tensor = theirs[their_name].T if conv else theirs[their_name]  # Conv1D (in, out) -> (out, in)
+            target = ours[name]
+            if name == "wte.weight":  # the folder's ids first; the pad rows (never a target) zero
+                target[shape["vocab_size"] :].zero_()
+                target = target[: shape["vocab_size"]]
+            target.copy_(tensor)  # in place: the head, tied to wte, follows
+    if cfg is not None:
+        for field in SHAPE.values():
+            if field != "vocab_size":  # the data's vocabulary stays the data's
+                setattr(cfg, field, shape[field])
+    return model
 
-    # The folder's names without the prefix, the masks dropped; a stored head must be the embedding.
+
+def checked_weights(folder: Path, shape: dict, built: GPTConfig) -> tuple[dict, list]:
+    """The folder's tensors under GPT-2's names without `transformer.` (the masks dropped), and
+    names(): every one there, none more, each of the shape `built` makes (on the meta device: no
+    memory), before anything is allocated. A stored head must be the embedding."""
+    weights = read_weights(folder)
     theirs = {k.removeprefix(PREFIX): t for k, t in weights.items() if not k.endswith(MASKS)}
     head = theirs.pop("lm_head.weight", None)
     if head is not None and "wte.weight" in theirs and not torch.equal(head, theirs["wte.weight"]):
         raise UsageError(
             f"--init-from {folder}: its lm_head is not tied to wte (minigpt's head is the embedding)"
+        )
+    blocks = {k.split(".")[1] for k in theirs if k.startswith("h.")}  # before a list of n_layer names
+    if len(blocks) < shape["n_layers"]:
+        raise UsageError(
+            f"--init-from {folder}: its weights hold {len(blocks)} blocks, "
+            f"its config's n_layer {shape['n_layers']}"
         )
     pairs = names(shape["n_layers"])
     if missing := [t for _, t, _ in pairs if t not in theirs]:
@@ -204,39 +244,32 @@ def load_pretrained(folder, model_cfg: GPTConfig, cfg=None) -> GPT:
         raise UsageError(
             f"--init-from {folder}: its weights hold {unexpected[0]}, which its config has no place for"
         )
+    with torch.device("meta"):  # one block stands for all
+        one = GPT(replace(built, n_layers=1)).state_dict()
+    for name, their_name, conv in pairs:
+        in_one = f"blocks.0.{name.split('.', 2)[2]}" if name.startswith("blocks.") else name
+        expected = tuple(one[in_one].shape)[::-1] if conv else tuple(one[in_one].shape)  # GPT-2's layout
+        if name == "wte.weight":  # the folder's ids: the pad rows are minigpt's own
+            expected = (shape["vocab_size"], expected[1])
+        if (stored := tuple(theirs[their_name].shape)) != expected:
+            raise UsageError(
+                f"--init-from {folder}: its {their_name} has shape {stored}, "
+                f"expected {expected} from its config"
+            )
+    return theirs, pairs
 
-    model = GPT(
-        GPTConfig(
-            pad_vocab(shape["vocab_size"]),
-            shape["max_position_embeddings"],
-            shape["n_layers"],
-            shape["n_heads"],
-            shape["d_model"],
-            shape["d_ff"],
-            model_cfg.dropout,
-            model_cfg.activation_checkpoint,
-            model_cfg.chunked_loss,
-        )
-    )
-    ours = model.state_dict()
-    with torch.no_grad():
-        for name, their_name, conv in pairs:
-            stored = theirs[their_name]
-            tensor = stored.T if conv else stored  # a Conv1D's (in, out) -> nn.Linear's (out, in)
-            target = ours[name]
-            if name == "wte.weight":  # the folder's ids first; the pad rows (never a target) zero
-                target[shape["vocab_size"] :].zero_()
-                target = target[: shape["vocab_size"]]
-            if tensor.shape != target.shape:
-                expected = tuple(target.T.shape if conv else target.shape)  # in GPT-2's layout
-                shown = f"{their_name} has shape {tuple(stored.shape)}, expected {expected}"
-                raise UsageError(f"--init-from {folder}: its {shown} from its config")
-            target.copy_(tensor)  # in place: the head, tied to wte, follows
-    if cfg is not None:
-        for field in SHAPE.values():
-            if field != "vocab_size":  # the data's vocabulary stays the data's
-                setattr(cfg, field, shape[field])
-    return model
+
+def load_folder(folder: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
+    """The GPT of a Hugging Face GPT-2 folder (load_pretrained: its shape, its weights, every
+    refusal one line) in eval mode, for sample.py, and the config sampling reads, as a run's would
+    say it: GPT-2's tokenizer where the folder's vocabulary holds GPT-2's ids, else token ids in
+    and out (a --use-toy-data run exported with `python -m minigpt export`)."""
+    shape = read_shape(Path(folder))
+    # The folder's own vocabulary and positions: load_pretrained checks a run's against them.
+    fits = GPTConfig(shape["vocab_size"], shape["max_position_embeddings"], dropout=0.0)
+    model = load_pretrained(folder, fits)
+    as_run = {"use_toy_data": shape["vocab_size"] < GPT2_VOCAB, "vocab_size": shape["vocab_size"]}
+    return model.to(device).eval(), {**as_run, "tokenizer_name": "gpt2"}
 
 
 # ---------------------------------------------------------------------------- out: export RUN --out DIR
@@ -313,45 +346,64 @@ def tokenizer_files(n_positions: int) -> dict[str, bytes]:
 
 def export(source, out, force: bool = False) -> str:
     """Write the run or checkpoint `source` as a Hugging Face GPT-2 folder `out`; the line to print.
-    Everything is read and checked before the first file is written."""
+    Everything is read and checked before the first file is written: the checkpoint as sample.py
+    checks it (its fields' types, its weights against its model_config), and every file `out`
+    already holds under a name export writes (a run's own config.json is never replaced)."""
     from safetensors.torch import save
 
-    from minigpt.core.checkpoint import load_checkpoint
+    from minigpt.core.sample import load_model
 
-    state = load_checkpoint(find_checkpoint(Path(source)))  # torch.load(weights_only=True), checked
-    model_cfg, run_cfg = state["model_config"], state["config"]
+    model, run_cfg = load_model(find_checkpoint(Path(source)), "cpu", "export another run")
+    model_cfg, dropout = asdict(model.cfg), run_cfg.get("dropout", 0.0)  # load_model zeroes the model's
+    if not (isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and 0 <= dropout < 1):
+        raise UsageError(f"{source}: its config's dropout holds {dropout!r}; the file was edited or damaged")
     # The real vocabulary: the padding off. Toy data and --vocab-size keep their own.
     toy = bool(run_cfg.get("use_toy_data"))
     if not toy and run_cfg.get("tokenizer_name", "gpt2") != "gpt2":
         raise UsageError(
             f"{source} was trained on {run_cfg['tokenizer_name']}'s ids; export writes GPT-2's tokenizer"
         )
-    vocab = min(run_cfg.get("vocab_size") or GPT2_VOCAB, model_cfg["vocab_size"])
-    theirs, ours = {}, state["model"]
-    for name, their_name, conv in names(model_cfg["n_layers"]):
-        if name not in ours:
-            raise UsageError(f"{source}'s checkpoint holds no {name}: not a minigpt GPT's weights")
+    vocab = min(run_cfg.get("vocab_size") or GPT2_VOCAB, model.cfg.vocab_size)
+    ours, theirs = model.state_dict(), {}
+    for name, their_name, conv in names(model.cfg.n_layers):
         tensor = ours[name][:vocab] if name == "wte.weight" else ours[name]
         theirs[PREFIX + their_name] = (tensor.T if conv else tensor).contiguous().clone()  # Linear -> Conv1D
 
-    files = {"config.json": json.dumps(hf_config(model_cfg, vocab), indent=2) + "\n"}
+    files = {"config.json": json.dumps(hf_config(model_cfg | {"dropout": dropout}, vocab), indent=2) + "\n"}
     files["model.safetensors"] = save(theirs, metadata={"format": "pt"})  # Transformers asks for "pt"
     if not toy:  # toy data's ids are no one's text
-        files |= tokenizer_files(model_cfg["max_position_embeddings"])
+        files |= tokenizer_files(model.cfg.max_position_embeddings)
 
     out = Path(out)
     if out.is_symlink() or out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is {'a link' if out.is_symlink() else 'a file'}; name a folder")
     if out.exists() and not force:
         raise UsageError(f"--out {out} exists; add --force to replace the files export writes there")
+    for name in files:
+        if (there := out / name).exists() and not there.is_file():
+            raise UsageError(f"--out {out}: its {name} is not a file; export replaces only files")
+    if (out / "config.json").is_file() and not is_hf_config(out / "config.json"):
+        raise UsageError(
+            f"--out {out} holds a config.json that is not a Hugging Face one (a run's?): "
+            "export into a folder of its own"
+        )
     out.mkdir(parents=True, exist_ok=True)
-    for (
-        name,
-        data,
-    ) in files.items():  # each written whole (a temporary file, then renamed), never through a link
+    for name, data in files.items():  # each whole (a temporary file, renamed), never through a link
         atomic_write(out / name, data)
     what = "weights and config" if toy else "weights, config and GPT-2's tokenizer"
     return f"wrote {out}: {what} (vocab {vocab}); transformers.GPT2LMHeadModel.from_pretrained({str(out)!r})"
+
+
+def is_hf_config(path: Path) -> bool:
+    """Whether a config.json is a Hugging Face model's (it names its model_type), read as a regular file."""
+    try:
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return False
+            config = json.loads(f.read(1 << 20))
+        return isinstance(config, dict) and "model_type" in config
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -360,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, metavar="DIR", help="the folder to write")
     p.add_argument("--force", action="store_true", help="write into an existing --out (its other files kept)")
     args = p.parse_args(argv)
+    for name, value in (("RUN_OR_CHECKPOINT", args.source), ("--out", args.out)):
+        if not value:  # Path("") is the current folder
+            p.error(f"{name} is empty; name a path")
     try:
         print(export(args.source, args.out, args.force))
     except UsageError as e:

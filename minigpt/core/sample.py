@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from minigpt.config import GPT2_VOCAB, UsageError
+from minigpt.config import UsageError
 from minigpt.core.checkpoint import INSTEAD, load_checkpoint
 from minigpt.core.model import GPT, GPTConfig
 
@@ -48,21 +48,6 @@ def load_model(path: str | Path, device: str = "cpu", instead: str = INSTEAD) ->
             f"({str(e).splitlines()[0]}); the file was edited or damaged"
         ) from None
     return model.to(device).eval(), state["config"]
-
-
-def load_folder(folder: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
-    """The GPT of a Hugging Face GPT-2 folder (minigpt/core/gpt2.py's load_pretrained: its shape,
-    its weights, every refusal one line) in eval mode, and the config sampling reads, as a run's
-    would say it: GPT-2's tokenizer where the folder's vocabulary holds GPT-2's ids, else token
-    ids in and out (a --use-toy-data run exported with `python -m minigpt export`)."""
-    from minigpt.core.gpt2 import load_pretrained, read_shape
-
-    shape = read_shape(Path(folder))
-    # The folder's own vocabulary and positions: load_pretrained checks a run's against them.
-    fits = GPTConfig(shape["vocab_size"], shape["max_position_embeddings"], dropout=0.0)
-    model = load_pretrained(folder, fits)
-    as_run = {"use_toy_data": shape["vocab_size"] < GPT2_VOCAB, "vocab_size": shape["vocab_size"]}
-    return model.to(device).eval(), {**as_run, "tokenizer_name": "gpt2"}
 
 
 def weights_problem(cfg: GPTConfig, weights: dict) -> str | None:
