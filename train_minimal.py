@@ -1,5 +1,4 @@
-"""
-Train a GPT on real text and see where the time and the memory go.
+"""Train a GPT on real text and see where the time and the memory go.
 
     python train_minimal.py                                  # built-in corpus, ~2 minutes on 2 CPU cores
     python train_minimal.py --preset tiny --num-steps 20     # a few seconds
@@ -8,7 +7,6 @@ Train a GPT on real text and see where the time and the memory go.
     python train_minimal.py --use-profiler                   # a profiler trace of steps 5-6
     python train_minimal.py --memory-profiler                # where the memory goes, measured at step 5
     python train_minimal.py --estimate-memory --preset gpt2  # predicted memory; builds nothing, exits
-    python train_minimal.py --help                           # every flag, grouped
 
 The file reads top to bottom: flags -> data, model, optimizer -> the loop -> finish.
 """

@@ -46,7 +46,7 @@ def test_too_few_tokens_says_how_many(capsys, text, tmp_path):
         "--out-dir",
         str(tmp_path / "r"),
     )
-    assert "the training data has 37 tokens; --seq-len 64 needs one more" in msg
+    assert "the training data: 37 tokens; --seq-len 64 needs 65" in msg
 
 
 def test_too_few_validation_tokens(capsys, text, tmp_path):
@@ -61,7 +61,28 @@ def test_too_few_validation_tokens(capsys, text, tmp_path):
         "--out-dir",
         str(tmp_path / "r"),
     )
-    assert "validation data has 1 tokens" in msg
+    assert "the validation data: 1 tokens" in msg
+
+
+def test_too_few_held_out_tokens_name_the_held_out_tenth(capsys, text, tmp_path):
+    """Without --val-data the last tenth of --train-data validates: too short, it is named as that,
+    not as validation data the user never gave."""
+    msg = fails(
+        capsys,
+        "--preset",
+        "tiny",
+        "--train-data",
+        text("Hello world " * 200),
+        "--out-dir",
+        str(tmp_path / "r"),
+    )
+    assert "--train-data's last tenth, held out to validate, is 40 tokens; --seq-len 64 needs 65" in msg
+
+
+def test_max_tokens_below_one_window_is_one_line(capsys, tmp_path):
+    """--max-tokens cuts the built-in corpus too: below seq_len + 1 it is refused, not a traceback."""
+    msg = fails(capsys, "--preset", "tiny", "--max-tokens", "10", "--out-dir", str(tmp_path / "r"))
+    assert "the training data: 10 tokens; --seq-len 64 needs 65" in msg
 
 
 @pytest.mark.parametrize(

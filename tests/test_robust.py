@@ -170,7 +170,7 @@ def test_a_run_refused_after_making_its_folder_leaves_nothing(tmp_path, capsys):
     out = tmp_path / "runs" / "new"
     flags = ["--preset", "tiny", "--train-data", str(text), "--num-steps", "1", "--out-dir", str(out)]
     assert train_minimal.cli(flags) == 2
-    assert "needs one more" in capsys.readouterr().err
+    assert "--seq-len 64 needs 65" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["short.txt"]
 
 

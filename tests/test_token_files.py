@@ -61,8 +61,17 @@ def test_a_nanogpt_bin_and_llmc_shards_read_as_the_ids_written(tmp_path, corpus)
     pattern = load_files([str(folder / "fineweb_train_*.bin")], "--train-data", "gpt2", say=False)
     joined = np.concatenate([np.append(p, EOT) for p in np.array_split(corpus, 3)])[:-1]
     assert np.array_equal(pattern, joined)  # shards in order, an <|endoftext|> between two
+    with pytest.raises(UsageError, match=r"training and validation files: name which, e\.g\. --train-data '"):
+        load_files([str(folder)], "--train-data", "gpt2", say=False)  # llm.c's folder: never its val shard
+    (folder / "fineweb_val_000000.bin").unlink()
     everything = load_files([str(folder)], "--train-data", "gpt2", say=False)  # a folder: all its shards
-    assert len(everything) == len(joined) + 101
+    assert np.array_equal(everything, joined)
+    nanogpt = tmp_path / "shakespeare"  # nanoGPT's prepare.py: train.bin and val.bin side by side
+    nanogpt.mkdir()
+    for name in ("train.bin", "val.bin"):
+        nanogpt_bin(nanogpt / name, corpus[:100])
+    with pytest.raises(UsageError, match=rf"--val-data '{nanogpt}/\*val\*\.bin'"):
+        load_files([str(nanogpt)], "--train-data", "gpt2", say=False)
 
 
 def test_a_run_trains_and_validates_on_token_files(tmp_path, corpus, capsys):
@@ -81,8 +90,8 @@ def test_a_run_trains_and_validates_on_token_files(tmp_path, corpus, capsys):
         (lambda p: p.write_bytes(b"\x01\x02\x03"), "3 bytes are not uint16 ids"),
         (lambda p: p.write_bytes(b""), "0 bytes are not uint16 ids"),
         (lambda p: llmc_shard(p, range(100), count=10**6), "says 1,000,000 tokens, its 1,224 bytes hold 100"),
-        (lambda p: llmc_shard(p, range(100), count=-5), "its header says -5 tokens"),
-        (lambda p: llmc_shard(p, range(100), count=0), "its header says 0 tokens"),
+        (lambda p: llmc_shard(p, range(100), count=-5), "header says -5 tokens: empty or damaged"),
+        (lambda p: llmc_shard(p, range(100), count=0), "header says 0 tokens: empty or damaged"),
         (lambda p: llmc_shard(p, range(100), version=2), "version 2; version 1 (uint16 ids) is read"),
         (lambda p: llmc_shard(p, [], count=10), "its header says 10 tokens"),
     ],
@@ -103,6 +112,10 @@ def test_ids_past_the_vocabulary_are_one_line_naming_the_file(tmp_path, corpus, 
     nanogpt_bin(tmp_path / "train.bin", bad)
     msg = fails(capsys, *RUN, "--train-data", str(tmp_path / "train.bin"), "--out-dir", str(tmp_path / "r"))
     assert "train.bin holds id 60,000, past the tokenizer's 50,257" in msg
+    log = (
+        (tmp_path / "r" / "train.log").read_text().splitlines()
+    )  # found in the loop: the log says why it ended
+    assert log[-1].endswith(f"error: {msg.strip().removeprefix('error: ')}"), log[-3:]
     ids = load_files([str(tmp_path / "train.bin")], "--train-data", "gpt2", False)
     with pytest.raises(UsageError):
         np.asarray(ids[4990:5010])  # a window that reaches the bad ids

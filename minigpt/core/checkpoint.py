@@ -978,5 +978,6 @@ def resume(run, model, optimizer: torch.optim.Optimizer, scaler, batches) -> int
         run.start += f", changed (--allow-changes): {'; '.join(run.ckpt.changed)}"
     for name in (paths.METRICS_FILE, paths.STRAGGLERS_FILE):
         if run.dist_info.is_main and (dropped := repair_jsonl(run.path / name, step)):
-            run.cleaned.append(f"dropped {dropped} line(s) of {name} past step {step} or cut short")
+            cut = f"dropped {dropped} line(s) of {name} past step {step} or cut short"
+            run.said.append(f"Cleaned up after an earlier run: {cut}")
     return step

@@ -153,9 +153,9 @@ def load_data(cfg, ids: tuple, rank: int, pin: bool) -> Data:
     rank (a tensor-parallel group shares its batches); `pin`: page-locked batches (CUDA)."""
     shape = dict(batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.data_seed, pin_memory=pin)
     (train, val, n_vocab), name = ids, ", ".join(cfg.train_data) or "built-in corpus (pydoc_data topics)"
-    for tokens, what in ((train, "the training data"), (val, "the validation data")):
-        if len(tokens) <= cfg.seq_len:
-            raise UsageError(f"{what} has {len(tokens)} tokens; --seq-len {cfg.seq_len} needs one more")
+    for tokens, what in ((train[: cfg.max_tokens], "the training data"), (val, "the validation data")):
+        if len(tokens) <= cfg.seq_len:  # a window: seq_len inputs and their targets, one further
+            raise UsageError(f"{what}: {len(tokens)} tokens; --seq-len {cfg.seq_len} needs {cfg.seq_len + 1}")
     if (cfg.vocab_size or n_vocab) < n_vocab:
         raise UsageError(f"--vocab-size {cfg.vocab_size} is below the tokenizer's {n_vocab} ids; raise it")
     make_val = functools.partial(Batches, val, stream=1, **shape)

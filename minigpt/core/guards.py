@@ -234,7 +234,13 @@ def guard_used(run, held) -> None:
     if run.cfg.checkpoint_path and (run.saves or run.cfg.resume):
         lock_checkpoint(run.checkpoint, held)
     stale = clean_stale_tmp(run.path) + clean_stale_tmp(run.checkpoint.parent, run.checkpoint.name)
-    run.cleaned += [f"removed {p}, a save killed midway" for p in stale]
+    run.said += [f"Cleaned up after an earlier run: removed {p}, a save killed midway" for p in stale]
+    for d in (
+        paths.TENSORBOARD_DIR,
+        "checkpoints",
+    ):  # a link the user made in the folder: the run writes there
+        if (run.path / d).is_symlink():
+            run.said.append(f"{d}/ is a link: what the run keeps there goes to {(run.path / d).resolve()}")
 
 
 def lock_checkpoint(path: Path, held) -> None:

@@ -90,7 +90,7 @@ class RunDir:
 
             self.path = Path(gather(str(self.path), dist_info)[0])
         self.checkpoint = Path(cfg.checkpoint_path or self.path / config.CHECKPOINT_FILE)
-        self.saves, self.used, self.ckpt, self.cleaned = not cfg.no_checkpoint, self.path.exists(), None, []
+        self.saves, self.used, self.ckpt, self.said = not cfg.no_checkpoint, self.path.exists(), None, []
         if cfg.resume or cfg.checkpoint_path or sharded or dist_info.enabled or self.used:
             from minigpt.core.guards import check_paths  # a fresh folder holds no checkpoint, nothing stale
 
@@ -99,7 +99,7 @@ class RunDir:
     def guard(self, held) -> None:
         """Rank 0 makes and locks the folder until the run returns; a folder used before, or a
         --checkpoint-path of its own, loads guards.py (stale files, the checkpoint's own lock)."""
-        held.callback(lambda: self.outputs and self.outputs.close())  # the record's files, on any exit
+        held.push(self.close)  # on any exit
         if not self.dist_info.is_main:
             return
         made = [p for p in (*reversed(self.path.parents), self.path) if not p.exists()]
@@ -115,6 +115,11 @@ class RunDir:
             from minigpt.core.guards import guard_used
 
             guard_used(self, held)
+
+    def close(self, kind, error, traceback) -> None:  # on any exit: the files closed, an error logged
+        for handler in self.log.handlers[1:] if isinstance(error, Exception) and hasattr(self, "log") else []:
+            handler.emit(logging.makeLogRecord({"msg": f"error: {error}"}))  # rank 0's train.log
+        self.outputs and self.outputs.close()
 
     def restore(self, model, optimizer, scaler, batches) -> int:
         """The step to continue from: with --resume the checkpoint's (loaded, checked), else 0."""
@@ -158,10 +163,7 @@ class RunDir:
         lines += [*filter(None, notes), f"Data: {data.name}{tokens}"]
         lines.append(f"Model: {shape}, vocab {model.cfg.vocab_size}, {params / 1e6:.2f}M parameters")
         lines.append(f"Batch: {cfg.batch_size} x {cfg.seq_len} tokens x {cfg.grad_accum_steps} micro-batches")
-        lines += [self.start, *(f"Cleaned up after an earlier run: {line}" for line in self.cleaned)]
-        for d in (config.TENSORBOARD_DIR, "checkpoints"):
-            if (self.path / d).is_symlink():  # the user's choice, said: the run writes there
-                lines.append(f"{d}/ is a link: what the run keeps there goes to {(self.path / d).resolve()}")
+        lines += [self.start, *self.said]  # what a folder used before held (guards.py, a resume)
         for line in lines:
             log.info(line)
         return log

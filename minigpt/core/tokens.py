@@ -124,6 +124,13 @@ def data_files(paths: list[str], flag: str) -> list[str]:
         elif os.path.isdir(p):
             if not (shards := sorted(glob.glob(os.path.join(glob.escape(p), "*.bin")))):
                 raise UsageError(f"data folder {p} holds no .bin token files; pass {flag} its files")
+            names = [os.path.basename(s) for s in shards]
+            if any("train" in n for n in names) and any("val" in n for n in names):  # llm.c's, nanoGPT's
+                at = os.path.join(p, "")
+                raise UsageError(
+                    f"data folder {p} holds training and validation files: name which, "
+                    f"e.g. --train-data '{at}*train*.bin' --val-data '{at}*val*.bin'"
+                )
             out += shards
         else:
             out.append(p)
@@ -166,7 +173,11 @@ def token_file(f, path: str, flag: str) -> np.ndarray | None:
             raise UsageError(
                 f"{flag} {path}: an llm.c shard of version {version}; version 1 (uint16 ids) is read"
             )
-        if count <= 0 or size != LLMC_HEADER + 2 * count:
+        if count <= 0:
+            raise UsageError(
+                f"{flag} {path}: an llm.c shard whose header says {count:,} tokens: empty or damaged"
+            )
+        if size != LLMC_HEADER + 2 * count:
             held = f"its {size:,} bytes hold {(size - LLMC_HEADER) / 2:,.1f}"
             raise UsageError(f"{flag} {path}: its header says {count:,} tokens, {held}")
         return np.memmap(f, "<u2", "r", LLMC_HEADER, (count,))
@@ -295,4 +306,9 @@ def user_tokens(cfg, is_main: bool) -> tuple:
         return train, load_files(cfg.val_data, "--val-data", name, is_main), n_vocab
     train = train[: cfg.max_tokens] if cfg.max_tokens else train  # the tenth held out of what trains
     cut = len(train) - len(train) // 10
+    if len(train) - cut <= cfg.seq_len < cut:  # not "the validation data": the user gave none
+        raise UsageError(
+            f"--train-data's last tenth, held out to validate, is {len(train) - cut:,} tokens; --seq-len "
+            f"{cfg.seq_len} needs {cfg.seq_len + 1:,}: give --val-data, or more --train-data"
+        )
     return train[:cut], train[cut:], n_vocab
