@@ -16,7 +16,8 @@ no training flags are needed. A GPT-2 folder (config.json and model.safetensors)
 train_minimal.py --init-from reads it. Runs on real text decode with the run's tokenizer (GPT-2's,
 offline); --use-toy-data runs have no text, so their prompt and output are token ids. Decoding
 keeps each layer's keys and values (a KV cache): the prompt is run once, then each new token costs
-one position, not the whole context again. The samples go to stdout, one at a time as each is
+one position, not the whole context again (once the context is full, the cropped window runs
+again: its learned positions shift). The samples go to stdout, one at a time as each is
 drawn; what it is doing (the checkpoint loaded, sample i of n) goes to stderr, with a progress bar
 over the new tokens on a terminal.
 """

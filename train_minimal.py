@@ -111,8 +111,7 @@ def main(argv: list[str] | None = None, on_step=None) -> int:
         notes.append(batch_note)
     if device == "cpu" and cfg.keep_freed_memory:  # before the first big allocation
         notes.append(keep_freed_memory())
-    if device == "cuda":
-        torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
+    torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")  # TF32: --tf32, CUDA only
     with ExitStack() as held:  # what the run holds until it returns: its lock, its process group
         # A single process: rank 0 of a world of 1, writing the run's files, one data-parallel rank.
         dist_info = SimpleNamespace(rank=0, world_size=1, backend=None, is_main=True, enabled=False)

@@ -77,6 +77,20 @@ def test_too_few_held_out_tokens_name_the_held_out_tenth(capsys, text, tmp_path)
         str(tmp_path / "r"),
     )
     assert "--train-data's last tenth, held out to validate, is 40 tokens; --seq-len 64 needs 65" in msg
+    assert msg.endswith("give --val-data, or more --train-data")
+    big = text("Hello world " * 2000, "big.txt")
+    msg = fails(
+        capsys,
+        "--preset",
+        "tiny",
+        "--train-data",
+        big,
+        "--max-tokens",
+        "500",
+        "--out-dir",
+        str(tmp_path / "r"),
+    )
+    assert "is 50 tokens" in msg and msg.endswith("give --val-data, or raise --max-tokens")  # the cap's fault
 
 
 def test_max_tokens_below_one_window_is_one_line(capsys, tmp_path):

@@ -215,6 +215,9 @@ def test_a_config_is_checked_against_the_weights_before_anything_is_built(folder
     os.mkfifo(fifo / "config.json")
     with pytest.raises(UsageError, match="config.json is not a regular file"):
         load_pretrained(fifo, small_cfg())
+    (far / "config.json").write_text("[" * 200_000)  # nested past Python's stack: json's RecursionError
+    with pytest.raises(UsageError, match=r"does not read as JSON \(RecursionError\)"):
+        load_pretrained(far, small_cfg())
 
 
 def test_a_folder_whose_vocabulary_is_below_the_datas_is_refused(tmp_path):
@@ -335,6 +338,9 @@ def test_export_never_replaces_a_runs_record_nor_half_writes(run, tmp_path, caps
     assert "config.json that is not a Hugging Face one" in capsys.readouterr().err
     assert (copy / "config.json").read_bytes() == (run / "config.json").read_bytes()
     assert sorted(p.name for p in copy.iterdir()) == ["config.json"]
+    (copy / "config.json").write_text("[" * 200_000)  # no config json reads: not replaced either
+    assert gpt2.main([str(run), "--out", str(copy), "--force"]) == 2
+    assert "config.json that is not a Hugging Face one" in capsys.readouterr().err
     part = tmp_path / "part"
     (part / "vocab.json").mkdir(parents=True)
     assert gpt2.main([str(run), "--out", str(part), "--force"]) == 2

@@ -61,7 +61,9 @@ def test_a_nanogpt_bin_and_llmc_shards_read_as_the_ids_written(tmp_path, corpus)
     pattern = load_files([str(folder / "fineweb_train_*.bin")], "--train-data", "gpt2", say=False)
     joined = np.concatenate([np.append(p, EOT) for p in np.array_split(corpus, 3)])[:-1]
     assert np.array_equal(pattern, joined)  # shards in order, an <|endoftext|> between two
-    with pytest.raises(UsageError, match=r"training and validation files: name which, e\.g\. --train-data '"):
+    with pytest.raises(
+        UsageError, match=r"validation files \(fineweb_val_000000\.bin\): e\.g\. --train-data '"
+    ):
         load_files([str(folder)], "--train-data", "gpt2", say=False)  # llm.c's folder: never its val shard
     (folder / "fineweb_val_000000.bin").unlink()
     everything = load_files([str(folder)], "--train-data", "gpt2", say=False)  # a folder: all its shards
@@ -72,6 +74,11 @@ def test_a_nanogpt_bin_and_llmc_shards_read_as_the_ids_written(tmp_path, corpus)
         nanogpt_bin(nanogpt / name, corpus[:100])
     with pytest.raises(UsageError, match=rf"--val-data '{nanogpt}/\*val\*\.bin'"):
         load_files([str(nanogpt)], "--train-data", "gpt2", say=False)
+    (nanogpt / "val.bin").rename(nanogpt / "test.bin")  # held out too; '*val*.bin' would miss it
+    with pytest.raises(UsageError, match=r"files \(test\.bin\): give --train-data and --val-data their"):
+        load_files([str(nanogpt)], "--train-data", "gpt2", say=False)
+    (nanogpt / "test.bin").rename(nanogpt / "retrieval_interval.bin")  # a split is a word of the name
+    assert len(load_files([str(nanogpt)], "--train-data", "gpt2", say=False)) == 201  # two files, no split
 
 
 def test_a_run_trains_and_validates_on_token_files(tmp_path, corpus, capsys):

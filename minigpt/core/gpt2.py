@@ -94,7 +94,7 @@ def read_shape(folder: Path) -> dict:
         raise UsageError(
             f"--init-from {folder}: no config.json; is it a Hugging Face model folder?"
         ) from None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested past Python's stack
         raise UsageError(f"--init-from {path} does not read as JSON ({type(e).__name__})") from None
     kind = hf.get("model_type") if isinstance(hf, dict) else None
     if kind != "gpt2":
@@ -402,7 +402,7 @@ def is_hf_config(path: Path) -> bool:
                 return False
             config = json.loads(f.read(1 << 20))
         return isinstance(config, dict) and "model_type" in config
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, RecursionError):
         return False
 
 

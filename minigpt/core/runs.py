@@ -21,6 +21,7 @@ import torch
 
 from minigpt import config
 from minigpt.config import UsageError, open_run_file
+from minigpt.errors import Fault
 
 
 def lock_folder(path: Path) -> int:
@@ -76,7 +77,7 @@ class RunDir:
     once the model is built, write(), check_finite() and save() in the loop. Rank 0 writes."""
 
     def __init__(self, cfg, dist_info, sharded: bool):
-        self.cfg, self.dist_info, self.sharded, self.outputs = cfg, dist_info, sharded, None
+        self.cfg, self.dist_info, self.sharded, self.outputs, self.log = cfg, dist_info, sharded, None, None
         stamp, n = datetime.now().strftime("%Y%m%d-%H%M%S"), 0
         self.path = Path(cfg.out_dir or Path(config.RUNS_ROOT, stamp))
         while not cfg.out_dir and self.path.exists():  # started in the same second as another run
@@ -117,7 +118,7 @@ class RunDir:
             guard_used(self, held)
 
     def close(self, kind, error, traceback) -> None:  # on any exit: the files closed, an error logged
-        for handler in self.log.handlers[1:] if isinstance(error, Exception) and hasattr(self, "log") else []:
+        for handler in self.log.handlers[1:] if isinstance(error, (UsageError, Fault)) and self.log else []:
             handler.emit(logging.makeLogRecord({"msg": f"error: {error}"}))  # rank 0's train.log
         self.outputs and self.outputs.close()
 

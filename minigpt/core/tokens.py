@@ -124,17 +124,39 @@ def data_files(paths: list[str], flag: str) -> list[str]:
         elif os.path.isdir(p):
             if not (shards := sorted(glob.glob(os.path.join(glob.escape(p), "*.bin")))):
                 raise UsageError(f"data folder {p} holds no .bin token files; pass {flag} its files")
-            names = [os.path.basename(s) for s in shards]
-            if any("train" in n for n in names) and any("val" in n for n in names):  # llm.c's, nanoGPT's
-                at = os.path.join(p, "")
-                raise UsageError(
-                    f"data folder {p} holds training and validation files: name which, "
-                    f"e.g. --train-data '{at}*train*.bin' --val-data '{at}*val*.bin'"
-                )
+            check_split(p, shards, flag)
             out += shards
         else:
             out.append(p)
     return out
+
+
+SPLIT_WORDS = {"train": "train", "val": "val", "valid": "val", "validation": "val", "test": "val"}
+
+
+def check_split(folder: str, files: list[str], flag: str) -> None:
+    """A folder of token files as nanoGPT and llm.c lay them out (train.bin beside val.bin,
+    fineweb_train_*.bin beside fineweb_val_*.bin) is refused whole: its validation files would
+    train. A split is a word of the name (`val`, not `interval`); the patterns offered select each
+    side's files exactly, or the line asks for the files by name."""
+    sides: dict[str, list[str]] = {"train": [], "val": []}
+    for f in files:
+        words = set(re.split(r"[^a-z]+", os.path.basename(f).lower()))
+        for side in {SPLIT_WORDS[w] for w in words & SPLIT_WORDS.keys()}:
+            sides[side].append(f)
+    if not (sides["train"] and sides["val"]):
+        return
+    at = os.path.join(folder, "")
+    patterns = {side: f"{at}*{side}*.bin" for side in sides}
+    exact = all(sorted(glob.glob(glob.escape(at) + f"*{side}*.bin")) == sorted(sides[side]) for side in sides)
+    fix = (
+        f"e.g. --train-data '{patterns['train']}' --val-data '{patterns['val']}'"
+        if exact
+        else "give --train-data and --val-data their files"
+    )
+    raise UsageError(
+        f"{flag} {folder} holds training and validation files ({os.path.basename(sides['val'][0])}): {fix}"
+    )
 
 
 def open_data(path: str, flag: str):
@@ -309,6 +331,7 @@ def user_tokens(cfg, is_main: bool) -> tuple:
     if len(train) - cut <= cfg.seq_len < cut:  # not "the validation data": the user gave none
         raise UsageError(
             f"--train-data's last tenth, held out to validate, is {len(train) - cut:,} tokens; --seq-len "
-            f"{cfg.seq_len} needs {cfg.seq_len + 1:,}: give --val-data, or more --train-data"
+            f"{cfg.seq_len} needs {cfg.seq_len + 1:,}: give --val-data, or "
+            + ("raise --max-tokens" if cfg.max_tokens else "more --train-data")
         )
     return train[:cut], train[cut:], n_vocab
