@@ -47,7 +47,7 @@ from minigpt.core.gpt2 import load_folder
 from minigpt.core.progress import Progress, progress_enabled
 from minigpt.core.sample import Draw, generate, load_model, utf8_text, vocab_in_use
 from minigpt.core.tokens import encoding
-from minigpt.fileio import UnreadableFile, check_names, file_kind, format_bytes, read_bounded
+from minigpt.fileio import UnreadableFile, check_names, file_kind, format_bytes, path_arg, read_bounded
 
 FILE_PREFIX = "FILE:"  # --prompt FILE:path reads the prompt from a file
 PROMPT_LIMIT = 1 << 20  # bytes: far more text than any model's context, which crops the prompt anyway
@@ -85,26 +85,19 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def path(text: str) -> Path:
-    """A path flag's value; an empty one is refused (Path("") is the current folder)."""
-    if not text:
-        raise argparse.ArgumentTypeError("is empty; name a path")
-    return Path(text)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = Parser(prog="sample.py", description=__doc__, formatter_class=HelpFormatter)
     where = p.add_mutually_exclusive_group()
     where.add_argument(
         "--out-dir",
-        type=path,
+        type=path_arg,
         help=f"a run directory: its {CHECKPOINT_FILE} "
         f"(default: the run in {RUNS_ROOT}/ whose checkpoint is newest)",
     )
-    where.add_argument("--checkpoint", type=path, help="a checkpoint file")
+    where.add_argument("--checkpoint", type=path_arg, help="a checkpoint file")
     where.add_argument(
         "--init-from",
-        type=path,
+        type=path_arg,
         metavar="DIR",
         help="a Hugging Face GPT-2 folder (config.json and model.safetensors), as for train_minimal.py",
     )

@@ -6,6 +6,7 @@ The atomic write itself is minigpt.config's."""
 
 from __future__ import annotations
 
+import argparse
 import errno
 import os
 import shutil
@@ -105,6 +106,13 @@ def name_problem(path: str | os.PathLike) -> str | None:
         shown = os.fsdecode(longest[:24])
         return f"has a name of {len(longest)} bytes ({shown}...), past the {NAME_MAX} a file name may have"
     return None
+
+
+def path_arg(text: str) -> Path:
+    """argparse's type for a path: an empty one is refused (Path("") would be the current folder)."""
+    if not text:
+        raise argparse.ArgumentTypeError("is empty; name a path")
+    return Path(text)
 
 
 def check_names(*given: tuple[str | os.PathLike | None, str]) -> None:

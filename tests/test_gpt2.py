@@ -213,7 +213,7 @@ def test_a_config_is_checked_against_the_weights_before_anything_is_built(folder
     fifo = tmp_path / "fifo"
     fifo.mkdir()
     os.mkfifo(fifo / "config.json")
-    with pytest.raises(UsageError, match="config.json is not a regular file"):
+    with pytest.raises(UsageError, match="config.json is a FIFO, not a regular file"):
         load_pretrained(fifo, small_cfg())
     (far / "config.json").write_text("[" * 200_000)  # nested past Python's stack: json's RecursionError
     with pytest.raises(UsageError, match=r"does not read as JSON \(RecursionError\)"):
@@ -226,7 +226,7 @@ def test_a_folder_whose_vocabulary_is_below_the_datas_is_refused(tmp_path):
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(**{**SHAPE, "vocab_size": 50250})).save_pretrained(short)
     with pytest.raises(UsageError, match=r"a vocabulary of 50,257\) do not fit .*vocab_size 50,250"):
-        load_pretrained(short, small_cfg(), vocab=GPT2_VOCAB)
+        load_pretrained(short, small_cfg())  # GPT-2's ids, the default
 
 
 def test_toy_data_from_a_folder_counts_the_folders_vocabulary(folder, run, tmp_path):

@@ -136,6 +136,7 @@ def edited(toy_run: Path, tmp_path: Path, edit) -> Path:
         (lambda s: s["model_config"].update(n_heads=3), "n_heads 3, which does not divide d_model"),
         (lambda s: s["config"].update(vocab_size="64"), "vocab_size holds '64'"),
         (lambda s: s["config"].update(use_toy_data="yes"), "use_toy_data holds 'yes'"),
+        (lambda s: s["config"].update(dropout=2), "dropout holds 2, not a probability"),
         (lambda s: s["config"].update(use_toy_data=False), "tokenizer's 50257 ids do not fit"),
         (lambda s: s["config"].update(vocab_size=10**12), "does not fit its model's embedding"),
         (lambda s: s["config"].update(use_toy_data=False, tokenizer_name=5), "tokenizer_name holds 5"),
@@ -408,7 +409,7 @@ def test_bad_init_from_folders_are_one_line(hf_folder, tmp_path, capsys):
     fifo.mkdir()
     os.mkfifo(fifo / "config.json")  # nothing ever writes to it: reading it would block for ever
     for path, expect in (
-        (fifo, "config.json is not a regular file"),
+        (fifo, "config.json is a FIFO, not a regular file"),
         (tmp_path / "nope", "no such folder"),
         (tmp_path, "no config.json"),
         (other, "not GPT-2"),

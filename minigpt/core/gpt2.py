@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import pickle
-import stat
 import sys
 import warnings
 from dataclasses import asdict, replace
@@ -31,7 +29,9 @@ import torch
 
 from minigpt.config import CHECKPOINT_FILE, EOT, GPT2_VOCAB, ArgParser, atomic_write, flag_name, pad_vocab
 from minigpt.core.model import GPT, GPTConfig
+from minigpt.core.sample import expected_shapes, load_model
 from minigpt.errors import UsageError
+from minigpt.fileio import UnreadableFile, path_arg, read_bounded
 
 # One block's weights: minigpt's name -> (GPT-2's name, True where GPT-2 stores it transposed: a Conv1D).
 BLOCK = {
@@ -83,18 +83,13 @@ def read_shape(folder: Path) -> dict:
             f"--init-from {folder}: no such folder (a Hugging Face GPT-2 folder: config.json and weights)"
         )
     path = folder / "config.json"
-    try:  # O_NONBLOCK and fstat: a FIFO would block, /dev/zero never ends
-        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise UsageError(
-                    f"--init-from {path} is not a regular file; is it a Hugging Face model folder?"
-                )
-            hf = json.loads(f.read(1 << 20))  # a config is a few KiB: a bigger file is no config
-    except FileNotFoundError:
-        raise UsageError(
-            f"--init-from {folder}: no config.json; is it a Hugging Face model folder?"
-        ) from None
-    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested past Python's stack
+    if not path.exists():
+        raise UsageError(f"--init-from {folder}: no config.json; is it a Hugging Face model folder?")
+    try:  # a config is a few KiB; a FIFO (it would block) or /dev/zero (it never ends) is refused
+        hf = json.loads(read_bounded(path, 1 << 20))
+    except UnreadableFile as e:
+        raise UsageError(f"--init-from {e}") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: JSON nested past Python's stack
         raise UsageError(f"--init-from {path} does not read as JSON ({type(e).__name__})") from None
     kind = hf.get("model_type") if isinstance(hf, dict) else None
     if kind != "gpt2":
@@ -164,12 +159,12 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     )
 
 
-def load_pretrained(folder, model_cfg: GPTConfig, cfg=None, vocab: int | None = None) -> GPT:
+def load_pretrained(folder, model_cfg: GPTConfig, cfg=None, vocab: int = GPT2_VOCAB) -> GPT:
     """A GPT with the weights of the Hugging Face GPT-2 folder `folder`, its shape the folder's.
 
     `model_cfg` is what the flags made: its dropout, activation checkpointing and chunked loss are
-    kept; its shape is replaced by the folder's. The data must fit: its ids (`vocab` of them;
-    without it, model_cfg's rows, padded) within the folder's vocabulary, its sequences within the
+    kept; its shape is replaced by the folder's. The data must fit: its ids (`vocab` of them,
+    GPT-2's tokenizer's by default) within the folder's vocabulary, its sequences within the
     folder's n_positions. `cfg` (the run's flags), where given: a shape flag the user gave that
     disagrees with the folder is refused, and cfg's shape becomes the folder's, so the log,
     config.json and the figures (FLOPs, MFU) describe the model that runs. Every refusal is a
@@ -190,9 +185,9 @@ def load_pretrained(folder, model_cfg: GPTConfig, cfg=None, vocab: int | None = 
         raise UsageError(
             f"{flag} {seq_len} is above {folder}'s n_positions {shape['max_position_embeddings']}"
         )
-    if vocab > shape["vocab_size"] if vocab else model_cfg.vocab_size > pad_vocab(shape["vocab_size"]):
+    if vocab > shape["vocab_size"]:
         raise UsageError(
-            f"the data's ids (a vocabulary of {vocab or model_cfg.vocab_size:,}) do not fit {folder}'s "
+            f"the data's ids (a vocabulary of {vocab:,}) do not fit {folder}'s "
             f"vocab_size {shape['vocab_size']:,}: its embedding has no row for the higher ids"
         )
     built = replace(
@@ -244,13 +239,9 @@ def checked_weights(folder: Path, shape: dict, built: GPTConfig) -> tuple[dict, 
         raise UsageError(
             f"--init-from {folder}: its weights hold {unexpected[0]}, which its config has no place for"
         )
-    with torch.device("meta"):  # one block stands for all
-        one = GPT(replace(built, n_layers=1)).state_dict()
+    ours = expected_shapes(replace(built, vocab_size=shape["vocab_size"]))  # the folder's ids: no pad rows
     for name, their_name, conv in pairs:
-        in_one = f"blocks.0.{name.split('.', 2)[2]}" if name.startswith("blocks.") else name
-        expected = tuple(one[in_one].shape)[::-1] if conv else tuple(one[in_one].shape)  # GPT-2's layout
-        if name == "wte.weight":  # the folder's ids: the pad rows are minigpt's own
-            expected = (shape["vocab_size"], expected[1])
+        expected = ours[name][::-1] if conv else ours[name]  # in GPT-2's layout
         if (stored := tuple(theirs[their_name].shape)) != expected:
             raise UsageError(
                 f"--init-from {folder}: its {their_name} has shape {stored}, "
@@ -267,7 +258,7 @@ def load_folder(folder: str | Path, device: str = "cpu") -> tuple[GPT, dict]:
     shape = read_shape(Path(folder))
     # The folder's own vocabulary and positions: load_pretrained checks a run's against them.
     fits = GPTConfig(shape["vocab_size"], shape["max_position_embeddings"], dropout=0.0)
-    model = load_pretrained(folder, fits)
+    model = load_pretrained(folder, fits, vocab=shape["vocab_size"])
     as_run = {"use_toy_data": shape["vocab_size"] < GPT2_VOCAB, "vocab_size": shape["vocab_size"]}
     return model.to(device).eval(), {**as_run, "tokenizer_name": "gpt2"}
 
@@ -351,12 +342,8 @@ def export(source, out, force: bool = False) -> str:
     already holds under a name export writes (a run's own config.json is never replaced)."""
     from safetensors.torch import save
 
-    from minigpt.core.sample import load_model
-
     model, run_cfg = load_model(find_checkpoint(Path(source)), "cpu", "export another run")
-    model_cfg, dropout = asdict(model.cfg), run_cfg.get("dropout", 0.0)  # load_model zeroes the model's
-    if not (isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and 0 <= dropout < 1):
-        raise UsageError(f"{source}: its config's dropout holds {dropout!r}; the file was edited or damaged")
+    model_cfg = asdict(model.cfg) | {"dropout": run_cfg.get("dropout", 0.0)}  # load_model zeroes the model's
     # The real vocabulary: the padding off. Toy data and --vocab-size keep their own.
     toy = bool(run_cfg.get("use_toy_data"))
     if not toy and run_cfg.get("tokenizer_name", "gpt2") != "gpt2":
@@ -369,7 +356,7 @@ def export(source, out, force: bool = False) -> str:
         tensor = ours[name][:vocab] if name == "wte.weight" else ours[name]
         theirs[PREFIX + their_name] = (tensor.T if conv else tensor).contiguous().clone()  # Linear -> Conv1D
 
-    files = {"config.json": json.dumps(hf_config(model_cfg | {"dropout": dropout}, vocab), indent=2) + "\n"}
+    files = {"config.json": json.dumps(hf_config(model_cfg, vocab), indent=2) + "\n"}
     files["model.safetensors"] = save(theirs, metadata={"format": "pt"})  # Transformers asks for "pt"
     if not toy:  # toy data's ids are no one's text
         files |= tokenizer_files(model.cfg.max_position_embeddings)
@@ -395,26 +382,22 @@ def export(source, out, force: bool = False) -> str:
 
 
 def is_hf_config(path: Path) -> bool:
-    """Whether a config.json is a Hugging Face model's (it names its model_type), read as a regular file."""
+    """Whether a config.json is a Hugging Face model's (it names its model_type)."""
     try:
-        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                return False
-            config = json.loads(f.read(1 << 20))
-        return isinstance(config, dict) and "model_type" in config
-    except (OSError, ValueError, RecursionError):
+        config = json.loads(read_bounded(path, 1 << 20))
+    except (UnreadableFile, ValueError, RecursionError):
         return False
+    return isinstance(config, dict) and "model_type" in config
 
 
 def main(argv: list[str] | None = None) -> int:
     p = ArgParser(prog="python -m minigpt export", description="A run as a Hugging Face GPT-2 folder.")
-    p.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="a run folder, or its checkpoint file")
-    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write")
+    p.add_argument(
+        "source", type=path_arg, metavar="RUN_OR_CHECKPOINT", help="a run folder, or its checkpoint file"
+    )
+    p.add_argument("--out", type=path_arg, required=True, metavar="DIR", help="the folder to write")
     p.add_argument("--force", action="store_true", help="write into an existing --out (its other files kept)")
     args = p.parse_args(argv)
-    for name, value in (("RUN_OR_CHECKPOINT", args.source), ("--out", args.out)):
-        if not value:  # Path("") is the current folder
-            p.error(f"{name} is empty; name a path")
     try:
         print(export(args.source, args.out, args.force))
     except UsageError as e:

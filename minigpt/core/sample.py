@@ -58,17 +58,7 @@ def weights_problem(cfg: GPTConfig, weights: dict) -> str | None:
     blocks = {k.split(".")[1] for k in weights if k.startswith("blocks.")}
     if len(blocks) != cfg.n_layers:
         return f"they hold {len(blocks)} blocks, its model_config says n_layers {cfg.n_layers}"
-    with torch.device("meta"):
-        one = GPT(replace(cfg, n_layers=1)).state_dict()
-    expected = {k: tuple(t.shape) for k, t in one.items() if not k.startswith("blocks.")}
-    for i in range(cfg.n_layers):
-        expected.update(
-            {
-                f"blocks.{i}.{k.split('.', 2)[2]}": tuple(t.shape)
-                for k, t in one.items()
-                if k.startswith("blocks.")
-            }
-        )
+    expected = expected_shapes(cfg)
     for name, shape in expected.items():
         if name not in weights:
             return f"{name} is missing"
@@ -78,12 +68,26 @@ def weights_problem(cfg: GPTConfig, weights: dict) -> str | None:
     return f"{extra[0]} is no weight of this model" if extra else None
 
 
+def expected_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight `cfg` makes, by name, and its shape: one block built on the meta device (shapes,
+    no memory) stands for all. Bound n_layers first: the names are listed for every block."""
+    with torch.device("meta"):
+        one = GPT(replace(cfg, n_layers=1)).state_dict()
+    block = {k.split(".", 2)[2]: tuple(t.shape) for k, t in one.items() if k.startswith("blocks.")}
+    expected = {k: tuple(t.shape) for k, t in one.items() if not k.startswith("blocks.")}
+    for i in range(cfg.n_layers):
+        expected |= {f"blocks.{i}.{k}": shape for k, shape in block.items()}
+    return expected
+
+
 def check_train_config(train_config: dict, path: str | Path) -> None:
-    """The training config's fields that sampling reads, of the types the trainer wrote them."""
+    """The training config's fields that sampling and export read, of the types the trainer wrote them."""
     toy, vocab = train_config.get("use_toy_data", False), train_config.get("vocab_size")
-    tokenizer = train_config.get("tokenizer_name", "gpt2")
+    tokenizer, dropout = train_config.get("tokenizer_name", "gpt2"), train_config.get("dropout", 0.0)
     problem = (
-        f"use_toy_data holds {toy!r}, not true or false"
+        f"dropout holds {dropout!r}, not a probability"
+        if not (isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and 0 <= dropout < 1)
+        else f"use_toy_data holds {toy!r}, not true or false"
         if not isinstance(toy, bool)
         else f"vocab_size holds {vocab!r}, not a positive int"
         if vocab is not None and not (isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0)

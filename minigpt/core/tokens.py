@@ -147,10 +147,9 @@ def check_split(folder: str, files: list[str], flag: str) -> None:
     if not (sides["train"] and sides["val"]):
         return
     at = os.path.join(folder, "")
-    patterns = {side: f"{at}*{side}*.bin" for side in sides}
-    exact = all(sorted(glob.glob(glob.escape(at) + f"*{side}*.bin")) == sorted(sides[side]) for side in sides)
+    exact = all([f for f in files if side in os.path.basename(f)] == sides[side] for side in sides)  # *side*
     fix = (
-        f"e.g. --train-data '{patterns['train']}' --val-data '{patterns['val']}'"
+        f"e.g. --train-data '{at}*train*.bin' --val-data '{at}*val*.bin'"
         if exact
         else "give --train-data and --val-data their files"
     )
